@@ -1,0 +1,228 @@
+#!/usr/bin/env python3
+"""EnterSandBox benchmarks: prints a table with ratios against baselines measured in the same run.
+
+Usage: bench.py --url http://127.0.0.1:PORT --state-dir DIR [--iterations N]
+The daemon must run as root with the container driver; bench/run.sh starts one.
+"""
+import argparse
+import concurrent.futures
+import http.client
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.parse
+
+
+class Client:
+    def __init__(self, url):
+        u = urllib.parse.urlparse(url)
+        self.host, self.port = u.hostname, u.port
+
+    def call(self, method, path, body=None):
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=120)
+        data = json.dumps(body).encode() if body is not None else None
+        conn.request(method, path, body=data,
+                     headers={"Content-Type": "application/json"} if data else {})
+        resp = conn.getresponse()
+        raw = resp.read()
+        conn.close()
+        return resp.status, (json.loads(raw) if raw else None)
+
+
+class KeepAlive(Client):
+    """One persistent connection (what an SDK does), for round-trip latency."""
+
+    def __init__(self, url):
+        super().__init__(url)
+        self.conn = http.client.HTTPConnection(self.host, self.port, timeout=120)
+
+    def call(self, method, path, body=None):
+        data = json.dumps(body).encode() if body is not None else None
+        self.conn.request(method, path, body=data,
+                          headers={"Content-Type": "application/json"} if data else {})
+        resp = self.conn.getresponse()
+        raw = resp.read()
+        return resp.status, (json.loads(raw) if raw else None)
+
+
+def pct(values, p):
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    k = min(len(s) - 1, max(0, int(round(p / 100.0 * (len(s) - 1)))))
+    return s[k]
+
+
+def ms(t0):
+    return (time.perf_counter() - t0) * 1000.0
+
+
+def wait_pool(client, want, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        _, h = client.call("GET", "/healthz")
+        if h and h.get("pool_ready", 0) >= want:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def bench_create(client, n, pooled):
+    lat, errors = [], 0
+    for _ in range(n):
+        if pooled and not wait_pool(client, 1):
+            errors += 1
+            continue
+        body = {} if pooled else {"memory_mb": 513}  # a shape the pool does not hold → cold
+        t0 = time.perf_counter()
+        st, r = client.call("POST", "/environments", body)
+        dt = ms(t0)
+        if st != 201 or r.get("pooled") != pooled:
+            errors += 1
+        else:
+            lat.append(dt)
+        if st == 201:
+            client.call("DELETE", "/environments/" + r["environment_id"])
+    return lat, errors
+
+
+def raw_runtime_baseline(state_dir, env_id, n):
+    """`crun run` / `runc run` of the same bundle esbd wrote, with `/bin/true` as the process."""
+    bundle_src = os.path.join(state_dir, "container", "envs", env_id)
+    with open(os.path.join(bundle_src, "config.json")) as f:
+        cfg = json.load(f)
+    runtime = None
+    for name in ("crun", "runc"):
+        if os.path.isdir(os.path.join(state_dir, "container", "runtime", name)):
+            runtime = name
+    runtime = runtime or "crun"
+    binary = shutil.which(runtime)
+    cfg["process"]["args"] = ["/bin/true"]
+    cfg["process"]["terminal"] = False
+    lat = []
+    hybrid = os.path.ismount("/sys/fs/cgroup/unified") and runtime == "crun"
+    with tempfile.TemporaryDirectory(prefix="esb-bench-") as tmp:
+        root = os.path.join(tmp, "state")
+        for i in range(n):
+            bundle = os.path.join(tmp, "b%d" % i)
+            os.makedirs(bundle)
+            c = json.loads(json.dumps(cfg))
+            lin = c.get("linux", {})
+            if "cgroupsPath" in lin:
+                lin["cgroupsPath"] = lin["cgroupsPath"].rstrip("/") + "-bench%d" % i
+            with open(os.path.join(bundle, "config.json"), "w") as f:
+                json.dump(c, f)
+            cmd = [binary, "--root", root, "run", "--bundle", bundle, "bench%d-%d" % (os.getpid(), i)]
+            if hybrid:
+                # Same trick the driver uses on hybrid cgroup hosts (see notes/host-facts.md).
+                cmd = ["unshare", "-m", "sh", "-c",
+                       "umount /sys/fs/cgroup/unified 2>/dev/null; exec \"$@\"", "sh"] + cmd
+            t0 = time.perf_counter()
+            p = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE)
+            dt = ms(t0)
+            if p.returncode == 0:
+                lat.append(dt)
+            else:
+                print("  raw %s run failed: %s" % (runtime, p.stderr.decode()[-300:]), file=sys.stderr)
+    return runtime, lat
+
+
+def bench_exec(url, env_id, n):
+    c = KeepAlive(url)
+    lat = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        st, r = c.call("POST", "/environments/%s/execute" % env_id, {"command": "echo hi"})
+        dt = ms(t0)
+        if st == 200 and r["stdout"] == "hi\n":
+            lat.append(dt)
+    base = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        subprocess.run(["/bin/echo", "hi"], stdout=subprocess.DEVNULL)
+        base.append(ms(t0))
+    bash = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        subprocess.run(["/bin/bash", "--noprofile", "--norc", "-c", "echo hi"], stdout=subprocess.DEVNULL)
+        bash.append(ms(t0))
+    return lat, base, bash
+
+
+def bench_concurrent(client, n):
+    errors = []
+
+    def one(i):
+        t0 = time.perf_counter()
+        st, r = client.call("POST", "/environments", {})
+        if st != 201:
+            errors.append("create %d: %s" % (st, r))
+            return None
+        eid = r["environment_id"]
+        st2, r2 = client.call("POST", "/environments/%s/execute" % eid, {"command": "echo %d" % i})
+        if st2 != 200 or r2.get("stdout") != "%d\n" % i:
+            errors.append("execute %d: %s" % (st2, r2))
+        st3, _ = client.call("DELETE", "/environments/" + eid)
+        if st3 != 200:
+            errors.append("delete %d" % st3)
+        return ms(t0)
+
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=n) as ex:
+        lat = [x for x in ex.map(one, range(n)) if x is not None]
+    return lat, ms(t0), errors
+
+
+def row(name, values, baseline_name=None, baseline=None, goal=""):
+    p50, p99 = pct(values, 50), pct(values, 99)
+    ratio = ""
+    if baseline:
+        ratio = "%.2fx %s" % (p50 / pct(baseline, 50), baseline_name)
+    print("| %-44s | %5d | %9.2f | %9.2f | %-22s | %-18s |" % (name, len(values), p50, p99, ratio, goal))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--url", required=True)
+    ap.add_argument("--state-dir", required=True)
+    ap.add_argument("--iterations", type=int, default=30)
+    ap.add_argument("--concurrency", type=int, default=100)
+    a = ap.parse_args()
+    c = Client(a.url)
+    n = a.iterations
+
+    print("Measuring (iterations=%d, concurrency=%d) ..." % (n, a.concurrency), file=sys.stderr)
+    warm, warm_err = bench_create(c, n, pooled=True)
+    cold, cold_err = bench_create(c, max(5, n // 2), pooled=False)
+    st, env = c.call("POST", "/environments", {})
+    env_id = env["environment_id"]
+    runtime, raw = raw_runtime_baseline(a.state_dir, env_id, max(5, n // 2))
+    exec_lat, fork_lat, bash_lat = bench_exec(a.url, env_id, n * 5)
+    c.call("DELETE", "/environments/" + env_id)
+    conc_lat, conc_total, conc_err = bench_concurrent(c, a.concurrency)
+
+    print()
+    print("| %-44s | %5s | %9s | %9s | %-22s | %-18s |" % ("benchmark (ms)", "n", "p50", "p99", "ratio (p50)", "goal"))
+    print("|" + "-" * 46 + "|" + "-" * 7 + "|" + "-" * 11 + "|" + "-" * 11 + "|" + "-" * 24 + "|" + "-" * 20 + "|")
+    row("create, warm pool (API round trip)", warm, "raw " + runtime, raw, "p50 <= 15 ms")
+    row("create, cold (API round trip)", cold, "raw " + runtime, raw, "<= 1.2x raw runtime")
+    row("baseline: raw `%s run` /bin/true" % runtime, raw)
+    row("execute `echo hi` (API, keep-alive)", exec_lat, "fork+exec", fork_lat, "p50 <= 3 ms")
+    row("baseline: local fork+exec /bin/echo", fork_lat)
+    row("baseline: local bash -c 'echo hi'", bash_lat)
+    row("%d concurrent create+execute+delete (each)" % a.concurrency, conc_lat, goal="all in <= 3 s")
+    print()
+    print("concurrent: %d/%d succeeded, wall time %.0f ms, errors: %d%s" % (
+        len(conc_lat), a.concurrency, conc_total, len(conc_err) + (a.concurrency - len(conc_lat)) * 0,
+        (" (first: %s)" % conc_err[0]) if conc_err else ""))
+    print("create errors: warm %d, cold %d" % (warm_err, cold_err))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Installs the Debian packages EnterSandBox needs to build, test and run.
+# Idempotent: only missing packages are installed, and it says what it does.
+set -euo pipefail
+
+PKGS=(
+  # toolchain and libraries
+  build-essential cmake pkg-config git ca-certificates
+  libboost1.81-dev libboost-json1.81-dev libabsl-dev libsqlite3-dev sqlite3
+  libseccomp-dev libcap-dev libssl-dev libgtest-dev libgmock-dev
+  # container driver and images
+  crun runc debootstrap iproute2 util-linux procps
+  # python SDK tests
+  python3 python3-pytest
+  # nano tier (CPython -> wasm32-wasi -> wasm2c)
+  clang-14 lld-14 wabt wasi-libc libclang-rt-14-dev-wasm32 dpkg-dev
+  # (nodejs/npm: added below only when no npm is on PATH)
+)
+# Optional: gVisor, used only when runtime "gvisor" is requested.
+OPTIONAL=(runsc)
+
+missing=()
+# Some images ship their own Node.js whose npm conflicts with Debian's npm.
+command -v npm >/dev/null 2>&1 || PKGS+=(nodejs npm)
+for p in "${PKGS[@]}"; do
+  dpkg-query -W -f='${Status}\n' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+opt_missing=()
+for p in "${OPTIONAL[@]}"; do
+  dpkg-query -W -f='${Status}\n' "$p" 2>/dev/null | grep -q "install ok installed" || opt_missing+=("$p")
+done
+
+if [ ${#missing[@]} -eq 0 ] && [ ${#opt_missing[@]} -eq 0 ]; then
+  echo "[deps] all Debian packages present"
+  exit 0
+fi
+
+SUDO=""
+[ "$(id -u)" -eq 0 ] || SUDO="sudo"
+export DEBIAN_FRONTEND=noninteractive
+echo "[deps] apt-get update"
+$SUDO apt-get update -qq
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "[deps] installing: ${missing[*]}"
+  $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+if [ ${#opt_missing[@]} -gt 0 ]; then
+  echo "[deps] installing optional: ${opt_missing[*]}"
+  $SUDO apt-get install -y -qq --no-install-recommends "${opt_missing[@]}" \
+    || echo "[deps] optional packages unavailable (${opt_missing[*]}): gvisor runtime disabled"
+fi
+echo "[deps] done"

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# `make test`: every test — C++ (ctest) then the Python SDK (pytest) against a real daemon.
+set -uo pipefail
+LOG_TAG=test
+. "$(dirname "$0")/common.sh"
+[ "$(id -u)" -eq 0 ] || exec sudo -E "$0" "$@"
+load_images_env
+cd "$ROOT"
+
+status=0
+log "ctest (unit, integration and security tests; 'root'-labelled ones need root: we are uid $(id -u))"
+ctest --test-dir "$BUILD_DIR" --output-on-failure -j "${CTEST_JOBS:-2}" --timeout 600 || status=1
+
+if [ -d sdk/python/tests ]; then
+  PORT="$(free_port)"
+  STATE="$(mktemp -d /tmp/esb-pytest-XXXXXX)"
+  log "starting esbd on 127.0.0.1:$PORT for the SDK's end-to-end tests"
+  "$BUILD_DIR/esbd" --listen "127.0.0.1:$PORT" --state-dir "$STATE" --unix-socket none \
+    >"$STATE/esbd.log" 2>&1 &
+  ESBD_PID=$!
+  if wait_healthy "http://127.0.0.1:$PORT" 60; then
+    AGENTBOX_E2E_URL="http://127.0.0.1:$PORT" /usr/bin/python3 -m pytest -q sdk/python/tests \
+      || status=1
+  else
+    log "esbd did not start; its log:"; cat "$STATE/esbd.log"; status=1
+  fi
+  kill -TERM "$ESBD_PID" 2>/dev/null; wait "$ESBD_PID" 2>/dev/null
+  # Environments survive esbd by design; tear down what the tests left behind.
+  "$BUILD_DIR/esbd" --state-dir "$STATE" --image "default=$ESBD_IMAGE_DEFAULT" cleanup >/dev/null 2>&1 || true
+  rm -rf "$STATE"
+fi
+exit $status

@@ -1,0 +1,242 @@
+"""The asyncio flavour: :class:`AsyncSandbox` with the same surface as
+:class:`agentbox.Sandbox`.
+
+Each call runs the standard-library blocking client in a worker thread
+(:func:`asyncio.to_thread`), so the event loop never blocks. Streaming callbacks
+(``on_stdout``/``on_stderr``) may be plain functions or coroutine functions; either way they
+run on the event loop's thread, one at a time, in the order the chunks arrived.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from typing import (Any, BinaryIO, Callable, Literal, Mapping, Optional, Union, overload)
+
+from .models import CommandResult, EntryInfo, SandboxConfig, SandboxResult, WriteInfo
+from ._http import CancelToken
+from .sandbox import Environment, PathLike, Sandbox
+
+__all__ = ["AsyncSandbox", "AsyncEnvironment", "AsyncCommands", "AsyncFiles"]
+
+AsyncOutputHandler = Callable[[str], Any]
+"""A streaming callback for the async client: a function or coroutine function taking a
+chunk of text."""
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop,
+             handler: Optional[AsyncOutputHandler]) -> Optional[Callable[[str], None]]:
+    """Wrap ``handler`` so that a worker thread can call it: the call is scheduled on
+    ``loop`` and the worker waits for it, which keeps chunks in order."""
+    if handler is None:
+        return None
+
+    async def invoke(chunk: str) -> None:
+        value = handler(chunk)
+        if inspect.isawaitable(value):
+            await value
+
+    def call(chunk: str) -> None:
+        asyncio.run_coroutine_threadsafe(invoke(chunk), loop).result()
+
+    return call
+
+
+class AsyncCommands:
+    """Async shell commands (``env.commands``); see :class:`agentbox.Commands`."""
+
+    def __init__(self, env: Environment) -> None:
+        self._sync = env.commands
+
+    async def run(self, cmd: str, *, timeout: float = 60,
+                  envs: Optional[Mapping[str, str]] = None,
+                  on_stdout: Optional[AsyncOutputHandler] = None,
+                  on_stderr: Optional[AsyncOutputHandler] = None,
+                  stream: Optional[bool] = None, check: bool = False,
+                  request_timeout: Optional[float] = None) -> CommandResult:
+        """Run ``cmd`` in the environment; same arguments and result as
+        :meth:`agentbox.Commands.run`. Callbacks may be coroutine functions. Streams by
+        default, so that cancelling the awaiting task drops the connection and the daemon
+        kills the command."""
+        loop = asyncio.get_running_loop()
+        token = CancelToken()
+        try:
+            return await asyncio.to_thread(
+                self._sync.run, cmd, timeout=timeout, envs=envs,
+                on_stdout=_on_loop(loop, on_stdout), on_stderr=_on_loop(loop, on_stderr),
+                stream=True if stream is None else stream, check=check,
+                request_timeout=request_timeout, cancel=token)
+        except asyncio.CancelledError:
+            token.cancel()  # drop the connection: esbd kills the command
+            raise
+
+
+class AsyncFiles:
+    """Async file access (``env.files``); see :class:`agentbox.Files`."""
+
+    def __init__(self, env: Environment) -> None:
+        self._sync = env.files
+
+    async def write(self, path: str, data: Union[str, bytes, bytearray]) -> WriteInfo:
+        """Create or overwrite ``path`` with ``data`` (str → UTF-8, bytes → binary)."""
+        return await asyncio.to_thread(self._sync.write, path, data)
+
+    @overload
+    async def read(self, path: str, format: Literal["text"] = "text") -> str: ...
+
+    @overload
+    async def read(self, path: str, format: Literal["bytes"]) -> bytes: ...
+
+    async def read(self, path: str,
+                   format: Literal["text", "bytes"] = "text") -> Union[str, bytes]:
+        """Read a whole file as text or bytes."""
+        return await asyncio.to_thread(self._sync.read, path, format)  # type: ignore[arg-type]
+
+    async def upload(self, path: str, src: Union[bytes, PathLike, BinaryIO]) -> WriteInfo:
+        """Stream bytes, a local file or a binary file object into ``path``."""
+        return await asyncio.to_thread(self._sync.upload, path, src)
+
+    async def download(self, path: str,
+                       dest: Optional[Union[PathLike, BinaryIO]] = None) -> Union[bytes, int]:
+        """Stream ``path`` out; returns bytes, or the byte count when ``dest`` is given."""
+        if dest is None:
+            return await asyncio.to_thread(self._sync.download, path)
+        return await asyncio.to_thread(self._sync.download, path, dest)
+
+    async def list(self, path: str = ".") -> list[EntryInfo]:
+        """List a directory."""
+        return await asyncio.to_thread(self._sync.list, path)
+
+    async def make_dir(self, path: str) -> None:
+        """Create a directory and its parents."""
+        await asyncio.to_thread(self._sync.make_dir, path)
+
+    async def remove(self, path: str) -> None:
+        """Delete a file or a directory tree."""
+        await asyncio.to_thread(self._sync.remove, path)
+
+    async def rename(self, old_path: str, new_path: str) -> None:
+        """Move a file or directory."""
+        await asyncio.to_thread(self._sync.rename, old_path, new_path)
+
+    async def exists(self, path: str) -> bool:
+        """True if ``path`` exists in the environment."""
+        return await asyncio.to_thread(self._sync.exists, path)
+
+
+class AsyncEnvironment:
+    """Async twin of :class:`agentbox.Environment`; use ``async with`` so it is always
+    deleted."""
+
+    def __init__(self, env: Environment) -> None:
+        self.sync = env
+        self.environment_id = env.environment_id
+        self.commands = AsyncCommands(env)
+        self.files = AsyncFiles(env)
+
+    @property
+    def id(self) -> str:
+        """Alias of :attr:`environment_id`."""
+        return self.environment_id
+
+    @property
+    def data(self) -> dict[str, Any]:
+        """The environment record from the last create/info call."""
+        return self.sync.data
+
+    def __repr__(self) -> str:
+        return f"AsyncEnvironment({self.environment_id!r}, url={self.sync.url!r})"
+
+    async def __aenter__(self) -> "AsyncEnvironment":
+        return self
+
+    async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        await asyncio.to_thread(self.sync.__exit__, exc_type, exc, tb)
+
+    async def info(self) -> dict[str, Any]:
+        """Fetch the environment record."""
+        return await asyncio.to_thread(self.sync.info)
+
+    async def is_running(self) -> bool:
+        """True while the daemon reports the environment as running."""
+        return await asyncio.to_thread(self.sync.is_running)
+
+    async def heartbeat(self, ttl_seconds: Optional[int] = None) -> str:
+        """Extend the lease; returns the new ``expires_at``."""
+        return await asyncio.to_thread(self.sync.heartbeat, ttl_seconds)
+
+    async def kill(self) -> bool:
+        """Destroy the environment (False if the daemon did not know it)."""
+        return await asyncio.to_thread(self.sync.kill)
+
+    async def close(self) -> None:
+        """Destroy the environment; safe to call more than once."""
+        await asyncio.to_thread(self.sync.close)
+
+    @property
+    def closed(self) -> bool:
+        """True once the environment was deleted by this client."""
+        return self.sync.closed
+
+
+class _AsyncCreate:
+    """``AsyncSandbox.create(...)`` on the class (URL/key from arguments or the environment)
+    or on an instance (reuses its URL and key); returns a coroutine giving an
+    :class:`AsyncEnvironment`. Takes the keyword arguments of :meth:`agentbox.Sandbox.create`.
+    """
+
+    def __get__(self, obj: Any, owner: Any) -> Callable[..., Any]:
+        async def create(**kwargs: Any) -> AsyncEnvironment:
+            target: Any = obj.sync if obj is not None else Sandbox
+            env = await asyncio.to_thread(lambda: target.create(**kwargs))
+            return AsyncEnvironment(env)
+        create.__doc__ = _AsyncCreate.__doc__
+        return create
+
+
+class AsyncSandbox:
+    """Async twin of :class:`agentbox.Sandbox`::
+
+        box = AsyncSandbox()
+        result = await box.run("print(42)")
+        async with await AsyncSandbox.create() as env:
+            await env.commands.run("ls", on_stdout=print)
+    """
+
+    def __init__(self, config: Optional[SandboxConfig] = None, *, url: Optional[str] = None,
+                 api_key: Optional[str] = None, request_timeout: float = 30.0) -> None:
+        self.sync = Sandbox(config, url=url, api_key=api_key, request_timeout=request_timeout)
+
+    @property
+    def config(self) -> SandboxConfig:
+        """The :class:`SandboxConfig` used by :meth:`run`."""
+        return self.sync.config
+
+    @property
+    def url(self) -> str:
+        """The daemon's base URL."""
+        return self.sync.url
+
+    async def run(self, code: str, *, config: Optional[SandboxConfig] = None) -> SandboxResult:
+        """Run Python ``code`` once; see :meth:`agentbox.Sandbox.run`."""
+        return await asyncio.to_thread(self.sync.run, code, config=config)
+
+    create = _AsyncCreate()
+
+    async def new_environment(self, **kwargs: Any) -> AsyncEnvironment:
+        """Create an environment on this client's daemon with this client's key (same as
+        ``await box.create(...)``)."""
+        return await self.create(**kwargs)
+
+    async def connect(self, environment_id: str, **kwargs: Any) -> AsyncEnvironment:
+        """Attach to an existing environment by id."""
+        env = await asyncio.to_thread(lambda: self.sync.connect(environment_id, **kwargs))
+        return AsyncEnvironment(env)
+
+    async def list(self, *, all: bool = False) -> list[dict[str, Any]]:
+        """The caller's environments."""
+        return await asyncio.to_thread(lambda: self.sync.list(all=all))
+
+    async def health(self) -> dict[str, Any]:
+        """``GET /healthz``."""
+        return await asyncio.to_thread(self.sync.health)

@@ -1,0 +1,767 @@
+"""The synchronous client: :class:`Sandbox` (seed 002's front door) and :class:`Environment`
+(a stateful sandbox with ``commands`` and ``files``, named after E2B's Python SDK)."""
+
+from __future__ import annotations
+
+import base64
+import codecs
+import functools
+import math
+import os
+import posixpath
+import secrets
+import shlex
+import threading
+import time
+import warnings
+from typing import (Any, BinaryIO, Callable, Generic, Literal, Mapping, Optional, TypeVar,
+                    Union, overload)
+
+from ._http import DEFAULT_URL, CancelToken, Transport, quote_id
+from .errors import (CommandExitError, CommandTimeout, InvalidArgument, PayloadTooLarge,
+                     PermissionDenied, SandboxError, SandboxNotFound, error_from_response)
+from .models import (CommandResult, EntryInfo, SandboxConfig, SandboxResult, WriteInfo,
+                     parse_traceback)
+
+__all__ = ["Sandbox", "Environment", "Commands", "Files", "OutputHandler", "CancelToken"]
+
+OutputHandler = Callable[[str], Any]
+"""A streaming callback: receives each chunk of output text as it arrives."""
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+#: Bytes up to this size go through the JSON ``files/write`` endpoint as base64; larger ones
+#: through the raw ``PUT files/raw`` endpoint (JSON bodies are capped at 16 MiB).
+RAW_WRITE_THRESHOLD = 8 * 1024 * 1024
+_CHUNK = 64 * 1024
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+
+
+def _env_url(url: Optional[str]) -> str:
+    return url or os.environ.get("AGENTBOX_URL") or DEFAULT_URL
+
+
+def _env_key(api_key: Optional[str]) -> Optional[str]:
+    if api_key is not None:
+        return api_key or None
+    return os.environ.get("AGENTBOX_API_KEY") or None
+
+
+class _hybridmethod(Generic[_T, _R]):
+    """A method callable on the class (``Sandbox.create(...)``) and on an instance
+    (``box.create(...)``, which reuses the instance's URL, key and config)."""
+
+    def __init__(self, func: Callable[..., _R]) -> None:
+        self.func = func
+        functools.update_wrapper(self, func)  # type: ignore[arg-type]
+
+    def __get__(self, obj: Any, owner: Any) -> Callable[..., _R]:
+        bound = obj if obj is not None else owner
+        func = self.func
+
+        @functools.wraps(func)
+        def call(*args: Any, **kwargs: Any) -> _R:
+            return func(bound, *args, **kwargs)
+        return call
+
+
+class Commands:
+    """Shell commands in an environment (``env.commands``)."""
+
+    def __init__(self, env: "Environment") -> None:
+        self._env = env
+
+    def run(self, cmd: str, *, timeout: float = 60, envs: Optional[Mapping[str, str]] = None,
+            on_stdout: Optional[OutputHandler] = None,
+            on_stderr: Optional[OutputHandler] = None, stream: Optional[bool] = None,
+            check: bool = False, request_timeout: Optional[float] = None,
+            cancel: Optional[CancelToken] = None) -> CommandResult:
+        """Run ``cmd`` with ``bash`` as ``appuser`` in the environment's session.
+
+        The session is stateful: ``cd``, ``export``, shell variables and functions persist
+        between calls.
+
+        Args:
+            cmd: the shell command line.
+            timeout: seconds before the daemon kills the command's whole process group
+                (1–3600, default 60; fractions round up). A timeout is not an exception:
+                the result has ``exit_code == 124`` and ``timed_out == True``.
+            envs: extra environment variables for this command only.
+            on_stdout / on_stderr: called with each chunk of output text as it arrives
+                (SSE streaming). Chunks of one stream are delivered in order; bytes that are
+                not valid UTF-8 are replaced with U+FFFD.
+            stream: force streaming on (or off) regardless of callbacks.
+            check: raise :class:`CommandExitError` (or :class:`CommandTimeout`) when the
+                exit code is not 0. Off by default (unlike E2B) so the result mirrors seed
+                004's ``{error, stdout, stderr, exit_code}``.
+            request_timeout: HTTP timeout in seconds (default ``timeout + 30``).
+            cancel: a :class:`CancelToken`; calling its ``cancel()`` from another thread
+                drops the connection, the daemon kills the command, and this call raises
+                :class:`agentbox.Cancelled`. Implies streaming (the daemon notices a
+                streaming client leave at once).
+
+        Returns:
+            the :class:`CommandResult`.
+        """
+        if not isinstance(cmd, str) or not cmd:
+            raise InvalidArgument("commands.run: cmd must be a non-empty string")
+        seconds = max(1, math.ceil(float(timeout)))
+        payload: dict[str, Any] = {"command": cmd, "timeout_seconds": seconds}
+        if envs:
+            payload["env"] = {str(k): str(v) for k, v in envs.items()}
+        path = f"/environments/{quote_id(self._env.environment_id)}/execute"
+        http_timeout = request_timeout if request_timeout is not None else seconds + 30.0
+        streaming = stream if stream is not None else (on_stdout is not None
+                                                       or on_stderr is not None
+                                                       or cancel is not None)
+        if streaming:
+            result = self._run_streaming(path, payload, http_timeout, on_stdout, on_stderr,
+                                         cancel)
+        else:
+            data = self._env._transport.json("POST", path, payload, timeout=http_timeout,
+                                             cancel=cancel)
+            result = CommandResult.from_answer(data)
+        if check and result.exit_code != 0:
+            if result.timed_out:
+                raise CommandTimeout(f"command timed out after {seconds} s: {cmd}",
+                                     result=result)
+            raise CommandExitError(f"command exited with code {result.exit_code}: {cmd}"
+                                   + (f"\n{result.stderr.strip()[-2000:]}"
+                                      if result.stderr.strip() else ""), result=result)
+        return result
+
+    def _run_streaming(self, path: str, payload: Mapping[str, Any], http_timeout: float,
+                       on_stdout: Optional[OutputHandler],
+                       on_stderr: Optional[OutputHandler],
+                       cancel: Optional[CancelToken] = None) -> CommandResult:
+        decoders = {"stdout": codecs.getincrementaldecoder("utf-8")("replace"),
+                    "stderr": codecs.getincrementaldecoder("utf-8")("replace")}
+        handlers = {"stdout": on_stdout, "stderr": on_stderr}
+
+        def deliver(name: str, chunk: bytes, final: bool = False) -> None:
+            text = decoders[name].decode(chunk, final)
+            handler = handlers[name]
+            if text and handler is not None:
+                handler(text)
+
+        result: Optional[CommandResult] = None
+        for ev in self._env._transport.sse("POST", path, payload, timeout=http_timeout,
+                                           cancel=cancel):
+            if ev.event in ("stdout", "stderr"):
+                data = ev.data if isinstance(ev.data, dict) else {"data": str(ev.data)}
+                if isinstance(data.get("data_b64"), str):
+                    chunk = base64.b64decode(data["data_b64"])
+                else:
+                    chunk = str(data.get("data", "")).encode("utf-8")
+                deliver(ev.event, chunk)
+            elif ev.event == "result":
+                if not isinstance(ev.data, dict):
+                    raise SandboxError(f"malformed result event from esbd: {ev.data!r:.200}")
+                if ev.data.get("error") is True and "exit_code" not in ev.data:
+                    raise _error_event(ev.data)
+                result = CommandResult.from_answer(ev.data)
+            elif ev.event == "error":
+                raise _error_event(ev.data)
+        for name in ("stdout", "stderr"):
+            deliver(name, b"", True)
+        if result is None:
+            raise SandboxError("esbd closed the event stream without a result event")
+        return result
+
+
+def _error_event(data: Any) -> SandboxError:
+    if isinstance(data, dict):
+        status = {"bad_request": 400, "unauthorized": 401, "not_found": 404,
+                  "conflict": 409, "payload_too_large": 413, "too_many_requests": 429,
+                  "unavailable": 503}.get(str(data.get("code")), 500)
+        return error_from_response(status, data, context="execute (stream)")
+    return SandboxError(f"esbd reported an error mid-stream: {data!r:.300}")
+
+
+class Files:
+    """Files in an environment (``env.files``). Relative paths are relative to
+    ``/workspace``."""
+
+    def __init__(self, env: "Environment") -> None:
+        self._env = env
+
+    def _path(self, suffix: str) -> str:
+        return f"/environments/{quote_id(self._env.environment_id)}/files/{suffix}"
+
+    def write(self, path: str, data: Union[str, bytes, bytearray, memoryview]) -> WriteInfo:
+        """Create or overwrite ``path`` with ``data`` (parent directories are created).
+
+        ``str`` is stored as UTF-8 text; bytes are sent base64-encoded in JSON, or through the
+        streamed raw endpoint when larger than 8 MiB.
+        """
+        if isinstance(data, str):
+            payload: dict[str, Any] = {"path": path, "content": data, "encoding": "utf-8"}
+            if len(data) * 4 > RAW_WRITE_THRESHOLD:  # cheap bound before encoding
+                encoded = data.encode("utf-8")
+                if len(encoded) > RAW_WRITE_THRESHOLD:
+                    return self.upload(path, encoded)
+        elif isinstance(data, (bytes, bytearray, memoryview)):
+            raw = bytes(data)
+            if len(raw) > RAW_WRITE_THRESHOLD:
+                return self.upload(path, raw)
+            payload = {"path": path, "content": base64.b64encode(raw).decode("ascii"),
+                       "encoding": "base64"}
+        else:
+            raise InvalidArgument(f"files.write: data must be str or bytes, not "
+                                  f"{type(data).__name__}")
+        answer = self._env._transport.json("POST", self._path("write"), payload)
+        return WriteInfo(path=path, bytes=int(answer.get("bytes", 0) or 0))
+
+    @overload
+    def read(self, path: str, format: Literal["text"] = "text") -> str: ...
+
+    @overload
+    def read(self, path: str, format: Literal["bytes"]) -> bytes: ...
+
+    def read(self, path: str, format: Literal["text", "bytes"] = "text") -> Union[str, bytes]:
+        """Read a whole file.
+
+        Args:
+            path: the file to read.
+            format: ``"text"`` (decoded as UTF-8, invalid bytes replaced) or ``"bytes"``.
+
+        Files above the daemon's JSON read limit are fetched from the raw endpoint
+        transparently. A missing file raises :class:`SandboxNotFound`.
+        """
+        if format not in ("text", "bytes"):
+            raise InvalidArgument(f"files.read: format must be 'text' or 'bytes', not "
+                                  f"{format!r}")
+        try:
+            answer = self._env._transport.json("GET", self._path("read"), query={"path": path})
+        except PayloadTooLarge:
+            raw = self.download(path)
+            return raw if format == "bytes" else raw.decode("utf-8", "replace")
+        content = answer.get("content", "")
+        if not isinstance(content, str):
+            content = ""
+        if answer.get("encoding") == "base64":
+            raw = base64.b64decode(content)
+            return raw if format == "bytes" else raw.decode("utf-8", "replace")
+        return content.encode("utf-8") if format == "bytes" else content
+
+    def upload(self, path: str, src: Union[bytes, bytearray, PathLike, BinaryIO]) -> WriteInfo:
+        """Stream ``src`` into ``path`` through ``PUT files/raw``.
+
+        ``src`` may be bytes, a local file path, or a binary file object (read in 64 KiB
+        chunks; a non-seekable stream is sent with chunked transfer encoding).
+        """
+        transport = self._env._transport
+        close_after = False
+        body: Any
+        headers = {"Content-Type": "application/octet-stream"}
+        chunked = False
+        if isinstance(src, (bytes, bytearray)):
+            body = bytes(src)
+            headers["Content-Length"] = str(len(body))
+        elif isinstance(src, (str, os.PathLike)):
+            body = open(os.fspath(src), "rb")
+            close_after = True
+            headers["Content-Length"] = str(os.fstat(body.fileno()).st_size)
+        elif hasattr(src, "read"):
+            body = src
+            size = _remaining_size(src)
+            if size is None:
+                chunked = True
+                body = iter(lambda: src.read(_CHUNK), b"")
+            else:
+                headers["Content-Length"] = str(size)
+        else:
+            raise InvalidArgument("files.upload: src must be bytes, a path or a binary file")
+        try:
+            conn, resp = transport.send("PUT", self._path("raw"), query={"path": path},
+                                        body=body, headers=headers, chunked=chunked,
+                                        timeout=max(transport.timeout, 300.0))
+            try:
+                transport.raise_for("PUT", self._path("raw"), resp)
+                answer = Transport._decode(resp.read())
+            finally:
+                conn.close()
+        finally:
+            if close_after:
+                body.close()
+        count = answer.get("bytes", 0) if isinstance(answer, dict) else 0
+        return WriteInfo(path=path, bytes=int(count or 0))
+
+    @overload
+    def download(self, path: str) -> bytes: ...
+
+    @overload
+    def download(self, path: str, dest: Union[PathLike, BinaryIO]) -> int: ...
+
+    def download(self, path: str,
+                 dest: Optional[Union[PathLike, BinaryIO]] = None) -> Union[bytes, int]:
+        """Stream ``path`` out of the environment through ``GET files/raw``.
+
+        With no ``dest`` the bytes are returned; with a local path or a binary file object
+        they are written there in 64 KiB chunks and the byte count is returned.
+        """
+        transport = self._env._transport
+        conn, resp = transport.send("GET", self._path("raw"), query={"path": path},
+                                    headers={"Accept": "application/octet-stream"},
+                                    timeout=max(transport.timeout, 300.0))
+        try:
+            transport.raise_for("GET", self._path("raw"), resp)
+            if dest is None:
+                return resp.read()
+            out: Any
+            if isinstance(dest, (str, os.PathLike)):
+                out = open(os.fspath(dest), "wb")
+            else:
+                out = dest
+            total = 0
+            try:
+                while True:
+                    chunk = resp.read(_CHUNK)
+                    if not chunk:
+                        break
+                    out.write(chunk)
+                    total += len(chunk)
+            finally:
+                if out is not dest:
+                    out.close()
+            return total
+        finally:
+            conn.close()
+
+    def list(self, path: str = ".") -> list[EntryInfo]:
+        """List the directory ``path`` (default: the workspace)."""
+        answer = self._env._transport.json("GET", self._path("list"), query={"path": path})
+        base = answer.get("path") if isinstance(answer.get("path"), str) else path
+        entries = []
+        for e in answer.get("entries") or []:
+            if not isinstance(e, dict):
+                continue
+            name = str(e.get("name", ""))
+            entries.append(EntryInfo(name=name, path=posixpath.join(str(base), name),
+                                     type=str(e.get("type", "other")),
+                                     size=int(e.get("size", 0) or 0),
+                                     mode=str(e.get("mode", "")),
+                                     mtime=str(e.get("mtime", ""))))
+        return entries
+
+    def _shell(self, what: str, argv: list[str]) -> None:
+        """Run a small file command in the session (the REST API has no endpoint for it)."""
+        cmd = " ".join(shlex.quote(a) for a in argv)
+        res = self._env.commands.run(cmd, timeout=60)
+        if res.exit_code != 0:
+            msg = f"files.{what} failed: {res.stderr.strip() or res.stdout.strip()}"
+            if "No such file" in res.stderr:
+                raise SandboxNotFound(msg, code="not_found")
+            if "Permission denied" in res.stderr or "Read-only" in res.stderr:
+                raise PermissionDenied(msg, code="forbidden")
+            raise SandboxError(msg)
+
+    @staticmethod
+    def _abs(path: str) -> str:
+        return path if path.startswith("/") else posixpath.join("/workspace", path)
+
+    def make_dir(self, path: str) -> None:
+        """Create directory ``path`` and its parents (like ``mkdir -p``; E2B's name).
+        Runs ``mkdir`` in the environment's shell as the sandbox user."""
+        self._shell("make_dir", ["mkdir", "-p", "--", self._abs(path)])
+
+    def remove(self, path: str) -> None:
+        """Delete a file or a directory tree (``rm -rf``; E2B's name). Runs in the
+        environment's shell as the sandbox user."""
+        self._shell("remove", ["rm", "-rf", "--", self._abs(path)])
+
+    def rename(self, old_path: str, new_path: str) -> None:
+        """Move ``old_path`` to ``new_path`` (``mv``; E2B's name). Runs in the environment's
+        shell as the sandbox user."""
+        self._shell("rename", ["mv", "-f", "--", self._abs(old_path), self._abs(new_path)])
+
+    def exists(self, path: str) -> bool:
+        """True if ``path`` names an entry (file, directory, ...) in the environment."""
+        parent, name = posixpath.split(posixpath.normpath(path))
+        if not name or name in (".", ".."):
+            return True
+        try:
+            return any(e.name == name for e in self.list(parent or "."))
+        except (SandboxNotFound, InvalidArgument):
+            return False
+
+
+def _remaining_size(f: Any) -> Optional[int]:
+    try:
+        if not f.seekable():
+            return None
+        pos = f.tell()
+        end = f.seek(0, os.SEEK_END)
+        f.seek(pos)
+        return int(end - pos)
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+class Environment:
+    """A stateful sandbox environment on esbd (seed 004): a shell session plus a
+    ``/workspace``. Create one with :meth:`Sandbox.create`; use it as a context manager so it
+    is always deleted::
+
+        with Sandbox.create() as env:
+            env.commands.run("echo hi").stdout
+
+    Attributes:
+        environment_id: the daemon's id (``env_...``).
+        commands: :class:`Commands`. files: :class:`Files`.
+        data: the environment record from the last create/info call.
+    """
+
+    def __init__(self, transport: Transport, environment_id: str,
+                 data: Optional[Mapping[str, Any]] = None, *,
+                 keep_alive: Union[bool, float] = False,
+                 ttl_seconds: Optional[int] = None) -> None:
+        self._transport = transport
+        self.environment_id = environment_id
+        self.data: dict[str, Any] = dict(data or {})
+        self.commands = Commands(self)
+        self.files = Files(self)
+        self._closed = False
+        self._ttl = ttl_seconds
+        self._stop = threading.Event()
+        self._keeper: Optional[threading.Thread] = None
+        self.keep_alive_error: Optional[BaseException] = None
+        if keep_alive:
+            interval = (float(keep_alive) if not isinstance(keep_alive, bool)
+                        else min(60.0, max(1.0, (ttl_seconds or 180) / 3.0)))
+            self.start_keep_alive(interval)
+
+    @property
+    def id(self) -> str:
+        """Alias of :attr:`environment_id`."""
+        return self.environment_id
+
+    @property
+    def sandbox_id(self) -> str:
+        """Alias of :attr:`environment_id` (E2B's name)."""
+        return self.environment_id
+
+    @property
+    def url(self) -> str:
+        """The daemon URL this environment lives on."""
+        return self._transport.url
+
+    def __repr__(self) -> str:
+        return f"Environment({self.environment_id!r}, url={self._transport.url!r})"
+
+    def __enter__(self) -> "Environment":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except SandboxError as cleanup:  # never hide the body's own exception
+            warnings.warn(f"agentbox: could not delete {self.environment_id}: {cleanup}",
+                          RuntimeWarning, stacklevel=2)
+
+    def info(self) -> dict[str, Any]:
+        """Fetch the environment record (state, limits, timestamps, usage)."""
+        self.data = self._transport.json("GET", f"/environments/{quote_id(self.environment_id)}")
+        return self.data
+
+    def is_running(self) -> bool:
+        """True while the daemon reports the environment as ``running``."""
+        try:
+            return self.info().get("state") == "running"
+        except SandboxNotFound:
+            return False
+
+    def heartbeat(self, ttl_seconds: Optional[int] = None) -> str:
+        """Extend the lease to now + ``ttl_seconds`` (daemon default if omitted); returns the
+        new ``expires_at``."""
+        payload = {"ttl_seconds": int(ttl_seconds)} if ttl_seconds is not None else None
+        answer = self._transport.json(
+            "POST", f"/environments/{quote_id(self.environment_id)}/heartbeat", payload)
+        return str(answer.get("expires_at", ""))
+
+    set_timeout = heartbeat
+
+    def start_keep_alive(self, interval: float) -> None:
+        """Send a heartbeat every ``interval`` seconds from a daemon thread until
+        :meth:`close`. The thread stops by itself if the environment is gone; the last
+        failure is kept in :attr:`keep_alive_error`."""
+        if self._keeper is not None:
+            return
+
+        def loop() -> None:
+            while not self._stop.wait(interval):
+                try:
+                    self.heartbeat(self._ttl)
+                    self.keep_alive_error = None
+                except SandboxNotFound as exc:
+                    self.keep_alive_error = exc
+                    return
+                except SandboxError as exc:
+                    self.keep_alive_error = exc
+
+        self._keeper = threading.Thread(target=loop, daemon=True,
+                                        name=f"agentbox-keepalive-{self.environment_id}")
+        self._keeper.start()
+
+    def stop_keep_alive(self) -> None:
+        """Stop the keep-alive thread, if any."""
+        self._stop.set()
+        keeper, self._keeper = self._keeper, None
+        if keeper is not None and keeper is not threading.current_thread():
+            keeper.join(timeout=5)
+
+    def kill(self) -> bool:
+        """Destroy the environment. Returns True if the daemon confirmed it (also when it was
+        already destroyed), False if the daemon does not know it (404)."""
+        self.stop_keep_alive()
+        try:
+            self._transport.json("DELETE", f"/environments/{quote_id(self.environment_id)}")
+        except SandboxNotFound:
+            self._closed = True
+            return False
+        self._closed = True
+        return True
+
+    def close(self) -> None:
+        """Destroy the environment; safe to call more than once."""
+        if self._closed:
+            self.stop_keep_alive()
+            return
+        self.kill()
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` or :meth:`kill` succeeded."""
+        return self._closed
+
+
+def _says_unavailable(message: str) -> bool:
+    text = message.lower()
+    return "not available" in text or "unavailable" in text
+
+
+class Sandbox:
+    """The client for one esbd daemon, and seed 002's front door::
+
+        from agentbox import Sandbox
+        print(Sandbox().run("print(1 + 1)").stdout)
+
+    Args:
+        config: how :meth:`run` executes code (:class:`SandboxConfig`).
+        url: the daemon's base URL (default: ``$AGENTBOX_URL``, else http://127.0.0.1:8080).
+        api_key: the Bearer key (default: ``$AGENTBOX_API_KEY``; none in dev mode).
+        request_timeout: seconds to wait for an ordinary HTTP answer (default 30).
+    """
+
+    def __init__(self, config: Optional[SandboxConfig] = None, *, url: Optional[str] = None,
+                 api_key: Optional[str] = None, request_timeout: float = 30.0) -> None:
+        self.config = config or SandboxConfig()
+        self._transport = Transport(_env_url(url), _env_key(api_key), request_timeout)
+        self._has_run_endpoint: Optional[bool] = None
+
+    @property
+    def url(self) -> str:
+        """The daemon's base URL."""
+        return self._transport.url
+
+    def __repr__(self) -> str:
+        return f"Sandbox(url={self.url!r}, runtime={self.config.runtime!r})"
+
+    # -- one-shot code ----------------------------------------------------------------------
+    def run(self, code: str, *, config: Optional[SandboxConfig] = None) -> SandboxResult:
+        """Run Python ``code`` once, in a fresh sandbox, and return its output.
+
+        Uses ``POST /run`` when the daemon has it. A daemon without it (404/405), or whose
+        ``/run`` answers 400 saying its tier is not available while ``runtime`` is not
+        ``"nano"``, gets the container fallback: create an environment, write the code to a
+        file, run ``python3`` on it with the configured timeout, and delete the environment.
+        ``result.via`` tells which path ran.
+        """
+        cfg = config or self.config
+        if not isinstance(code, str):
+            raise InvalidArgument("run: code must be a string")
+        if self._has_run_endpoint is not False:
+            payload: dict[str, Any] = {"code": code, "runtime": cfg.runtime,
+                                       "timeout_ms": cfg.timeout_ms}
+            if cfg.memory_limit_mb is not None:
+                payload["memory_limit_mb"] = cfg.memory_limit_mb
+            if cfg.allowed_modules is not None:
+                payload["allowed_modules"] = list(cfg.allowed_modules)
+            if cfg.packages:
+                payload["packages"] = list(cfg.packages)
+            started = time.monotonic()
+            try:
+                answer = self._transport.json("POST", "/run", payload,
+                                              timeout=cfg.timeout_ms / 1000.0 + 30.0)
+            except SandboxError as exc:
+                if exc.status in (404, 405):
+                    self._has_run_endpoint = False  # no such route: never ask again
+                elif not (exc.status == 400 and cfg.runtime != "nano"
+                          and _says_unavailable(exc.message)):
+                    raise
+                # else: the route exists but its tier is missing (esbd answers 400 "POST /run
+                # needs the nano tier, which is not available ..."); fall back for this call.
+            else:
+                self._has_run_endpoint = True
+                return SandboxResult.from_run_answer(
+                    answer, elapsed_ms=(time.monotonic() - started) * 1000.0)
+        return self._run_in_environment(code, cfg)
+
+    def _run_in_environment(self, code: str, cfg: SandboxConfig) -> SandboxResult:
+        started = time.monotonic()
+        seconds = max(1, math.ceil(cfg.timeout_ms / 1000.0))
+        options: dict[str, Any] = {"ttl_seconds": min(86400, max(60, seconds + 120))}
+        if cfg.runtime == "nano":
+            options["runtime"] = "nano"
+        if cfg.memory_limit_mb is not None:
+            options["memory_mb"] = max(32, cfg.memory_limit_mb)
+        env = self._create(options, keep_alive=False)
+        try:
+            if cfg.packages:
+                missing = self._missing_packages(env, cfg.packages)
+                if missing:
+                    msg = (f"packages not installed in the sandbox image: {', '.join(missing)} "
+                           "(this daemon has no POST /run, so the SDK ran the code in a "
+                           "container environment, which cannot install packages)\n")
+                    return SandboxResult(stdout="", stderr=msg, exit_code=1, error=True,
+                                         duration_ms=(time.monotonic() - started) * 1000.0,
+                                         runtime=str(env.data.get("runtime") or "container"),
+                                         via="environment")
+            script = f".agentbox/run_{secrets.token_hex(6)}.py"
+            env.files.write(script, code)
+            result = env.commands.run(f"python3 {shlex.quote(script)}", timeout=seconds)
+            exception = parse_traceback(result.stderr) if result.exit_code != 0 else None
+            return SandboxResult(stdout=result.stdout, stderr=result.stderr,
+                                 exit_code=result.exit_code, error=result.exit_code != 0,
+                                 duration_ms=result.duration_ms or
+                                 (time.monotonic() - started) * 1000.0,
+                                 timed_out=result.timed_out, truncated=result.truncated,
+                                 exception=exception,
+                                 runtime=str(env.data.get("runtime") or "container"),
+                                 reason="POST /run not available; ran in a container "
+                                        "environment", via="environment", raw=result.raw)
+        finally:
+            try:
+                env.kill()
+            except SandboxError as exc:
+                warnings.warn(f"agentbox: could not delete {env.environment_id}: {exc}",
+                              RuntimeWarning, stacklevel=3)
+
+    @staticmethod
+    def _missing_packages(env: Environment, packages: Any) -> list[str]:
+        probe = ("import sys, importlib.metadata as m\n"
+                 "for n in sys.argv[1:]:\n"
+                 "    try: m.distribution(n)\n"
+                 "    except m.PackageNotFoundError: print(n)\n")
+        cmd = "python3 -c " + shlex.quote(probe) + " " + " ".join(
+            shlex.quote(p) for p in packages)
+        res = env.commands.run(cmd, timeout=60)
+        if res.exit_code != 0:
+            return list(packages)
+        return [line.strip() for line in res.stdout.splitlines() if line.strip()]
+
+    # -- environments -----------------------------------------------------------------------
+    def _create(self, options: Mapping[str, Any], *, keep_alive: Union[bool, float],
+                ) -> Environment:
+        data = self._transport.json("POST", "/environments", dict(options))
+        env_id = data.get("environment_id")
+        if not isinstance(env_id, str) or not env_id:
+            raise SandboxError(f"esbd created an environment without an id: {data!r:.200}")
+        ttl = options.get("ttl_seconds")
+        return Environment(self._transport, env_id, data, keep_alive=keep_alive,
+                           ttl_seconds=int(ttl) if ttl is not None else None)
+
+    @_hybridmethod
+    def create(self_or_cls: Any, *, image: Optional[str] = None,
+               runtime: Optional[str] = None, cpu: Optional[float] = None,
+               memory_mb: Optional[int] = None, pids: Optional[int] = None,
+               disk_mb: Optional[int] = None, ttl_seconds: Optional[int] = None,
+               envs: Optional[Mapping[str, str]] = None, network: Optional[str] = None,
+               keep_alive: Union[bool, float] = False, url: Optional[str] = None,
+               api_key: Optional[str] = None, request_timeout: float = 30.0) -> Environment:
+        """Create a stateful :class:`Environment` (``POST /environments``).
+
+        Callable on the class (``Sandbox.create(url=...)``) or on a client instance
+        (``box.create()``, which reuses its URL and key). Only the options you pass are sent;
+        the daemon applies its defaults to the rest.
+
+        Args:
+            image: rootfs image name. runtime: ``"container"``, ``"gvisor"``, ``"nano"``,
+                ``"auto"`` or ``"microvm"``; ``"heavy"`` is accepted as ``"container"``.
+            cpu, memory_mb, pids, disk_mb: resource limits. ttl_seconds: lease length.
+            envs: environment variables for every command. network: ``"none"``.
+            keep_alive: ``True`` (heartbeat every ttl/3 s, at most 60 s) or an interval in
+                seconds; the thread stops at :meth:`Environment.close`.
+        """
+        if isinstance(self_or_cls, Sandbox):
+            client = self_or_cls
+            if url is not None or api_key is not None:
+                client = Sandbox(client.config, url=url or client.url,
+                                 api_key=api_key if api_key is not None
+                                 else client._transport.api_key,
+                                 request_timeout=request_timeout)
+        else:
+            client = Sandbox(url=url, api_key=api_key, request_timeout=request_timeout)
+        options: dict[str, Any] = {}
+        if runtime == "heavy":
+            runtime = "container"
+        for key, value in (("image", image), ("runtime", runtime), ("cpu", cpu),
+                           ("memory_mb", memory_mb), ("pids", pids), ("disk_mb", disk_mb),
+                           ("ttl_seconds", ttl_seconds), ("network", network)):
+            if value is not None:
+                options[key] = value
+        if envs:
+            options["env"] = {str(k): str(v) for k, v in envs.items()}
+        return client._create(options, keep_alive=keep_alive)
+
+    @_hybridmethod
+    def connect(self_or_cls: Any, environment_id: str, *, url: Optional[str] = None,
+                api_key: Optional[str] = None, keep_alive: Union[bool, float] = False,
+                request_timeout: float = 30.0) -> Environment:
+        """Attach to an existing environment by id (raises :class:`SandboxNotFound` if the
+        daemon does not know it or it is destroyed)."""
+        if isinstance(self_or_cls, Sandbox) and url is None and api_key is None:
+            transport = self_or_cls._transport
+        else:
+            transport = Transport(_env_url(url), _env_key(api_key), request_timeout)
+        env = Environment(transport, environment_id)
+        data = env.info()
+        if data.get("state") != "running":
+            raise SandboxNotFound(f"environment {environment_id} is {data.get('state')}"
+                                  + (f" ({data.get('destroy_reason')})"
+                                     if data.get("destroy_reason") else ""),
+                                  code="not_found", status=404, body=data)
+        if keep_alive:
+            env.start_keep_alive(float(keep_alive) if not isinstance(keep_alive, bool)
+                                 else 60.0)
+        return env
+
+    def list(self, *, all: bool = False) -> list[dict[str, Any]]:
+        """The caller's environments (``GET /environments``); ``all=True`` includes
+        destroyed ones."""
+        answer = self._transport.json("GET", "/environments", query={"all": 1} if all else None)
+        envs = answer.get("environments")
+        return [e for e in envs if isinstance(e, dict)] if isinstance(envs, list) else []
+
+    def audit(self, *, since: Optional[str] = None, until: Optional[str] = None,
+              environment_id: Optional[str] = None, q: Optional[str] = None,
+              limit: Optional[int] = None) -> list[dict[str, Any]]:
+        """``GET /audit``: this tenant's audit rows (``since``/``until`` RFC 3339 times,
+        ``q`` an FTS5 keyword query over action and detail, ``limit`` 1–1000)."""
+        answer = self._transport.json("GET", "/audit", query={
+            "since": since, "until": until, "environment_id": environment_id, "q": q,
+            "limit": limit})
+        entries = answer.get("entries")
+        return [e for e in entries if isinstance(e, dict)] if isinstance(entries, list) else []
+
+    def health(self) -> dict[str, Any]:
+        """``GET /healthz``: daemon status, version and drivers."""
+        return self._transport.json("GET", "/healthz")
+
+    def tools(self) -> Any:
+        """``GET /tools``: the meta-tool catalogue as the daemon serves it."""
+        return self._transport.json("GET", "/tools")

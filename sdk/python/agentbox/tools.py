@@ -1,0 +1,235 @@
+"""Seed 004's meta-tools for LLM planners, in OpenAI and Anthropic formats, and a dispatcher.
+
+The three tools and their wording come from seed 004 ("The New Meta-Tools for the Planner
+AI"):
+
+===============================  =================================  ==========================
+canonical name (seed 004)        name sent to OpenAI / Anthropic    output shape
+===============================  =================================  ==========================
+``environment.execute_command``  ``environment_execute_command``    ``{error, stdout, stderr,
+                                                                    exit_code}``
+``environment.write_file``       ``environment_write_file``         ``{error, message}``
+``environment.read_file``        ``environment_read_file``          ``{error, content}``
+===============================  =================================  ==========================
+
+Both vendors only accept tool names matching ``^[a-zA-Z0-9_-]+$``, so the ``.`` becomes
+``_`` on the wire. :func:`dispatch` accepts the canonical name, the wire name and the bare
+name (``execute_command``).
+
+Example (OpenAI-compatible chat completion)::
+
+    from agentbox import Sandbox, tools
+    with Sandbox.create() as env:
+        for call in message["tool_calls"]:
+            out = tools.dispatch(env, call["function"]["name"], call["function"]["arguments"])
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any, Mapping, Optional, Union
+
+from .errors import AuthError, DaemonUnreachable, SandboxError, ServerError
+
+__all__ = ["TOOLS", "TOOL_NAMES", "canonical_name", "wire_name", "openai_tools",
+           "anthropic_tools", "dispatch", "tool_definitions", "openai_tool_message",
+           "anthropic_tool_result"]
+
+_EXECUTE = "environment.execute_command"
+_WRITE = "environment.write_file"
+_READ = "environment.read_file"
+
+#: The meta-tools in a neutral form: name, description and JSON schema of the inputs.
+#: Descriptions are seed 004's words.
+TOOLS: list[dict[str, Any]] = [
+    {
+        "name": _EXECUTE,
+        "description": (
+            "Executes any shell command within the secure, stateful environment. This is the "
+            "primary tool for all actions like listing files, running scripts, using git, etc. "
+            "Maintains a persistent working directory and state for the lifetime of the "
+            "environment."),
+        "input_schema": {
+            "type": "object",
+            "properties": {
+                "command": {"type": "string",
+                            "description": "The full shell command to execute."},
+                "timeout_seconds": {"type": "integer", "default": 60,
+                                    "minimum": 1, "maximum": 3600,
+                                    "description": "Seconds before the command is killed "
+                                                   "(default 60)."},
+            },
+            "required": ["command"],
+            "additionalProperties": False,
+        },
+        "output_description": (
+            "Returns {'error': bool, 'stdout': str, 'stderr': str, 'exit_code': int}. "
+            "`error` is true if the exit code is not 0."),
+    },
+    {
+        "name": _WRITE,
+        "description": (
+            "Creates or overwrites a file with the provided content. Useful for creating "
+            "Python scripts, shell scripts, or configuration files that will be executed "
+            "later."),
+        "input_schema": {
+            "type": "object",
+            "properties": {
+                "path": {"type": "string",
+                         "description": "The relative path within the workspace "
+                                        "(e.g., 'src/main.py')."},
+                "content": {"type": "string", "description": "The full content of the file."},
+            },
+            "required": ["path", "content"],
+            "additionalProperties": False,
+        },
+        "output_description": (
+            "Returns {'error': bool, 'message': 'File saved successfully.' or "
+            "'Error message'}."),
+    },
+    {
+        "name": _READ,
+        "description": (
+            "Reads the entire content of a file from the workspace. Use this to inspect code, "
+            "view logs, or get the output of a script that writes to a file."),
+        "input_schema": {
+            "type": "object",
+            "properties": {
+                "path": {"type": "string",
+                         "description": "The relative path of the file to read."},
+            },
+            "required": ["path"],
+            "additionalProperties": False,
+        },
+        "output_description": (
+            "Returns {'error': bool, 'content': 'The file content' or 'Error message'}."),
+    },
+]
+
+#: Canonical (seed 004) tool names.
+TOOL_NAMES: tuple[str, ...] = tuple(t["name"] for t in TOOLS)
+
+
+def wire_name(name: str) -> str:
+    """The name sent to OpenAI/Anthropic: ``environment.execute_command`` →
+    ``environment_execute_command``."""
+    return canonical_name(name).replace(".", "_")
+
+
+def canonical_name(name: str) -> str:
+    """Map any accepted spelling (canonical, wire or bare) to the canonical name; raises
+    :class:`KeyError` for unknown tools."""
+    for canon in TOOL_NAMES:
+        bare = canon.split(".", 1)[1]
+        if name in (canon, canon.replace(".", "_"), bare):
+            return canon
+    raise KeyError(name)
+
+
+def tool_definitions() -> list[dict[str, Any]]:
+    """A deep copy of :data:`TOOLS` (name, description, input_schema, output_description)."""
+    return copy.deepcopy(TOOLS)
+
+
+def _description(tool: Mapping[str, Any]) -> str:
+    return f"{tool['description']} {tool['output_description']}"
+
+
+def openai_tools() -> list[dict[str, Any]]:
+    """The meta-tools in OpenAI's function-calling format (``tools=`` of
+    ``/chat/completions``)."""
+    return [{"type": "function",
+             "function": {"name": wire_name(t["name"]), "description": _description(t),
+                          "parameters": copy.deepcopy(t["input_schema"])}} for t in TOOLS]
+
+
+def anthropic_tools() -> list[dict[str, Any]]:
+    """The meta-tools in Anthropic's Messages API tool format (``tools=``)."""
+    return [{"name": wire_name(t["name"]), "description": _description(t),
+             "input_schema": copy.deepcopy(t["input_schema"])} for t in TOOLS]
+
+
+def _failure(tool: Optional[str], message: str) -> dict[str, Any]:
+    if tool == _EXECUTE:
+        return {"error": True, "stdout": "", "stderr": message, "exit_code": -1}
+    if tool == _READ:
+        return {"error": True, "content": message}
+    return {"error": True, "message": message}
+
+
+def dispatch(env: Any, name: str, arguments: Union[str, Mapping[str, Any], None]) -> dict[str, Any]:
+    """Execute one tool call from a model against ``env`` and return seed 004's output shape.
+
+    Args:
+        env: an :class:`agentbox.Environment`.
+        name: the tool name in any accepted spelling.
+        arguments: the call's arguments, as a mapping or as the JSON string OpenAI sends.
+
+    Returns:
+        ``{error, stdout, stderr, exit_code}``, ``{error, message}`` or ``{error, content}``.
+        Problems the model can fix (unknown tool, bad arguments, missing file, bad path) come
+        back as ``error: true`` with the daemon's message, so the model can read them.
+
+    Raises:
+        AuthError, DaemonUnreachable, ServerError: infrastructure failures the model cannot
+        fix are raised, not returned.
+    """
+    try:
+        tool = canonical_name(name)
+    except KeyError:
+        return _failure(None, f"Unknown tool {name!r}. Available: "
+                              + ", ".join(wire_name(n) for n in TOOL_NAMES))
+    if isinstance(arguments, str):
+        try:
+            args = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError as exc:
+            return _failure(tool, f"Arguments are not valid JSON: {exc}")
+    else:
+        args = dict(arguments or {})
+    if not isinstance(args, dict):
+        return _failure(tool, "Arguments must be a JSON object.")
+    allowed = set(next(t for t in TOOLS if t["name"] == tool)["input_schema"]["properties"])
+    unknown = sorted(set(args) - allowed)
+    if unknown:
+        return _failure(tool, f"Unknown argument(s): {', '.join(unknown)}.")
+    try:
+        if tool == _EXECUTE:
+            command = args.get("command")
+            if not isinstance(command, str) or not command.strip():
+                return _failure(tool, "'command' must be a non-empty string.")
+            timeout = args.get("timeout_seconds", 60)
+            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+                return _failure(tool, "'timeout_seconds' must be a number of seconds.")
+            return env.commands.run(command, timeout=timeout).to_tool_output()
+        if tool == _WRITE:
+            path, content = args.get("path"), args.get("content")
+            if not isinstance(path, str) or not path:
+                return _failure(tool, "'path' must be a non-empty string.")
+            if not isinstance(content, str):
+                return _failure(tool, "'content' must be a string.")
+            env.files.write(path, content)
+            return {"error": False, "message": "File saved successfully."}
+        path = args.get("path")
+        if not isinstance(path, str) or not path:
+            return _failure(tool, "'path' must be a non-empty string.")
+        return {"error": False, "content": env.files.read(path, format="text")}
+    except (AuthError, DaemonUnreachable, ServerError):
+        raise
+    except SandboxError as exc:
+        return _failure(tool, exc.message)
+
+
+def openai_tool_message(tool_call_id: str, output: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``{"role": "tool", ...}`` chat message that returns ``output`` (from
+    :func:`dispatch`) to an OpenAI-compatible model for the call ``tool_call_id``."""
+    return {"role": "tool", "tool_call_id": tool_call_id,
+            "content": json.dumps(dict(output), ensure_ascii=False)}
+
+
+def anthropic_tool_result(tool_use_id: str, output: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``tool_result`` content block that returns ``output`` (from :func:`dispatch`) to
+    an Anthropic model for the ``tool_use`` block ``tool_use_id``."""
+    return {"type": "tool_result", "tool_use_id": tool_use_id,
+            "content": json.dumps(dict(output), ensure_ascii=False),
+            "is_error": bool(output.get("error"))}

@@ -1,0 +1,539 @@
+"""A small in-process fake of esbd implementing docs/api.md, for the SDK's fast tests.
+
+It is a test double, not a sandbox: commands run with the host's bash inside a temporary
+directory that plays /workspace. Only the test suite's own commands ever reach it.
+Shell state (cd, exported and plain variables, functions) persists between calls through a
+state file, which is enough to exercise the SDK's contract.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import queue
+import secrets
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.parse
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Optional
+
+CAP = 1024 * 1024
+_SKIP_VARS = ("BASH", "BASHOPTS", "BASHPID", "BASH_ALIASES", "BASH_ARGC", "BASH_ARGV",
+              "BASH_ARGV0", "BASH_CMDS", "BASH_COMMAND", "BASH_LINENO", "BASH_SOURCE",
+              "BASH_SUBSHELL", "BASH_VERSINFO", "BASH_VERSION", "EUID", "PPID", "SHELLOPTS",
+              "UID", "_", "FUNCNAME", "GROUPS", "__rc", "__S", "DIRSTACK", "HISTCMD",
+              "LINENO", "RANDOM", "SECONDS", "SRANDOM", "EPOCHREALTIME", "EPOCHSECONDS",
+              "PIPESTATUS", "OLDPWD", "PWD", "SHLVL", "COLUMNS", "LINES", "HOSTNAME",
+              "HOSTTYPE", "MACHTYPE", "OSTYPE", "IFS", "OPTIND", "OPTERR", "PS4", "PS1", "PS2")
+_ENV_FIELDS = {"image", "runtime", "cpu", "memory_mb", "pids", "disk_mb", "ttl_seconds", "env",
+               "network"}
+
+
+def now_iso(delta: float = 0.0) -> str:
+    t = datetime.now(timezone.utc) + timedelta(seconds=delta)
+    return t.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, code: str, message: str, **extra: Any) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message, self.extra = status, code, message, extra
+
+
+@dataclass
+class FakeEnv:
+    id: str
+    tenant: str
+    workspace: str
+    state_file: str
+    options: dict[str, Any]
+    created_at: str = field(default_factory=now_iso)
+    expires_at: str = ""
+    destroyed_at: Optional[str] = None
+    destroy_reason: Optional[str] = None
+    exec_count: int = 0
+    heartbeats: int = 0
+
+    def record(self) -> dict[str, Any]:
+        return {"environment_id": self.id,
+                "state": "destroyed" if self.destroyed_at else "running",
+                "runtime": self.options.get("runtime", "container"),
+                "image": self.options.get("image", "default"),
+                "limits": {"cpu": self.options.get("cpu", 1.0),
+                           "memory_mb": self.options.get("memory_mb", 512),
+                           "pids": self.options.get("pids", 256),
+                           "disk_mb": self.options.get("disk_mb", 1024)},
+                "created_at": self.created_at, "last_used_at": self.created_at,
+                "expires_at": self.expires_at, "destroyed_at": self.destroyed_at,
+                "destroy_reason": self.destroy_reason,
+                "usage": {"memory_bytes": 0, "cpu_ms": 0, "pids": 0,
+                          "exec_count": self.exec_count}}
+
+
+class FakeEsbd:
+    """Start with :meth:`start`; ``url`` is then the base URL. ``keys`` maps API keys to
+    tenants (None = dev mode, no auth). ``run_endpoint`` enables ``POST /run`` (True), or
+    makes it answer 400 "not available" like esbd without the nano tier ("unavailable")."""
+
+    def __init__(self, keys: Optional[dict[str, str]] = None, run_endpoint: Any = False,
+                 read_limit: int = 16 * 1024 * 1024) -> None:
+        self.keys = keys
+        self.run_endpoint = run_endpoint
+        self.read_limit = read_limit
+        self.envs: dict[str, FakeEnv] = {}
+        self.requests: list[tuple[str, str]] = []
+        self.run_bodies: list[dict[str, Any]] = []
+        self.create_bodies: list[dict[str, Any]] = []
+        self.audit: list[dict[str, Any]] = []
+        self.lock = threading.Lock()
+        self.root = tempfile.mkdtemp(prefix="fake-esbd-")
+        self.server: Optional[ThreadingHTTPServer] = None
+        self.url = ""
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def start(self) -> "FakeEsbd":
+        fake = self
+
+        class Handler(_Handler):
+            esbd = fake
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        host, port = self.server.server_address[:2]
+        self.url = f"http://{host}:{port}"
+        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05},
+                         daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def live(self) -> list[FakeEnv]:
+        return [e for e in self.envs.values() if e.destroyed_at is None]
+
+    # -- helpers ------------------------------------------------------------------------
+    def tenant_for(self, auth: Optional[str]) -> str:
+        if self.keys is None:
+            return "default"
+        if not auth or not auth.startswith("Bearer "):
+            raise ApiError(401, "unauthorized", "Missing API key (Authorization: Bearer ...).")
+        tenant = self.keys.get(auth[len("Bearer "):])
+        if tenant is None:
+            raise ApiError(401, "unauthorized", "Invalid API key.")
+        return tenant
+
+    def env_for(self, tenant: str, env_id: str, *, allow_destroyed: bool = False) -> FakeEnv:
+        env = self.envs.get(env_id)
+        if env is None or env.tenant != tenant or (env.destroyed_at and not allow_destroyed):
+            raise ApiError(404, "not_found", f"Environment {env_id} not found.")
+        return env
+
+    def resolve(self, env: FakeEnv, path: Optional[str]) -> str:
+        if not path:
+            raise ApiError(400, "bad_request", "Missing 'path'.")
+        if path.startswith("/workspace"):
+            path = path[len("/workspace"):].lstrip("/") or "."
+        elif path.startswith("/"):
+            raise ApiError(400, "bad_request", "The fake only serves /workspace paths.")
+        full = os.path.realpath(os.path.join(env.workspace, path))
+        if full != env.workspace and not full.startswith(env.workspace + os.sep):
+            raise ApiError(400, "bad_request", f"Path escapes the workspace: {path}")
+        return full
+
+    def create(self, tenant: str, body: dict[str, Any]) -> FakeEnv:
+        unknown = sorted(set(body) - _ENV_FIELDS)
+        if unknown:
+            raise ApiError(400, "bad_request", f"Unknown field '{unknown[0]}'.")
+        runtime = body.get("runtime", "container")
+        if runtime not in ("container",):
+            raise ApiError(400, "bad_request", f"Runtime '{runtime}' is not available.")
+        mem = body.get("memory_mb", 512)
+        if not isinstance(mem, int) or not 32 <= mem <= 16384:
+            raise ApiError(400, "bad_request", "memory_mb must be between 32 and 16384.")
+        ttl = body.get("ttl_seconds", 900)
+        if not isinstance(ttl, int) or not 10 <= ttl <= 86400:
+            raise ApiError(400, "bad_request", "ttl_seconds must be between 10 and 86400.")
+        env_id = "env_" + secrets.token_hex(8)
+        ws = os.path.realpath(os.path.join(self.root, env_id))
+        os.makedirs(ws)
+        env = FakeEnv(env_id, tenant, ws, os.path.join(self.root, env_id + ".state"),
+                      dict(body), expires_at=now_iso(ttl))
+        with self.lock:
+            self.envs[env_id] = env
+            self.create_bodies.append(dict(body))
+        return env
+
+    def destroy(self, env: FakeEnv, reason: str = "deleted") -> None:
+        if env.destroyed_at is None:
+            env.destroyed_at, env.destroy_reason = now_iso(), reason
+            shutil.rmtree(env.workspace, ignore_errors=True)
+
+    def spawn(self, env: FakeEnv, command: str, extra_env: dict[str, str]) -> subprocess.Popen:
+        # The fake's /workspace is a temporary directory: never touch the host's /workspace.
+        command = command.replace("/workspace", env.workspace)
+        skip = "|".join(list(_SKIP_VARS) + list(extra_env))
+        script = (
+            f"__S={_q(env.state_file)}\n"
+            '[ -f "$__S" ] && source "$__S" >/dev/null 2>&1\n'
+            "trap '__rc=$?; { declare -p | grep -v -E \"^declare -[a-zA-Z]*r\" "
+            f"| grep -v -E \"^declare -[-a-zA-Z]* ({skip})(=|$)\"; declare -f; "
+            'echo "cd $(printf %q "$PWD")"; } > "$__S.tmp" 2>/dev/null; '
+            "mv \"$__S.tmp\" \"$__S\"; exit $__rc' EXIT\n"
+            + command + "\n")
+        child_env = {"PATH": "/usr/bin:/bin", "HOME": env.workspace,
+                     "LANG": "C.UTF-8"}
+        child_env.update(env.options.get("env") or {})
+        child_env.update(extra_env)
+        return subprocess.Popen(["bash", "-c", script], cwd=env.workspace, env=child_env,
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, start_new_session=True)
+
+
+def _q(s: str) -> str:
+    return "'" + s.replace("'", "'\\''") + "'"
+
+
+class _Handler(BaseHTTPRequestHandler):
+    esbd: FakeEsbd
+    server_version = "fake-esbd/0.1"
+
+    def log_message(self, fmt: str, *args: Any) -> None:  # quiet
+        pass
+
+    # -- plumbing -----------------------------------------------------------------------
+    def send_json(self, status: int, body: dict[str, Any]) -> None:
+        raw = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
+
+    def read_body(self) -> bytes:
+        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+            out = bytearray()
+            while True:
+                size = int(self.rfile.readline().split(b";")[0].strip(), 16)
+                if size == 0:
+                    self.rfile.readline()
+                    break
+                out += self.rfile.read(size)
+                self.rfile.readline()
+            return bytes(out)
+        length = int(self.headers.get("Content-Length") or 0)
+        return self.rfile.read(length) if length else b""
+
+    def json_body(self) -> dict[str, Any]:
+        raw = self.read_body()
+        if not raw:
+            return {}
+        try:
+            body = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise ApiError(400, "bad_request", f"Malformed JSON: {exc}") from exc
+        if not isinstance(body, dict):
+            raise ApiError(400, "bad_request", "Body must be a JSON object.")
+        return body
+
+    def handle_any(self, method: str) -> None:
+        parsed = urllib.parse.urlsplit(self.path)
+        query = dict(urllib.parse.parse_qsl(parsed.query))
+        parts = [urllib.parse.unquote(p) for p in parsed.path.split("/") if p]
+        self.esbd.requests.append((method, parsed.path))
+        try:
+            self.route(method, parts, query)
+        except ApiError as exc:
+            body = {"error": True, "code": exc.code, "message": exc.message}
+            body.update(exc.extra)
+            self.send_json(exc.status, body)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+
+    def do_GET(self) -> None:  # noqa: N802
+        self.handle_any("GET")
+
+    def do_POST(self) -> None:  # noqa: N802
+        self.handle_any("POST")
+
+    def do_PUT(self) -> None:  # noqa: N802
+        self.handle_any("PUT")
+
+    def do_DELETE(self) -> None:  # noqa: N802
+        self.handle_any("DELETE")
+
+    # -- routes -------------------------------------------------------------------------
+    def route(self, method: str, parts: list[str], query: dict[str, str]) -> None:
+        esbd = self.esbd
+        if parts == ["healthz"] and method == "GET":
+            return self.send_json(200, {"status": "ok", "version": "fake",
+                                        "drivers": {"container": "fake"}})
+        tenant = esbd.tenant_for(self.headers.get("Authorization"))
+        if parts == ["run"] and method == "POST":
+            if not esbd.run_endpoint:
+                raise ApiError(404, "not_found", "No route for POST /run.")
+            if esbd.run_endpoint == "unavailable":  # what esbd says without the nano tier
+                raise ApiError(400, "bad_request", "POST /run needs the nano tier, which is not "
+                               "available on this daemon (see GET /healthz 'unavailable')")
+            return self.run_code(self.json_body())
+        if parts == ["audit"] and method == "GET":
+            rows = [r for r in esbd.audit if r["tenant"] == tenant
+                    and (not query.get("environment_id")
+                         or r["environment_id"] == query["environment_id"])
+                    and (not query.get("q") or query["q"] in r["action"] + " " + r["detail"])]
+            return self.send_json(200, {"entries": rows[: int(query.get("limit", 100))]})
+        if parts == ["environments"]:
+            if method == "POST":
+                env = esbd.create(tenant, self.json_body())
+                rec = env.record()
+                rec["pooled"] = False
+                return self.send_json(201, rec)
+            if method == "GET":
+                show_all = query.get("all") == "1"
+                return self.send_json(200, {"environments": [
+                    e.record() for e in esbd.envs.values()
+                    if e.tenant == tenant and (show_all or not e.destroyed_at)]})
+            raise ApiError(405, "method_not_allowed", "Method not allowed.")
+        if len(parts) >= 2 and parts[0] == "environments":
+            env_id, rest = parts[1], parts[2:]
+            if not rest:
+                if method == "GET":
+                    env = esbd.env_for(tenant, env_id, allow_destroyed=True)
+                    return self.send_json(200, env.record())
+                if method == "DELETE":
+                    env = esbd.env_for(tenant, env_id, allow_destroyed=True)
+                    esbd.destroy(env)
+                    return self.send_json(200, {"error": False,
+                                                "message": "Environment destroyed."})
+                raise ApiError(405, "method_not_allowed", "Method not allowed.")
+            env = esbd.env_for(tenant, env_id)
+            if rest == ["heartbeat"] and method == "POST":
+                body = self.json_body()
+                ttl = body.get("ttl_seconds", 900)
+                env.expires_at, env.heartbeats = now_iso(ttl), env.heartbeats + 1
+                return self.send_json(200, {"error": False, "expires_at": env.expires_at})
+            if rest == ["execute"] and method == "POST":
+                return self.execute(env, self.json_body())
+            if rest == ["files", "write"] and method == "POST":
+                return self.write_file(env, self.json_body())
+            if rest == ["files", "read"] and method == "GET":
+                return self.read_file(env, query.get("path"))
+            if rest == ["files", "raw"] and method == "PUT":
+                full = esbd.resolve(env, query.get("path"))
+                data = self.read_body()
+                os.makedirs(os.path.dirname(full), exist_ok=True)
+                with open(full, "wb") as f:
+                    f.write(data)
+                return self.send_json(200, {"error": False,
+                                            "message": "File saved successfully.",
+                                            "bytes": len(data)})
+            if rest == ["files", "raw"] and method == "GET":
+                full = esbd.resolve(env, query.get("path"))
+                if not os.path.isfile(full):
+                    raise ApiError(404, "not_found", f"File not found: {query.get('path')}")
+                size = os.path.getsize(full)
+                self.send_response(200)
+                self.send_header("Content-Type", "application/octet-stream")
+                self.send_header("Content-Length", str(size))
+                self.end_headers()
+                with open(full, "rb") as f:
+                    shutil.copyfileobj(f, self.wfile, 65536)
+                return None
+            if rest == ["files", "list"] and method == "GET":
+                return self.list_dir(env, query.get("path", "."))
+        raise ApiError(404, "not_found", f"No route for {method} /{'/'.join(parts)}.")
+
+    def run_code(self, body: dict[str, Any]) -> None:
+        self.esbd.run_bodies.append(body)
+        code = body.get("code")
+        if not isinstance(code, str):
+            raise ApiError(400, "bad_request", "'code' must be a string.")
+        t0 = time.monotonic()
+        try:
+            proc = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True,
+                                  timeout=body.get("timeout_ms", 30000) / 1000.0,
+                                  cwd=self.esbd.root)
+            out, err, rc, timed_out = proc.stdout, proc.stderr, proc.returncode, False
+        except subprocess.TimeoutExpired as exc:
+            out, err, rc, timed_out = exc.stdout or b"", exc.stderr or b"", 124, True
+        answer: dict[str, Any] = {"stdout": out.decode(errors="replace"),
+                                  "stderr": err.decode(errors="replace"), "exit_code": rc,
+                                  "error": rc != 0, "timed_out": timed_out,
+                                  "duration_ms": (time.monotonic() - t0) * 1000.0,
+                                  "tier": "nano", "reason": "fake"}
+        if rc != 0 and "Traceback" in answer["stderr"]:
+            last = answer["stderr"].strip().splitlines()[-1]
+            name, _, msg = last.partition(": ")
+            answer["error"] = {"type": name, "message": msg, "traceback": answer["stderr"]}
+        self.send_json(200, answer)
+
+    def execute(self, env: FakeEnv, body: dict[str, Any]) -> None:
+        unknown = sorted(set(body) - {"command", "timeout_seconds", "env"})
+        if unknown:
+            raise ApiError(400, "bad_request", f"Unknown field '{unknown[0]}'.")
+        command = body.get("command")
+        if not isinstance(command, str) or not command:
+            raise ApiError(400, "bad_request", "'command' must be a non-empty string.")
+        timeout = body.get("timeout_seconds", 60)
+        if not isinstance(timeout, int) or not 1 <= timeout <= 3600:
+            raise ApiError(400, "bad_request", "timeout_seconds must be 1..3600.")
+        env.exec_count += 1
+        self.esbd.audit.append({"id": len(self.esbd.audit) + 1, "time": now_iso(),
+                                "tenant": env.tenant, "environment_id": env.id,
+                                "action": "execute", "detail": command})
+        streaming = "text/event-stream" in (self.headers.get("Accept") or "")
+        t0 = time.monotonic()
+        proc = self.esbd.spawn(env, command, {str(k): str(v)
+                                              for k, v in (body.get("env") or {}).items()})
+        events: "queue.Queue[tuple[str, bytes]]" = queue.Queue()
+
+        def pump(name: str, pipe: Any) -> None:
+            while True:
+                chunk = os.read(pipe.fileno(), 4096)
+                if not chunk:
+                    break
+                events.put((name, chunk))
+            events.put((name, b""))
+
+        for name, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr)):
+            threading.Thread(target=pump, args=(name, pipe), daemon=True).start()
+        if streaming:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Cache-Control", "no-cache")
+            self.end_headers()
+            self.wfile.write(b": stream open\n\n")
+        bufs = {"stdout": bytearray(), "stderr": bytearray()}
+        truncated, timed_out, open_streams = False, False, 2
+        deadline = t0 + timeout
+        while open_streams:
+            try:
+                name, chunk = events.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                timed_out = True
+                os.killpg(proc.pid, signal.SIGKILL)
+                deadline = time.monotonic() + 5
+                continue
+            if not chunk:
+                open_streams -= 1
+                continue
+            room = CAP - len(bufs[name])
+            if len(chunk) > room:
+                truncated, chunk = True, chunk[:room]
+            if not chunk:
+                continue
+            bufs[name] += chunk
+            if streaming:
+                try:
+                    data = {"data": chunk.decode("utf-8")}
+                except UnicodeDecodeError:
+                    data = {"data_b64": base64.b64encode(chunk).decode()}
+                try:
+                    self.wfile.write(f"event: {name}\ndata: {json.dumps(data)}\n\n".encode())
+                    self.wfile.flush()
+                except (BrokenPipeError, ConnectionResetError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                    return
+        rc = proc.wait()
+        if timed_out:
+            rc = 124
+        result = {"error": rc != 0, "stdout": bufs["stdout"].decode(errors="replace"),
+                  "stderr": bufs["stderr"].decode(errors="replace"), "exit_code": rc,
+                  "duration_ms": int((time.monotonic() - t0) * 1000), "timed_out": timed_out,
+                  "truncated": truncated}
+        if streaming:
+            self.wfile.write(f"event: result\ndata: {json.dumps(result)}\n\n".encode())
+            self.wfile.flush()
+        else:
+            self.send_json(200, result)
+
+    def write_file(self, env: FakeEnv, body: dict[str, Any]) -> None:
+        unknown = sorted(set(body) - {"path", "content", "encoding"})
+        if unknown:
+            raise ApiError(400, "bad_request", f"Unknown field '{unknown[0]}'.")
+        full = self.esbd.resolve(env, body.get("path"))
+        content = body.get("content")
+        if not isinstance(content, str):
+            raise ApiError(400, "bad_request", "'content' must be a string.")
+        encoding = body.get("encoding", "utf-8")
+        if encoding == "base64":
+            data = base64.b64decode(content)
+        elif encoding == "utf-8":
+            data = content.encode()
+        else:
+            raise ApiError(400, "bad_request", f"Unknown encoding '{encoding}'.")
+        if os.path.isdir(full):
+            raise ApiError(400, "bad_request", "Path is a directory.")
+        os.makedirs(os.path.dirname(full), exist_ok=True)
+        with open(full, "wb") as f:
+            f.write(data)
+        self.send_json(200, {"error": False, "message": "File saved successfully.",
+                             "bytes": len(data)})
+
+    def read_file(self, env: FakeEnv, path: Optional[str]) -> None:
+        full = self.esbd.resolve(env, path)
+        if not os.path.exists(full):
+            msg = f"File not found: {path}"
+            raise ApiError(404, "not_found", msg, content=msg)
+        if not os.path.isfile(full):
+            raise ApiError(400, "bad_request", f"Not a regular file: {path}")
+        if os.path.getsize(full) > self.esbd.read_limit:
+            raise ApiError(413, "payload_too_large", "File too large for files/read; use "
+                           "files/raw.")
+        with open(full, "rb") as f:
+            data = f.read()
+        try:
+            body = {"content": data.decode("utf-8"), "encoding": "utf-8"}
+        except UnicodeDecodeError:
+            body = {"content": base64.b64encode(data).decode(), "encoding": "base64"}
+        self.send_json(200, {"error": False, **body, "size": len(data)})
+
+    def list_dir(self, env: FakeEnv, path: str) -> None:
+        full = self.esbd.resolve(env, path)
+        if not os.path.isdir(full):
+            raise ApiError(404, "not_found", f"Directory not found: {path}")
+        entries = []
+        for name in sorted(os.listdir(full)):
+            st = os.lstat(os.path.join(full, name))
+            kind = ("dir" if stat.S_ISDIR(st.st_mode) else "file" if stat.S_ISREG(st.st_mode)
+                    else "symlink" if stat.S_ISLNK(st.st_mode) else "other")
+            entries.append({"name": name, "type": kind, "size": st.st_size,
+                            "mode": f"{stat.S_IMODE(st.st_mode):04o}",
+                            "mtime": datetime.fromtimestamp(st.st_mtime, timezone.utc)
+                            .isoformat(timespec="milliseconds").replace("+00:00", "Z")})
+        rel = os.path.relpath(full, env.workspace)
+        shown = "/workspace" if rel == "." else "/workspace/" + rel
+        self.send_json(200, {"error": False, "path": shown, "entries": entries})
+
+
+if __name__ == "__main__":  # python3 fake_esbd.py [--port N] [--key KEY=TENANT ...] [--run]
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Run the fake esbd used by the SDK tests.")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--key", action="append", default=[], help="KEY=TENANT")
+    parser.add_argument("--run", action="store_true", help="serve POST /run")
+    ns = parser.parse_args()
+    fake_server = FakeEsbd(keys=dict(k.split("=", 1) for k in ns.key) or None,
+                           run_endpoint=ns.run)
+    fake_server.server = ThreadingHTTPServer(("127.0.0.1", ns.port), type(
+        "H", (_Handler,), {"esbd": fake_server}))
+    fake_server.server.daemon_threads = True
+    print(f"fake esbd on http://127.0.0.1:{fake_server.server.server_address[1]}", flush=True)
+    try:
+        fake_server.server.serve_forever()
+    finally:
+        shutil.rmtree(fake_server.root, ignore_errors=True)

@@ -1,0 +1,98 @@
+"""Fast tests of agentbox.tools (meta-tool schemas and dispatch)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from agentbox import DaemonUnreachable, Environment, Sandbox, tools
+
+
+def test_openai_format():
+    defs = tools.openai_tools()
+    assert [d["function"]["name"] for d in defs] == [
+        "environment_execute_command", "environment_write_file", "environment_read_file"]
+    ex = defs[0]["function"]
+    assert ex["parameters"]["required"] == ["command"]
+    assert ex["parameters"]["properties"]["command"]["description"] == \
+        "The full shell command to execute."
+    assert ex["parameters"]["properties"]["timeout_seconds"]["default"] == 60
+    assert ex["description"].startswith("Executes any shell command within the secure, "
+                                        "stateful environment.")
+    assert all(d["type"] == "function" for d in defs)
+    json.dumps(defs)
+
+
+def test_anthropic_format():
+    defs = tools.anthropic_tools()
+    names = [d["name"] for d in defs]
+    assert names == ["environment_execute_command", "environment_write_file",
+                     "environment_read_file"]
+    write = defs[1]["input_schema"]
+    assert write["required"] == ["path", "content"]
+    assert write["properties"]["path"]["description"] == \
+        "The relative path within the workspace (e.g., 'src/main.py')."
+    assert defs[2]["input_schema"]["properties"]["path"]["description"] == \
+        "The relative path of the file to read."
+    import re
+    assert all(re.fullmatch(r"[a-zA-Z0-9_-]{1,64}", n) for n in names)
+
+
+def test_names():
+    assert tools.canonical_name("environment_read_file") == "environment.read_file"
+    assert tools.canonical_name("read_file") == "environment.read_file"
+    assert tools.wire_name("environment.write_file") == "environment_write_file"
+    with pytest.raises(KeyError):
+        tools.canonical_name("rm_rf")
+    defs = tools.tool_definitions()
+    defs[0]["name"] = "changed"
+    assert tools.TOOLS[0]["name"] == "environment.execute_command"
+
+
+def test_dispatch_shapes(fake):
+    with Sandbox.create(url=fake.url) as env:
+        w = tools.dispatch(env, "environment.write_file",
+                           {"path": "src/main.py", "content": "print(40 + 2)\n"})
+        assert w == {"error": False, "message": "File saved successfully."}
+        x = tools.dispatch(env, "environment_execute_command",
+                           json.dumps({"command": "python3 src/main.py"}))
+        assert x == {"error": False, "stdout": "42\n", "stderr": "", "exit_code": 0}
+        r = tools.dispatch(env, "read_file", {"path": "src/main.py"})
+        assert r == {"error": False, "content": "print(40 + 2)\n"}
+        bad = tools.dispatch(env, "environment.execute_command", {"command": "exit 4"})
+        assert bad["error"] is True and bad["exit_code"] == 4
+        t = tools.dispatch(env, "environment.execute_command",
+                           {"command": "sleep 20", "timeout_seconds": 1})
+        assert t["exit_code"] == 124 and t["error"] is True
+
+
+def test_dispatch_errors_come_back_as_data(fake):
+    with Sandbox.create(url=fake.url) as env:
+        missing = tools.dispatch(env, "environment.read_file", {"path": "nope.txt"})
+        assert missing["error"] is True and "nope.txt" in missing["content"]
+        assert set(missing) == {"error", "content"}
+        esc = tools.dispatch(env, "environment.write_file", {"path": "../../x", "content": ""})
+        assert esc["error"] is True and set(esc) == {"error", "message"}
+        assert tools.dispatch(env, "rm_rf", {})["error"] is True
+        assert tools.dispatch(env, "environment.execute_command", "{not json")["error"]
+        assert tools.dispatch(env, "environment.execute_command", {})["error"]
+        assert "Unknown argument" in tools.dispatch(
+            env, "environment.read_file", {"path": "a", "x": 1})["content"]
+        assert tools.dispatch(env, "environment.write_file", {"path": "a"})["error"]
+
+
+def test_dispatch_raises_infrastructure_errors(dead_url):
+    env = Environment(Sandbox(url=dead_url)._transport, "env_x")
+    with pytest.raises(DaemonUnreachable):
+        tools.dispatch(env, "environment.execute_command", {"command": "true"})
+
+
+def test_result_message_helpers():
+    out = {"error": True, "content": "File not found: x"}
+    msg = tools.openai_tool_message("call_1", out)
+    assert msg == {"role": "tool", "tool_call_id": "call_1",
+                   "content": '{"error": true, "content": "File not found: x"}'}
+    block = tools.anthropic_tool_result("toolu_1", out)
+    assert block["type"] == "tool_result" and block["is_error"] is True
+    assert json.loads(block["content"]) == out

@@ -1,0 +1,389 @@
+// esb-agent over the raw framed protocol: the binary is started as a child process on a
+// temporary socket (src/agent/test_agent_process.h). The friendlier API-level tests live in
+// src/drivers/agent_client_test.cc.
+#include <dirent.h>
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+
+#include <atomic>
+#include <fstream>
+#include <sstream>
+#include <thread>
+#include <vector>
+
+#include "agent/test_agent_process.h"
+#include "common/protocol.h"
+
+namespace esb::agent {
+namespace {
+
+namespace json = boost::json;
+using ::esb::testing::AgentProcess;
+using ::esb::testing::ProcessGone;
+
+// One connection, hello already read.
+class Conn {
+ public:
+  explicit Conn(const AgentProcess& agent) : fd_(agent.Connect()) {
+    if (fd_ >= 0) {
+      std::string error;
+      ok_ = proto::ReadFrame(fd_, &hello_, &error, proto::MonotonicMs() + 5000);
+    }
+  }
+  ~Conn() {
+    if (fd_ >= 0) close(fd_);
+  }
+  bool ok() const { return ok_; }
+  int fd() const { return fd_; }
+  const proto::Frame& hello() const { return hello_; }
+  void Close() {
+    close(fd_);
+    fd_ = -1;
+  }
+
+  bool Send(json::object header, std::string payload = "") {
+    proto::Frame f;
+    f.type = proto::FrameType::kRequest;
+    f.header = std::move(header);
+    f.payload = std::move(payload);
+    std::string error;
+    return proto::WriteFrame(fd_, f, &error);
+  }
+
+  // Reads up to and including the RESPONSE; OUTPUT frames are appended to *outputs.
+  proto::Frame Response(std::vector<proto::Frame>* outputs = nullptr, int timeout_ms = 10000) {
+    for (;;) {
+      proto::Frame f;
+      std::string error;
+      if (!proto::ReadFrame(fd_, &f, &error, proto::MonotonicMs() + timeout_ms)) {
+        ADD_FAILURE() << "no response: " << error;
+        return f;
+      }
+      if (f.type == proto::FrameType::kResponse) return f;
+      if (outputs) outputs->push_back(std::move(f));
+    }
+  }
+
+  proto::Frame Call(json::object header, std::string payload = "") {
+    EXPECT_TRUE(Send(std::move(header), std::move(payload)));
+    return Response();
+  }
+
+  // True if the agent closed the connection within the timeout.
+  bool ClosedByPeer(int timeout_ms = 3000) {
+    proto::Frame f;
+    std::string error;
+    bool got = proto::ReadFrame(fd_, &f, &error, proto::MonotonicMs() + timeout_ms);
+    return !got && error != "timed out";
+  }
+
+  bool RawWrite(std::string_view bytes) {
+    return write(fd_, bytes.data(), bytes.size()) == static_cast<ssize_t>(bytes.size());
+  }
+
+ private:
+  int fd_ = -1;
+  bool ok_ = false;
+  proto::Frame hello_;
+};
+
+bool Ok(const proto::Frame& f) {
+  const json::value* v = f.header.if_contains("ok");
+  return v && v->is_bool() && v->as_bool();
+}
+
+std::string Errno(const proto::Frame& f) {
+  const json::value* v = f.header.if_contains("errno");
+  return v && v->is_string() ? std::string(v->as_string()) : "";
+}
+
+std::string ReadHostFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+class AgentTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ASSERT_GT(agent_.pid(), 0) << "could not start " << ESB_AGENT_BINARY;
+    ASSERT_TRUE(agent_.WaitReady()) << "agent did not listen on " << agent_.socket_path();
+  }
+  bool Alive() {
+    Conn c(agent_);
+    return c.ok() && Ok(c.Call({{"op", "ping"}}));
+  }
+  AgentProcess agent_;
+};
+
+TEST_F(AgentTest, SaysHelloAndAnswersPing) {
+  Conn c(agent_);
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c.hello().type, proto::FrameType::kHello);
+  EXPECT_EQ(c.hello().header.at("agent").as_string(), "esb-agent");
+  EXPECT_EQ(c.hello().header.at("version").as_int64(), proto::kVersion);
+  EXPECT_EQ(c.hello().header.at("pid").as_int64(), agent_.pid());
+  // Several requests on one connection.
+  EXPECT_TRUE(Ok(c.Call({{"op", "ping"}})));
+  EXPECT_TRUE(Ok(c.Call({{"op", "ping"}})));
+  std::vector<proto::Frame> outputs;
+  ASSERT_TRUE(c.Send({{"op", "exec"}, {"command", "echo hi"}}));
+  proto::Frame r = c.Response(&outputs);
+  EXPECT_TRUE(Ok(r));
+  EXPECT_EQ(r.header.at("exit_code").as_int64(), 0);
+  ASSERT_EQ(outputs.size(), 1u);
+  EXPECT_EQ(outputs[0].header.at("stream").as_string(), "stdout");
+  EXPECT_EQ(outputs[0].payload, "hi\n");
+}
+
+TEST_F(AgentTest, MalformedFramesCloseOnlyThatConnection) {
+  auto u32 = [](uint32_t v) {
+    std::string s(4, '\0');
+    for (int i = 0; i < 4; ++i) s[i] = static_cast<char>(v >> (24 - 8 * i));
+    return s;
+  };
+  const std::vector<std::string> garbage = {
+      u32(0xffffffff) + "xxxxxxxx",       // absurd length
+      u32(proto::kMaxFrameBytes + 1),     // just over the limit
+      u32(7) + "\x09" + u32(2) + "{}",    // unknown type
+      u32(9) + "\x02" + u32(4) + "{no}",  // bad JSON
+      u32(7) + "\x02" + u32(2) + "[]",    // header is not an object
+      u32(7) + "\x01" + u32(2) + "{}",    // HELLO from the client
+      u32(2) + "ab",                      // shorter than the fixed part
+      std::string("GET / HTTP/1.1\r\nHost: x\r\n\r\n"),
+  };
+  for (const std::string& g : garbage) {
+    Conn c(agent_);
+    ASSERT_TRUE(c.ok());
+    ASSERT_TRUE(c.RawWrite(g));
+    EXPECT_TRUE(c.ClosedByPeer()) << "agent kept a connection after garbage";
+    EXPECT_TRUE(Alive()) << "agent died after garbage";
+  }
+  // A connection that sends half a frame and vanishes does not hurt either.
+  {
+    Conn c(agent_);
+    ASSERT_TRUE(c.RawWrite(u32(100) + "\x02"));
+  }
+  EXPECT_TRUE(Alive());
+  EXPECT_EQ(waitpid(agent_.pid(), nullptr, WNOHANG), 0);
+}
+
+TEST_F(AgentTest, BadRequestsGetErrnoErrors) {
+  Conn c(agent_);
+  ASSERT_TRUE(c.ok());
+  proto::Frame r = c.Call({{"op", "no-such-op"}});
+  EXPECT_FALSE(Ok(r));
+  EXPECT_EQ(Errno(r), "EINVAL");
+  EXPECT_FALSE(r.header.at("error").as_string().empty());
+  EXPECT_EQ(Errno(c.Call({{"noop", 1}})), "EINVAL");
+  EXPECT_EQ(Errno(c.Call({{"op", "exec"}})), "EINVAL");  // no command
+  EXPECT_EQ(Errno(c.Call({{"op", "exec"}, {"command", "true"}, {"timeout_ms", "soon"}})), "EINVAL");
+  EXPECT_EQ(Errno(c.Call({{"op", "exec"}, {"command", "true"}, {"env", {{"A", 1}}}})), "EINVAL");
+  EXPECT_EQ(Errno(c.Call({{"op", "read"}})), "EINVAL");  // no path
+  EXPECT_EQ(Errno(c.Call({{"op", "read"}, {"path", "x"}, {"length", int64_t{1} << 30}})), "EINVAL");
+  EXPECT_EQ(Errno(c.Call({{"op", "read"}, {"path", "x"}, {"offset", -1}})), "EINVAL");
+  EXPECT_EQ(Errno(c.Call({{"op", "write"}, {"path", ""}})), "EINVAL");
+  EXPECT_EQ(Errno(c.Call({{"op", "configure"}, {"env", "nope"}})), "EINVAL");
+  // The connection is still usable after error responses.
+  EXPECT_TRUE(Ok(c.Call({{"op", "ping"}})));
+}
+
+TEST_F(AgentTest, WriteOptions) {
+  Conn c(agent_);
+  ASSERT_TRUE(c.ok());
+  proto::Frame r = c.Call({{"op", "write"}, {"path", "a/b/c.txt"}, {"mode", 0600}}, "hello");
+  ASSERT_TRUE(Ok(r)) << json::serialize(r.header);
+  EXPECT_EQ(r.header.at("size").as_int64(), 5);
+  struct stat st;
+  ASSERT_EQ(stat((agent_.workspace() + "/a/b/c.txt").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 07777, 0600u);
+
+  r = c.Call({{"op", "write"}, {"path", "a/b/c.txt"}, {"offset", 10}}, "X");
+  ASSERT_TRUE(Ok(r));
+  EXPECT_EQ(r.header.at("size").as_int64(), 11);
+  EXPECT_EQ(ReadHostFile(agent_.workspace() + "/a/b/c.txt"), std::string("hello\0\0\0\0\0X", 11));
+
+  r = c.Call({{"op", "write"}, {"path", "big"}, {"max_bytes", 4}}, "12345");
+  EXPECT_EQ(Errno(r), "EFBIG");
+  r = c.Call({{"op", "write"}, {"path", "big"}, {"max_bytes", 5}}, "12345");
+  EXPECT_TRUE(Ok(r));
+  r = c.Call({{"op", "write"}, {"path", "big"}, {"offset", 3}, {"max_bytes", 5}}, "123");
+  EXPECT_EQ(Errno(r), "EFBIG");
+  r = c.Call({{"op", "write"}, {"path", "a"}}, "x");  // a directory
+  EXPECT_EQ(Errno(r), "EISDIR");
+  r = c.Call({{"op", "write"}, {"path", "big/sub"}}, "x");  // parent is a file
+  EXPECT_EQ(Errno(r), "ENOTDIR");
+}
+
+TEST_F(AgentTest, ClientDisconnectMidExecKillsTheProcessGroup) {
+  Conn c(agent_);
+  ASSERT_TRUE(c.ok());
+  ASSERT_TRUE(c.Send({{"op", "exec"},
+                      {"command",
+                       "sleep 100 & echo $! > bg.pid; echo $$ > sh.pid; echo go; "
+                       "sleep 100"},
+                      {"timeout_ms", 60000}}));
+  proto::Frame out;
+  std::string error;
+  ASSERT_TRUE(proto::ReadFrame(c.fd(), &out, &error, proto::MonotonicMs() + 5000)) << error;
+  EXPECT_EQ(out.payload, "go\n");
+  c.Close();
+  pid_t sh = std::stoi(ReadHostFile(agent_.workspace() + "/sh.pid"));
+  pid_t bg = std::stoi(ReadHostFile(agent_.workspace() + "/bg.pid"));
+  EXPECT_TRUE(ProcessGone(sh, 3000));
+  EXPECT_TRUE(ProcessGone(bg, 3000));
+  EXPECT_TRUE(Alive());
+}
+
+TEST_F(AgentTest, ReapsOrphansWithoutLeavingZombies) {
+  Conn c(agent_);
+  ASSERT_TRUE(c.ok());
+  // Double forks: the subshells exit at once, their sleeps are reparented to the agent.
+  proto::Frame r =
+      c.Call({{"op", "exec"}, {"command", "for i in 1 2 3 4 5; do (sleep 0.1 &); done; true"}});
+  ASSERT_TRUE(Ok(r));
+  std::this_thread::sleep_for(std::chrono::milliseconds(600));
+  int zombies = 0;
+  DIR* proc = opendir("/proc");
+  ASSERT_NE(proc, nullptr);
+  while (dirent* e = readdir(proc)) {
+    std::string stat = ReadHostFile(std::string("/proc/") + e->d_name + "/stat");
+    size_t paren = stat.rfind(')');
+    if (paren == std::string::npos) continue;
+    char state = 0;
+    int ppid = 0;
+    if (sscanf(stat.c_str() + paren + 1, " %c %d", &state, &ppid) == 2 && ppid == agent_.pid() &&
+        state == 'Z') {
+      ++zombies;
+    }
+  }
+  closedir(proc);
+  EXPECT_EQ(zombies, 0);
+  // Exit statuses still reach their waiters after the orphans were reaped.
+  r = c.Call({{"op", "exec"}, {"command", "exit 42"}});
+  EXPECT_EQ(r.header.at("exit_code").as_int64(), 42);
+}
+
+TEST_F(AgentTest, StatsReportProcessesWorkspaceAndUptime) {
+  Conn c(agent_);
+  ASSERT_TRUE(c.ok());
+  ASSERT_TRUE(Ok(c.Call({{"op", "write"}, {"path", "blob"}}, std::string(1 << 20, 'x'))));
+  proto::Frame r = c.Call({{"op", "stats"}});
+  ASSERT_TRUE(Ok(r));
+  int64_t idle = r.header.at("processes").as_int64();
+  EXPECT_GE(idle, 1);  // at least the agent
+  EXPECT_GE(r.header.at("workspace_bytes").as_int64(), 1 << 20);
+  EXPECT_GT(r.header.at("uptime_ms").as_int64(), 0);
+
+  ASSERT_TRUE(Ok(c.Call({{"op", "exec"}, {"command", "sleep 5 & sleep 5 & true"}})));
+  r = c.Call({{"op", "stats"}});
+  EXPECT_GE(r.header.at("processes").as_int64(), idle + 2);
+}
+
+TEST_F(AgentTest, SigtermKillsSessionsAndExitsZero) {
+  Conn c(agent_);
+  ASSERT_TRUE(c.ok());
+  ASSERT_TRUE(Ok(c.Call({{"op", "exec"}, {"command", "sleep 100 & echo $! > bg.pid"}})));
+  pid_t bg = std::stoi(ReadHostFile(agent_.workspace() + "/bg.pid"));
+  ASSERT_EQ(kill(bg, 0), 0);
+  ASSERT_EQ(kill(agent_.pid(), SIGTERM), 0);
+  int status = agent_.Wait(5000);
+  ASSERT_NE(status, -1) << "agent did not exit on SIGTERM";
+  EXPECT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0);
+  // The sleep was reparented to init when the agent exited; it must have been killed first.
+  EXPECT_TRUE(ProcessGone(bg, 3000));
+}
+
+TEST(AgentRestartTest, StateFileLetsARestartedAgentResumeTheSession) {
+  char tmpl[] = "/tmp/esb-agent-restart-XXXXXX";
+  std::string dir = mkdtemp(tmpl);
+  {
+    AgentProcess first({}, dir);
+    ASSERT_TRUE(first.WaitReady());
+    Conn c(first);
+    ASSERT_TRUE(c.ok());
+    ASSERT_TRUE(Ok(
+        c.Call({{"op", "exec"}, {"command", "mkdir -p sub && cd sub && export KEPT=$'x\\ny'"}})));
+    // Written after the response: wait for it.
+    for (int i = 0; i < 200; ++i) {
+      if (ReadHostFile(dir + "/state/shell.state").find("KEPT") != std::string::npos) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    EXPECT_NE(ReadHostFile(dir + "/state/shell.state").find("KEPT"), std::string::npos);
+  }
+  {
+    AgentProcess second({}, dir);
+    ASSERT_TRUE(second.WaitReady());
+    Conn c(second);
+    ASSERT_TRUE(c.ok());
+    std::vector<proto::Frame> outputs;
+    ASSERT_TRUE(c.Send({{"op", "exec"}, {"command", "pwd; printf '%s' \"$KEPT\""}}));
+    ASSERT_TRUE(Ok(c.Response(&outputs)));
+    std::string out;
+    for (const auto& f : outputs) out += f.payload;
+    EXPECT_EQ(out, dir + "/workspace/sub\nx\ny");
+  }
+  std::error_code ec;
+  std::filesystem::remove_all(dir, ec);
+}
+
+TEST_F(AgentTest, ManyConcurrentConnections) {
+  std::atomic<int> ok{0};
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 32; ++i) {
+    threads.emplace_back([&, i] {
+      Conn c(agent_);
+      if (!c.ok()) return;
+      std::string name = "f" + std::to_string(i);
+      if (!Ok(c.Call({{"op", "write"}, {"path", name}}, name))) return;
+      proto::Frame r = c.Call({{"op", "read"}, {"path", name}});
+      if (Ok(r) && r.payload == name) ++ok;
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(ok.load(), 32);
+}
+
+// The production shape: the agent is PID 1 of its own PID namespace (a user namespace makes
+// this work without root). Orphans must be reaped and SIGTERM must still stop it (PID 1 gets
+// no default signal actions).
+TEST(AgentPid1Test, RunsAsPid1InAPidNamespace) {
+  AgentProcess agent(
+      {"unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc", "--kill-child"});
+  if (agent.pid() <= 0 || !agent.WaitReady(3000)) {
+    GTEST_SKIP() << "cannot create user+PID namespaces here (unshare -U -r -p -f failed); "
+                    "PID 1 behaviour not tested";
+  }
+  Conn c(agent);
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c.hello().header.at("pid").as_int64(), 1);
+  ASSERT_TRUE(
+      Ok(c.Call({{"op", "exec"}, {"command", "for i in 1 2 3 4; do (sleep 0.1 &); done; true"}})));
+  std::this_thread::sleep_for(std::chrono::milliseconds(600));
+  std::vector<proto::Frame> outputs;
+  ASSERT_TRUE(
+      c.Send({{"op", "exec"}, {"command", "cat /proc/[0-9]*/stat | awk '$3 == \"Z\"' | wc -l"}}));
+  proto::Frame r = c.Response(&outputs);
+  ASSERT_TRUE(Ok(r));
+  ASSERT_EQ(outputs.size(), 1u);
+  EXPECT_EQ(outputs[0].payload, "0\n") << "zombies left in the namespace";
+  r = c.Call({{"op", "exec"}, {"command", "exit 5"}});
+  EXPECT_EQ(r.header.at("exit_code").as_int64(), 5);
+
+  // SIGTERM to the agent (its host pid is unshare's only child).
+  std::string children = ReadHostFile("/proc/" + std::to_string(agent.pid()) + "/task/" +
+                                      std::to_string(agent.pid()) + "/children");
+  ASSERT_FALSE(children.empty());
+  pid_t host_pid = std::stoi(children);
+  ASSERT_EQ(kill(host_pid, SIGTERM), 0);
+  int status = agent.Wait(5000);
+  ASSERT_NE(status, -1) << "agent (PID 1) ignored SIGTERM";
+  EXPECT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0);
+}
+
+}  // namespace
+}  // namespace esb::agent

@@ -1,0 +1,460 @@
+#include "agent/handlers.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <map>
+#include <set>
+#include <utility>
+#include <vector>
+
+#include "agent/util.h"
+
+namespace esb::agent {
+namespace json = boost::json;
+
+namespace {
+
+// Entries beyond this much JSON go into the payload instead of the header (which is capped
+// at 64 KiB by the frame format).
+constexpr size_t kMaxEntriesInHeader = 48 * 1024;
+constexpr int64_t kMaxOffset = int64_t{1} << 60;
+
+int64_t MtimeMs(const struct stat& st) {
+  return int64_t{st.st_mtim.tv_sec} * 1000 + st.st_mtim.tv_nsec / 1000000;
+}
+
+// File names are arbitrary bytes but frame headers must be valid UTF-8 JSON: invalid
+// sequences become U+FFFD (such a name is shown, though it cannot be addressed by it).
+std::string SanitizeUtf8(std::string_view in) {
+  std::string out;
+  out.reserve(in.size());
+  size_t i = 0;
+  while (i < in.size()) {
+    unsigned char c = static_cast<unsigned char>(in[i]);
+    size_t len = c < 0x80           ? 1
+                 : (c >> 5) == 0x6  ? 2
+                 : (c >> 4) == 0xe  ? 3
+                 : (c >> 3) == 0x1e ? 4
+                                    : 0;
+    bool ok = len > 0 && i + len <= in.size();
+    for (size_t k = 1; ok && k < len; ++k) {
+      ok = (static_cast<unsigned char>(in[i + k]) & 0xc0) == 0x80;
+    }
+    if (ok && len > 1) {
+      // Reject overlong forms, surrogates and code points past U+10FFFF.
+      uint32_t cp = c & (0x7f >> len);
+      for (size_t k = 1; k < len; ++k) cp = (cp << 6) | (in[i + k] & 0x3f);
+      static const uint32_t kMin[] = {0, 0, 0x80, 0x800, 0x10000};
+      ok = cp >= kMin[len] && cp <= 0x10ffff && !(cp >= 0xd800 && cp <= 0xdfff);
+    }
+    if (ok) {
+      out.append(in.substr(i, len));
+      i += len;
+    } else {
+      out += "\xEF\xBF\xBD";
+      ++i;
+    }
+  }
+  return out;
+}
+
+const char* TypeName(mode_t mode) {
+  if (S_ISREG(mode)) return "file";
+  if (S_ISDIR(mode)) return "dir";
+  if (S_ISLNK(mode)) return "symlink";
+  return "other";
+}
+
+json::object StatObject(const struct stat& st) {
+  json::object o;
+  o["type"] = TypeName(st.st_mode);
+  o["size"] = static_cast<int64_t>(st.st_size);
+  o["mode"] = static_cast<int64_t>(st.st_mode & 07777);
+  o["mtime_ms"] = MtimeMs(st);
+  return o;
+}
+
+// mkdir -p of every parent of `path`.
+int MakeParents(const std::string& path) {
+  for (size_t pos = path.find('/', 1); pos != std::string::npos; pos = path.find('/', pos + 1)) {
+    std::string dir = path.substr(0, pos);
+    if (mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) return errno;
+  }
+  return 0;
+}
+
+proto::Frame NotRegular(const std::string& path, const struct stat& st) {
+  if (S_ISDIR(st.st_mode)) return ErrorResponse(path + ": is a directory", "EISDIR");
+  return ErrorResponse(path + ": not a regular file", "EINVAL");
+}
+
+void DiskUsageAt(int dirfd, dev_t dev, int depth, std::set<std::pair<dev_t, ino_t>>* seen,
+                 int64_t* total) {
+  if (depth > 256) return;
+  DIR* dir = fdopendir(dirfd);
+  if (!dir) {
+    close(dirfd);
+    return;
+  }
+  while (dirent* e = readdir(dir)) {
+    if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0) continue;
+    struct stat st;
+    if (fstatat(dirfd, e->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0) continue;
+    if (st.st_dev != dev) continue;  // like du -x: other mounts are not the workspace
+    if (st.st_nlink > 1 && !S_ISDIR(st.st_mode) && !seen->insert({st.st_dev, st.st_ino}).second) {
+      continue;
+    }
+    *total += int64_t{st.st_blocks} * 512;
+    if (S_ISDIR(st.st_mode)) {
+      int child = openat(dirfd, e->d_name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+      if (child >= 0) DiskUsageAt(child, dev, depth + 1, seen, total);
+    }
+  }
+  closedir(dir);
+}
+
+}  // namespace
+
+std::string Fields::String(const char* key, std::string fallback, bool required) {
+  const json::value* v = object_.if_contains(key);
+  if (!v || v->is_null()) {
+    if (required && error_.empty()) error_ = std::string("missing field ") + key;
+    return fallback;
+  }
+  if (!v->is_string()) {
+    if (error_.empty()) error_ = std::string("field ") + key + " must be a string";
+    return fallback;
+  }
+  return std::string(v->as_string());
+}
+
+int64_t Fields::Int(const char* key, int64_t fallback, bool required) {
+  const json::value* v = object_.if_contains(key);
+  if (!v || v->is_null()) {
+    if (required && error_.empty()) error_ = std::string("missing field ") + key;
+    return fallback;
+  }
+  if (v->is_int64()) return v->as_int64();
+  if (v->is_uint64() && v->as_uint64() <= static_cast<uint64_t>(INT64_MAX)) {
+    return static_cast<int64_t>(v->as_uint64());
+  }
+  if (v->is_double()) {
+    double d = v->as_double();
+    if (d >= -9e15 && d <= 9e15 && d == static_cast<double>(static_cast<int64_t>(d))) {
+      return static_cast<int64_t>(d);
+    }
+  }
+  if (error_.empty()) error_ = std::string("field ") + key + " must be an integer";
+  return fallback;
+}
+
+bool Fields::Bool(const char* key, bool fallback) {
+  const json::value* v = object_.if_contains(key);
+  if (!v || v->is_null()) return fallback;
+  if (!v->is_bool()) {
+    if (error_.empty()) error_ = std::string("field ") + key + " must be a boolean";
+    return fallback;
+  }
+  return v->as_bool();
+}
+
+bool Fields::StringMap(const char* key, std::vector<std::pair<std::string, std::string>>* out) {
+  out->clear();
+  const json::value* v = object_.if_contains(key);
+  if (!v || v->is_null()) return true;
+  if (!v->is_object()) {
+    if (error_.empty()) error_ = std::string("field ") + key + " must be an object";
+    return false;
+  }
+  for (const auto& kv : v->as_object()) {
+    if (!kv.value().is_string()) {
+      if (error_.empty()) error_ = std::string("field ") + key + " values must be strings";
+      return false;
+    }
+    out->emplace_back(std::string(kv.key()), std::string(kv.value().as_string()));
+  }
+  return true;
+}
+
+proto::Frame OkResponse() {
+  proto::Frame f;
+  f.type = proto::FrameType::kResponse;
+  f.header["ok"] = true;
+  return f;
+}
+
+proto::Frame ErrorResponse(const std::string& message, const std::string& errno_name) {
+  proto::Frame f;
+  f.type = proto::FrameType::kResponse;
+  f.header["ok"] = false;
+  f.header["error"] = SanitizeUtf8(message);
+  f.header["errno"] = errno_name;
+  return f;
+}
+
+proto::Frame ErrnoResponse(const std::string& what, int err) {
+  return ErrorResponse(what + ": " + strerror(err), ErrnoName(err));
+}
+
+bool ResolvePath(const std::string& workspace, const std::string& path, std::string* out) {
+  if (path.empty() || path.size() > PATH_MAX || path.find('\0') != std::string::npos) {
+    return false;
+  }
+  *out = path[0] == '/' ? path : workspace + "/" + path;
+  return true;
+}
+
+proto::Frame HandleWrite(const std::string& workspace, const json::object& header,
+                         const std::string& payload) {
+  Fields f(header);
+  std::string rel = f.String("path", "", true);
+  int64_t offset = f.Int("offset", 0);
+  bool truncate = f.Bool("truncate", false);
+  bool explicit_mode = f.Has("mode");
+  int64_t mode = f.Int("mode", 0644);
+  int64_t max_bytes = f.Int("max_bytes", -1);
+  if (!f.ok()) return ErrorResponse(f.error(), "EINVAL");
+  std::string path;
+  if (!ResolvePath(workspace, rel, &path)) return ErrorResponse("invalid path", "EINVAL");
+  if (offset < 0 || offset > kMaxOffset) return ErrorResponse("invalid offset", "EINVAL");
+  if (mode < 0 || mode > 07777) return ErrorResponse("invalid mode", "EINVAL");
+  if (max_bytes >= 0 && offset + static_cast<int64_t>(payload.size()) > max_bytes) {
+    return ErrorResponse("file would exceed " + std::to_string(max_bytes) + " bytes", "EFBIG");
+  }
+
+  // O_NONBLOCK: opening a FIFO must never block the agent; fstat then refuses it.
+  const int flags = O_WRONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY;
+  Fd fd(open(path.c_str(), flags));
+  bool created = false;
+  for (int attempt = 0; !fd && attempt < 3; ++attempt) {
+    if (errno == ENXIO) return ErrorResponse(rel + ": not a regular file", "EINVAL");
+    if (errno != ENOENT) return ErrnoResponse("open " + rel, errno);
+    fd.reset(open(path.c_str(), flags | O_CREAT | O_EXCL, static_cast<mode_t>(mode)));
+    if (fd) {
+      created = true;
+      break;
+    }
+    if (errno == ENOENT) {
+      int err = MakeParents(path);
+      if (err) return ErrnoResponse("mkdir parents of " + rel, err);
+      fd.reset(open(path.c_str(), flags | O_CREAT | O_EXCL, static_cast<mode_t>(mode)));
+      if (fd) {
+        created = true;
+        break;
+      }
+    }
+    if (errno == EEXIST) fd.reset(open(path.c_str(), flags));  // lost a race: open it
+  }
+  if (!fd) return ErrnoResponse("open " + rel, errno);
+  struct stat st;
+  if (fstat(fd.get(), &st) != 0) return ErrnoResponse("fstat " + rel, errno);
+  if (!S_ISREG(st.st_mode)) return NotRegular(rel, st);
+  if ((created || explicit_mode) && fchmod(fd.get(), static_cast<mode_t>(mode)) != 0) {
+    return ErrnoResponse("chmod " + rel, errno);
+  }
+  if (truncate && ftruncate(fd.get(), 0) != 0) return ErrnoResponse("truncate " + rel, errno);
+  size_t done = 0;
+  while (done < payload.size()) {
+    ssize_t n = pwrite(fd.get(), payload.data() + done, payload.size() - done,
+                       static_cast<off_t>(offset + done));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoResponse("write " + rel, errno);
+    }
+    done += static_cast<size_t>(n);
+  }
+  if (fstat(fd.get(), &st) != 0) return ErrnoResponse("fstat " + rel, errno);
+  proto::Frame resp = OkResponse();
+  resp.header["size"] = static_cast<int64_t>(st.st_size);
+  return resp;
+}
+
+proto::Frame HandleRead(const std::string& workspace, const json::object& header) {
+  Fields f(header);
+  std::string rel = f.String("path", "", true);
+  int64_t offset = f.Int("offset", 0);
+  int64_t length = f.Int("length", proto::kMaxPayloadBytes);
+  if (!f.ok()) return ErrorResponse(f.error(), "EINVAL");
+  std::string path;
+  if (!ResolvePath(workspace, rel, &path)) return ErrorResponse("invalid path", "EINVAL");
+  if (offset < 0 || offset > kMaxOffset) return ErrorResponse("invalid offset", "EINVAL");
+  if (length < 0 || length > proto::kMaxPayloadBytes) {
+    return ErrorResponse("length must be between 0 and 16 MiB", "EINVAL");
+  }
+  // O_NONBLOCK: opening a FIFO without a writer must not hang; fstat then refuses it.
+  Fd fd(open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY));
+  if (!fd) return ErrnoResponse("open " + rel, errno);
+  struct stat st;
+  if (fstat(fd.get(), &st) != 0) return ErrnoResponse("fstat " + rel, errno);
+  if (!S_ISREG(st.st_mode)) return NotRegular(rel, st);
+  int64_t size = st.st_size;
+  int64_t want = std::clamp<int64_t>(size - offset, 0, length);
+  proto::Frame resp = OkResponse();
+  resp.payload.resize(static_cast<size_t>(want));
+  size_t got = 0;
+  while (got < resp.payload.size()) {
+    ssize_t n = pread(fd.get(), resp.payload.data() + got, resp.payload.size() - got,
+                      static_cast<off_t>(offset + got));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoResponse("read " + rel, errno);
+    }
+    if (n == 0) break;  // shrank under us
+    got += static_cast<size_t>(n);
+  }
+  resp.payload.resize(got);
+  resp.header["size"] = size;
+  resp.header["eof"] = offset + static_cast<int64_t>(got) >= size;
+  return resp;
+}
+
+proto::Frame HandleList(const std::string& workspace, const json::object& header) {
+  Fields f(header);
+  std::string rel = f.String("path", ".");
+  if (!f.ok()) return ErrorResponse(f.error(), "EINVAL");
+  if (rel.empty()) rel = ".";
+  std::string path;
+  if (!ResolvePath(workspace, rel, &path)) return ErrorResponse("invalid path", "EINVAL");
+  Fd fd(open(path.c_str(), O_RDONLY | O_DIRECTORY | O_NONBLOCK | O_CLOEXEC));
+  if (!fd) return ErrnoResponse("open " + rel, errno);
+  char resolved[PATH_MAX];
+  std::string abs = realpath(path.c_str(), resolved) ? resolved : path;
+  int dirfd = fd.get();
+  DIR* dir = fdopendir(fd.release());
+  if (!dir) {
+    int err = errno;
+    close(dirfd);
+    return ErrnoResponse("opendir " + rel, err);
+  }
+  std::map<std::string, json::object> sorted;
+  while (dirent* e = readdir(dir)) {
+    if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0) continue;
+    struct stat st;
+    json::object o;
+    if (fstatat(dirfd, e->d_name, &st, AT_SYMLINK_NOFOLLOW) == 0) {
+      o = StatObject(st);
+    } else {
+      o["type"] = "other";
+      o["size"] = 0;
+      o["mode"] = 0;
+      o["mtime_ms"] = 0;
+    }
+    o["name"] = SanitizeUtf8(e->d_name);
+    sorted.emplace(e->d_name, std::move(o));
+  }
+  closedir(dir);
+  json::array entries;
+  size_t bytes = 0;
+  bool truncated = false;
+  for (auto& [name, o] : sorted) {
+    bytes += json::serialize(o).size() + 1;
+    if (bytes > proto::kMaxPayloadBytes - 1024) {
+      truncated = true;
+      break;
+    }
+    entries.push_back(std::move(o));
+  }
+  proto::Frame resp = OkResponse();
+  resp.header["path"] = SanitizeUtf8(abs);
+  if (truncated) resp.header["truncated"] = true;
+  if (bytes > kMaxEntriesInHeader) {
+    // Extension to the documented format: large listings do not fit the 64 KiB header.
+    resp.header["entries_in_payload"] = true;
+    resp.payload = json::serialize(entries);
+  } else {
+    resp.header["entries"] = std::move(entries);
+  }
+  return resp;
+}
+
+proto::Frame HandleStat(const std::string& workspace, const json::object& header) {
+  Fields f(header);
+  std::string rel = f.String("path", "", true);
+  if (!f.ok()) return ErrorResponse(f.error(), "EINVAL");
+  std::string path;
+  if (!ResolvePath(workspace, rel, &path)) return ErrorResponse("invalid path", "EINVAL");
+  struct stat st;
+  if (stat(path.c_str(), &st) != 0) {
+    int err = errno;
+    if (err != ENOENT || lstat(path.c_str(), &st) != 0) return ErrnoResponse("stat " + rel, err);
+  }
+  proto::Frame resp = OkResponse();
+  for (auto& kv : StatObject(st)) resp.header[kv.key()] = kv.value();
+  return resp;
+}
+
+int64_t CountProcesses() {
+  DIR* proc = opendir("/proc");
+  if (!proc) return -1;
+  pid_t self = getpid();
+  std::map<pid_t, pid_t> parent;
+  int64_t all = 0;
+  while (dirent* e = readdir(proc)) {
+    char* end = nullptr;
+    long pid = strtol(e->d_name, &end, 10);
+    if (pid <= 0 || *end != '\0') continue;
+    ++all;
+    if (self == 1) continue;
+    std::string stat_path = std::string("/proc/") + e->d_name + "/stat";
+    Fd fd(open(stat_path.c_str(), O_RDONLY | O_CLOEXEC));
+    if (!fd) continue;
+    char buf[512];
+    ssize_t n = read(fd.get(), buf, sizeof buf - 1);
+    if (n <= 0) continue;
+    buf[n] = '\0';
+    // "pid (comm) state ppid ...": comm may contain anything, so parse after the last ')'.
+    char* close_paren = strrchr(buf, ')');
+    if (!close_paren) continue;
+    char state;
+    int ppid;
+    if (sscanf(close_paren + 1, " %c %d", &state, &ppid) == 2) parent[pid] = ppid;
+  }
+  closedir(proc);
+  if (self == 1) return all;
+  int64_t count = 0;
+  for (const auto& [pid, ppid] : parent) {
+    pid_t p = pid;
+    for (int hops = 0; hops < 4096 && p > 1; ++hops) {
+      if (p == self) {
+        ++count;
+        break;
+      }
+      auto it = parent.find(p);
+      if (it == parent.end()) break;
+      p = it->second;
+    }
+  }
+  return count;
+}
+
+int64_t DiskUsage(const std::string& path) {
+  int fd = open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return 0;
+  struct stat st;
+  if (fstat(fd, &st) != 0) {
+    close(fd);
+    return 0;
+  }
+  int64_t total = int64_t{st.st_blocks} * 512;
+  std::set<std::pair<dev_t, ino_t>> seen;
+  DiskUsageAt(fd, st.st_dev, 0, &seen, &total);
+  return total;
+}
+
+proto::Frame HandleStats(const std::string& workspace, int64_t start_ms) {
+  proto::Frame resp = OkResponse();
+  resp.header["processes"] = CountProcesses();
+  resp.header["workspace_bytes"] = DiskUsage(workspace);
+  resp.header["uptime_ms"] = proto::MonotonicMs() - start_ms;
+  return resp;
+}
+
+}  // namespace esb::agent

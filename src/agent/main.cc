@@ -1,0 +1,153 @@
+// esb-agent: the guest agent, PID 1 inside every container and microVM (docs/agent-protocol.md).
+// main only wires: flags, signals, the reaper, the server.
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <thread>
+
+#include "agent/agent.h"
+#include "agent/reaper.h"
+#include "agent/util.h"
+
+namespace {
+
+using esb::agent::Log;
+using esb::agent::LogLevel;
+
+void Usage() {
+  fprintf(stderr,
+          "usage: esb-agent [--socket PATH] [--workspace DIR] [--state-dir DIR] [--shell PATH]\n"
+          "                 [--log-level debug|info|warn|error]\n");
+}
+
+// Name of the current user from /etc/passwd (no NSS: this binary is static).
+std::string UserName() {
+  uid_t uid = getuid();
+  std::ifstream passwd("/etc/passwd");
+  std::string line;
+  while (std::getline(passwd, line)) {
+    size_t a = line.find(':');
+    size_t b = a == std::string::npos ? a : line.find(':', a + 1);
+    size_t c = b == std::string::npos ? b : line.find(':', b + 1);
+    if (c == std::string::npos) continue;
+    if (line.substr(b + 1, c - b - 1) == std::to_string(uid)) return line.substr(0, a);
+  }
+  const char* env_user = getenv("USER");
+  if (env_user && *env_user) return env_user;
+  return uid == 0 ? "root" : "appuser";
+}
+
+// As PID 1 the agent may start without stdin/stdout/stderr; pipes created later must never
+// land on fds 0-2 (dup2 onto the same number would keep O_CLOEXEC).
+void EnsureStdFds() {
+  for (int fd = 0; fd < 3; ++fd) {
+    if (fcntl(fd, F_GETFD) < 0) {
+      int n = open("/dev/null", O_RDWR);
+      if (n >= 0 && n != fd) {
+        dup2(n, fd);
+        close(n);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  EnsureStdFds();
+  // Descriptors inherited from whoever started us must not leak into user commands.
+  close_range(3, ~0U, 0);
+  // SECURITY: PID 1 holds the host-visible log and socket descriptors; a non-dumpable process
+  // keeps sandbox code (same uid) out of /proc/1/fd and away from ptrace.
+  prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+  esb::agent::AgentOptions options;
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    std::string value;
+    size_t eq = arg.find('=');
+    bool inline_value = arg.rfind("--", 0) == 0 && eq != std::string::npos;
+    if (inline_value) {
+      value = arg.substr(eq + 1);
+      arg = arg.substr(0, eq);
+    }
+    if (arg == "--help" || arg == "-h") {
+      Usage();
+      return 0;
+    }
+    if (!inline_value) {
+      if (i + 1 >= argc) {
+        Usage();
+        return 2;
+      }
+      value = argv[++i];
+    }
+    if (arg == "--socket") {
+      options.socket_path = value;
+    } else if (arg == "--workspace") {
+      options.workspace = value;
+    } else if (arg == "--state-dir") {
+      options.state_dir = value;
+    } else if (arg == "--shell") {
+      options.shell = value;
+    } else if (arg == "--log-level") {
+      LogLevel level;
+      if (!esb::agent::ParseLogLevel(value, &level)) {
+        Usage();
+        return 2;
+      }
+      esb::agent::SetLogLevel(level);
+    } else {
+      fprintf(stderr, "esb-agent: unknown flag %s\n", arg.c_str());
+      Usage();
+      return 2;
+    }
+  }
+  while (options.workspace.size() > 1 && options.workspace.back() == '/') {
+    options.workspace.pop_back();
+  }
+
+  // Outside a PID namespace (tests, plain host processes) become a subreaper so orphans of
+  // our sessions come back to us exactly as they do to PID 1. Needs no privilege.
+  if (getpid() != 1) prctl(PR_SET_CHILD_SUBREAPER, 1);
+
+  // Every thread inherits this mask; the signal thread takes SIGTERM/SIGINT with sigwait.
+  // Commands get default dispositions and an empty mask back (posix_spawn attributes).
+  signal(SIGPIPE, SIG_IGN);
+  sigset_t wait_set;
+  sigemptyset(&wait_set);
+  sigaddset(&wait_set, SIGTERM);
+  sigaddset(&wait_set, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &wait_set, nullptr);
+
+  mkdir(options.workspace.c_str(), 0755);  // usually a mount; harmless if it exists
+
+  esb::agent::Reaper reaper;
+  reaper.Start();
+  esb::agent::Agent agent(options, &reaper, UserName());
+  std::string error;
+  if (!agent.Listen(&error)) {
+    Log(LogLevel::kError, error);
+    return 1;
+  }
+  std::thread([&agent, wait_set] {
+    for (;;) {
+      int sig = 0;
+      if (sigwait(&wait_set, &sig) != 0) continue;
+      Log(LogLevel::kInfo, std::string("signal ") + strsignal(sig) + ": stopping");
+      agent.Shutdown();
+      _exit(0);  // no static destructors while connection threads still run
+    }
+  }).detach();
+  Log(LogLevel::kInfo, "listening on " + options.socket_path + " (pid " + std::to_string(getpid()) +
+                           ", workspace " + options.workspace + ")");
+  agent.Serve();
+  return 0;
+}

@@ -1,0 +1,53 @@
+// Small helpers for the static agent (no Abseil here: the agent links only libc, libstdc++,
+// esb_proto and Boost.JSON).
+#pragma once
+
+#include <unistd.h>
+
+#include <string>
+#include <string_view>
+
+namespace esb::agent {
+
+// Owns a file descriptor.
+class Fd {
+ public:
+  Fd() = default;
+  explicit Fd(int fd) : fd_(fd) {}
+  Fd(Fd&& o) noexcept : fd_(o.release()) {}
+  Fd& operator=(Fd&& o) noexcept {
+    reset(o.release());
+    return *this;
+  }
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  ~Fd() { reset(); }
+  int get() const { return fd_; }
+  int release() {
+    int f = fd_;
+    fd_ = -1;
+    return f;
+  }
+  void reset(int fd = -1) {
+    if (fd_ >= 0) close(fd_);
+    fd_ = fd;
+  }
+  explicit operator bool() const { return fd_ >= 0; }
+
+ private:
+  int fd_ = -1;
+};
+
+// Writes everything (retrying on EINTR); false with errno set on failure.
+bool WriteAll(int fd, std::string_view data);
+
+// "ENOENT" for ENOENT; "EIO" if the number has no name.
+std::string ErrnoName(int err);
+
+enum class LogLevel { kDebug = 0, kInfo = 1, kWarn = 2, kError = 3 };
+void SetLogLevel(LogLevel level);
+bool ParseLogLevel(std::string_view text, LogLevel* level);
+// One line to stderr, prefixed with the level. Thread-safe (single write call).
+void Log(LogLevel level, std::string_view message);
+
+}  // namespace esb::agent

@@ -1,0 +1,1359 @@
+// HTTP/1.1 server: Beast for parsing and serialising, our own poll()-based socket stream for
+// deadlines, one thread per connection. See http_server.h for the model.
+#include "api/http_server.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <cerrno>
+#include <condition_variable>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <mutex>
+#include <thread>
+
+#include "api/json_util.h"
+#include "boost/asio/buffer.hpp"
+#include "boost/asio/error.hpp"
+#include "boost/asio/write.hpp"
+#include "boost/beast/core/error.hpp"
+#include "boost/beast/core/flat_buffer.hpp"
+#include "boost/beast/http.hpp"
+#include "common/util.h"
+
+namespace esb::api {
+namespace {
+
+namespace net = boost::asio;
+namespace beast = boost::beast;
+namespace http = boost::beast::http;
+using boost::system::error_code;
+
+// ---------------------------------------------------------------------------------------------
+// Small text helpers
+
+int HexValue(char c) {
+  if (c >= '0' && c <= '9') return c - '0';
+  if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+  if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+  return -1;
+}
+
+// Percent-decodes `in`. Returns false on a malformed escape or a decoded NUL byte.
+bool PercentDecode(std::string_view in, bool plus_is_space, std::string* out) {
+  out->clear();
+  out->reserve(in.size());
+  for (size_t i = 0; i < in.size(); ++i) {
+    char c = in[i];
+    if (c == '%') {
+      if (i + 2 >= in.size()) return false;
+      int hi = HexValue(in[i + 1]);
+      int lo = HexValue(in[i + 2]);
+      if (hi < 0 || lo < 0) return false;
+      char d = static_cast<char>(hi * 16 + lo);
+      if (d == '\0') return false;
+      out->push_back(d);
+      i += 2;
+    } else if (c == '+' && plus_is_space) {
+      out->push_back(' ');
+    } else if (c == '\0') {
+      return false;
+    } else {
+      out->push_back(c);
+    }
+  }
+  return true;
+}
+
+// Splits "/a/b/" into decoded segments {"a", "b"}; "/" gives {}. False on bad escapes.
+bool SplitPath(std::string_view path, std::vector<std::string>* segments) {
+  segments->clear();
+  if (path.empty() || path[0] != '/') return false;
+  path.remove_prefix(1);
+  if (!path.empty() && path.back() == '/') path.remove_suffix(1);
+  if (path.empty()) return true;
+  for (std::string_view raw : SplitString(path, '/')) {
+    std::string seg;
+    if (!PercentDecode(raw, false, &seg)) return false;
+    segments->push_back(std::move(seg));
+  }
+  return true;
+}
+
+bool ParseQuery(std::string_view q, std::vector<std::pair<std::string, std::string>>* out) {
+  for (std::string_view part : SplitString(q, '&', true)) {
+    size_t eq = part.find('=');
+    std::string key, value;
+    if (!PercentDecode(part.substr(0, eq), true, &key)) return false;
+    if (eq != std::string_view::npos && !PercentDecode(part.substr(eq + 1), true, &value)) {
+      return false;
+    }
+    out->emplace_back(std::move(key), std::move(value));
+  }
+  return true;
+}
+
+bool HasCrLf(std::string_view s) { return s.find_first_of("\r\n") != std::string_view::npos; }
+
+// ---------------------------------------------------------------------------------------------
+// FdStream: a Beast/Asio SyncReadStream + SyncWriteStream over a connected socket fd, where
+// every operation waits with poll() against a deadline. Reads can also be made interruptible by
+// the server's stop eventfd (for idle keep-alive waits).
+
+class FdStream {
+ public:
+  FdStream(int fd, int stop_fd, int64_t write_timeout_ms)
+      : fd_(fd), stop_fd_(stop_fd), write_timeout_ms_(write_timeout_ms) {}
+
+  int fd() const { return fd_; }
+  // Absolute MonotonicMs() deadline for reads; 0 = none.
+  void set_read_deadline(int64_t deadline_ms) { read_deadline_ms_ = deadline_ms; }
+
+  // Waits until the socket is readable (data or EOF). False on timeout, stop or error.
+  bool WaitReadable(int64_t deadline_ms, bool interruptible) {
+    for (;;) {
+      int64_t left = deadline_ms - MonotonicMs();
+      if (left <= 0) return false;
+      pollfd fds[2] = {{fd_, POLLIN, 0}, {stop_fd_, POLLIN, 0}};
+      int r = poll(fds, interruptible ? 2 : 1, static_cast<int>(std::min<int64_t>(left, 1 << 30)));
+      if (r < 0) {
+        if (errno == EINTR) continue;
+        return false;
+      }
+      if (r == 0) continue;
+      if (interruptible && fds[1].revents != 0) return false;
+      return true;
+    }
+  }
+
+  template <class MutableBufferSequence>
+  size_t read_some(const MutableBufferSequence& buffers, error_code& ec) {
+    for (auto it = net::buffer_sequence_begin(buffers); it != net::buffer_sequence_end(buffers);
+         ++it) {
+      net::mutable_buffer b(*it);
+      if (b.size() > 0) return ReadSome(b.data(), b.size(), ec);
+    }
+    ec = {};
+    return 0;
+  }
+  template <class MutableBufferSequence>
+  size_t read_some(const MutableBufferSequence& buffers) {
+    error_code ec;
+    size_t n = read_some(buffers, ec);
+    if (ec) throw boost::system::system_error(ec);
+    return n;
+  }
+
+  template <class ConstBufferSequence>
+  size_t write_some(const ConstBufferSequence& buffers, error_code& ec) {
+    std::array<iovec, 16> iov;
+    size_t n = 0;
+    for (auto it = net::buffer_sequence_begin(buffers);
+         it != net::buffer_sequence_end(buffers) && n < iov.size(); ++it) {
+      net::const_buffer b(*it);
+      if (b.size() == 0) continue;
+      iov[n].iov_base = const_cast<void*>(b.data());
+      iov[n].iov_len = b.size();
+      ++n;
+    }
+    if (n == 0) {
+      ec = {};
+      return 0;
+    }
+    return WriteSome(iov.data(), n, ec);
+  }
+  template <class ConstBufferSequence>
+  size_t write_some(const ConstBufferSequence& buffers) {
+    error_code ec;
+    size_t n = write_some(buffers, ec);
+    if (ec) throw boost::system::system_error(ec);
+    return n;
+  }
+
+ private:
+  size_t ReadSome(void* data, size_t size, error_code& ec) {
+    for (;;) {
+      int timeout = -1;
+      if (read_deadline_ms_ > 0) {
+        int64_t left = read_deadline_ms_ - MonotonicMs();
+        if (left <= 0) {
+          ec = beast::error::timeout;
+          return 0;
+        }
+        timeout = static_cast<int>(std::min<int64_t>(left, 1 << 30));
+      }
+      pollfd pfd{fd_, POLLIN, 0};
+      int r = poll(&pfd, 1, timeout);
+      if (r < 0) {
+        if (errno == EINTR) continue;
+        ec = error_code(errno, boost::system::system_category());
+        return 0;
+      }
+      if (r == 0) continue;  // re-check the deadline
+      ssize_t n = recv(fd_, data, size, MSG_DONTWAIT);
+      if (n > 0) {
+        ec = {};
+        return static_cast<size_t>(n);
+      }
+      if (n == 0) {
+        ec = net::error::eof;
+        return 0;
+      }
+      if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) continue;
+      ec = error_code(errno, boost::system::system_category());
+      return 0;
+    }
+  }
+
+  size_t WriteSome(iovec* iov, size_t n, error_code& ec) {
+    int64_t deadline = MonotonicMs() + write_timeout_ms_;
+    for (;;) {
+      msghdr msg{};
+      msg.msg_iov = iov;
+      msg.msg_iovlen = n;
+      // MSG_NOSIGNAL: a vanished client must give EPIPE, not kill the daemon with SIGPIPE.
+      ssize_t w = sendmsg(fd_, &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
+      if (w >= 0) {
+        ec = {};
+        return static_cast<size_t>(w);
+      }
+      if (errno == EINTR) continue;
+      if (errno != EAGAIN && errno != EWOULDBLOCK) {
+        ec = error_code(errno, boost::system::system_category());
+        return 0;
+      }
+      int64_t left = deadline - MonotonicMs();
+      if (left <= 0) {
+        ec = beast::error::timeout;
+        return 0;
+      }
+      pollfd pfd{fd_, POLLOUT, 0};
+      int r = poll(&pfd, 1, static_cast<int>(std::min<int64_t>(left, 1 << 30)));
+      if (r < 0 && errno != EINTR) {
+        ec = error_code(errno, boost::system::system_category());
+        return 0;
+      }
+    }
+  }
+
+  int fd_;
+  int stop_fd_;
+  int64_t write_timeout_ms_;
+  int64_t read_deadline_ms_ = 0;
+};
+
+bool PeerHasClosed(int fd) {
+  if (fd < 0) return false;
+  pollfd pfd{fd, POLLRDHUP, 0};
+  if (poll(&pfd, 1, 0) <= 0) return false;
+  return (pfd.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL)) != 0;
+}
+
+// Closes a connection politely: stop sending, then swallow what the client is still sending for
+// a short while, so that the error response we just wrote is not destroyed by a TCP RST (which
+// the kernel sends when a socket is closed with unread data).
+void LingerClose(int fd) {
+  shutdown(fd, SHUT_WR);
+  int64_t deadline = MonotonicMs() + 2000;
+  char buf[16384];
+  for (;;) {
+    int64_t left = deadline - MonotonicMs();
+    if (left <= 0) break;
+    pollfd pfd{fd, POLLIN, 0};
+    int r = poll(&pfd, 1, static_cast<int>(std::min<int64_t>(left, 500)));
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) break;  // quiet for 500 ms (or error): good enough
+    ssize_t n = recv(fd, buf, sizeof(buf), MSG_DONTWAIT);
+    if (n == 0) break;
+    if (n < 0 && errno != EAGAIN && errno != EINTR) break;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Streaming request body
+
+class StreamBodyReader : public BodyReader {
+ public:
+  StreamBodyReader(FdStream& stream, beast::flat_buffer& buffer,
+                   http::request_parser<http::empty_body>&& header_parser, uint64_t cap,
+                   int64_t timeout_ms, bool send_continue)
+      : stream_(stream),
+        buffer_(buffer),
+        parser_(std::move(header_parser)),
+        cap_(cap),
+        timeout_ms_(timeout_ms),
+        send_continue_(send_continue) {
+    parser_.body_limit(cap);
+    content_length_ = parser_.content_length() ? std::optional<uint64_t>(*parser_.content_length())
+                                               : std::nullopt;
+  }
+
+  absl::StatusOr<size_t> Read(char* buf, size_t max) override {
+    if (!status_.ok()) return status_;
+    if (done_) return 0;
+    if (max == 0) return absl::InvalidArgumentError("BodyReader::Read with an empty buffer");
+    if (send_continue_) {
+      send_continue_ = false;
+      static constexpr std::string_view kContinue = "HTTP/1.1 100 Continue\r\n\r\n";
+      error_code ec;
+      net::write(stream_, net::buffer(kContinue.data(), kContinue.size()), ec);
+      if (ec) return Fail(absl::UnavailableError("client disconnected"));
+    }
+    for (;;) {
+      if (parser_.is_done()) {
+        done_ = true;
+        return 0;
+      }
+      parser_.get().body().data = buf;
+      parser_.get().body().size = max;
+      parser_.get().body().more = true;
+      stream_.set_read_deadline(MonotonicMs() + timeout_ms_);
+      error_code ec;
+      http::read_some(stream_, buffer_, parser_, ec);
+      if (ec == http::error::need_buffer) ec = {};
+      size_t n = max - parser_.get().body().size;
+      if (ec) {
+        if (ec == http::error::body_limit) {
+          return Fail(absl::ResourceExhaustedError(
+              Cat("request body exceeds the limit of ", cap_, " bytes")));
+        }
+        if (ec == beast::error::timeout) {
+          return Fail(absl::DeadlineExceededError("timed out reading the request body"));
+        }
+        if (ec == http::error::end_of_stream || ec == http::error::partial_message ||
+            ec == net::error::eof) {
+          return Fail(absl::UnavailableError("client disconnected during the request body"));
+        }
+        return Fail(absl::InvalidArgumentError(Cat("malformed request body: ", ec.message())));
+      }
+      if (n > 0) {
+        bytes_read_ += n;
+        return n;
+      }
+    }
+  }
+  std::optional<uint64_t> content_length() const override { return content_length_; }
+  uint64_t bytes_read() const override { return bytes_read_; }
+  bool done() const override { return done_; }
+  bool failed() const { return !status_.ok(); }
+
+ private:
+  absl::Status Fail(absl::Status s) {
+    status_ = s;
+    return s;
+  }
+
+  FdStream& stream_;
+  beast::flat_buffer& buffer_;
+  http::request_parser<http::buffer_body> parser_;
+  uint64_t cap_;
+  int64_t timeout_ms_;
+  bool send_continue_;
+  std::optional<uint64_t> content_length_;
+  uint64_t bytes_read_ = 0;
+  bool done_ = false;
+  absl::Status status_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Streaming response body
+
+class ChunkedWriter : public ResponseWriter {
+ public:
+  ChunkedWriter(FdStream& stream, bool chunked) : stream_(stream), chunked_(chunked) {}
+
+  bool Write(std::string_view data) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!ok_ || finished_) return false;
+    if (data.empty()) return true;
+    if (PeerHasClosed(stream_.fd())) return Broken();
+    error_code ec;
+    if (chunked_) {
+      char head[24];
+      int len = snprintf(head, sizeof(head), "%zx\r\n", data.size());
+      std::array<net::const_buffer, 3> bufs = {
+          net::buffer(head, len), net::buffer(data.data(), data.size()), net::buffer("\r\n", 2)};
+      net::write(stream_, bufs, ec);
+    } else {
+      net::write(stream_, net::buffer(data.data(), data.size()), ec);
+    }
+    if (ec) return Broken();
+    bytes_ += data.size();
+    return true;
+  }
+  bool ok() const override { return ok_.load(); }
+  bool ClientGone() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (ok_ && PeerHasClosed(stream_.fd())) ok_ = false;
+    return !ok_;
+  }
+  uint64_t bytes_written() const override { return bytes_.load(); }
+
+  // Writes the terminating zero-length chunk. Later writes (from stray threads) are refused.
+  bool Finish() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!ok_) return false;
+    finished_ = true;
+    if (!chunked_) return true;
+    error_code ec;
+    net::write(stream_, net::buffer("0\r\n\r\n", 5), ec);
+    if (ec) return Broken();
+    return true;
+  }
+
+ private:
+  bool Broken() {
+    ok_ = false;
+    return false;
+  }
+
+  FdStream& stream_;
+  bool chunked_;
+  std::mutex mu_;  // serialises writes from several threads
+  std::atomic<bool> ok_{true};
+  std::atomic<uint64_t> bytes_{0};
+  bool finished_ = false;
+};
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Request
+
+std::string Request::Param(std::string_view name) const {
+  auto it = params_.find(name);
+  return it == params_.end() ? std::string() : it->second;
+}
+
+std::optional<std::string> Request::Query(std::string_view key) const {
+  for (const auto& [k, v] : query_) {
+    if (k == key) return v;
+  }
+  return std::nullopt;
+}
+
+std::vector<std::string> Request::QueryAll(std::string_view key) const {
+  std::vector<std::string> out;
+  for (const auto& [k, v] : query_) {
+    if (k == key) out.push_back(v);
+  }
+  return out;
+}
+
+std::optional<std::string> Request::Header(std::string_view name) const {
+  for (const auto& [k, v] : headers_) {
+    if (EqualsIgnoreCase(k, name)) return v;
+  }
+  return std::nullopt;
+}
+
+std::string Request::HeaderOr(std::string_view name, std::string_view fallback) const {
+  std::optional<std::string> v = Header(name);
+  return v ? *v : std::string(fallback);
+}
+
+bool Request::Accepts(std::string_view mime_type) const {
+  for (const auto& [k, v] : headers_) {
+    if (!EqualsIgnoreCase(k, "accept")) continue;
+    for (std::string_view item : SplitString(v, ',')) {
+      std::string_view type = TrimAscii(item.substr(0, item.find(';')));
+      if (EqualsIgnoreCase(type, mime_type)) return true;
+    }
+  }
+  return false;
+}
+
+std::string Request::ContentType() const {
+  std::optional<std::string> v = Header("content-type");
+  if (!v) return "";
+  std::string_view type = TrimAscii(std::string_view(*v).substr(0, v->find(';')));
+  return ToLowerAscii(type);
+}
+
+bool Request::ClientGone() const { return PeerHasClosed(fd_); }
+
+int64_t Request::ElapsedMs() const { return MonotonicMs() - start_ms_; }
+
+// ---------------------------------------------------------------------------------------------
+// Response
+
+bool ResponseWriter::WriteEvent(std::string_view event, const boost::json::value& data) {
+  return WriteEventText(event, boost::json::serialize(data));
+}
+
+bool ResponseWriter::WriteEventText(std::string_view event, std::string_view data) {
+  std::string out;
+  out.reserve(event.size() + data.size() + 24);
+  if (!event.empty()) {
+    out.append("event: ");
+    for (char c : event) {
+      if (c != '\r' && c != '\n') out.push_back(c);
+    }
+    out.push_back('\n');
+  }
+  // Every line of data becomes its own "data:" field; the client joins them with '\n'.
+  size_t start = 0;
+  for (;;) {
+    size_t end = data.find_first_of("\r\n", start);
+    std::string_view line = data.substr(start, end == std::string_view::npos ? end : end - start);
+    out.append("data: ").append(line).push_back('\n');
+    if (end == std::string_view::npos) break;
+    start = end + 1;
+    if (data[end] == '\r' && start < data.size() && data[start] == '\n') ++start;
+  }
+  out.push_back('\n');
+  return Write(out);
+}
+
+bool ResponseWriter::WriteComment(std::string_view text) {
+  std::string out = ": ";
+  for (char c : text) {
+    if (c != '\r' && c != '\n') out.push_back(c);
+  }
+  out.append("\n\n");
+  return Write(out);
+}
+
+void Response::SetHeader(std::string_view name, std::string_view value) {
+  for (auto& [k, v] : headers) {
+    if (EqualsIgnoreCase(k, name)) {
+      v = std::string(value);
+      return;
+    }
+  }
+  headers.emplace_back(std::string(name), std::string(value));
+}
+
+Response Response::Stream(int status, std::string content_type, StreamFn fn) {
+  Response r;
+  r.status = status;
+  r.content_type = std::move(content_type);
+  r.stream = std::move(fn);
+  return r;
+}
+
+Response Response::Sse(StreamFn fn) {
+  Response r = Stream(200, "text/event-stream", std::move(fn));
+  r.SetHeader("Cache-Control", "no-cache");
+  r.SetHeader("X-Accel-Buffering", "no");
+  return r;
+}
+
+Response Response::Text(int status, std::string body, std::string content_type) {
+  Response r;
+  r.status = status;
+  r.content_type = std::move(content_type);
+  r.body = std::move(body);
+  return r;
+}
+
+Response JsonResponse(int status, const boost::json::value& value) {
+  Response r;
+  r.status = status;
+  r.body = boost::json::serialize(value);
+  return r;
+}
+
+boost::json::object ErrorBody(std::string_view code, std::string_view message) {
+  boost::json::object o;
+  o["error"] = true;
+  o["code"] = code;
+  o["message"] = message;
+  return o;
+}
+
+Response ErrorResponse(int status, std::string_view code, std::string_view message) {
+  return JsonResponse(status, ErrorBody(code, message));
+}
+
+Response ErrorResponse(int status, std::string_view message) {
+  return ErrorResponse(status, ErrorCodeForStatus(status), message);
+}
+
+std::string_view ErrorCodeForStatus(int status) {
+  switch (status) {
+    case 400:
+      return "bad_request";
+    case 401:
+      return "unauthorized";
+    case 404:
+      return "not_found";
+    case 405:
+      return "method_not_allowed";
+    case 409:
+      return "conflict";
+    case 413:
+      return "payload_too_large";
+    case 415:
+      return "unsupported_media_type";
+    case 422:
+      return "unprocessable";
+    case 429:
+      return "too_many_requests";
+    case 503:
+      return "unavailable";
+    default:
+      return status >= 500 ? "internal" : "bad_request";
+  }
+}
+
+Response StatusResponse(const absl::Status& status) {
+  int code = 500;
+  switch (status.code()) {
+    case absl::StatusCode::kOk:
+      code = 200;
+      break;
+    case absl::StatusCode::kInvalidArgument:
+    case absl::StatusCode::kOutOfRange:
+    case absl::StatusCode::kFailedPrecondition:
+    case absl::StatusCode::kPermissionDenied:
+    case absl::StatusCode::kUnimplemented:
+      code = 400;
+      break;
+    case absl::StatusCode::kUnauthenticated:
+      code = 401;
+      break;
+    case absl::StatusCode::kNotFound:
+      code = 404;
+      break;
+    case absl::StatusCode::kAlreadyExists:
+    case absl::StatusCode::kAborted:
+      code = 409;
+      break;
+    case absl::StatusCode::kResourceExhausted:
+      code = 429;
+      break;
+    case absl::StatusCode::kUnavailable:
+    case absl::StatusCode::kDeadlineExceeded:
+      code = 503;
+      break;
+    default:
+      code = 500;
+  }
+  if (code == 200) return JsonResponse(200, boost::json::object{{"error", false}});
+  return ErrorResponse(code, StdView(status.message()));
+}
+
+std::optional<std::string> BearerToken(const Request& req) {
+  std::optional<std::string> h = req.Header("authorization");
+  if (!h) return std::nullopt;
+  std::string_view v = TrimAscii(*h);
+  if (v.size() < 7 || !EqualsIgnoreCase(v.substr(0, 7), "bearer ")) return std::nullopt;
+  std::string_view token = TrimAscii(v.substr(7));
+  if (token.empty()) return std::nullopt;
+  return std::string(token);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Router
+
+void Router::Add(std::string method, std::string_view pattern, Handler handler,
+                 RouteOptions options) {
+  Route r;
+  r.method = std::move(method);
+  std::string_view p = pattern;
+  if (!p.empty() && p.front() == '/') p.remove_prefix(1);
+  if (!p.empty() && p.back() == '/') p.remove_suffix(1);
+  if (!p.empty()) {
+    for (std::string_view seg : SplitString(p, '/')) r.segments.emplace_back(seg);
+  }
+  r.handler = std::move(handler);
+  r.options = options;
+  routes_.push_back(std::move(r));
+}
+
+Router::Match Router::Find(std::string_view method,
+                           const std::vector<std::string>& segments) const {
+  Match best;
+  int best_score = -1;
+  std::vector<std::string> allowed;
+  for (const Route& r : routes_) {
+    if (r.segments.size() != segments.size()) continue;
+    int score = 0;
+    bool match = true;
+    for (size_t i = 0; i < segments.size(); ++i) {
+      const std::string& s = r.segments[i];
+      bool is_param = s.size() >= 2 && s.front() == '{' && s.back() == '}';
+      if (is_param) continue;
+      if (s != segments[i]) {
+        match = false;
+        break;
+      }
+      // Earlier literal segments weigh more, so "/a/x/{p}" beats "/a/{q}/y".
+      score += 1 << std::min<size_t>(20, segments.size() - i);
+    }
+    if (!match) continue;
+    best.path_known = true;
+    if (std::find(allowed.begin(), allowed.end(), r.method) == allowed.end()) {
+      allowed.push_back(r.method);
+    }
+    if (r.method != method || score <= best_score) continue;
+    best_score = score;
+    best.handler = &r.handler;
+    best.options = &r.options;
+    best.params.clear();
+    for (size_t i = 0; i < segments.size(); ++i) {
+      const std::string& s = r.segments[i];
+      if (s.size() >= 2 && s.front() == '{' && s.back() == '}') {
+        best.params[s.substr(1, s.size() - 2)] = segments[i];
+      }
+    }
+  }
+  best.allow = JoinStrings(allowed, ", ");
+  return best;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Server internals
+
+struct HttpServer::Impl : std::enable_shared_from_this<HttpServer::Impl> {
+  explicit Impl(Options o) : opts(std::move(o)) {}
+  ~Impl() {
+    for (Listener& l : listeners) {
+      if (l.fd >= 0) close(l.fd);
+    }
+    if (stop_fd >= 0) close(stop_fd);
+  }
+
+  struct Listener {
+    int fd = -1;
+    bool is_unix = false;
+  };
+
+  absl::Status ListenTcp();
+  absl::Status ListenUnix();
+  void AcceptLoop(Listener listener);
+  void Reject(int fd);
+  void Serve(uint64_t id, int fd, PeerInfo peer);
+  void Finished(uint64_t id, int fd);
+  void Observe(const Request& req, int status, int64_t start_ms, std::string_view extra);
+
+  Options opts;
+  Router router;
+  int stop_fd = -1;
+  std::vector<Listener> listeners;
+  std::vector<std::thread> acceptors;
+  int tcp_port = -1;
+
+  std::mutex mu;
+  std::condition_variable cv;
+  std::map<uint64_t, int> conns;  // id → fd; an fd is closed only under `mu`
+  uint64_t next_id = 1;
+  std::atomic<bool> stopping{false};
+
+  std::mutex lifecycle_mu;
+  bool started = false;
+  bool stopped = false;
+};
+
+absl::Status HttpServer::Impl::ListenTcp() {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  addrinfo* res = nullptr;
+  std::string port = std::to_string(opts.port);
+  int rc = getaddrinfo(opts.host.empty() ? nullptr : opts.host.c_str(), port.c_str(), &hints, &res);
+  if (rc != 0) {
+    return absl::InvalidArgumentError(
+        Cat("cannot resolve listen address '", opts.host, "': ", gai_strerror(rc)));
+  }
+  absl::Status last = absl::UnavailableError("no usable address");
+  for (addrinfo* ai = res; ai != nullptr; ai = ai->ai_next) {
+    UniqueFd fd(socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+    if (!fd) {
+      last = ErrnoStatus("socket");
+      continue;
+    }
+    int one = 1;
+    setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    if (bind(fd.get(), ai->ai_addr, ai->ai_addrlen) != 0) {
+      last = ErrnoStatus(Cat("bind ", opts.host, ":", opts.port));
+      continue;
+    }
+    if (listen(fd.get(), 1024) != 0) {
+      last = ErrnoStatus("listen");
+      continue;
+    }
+    sockaddr_storage ss{};
+    socklen_t len = sizeof(ss);
+    getsockname(fd.get(), reinterpret_cast<sockaddr*>(&ss), &len);
+    tcp_port = ntohs(ss.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port
+                                              : reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
+    listeners.push_back({fd.release(), false});
+    freeaddrinfo(res);
+    return absl::OkStatus();
+  }
+  freeaddrinfo(res);
+  return last;
+}
+
+absl::Status HttpServer::Impl::ListenUnix() {
+  const std::string& path = opts.unix_socket_path;
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (path.size() >= sizeof(addr.sun_path)) {
+    return absl::InvalidArgumentError(Cat("unix socket path too long: ", path));
+  }
+  memcpy(addr.sun_path, path.data(), path.size());
+  struct stat st;
+  if (lstat(path.c_str(), &st) == 0) {
+    if (!S_ISSOCK(st.st_mode)) {
+      return absl::FailedPreconditionError(
+          Cat(path, " exists and is not a socket; refusing to replace it"));
+    }
+    UniqueFd probe(socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    if (probe && connect(probe.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
+      return absl::AlreadyExistsError(Cat(path, " is in use by a running server"));
+    }
+    // SECURITY: only a socket (checked above with lstat, so not a symlink target) that nobody
+    // listens on is removed: a stale file left by a dead daemon.
+    if (unlink(path.c_str()) != 0 && errno != ENOENT) {
+      return ErrnoStatus(Cat("unlink stale socket ", path));
+    }
+  }
+  UniqueFd fd(socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+  if (!fd) return ErrnoStatus("socket(AF_UNIX)");
+  if (bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    return ErrnoStatus(Cat("bind ", path));
+  }
+  // SECURITY: the socket's mode is its access control (0660: owner and group only). It is set
+  // before listen(), so nobody can connect while the mode is still the umask default.
+  if (chmod(path.c_str(), static_cast<mode_t>(opts.unix_socket_mode)) != 0) {
+    absl::Status s = ErrnoStatus(Cat("chmod ", path));
+    unlink(path.c_str());
+    return s;
+  }
+  if (listen(fd.get(), 1024) != 0) {
+    absl::Status s = ErrnoStatus("listen");
+    unlink(path.c_str());
+    return s;
+  }
+  listeners.push_back({fd.release(), true});
+  return absl::OkStatus();
+}
+
+void HttpServer::Impl::AcceptLoop(Listener listener) {
+  for (;;) {
+    pollfd fds[2] = {{listener.fd, POLLIN, 0}, {stop_fd, POLLIN, 0}};
+    int r = poll(fds, 2, -1);
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      LogError(Cat("http: poll on listener failed: ", strerror(errno)));
+      return;
+    }
+    if (fds[1].revents != 0 || stopping.load()) return;
+    if (fds[0].revents == 0) continue;
+    sockaddr_storage ss{};
+    socklen_t len = sizeof(ss);
+    int fd = accept4(listener.fd, reinterpret_cast<sockaddr*>(&ss), &len, SOCK_CLOEXEC);
+    if (fd < 0) {
+      if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+        LogWarn(Cat("http: accept: ", strerror(errno), "; backing off"));
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      }
+      continue;  // EAGAIN, ECONNABORTED, EINTR, ...
+    }
+    PeerInfo peer;
+    if (listener.is_unix) {
+      peer.is_unix = true;
+      peer.address = "unix";
+      ucred cred{};
+      socklen_t cl = sizeof(cred);
+      if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &cl) == 0) {
+        peer.uid = cred.uid;
+        peer.gid = cred.gid;
+        peer.pid = cred.pid;
+      }
+    } else {
+      char host[INET6_ADDRSTRLEN] = "?";
+      if (ss.ss_family == AF_INET) {
+        auto* a = reinterpret_cast<sockaddr_in*>(&ss);
+        inet_ntop(AF_INET, &a->sin_addr, host, sizeof(host));
+        peer.is_loopback = (ntohl(a->sin_addr.s_addr) >> 24) == 127;
+        peer.address = Cat(host, ":", ntohs(a->sin_port));
+      } else if (ss.ss_family == AF_INET6) {
+        auto* a = reinterpret_cast<sockaddr_in6*>(&ss);
+        inet_ntop(AF_INET6, &a->sin6_addr, host, sizeof(host));
+        peer.is_loopback = IN6_IS_ADDR_LOOPBACK(&a->sin6_addr) ||
+                           (IN6_IS_ADDR_V4MAPPED(&a->sin6_addr) && a->sin6_addr.s6_addr[12] == 127);
+        peer.address = Cat("[", host, "]:", ntohs(a->sin6_port));
+      }
+      int one = 1;
+      setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    }
+    uint64_t id;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (stopping.load() || static_cast<int>(conns.size()) >= opts.max_connections) {
+        id = 0;
+      } else {
+        id = next_id++;
+        conns[id] = fd;
+      }
+    }
+    if (id == 0) {
+      Reject(fd);
+      continue;
+    }
+    try {
+      std::thread([self = shared_from_this(), id, fd, peer = std::move(peer)]() mutable {
+        self->Serve(id, fd, std::move(peer));
+      }).detach();
+    } catch (const std::exception& e) {
+      LogError(Cat("http: cannot start a connection thread: ", e.what()));
+      Finished(id, fd);
+    }
+  }
+}
+
+// Over capacity (or stopping): answer 503 from the acceptor thread without reading the request
+// (waiting at most 20 ms for it, so that the answer is not lost to a TCP RST) and close.
+void HttpServer::Impl::Reject(int fd) {
+  char buf[16384];
+  pollfd pfd{fd, POLLIN, 0};
+  if (poll(&pfd, 1, 20) > 0) {
+    while (recv(fd, buf, sizeof(buf), MSG_DONTWAIT) > 0) {
+    }
+  }
+  std::string body = boost::json::serialize(ErrorBody(
+      "unavailable", stopping.load() ? "server is shutting down" : "too many connections"));
+  std::string msg = Cat("HTTP/1.1 503 Service Unavailable\r\nServer: ", opts.server_name,
+                        "\r\nContent-Type: application/json\r\nContent-Length: ", body.size(),
+                        "\r\nRetry-After: 1\r\nConnection: close\r\n\r\n", body);
+  (void)send(fd, msg.data(), msg.size(), MSG_DONTWAIT | MSG_NOSIGNAL);
+  shutdown(fd, SHUT_WR);
+  if (poll(&pfd, 1, 10) > 0) {
+    while (recv(fd, buf, sizeof(buf), MSG_DONTWAIT) > 0) {
+    }
+  }
+  close(fd);
+  LogWarn(Cat("http: rejected a connection with 503 (",
+              stopping.load() ? "stopping" : "max_connections reached", ")"));
+}
+
+void HttpServer::Impl::Finished(uint64_t id, int fd) {
+  std::lock_guard<std::mutex> lock(mu);
+  conns.erase(id);
+  close(fd);
+  cv.notify_all();
+}
+
+namespace {
+// Client-controlled text for a log line: control bytes escaped (no forged lines), length capped.
+std::string LogSafe(std::string_view s) {
+  std::string out;
+  for (unsigned char c : s.substr(0, 300)) {
+    if (c < 0x20 || c == 0x7f || c == '\\') {
+      char esc[8];
+      snprintf(esc, sizeof(esc), "\\x%02x", c);
+      out += esc;
+    } else {
+      out.push_back(static_cast<char>(c));
+    }
+  }
+  if (s.size() > 300) out += "...";
+  return out;
+}
+}  // namespace
+
+void HttpServer::Impl::Observe(const Request& req, int status, int64_t start_ms,
+                               std::string_view extra) {
+  int64_t ms = MonotonicMs() - start_ms;
+  if (opts.access_log) {
+    LogInfo(Cat("http ", req.method_.empty() ? "-" : LogSafe(req.method_), " ",
+                LogSafe(req.path_.empty() ? req.target_ : req.path_), " ", status, " ", ms, "ms ",
+                req.peer_.address, extra));
+  }
+  if (opts.on_response) {
+    try {
+      opts.on_response(req, status, ms);
+    } catch (...) {
+    }
+  }
+}
+
+namespace {
+
+// One connection: a loop of read request → route → handle → write response.
+class Connection {
+ public:
+  Connection(HttpServer::Impl& srv, int fd, PeerInfo peer)
+      : srv_(srv),
+        opts_(srv.opts),
+        stream_(fd, srv.stop_fd, opts_.write_timeout.count()),
+        buffer_(std::max<size_t>(opts_.max_header_bytes + (128 << 10), 1 << 20)),
+        peer_(std::move(peer)) {}
+
+  void Run() {
+    bool first = true;
+    for (;;) {
+      if (buffer_.size() == 0) {
+        auto wait = first ? opts_.header_timeout : opts_.idle_timeout;
+        // Idle keep-alive connections (and new ones that have not sent anything) are dropped
+        // at once when the server stops.
+        if (!stream_.WaitReadable(MonotonicMs() + wait.count(), /*interruptible=*/true)) return;
+      }
+      first = false;
+      if (!HandleOne()) return;
+      if (srv_.stopping.load()) return;
+    }
+  }
+
+ private:
+  // Returns true if the connection may be reused.
+  bool HandleOne() {
+    Request req;
+    req.fd_ = stream_.fd();
+    req.peer_ = peer_;
+    req.start_ms_ = MonotonicMs();
+
+    http::request_parser<http::empty_body> hp;
+    hp.header_limit(static_cast<std::uint32_t>(opts_.max_header_bytes));
+    hp.body_limit(boost::none);  // checked per route below
+    stream_.set_read_deadline(MonotonicMs() + opts_.header_timeout.count());
+    error_code ec;
+    http::read_header(stream_, buffer_, hp, ec);
+    if (ec) {
+      if (ec == http::error::end_of_stream) return false;  // closed between requests
+      if (ec == beast::error::timeout) {
+        Observe(req, 408, " (header read timeout)");
+        SendError(408, "bad_request", "timed out reading the request header", 11);
+        return false;
+      }
+      if (ec == http::error::partial_message || ec == net::error::eof) return false;
+      if (ec == http::error::header_limit || ec == http::error::buffer_overflow) {
+        SendError(400, "bad_request",
+                  Cat("request header too large (limit ", opts_.max_header_bytes, " bytes)"), 11);
+        Observe(req, 400, " (header too large)");
+        return false;
+      }
+      if (ec.category() == boost::system::system_category()) return false;  // socket error
+      SendError(400, "bad_request", Cat("malformed HTTP request: ", ec.message()), 11);
+      Observe(req, 400, " (malformed)");
+      return false;
+    }
+
+    const auto& h = hp.get();
+    const unsigned version = h.version();
+    req.method_ = std::string(h.method_string());
+    req.target_ = std::string(h.target());
+    for (const auto& f : h) {
+      req.headers_.emplace_back(std::string(f.name_string()), std::string(f.value()));
+    }
+    bool keep_alive = hp.keep_alive();
+    const bool chunked = hp.chunked();
+    // Content-Length, or 0 if absent (chunked bodies are limited while they are read).
+    const uint64_t clen = hp.content_length().value_or(0);
+    const bool has_body = chunked || clen > 0;
+    const bool expect_continue =
+        EqualsIgnoreCase(TrimAscii(req.HeaderOr("expect", "")), "100-continue");
+
+    // Target: origin-form only.
+    std::string_view target = req.target_;
+    size_t q = target.find('?');
+    std::string_view raw_path = target.substr(0, q);
+    std::vector<std::string> segments;
+    if (!SplitPath(raw_path, &segments) || !PercentDecode(raw_path, false, &req.path_) ||
+        (q != std::string_view::npos && !ParseQuery(target.substr(q + 1), &req.query_))) {
+      req.path_.clear();
+      return Finish(req, ErrorResponse(400, "bad_request", "malformed request target"), version,
+                    false);
+    }
+
+    Router::Match match = srv_.router.Find(req.method_, segments);
+    if (match.handler == nullptr) {
+      if (match.path_known) {
+        Response r = ErrorResponse(405, "method_not_allowed",
+                                   Cat("method ", req.method_, " not allowed for ", req.path_,
+                                       " (allowed: ", match.allow, ")"));
+        r.SetHeader("Allow", match.allow);
+        return Finish(req, std::move(r), version, keep_alive && !has_body);
+      }
+      return Finish(
+          req,
+          ErrorResponse(404, "not_found", Cat("no such endpoint: ", req.method_, " ", req.path_)),
+          version, keep_alive && !has_body);
+    }
+    req.params_ = std::move(match.params);
+
+    std::unique_ptr<StreamBodyReader> reader;
+    if (match.options->stream_body) {
+      uint64_t cap = match.options->max_stream_body_bytes;
+      if (clen > cap) {
+        return Finish(req, TooLarge(cap), version, false);
+      }
+      reader = std::make_unique<StreamBodyReader>(stream_, buffer_, std::move(hp), cap,
+                                                  opts_.body_timeout.count(),
+                                                  expect_continue && has_body);
+      req.body_reader_ = reader.get();
+    } else if (has_body) {
+      if (clen > opts_.max_body_bytes) {
+        return Finish(req, TooLarge(opts_.max_body_bytes), version, false);
+      }
+      if (expect_continue) {
+        static constexpr std::string_view kContinue = "HTTP/1.1 100 Continue\r\n\r\n";
+        net::write(stream_, net::buffer(kContinue.data(), kContinue.size()), ec);
+        if (ec) return false;
+      }
+      http::request_parser<http::string_body> bp(std::move(hp));
+      bp.body_limit(opts_.max_body_bytes);
+      stream_.set_read_deadline(MonotonicMs() + opts_.body_timeout.count());
+      http::read(stream_, buffer_, bp, ec);
+      if (ec) {
+        if (ec == http::error::body_limit) {
+          return Finish(req, TooLarge(opts_.max_body_bytes), version, false);
+        }
+        if (ec == beast::error::timeout) {
+          Observe(req, 408, " (body read timeout)");
+          SendError(408, "bad_request", "timed out reading the request body", version);
+          return false;
+        }
+        if (ec == http::error::partial_message || ec == net::error::eof ||
+            ec.category() == boost::system::system_category()) {
+          Observe(req, 499, " (client went away during the body)");
+          return false;
+        }
+        return Finish(
+            req, ErrorResponse(400, "bad_request", Cat("malformed request body: ", ec.message())),
+            version, false);
+      }
+      req.body_ = std::move(bp.get().body());
+    }
+
+    Response resp;
+    try {
+      resp = (*match.handler)(req);
+    } catch (const std::exception& e) {
+      LogError(Cat("http: handler for ", req.method_, " ", req.path_, " threw: ", e.what()));
+      resp = ErrorResponse(500, "internal", "internal server error");
+    } catch (...) {
+      LogError(
+          Cat("http: handler for ", req.method_, " ", req.path_, " threw a non-std exception"));
+      resp = ErrorResponse(500, "internal", "internal server error");
+    }
+    if (reader && !reader->done()) {
+      // The handler did not consume the whole body: the rest cannot be skipped safely.
+      keep_alive = false;
+    }
+    return Finish(req, std::move(resp), version, keep_alive);
+  }
+
+  Response TooLarge(uint64_t limit) {
+    return ErrorResponse(413, "payload_too_large",
+                         Cat("request body exceeds the limit of ", limit, " bytes"));
+  }
+
+  void Observe(const Request& req, int status, std::string_view extra) {
+    srv_.Observe(req, status, req.start_ms_ ? req.start_ms_ : MonotonicMs(), extra);
+  }
+
+  // Writes a complete error response and closes politely.
+  void SendError(int status, std::string_view code, std::string_view message, unsigned version) {
+    http::response<http::string_body> res{static_cast<http::status>(status), version};
+    res.set(http::field::server, opts_.server_name);
+    res.set(http::field::content_type, "application/json");
+    res.body() = boost::json::serialize(ErrorBody(code, message));
+    res.keep_alive(false);
+    res.prepare_payload();
+    error_code ec;
+    http::write(stream_, res, ec);
+    if (!ec) LingerClose(stream_.fd());
+  }
+
+  // Sends `resp` (plain or streamed) and logs it. Returns true if the connection stays open.
+  bool Finish(Request& req, Response resp, unsigned version, bool keep_alive) {
+    if (srv_.stopping.load()) keep_alive = false;
+    if (resp.status < 200 || resp.status > 999) {
+      LogError(Cat("http: handler returned invalid status ", resp.status));
+      resp = ErrorResponse(500, "internal", "internal server error");
+    }
+    if (resp.status == 204 || resp.status == 304) {
+      resp.body.clear();  // these answers cannot carry a body
+      resp.stream = nullptr;
+      resp.content_type.clear();
+    }
+    version = version >= 11 ? 11 : 10;
+    auto add_headers = [&](auto& res) {
+      res.set(http::field::server, opts_.server_name);
+      if (!resp.content_type.empty()) res.set(http::field::content_type, resp.content_type);
+      for (const auto& [k, v] : resp.headers) {
+        if (k.empty() || HasCrLf(k) || HasCrLf(v) || EqualsIgnoreCase(k, "content-length") ||
+            EqualsIgnoreCase(k, "transfer-encoding") || EqualsIgnoreCase(k, "connection")) {
+          continue;  // managed here, or would allow header injection
+        }
+        res.set(k, v);
+      }
+    };
+    error_code ec;
+    if (!resp.stream) {
+      http::response<http::string_body> res{static_cast<http::status>(resp.status), version};
+      add_headers(res);
+      res.body() = std::move(resp.body);
+      res.keep_alive(keep_alive);
+      res.prepare_payload();
+      // Observed before writing, so that metrics are updated by the time the client sees the
+      // answer (handy for tests; the write time of a small answer is negligible).
+      Observe(req, resp.status, "");
+      http::write(stream_, res, ec);
+      if (ec) return false;
+      if (!keep_alive) LingerClose(stream_.fd());
+      return keep_alive;
+    }
+
+    // Streamed: chunked on HTTP/1.1; on HTTP/1.0 the body ends when the connection closes.
+    const bool chunked = version >= 11;
+    if (!chunked) keep_alive = false;
+    http::response<http::empty_body> res{static_cast<http::status>(resp.status), version};
+    add_headers(res);
+    res.keep_alive(keep_alive);
+    if (chunked) res.chunked(true);
+    http::response_serializer<http::empty_body> sr(res);
+    http::write_header(stream_, sr, ec);
+    if (ec) {
+      Observe(req, resp.status, " (client gone before the stream)");
+      return false;
+    }
+    ChunkedWriter writer(stream_, chunked);
+    bool threw = false;
+    try {
+      resp.stream(writer);
+    } catch (const std::exception& e) {
+      threw = true;
+      LogError(Cat("http: stream for ", req.method_, " ", req.path_, " threw: ", e.what()));
+    } catch (...) {
+      threw = true;
+      LogError(Cat("http: stream for ", req.method_, " ", req.path_, " threw"));
+    }
+    const bool sse = StartsWithIgnoreCase(resp.content_type, "text/event-stream");
+    if (threw) {
+      keep_alive = false;
+      // SSE: tell the client in-band. Downloads: no terminating chunk, so the client sees a
+      // truncated (failed) transfer rather than a short file.
+      if (sse) writer.WriteEvent("error", ErrorBody("internal", "internal server error"));
+      if (sse) writer.Finish();
+    } else {
+      writer.Finish();
+    }
+    Observe(req, resp.status,
+            Cat(" stream ", writer.bytes_written(), "B", writer.ok() ? "" : " (client gone)",
+                threw ? " (handler threw)" : ""));
+    if (!writer.ok()) return false;
+    if (!keep_alive) LingerClose(stream_.fd());
+    return keep_alive;
+  }
+
+  HttpServer::Impl& srv_;
+  const HttpServer::Options& opts_;
+  FdStream stream_;
+  beast::flat_buffer buffer_;
+  PeerInfo peer_;
+};
+
+}  // namespace
+
+void HttpServer::Impl::Serve(uint64_t id, int fd, PeerInfo peer) {
+  try {
+    Connection conn(*this, fd, std::move(peer));
+    conn.Run();
+  } catch (const std::exception& e) {
+    LogError(Cat("http: connection failed: ", e.what()));
+  } catch (...) {
+    LogError("http: connection failed with a non-std exception");
+  }
+  Finished(id, fd);
+}
+
+// ---------------------------------------------------------------------------------------------
+// HttpServer
+
+HttpServer::HttpServer(Options options) : impl_(std::make_shared<Impl>(std::move(options))) {}
+
+HttpServer::~HttpServer() { Stop(); }
+
+Router& HttpServer::router() { return impl_->router; }
+
+absl::Status HttpServer::Start() {
+  std::lock_guard<std::mutex> lock(impl_->lifecycle_mu);
+  if (impl_->started) return absl::FailedPreconditionError("HttpServer already started");
+  if (impl_->opts.port < 0 && impl_->opts.unix_socket_path.empty()) {
+    return absl::InvalidArgumentError("HttpServer: no TCP port and no unix socket configured");
+  }
+  if (impl_->opts.max_connections < 1) {
+    return absl::InvalidArgumentError("HttpServer: max_connections must be at least 1");
+  }
+  if (impl_->stop_fd < 0) impl_->stop_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (impl_->stop_fd < 0) return ErrnoStatus("eventfd");
+  absl::Status s;
+  if (impl_->opts.port >= 0) s = impl_->ListenTcp();
+  if (s.ok() && !impl_->opts.unix_socket_path.empty()) s = impl_->ListenUnix();
+  if (!s.ok()) {
+    for (const Impl::Listener& l : impl_->listeners) close(l.fd);
+    impl_->listeners.clear();
+    impl_->tcp_port = -1;
+    return s;
+  }
+  for (const Impl::Listener& l : impl_->listeners) {
+    impl_->acceptors.emplace_back([impl = impl_.get(), l] { impl->AcceptLoop(l); });
+  }
+  impl_->started = true;
+  std::vector<std::string> where;
+  if (impl_->tcp_port >= 0) where.push_back(Cat(impl_->opts.host, ":", impl_->tcp_port));
+  if (!impl_->opts.unix_socket_path.empty()) where.push_back(impl_->opts.unix_socket_path);
+  LogInfo(Cat("http: listening on ", JoinStrings(where, " and ")));
+  return absl::OkStatus();
+}
+
+bool HttpServer::Stop() {
+  Impl& s = *impl_;
+  std::lock_guard<std::mutex> lock(s.lifecycle_mu);
+  if (!s.started || s.stopped) return true;
+  s.stopped = true;
+  s.stopping.store(true);
+  uint64_t one = 1;
+  (void)!write(s.stop_fd, &one, sizeof(one));  // wakes acceptors and idle connections
+  for (std::thread& t : s.acceptors) t.join();
+  s.acceptors.clear();
+  for (Impl::Listener& l : s.listeners) {
+    close(l.fd);
+    l.fd = -1;
+  }
+  if (!s.opts.unix_socket_path.empty()) unlink(s.opts.unix_socket_path.c_str());
+
+  std::unique_lock<std::mutex> ul(s.mu);
+  s.cv.wait_for(ul, s.opts.drain_timeout, [&] { return s.conns.empty(); });
+  if (!s.conns.empty()) {
+    LogWarn(Cat("http: ", s.conns.size(),
+                " connection(s) still busy after the drain timeout; shutting them down"));
+    // SECURITY-neutral: shutdown() on fds we own and that are still open (closed only under mu).
+    for (const auto& [id, fd] : s.conns) shutdown(fd, SHUT_RDWR);
+    s.cv.wait_for(ul, std::chrono::seconds(2), [&] { return s.conns.empty(); });
+  }
+  bool clean = s.conns.empty();
+  if (!clean) {
+    LogWarn(
+        Cat("http: ", s.conns.size(), " handler thread(s) still running after Stop(); detached"));
+  }
+  return clean;
+}
+
+int HttpServer::tcp_port() const { return impl_->tcp_port; }
+
+int HttpServer::active_connections() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return static_cast<int>(impl_->conns.size());
+}
+
+}  // namespace esb::api

@@ -1,0 +1,321 @@
+// A small, generic HTTP/1.1 server for esbd: routing with path parameters, JSON helpers,
+// streamed (chunked) responses for SSE and downloads, streamed request bodies for uploads, and
+// hard limits and timeouts everywhere.
+//
+// Threading model: one acceptor thread per listener (TCP and/or unix socket) and one thread per
+// connection doing synchronous I/O, so a handler may block for minutes (exec) without stalling
+// anybody else. The number of connection threads is bounded by `max_connections`; excess
+// connections get a 503 and are closed. Every socket read and write has a deadline (poll-based),
+// so a slow or silent client cannot hold a thread forever.
+//
+// Typical use:
+//
+//   esb::api::HttpServer::Options opts;
+//   opts.port = 8080;
+//   esb::api::HttpServer server(opts);
+//   server.router().Add("POST", "/environments/{id}/execute", [&](esb::api::Request& req) {
+//     auto body = esb::api::ParseJsonObjectBody(req);       // json_util.h
+//     if (!body.ok()) return body.error();
+//     esb::api::JsonFields f(body.value());
+//     std::string cmd = f.RequiredString("command");
+//     int64_t timeout = f.OptionalInt("timeout_seconds", 60, 1, 3600);
+//     if (!f.ok()) return f.ErrorResponse();
+//     std::string id = req.Param("id");
+//     if (req.Accepts("text/event-stream")) {
+//       return esb::api::Response::Sse([&req, id, cmd](esb::api::ResponseWriter& w) {
+//         w.WriteEvent("stdout", boost::json::object{{"data", "hi"}});  // false: client gone
+//       });
+//     }
+//     return esb::api::JsonResponse(200, boost::json::object{{"error", false}});
+//   });
+//   if (absl::Status s = server.Start(); !s.ok()) ...
+//   ... server.Stop();
+//
+// Handlers may throw: the exception becomes a 500 `internal` error and the connection survives.
+// Routes must all be added before Start(); the router is read-only afterwards.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "boost/json.hpp"
+
+namespace esb::api {
+
+// ---------------------------------------------------------------------------------------------
+// Request side
+
+// Who is on the other end of the connection.
+struct PeerInfo {
+  bool is_unix = false;      // connected through the unix socket listener
+  bool is_loopback = false;  // TCP from 127.0.0.0/8 or ::1 (always false for unix sockets)
+  std::string address;       // "127.0.0.1:53422", "[::1]:4000" or "unix"
+  // Unix sockets only (SO_PEERCRED); -1 otherwise.
+  int64_t uid = -1;
+  int64_t gid = -1;
+  int64_t pid = -1;
+};
+
+// Incremental reader for a raw request body, for routes registered with
+// RouteOptions::stream_body (uploads that must not be buffered in memory).
+// Enforces the route's size cap and the server's body inactivity timeout.
+class BodyReader {
+ public:
+  virtual ~BodyReader() = default;
+  // Reads up to `max` bytes into `buf`. Returns the number of bytes read; 0 means the body is
+  // complete. Errors: ResourceExhausted when the body exceeds the cap (answer 413),
+  // DeadlineExceeded when the client stalls, Unavailable / InvalidArgument when the client
+  // disconnects or sends a malformed body (answer 400; the connection is closed anyway).
+  virtual absl::StatusOr<size_t> Read(char* buf, size_t max) = 0;
+  // Content-Length if the client sent one (chunked uploads have none).
+  virtual std::optional<uint64_t> content_length() const = 0;
+  // Bytes delivered so far.
+  virtual uint64_t bytes_read() const = 0;
+  // True once Read() returned 0.
+  virtual bool done() const = 0;
+};
+
+class Request {
+ public:
+  // "GET", "POST", ... exactly as sent (methods are case-sensitive in HTTP).
+  const std::string& method() const { return method_; }
+  // Percent-decoded path without the query, e.g. "/environments/env_1/files/read".
+  const std::string& path() const { return path_; }
+  // The request target as sent, e.g. "/environments/env_1/files/read?path=a%20b".
+  const std::string& target() const { return target_; }
+
+  // Path parameter from the route pattern ("{id}"), decoded. Empty if there is no such name.
+  std::string Param(std::string_view name) const;
+  const std::map<std::string, std::string, std::less<>>& params() const { return params_; }
+
+  // Query parameters, decoded ('+' is a space), in order, repeated keys kept.
+  const std::vector<std::pair<std::string, std::string>>& query() const { return query_; }
+  // First value of `key`, or nullopt if absent.
+  std::optional<std::string> Query(std::string_view key) const;
+  // All values of `key`, in order.
+  std::vector<std::string> QueryAll(std::string_view key) const;
+  bool HasQuery(std::string_view key) const { return Query(key).has_value(); }
+
+  // Header lookup, case-insensitive. Repeated headers: Header() returns the first one.
+  std::optional<std::string> Header(std::string_view name) const;
+  std::string HeaderOr(std::string_view name, std::string_view fallback) const;
+  const std::vector<std::pair<std::string, std::string>>& headers() const { return headers_; }
+  // True if the Accept header lists `mime_type` (e.g. "text/event-stream"); ignores parameters.
+  bool Accepts(std::string_view mime_type) const;
+  // The media type of Content-Type, lower-cased, without parameters ("application/json"), or "".
+  std::string ContentType() const;
+
+  // The whole body (buffered routes). Empty for stream_body routes: use body_reader().
+  const std::string& body() const { return body_; }
+  // Non-null only for routes registered with RouteOptions::stream_body.
+  BodyReader* body_reader() const { return body_reader_; }
+
+  const PeerInfo& peer() const { return peer_; }
+
+  // Best-effort check, without reading, whether the client has closed its side of the
+  // connection (FIN or RST seen). Lets a long blocking handler (exec) notice a client that gave
+  // up. Note: a client that half-closes after sending its request also looks gone.
+  bool ClientGone() const;
+
+  // Milliseconds since the request's headers were read.
+  int64_t ElapsedMs() const;
+
+  // --- Filled by the server. Tests that call handlers directly may set them. ---
+  Request() = default;
+  std::string method_, path_, target_, body_;
+  std::map<std::string, std::string, std::less<>> params_;
+  std::vector<std::pair<std::string, std::string>> query_;
+  std::vector<std::pair<std::string, std::string>> headers_;
+  PeerInfo peer_;
+  BodyReader* body_reader_ = nullptr;
+  int fd_ = -1;
+  int64_t start_ms_ = 0;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Response side
+
+// Writes a streamed response body (HTTP/1.1 chunked transfer encoding). Every write is flushed to
+// the socket immediately. All writes return false once the client is gone (disconnect detected
+// before writing, send error, or write timeout); after that every write is a no-op returning
+// false, so a handler can simply stop when a write fails.
+// Thread-safe: other threads (e.g. an exec output callback) may write while the stream function
+// runs; once the stream function has returned, writes are refused (return false).
+class ResponseWriter {
+ public:
+  virtual ~ResponseWriter() = default;
+  // Raw bytes as one chunk (binary downloads). Empty data is a no-op returning ok().
+  virtual bool Write(std::string_view data) = 0;
+  // One SSE event: "event: <event>\ndata: <json>\n\n" (the JSON is serialised on one line).
+  bool WriteEvent(std::string_view event, const boost::json::value& data);
+  // One SSE event with arbitrary text data; embedded newlines become several "data:" lines.
+  bool WriteEventText(std::string_view event, std::string_view data);
+  // An SSE comment line (": text\n\n"), e.g. as a keep-alive ping every 15 s.
+  bool WriteComment(std::string_view text);
+  // False once a write failed or the client disconnected.
+  virtual bool ok() const = 0;
+  // Checks the socket, without writing, for a client disconnect. Returns true if gone.
+  virtual bool ClientGone() = 0;
+  virtual uint64_t bytes_written() const = 0;
+};
+
+struct Response {
+  using StreamFn = std::function<void(ResponseWriter&)>;
+
+  int status = 200;
+  std::string content_type = "application/json";
+  // Extra headers. Content-Length, Transfer-Encoding and Connection are managed by the server.
+  std::vector<std::pair<std::string, std::string>> headers;
+  std::string body;
+  // If set, the response is streamed: the server sends the status and headers, then calls
+  // `stream` on the connection thread (the Request is still alive, so capturing it by reference
+  // is fine), then terminates the chunked body. `body` is ignored. If `stream` throws, an SSE
+  // stream gets a final `event: error` with the internal error body; any other stream is cut off
+  // without the terminating chunk, so the client sees a failed (not a short) transfer.
+  // 204 and 304 answers never carry a body.
+  StreamFn stream;
+
+  void SetHeader(std::string_view name, std::string_view value);
+
+  // A streamed response with the given content type, e.g. "application/octet-stream".
+  static Response Stream(int status, std::string content_type, StreamFn fn);
+  // A Server-Sent Events stream (200, text/event-stream, no caching, no proxy buffering).
+  static Response Sse(StreamFn fn);
+  static Response Text(int status, std::string body, std::string content_type = "text/plain");
+};
+
+// 200-style JSON answer; the body is `value` serialised.
+Response JsonResponse(int status, const boost::json::value& value);
+// The error body of docs/api.md: {"error": true, "code": <code>, "message": <message>}.
+boost::json::object ErrorBody(std::string_view code, std::string_view message);
+Response ErrorResponse(int status, std::string_view code, std::string_view message);
+// Same, with the machine code derived from the status (ErrorCodeForStatus).
+Response ErrorResponse(int status, std::string_view message);
+// 400 → "bad_request", 401 → "unauthorized", 404 → "not_found", 405 → "method_not_allowed",
+// 409 → "conflict", 413 → "payload_too_large", 415 → "unsupported_media_type",
+// 422 → "unprocessable", 429 → "too_many_requests", 503 → "unavailable", others ≥ 500 →
+// "internal", other 4xx → "bad_request".
+std::string_view ErrorCodeForStatus(int status);
+// Maps an absl::Status to an error response with the status message:
+// InvalidArgument/OutOfRange/FailedPrecondition/PermissionDenied/Unimplemented → 400,
+// Unauthenticated → 401, NotFound → 404, AlreadyExists/Aborted → 409,
+// ResourceExhausted → 429, Unavailable/DeadlineExceeded → 503, others → 500.
+// (Tenant isolation must be expressed as NotFound by the caller: never 403.)
+Response StatusResponse(const absl::Status& status);
+
+// "Authorization: Bearer <token>" → token (scheme matched case-insensitively); nullopt if the
+// header is missing, has another scheme, or the token is empty.
+std::optional<std::string> BearerToken(const Request& req);
+
+// ---------------------------------------------------------------------------------------------
+// Routing
+
+using Handler = std::function<Response(Request&)>;
+
+struct RouteOptions {
+  // The handler reads the body itself through Request::body_reader(); the server does not
+  // buffer it and the JSON body limit does not apply. A Content-Length above
+  // `max_stream_body_bytes` is answered 413 before the handler runs.
+  bool stream_body = false;
+  uint64_t max_stream_body_bytes = 256ull << 20;
+};
+
+class Router {
+ public:
+  // `pattern` is a path made of literal segments and "{name}" segments, e.g.
+  // "/environments/{id}/files/raw". Literal segments win over parameters when both match.
+  // A trailing slash in a request path is ignored ("/environments/" matches "/environments").
+  void Add(std::string method, std::string_view pattern, Handler handler,
+           RouteOptions options = {});
+
+  struct Match {
+    const Handler* handler = nullptr;  // null: no route for this method
+    const RouteOptions* options = nullptr;
+    std::map<std::string, std::string, std::less<>> params;
+    bool path_known = false;  // some route matches the path (→ 405 rather than 404)
+    std::string allow;        // "GET, DELETE" for the 405 Allow header
+  };
+  // `segments` are the request path's segments, already percent-decoded.
+  Match Find(std::string_view method, const std::vector<std::string>& segments) const;
+
+ private:
+  struct Route {
+    std::string method;
+    std::vector<std::string> segments;  // "{id}" marks a parameter
+    Handler handler;
+    RouteOptions options;
+  };
+  std::vector<Route> routes_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Server
+
+class HttpServer {
+ public:
+  struct Options {
+    // TCP listener. port 0 picks an ephemeral port (see tcp_port()); port < 0 disables TCP.
+    std::string host = "127.0.0.1";
+    int port = 0;
+    // Optional unix socket listener, created with `unix_socket_mode`. A stale socket file left by
+    // a dead daemon is replaced; a live one is an error.
+    std::string unix_socket_path;
+    int unix_socket_mode = 0660;
+
+    int max_connections = 256;
+    size_t max_header_bytes = 64 * 1024;               // request line + headers → 400 beyond
+    uint64_t max_body_bytes = 16ull << 20;             // buffered bodies → 413 beyond
+    std::chrono::milliseconds header_timeout{30'000};  // from first byte to end of headers
+    std::chrono::milliseconds body_timeout{60'000};    // whole buffered body; stream: per read
+    std::chrono::milliseconds idle_timeout{60'000};    // keep-alive wait for the next request
+    std::chrono::milliseconds write_timeout{60'000};   // no write progress for this long → drop
+    std::chrono::milliseconds drain_timeout{10'000};   // Stop(): wait for in-flight requests
+
+    bool access_log = true;  // one esb::Log line per response
+    std::string server_name = "esbd";
+    // Called after every response (also errors produced by the server itself), e.g. for metrics.
+    // `req` may be partially filled for requests that failed to parse. Must not throw.
+    std::function<void(const Request& req, int status, int64_t duration_ms)> on_response;
+  };
+
+  explicit HttpServer(Options options);
+  ~HttpServer();  // calls Stop()
+  HttpServer(const HttpServer&) = delete;
+  HttpServer& operator=(const HttpServer&) = delete;
+
+  // Add routes here before Start().
+  Router& router();
+
+  // Binds the listeners and starts the acceptor threads. Fails if a listener cannot be bound.
+  absl::Status Start();
+  // Stops accepting, closes idle keep-alive connections, and waits up to drain_timeout for
+  // in-flight requests (they are answered with "Connection: close"). Connections still busy
+  // after that get their sockets shut down, so streaming writers return false and body readers
+  // fail; Stop() then waits up to 2 more seconds for their threads. Returns false if some handler
+  // threads were still running when Stop() returned (they keep the server's internals alive and
+  // finish on their own, but must not touch objects the caller destroys). Idempotent.
+  bool Stop();
+
+  // The bound TCP port (after Start()), or -1.
+  int tcp_port() const;
+  // Connections currently open (each holds a thread).
+  int active_connections() const;
+
+  struct Impl;
+
+ private:
+  std::shared_ptr<Impl> impl_;
+};
+
+}  // namespace esb::api

@@ -1,0 +1,639 @@
+#include "api/service.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "api/json_util.h"
+#include "api/tools_catalog.h"
+#include "common/util.h"
+
+namespace esb::api {
+namespace json = boost::json;
+namespace {
+
+constexpr int64_t kChunk = 4 << 20;  // bytes per agent round trip for file transfers
+
+json::value Time(int64_t ms) { return ms > 0 ? json::value(FormatRfc3339(ms)) : json::value(); }
+
+// Paths reach the sandbox as text; keep them sane before they cross the boundary.
+absl::Status CheckPath(const std::string& path) {
+  if (path.empty()) return absl::InvalidArgumentError("'path' must not be empty");
+  if (path.size() > 4096) return absl::InvalidArgumentError("'path' is longer than 4096 bytes");
+  if (path.find('\0') != std::string::npos)
+    return absl::InvalidArgumentError("'path' must not contain NUL bytes");
+  if (!IsValidUtf8(path)) return absl::InvalidArgumentError("'path' must be valid UTF-8");
+  return absl::OkStatus();
+}
+
+std::string_view RuntimeAlias(std::string_view runtime) {
+  if (runtime == "heavy") return "container";
+  return runtime;
+}
+
+// Output may contain arbitrary bytes; JSON strings must be UTF-8. Replace invalid sequences
+// with U+FFFD so the text stays readable (exact bytes are available through files/raw).
+std::string SanitizeUtf8(std::string_view in) {
+  if (IsValidUtf8(in)) return std::string(in);
+  std::string out;
+  out.reserve(in.size());
+  size_t i = 0;
+  while (i < in.size()) {
+    size_t len = 1;
+    unsigned char c = in[i];
+    if (c >= 0xC0 && c < 0xE0) len = 2;
+    else if (c >= 0xE0 && c < 0xF0) len = 3;
+    else if (c >= 0xF0 && c < 0xF8) len = 4;
+    if (i + len <= in.size() && IsValidUtf8(in.substr(i, len))) {
+      out.append(in.substr(i, len));
+      i += len;
+    } else {
+      out.append("\xEF\xBF\xBD");
+      i += 1;
+    }
+  }
+  return out;
+}
+
+json::object ResultJson(const ExecResult& r) {
+  return json::object{{"error", r.exit_code != 0},
+                      {"stdout", SanitizeUtf8(r.stdout_data)},
+                      {"stderr", SanitizeUtf8(r.stderr_data)},
+                      {"exit_code", r.exit_code},
+                      {"duration_ms", r.duration_ms},
+                      {"timed_out", r.timed_out},
+                      {"truncated", r.truncated}};
+}
+
+}  // namespace
+
+Response FileStatusResponse(const absl::Status& st) {
+  switch (st.code()) {
+    case absl::StatusCode::kPermissionDenied:
+      return ErrorResponse(403, "forbidden", StdView(st.message()));
+    case absl::StatusCode::kResourceExhausted:
+      return ErrorResponse(507, "insufficient_storage", StdView(st.message()));
+    default:
+      return StatusResponse(st);
+  }
+}
+
+ApiService::ApiService(EnvironmentManager* manager, Store* store, Metrics* metrics,
+                       ServiceOptions options)
+    : manager_(manager), store_(store), metrics_(metrics), options_(std::move(options)) {}
+
+absl::StatusOr<std::string> ApiService::Authenticate(const Request& req) {
+  auto active = store_->CountActiveApiKeys();
+  if (!active.ok()) return active.status();
+  if (*active == 0) {
+    // SECURITY: dev mode (no keys) serves only this machine's users.
+    if (req.peer().is_loopback || req.peer().is_unix) return std::string("default");
+    return absl::UnauthenticatedError(
+        "no API keys are configured (dev mode): only loopback clients are served");
+  }
+  auto token = BearerToken(req);
+  if (!token) return absl::UnauthenticatedError("missing 'Authorization: Bearer <api-key>'");
+  auto tenant = store_->TenantForKey(*token);
+  if (!tenant.ok()) return absl::UnauthenticatedError("invalid or revoked API key");
+  return *tenant;
+}
+
+void ApiService::Audit(const std::string& tenant, const std::string& env_id,
+                       const std::string& action, const std::string& detail,
+                       std::optional<int64_t> exit_code, int64_t duration_ms, int64_t bytes,
+                       int status) {
+  AuditEntry e;
+  e.time_ms = NowUnixMs();
+  e.tenant = tenant;
+  e.environment_id = env_id;
+  e.action = action;
+  e.detail = detail.size() > 8192 ? detail.substr(0, 8192) + "…" : detail;
+  e.exit_code = exit_code;
+  e.duration_ms = duration_ms;
+  e.bytes = bytes;
+  e.status = status;
+  absl::Status st = store_->AppendAudit(e);
+  if (!st.ok()) {
+    metrics_->CountError("audit");
+    LogError(absl::StrCat("audit append failed: ", st.ToString()));
+  }
+}
+
+json::object ApiService::RenderEnvironment(const EnvironmentInfo& info, bool with_usage) {
+  const EnvironmentRecord& r = info.record;
+  json::object o{
+      {"environment_id", r.id},
+      {"state", r.state},
+      {"runtime", r.runtime},
+      {"image", r.image},
+      {"limits", json::object{{"cpu", info.spec.cpu},
+                              {"memory_mb", info.spec.memory_mb},
+                              {"pids", info.spec.pids},
+                              {"disk_mb", info.spec.disk_mb}}},
+      {"network", info.spec.network},
+      {"ttl_seconds", info.ttl_s},
+      {"created_at", Time(r.created_ms)},
+      {"last_used_at", Time(r.last_used_ms)},
+      {"expires_at", r.state == "running" ? Time(r.expires_ms) : json::value()},
+      {"destroyed_at", Time(r.destroyed_ms)},
+      {"destroy_reason", r.destroy_reason.empty() ? json::value() : json::value(r.destroy_reason)},
+  };
+  json::array env_keys;
+  for (const auto& [k, v] : info.spec.env) env_keys.push_back(json::value(k));
+  o["env_keys"] = std::move(env_keys);
+  if (with_usage) {
+    json::object usage{{"exec_count", r.exec_count}};
+    if (r.state == "running") {
+      auto u = manager_->Stats(r.tenant, r.id);
+      if (u.ok()) {
+        usage["memory_bytes"] = u->memory_bytes;
+        usage["cpu_ms"] = u->cpu_ms;
+        usage["pids"] = u->pids;
+      }
+    }
+    o["usage"] = std::move(usage);
+  }
+  return o;
+}
+
+void ApiService::Register(Router& router) {
+  // Wraps a handler with authentication; `action` names the audit row (empty: no audit here).
+  auto authed = [this](auto fn) {
+    return [this, fn](Request& req) -> Response {
+      auto tenant = Authenticate(req);
+      if (!tenant.ok()) return StatusResponse(tenant.status());
+      return fn(req, *tenant);
+    };
+  };
+
+  router.Add("GET", "/healthz", [this](Request&) {
+    json::object drivers;
+    for (const auto& [name, desc] : options_.driver_descriptions) drivers[name] = desc;
+    json::object unavailable;
+    for (const auto& [name, why] : options_.unavailable_runtimes) unavailable[name] = why;
+    return JsonResponse(200, json::object{{"status", "ok"},
+                                          {"version", ESB_VERSION},
+                                          {"drivers", std::move(drivers)},
+                                          {"unavailable", std::move(unavailable)},
+                                          {"pool_ready", manager_->PoolReady()}});
+  });
+
+  router.Add("GET", "/metrics", [this](Request& req) {
+    if (!req.peer().is_loopback && !req.peer().is_unix) {
+      auto tenant = Authenticate(req);
+      if (!tenant.ok()) return StatusResponse(tenant.status());
+    }
+    return Response::Text(200, metrics_->Render(manager_->StateCounts(), manager_->PoolReady()),
+                          "text/plain; version=0.0.4");
+  });
+
+  router.Add("GET", "/tools", [](Request&) { return JsonResponse(200, ToolsCatalog()); });
+
+  router.Add("POST", "/environments", authed([this](Request& req, const std::string& t) {
+               return CreateEnvironment(req, t);
+             }));
+
+  router.Add("GET", "/environments", authed([this](Request& req, const std::string& t) {
+               std::string all = req.Query("all").value_or("0");
+               auto list = manager_->List(t, all == "1" || all == "true");
+               if (!list.ok()) return StatusResponse(list.status());
+               json::array arr;
+               for (const auto& info : *list) arr.push_back(RenderEnvironment(info, false));
+               return JsonResponse(200, json::object{{"environments", std::move(arr)}});
+             }));
+
+  router.Add("GET", "/environments/{id}", authed([this](Request& req, const std::string& t) {
+               auto info = manager_->Get(t, req.Param("id"));
+               if (!info.ok()) return StatusResponse(info.status());
+               return JsonResponse(200, RenderEnvironment(*info, true));
+             }));
+
+  router.Add("DELETE", "/environments/{id}", authed([this](Request& req, const std::string& t) {
+               int64_t start = MonotonicMs();
+               std::string id = req.Param("id");
+               absl::Status st = manager_->Destroy(t, id, "deleted");
+               Response resp = st.ok() ? JsonResponse(200, json::object{{"error", false},
+                                                                        {"message",
+                                                                         "Environment destroyed."}})
+                                       : StatusResponse(st);
+               if (!absl::IsNotFound(st))
+                 Audit(t, id, "environment.delete", "", std::nullopt, MonotonicMs() - start, 0,
+                       resp.status);
+               return resp;
+             }));
+
+  router.Add("POST", "/environments/{id}/heartbeat",
+             authed([this](Request& req, const std::string& t) {
+               auto body = ParseJsonObjectBody(req);
+               if (!body.ok()) return body.error();
+               JsonFields f(body.value());
+               int64_t ttl = f.OptionalInt("ttl_seconds", 0, 10, 86400);
+               if (!f.ok()) return f.ErrorResponse();
+               auto expires = manager_->Heartbeat(t, req.Param("id"), ttl);
+               if (!expires.ok()) return StatusResponse(expires.status());
+               return JsonResponse(200, json::object{{"error", false},
+                                                     {"expires_at", FormatRfc3339(*expires)}});
+             }));
+
+  router.Add("POST", "/environments/{id}/execute",
+             authed([this](Request& req, const std::string& t) { return Execute(req, t); }));
+  router.Add("POST", "/environments/{id}/files/write",
+             authed([this](Request& req, const std::string& t) { return WriteFile(req, t); }));
+  router.Add("GET", "/environments/{id}/files/read",
+             authed([this](Request& req, const std::string& t) { return ReadFile(req, t); }));
+  RouteOptions upload;
+  upload.stream_body = true;
+  upload.max_stream_body_bytes = static_cast<uint64_t>(options_.max_upload_bytes);
+  router.Add("PUT", "/environments/{id}/files/raw",
+             authed([this](Request& req, const std::string& t) { return PutRaw(req, t); }),
+             upload);
+  router.Add("GET", "/environments/{id}/files/raw",
+             authed([this](Request& req, const std::string& t) { return GetRaw(req, t); }));
+  router.Add("GET", "/environments/{id}/files/list",
+             authed([this](Request& req, const std::string& t) { return ListFiles(req, t); }));
+  router.Add("GET", "/audit",
+             authed([this](Request& req, const std::string& t) { return QueryAudit(req, t); }));
+
+  auto run = authed([this](Request& req, const std::string& t) -> Response {
+    if (!run_handler_)
+      return ErrorResponse(400, "bad_request",
+                           "POST /run needs the nano tier, which is not available on this "
+                           "daemon (see GET /healthz 'unavailable')");
+    return run_handler_(t, req.Param("id"), req);
+  });
+  router.Add("POST", "/run", run);
+  router.Add("POST", "/environments/{id}/run", run);
+}
+
+Response ApiService::CreateEnvironment(Request& req, const std::string& tenant) {
+  int64_t start = MonotonicMs();
+  auto body = ParseJsonObjectBody(req);
+  if (!body.ok()) return body.error();
+  JsonFields f(body.value());
+  const EnvSpec& d = manager_->options().default_spec;
+  EnvSpec spec = d;
+  spec.image = f.OptionalString("image", d.image);
+  std::string runtime = f.OptionalEnum("runtime", "container",
+                                       {"auto", "container", "heavy", "gvisor", "nano", "microvm"});
+  spec.cpu = f.OptionalDouble("cpu", d.cpu, 0.1, std::max(1, options_.host_cpus));
+  spec.memory_mb = f.OptionalInt("memory_mb", d.memory_mb, 32, 16384);
+  spec.pids = f.OptionalInt("pids", d.pids, 16, 32768);
+  spec.disk_mb = f.OptionalInt("disk_mb", d.disk_mb, 16, 65536);
+  int64_t ttl = f.OptionalInt("ttl_seconds", 0, 10, 86400);
+  spec.env = f.OptionalStringMap("env", 256);
+  spec.network = f.OptionalEnum("network", "none", {"none"});
+  if (!f.ok()) return f.ErrorResponse();
+  for (const auto& [k, v] : spec.env) {
+    bool valid = !k.empty() && k.size() <= 256 && !(k[0] >= '0' && k[0] <= '9');
+    for (char c : k) valid = valid && (std::isalnum(static_cast<unsigned char>(c)) || c == '_');
+    if (!valid)
+      return ErrorResponse(400, "bad_request",
+                           absl::StrCat("env: '", k, "' is not a valid variable name"));
+    if (v.size() > 32768 || v.find('\0') != std::string::npos)
+      return ErrorResponse(400, "bad_request",
+                           absl::StrCat("env: value of '", k, "' is too long or contains NUL"));
+  }
+  if (runtime == "auto") runtime = "container";  // the adaptive router arrives with the nano tier
+  spec.runtime = std::string(RuntimeAlias(runtime));
+  if (!manager_->HasDriver(spec.runtime)) {
+    auto why = options_.unavailable_runtimes.find(spec.runtime);
+    return ErrorResponse(400, "bad_request",
+                         absl::StrCat("runtime '", runtime, "' is not available on this host",
+                                      why != options_.unavailable_runtimes.end()
+                                          ? absl::StrCat(": ", why->second)
+                                          : ""));
+  }
+  if (spec.runtime != "nano" && !options_.images.count(spec.image))
+    return ErrorResponse(400, "bad_request", absl::StrCat("unknown image '", spec.image, "'"));
+  auto info = manager_->Create(tenant, spec, ttl);
+  Response resp;
+  if (!info.ok()) {
+    resp = StatusResponse(info.status());
+  } else {
+    json::object o = RenderEnvironment(*info, false);
+    o["pooled"] = info->pooled;
+    resp = JsonResponse(201, o);
+  }
+  Audit(tenant, info.ok() ? info->record.id : "", "environment.create",
+        absl::StrCat("runtime=", spec.runtime, " image=", spec.image), std::nullopt,
+        MonotonicMs() - start, 0, resp.status);
+  return resp;
+}
+
+Response ApiService::Execute(Request& req, const std::string& tenant) {
+  auto body = ParseJsonObjectBody(req, /*allow_empty=*/false);
+  if (!body.ok()) return body.error();
+  JsonFields f(body.value());
+  ExecRequest exec;
+  exec.command = f.RequiredString("command");
+  exec.timeout = std::chrono::seconds(f.OptionalInt("timeout_seconds", 60, 1, 3600));
+  exec.env = f.OptionalStringMap("env", 256);
+  if (!f.ok()) return f.ErrorResponse();
+  if (exec.command.empty()) return ErrorResponse(400, "bad_request", "'command' is empty");
+  if (exec.command.size() > (1 << 20))
+    return ErrorResponse(413, "payload_too_large", "'command' is longer than 1 MiB");
+  if (exec.command.find('\0') != std::string::npos)
+    return ErrorResponse(400, "bad_request", "'command' must not contain NUL bytes");
+  exec.max_output_bytes = options_.max_output_bytes;
+  std::string id = req.Param("id");
+
+  if (req.Accepts("text/event-stream")) {
+    // Check existence first so a bad id is a plain 404, not a stream with an error event.
+    auto info = manager_->Get(tenant, id);
+    if (!info.ok() || info->record.state != "running")
+      return StatusResponse(info.ok() ? absl::NotFoundError(absl::StrCat(
+                                            "environment ", id, " is ", info->record.state))
+                                      : info.status());
+    return Response::Sse([this, tenant, id, exec](ResponseWriter& w) {
+      int64_t start = MonotonicMs();
+      // Hold back incomplete UTF-8 sequences so multi-byte characters are never split.
+      std::string pending[3];
+      int64_t last_write = MonotonicMs();
+      auto sink = [&](Stream s, std::string_view chunk) -> bool {
+        if (chunk.empty()) {  // a tick while the command is silent: is the client still there?
+          if (MonotonicMs() - last_write >= 15000) {
+            last_write = MonotonicMs();
+            return w.WriteComment("keep-alive");
+          }
+          return !w.ClientGone();
+        }
+        last_write = MonotonicMs();
+        std::string& buf = pending[static_cast<int>(s)];
+        buf.append(chunk);
+        size_t n = Utf8CompletePrefix(buf);
+        if (n == 0) return w.ok();
+        std::string part = buf.substr(0, n);
+        buf.erase(0, n);
+        const char* ev = s == Stream::kStdout ? "stdout" : "stderr";
+        json::object data;
+        if (IsValidUtf8(part)) data["data"] = part;
+        else data["data_b64"] = Base64Encode(part);
+        return w.WriteEvent(ev, data);
+      };
+      auto result = manager_->Exec(tenant, id, exec, sink);
+      if (!result.ok()) {
+        Response err = StatusResponse(result.status());
+        w.WriteEvent("error", ErrorBody(ErrorCodeForStatus(err.status), StdView(result.status().message())));
+        Audit(tenant, id, "execute", exec.command, std::nullopt, MonotonicMs() - start, 0,
+              err.status);
+        return;
+      }
+      for (int s = 1; s <= 2; ++s) {
+        if (!pending[s].empty()) {
+          w.WriteEvent(s == 1 ? "stdout" : "stderr",
+                       json::object{{"data_b64", Base64Encode(pending[s])}});
+        }
+      }
+      w.WriteEvent("result", ResultJson(*result));
+      Audit(tenant, id, "execute", exec.command, result->exit_code, result->duration_ms,
+            static_cast<int64_t>(result->stdout_data.size() + result->stderr_data.size()),
+            w.ok() ? 200 : 499);
+    });
+  }
+
+  // Non-streaming: still notice a client that went away, and kill its command.
+  auto sink = [&req](Stream, std::string_view) { return !req.ClientGone(); };
+  int64_t start = MonotonicMs();
+  auto result = manager_->Exec(tenant, id, exec, sink);
+  if (!result.ok()) {
+    Response resp = StatusResponse(result.status());
+    if (!absl::IsNotFound(result.status()))
+      Audit(tenant, id, "execute", exec.command, std::nullopt, MonotonicMs() - start, 0,
+            resp.status);
+    return resp;
+  }
+  json::object out = ResultJson(*result);
+  Audit(tenant, id, "execute", exec.command, result->exit_code, result->duration_ms,
+        static_cast<int64_t>(result->stdout_data.size() + result->stderr_data.size()), 200);
+  return JsonResponse(200, out);
+}
+
+Response ApiService::WriteFile(Request& req, const std::string& tenant) {
+  int64_t start = MonotonicMs();
+  auto body = ParseJsonObjectBody(req, /*allow_empty=*/false);
+  if (!body.ok()) return body.error();
+  JsonFields f(body.value());
+  std::string path = f.RequiredString("path");
+  std::string content = f.RequiredString("content");
+  std::string encoding = f.OptionalEnum("encoding", "utf-8", {"utf-8", "utf8", "base64"});
+  if (!f.ok()) return f.ErrorResponse();
+  if (absl::Status st = CheckPath(path); !st.ok()) return StatusResponse(st);
+  std::string data;
+  if (encoding == "base64") {
+    auto decoded = Base64Decode(content);
+    if (!decoded.ok())
+      return ErrorResponse(400, "bad_request",
+                           absl::StrCat("'content' is not valid base64: ",
+                                        decoded.status().message()));
+    data = std::move(*decoded);
+  } else {
+    data = std::move(content);
+  }
+  std::string id = req.Param("id");
+  absl::Status st;
+  int64_t offset = 0;
+  do {
+    std::string_view part = std::string_view(data).substr(offset, kChunk);
+    st = manager_->WriteFile(tenant, id, path, part, offset, offset == 0);
+    offset += static_cast<int64_t>(part.size());
+  } while (st.ok() && offset < static_cast<int64_t>(data.size()));
+  Response resp = st.ok() ? JsonResponse(200, json::object{{"error", false},
+                                                           {"message", "File saved successfully."},
+                                                           {"bytes", data.size()}})
+                          : FileStatusResponse(st);
+  if (st.ok() || !absl::IsNotFound(st) || st.message().find("environment") == std::string::npos)
+    Audit(tenant, id, "files.write", path, std::nullopt, MonotonicMs() - start,
+          static_cast<int64_t>(data.size()), resp.status);
+  return resp;
+}
+
+Response ApiService::ReadFile(Request& req, const std::string& tenant) {
+  int64_t start = MonotonicMs();
+  std::string path = req.Query("path").value_or("");
+  if (absl::Status st = CheckPath(path); !st.ok()) return StatusResponse(st);
+  std::string id = req.Param("id");
+  std::string data;
+  absl::Status st;
+  int64_t size = 0;
+  for (;;) {
+    auto chunk = manager_->ReadFile(tenant, id, path, static_cast<int64_t>(data.size()), kChunk);
+    if (!chunk.ok()) {
+      st = chunk.status();
+      break;
+    }
+    size = chunk->file_size;
+    if (size > options_.max_json_read_bytes) {
+      st = absl::OutOfRangeError(absl::StrCat(
+          "file is ", size, " bytes, more than files/read returns (", options_.max_json_read_bytes,
+          "); download it with GET files/raw"));
+      break;
+    }
+    data += chunk->data;
+    if (chunk->eof || chunk->data.empty()) break;
+    if (static_cast<int64_t>(data.size()) > options_.max_json_read_bytes) {
+      st = absl::OutOfRangeError("file grew beyond the files/read limit; use files/raw");
+      break;
+    }
+  }
+  Response resp;
+  if (!st.ok()) {
+    if (absl::IsOutOfRange(st)) {
+      resp = ErrorResponse(413, "payload_too_large", StdView(st.message()));
+    } else {
+      resp = FileStatusResponse(st);
+    }
+    // Seed 004's read_file shape carries the error text in `content` as well.
+    json::object o = ErrorBody(ErrorCodeForStatus(resp.status), StdView(st.message()));
+    if (resp.status == 403) o["code"] = "forbidden";
+    if (resp.status == 507) o["code"] = "insufficient_storage";
+    o["content"] = std::string(st.message());
+    resp.body = ToJson(o);
+  } else {
+    bool text = IsValidUtf8(data);
+    resp = JsonResponse(200, json::object{{"error", false},
+                                          {"content", text ? data : Base64Encode(data)},
+                                          {"encoding", text ? "utf-8" : "base64"},
+                                          {"size", data.size()}});
+  }
+  if (st.ok() || st.message().find("environment") == std::string::npos)
+    Audit(tenant, id, "files.read", path, std::nullopt, MonotonicMs() - start,
+          static_cast<int64_t>(data.size()), resp.status);
+  return resp;
+}
+
+Response ApiService::PutRaw(Request& req, const std::string& tenant) {
+  int64_t start = MonotonicMs();
+  std::string path = req.Query("path").value_or("");
+  if (absl::Status st = CheckPath(path); !st.ok()) return StatusResponse(st);
+  std::string id = req.Param("id");
+  auto info = manager_->Get(tenant, id);
+  if (!info.ok()) return StatusResponse(info.status());
+  BodyReader* reader = req.body_reader();
+  if (!reader) return ErrorResponse(500, "internal", "upload route without a body reader");
+  std::string buf;
+  std::vector<char> tmp(1 << 20);
+  int64_t offset = 0;
+  bool first = true;
+  absl::Status read_error, write_error;
+  for (;;) {
+    auto n = reader->Read(tmp.data(), tmp.size());
+    if (!n.ok()) {
+      read_error = n.status();
+      break;
+    }
+    buf.append(tmp.data(), *n);
+    bool done = *n == 0;
+    if (buf.size() >= static_cast<size_t>(kChunk) || (done && (first || !buf.empty()))) {
+      write_error = manager_->WriteFile(tenant, id, path, buf, offset, first);
+      if (!write_error.ok()) break;
+      offset += static_cast<int64_t>(buf.size());
+      buf.clear();
+      first = false;
+    }
+    if (done) break;
+  }
+  Response resp;
+  if (!read_error.ok()) {
+    resp = absl::IsResourceExhausted(read_error)
+               ? ErrorResponse(413, "payload_too_large",
+                               absl::StrCat("upload exceeds max_upload_bytes (",
+                                            options_.max_upload_bytes, " bytes)"))
+               : ErrorResponse(400, "bad_request",
+                               absl::StrCat("reading the upload failed: ", read_error.message()));
+  } else if (!write_error.ok()) {
+    resp = FileStatusResponse(write_error);
+  } else {
+    resp = JsonResponse(200, json::object{{"error", false},
+                                          {"message", "File saved successfully."},
+                                          {"bytes", offset}});
+  }
+  Audit(tenant, id, "files.upload", path, std::nullopt, MonotonicMs() - start, offset,
+        resp.status);
+  return resp;
+}
+
+Response ApiService::GetRaw(Request& req, const std::string& tenant) {
+  std::string path = req.Query("path").value_or("");
+  if (absl::Status st = CheckPath(path); !st.ok()) return StatusResponse(st);
+  std::string id = req.Param("id");
+  // First chunk before answering, so a missing file is a clean 404.
+  auto first = manager_->ReadFile(tenant, id, path, 0, kChunk);
+  if (!first.ok()) return FileStatusResponse(first.status());
+  Response resp = Response::Stream(
+      200, "application/octet-stream",
+      [this, tenant, id, path, chunk = std::move(*first)](ResponseWriter& w) mutable {
+        int64_t start = MonotonicMs();
+        int64_t offset = 0;
+        for (;;) {
+          if (!w.Write(chunk.data)) break;
+          offset += static_cast<int64_t>(chunk.data.size());
+          if (chunk.eof || chunk.data.empty()) break;
+          auto next = manager_->ReadFile(tenant, id, path, offset, kChunk);
+          if (!next.ok()) break;  // headers are gone; the truncated chunked body tells the client
+          chunk = std::move(*next);
+        }
+        Audit(tenant, id, "files.download", path, std::nullopt, MonotonicMs() - start, offset,
+              w.ok() ? 200 : 499);
+      });
+  std::string name = path.substr(path.find_last_of('/') + 1);
+  resp.SetHeader("X-File-Size", std::to_string(first->file_size));
+  return resp;
+}
+
+Response ApiService::ListFiles(Request& req, const std::string& tenant) {
+  std::string path = req.Query("path").value_or(".");
+  if (absl::Status st = CheckPath(path); !st.ok()) return StatusResponse(st);
+  auto entries = manager_->ListDir(tenant, req.Param("id"), path);
+  if (!entries.ok()) return FileStatusResponse(entries.status());
+  json::array arr;
+  for (const FileEntry& e : *entries) {
+    char mode[8];
+    std::snprintf(mode, sizeof mode, "%04o", e.mode & 07777);
+    arr.push_back(json::object{{"name", SanitizeUtf8(e.name)},
+                               {"type", e.type},
+                               {"size", e.size},
+                               {"mode", mode},
+                               {"mtime", FormatRfc3339(e.mtime_ms)}});
+  }
+  return JsonResponse(200, json::object{{"error", false}, {"path", path},
+                                        {"entries", std::move(arr)}});
+}
+
+Response ApiService::QueryAudit(Request& req, const std::string& tenant) {
+  AuditQuery q;
+  q.tenant = tenant;
+  auto time_param = [&](const char* name, int64_t* out) -> bool {
+    auto v = req.Query(name);
+    return !v || ParseTime(*v, out);
+  };
+  if (!time_param("since", &q.since_ms) || !time_param("until", &q.until_ms))
+    return ErrorResponse(400, "bad_request",
+                         "'since'/'until' must be RFC 3339 times or unix seconds");
+  q.environment_id = req.Query("environment_id").value_or("");
+  q.keyword = req.Query("q").value_or("");
+  if (auto limit = req.Query("limit")) {
+    char* end = nullptr;
+    long n = std::strtol(limit->c_str(), &end, 10);
+    if (limit->empty() || *end != '\0' || n < 1 || n > 1000)
+      return ErrorResponse(400, "bad_request", "'limit' must be an integer in 1..1000");
+    q.limit = static_cast<int>(n);
+  }
+  auto entries = store_->QueryAudit(q);
+  if (!entries.ok()) return StatusResponse(entries.status());
+  json::array arr;
+  for (const AuditEntry& e : *entries) {
+    arr.push_back(json::object{
+        {"id", e.id},
+        {"time", FormatRfc3339(e.time_ms)},
+        {"tenant", e.tenant},
+        {"environment_id", e.environment_id.empty() ? json::value() : json::value(e.environment_id)},
+        {"action", e.action},
+        {"detail", SanitizeUtf8(e.detail)},
+        {"exit_code", e.exit_code ? json::value(*e.exit_code) : json::value()},
+        {"duration_ms", e.duration_ms},
+        {"bytes", e.bytes},
+        {"status", e.status}});
+  }
+  return JsonResponse(200, json::object{{"entries", std::move(arr)}});
+}
+
+}  // namespace esb::api

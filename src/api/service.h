@@ -1,0 +1,76 @@
+// The Environment API (docs/api.md) on top of HttpServer: parses and validates requests,
+// authenticates them to a tenant, calls the core, writes audit rows, renders answers.
+#pragma once
+
+#include <functional>
+#include <map>
+#include <string>
+
+#include "api/http_server.h"
+#include "core/config.h"
+#include "core/environment_manager.h"
+#include "core/metrics.h"
+#include "storage/store.h"
+
+namespace esb::api {
+
+struct ServiceOptions {
+  std::map<std::string, std::string> images;  // known image names (values unused here)
+  int64_t max_output_bytes = 1 << 20;
+  int64_t max_upload_bytes = 256ll << 20;
+  int64_t max_json_read_bytes = 16ll << 20;
+  int host_cpus = 1;
+  // runtime name → why it is unavailable (shown in 400 answers), for runtimes with no driver.
+  std::map<std::string, std::string> unavailable_runtimes;
+  std::map<std::string, std::string> driver_descriptions;  // for /healthz
+};
+
+// Nano-tier hook: runs Python code. `session` is empty for one-shot runs. Installed by main when
+// the nano driver is available; absent otherwise (POST /run then answers 400 with the reason).
+struct RunRequest {
+  std::string code;
+  int64_t timeout_ms = 30000;
+  int64_t memory_limit_mb = 256;
+};
+using RunHandler = std::function<Response(const std::string& tenant, const std::string& env_id,
+                                          Request& req)>;
+
+class ApiService {
+ public:
+  ApiService(EnvironmentManager* manager, Store* store, Metrics* metrics, ServiceOptions options);
+
+  // Registers every route on `router`.
+  void Register(Router& router);
+  // Optional handlers for POST /run and POST /environments/{id}/run (nano / heavy Python).
+  void SetRunHandler(RunHandler handler) { run_handler_ = std::move(handler); }
+
+  // Authenticates a request to a tenant: Bearer key when any key exists; otherwise dev mode
+  // (loopback or unix socket only, tenant "default").
+  absl::StatusOr<std::string> Authenticate(const Request& req);
+  void Audit(const std::string& tenant, const std::string& env_id, const std::string& action,
+             const std::string& detail, std::optional<int64_t> exit_code, int64_t duration_ms,
+             int64_t bytes, int status);
+
+ private:
+  Response CreateEnvironment(Request& req, const std::string& tenant);
+  Response Execute(Request& req, const std::string& tenant);
+  Response WriteFile(Request& req, const std::string& tenant);
+  Response ReadFile(Request& req, const std::string& tenant);
+  Response PutRaw(Request& req, const std::string& tenant);
+  Response GetRaw(Request& req, const std::string& tenant);
+  Response ListFiles(Request& req, const std::string& tenant);
+  Response QueryAudit(Request& req, const std::string& tenant);
+  boost::json::object RenderEnvironment(const EnvironmentInfo& info, bool with_usage);
+
+  EnvironmentManager* manager_;
+  Store* store_;
+  Metrics* metrics_;
+  ServiceOptions options_;
+  RunHandler run_handler_;
+};
+
+// Status → HTTP answer for file operations, where PermissionDenied means "the sandbox user may
+// not do that" (403), not tenant isolation.
+Response FileStatusResponse(const absl::Status& status);
+
+}  // namespace esb::api

@@ -1,0 +1,69 @@
+// Small shared helpers: errno → Status, ids, time, logging, fd ownership.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+
+namespace esb {
+
+// Debian's Abseil is built with its own absl::string_view (ABSL_OPTION_USE_STD_STRING_VIEW=0),
+// which does not convert to or from std::string_view. These bridge the two.
+inline std::string_view StdView(absl::string_view s) { return {s.data(), s.size()}; }
+inline absl::string_view AbslView(std::string_view s) { return {s.data(), s.size()}; }
+
+// Builds a Status from the current errno: "<what>: <strerror> (errno NAME)".
+// ENOENT → NotFound, EACCES/EPERM → PermissionDenied, EEXIST → AlreadyExists,
+// ENOSPC/EDQUOT/EFBIG/ENOMEM → ResourceExhausted, EINVAL/EISDIR/ENOTDIR/ELOOP → InvalidArgument,
+// ETIMEDOUT → DeadlineExceeded, others → Internal.
+absl::Status ErrnoStatus(std::string_view what, int err);
+absl::Status ErrnoStatus(std::string_view what);  // uses errno
+// Maps an errno *name* ("ENOENT") reported by the agent to a Status with `message`.
+absl::Status ErrnoNameStatus(std::string_view errno_name, std::string_view message);
+
+// Cryptographically random lowercase hex string of 2*bytes characters (getrandom).
+std::string RandomHex(int bytes);
+
+int64_t NowUnixMs();
+int64_t MonotonicMs();
+// RFC 3339 UTC with milliseconds: 2026-11-22T04:30:00.123Z
+std::string FormatRfc3339(int64_t unix_ms);
+// Parses RFC 3339 (Z or ±hh:mm offset, optional fraction) or a plain integer of unix seconds.
+bool ParseTime(std::string_view text, int64_t* unix_ms);
+
+enum class LogLevel { kDebug, kInfo, kWarn, kError };
+void SetLogLevel(LogLevel level);
+// One line to stderr: "2026-11-22T04:30:00.123Z INFO  message". Thread-safe.
+void Log(LogLevel level, std::string_view message);
+inline void LogInfo(std::string_view m) { Log(LogLevel::kInfo, m); }
+inline void LogWarn(std::string_view m) { Log(LogLevel::kWarn, m); }
+inline void LogError(std::string_view m) { Log(LogLevel::kError, m); }
+inline void LogDebug(std::string_view m) { Log(LogLevel::kDebug, m); }
+
+// Owns a file descriptor; closes it on destruction.
+class UniqueFd {
+ public:
+  UniqueFd() = default;
+  explicit UniqueFd(int fd) : fd_(fd) {}
+  UniqueFd(UniqueFd&& o) noexcept : fd_(o.release()) {}
+  UniqueFd& operator=(UniqueFd&& o) noexcept;
+  UniqueFd(const UniqueFd&) = delete;
+  UniqueFd& operator=(const UniqueFd&) = delete;
+  ~UniqueFd();
+  int get() const { return fd_; }
+  int release() { int f = fd_; fd_ = -1; return f; }
+  void reset(int fd = -1);
+  explicit operator bool() const { return fd_ >= 0; }
+
+ private:
+  int fd_ = -1;
+};
+
+// Reads a whole (small) file; writes a file atomically (tmp + rename).
+absl::Status ReadFileToString(const std::string& path, std::string* out);
+absl::Status WriteStringToFile(const std::string& path, std::string_view data, int mode = 0644);
+
+}  // namespace esb

@@ -1,0 +1,44 @@
+#include "common/util.h"
+
+#include <gtest/gtest.h>
+
+namespace esb {
+namespace {
+
+TEST(UtilTest, Rfc3339RoundTrips) {
+  int64_t ms = 1795321800123;  // 2026-11-22T04:30:00.123Z
+  std::string s = FormatRfc3339(ms);
+  EXPECT_EQ(s, "2026-11-22T04:30:00.123Z");
+  int64_t back = 0;
+  ASSERT_TRUE(ParseTime(s, &back));
+  EXPECT_EQ(back, ms);
+}
+
+TEST(UtilTest, ParseTimeHonoursOffsetsAndRejectsJunk) {
+  int64_t a = 0, b = 0;
+  ASSERT_TRUE(ParseTime("2026-11-22T06:30:00+02:00", &a));
+  ASSERT_TRUE(ParseTime("2026-11-22T04:30:00Z", &b));
+  EXPECT_EQ(a, b);
+  ASSERT_TRUE(ParseTime("1795321800", &a));
+  EXPECT_EQ(a, b);
+  EXPECT_FALSE(ParseTime("yesterday", &a));
+  EXPECT_FALSE(ParseTime("2026-11-22T04:30:00", &a));  // no zone
+  EXPECT_FALSE(ParseTime("", &a));
+}
+
+TEST(UtilTest, ErrnoStatusMapsCodes) {
+  EXPECT_TRUE(absl::IsNotFound(ErrnoStatus("open x", ENOENT)));
+  EXPECT_TRUE(absl::IsPermissionDenied(ErrnoStatus("open x", EACCES)));
+  EXPECT_TRUE(absl::IsResourceExhausted(ErrnoNameStatus("ENOSPC", "full")));
+  EXPECT_NE(ErrnoStatus("open /x", ENOENT).message().find("/x"), std::string::npos);
+}
+
+TEST(UtilTest, RandomHexIsHexAndDiffers) {
+  std::string a = RandomHex(16), b = RandomHex(16);
+  EXPECT_EQ(a.size(), 32u);
+  EXPECT_NE(a, b);
+  EXPECT_EQ(a.find_first_not_of("0123456789abcdef"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace esb

@@ -1,0 +1,162 @@
+#include "core/config.h"
+
+#include <boost/json.hpp>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "common/util.h"
+
+namespace esb {
+namespace json = boost::json;
+namespace {
+
+absl::Status TypeError(const std::string& key, const std::string& want) {
+  return absl::InvalidArgumentError(absl::StrCat("config: '", key, "' must be ", want));
+}
+
+absl::Status GetString(const json::value& v, const std::string& key, std::string* out) {
+  if (!v.is_string()) return TypeError(key, "a string");
+  *out = std::string(v.as_string());
+  return absl::OkStatus();
+}
+
+template <typename T>
+absl::Status GetInt(const json::value& v, const std::string& key, T* out) {
+  if (!v.is_int64() && !v.is_uint64()) return TypeError(key, "an integer");
+  int64_t n = v.is_int64() ? v.as_int64() : static_cast<int64_t>(v.as_uint64());
+  if (n < 0) return TypeError(key, "a non-negative integer");
+  *out = static_cast<T>(n);
+  return absl::OkStatus();
+}
+
+absl::Status ParseDefaults(const json::value& v, EnvSpec* spec) {
+  if (!v.is_object()) return TypeError("defaults", "an object");
+  for (const auto& kv : v.as_object()) {
+    std::string key = absl::StrCat("defaults.", std::string(kv.key()));
+    absl::Status st;
+    if (kv.key() == "cpu") {
+      if (!kv.value().is_number()) return TypeError(key, "a number");
+      spec->cpu = kv.value().to_number<double>();
+    } else if (kv.key() == "memory_mb") {
+      st = GetInt(kv.value(), key, &spec->memory_mb);
+    } else if (kv.key() == "pids") {
+      st = GetInt(kv.value(), key, &spec->pids);
+    } else if (kv.key() == "disk_mb") {
+      st = GetInt(kv.value(), key, &spec->disk_mb);
+    } else if (kv.key() == "image") {
+      st = GetString(kv.value(), key, &spec->image);
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat("config: unknown key '", key, "'"));
+    }
+    if (!st.ok()) return st;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status LoadConfigFile(const std::string& path, DaemonConfig* c) {
+  std::string text;
+  absl::Status st = ReadFileToString(path, &text);
+  if (!st.ok()) return st;
+  boost::system::error_code ec;
+  json::value root = json::parse(text, ec);
+  if (ec) return absl::InvalidArgumentError(absl::StrCat("config ", path, ": ", ec.message()));
+  if (!root.is_object())
+    return absl::InvalidArgumentError(absl::StrCat("config ", path, ": not a JSON object"));
+  for (const auto& kv : root.as_object()) {
+    std::string key(kv.key());
+    const json::value& v = kv.value();
+    if (key == "listen") st = GetString(v, key, &c->listen);
+    else if (key == "unix_socket") st = GetString(v, key, &c->unix_socket);
+    else if (key == "state_dir") st = GetString(v, key, &c->state_dir);
+    else if (key == "container_runtime") st = GetString(v, key, &c->container_runtime);
+    else if (key == "agent_binary") st = GetString(v, key, &c->agent_binary);
+    else if (key == "log_level") st = GetString(v, key, &c->log_level);
+    else if (key == "default_ttl_seconds") st = GetInt(v, key, &c->default_ttl_s);
+    else if (key == "max_ttl_seconds") st = GetInt(v, key, &c->max_ttl_s);
+    else if (key == "pool_size") st = GetInt(v, key, &c->pool_size);
+    else if (key == "max_environments") st = GetInt(v, key, &c->max_environments);
+    else if (key == "max_environments_per_tenant")
+      st = GetInt(v, key, &c->max_environments_per_tenant);
+    else if (key == "max_output_bytes") st = GetInt(v, key, &c->max_output_bytes);
+    else if (key == "max_upload_bytes") st = GetInt(v, key, &c->max_upload_bytes);
+    else if (key == "max_json_body_bytes") st = GetInt(v, key, &c->max_json_body_bytes);
+    else if (key == "max_connections") st = GetInt(v, key, &c->max_connections);
+    else if (key == "defaults") st = ParseDefaults(v, &c->defaults);
+    else if (key == "images") {
+      if (!v.is_object()) return TypeError(key, "an object of name → rootfs directory");
+      for (const auto& img : v.as_object()) {
+        std::string dir;
+        st = GetString(img.value(), absl::StrCat("images.", std::string(img.key())), &dir);
+        if (!st.ok()) return st;
+        c->images[std::string(img.key())] = dir;
+      }
+    } else if (key == "keys") {
+      if (!v.is_array()) return TypeError(key, "an array");
+      for (const auto& k : v.as_array()) {
+        if (!k.is_object()) return TypeError("keys[]", "objects {key, tenant, name}");
+        KeyConfig kc;
+        for (const auto& f : k.as_object()) {
+          std::string fk = absl::StrCat("keys[].", std::string(f.key()));
+          if (f.key() == "key") st = GetString(f.value(), fk, &kc.key);
+          else if (f.key() == "tenant") st = GetString(f.value(), fk, &kc.tenant);
+          else if (f.key() == "name") st = GetString(f.value(), fk, &kc.name);
+          else return absl::InvalidArgumentError(absl::StrCat("config: unknown key '", fk, "'"));
+          if (!st.ok()) return st;
+        }
+        if (kc.key.size() < 16 || kc.tenant.empty())
+          return absl::InvalidArgumentError(
+              "config: every keys[] entry needs a 'key' of at least 16 characters and a "
+              "'tenant'");
+        c->keys.push_back(kc);
+      }
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat("config: unknown key '", key, "'"));
+    }
+    if (!st.ok()) return st;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ApplyEnvironment(const std::function<const char*(const char*)>& getenv_fn,
+                              DaemonConfig* c) {
+  auto str = [&](const char* name, std::string* out) {
+    if (const char* v = getenv_fn(name); v && *v) *out = v;
+  };
+  str("ESBD_LISTEN", &c->listen);
+  str("ESBD_STATE_DIR", &c->state_dir);
+  str("ESBD_UNIX_SOCKET", &c->unix_socket);
+  str("ESBD_RUNTIME", &c->container_runtime);
+  str("ESBD_LOG_LEVEL", &c->log_level);
+  str("ESBD_AGENT_BINARY", &c->agent_binary);
+  if (const char* v = getenv_fn("ESBD_IMAGE_DEFAULT"); v && *v) c->images["default"] = v;
+  if (const char* v = getenv_fn("ESBD_POOL_SIZE"); v && *v) {
+    if (!absl::SimpleAtoi(v, &c->pool_size) || c->pool_size < 0)
+      return absl::InvalidArgumentError("ESBD_POOL_SIZE must be a non-negative integer");
+  }
+  if (const char* v = getenv_fn("ESBD_DEFAULT_TTL"); v && *v) {
+    if (!absl::SimpleAtoi(v, &c->default_ttl_s) || c->default_ttl_s <= 0)
+      return absl::InvalidArgumentError("ESBD_DEFAULT_TTL must be a positive integer (s)");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ParseListen(const std::string& listen, std::string* host, uint16_t* port) {
+  size_t colon = listen.rfind(':');
+  if (colon == std::string::npos || colon + 1 >= listen.size())
+    return absl::InvalidArgumentError(absl::StrCat("listen address '", listen,
+                                                   "' must be HOST:PORT"));
+  std::string h = listen.substr(0, colon);
+  if (h.size() >= 2 && h.front() == '[' && h.back() == ']') h = h.substr(1, h.size() - 2);
+  if (h.empty()) return absl::InvalidArgumentError("listen address has an empty host");
+  int p = 0;
+  if (!absl::SimpleAtoi(listen.substr(colon + 1), &p) || p < 0 || p > 65535)
+    return absl::InvalidArgumentError(absl::StrCat("listen address '", listen,
+                                                   "' has a bad port"));
+  *host = h;
+  *port = static_cast<uint16_t>(p);
+  return absl::OkStatus();
+}
+
+}  // namespace esb

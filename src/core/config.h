@@ -1,0 +1,52 @@
+// esbd configuration: embedded defaults < config file (JSON) < ESBD_* environment < flags.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "drivers/driver.h"
+
+namespace esb {
+
+struct KeyConfig {
+  std::string key;     // the secret, as clients send it
+  std::string tenant;
+  std::string name;
+};
+
+struct DaemonConfig {
+  std::string listen = "127.0.0.1:8080";
+  std::string unix_socket;  // empty: <state_dir>/esbd.sock; "none" disables
+  std::string state_dir = "./var";
+  std::map<std::string, std::string> images;  // image name → rootfs directory
+  std::string container_runtime = "auto";     // auto | crun | runc
+  std::string agent_binary;                   // empty: esb-agent next to esbd
+  int64_t default_ttl_s = 900;
+  int64_t max_ttl_s = 86400;
+  int pool_size = 2;
+  int max_environments = 500;
+  int max_environments_per_tenant = 200;
+  int64_t max_output_bytes = 1 << 20;
+  int64_t max_upload_bytes = 256ll << 20;
+  int64_t max_json_body_bytes = 16ll << 20;
+  int max_connections = 1024;
+  EnvSpec defaults;
+  std::vector<KeyConfig> keys;
+  std::string log_level = "info";
+};
+
+// Reads a JSON config file. Unknown keys and wrong types are errors naming the key.
+absl::Status LoadConfigFile(const std::string& path, DaemonConfig* config);
+// Applies ESBD_LISTEN, ESBD_STATE_DIR, ESBD_CONFIG (ignored here), ESBD_UNIX_SOCKET,
+// ESBD_IMAGE_DEFAULT, ESBD_RUNTIME, ESBD_POOL_SIZE, ESBD_DEFAULT_TTL, ESBD_LOG_LEVEL,
+// ESBD_AGENT_BINARY.
+absl::Status ApplyEnvironment(const std::function<const char*(const char*)>& getenv_fn,
+                              DaemonConfig* config);
+// Splits "HOST:PORT" ("[::1]:8080" too). Port must be 0..65535.
+absl::Status ParseListen(const std::string& listen, std::string* host, uint16_t* port);
+
+}  // namespace esb

@@ -1,0 +1,78 @@
+#include "core/config.h"
+
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <map>
+
+#include "common/util.h"
+
+namespace esb {
+namespace {
+
+std::string TempFile(const std::string& content) {
+  std::string path = "/tmp/esb_config_test_" + RandomHex(6) + ".json";
+  EXPECT_TRUE(WriteStringToFile(path, content).ok());
+  return path;
+}
+
+TEST(ConfigTest, LoadsKnownKeys) {
+  DaemonConfig c;
+  std::string path = TempFile(R"({"listen": "0.0.0.0:9000", "pool_size": 4,
+      "images": {"default": "/img"}, "defaults": {"memory_mb": 256},
+      "keys": [{"key": "esb_0123456789abcdef", "tenant": "acme", "name": "ci"}]})");
+  ASSERT_TRUE(LoadConfigFile(path, &c).ok());
+  EXPECT_EQ(c.listen, "0.0.0.0:9000");
+  EXPECT_EQ(c.pool_size, 4);
+  EXPECT_EQ(c.images["default"], "/img");
+  EXPECT_EQ(c.defaults.memory_mb, 256);
+  ASSERT_EQ(c.keys.size(), 1u);
+  EXPECT_EQ(c.keys[0].tenant, "acme");
+  std::remove(path.c_str());
+}
+
+TEST(ConfigTest, RejectsUnknownKeysWrongTypesAndWeakKeys) {
+  DaemonConfig c;
+  for (const char* bad : {R"({"listne": "x"})", R"({"pool_size": "two"})", R"([1,2])",
+                          R"({"keys": [{"key": "short", "tenant": "a"}]})",
+                          R"({"defaults": {"memroy_mb": 1}})", "{not json"}) {
+    std::string path = TempFile(bad);
+    absl::Status st = LoadConfigFile(path, &c);
+    EXPECT_TRUE(absl::IsInvalidArgument(st)) << bad << " → " << st;
+    std::remove(path.c_str());
+  }
+  EXPECT_TRUE(absl::IsNotFound(LoadConfigFile("/nonexistent/esbd.json", &c)));
+}
+
+TEST(ConfigTest, EnvironmentOverrides) {
+  std::map<std::string, std::string> env{{"ESBD_LISTEN", "127.0.0.1:1"},
+                                         {"ESBD_POOL_SIZE", "0"},
+                                         {"ESBD_IMAGE_DEFAULT", "/rootfs"}};
+  DaemonConfig c;
+  auto get = [&](const char* n) -> const char* {
+    auto it = env.find(n);
+    return it == env.end() ? nullptr : it->second.c_str();
+  };
+  ASSERT_TRUE(ApplyEnvironment(get, &c).ok());
+  EXPECT_EQ(c.listen, "127.0.0.1:1");
+  EXPECT_EQ(c.pool_size, 0);
+  EXPECT_EQ(c.images["default"], "/rootfs");
+  env["ESBD_POOL_SIZE"] = "-3";
+  EXPECT_FALSE(ApplyEnvironment(get, &c).ok());
+}
+
+TEST(ConfigTest, ParseListen) {
+  std::string h;
+  uint16_t p;
+  ASSERT_TRUE(ParseListen("127.0.0.1:8080", &h, &p).ok());
+  EXPECT_EQ(h, "127.0.0.1");
+  EXPECT_EQ(p, 8080);
+  ASSERT_TRUE(ParseListen("[::1]:0", &h, &p).ok());
+  EXPECT_EQ(h, "::1");
+  EXPECT_FALSE(ParseListen("8080", &h, &p).ok());
+  EXPECT_FALSE(ParseListen("host:99999", &h, &p).ok());
+  EXPECT_FALSE(ParseListen(":80", &h, &p).ok());
+}
+
+}  // namespace
+}  // namespace esb

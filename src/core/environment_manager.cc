@@ -1,0 +1,617 @@
+#include "core/environment_manager.h"
+
+#include <algorithm>
+
+#include <boost/json.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "common/util.h"
+
+namespace esb {
+namespace json = boost::json;
+
+std::string SpecToJson(const EnvSpec& spec, int64_t ttl_s) {
+  json::object env;
+  for (const auto& [k, v] : spec.env) env[k] = v;
+  json::object o{{"image", spec.image},       {"runtime", spec.runtime},
+                 {"cpu", spec.cpu},           {"memory_mb", spec.memory_mb},
+                 {"pids", spec.pids},         {"disk_mb", spec.disk_mb},
+                 {"network", spec.network},   {"ttl_seconds", ttl_s},
+                 {"env", std::move(env)}};
+  return json::serialize(o);
+}
+
+absl::StatusOr<EnvSpec> SpecFromJson(const std::string& text, int64_t* ttl_s) {
+  boost::system::error_code ec;
+  json::value v = json::parse(text, ec);
+  if (ec || !v.is_object()) return absl::InvalidArgumentError("bad spec json");
+  const json::object& o = v.as_object();
+  EnvSpec spec;
+  try {
+    if (auto* p = o.if_contains("image")) spec.image = json::value_to<std::string>(*p);
+    if (auto* p = o.if_contains("runtime")) spec.runtime = json::value_to<std::string>(*p);
+    if (auto* p = o.if_contains("cpu")) spec.cpu = p->to_number<double>();
+    if (auto* p = o.if_contains("memory_mb")) spec.memory_mb = p->to_number<int64_t>();
+    if (auto* p = o.if_contains("pids")) spec.pids = p->to_number<int64_t>();
+    if (auto* p = o.if_contains("disk_mb")) spec.disk_mb = p->to_number<int64_t>();
+    if (auto* p = o.if_contains("network")) spec.network = json::value_to<std::string>(*p);
+    if (auto* p = o.if_contains("ttl_seconds"); p && ttl_s) *ttl_s = p->to_number<int64_t>();
+    if (auto* p = o.if_contains("env"); p && p->is_object()) {
+      for (const auto& kv : p->as_object())
+        spec.env[std::string(kv.key())] = json::value_to<std::string>(kv.value());
+    }
+  } catch (const std::exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat("bad spec json: ", e.what()));
+  }
+  return spec;
+}
+
+namespace {
+
+// Pooled instances are interchangeable only if everything but `env` matches.
+bool SameShape(const EnvSpec& a, const EnvSpec& b) {
+  return a.image == b.image && a.runtime == b.runtime && a.cpu == b.cpu &&
+         a.memory_mb == b.memory_mb && a.pids == b.pids && a.disk_mb == b.disk_mb &&
+         a.network == b.network;
+}
+
+constexpr char kPoolTenant[] = "";
+
+}  // namespace
+
+EnvironmentManager::EnvironmentManager(Store* store, std::map<std::string, Driver*> drivers,
+                                       Metrics* metrics, ManagerOptions options)
+    : store_(store), drivers_(std::move(drivers)), metrics_(metrics),
+      options_(std::move(options)) {
+  if (!options_.now_ms) options_.now_ms = NowUnixMs;
+}
+
+EnvironmentManager::~EnvironmentManager() { Stop(); }
+
+void EnvironmentManager::Persist(const EnvironmentRecord& record) {
+  absl::Status st = store_->PutEnvironment(record);
+  if (!st.ok()) {
+    metrics_->CountError("store");
+    LogError(absl::StrCat("persisting environment ", record.id, ": ", st.ToString()));
+  }
+}
+
+absl::Status EnvironmentManager::Start() {
+  auto live = store_->ListLiveEnvironments();
+  if (!live.ok()) return live.status();
+  int attached = 0, cleaned = 0;
+  for (EnvironmentRecord& rec : *live) {
+    auto it = drivers_.find(rec.runtime);
+    InstanceRef ref{rec.id, rec.runtime, rec.driver_state};
+    std::string reason;
+    if (it == drivers_.end()) {
+      reason = "driver_unavailable_after_restart";
+    } else if (rec.state == "running") {
+      absl::Status st = it->second->Attach(ref);
+      if (st.ok()) {
+        auto env = std::make_shared<LiveEnv>();
+        env->record = rec;
+        env->ref = ref;
+        env->driver = it->second;
+        std::lock_guard<std::mutex> lock(mu_);
+        envs_[rec.id] = env;
+        ++attached;
+        continue;
+      }
+      reason = "died_while_daemon_down";
+      LogWarn(absl::StrCat("environment ", rec.id, " could not be re-attached: ",
+                           st.ToString()));
+    } else if (rec.state == "pooled") {
+      reason = "pool_discarded_on_restart";
+    } else if (rec.state == "creating") {
+      reason = "create_interrupted";
+    } else {
+      reason = rec.destroy_reason.empty() ? "destroy_interrupted" : rec.destroy_reason;
+    }
+    if (it != drivers_.end()) {
+      absl::Status st = it->second->Destroy(ref);
+      if (!st.ok()) LogWarn(absl::StrCat("cleanup of ", rec.id, ": ", st.ToString()));
+    }
+    rec.state = "destroyed";
+    rec.destroyed_ms = Now();
+    rec.destroy_reason = reason;
+    Persist(rec);
+    ++cleaned;
+  }
+  if (attached || cleaned) {
+    LogInfo(absl::StrCat("recovered state: ", attached, " environment(s) re-attached, ", cleaned,
+                         " cleaned up"));
+  }
+  {
+    std::lock_guard<std::mutex> lock(wake_mu_);
+    stopping_ = false;
+  }
+  reaper_ = std::thread([this] { ReaperLoop(); });
+  pooler_ = std::thread([this] { PoolLoop(); });
+  return absl::OkStatus();
+}
+
+void EnvironmentManager::Stop() {
+  {
+    std::lock_guard<std::mutex> lock(wake_mu_);
+    if (stopping_ && !reaper_.joinable()) return;
+    stopping_ = true;
+  }
+  wake_cv_.notify_all();
+  if (reaper_.joinable()) reaper_.join();
+  if (pooler_.joinable()) pooler_.join();
+  std::vector<std::shared_ptr<LiveEnv>> pooled;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [rt, q] : pool_)
+      for (auto& e : q) pooled.push_back(e);
+    pool_.clear();
+  }
+  for (auto& e : pooled) DestroyLive(e, "pool_discarded_on_shutdown");
+}
+
+EnvironmentInfo EnvironmentManager::InfoOf(const EnvironmentRecord& record, bool pooled) const {
+  EnvironmentInfo info;
+  info.record = record;
+  int64_t ttl = options_.default_ttl_s;
+  auto spec = SpecFromJson(record.spec_json, &ttl);
+  if (spec.ok()) info.spec = *spec;
+  info.ttl_s = ttl;
+  info.pooled = pooled;
+  return info;
+}
+
+absl::StatusOr<std::shared_ptr<EnvironmentManager::LiveEnv>> EnvironmentManager::CreateInstance(
+    const EnvSpec& spec, const std::string& tenant, const std::string& state, int64_t ttl_s) {
+  auto it = drivers_.find(spec.runtime);
+  if (it == drivers_.end())
+    return absl::InvalidArgumentError(
+        absl::StrCat("runtime '", spec.runtime, "' is not available on this host"));
+  auto env = std::make_shared<LiveEnv>();
+  env->driver = it->second;
+  EnvironmentRecord& rec = env->record;
+  rec.id = absl::StrCat("env_", RandomHex(12));
+  rec.tenant = tenant;
+  rec.state = "creating";
+  rec.runtime = spec.runtime;
+  rec.image = spec.image;
+  rec.spec_json = SpecToJson(spec, ttl_s);
+  rec.created_ms = rec.last_used_ms = Now();
+  rec.expires_ms = rec.created_ms + ttl_s * 1000;
+  Persist(rec);
+  auto ref = env->driver->Create(rec.id, spec);
+  if (!ref.ok()) {
+    rec.state = "destroyed";
+    rec.destroyed_ms = Now();
+    rec.destroy_reason = absl::StrCat("create_failed: ", ref.status().message());
+    Persist(rec);
+    metrics_->CountError("create");
+    return ref.status();
+  }
+  env->ref = *ref;
+  rec.driver_state = ref->state;
+  rec.state = state;
+  Persist(rec);
+  return env;
+}
+
+std::shared_ptr<EnvironmentManager::LiveEnv> EnvironmentManager::TakePooled(
+    const EnvSpec& spec) {
+  EnvSpec shape = options_.default_spec;
+  shape.runtime = spec.runtime;
+  if (!SameShape(spec, shape))
+    return nullptr;
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = pool_.find(spec.runtime);
+  if (it == pool_.end() || it->second.empty()) return nullptr;
+  auto env = it->second.front();
+  it->second.pop_front();
+  return env;
+}
+
+absl::StatusOr<EnvironmentInfo> EnvironmentManager::Create(const std::string& tenant,
+                                                           const EnvSpec& spec, int64_t ttl_s) {
+  if (ttl_s <= 0) ttl_s = options_.default_ttl_s;
+  ttl_s = std::min(ttl_s, options_.max_ttl_s);
+  if (!drivers_.count(spec.runtime))
+    return absl::InvalidArgumentError(
+        absl::StrCat("runtime '", spec.runtime, "' is not available on this host"));
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    int total = static_cast<int>(envs_.size());
+    int mine = 0;
+    for (const auto& [id, e] : envs_) {
+      std::lock_guard<std::mutex> elock(e->mu);
+      if (e->record.tenant == tenant) ++mine;
+    }
+    if (total >= options_.max_environments)
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "this daemon already runs ", total, " environments (max_environments)"));
+    if (mine >= options_.max_environments_per_tenant)
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "tenant already has ", mine, " environments (max_environments_per_tenant)"));
+  }
+  int64_t start = MonotonicMs();
+  std::shared_ptr<LiveEnv> env;
+  bool pooled = false;
+  while (auto candidate = TakePooled(spec)) {
+    {
+      std::lock_guard<std::mutex> lock(wake_mu_);
+      pool_kick_ = true;  // refill in the background
+    }
+    wake_cv_.notify_all();
+    absl::Status st = spec.env.empty()
+                          ? candidate->driver->Attach(candidate->ref)
+                          : candidate->driver->Configure(candidate->ref, spec.env);
+    if (st.ok()) {
+      env = candidate;
+      pooled = true;
+      break;
+    }
+    LogWarn(absl::StrCat("discarding broken pooled instance ", candidate->record.id, ": ",
+                         st.ToString()));
+    DestroyLive(candidate, "pool_instance_broken");
+  }
+  if (env) {
+    std::lock_guard<std::mutex> elock(env->mu);
+    EnvironmentRecord& rec = env->record;
+    rec.tenant = tenant;
+    rec.state = "running";
+    rec.spec_json = SpecToJson(spec, ttl_s);
+    rec.created_ms = rec.last_used_ms = Now();
+    rec.expires_ms = rec.created_ms + ttl_s * 1000;
+    Persist(rec);
+    metrics_->creates_pooled++;
+  } else {
+    auto created = CreateInstance(spec, tenant, "running", ttl_s);
+    if (!created.ok()) return created.status();
+    env = *created;
+    metrics_->creates_cold++;
+  }
+  metrics_->create_duration.Observe((MonotonicMs() - start) / 1000.0);
+  EnvironmentRecord snapshot;
+  {
+    std::lock_guard<std::mutex> elock(env->mu);
+    snapshot = env->record;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    envs_[snapshot.id] = env;
+  }
+  return InfoOf(snapshot, pooled);
+}
+
+absl::StatusOr<std::shared_ptr<EnvironmentManager::LiveEnv>> EnvironmentManager::Lookup(
+    const std::string& tenant, const std::string& id) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = envs_.find(id);
+    if (it != envs_.end()) {
+      std::lock_guard<std::mutex> elock(it->second->mu);
+      if (it->second->record.tenant == tenant) return it->second;
+      return absl::NotFoundError(absl::StrCat("environment ", id, " not found"));
+    }
+  }
+  auto rec = store_->GetEnvironment(id);
+  if (rec.ok() && rec->tenant == tenant && rec->state == "destroyed") {
+    return absl::NotFoundError(absl::StrCat("environment ", id, " was destroyed at ",
+                                            FormatRfc3339(rec->destroyed_ms), " (",
+                                            rec->destroy_reason, ")"));
+  }
+  return absl::NotFoundError(absl::StrCat("environment ", id, " not found"));
+}
+
+void EnvironmentManager::Touch(LiveEnv& env) {
+  std::lock_guard<std::mutex> elock(env.mu);
+  int64_t now = Now();
+  env.record.last_used_ms = now;
+  // Using an environment keeps it alive: the lease never ends in the middle of active work.
+  int64_t ttl = options_.default_ttl_s;
+  SpecFromJson(env.record.spec_json, &ttl).IgnoreError();
+  env.record.expires_ms = std::max(env.record.expires_ms, now + ttl * 1000);
+}
+
+void EnvironmentManager::DestroyLive(const std::shared_ptr<LiveEnv>& env,
+                                     const std::string& reason) {
+  EnvironmentRecord rec;
+  {
+    std::lock_guard<std::mutex> elock(env->mu);
+    env->record.state = "destroying";
+    env->record.destroy_reason = reason;
+    rec = env->record;
+  }
+  Persist(rec);
+  absl::Status st = env->driver->Destroy(env->ref);
+  if (!st.ok()) {
+    LogError(absl::StrCat("destroying ", rec.id, " failed (will retry): ", st.ToString()));
+    metrics_->CountError("destroy");
+    std::lock_guard<std::mutex> lock(mu_);
+    destroy_retry_.push_back(env);
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> elock(env->mu);
+    env->record.state = "destroyed";
+    env->record.destroyed_ms = Now();
+    rec = env->record;
+  }
+  Persist(rec);
+}
+
+absl::Status EnvironmentManager::Destroy(const std::string& tenant, const std::string& id,
+                                         const std::string& reason) {
+  std::shared_ptr<LiveEnv> env;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = envs_.find(id);
+    if (it != envs_.end()) {
+      bool mine;
+      {
+        std::lock_guard<std::mutex> elock(it->second->mu);
+        mine = it->second->record.tenant == tenant;
+      }
+      if (mine) {
+        env = it->second;
+        envs_.erase(it);  // from here on, nobody else can find or destroy it
+      }
+    }
+  }
+  if (!env) {
+    auto rec = store_->GetEnvironment(id);
+    if (rec.ok() && rec->tenant == tenant &&
+        (rec->state == "destroyed" || rec->state == "destroying"))
+      return absl::OkStatus();  // idempotent
+    return absl::NotFoundError(absl::StrCat("environment ", id, " not found"));
+  }
+  DestroyLive(env, reason);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<EnvironmentInfo> EnvironmentManager::Get(const std::string& tenant,
+                                                        const std::string& id) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = envs_.find(id);
+    if (it != envs_.end()) {
+      std::lock_guard<std::mutex> elock(it->second->mu);
+      if (it->second->record.tenant == tenant) return InfoOf(it->second->record, false);
+    }
+  }
+  auto rec = store_->GetEnvironment(id);
+  if (!rec.ok() || rec->tenant != tenant)
+    return absl::NotFoundError(absl::StrCat("environment ", id, " not found"));
+  return InfoOf(*rec, false);
+}
+
+absl::StatusOr<std::vector<EnvironmentInfo>> EnvironmentManager::List(const std::string& tenant,
+                                                                      bool include_destroyed) {
+  std::vector<EnvironmentInfo> out;
+  std::map<std::string, EnvironmentRecord> live;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [id, e] : envs_) {
+      std::lock_guard<std::mutex> elock(e->mu);
+      if (e->record.tenant == tenant) live[id] = e->record;
+    }
+  }
+  auto stored = store_->ListEnvironments(tenant, include_destroyed);
+  if (!stored.ok()) return stored.status();
+  for (const auto& rec : *stored) {
+    auto it = live.find(rec.id);
+    if (it != live.end()) {
+      out.push_back(InfoOf(it->second, false));
+      live.erase(it);
+    } else if (include_destroyed || rec.state != "destroyed") {
+      if (rec.state == "running") continue;  // stale row of an env being destroyed right now
+      out.push_back(InfoOf(rec, false));
+    }
+  }
+  for (const auto& [id, rec] : live) out.push_back(InfoOf(rec, false));
+  std::sort(out.begin(), out.end(), [](const EnvironmentInfo& a, const EnvironmentInfo& b) {
+    return a.record.created_ms > b.record.created_ms;
+  });
+  return out;
+}
+
+absl::StatusOr<int64_t> EnvironmentManager::Heartbeat(const std::string& tenant,
+                                                      const std::string& id, int64_t ttl_s) {
+  auto env = Lookup(tenant, id);
+  if (!env.ok()) return env.status();
+  EnvironmentRecord rec;
+  {
+    std::lock_guard<std::mutex> elock((*env)->mu);
+    int64_t ttl = options_.default_ttl_s;
+    SpecFromJson((*env)->record.spec_json, &ttl).IgnoreError();
+    if (ttl_s > 0) ttl = std::min(ttl_s, options_.max_ttl_s);
+    int64_t now = Now();
+    (*env)->record.last_used_ms = now;
+    (*env)->record.expires_ms = now + ttl * 1000;
+    rec = (*env)->record;
+  }
+  Persist(rec);
+  return rec.expires_ms;
+}
+
+absl::StatusOr<std::pair<Driver*, InstanceRef>> EnvironmentManager::Resolve(
+    const std::string& tenant, const std::string& id) {
+  auto env = Lookup(tenant, id);
+  if (!env.ok()) return env.status();
+  Touch(**env);
+  return std::make_pair((*env)->driver, (*env)->ref);
+}
+
+absl::StatusOr<ExecResult> EnvironmentManager::Exec(const std::string& tenant,
+                                                    const std::string& id,
+                                                    const ExecRequest& request,
+                                                    const OutputSink& sink) {
+  auto env = Lookup(tenant, id);
+  if (!env.ok()) return env.status();
+  Touch(**env);
+  int64_t start = MonotonicMs();
+  auto result = (*env)->driver->Exec((*env)->ref, request, sink);
+  metrics_->exec_total++;
+  metrics_->exec_duration.Observe((MonotonicMs() - start) / 1000.0);
+  if (!result.ok()) {
+    metrics_->CountError("exec");
+    return result.status();
+  }
+  if (result->timed_out) metrics_->exec_timeouts++;
+  EnvironmentRecord rec;
+  {
+    std::lock_guard<std::mutex> elock((*env)->mu);
+    (*env)->record.exec_count++;
+    (*env)->record.last_used_ms = Now();
+    rec = (*env)->record;
+  }
+  Persist(rec);
+  return result;
+}
+
+absl::Status EnvironmentManager::WriteFile(const std::string& tenant, const std::string& id,
+                                           const std::string& path, std::string_view data,
+                                           int64_t offset, bool truncate) {
+  auto env = Lookup(tenant, id);
+  if (!env.ok()) return env.status();
+  Touch(**env);
+  return (*env)->driver->WriteFile((*env)->ref, path, data, offset, truncate);
+}
+
+absl::StatusOr<FileChunk> EnvironmentManager::ReadFile(const std::string& tenant,
+                                                       const std::string& id,
+                                                       const std::string& path, int64_t offset,
+                                                       int64_t length) {
+  auto env = Lookup(tenant, id);
+  if (!env.ok()) return env.status();
+  Touch(**env);
+  return (*env)->driver->ReadFile((*env)->ref, path, offset, length);
+}
+
+absl::StatusOr<std::vector<FileEntry>> EnvironmentManager::ListDir(const std::string& tenant,
+                                                                   const std::string& id,
+                                                                   const std::string& path) {
+  auto env = Lookup(tenant, id);
+  if (!env.ok()) return env.status();
+  Touch(**env);
+  return (*env)->driver->ListDir((*env)->ref, path);
+}
+
+absl::StatusOr<Usage> EnvironmentManager::Stats(const std::string& tenant,
+                                                const std::string& id) {
+  auto env = Lookup(tenant, id);
+  if (!env.ok()) return env.status();
+  return (*env)->driver->Stats((*env)->ref);
+}
+
+std::map<std::string, int64_t> EnvironmentManager::StateCounts() {
+  std::map<std::string, int64_t> counts{{"running", 0}, {"pooled", 0}};
+  std::lock_guard<std::mutex> lock(mu_);
+  counts["running"] = static_cast<int64_t>(envs_.size());
+  for (const auto& [rt, q] : pool_) counts["pooled"] += static_cast<int64_t>(q.size());
+  return counts;
+}
+
+int64_t EnvironmentManager::PoolReady() {
+  std::lock_guard<std::mutex> lock(mu_);
+  int64_t n = 0;
+  for (const auto& [rt, q] : pool_) n += static_cast<int64_t>(q.size());
+  return n;
+}
+
+void EnvironmentManager::ReaperLoop() {
+  int64_t last_health = MonotonicMs();
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lock(wake_mu_);
+      wake_cv_.wait_for(lock, std::chrono::milliseconds(options_.reaper_interval_ms),
+                        [this] { return stopping_; });
+      if (stopping_) return;
+    }
+    int64_t now = Now();
+    bool health = MonotonicMs() - last_health >= options_.health_interval_ms;
+    if (health) last_health = MonotonicMs();
+    std::vector<std::pair<std::shared_ptr<LiveEnv>, std::string>> doomed;
+    std::vector<std::shared_ptr<LiveEnv>> retry;
+    std::vector<std::shared_ptr<LiveEnv>> check;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto it = envs_.begin(); it != envs_.end();) {
+        bool expired;
+        {
+          std::lock_guard<std::mutex> elock(it->second->mu);
+          expired = it->second->record.expires_ms <= now;
+        }
+        if (expired) {
+          doomed.emplace_back(it->second, "ttl_expired");
+          it = envs_.erase(it);
+        } else {
+          if (health) check.push_back(it->second);
+          ++it;
+        }
+      }
+      retry.swap(destroy_retry_);
+    }
+    for (auto& env : check) {
+      auto usage = env->driver->Stats(env->ref);
+      if (usage.ok() && usage->alive) continue;
+      std::lock_guard<std::mutex> lock(mu_);
+      if (envs_.erase(env->record.id)) {
+        LogWarn(absl::StrCat("environment ", env->record.id, " died; cleaning up"));
+        doomed.emplace_back(env, "died");
+      }
+    }
+    for (auto& [env, reason] : doomed) {
+      LogInfo(absl::StrCat("reaping ", env->record.id, ": ", reason));
+      metrics_->reaped_total++;
+      DestroyLive(env, reason);
+    }
+    for (auto& env : retry) DestroyLive(env, env->record.destroy_reason);
+  }
+}
+
+void EnvironmentManager::PoolLoop() {
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lock(wake_mu_);
+      if (stopping_) return;
+    }
+    bool made = false, failed = false;
+    for (const std::string& runtime : options_.pooled_runtimes) {
+      if (!drivers_.count(runtime) || options_.pool_size <= 0) continue;
+      size_t have;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        have = pool_[runtime].size();
+      }
+      if (have >= static_cast<size_t>(options_.pool_size)) continue;
+      EnvSpec spec = options_.default_spec;
+      spec.runtime = runtime;
+      auto env = CreateInstance(spec, kPoolTenant, "pooled", options_.default_ttl_s);
+      if (!env.ok()) {
+        LogWarn(absl::StrCat("warm pool (", runtime, "): ", env.status().ToString()));
+        failed = true;
+        continue;
+      }
+      bool stop;
+      {
+        std::lock_guard<std::mutex> lock(wake_mu_);
+        stop = stopping_;
+      }
+      if (stop) {
+        DestroyLive(*env, "pool_discarded_on_shutdown");
+        return;
+      }
+      std::lock_guard<std::mutex> lock(mu_);
+      pool_[runtime].push_back(*env);
+      made = true;
+    }
+    if (!made) {
+      std::unique_lock<std::mutex> lock(wake_mu_);
+      // Back off after a failure so a broken image does not spin and flood the log.
+      wake_cv_.wait_for(lock, std::chrono::milliseconds(failed ? 15000 : 1000),
+                        [this] { return stopping_ || pool_kick_; });
+      pool_kick_ = false;
+    }
+  }
+}
+
+}  // namespace esb

@@ -1,0 +1,139 @@
+// The core: owns environments' lifecycle (create from warm pool or cold, leases, reaper,
+// re-attach after restart, destroy) and routes interaction calls to the right driver.
+// The API layer parses and authenticates; this class decides. Tenant scoping is enforced here:
+// an environment of another tenant is indistinguishable from a missing one (NotFound).
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "core/metrics.h"
+#include "drivers/driver.h"
+#include "storage/store.h"
+
+namespace esb {
+
+struct ManagerOptions {
+  int64_t default_ttl_s = 900;
+  int64_t max_ttl_s = 86400;
+  // Warm pool: this many pre-started environments per pooled runtime, with `default_spec`.
+  int pool_size = 2;
+  std::vector<std::string> pooled_runtimes = {"container"};
+  int64_t reaper_interval_ms = 1000;
+  int64_t health_interval_ms = 10000;
+  int max_environments = 500;
+  int max_environments_per_tenant = 200;
+  EnvSpec default_spec;
+  std::function<int64_t()> now_ms;  // injectable clock; defaults to NowUnixMs
+};
+
+// Snapshot of one environment for the API.
+struct EnvironmentInfo {
+  EnvironmentRecord record;
+  EnvSpec spec;
+  int64_t ttl_s = 0;
+  bool pooled = false;  // served from the warm pool
+};
+
+class EnvironmentManager {
+ public:
+  // `drivers`: name → driver ("container", "gvisor", "nano", ...). Not owned.
+  EnvironmentManager(Store* store, std::map<std::string, Driver*> drivers, Metrics* metrics,
+                     ManagerOptions options);
+  ~EnvironmentManager();
+
+  // Re-attaches environments recorded in the store (cleaning up any that died), then starts
+  // the reaper and pool threads.
+  absl::Status Start();
+  // Stops background threads and discards warm-pool instances. Live environments keep
+  // running (they survive a daemon restart).
+  void Stop();
+
+  absl::StatusOr<EnvironmentInfo> Create(const std::string& tenant, const EnvSpec& spec,
+                                         int64_t ttl_s);
+  absl::Status Destroy(const std::string& tenant, const std::string& id,
+                       const std::string& reason = "deleted");
+  absl::StatusOr<EnvironmentInfo> Get(const std::string& tenant, const std::string& id);
+  absl::StatusOr<std::vector<EnvironmentInfo>> List(const std::string& tenant,
+                                                    bool include_destroyed);
+  // Extends the lease to now + ttl (ttl_s <= 0: the environment's own ttl). Returns expiry.
+  absl::StatusOr<int64_t> Heartbeat(const std::string& tenant, const std::string& id,
+                                    int64_t ttl_s);
+
+  absl::StatusOr<ExecResult> Exec(const std::string& tenant, const std::string& id,
+                                  const ExecRequest& request, const OutputSink& sink);
+  absl::Status WriteFile(const std::string& tenant, const std::string& id,
+                         const std::string& path, std::string_view data, int64_t offset,
+                         bool truncate);
+  absl::StatusOr<FileChunk> ReadFile(const std::string& tenant, const std::string& id,
+                                     const std::string& path, int64_t offset, int64_t length);
+  absl::StatusOr<std::vector<FileEntry>> ListDir(const std::string& tenant,
+                                                 const std::string& id, const std::string& path);
+  absl::StatusOr<Usage> Stats(const std::string& tenant, const std::string& id);
+  // Returns the driver and instance of a live environment, for driver-specific calls
+  // (e.g. nano's Run). Marks the environment used.
+  absl::StatusOr<std::pair<Driver*, InstanceRef>> Resolve(const std::string& tenant,
+                                                          const std::string& id);
+
+  std::map<std::string, int64_t> StateCounts();
+  int64_t PoolReady();
+  bool HasDriver(const std::string& name) const { return drivers_.count(name) > 0; }
+  const ManagerOptions& options() const { return options_; }
+
+ private:
+  struct LiveEnv {
+    std::mutex mu;  // guards record
+    EnvironmentRecord record;
+    InstanceRef ref;
+    Driver* driver = nullptr;
+  };
+
+  int64_t Now() const { return options_.now_ms(); }
+  absl::StatusOr<std::shared_ptr<LiveEnv>> Lookup(const std::string& tenant,
+                                                  const std::string& id);
+  void Touch(LiveEnv& env);
+  absl::StatusOr<std::shared_ptr<LiveEnv>> CreateInstance(const EnvSpec& spec,
+                                                          const std::string& tenant,
+                                                          const std::string& state,
+                                                          int64_t ttl_s);
+  std::shared_ptr<LiveEnv> TakePooled(const EnvSpec& spec);
+  void DestroyLive(const std::shared_ptr<LiveEnv>& env, const std::string& reason);
+  void Persist(const EnvironmentRecord& record);
+  EnvironmentInfo InfoOf(const EnvironmentRecord& record, bool pooled) const;
+  void ReaperLoop();
+  void PoolLoop();
+
+  Store* store_;
+  std::map<std::string, Driver*> drivers_;
+  Metrics* metrics_;
+  ManagerOptions options_;
+
+  std::mutex mu_;
+  std::map<std::string, std::shared_ptr<LiveEnv>> envs_;              // running, by id
+  std::map<std::string, std::deque<std::shared_ptr<LiveEnv>>> pool_;  // runtime → ready
+  std::vector<std::shared_ptr<LiveEnv>> destroy_retry_;
+  int pool_creating_ = 0;
+
+  std::mutex wake_mu_;
+  std::condition_variable wake_cv_;
+  bool stopping_ = false;
+  bool pool_kick_ = false;  // a pooled instance was taken: refill now
+  std::thread reaper_;
+  std::thread pooler_;
+};
+
+// EnvSpec (+ ttl) ↔ JSON, as stored in EnvironmentRecord::spec_json.
+std::string SpecToJson(const EnvSpec& spec, int64_t ttl_s);
+absl::StatusOr<EnvSpec> SpecFromJson(const std::string& json, int64_t* ttl_s);
+
+}  // namespace esb

@@ -1,0 +1,250 @@
+#include "core/environment_manager.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <set>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+
+namespace esb {
+namespace {
+
+// An in-memory driver that records what the core asks of it.
+class FakeDriver : public Driver {
+ public:
+  std::string name() const override { return "container"; }
+  std::string Describe() const override { return "fake"; }
+  absl::StatusOr<InstanceRef> Create(const std::string& id, const EnvSpec& spec) override {
+    std::lock_guard<std::mutex> lock(mu);
+    if (fail_create) return absl::InternalError("boom");
+    alive.insert(id);
+    ++creates;
+    return InstanceRef{id, "container", absl::StrCat("{\"id\":\"", id, "\"}")};
+  }
+  absl::Status Destroy(const InstanceRef& ref) override {
+    std::lock_guard<std::mutex> lock(mu);
+    alive.erase(ref.id);
+    destroyed.push_back(ref.id);
+    return absl::OkStatus();
+  }
+  absl::Status Attach(const InstanceRef& ref) override {
+    std::lock_guard<std::mutex> lock(mu);
+    return alive.count(ref.id) ? absl::OkStatus() : absl::NotFoundError("gone");
+  }
+  absl::StatusOr<ExecResult> Exec(const InstanceRef& ref, const ExecRequest& req,
+                                  const OutputSink& sink) override {
+    ExecResult r;
+    r.exit_code = 0;
+    r.stdout_data = req.command;
+    if (sink) sink(Stream::kStdout, req.command);
+    return r;
+  }
+  absl::Status WriteFile(const InstanceRef&, const std::string&, std::string_view, int64_t,
+                         bool) override {
+    return absl::OkStatus();
+  }
+  absl::StatusOr<FileChunk> ReadFile(const InstanceRef&, const std::string&, int64_t,
+                                     int64_t) override {
+    return absl::NotFoundError("no such file");
+  }
+  absl::StatusOr<std::vector<FileEntry>> ListDir(const InstanceRef&,
+                                                 const std::string&) override {
+    return std::vector<FileEntry>{};
+  }
+  absl::StatusOr<Usage> Stats(const InstanceRef& ref) override {
+    std::lock_guard<std::mutex> lock(mu);
+    Usage u;
+    u.alive = alive.count(ref.id) > 0;
+    return u;
+  }
+  absl::Status Configure(const InstanceRef& ref,
+                         const std::map<std::string, std::string>& env) override {
+    std::lock_guard<std::mutex> lock(mu);
+    configured[ref.id] = env;
+    return alive.count(ref.id) ? absl::OkStatus() : absl::NotFoundError("gone");
+  }
+
+  std::mutex mu;
+  std::set<std::string> alive;
+  std::vector<std::string> destroyed;
+  std::map<std::string, std::map<std::string, std::string>> configured;
+  int creates = 0;
+  bool fail_create = false;
+};
+
+class ManagerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto s = Store::Open(":memory:");
+    ASSERT_TRUE(s.ok()) << s.status();
+    store = std::move(*s);
+  }
+  std::unique_ptr<EnvironmentManager> Make(int pool_size, std::atomic<int64_t>* clock) {
+    ManagerOptions opts;
+    opts.pool_size = pool_size;
+    opts.reaper_interval_ms = 20;
+    opts.health_interval_ms = 50;
+    opts.default_ttl_s = 60;
+    if (clock) opts.now_ms = [clock] { return clock->load(); };
+    return std::make_unique<EnvironmentManager>(
+        store.get(), std::map<std::string, Driver*>{{"container", &driver}}, &metrics, opts);
+  }
+  std::unique_ptr<Store> store;
+  FakeDriver driver;
+  Metrics metrics;
+};
+
+TEST_F(ManagerTest, CreateExecDestroyLifecycle) {
+  auto m = Make(0, nullptr);
+  ASSERT_TRUE(m->Start().ok());
+  auto info = m->Create("acme", EnvSpec{}, 0);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->record.state, "running");
+  EXPECT_FALSE(info->pooled);
+  auto r = m->Exec("acme", info->record.id, ExecRequest{"echo hi"}, nullptr);
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->stdout_data, "echo hi");
+  ASSERT_TRUE(m->Destroy("acme", info->record.id).ok());
+  EXPECT_TRUE(m->Destroy("acme", info->record.id).ok()) << "destroy must be idempotent";
+  auto after = m->Exec("acme", info->record.id, ExecRequest{"x"}, nullptr);
+  EXPECT_TRUE(absl::IsNotFound(after.status()));
+  EXPECT_NE(after.status().message().find("destroyed"), std::string::npos);
+  auto rec = store->GetEnvironment(info->record.id);
+  ASSERT_TRUE(rec.ok());
+  EXPECT_EQ(rec->state, "destroyed");
+  EXPECT_EQ(rec->destroy_reason, "deleted");
+  m->Stop();
+}
+
+TEST_F(ManagerTest, OtherTenantSeesNotFoundNeverTheEnvironment) {
+  auto m = Make(0, nullptr);
+  ASSERT_TRUE(m->Start().ok());
+  auto info = m->Create("acme", EnvSpec{}, 0);
+  ASSERT_TRUE(info.ok());
+  const std::string& id = info->record.id;
+  EXPECT_TRUE(absl::IsNotFound(m->Get("evil", id).status()));
+  EXPECT_TRUE(absl::IsNotFound(m->Exec("evil", id, ExecRequest{"id"}, nullptr).status()));
+  EXPECT_TRUE(absl::IsNotFound(m->Destroy("evil", id)));
+  EXPECT_TRUE(absl::IsNotFound(m->Heartbeat("evil", id, 10).status()));
+  auto list = m->List("evil", true);
+  ASSERT_TRUE(list.ok());
+  EXPECT_TRUE(list->empty());
+  EXPECT_TRUE(m->Get("acme", id).ok()) << "the owner still has it";
+  m->Stop();
+}
+
+TEST_F(ManagerTest, ReaperDestroysExpiredLeaseAndHeartbeatExtends) {
+  std::atomic<int64_t> clock{1'000'000};
+  auto m = Make(0, &clock);
+  ASSERT_TRUE(m->Start().ok());
+  auto a = m->Create("t", EnvSpec{}, 10);
+  auto b = m->Create("t", EnvSpec{}, 10);
+  ASSERT_TRUE(a.ok() && b.ok());
+  clock += 8'000;
+  ASSERT_TRUE(m->Heartbeat("t", b->record.id, 10).ok());
+  clock += 5'000;  // a is 13 s old (expired); b's lease runs to +18 s
+  for (int i = 0; i < 100 && m->Get("t", a->record.id)->record.state != "destroyed"; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  EXPECT_EQ(m->Get("t", a->record.id)->record.state, "destroyed");
+  EXPECT_EQ(m->Get("t", a->record.id)->record.destroy_reason, "ttl_expired");
+  EXPECT_EQ(m->Get("t", b->record.id)->record.state, "running");
+  m->Stop();
+}
+
+TEST_F(ManagerTest, WarmPoolServesMatchingSpecsAndRefills) {
+  auto m = Make(2, nullptr);
+  ASSERT_TRUE(m->Start().ok());
+  for (int i = 0; i < 200 && m->PoolReady() < 2; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  ASSERT_EQ(m->PoolReady(), 2);
+  EnvSpec with_env;
+  with_env.env = {{"K", "V"}};
+  auto a = m->Create("t", with_env, 0);
+  ASSERT_TRUE(a.ok());
+  EXPECT_TRUE(a->pooled);
+  EXPECT_EQ(driver.configured[a->record.id].at("K"), "V");
+  EnvSpec big;
+  big.memory_mb = 2048;
+  auto b = m->Create("t", big, 0);
+  ASSERT_TRUE(b.ok());
+  EXPECT_FALSE(b->pooled) << "a different shape must not come from the pool";
+  for (int i = 0; i < 200 && m->PoolReady() < 2; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  EXPECT_EQ(m->PoolReady(), 2) << "pool refills in the background";
+  m->Stop();
+  // Pool instances are discarded on shutdown; the two environments stay alive.
+  std::lock_guard<std::mutex> lock(driver.mu);
+  EXPECT_EQ(driver.alive.size(), 2u);
+}
+
+TEST_F(ManagerTest, RestartReattachesLiveAndCleansUpDead) {
+  std::string alive_id, dead_id;
+  {
+    auto m = Make(0, nullptr);
+    ASSERT_TRUE(m->Start().ok());
+    alive_id = m->Create("t", EnvSpec{}, 0)->record.id;
+    dead_id = m->Create("t", EnvSpec{}, 0)->record.id;
+    m->Stop();
+  }
+  {
+    std::lock_guard<std::mutex> lock(driver.mu);
+    driver.alive.erase(dead_id);  // died while the daemon was down
+  }
+  auto m2 = Make(0, nullptr);
+  ASSERT_TRUE(m2->Start().ok());
+  EXPECT_TRUE(m2->Exec("t", alive_id, ExecRequest{"true"}, nullptr).ok());
+  auto dead = m2->Get("t", dead_id);
+  ASSERT_TRUE(dead.ok());
+  EXPECT_EQ(dead->record.state, "destroyed");
+  EXPECT_EQ(dead->record.destroy_reason, "died_while_daemon_down");
+  m2->Stop();
+}
+
+TEST_F(ManagerTest, DeadEnvironmentIsNoticedAndCleanedUp) {
+  auto m = Make(0, nullptr);
+  ASSERT_TRUE(m->Start().ok());
+  auto a = m->Create("t", EnvSpec{}, 0);
+  ASSERT_TRUE(a.ok());
+  {
+    std::lock_guard<std::mutex> lock(driver.mu);
+    driver.alive.erase(a->record.id);
+  }
+  for (int i = 0; i < 200 && m->Get("t", a->record.id)->record.state != "destroyed"; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  EXPECT_EQ(m->Get("t", a->record.id)->record.destroy_reason, "died");
+  m->Stop();
+}
+
+TEST_F(ManagerTest, CreateFailureIsRecordedAndReported) {
+  auto m = Make(0, nullptr);
+  ASSERT_TRUE(m->Start().ok());
+  driver.fail_create = true;
+  auto a = m->Create("t", EnvSpec{}, 0);
+  EXPECT_FALSE(a.ok());
+  auto list = m->List("t", true);
+  ASSERT_TRUE(list.ok());
+  ASSERT_EQ(list->size(), 1u);
+  EXPECT_EQ((*list)[0].record.state, "destroyed");
+  EXPECT_NE((*list)[0].record.destroy_reason.find("create_failed"), std::string::npos);
+  m->Stop();
+}
+
+TEST_F(ManagerTest, UnknownRuntimeAndLimitsAreRefused) {
+  ManagerOptions opts;
+  opts.pool_size = 0;
+  opts.max_environments_per_tenant = 1;
+  EnvironmentManager m(store.get(), {{"container", &driver}}, &metrics, opts);
+  ASSERT_TRUE(m.Start().ok());
+  EnvSpec nano;
+  nano.runtime = "nano";
+  EXPECT_TRUE(absl::IsInvalidArgument(m.Create("t", nano, 0).status()));
+  ASSERT_TRUE(m.Create("t", EnvSpec{}, 0).ok());
+  EXPECT_TRUE(absl::IsResourceExhausted(m.Create("t", EnvSpec{}, 0).status()));
+  EXPECT_TRUE(m.Create("other", EnvSpec{}, 0).ok()) << "limits are per tenant";
+  m.Stop();
+}
+
+}  // namespace
+}  // namespace esb

@@ -1,0 +1,807 @@
+#include "drivers/container/container_driver.h"
+
+#include <fcntl.h>
+#include <ftw.h>
+#include <signal.h>
+#include <sys/mount.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <boost/json.hpp>
+#include <cerrno>
+#include <cstring>
+#include <mutex>
+#include <set>
+#include <thread>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
+#include "common/util.h"
+#include "drivers/agent_client.h"
+#include "drivers/container/cgroups.h"
+#include "drivers/container/oci_spec.h"
+#include "drivers/container/runtime.h"
+
+namespace esb {
+namespace container {
+namespace {
+
+constexpr uint32_t kSandboxUid = 1000;
+constexpr uint32_t kSandboxGid = 1000;
+// Size of the tmpfs behind /run/esb (agent socket and the shell's saved state).
+constexpr int64_t kRunDirBytes = 16LL << 20;
+
+#define ESB_RETURN_IF_ERROR(expr) \
+  do {                            \
+    absl::Status _st = (expr);    \
+    if (!_st.ok()) return _st;    \
+  } while (0)
+
+// ---------------------------------------------------------------------------------------
+// Small filesystem helpers
+
+bool Exists(const std::string& path) {
+  struct stat st;
+  return ::lstat(path.c_str(), &st) == 0;
+}
+
+absl::Status MakeDir(const std::string& path, mode_t mode) {
+  if (::mkdir(path.c_str(), mode) != 0 && errno != EEXIST) return ErrnoStatus("mkdir " + path);
+  return absl::OkStatus();
+}
+
+absl::Status MakeDirs(const std::string& path, mode_t mode) {
+  std::string partial;
+  for (absl::string_view part : absl::StrSplit(path, '/', absl::SkipEmpty())) {
+    absl::StrAppend(&partial, "/", part);
+    ESB_RETURN_IF_ERROR(MakeDir(partial, mode));
+  }
+  return absl::OkStatus();
+}
+
+// Removes a directory tree without following symlinks or crossing into other file systems
+// (a leftover mount below it is reported, never descended into).
+absl::Status RemoveTree(const std::string& path) {
+  if (!Exists(path)) return absl::OkStatus();
+  static std::mutex mu;  // nftw's callback has no user pointer
+  static std::string* first_error;
+  std::lock_guard<std::mutex> lock(mu);
+  std::string error;
+  first_error = &error;
+  auto cb = [](const char* p, const struct stat* sb, int type, struct FTW*) -> int {
+    int r = (type == FTW_DP || type == FTW_D) ? ::rmdir(p) : ::unlink(p);
+    if (r != 0 && errno != ENOENT && first_error->empty()) {
+      *first_error = absl::StrCat(p, ": ", strerror(errno));
+    }
+    return 0;
+  };
+  ::nftw(path.c_str(), cb, 16, FTW_DEPTH | FTW_PHYS | FTW_MOUNT);
+  first_error = nullptr;
+  if (Exists(path)) {
+    return absl::InternalError(absl::StrCat("could not remove ", path, ": ", error));
+  }
+  return absl::OkStatus();
+}
+
+// Start time (clock ticks since boot) of a process, 0 if it does not exist or is a zombie.
+uint64_t ProcessStartTime(int pid) {
+  if (pid <= 0) return 0;
+  std::string stat;
+  if (!ReadFileToString(absl::StrCat("/proc/", pid, "/stat"), &stat).ok()) return 0;
+  size_t paren = stat.rfind(')');
+  if (paren == std::string::npos) return 0;
+  std::vector<absl::string_view> f = absl::StrSplit(absl::string_view(stat).substr(paren + 2), ' ');
+  // f[0] is field 3 (state); starttime is field 22.
+  if (f.size() < 20 || f[0] == "Z" || f[0] == "X") return 0;
+  uint64_t start = 0;
+  return absl::SimpleAtoi(f[19], &start) ? start : 0;
+}
+
+uint32_t Fnv1a(absl::string_view s) {
+  uint32_t h = 2166136261u;
+  for (unsigned char c : s) h = (h ^ c) * 16777619u;
+  return h;
+}
+
+// Environment ids become path components and runtime container names.
+absl::Status ValidateId(const std::string& id) {
+  if (id.empty() || id.size() > 64 || id[0] == '.' || id[0] == '-') {
+    return absl::InvalidArgumentError("environment id must be 1-64 chars [A-Za-z0-9_.-]");
+  }
+  for (char c : id) {
+    if (!(isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-' || c == '.')) {
+      return absl::InvalidArgumentError("environment id must be 1-64 chars [A-Za-z0-9_.-]");
+    }
+  }
+  return absl::OkStatus();
+}
+
+std::string ReadTail(const std::string& path, size_t max = 800) {
+  std::string text;
+  if (!ReadFileToString(path, &text).ok()) return "";
+  if (text.size() > max) text = text.substr(text.size() - max);
+  return std::string(absl::StripAsciiWhitespace(text));
+}
+
+// ---------------------------------------------------------------------------------------
+// Agent connection: the run/ directory is writable by the sandbox user, so the socket is
+// opened without following symlinks and checked to be a socket before esbd connects.
+
+AgentClient::Connector SafeAgentConnector(std::string run_dir, int timeout_ms) {
+  return [run_dir = std::move(run_dir), timeout_ms]() -> absl::StatusOr<int> {
+    UniqueFd dir(::open(run_dir.c_str(), O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+    if (!dir) return ErrnoStatus("open " + run_dir);
+    // SECURITY: O_NOFOLLOW + S_ISSOCK: a sandbox-planted symlink cannot redirect esbd (root)
+    // to a host socket.
+    UniqueFd node(::openat(dir.get(), "agent.sock", O_PATH | O_NOFOLLOW | O_CLOEXEC));
+    if (!node) {
+      return absl::UnavailableError(absl::StrCat("agent socket not present in ", run_dir));
+    }
+    struct stat st;
+    if (::fstat(node.get(), &st) != 0 || !S_ISSOCK(st.st_mode)) {
+      return absl::UnavailableError("agent.sock is not a socket");
+    }
+    UniqueFd sock(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    if (!sock) return ErrnoStatus("socket");
+    struct timeval tv = {timeout_ms / 1000, (timeout_ms % 1000) * 1000};
+    ::setsockopt(sock.get(), SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+    struct sockaddr_un addr = {};
+    addr.sun_family = AF_UNIX;
+    std::string proc_path = absl::StrCat("/proc/self/fd/", node.get());
+    memcpy(addr.sun_path, proc_path.c_str(), proc_path.size() + 1);
+    while (::connect(sock.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EINPROGRESS) {
+        return absl::DeadlineExceededError("connect to agent timed out");
+      }
+      return absl::UnavailableError(absl::StrCat("connect to agent: ", strerror(errno)));
+    }
+    struct timeval zero = {0, 0};
+    ::setsockopt(sock.get(), SOL_SOCKET, SO_SNDTIMEO, &zero, sizeof(zero));
+    return sock.release();
+  };
+}
+
+// ---------------------------------------------------------------------------------------
+// Where everything of one environment lives.
+
+struct EnvPaths {
+  std::string env_dir, bundle_config, run_dir, agent_log, runtime_log, hostname_file;
+  std::string socket, container_id, cgroup_path;
+};
+
+EnvPaths PathsFor(const ContainerDriverOptions& o, const std::string& id) {
+  EnvPaths p;
+  p.env_dir = absl::StrCat(o.state_dir, "/envs/", id);
+  p.bundle_config = p.env_dir + "/config.json";
+  p.run_dir = p.env_dir + "/run";
+  p.agent_log = p.env_dir + "/agent.log";
+  p.runtime_log = p.env_dir + "/runtime.log";
+  p.hostname_file = p.env_dir + "/hostname";
+  p.socket = p.run_dir + "/agent.sock";
+  p.container_id = "esb-" + id;
+  // The state_dir hash keeps two daemons (or test runs) with equal ids apart.
+  char hash[9];
+  snprintf(hash, sizeof(hash), "%08x", Fnv1a(o.state_dir));
+  p.cgroup_path = absl::StrCat(o.cgroup_parent, "/", hash, "-", id);
+  return p;
+}
+
+// What InstanceRef.state holds.
+struct InstanceState {
+  std::string runtime;  // crun | runc | runsc
+  int pid = 0;
+  uint64_t pid_start = 0;
+  std::string cgroup_path;
+};
+
+std::string SerializeState(const InstanceState& s, const EnvPaths& p, const CgroupLayout& layout) {
+  boost::json::array dirs;
+  for (const std::string& d : CgroupDirs(layout, s.cgroup_path)) dirs.emplace_back(d);
+  boost::json::object o = {
+      {"runtime", s.runtime},
+      {"container_id", p.container_id},
+      {"bundle", p.env_dir},
+      {"socket", p.socket},
+      {"pid", s.pid},
+      {"pid_start", s.pid_start},
+      {"cgroup_path", s.cgroup_path},
+      {"cgroup_dirs", dirs},
+  };
+  return boost::json::serialize(o);
+}
+
+// Lenient: a missing or damaged state still lets Destroy clean up by id.
+InstanceState ParseState(const std::string& json, const std::string& default_runtime,
+                         const EnvPaths& paths) {
+  InstanceState s;
+  s.runtime = default_runtime;
+  s.cgroup_path = paths.cgroup_path;
+  boost::system::error_code ec;
+  boost::json::value v = boost::json::parse(json, ec);
+  if (ec || !v.is_object()) return s;
+  const boost::json::object& o = v.as_object();
+  if (auto* r = o.if_contains("runtime"); r && r->is_string()) {
+    RuntimeKind k;
+    if (ParseRuntimeKind(std::string(r->as_string()), &k)) s.runtime = RuntimeName(k);
+  }
+  if (auto* p = o.if_contains("pid"); p && p->is_int64()) s.pid = static_cast<int>(p->as_int64());
+  if (auto* p = o.if_contains("pid_start")) {
+    if (p->is_uint64()) s.pid_start = p->as_uint64();
+    if (p->is_int64()) s.pid_start = static_cast<uint64_t>(p->as_int64());
+  }
+  // The cgroup path is recomputed, not trusted from storage, unless it is under our parent.
+  if (auto* c = o.if_contains("cgroup_path"); c && c->is_string()) {
+    std::string path(c->as_string());
+    if (absl::StartsWith(path, paths.cgroup_path.substr(0, paths.cgroup_path.rfind('/') + 1)) &&
+        path.find("..") == std::string::npos) {
+      s.cgroup_path = path;
+    }
+  }
+  return s;
+}
+
+bool ProcessAlive(const InstanceState& s) {
+  return s.pid > 0 && s.pid_start != 0 && ProcessStartTime(s.pid) == s.pid_start;
+}
+
+// ---------------------------------------------------------------------------------------
+
+class ContainerDriver : public Driver {
+ public:
+  ContainerDriver(ContainerDriverOptions options, CgroupLayout layout, RuntimeKind kind,
+                  std::string describe)
+      : options_(std::move(options)),
+        layout_(std::move(layout)),
+        kind_(kind),
+        describe_(std::move(describe)) {}
+
+  std::string name() const override {
+    return kind_ == RuntimeKind::kRunsc ? "gvisor" : "container";
+  }
+  std::string Describe() const override { return describe_; }
+
+  absl::StatusOr<InstanceRef> Create(const std::string& id, const EnvSpec& spec) override;
+  absl::Status Destroy(const InstanceRef& ref) override;
+  absl::Status Attach(const InstanceRef& ref) override;
+  absl::StatusOr<ExecResult> Exec(const InstanceRef& ref, const ExecRequest& request,
+                                  const OutputSink& sink) override {
+    ESB_RETURN_IF_ERROR(ValidateId(ref.id));
+    return Agent(ref).Exec(request, sink);
+  }
+  absl::Status WriteFile(const InstanceRef& ref, const std::string& path, std::string_view data,
+                         int64_t offset, bool truncate) override {
+    ESB_RETURN_IF_ERROR(ValidateId(ref.id));
+    return Agent(ref).Write(path, data, offset, truncate);
+  }
+  absl::StatusOr<FileChunk> ReadFile(const InstanceRef& ref, const std::string& path,
+                                     int64_t offset, int64_t length) override {
+    ESB_RETURN_IF_ERROR(ValidateId(ref.id));
+    return Agent(ref).Read(path, offset, length);
+  }
+  absl::StatusOr<std::vector<FileEntry>> ListDir(const InstanceRef& ref,
+                                                 const std::string& path) override {
+    ESB_RETURN_IF_ERROR(ValidateId(ref.id));
+    return Agent(ref).List(path);
+  }
+  absl::StatusOr<Usage> Stats(const InstanceRef& ref) override;
+  absl::Status Configure(const InstanceRef& ref,
+                         const std::map<std::string, std::string>& env) override {
+    ESB_RETURN_IF_ERROR(ValidateId(ref.id));
+    return Agent(ref).Configure(env);
+  }
+
+ private:
+  AgentClient Agent(const InstanceRef& ref) const {
+    return AgentClient(SafeAgentConnector(PathsFor(options_, ref.id).run_dir, 2000));
+  }
+  const OciRuntime& Runtime(const std::string& name);
+  absl::Status PrepareImage(const std::string& rootfs, const BundleParams& params);
+  absl::Status WriteBundle(const std::string& id, const EnvSpec& spec, const EnvPaths& paths,
+                           const std::string& rootfs);
+  absl::Status WaitForAgent(const EnvPaths& paths, const InstanceState& state);
+  absl::Status DestroyById(const std::string& id, const InstanceState& state);
+
+  // Serialises Create/Destroy of the same id.
+  bool Claim(const std::string& id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return busy_.insert(id).second;
+  }
+  void Release(const std::string& id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    busy_.erase(id);
+  }
+
+  const ContainerDriverOptions options_;
+  const CgroupLayout layout_;
+  const RuntimeKind kind_;
+  const std::string describe_;
+
+  std::mutex mu_;
+  std::set<std::string> busy_;
+  std::set<std::string> prepared_images_;
+  std::map<std::string, std::unique_ptr<OciRuntime>> runtimes_;
+};
+
+// The runtime an instance was created with (it may differ from this driver's after a
+// restart in which the probe chose another one).
+const OciRuntime& ContainerDriver::Runtime(const std::string& name) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = runtimes_.find(name);
+  if (it != runtimes_.end()) return *it->second;
+  RuntimeKind kind = kind_;
+  ParseRuntimeKind(name, &kind);
+  std::string binary = FindExecutable(RuntimeName(kind));
+  if (binary.empty()) binary = absl::StrCat("/usr/bin/", RuntimeName(kind));
+  // crun refuses hybrid hosts: hide the cgroup2 mount from it (v1 controllers remain).
+  std::string hide =
+      (kind == RuntimeKind::kCrun && layout_.mode == CgroupMode::kHybrid) ? layout_.v2_mount : "";
+  auto rt = std::make_unique<OciRuntime>(
+      kind, binary, absl::StrCat(options_.state_dir, "/runtime/", RuntimeName(kind)), hide);
+  const OciRuntime& ref = *rt;
+  runtimes_.emplace(name, std::move(rt));
+  return ref;
+}
+
+BundleParams BaseParams(const std::string& rootfs, const CgroupLayout& layout, RuntimeKind kind) {
+  BundleParams p;
+  p.rootfs = rootfs;
+  p.uid = kSandboxUid;
+  p.gid = kSandboxGid;
+  p.limit_swap = layout.swap_accounting;
+  // gVisor implements neither mqueue mounts nor cgroup namespaces the way runc does.
+  p.mqueue = kind != RuntimeKind::kRunsc;
+  p.cgroup_namespace = kind != RuntimeKind::kRunsc;
+  p.seccomp_clone3_enosys = kind != RuntimeKind::kRunsc;
+  return p;
+}
+
+// The rootfs is read-only inside the container, and the runtime would otherwise create
+// missing mount points by writing into the (shared) image directory while setting up.
+absl::Status ContainerDriver::PrepareImage(const std::string& rootfs, const BundleParams& params) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (prepared_images_.count(rootfs)) return absl::OkStatus();
+  }
+  struct stat st;
+  if (::stat(rootfs.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("image directory ", rootfs, " does not exist"));
+  }
+  std::vector<std::string> created;
+  for (const std::string& mp : RequiredMountpoints(params)) {
+    bool dir = mp.back() == '/';
+    std::string path = rootfs + "/" + (dir ? mp.substr(0, mp.size() - 1) : mp);
+    if (Exists(path)) continue;
+    if (dir) {
+      ESB_RETURN_IF_ERROR(MakeDirs(path, 0755));
+      if (mp == "tmp/") ::chmod(path.c_str(), 01777);
+    } else {
+      ESB_RETURN_IF_ERROR(MakeDirs(path.substr(0, path.rfind('/')), 0755));
+      UniqueFd f(::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644));
+      if (!f && errno != EEXIST) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("image ", rootfs, " lacks mount point /", mp,
+                         " and it cannot be created: ", strerror(errno)));
+      }
+    }
+    created.push_back("/" + mp);
+  }
+  if (!created.empty()) {
+    LogWarn(absl::StrCat("container: created missing mount points in image ", rootfs, ": ",
+                         absl::StrJoin(created, " ")));
+  }
+  // runc gives a tmpfs the mode of the directory it is mounted on, whatever mode= says.
+  if (::stat((rootfs + "/tmp").c_str(), &st) == 0 && (st.st_mode & 07777) != 01777) {
+    LogWarn(absl::StrCat("container: ", rootfs, "/tmp has mode ", absl::Hex(st.st_mode & 07777),
+                         " (not 1777): with runc, /tmp in sandboxes will not be writable"));
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  prepared_images_.insert(rootfs);
+  return absl::OkStatus();
+}
+
+absl::Status ContainerDriver::WriteBundle(const std::string& id, const EnvSpec& spec,
+                                          const EnvPaths& paths, const std::string& rootfs) {
+  ESB_RETURN_IF_ERROR(MakeDir(paths.env_dir, 0700));
+  ESB_RETURN_IF_ERROR(MakeDir(paths.run_dir, 0700));
+  // SECURITY: run/ is the only host directory the sandbox user can write to. It is a small
+  // tmpfs, so a sandbox cannot fill the host's disk through it (its pages are charged to the
+  // writer's memory cgroup); esbd reaches into it only via SafeAgentConnector.
+  std::string opts = absl::StrCat("size=", kRunDirBytes / 1024, "k,mode=0700,uid=", kSandboxUid,
+                                  ",gid=", kSandboxGid);
+  if (::mount("esb-run", paths.run_dir.c_str(), "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+              opts.c_str()) != 0) {
+    return ErrnoStatus("mount tmpfs on " + paths.run_dir);
+  }
+  ESB_RETURN_IF_ERROR(WriteStringToFile(paths.hostname_file, "sandbox\n", 0644));
+
+  BundleParams p = BaseParams(rootfs, layout_, kind_);
+  p.env = {"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME=/workspace",
+           "LANG=C.UTF-8", "ESB_AGENT_SOCKET=/run/esb/agent.sock", "ESB_ENV_ID=" + id};
+  p.memory_bytes = spec.memory_mb << 20;
+  p.pids = spec.pids;
+  p.cpu = spec.cpu;
+  p.workspace_bytes = spec.disk_mb << 20;
+  p.tmp_bytes = std::min<int64_t>(spec.disk_mb, 256) << 20;
+  p.shm_bytes = std::min<int64_t>(spec.memory_mb / 4, 64) << 20;
+  p.cgroups_path = paths.cgroup_path;
+  p.run_dir = paths.run_dir;
+  p.agent_binary = options_.agent_binary;
+  p.hostname_file = paths.hostname_file;
+  ESB_RETURN_IF_ERROR(PrepareImage(rootfs, p));
+  return WriteStringToFile(paths.bundle_config, boost::json::serialize(BuildOciConfig(p)), 0600);
+}
+
+absl::Status ContainerDriver::WaitForAgent(const EnvPaths& paths, const InstanceState& state) {
+  AgentClient client(SafeAgentConnector(paths.run_dir, 1000));
+  const int64_t deadline = MonotonicMs() + options_.agent_timeout_ms;
+  absl::Status last;
+  while (true) {
+    last = client.WaitReady(
+        static_cast<int>(std::min<int64_t>(250, std::max<int64_t>(1, deadline - MonotonicMs()))));
+    if (last.ok()) return absl::OkStatus();
+    if (!ProcessAlive(state)) {
+      return absl::UnavailableError(
+          absl::StrCat("the sandbox's agent exited during start: ", ReadTail(paths.agent_log)));
+    }
+    if (MonotonicMs() >= deadline) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("agent did not answer within ", options_.agent_timeout_ms, " ms (",
+                       last.message(), "); agent log: ", ReadTail(paths.agent_log)));
+    }
+  }
+}
+
+absl::StatusOr<InstanceRef> ContainerDriver::Create(const std::string& id, const EnvSpec& spec) {
+  ESB_RETURN_IF_ERROR(ValidateId(id));
+  // (NaN fails every comparison, so the checks are written to reject it.)
+  if (!(spec.memory_mb >= 16 && spec.memory_mb <= (1LL << 24)) ||
+      !(spec.pids >= 8 && spec.pids <= (1LL << 22)) || !(spec.cpu > 0 && spec.cpu <= 1024) ||
+      !(spec.disk_mb >= 1 && spec.disk_mb <= (1LL << 24))) {
+    return absl::InvalidArgumentError(
+        "limits out of range: memory_mb 16..16777216, pids 8..4194304, cpu (0, 1024], "
+        "disk_mb 1..16777216");
+  }
+  auto image = options_.images.find(spec.image);
+  if (image == options_.images.end()) {
+    return absl::InvalidArgumentError(absl::StrCat("unknown image '", spec.image, "'"));
+  }
+  if (!Claim(id)) return absl::FailedPreconditionError("environment " + id + " is busy");
+  struct Releaser {
+    ContainerDriver* d;
+    std::string id;
+    ~Releaser() { d->Release(id); }
+  } releaser{this, id};
+
+  const EnvPaths paths = PathsFor(options_, id);
+  if (Exists(paths.env_dir)) {
+    return absl::AlreadyExistsError(absl::StrCat("environment ", id, " already exists"));
+  }
+  const int64_t t0 = MonotonicMs();
+  InstanceState state;
+  state.runtime = RuntimeName(kind_);
+  state.cgroup_path = paths.cgroup_path;
+  const OciRuntime& runtime = Runtime(state.runtime);
+
+  auto fail = [&](absl::Status status) -> absl::Status {
+    absl::Status cleanup = DestroyById(id, state);
+    if (!cleanup.ok()) {
+      LogWarn(absl::StrCat("container: cleanup of failed create ", id, ": ", cleanup.message()));
+    }
+    return status;
+  };
+
+  ESB_RETURN_IF_ERROR(MakeDirs(options_.state_dir + "/envs", 0700));
+  if (absl::Status s = WriteBundle(id, spec, paths, image->second); !s.ok()) return fail(s);
+  const int64_t t_bundle = MonotonicMs();
+  absl::StatusOr<int> pid = runtime.RunDetached(paths.container_id, paths.env_dir, paths.agent_log,
+                                                paths.runtime_log, options_.runtime_timeout_ms);
+  if (!pid.ok()) return fail(pid.status());
+  const int64_t t_run = MonotonicMs();
+  state.pid = *pid;
+  state.pid_start = ProcessStartTime(*pid);
+  if (state.pid_start == 0) {
+    return fail(absl::UnavailableError(
+        absl::StrCat("container ", paths.container_id,
+                     " exited right after start: ", ReadTail(paths.agent_log))));
+  }
+  if (absl::Status s = WaitForAgent(paths, state); !s.ok()) return fail(s);
+  if (!spec.env.empty()) {
+    if (absl::Status s = Agent({id, name(), ""}).Configure(spec.env); !s.ok()) return fail(s);
+  }
+  const int64_t t_ready = MonotonicMs();
+  LogDebug(absl::StrCat("container: created ", id, " in ", t_ready - t0, " ms (bundle ",
+                        t_bundle - t0, ", ", state.runtime, " run ", t_run - t_bundle, ", agent ",
+                        t_ready - t_run, ")"));
+  return InstanceRef{id, name(), SerializeState(state, paths, layout_)};
+}
+
+absl::Status ContainerDriver::DestroyById(const std::string& id, const InstanceState& state) {
+  const EnvPaths paths = PathsFor(options_, id);
+  const OciRuntime& runtime = Runtime(state.runtime);
+  std::vector<std::string> problems;
+  // 1. The runtime kills (SIGKILL to the pid namespace's init takes everything with it) and
+  //    forgets the container, removing its cgroups.
+  if (absl::Status s = runtime.Delete(paths.container_id, options_.runtime_timeout_ms); !s.ok()) {
+    problems.push_back(std::string(s.message()));
+  }
+  // 2. Verify: nothing of it runs any more. Fall back to killing by recorded pid + start time
+  //    (never a recycled pid) and by cgroup membership.
+  if (ProcessAlive(state)) {
+    // SECURITY: the pid is signalled only while its start time matches the container's.
+    ::kill(state.pid, SIGKILL);
+  }
+  if (absl::Status s = RemoveCgroup(layout_, state.cgroup_path, 5000); !s.ok()) {
+    problems.push_back(std::string(s.message()));
+  }
+  for (int i = 0; i < 100 && ProcessAlive(state); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  if (ProcessAlive(state)) problems.push_back(absl::StrCat("pid ", state.pid, " still alive"));
+  // 3. The environment directory (bundle, socket dir, logs). run/ is a tmpfs mount.
+  // SECURITY: unmounts only the tmpfs this driver mounted on the env's own run/ directory.
+  if (::umount2(paths.run_dir.c_str(), MNT_DETACH | UMOUNT_NOFOLLOW) != 0 && errno != EINVAL &&
+      errno != ENOENT) {
+    problems.push_back(absl::StrCat("umount ", paths.run_dir, ": ", strerror(errno)));
+  }
+  if (absl::Status s = RemoveTree(paths.env_dir); !s.ok()) {
+    problems.push_back(std::string(s.message()));
+  }
+  if (problems.empty()) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat("destroy ", id, ": ", absl::StrJoin(problems, "; ")));
+}
+
+absl::Status ContainerDriver::Destroy(const InstanceRef& ref) {
+  ESB_RETURN_IF_ERROR(ValidateId(ref.id));
+  if (!Claim(ref.id)) return absl::FailedPreconditionError("environment " + ref.id + " is busy");
+  absl::Status s =
+      DestroyById(ref.id, ParseState(ref.state, RuntimeName(kind_), PathsFor(options_, ref.id)));
+  Release(ref.id);
+  return s;
+}
+
+absl::Status ContainerDriver::Attach(const InstanceRef& ref) {
+  ESB_RETURN_IF_ERROR(ValidateId(ref.id));
+  const EnvPaths paths = PathsFor(options_, ref.id);
+  InstanceState state = ParseState(ref.state, RuntimeName(kind_), paths);
+  absl::StatusOr<ContainerState> cs = Runtime(state.runtime).State(paths.container_id);
+  if (absl::IsNotFound(cs.status())) {
+    return absl::NotFoundError(absl::StrCat("container of environment ", ref.id, " is gone"));
+  }
+  if (!cs.ok()) return cs.status();
+  if (cs->status != "running") {
+    return absl::UnavailableError(
+        absl::StrCat("container of environment ", ref.id, " is ", cs->status));
+  }
+  if (state.pid != 0 && cs->pid != state.pid) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("container of ", ref.id, " has pid ", cs->pid, ", expected ", state.pid));
+  }
+  return Agent(ref).Ping(2000);
+}
+
+absl::StatusOr<Usage> ContainerDriver::Stats(const InstanceRef& ref) {
+  ESB_RETURN_IF_ERROR(ValidateId(ref.id));
+  const EnvPaths paths = PathsFor(options_, ref.id);
+  InstanceState state = ParseState(ref.state, RuntimeName(kind_), paths);
+  absl::StatusOr<Usage> usage = ReadCgroupUsage(layout_, state.cgroup_path);
+  if (!usage.ok()) {
+    if (kind_ == RuntimeKind::kRunsc) {
+      // runsc may place the sandbox elsewhere; report liveness at least.
+      Usage u;
+      u.alive = ProcessAlive(state);
+      return u;
+    }
+    return usage.status();
+  }
+  usage->alive = ProcessAlive(state);
+  return usage;
+}
+
+// Copies the agent into the state directory as root:root 0711. A binary its user cannot read
+// makes the kernel mark the process non-dumpable at exec, so sandbox code running under the
+// same uid cannot open the agent's descriptors (its log file on the host) via /proc/1/fd or
+// attach to it. The copy also keeps running containers independent of rebuilds.
+// gVisor's loader reads the binary as the sandbox user, so runsc gets a readable copy (and
+// relies on the agent making itself non-dumpable).
+absl::StatusOr<std::string> InstallAgent(const std::string& source, const std::string& state_dir,
+                                         RuntimeKind kind) {
+  std::string data;
+  ESB_RETURN_IF_ERROR(ReadFileToString(source, &data));
+  ESB_RETURN_IF_ERROR(MakeDirs(state_dir + "/bin", 0755));
+  const mode_t mode = kind == RuntimeKind::kRunsc ? 0755 : 0711;
+  std::string dest =
+      absl::StrCat(state_dir, "/bin/esb-agent-", absl::Hex(Fnv1a(data), absl::kZeroPad8),
+                   kind == RuntimeKind::kRunsc ? "-r" : "-x");
+  if (Exists(dest)) return dest;
+  ESB_RETURN_IF_ERROR(WriteStringToFile(dest, data, mode));
+  // SECURITY: execute-only for the sandbox user where the runtime allows it (see above).
+  if (::chown(dest.c_str(), 0, 0) != 0 || ::chmod(dest.c_str(), mode) != 0) {
+    return ErrnoStatus("chmod " + dest);
+  }
+  return dest;
+}
+
+// ---------------------------------------------------------------------------------------
+// Probe: run /bin/true from a rootfs made of read-only binds of the host's /usr (and /lib*),
+// under exactly the confinement real sandboxes get.
+
+absl::StatusOr<int64_t> Probe(const ContainerDriverOptions& options, const CgroupLayout& layout,
+                              const OciRuntime& runtime) {
+  const std::string dir = absl::StrCat(options.state_dir, "/probe-", RandomHex(4));
+  const std::string rootfs = dir + "/rootfs";
+  const std::string id = "esb-probe-" + RandomHex(4);
+  ESB_RETURN_IF_ERROR(MakeDirs(rootfs, 0755));
+  struct Cleanup {
+    std::string dir;
+    ~Cleanup() { RemoveTree(dir).IgnoreError(); }
+  } cleanup{dir};
+
+  BundleParams p = BaseParams(rootfs, layout, runtime.kind());
+  p.args = {"/usr/bin/true"};
+  p.env = {"PATH=/usr/bin:/bin"};
+  p.cgroups_path = absl::StrCat(options.cgroup_parent, "/probe-", RandomHex(4));
+  p.run_dir = dir + "/run";
+  ESB_RETURN_IF_ERROR(MakeDir(p.run_dir, 0700));
+  for (const char* top : {"usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32"}) {
+    std::string host = absl::StrCat("/", top);
+    struct stat st;
+    if (::lstat(host.c_str(), &st) != 0) continue;
+    if (S_ISLNK(st.st_mode)) {
+      char target[4096];
+      ssize_t n = ::readlink(host.c_str(), target, sizeof(target) - 1);
+      if (n <= 0) continue;
+      target[n] = '\0';
+      if (::symlink(target, (rootfs + host).c_str()) != 0) return ErrnoStatus("symlink");
+    } else if (S_ISDIR(st.st_mode)) {
+      p.extra_binds.push_back({host, host, true});
+    }
+  }
+  for (const std::string& mp : RequiredMountpoints(p)) {
+    std::string path = rootfs + "/" + mp;
+    if (mp.back() == '/') ESB_RETURN_IF_ERROR(MakeDirs(path, 0755));
+  }
+  ESB_RETURN_IF_ERROR(
+      WriteStringToFile(dir + "/config.json", boost::json::serialize(BuildOciConfig(p)), 0600));
+  const int64_t t0 = MonotonicMs();
+  absl::StatusOr<ProcessResult> r =
+      runtime.RunForeground(id, dir, dir + "/probe.log", options.runtime_timeout_ms);
+  const int64_t elapsed = MonotonicMs() - t0;
+  std::string log = ReadTail(dir + "/probe.log");
+  runtime.Delete(id).IgnoreError();
+  RemoveCgroup(layout, p.cgroups_path, 2000).IgnoreError();
+  if (!r.ok()) return r.status();
+  if (r->timed_out) {
+    return absl::UnavailableError(absl::StrCat(RuntimeName(runtime.kind()),
+                                               " probe timed out after ",
+                                               options.runtime_timeout_ms, " ms: ", log));
+  }
+  if (r->exit_code != 0) {
+    return absl::UnavailableError(absl::StrCat(RuntimeName(runtime.kind()),
+                                               " could not start a container (exit ", r->exit_code,
+                                               "): ", log));
+  }
+  return elapsed;
+}
+
+}  // namespace
+}  // namespace container
+
+absl::StatusOr<std::unique_ptr<Driver>> NewContainerDriver(ContainerDriverOptions options) {
+  using namespace container;
+  if (options.state_dir.empty() || options.state_dir[0] != '/') {
+    return absl::InvalidArgumentError("container driver: state_dir must be an absolute path");
+  }
+  while (options.state_dir.size() > 1 && options.state_dir.back() == '/') {
+    options.state_dir.pop_back();
+  }
+  if (options.cgroup_parent.empty() || options.cgroup_parent[0] != '/' ||
+      options.cgroup_parent.find("..") != std::string::npos) {
+    return absl::InvalidArgumentError("container driver: cgroup_parent must be absolute");
+  }
+  if (geteuid() != 0) {
+    return absl::UnavailableError(
+        "container driver needs root (it runs an OCI runtime with "
+        "namespaces and cgroups)");
+  }
+  struct stat st;
+  if (options.agent_binary.empty() || ::stat(options.agent_binary.c_str(), &st) != 0 ||
+      !S_ISREG(st.st_mode)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("container driver: agent binary '", options.agent_binary, "' not found"));
+  }
+  absl::StatusOr<CgroupLayout> layout = DetectCgroups();
+  if (!layout.ok()) return layout.status();
+  ESB_RETURN_IF_ERROR(MakeDirs(options.state_dir + "/envs", 0700));
+  ::chmod(options.state_dir.c_str(), 0711);
+
+  std::vector<RuntimeKind> candidates;
+  if (options.runtime == "auto") {
+    candidates = {RuntimeKind::kCrun, RuntimeKind::kRunc};
+  } else {
+    RuntimeKind kind;
+    if (!ParseRuntimeKind(options.runtime, &kind)) {
+      return absl::InvalidArgumentError(
+          "container driver: runtime must be auto, crun, runc or "
+          "runsc, not '" +
+          options.runtime + "'");
+    }
+    candidates = {kind};
+  }
+  std::vector<std::string> failures;
+  for (RuntimeKind kind : candidates) {
+    std::string binary = FindExecutable(RuntimeName(kind));
+    if (binary.empty()) {
+      failures.push_back(absl::StrCat(RuntimeName(kind), ": not installed"));
+      continue;
+    }
+    std::string hide =
+        (kind == RuntimeKind::kCrun && layout->mode == CgroupMode::kHybrid) ? layout->v2_mount : "";
+    absl::StatusOr<std::string> agent = InstallAgent(options.agent_binary, options.state_dir, kind);
+    if (!agent.ok()) return agent.status();
+    OciRuntime runtime(kind, binary,
+                       absl::StrCat(options.state_dir, "/runtime/", RuntimeName(kind)), hide);
+    std::string probe_note = "not probed";
+    if (options.probe) {
+      absl::StatusOr<int64_t> probe = Probe(options, *layout, runtime);
+      if (!probe.ok()) {
+        failures.push_back(absl::StrCat(RuntimeName(kind), ": ", probe.status().message()));
+        continue;
+      }
+      probe_note = absl::StrCat("probe container ", *probe, " ms");
+    }
+    std::string describe = absl::StrCat(
+        runtime.Version(), kind == RuntimeKind::kRunsc ? " (gVisor, ptrace platform)" : "", "; ",
+        CgroupModeName(layout->mode),
+        hide.empty() ? "" : absl::StrCat(", ", hide, " hidden from crun"), "; ", probe_note);
+    LogInfo("container driver: " + describe);
+    options.agent_binary = *agent;
+    return std::unique_ptr<Driver>(
+        new ContainerDriver(std::move(options), *std::move(layout), kind, describe));
+  }
+  return absl::UnavailableError(
+      absl::StrCat("no OCI runtime works on this host: ", absl::StrJoin(failures, "; ")));
+}
+
+std::vector<std::string> FindContainerLeaks(const ContainerDriverOptions& options,
+                                            const InstanceRef& ref) {
+  using namespace container;
+  std::vector<std::string> leaks;
+  ContainerDriverOptions o = options;
+  while (o.state_dir.size() > 1 && o.state_dir.back() == '/') o.state_dir.pop_back();
+  const EnvPaths paths = PathsFor(o, ref.id);
+  InstanceState state = ParseState(ref.state, "crun", paths);
+  if (ProcessAlive(state)) leaks.push_back(absl::StrCat("process ", state.pid, " alive"));
+  absl::StatusOr<CgroupLayout> layout = DetectCgroups();
+  if (layout.ok()) {
+    for (int pid : CgroupPids(*layout, state.cgroup_path)) {
+      leaks.push_back(absl::StrCat("process ", pid, " in cgroup ", state.cgroup_path));
+    }
+    for (const std::string& dir : CgroupDirs(*layout, state.cgroup_path)) {
+      if (Exists(dir)) leaks.push_back("cgroup directory " + dir);
+    }
+  }
+  std::string mountinfo;
+  if (ReadFileToString("/proc/self/mountinfo", &mountinfo).ok()) {
+    for (absl::string_view line : absl::StrSplit(mountinfo, '\n', absl::SkipEmpty())) {
+      if (absl::StrContains(line, paths.env_dir)) leaks.push_back("mount: " + std::string(line));
+    }
+  }
+  if (Exists(paths.env_dir)) leaks.push_back("directory " + paths.env_dir);
+  for (const char* rt : {"crun", "runc", "runsc"}) {
+    std::string runtime_state = absl::StrCat(o.state_dir, "/runtime/", rt, "/", paths.container_id);
+    if (Exists(runtime_state)) leaks.push_back("runtime state " + runtime_state);
+  }
+  return leaks;
+}
+
+}  // namespace esb

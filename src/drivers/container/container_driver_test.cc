@@ -1,0 +1,780 @@
+// Real-container tests of the container driver (CTest label `root`). They build a tiny rootfs
+// from host binaries (bash, coreutils and their libraries) and run the real esb-agent.
+#include "drivers/container/container_driver.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <boost/json.hpp>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <set>
+#include <sstream>
+#include <thread>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
+#include "common/util.h"
+#include "drivers/container/cgroups.h"
+#include "drivers/container/oci_spec.h"
+#include "drivers/container/runtime.h"
+#include "drivers/container/seccomp_profile.h"
+#include "gtest/gtest.h"
+
+namespace esb {
+namespace {
+
+namespace fs = std::filesystem;
+
+// ---------------------------------------------------------------------------------------
+// Environment of the whole test binary: the rootfs, the agent, and why we might skip.
+
+std::string RunShell(const std::string& cmd) {
+  std::string out;
+  FILE* p = popen(cmd.c_str(), "r");
+  if (!p) return out;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) out.append(buf, n);
+  pclose(p);
+  return out;
+}
+
+std::string FindAgent() {
+  if (const char* env = getenv("ESB_AGENT_BINARY")) return env;
+  std::string built = std::string(ESB_BUILD_DIR) + "/esb-agent";
+  return access(built.c_str(), X_OK) == 0 ? built : "";
+}
+
+// Copies a host file into the rootfs at the same path (following the rootfs' own symlinks).
+void CopyIn(const std::string& rootfs, const std::string& host_path, mode_t mode) {
+  std::string dest = rootfs + host_path;
+  fs::create_directories(fs::path(dest).parent_path());
+  fs::copy_file(host_path, dest, fs::copy_options::overwrite_existing);
+  chmod(dest.c_str(), mode);
+}
+
+// bash + coreutils + their shared libraries, /etc/passwd with appuser, the syscall probe.
+std::string BuildTinyRootfs(const std::string& dir) {
+  const std::string rootfs = dir + "/rootfs";
+  for (const char* d : {"usr/bin", "usr/sbin", "usr/lib", "usr/lib64", "usr/local/bin", "etc",
+                        "proc", "dev", "sys", "tmp", "run", "workspace", "sbin-real"}) {
+    fs::create_directories(rootfs + "/" + d);
+  }
+  fs::remove(rootfs + "/sbin-real");
+  chmod((rootfs + "/tmp").c_str(), 01777);  // like a real image (runc keeps this mode)
+  for (const char* link : {"bin", "sbin", "lib", "lib64"}) {
+    std::string target = std::string("usr/") + link;
+    fs::create_symlink(target, rootfs + "/" + link);
+  }
+  std::set<std::string> libs;
+  for (const char* tool :
+       {"bash",  "id",       "cat",     "grep",     "head", "tail", "ls",  "mkdir", "dd",
+        "sleep", "true",     "env",     "touch",    "rm",   "tr",   "wc",  "seq",   "stat",
+        "uname", "hostname", "timeout", "readlink", "mv",   "ln",   "kill"}) {
+    std::string path = container::FindExecutable(tool);
+    if (path.empty()) continue;
+    std::string real = fs::canonical(path).string();
+    CopyIn(rootfs, real, 0755);
+    if (real.rfind("/usr/bin/", 0) != 0) {
+      // e.g. /bin/bash on a non-merged host: also make it reachable under /usr/bin.
+      fs::copy_file(real, rootfs + "/usr/bin/" + fs::path(real).filename().string(),
+                    fs::copy_options::overwrite_existing);
+    }
+    for (absl::string_view line : absl::StrSplit(RunShell("ldd " + real), '\n')) {
+      for (absl::string_view word :
+           absl::StrSplit(line, absl::ByAnyChar(" \t"), absl::SkipEmpty())) {
+        if (!word.empty() && word[0] == '/') libs.insert(std::string(word));
+      }
+    }
+  }
+  for (const std::string& lib : libs) {
+    CopyIn(rootfs, fs::canonical(lib).string(), 0755);
+    // Keep the name the loader asks for (e.g. /lib64/ld-linux-x86-64.so.2 -> real file).
+    std::string dest = rootfs + lib;
+    if (!fs::exists(dest)) {
+      fs::create_directories(fs::path(dest).parent_path());
+      fs::copy_file(fs::canonical(lib), dest);
+    }
+  }
+  fs::create_symlink("bash", rootfs + "/usr/bin/sh");
+  std::ofstream(rootfs + "/etc/passwd") << "root:x:0:0:root:/root:/bin/bash\n"
+                                           "appuser:x:1000:1000::/workspace:/bin/bash\n";
+  std::ofstream(rootfs + "/etc/group") << "root:x:0:\nappuser:x:1000:\n";
+  std::ofstream(rootfs + "/etc/hostname") << "image\n";
+  CopyIn(rootfs, ESB_SYSCALL_PROBE, 0755);
+  fs::copy_file(ESB_SYSCALL_PROBE, rootfs + "/usr/local/bin/syscall_probe",
+                fs::copy_options::overwrite_existing);
+  chmod((rootfs + "/usr/local/bin/syscall_probe").c_str(), 0755);
+  return rootfs;
+}
+
+struct Shared {
+  std::string skip_reason;
+  std::string tmp;
+  std::string rootfs;
+  std::string agent;
+};
+
+Shared* g_shared = nullptr;  // set on first use
+
+Shared& Env() {
+  static Shared* shared = [] {
+    auto* s = new Shared;
+    if (geteuid() != 0) {
+      s->skip_reason = "needs root (runs real containers)";
+      return s;
+    }
+    if (container::FindExecutable("crun").empty() && container::FindExecutable("runc").empty()) {
+      s->skip_reason = "no OCI runtime (crun or runc) installed";
+      return s;
+    }
+    s->agent = FindAgent();
+    if (s->agent.empty()) {
+      s->skip_reason = "esb-agent not built (set ESB_AGENT_BINARY or build target esb-agent)";
+      return s;
+    }
+    char tmpl[] = "/tmp/esb-container-test-XXXXXX";
+    s->tmp = mkdtemp(tmpl);
+    chmod(s->tmp.c_str(), 0755);
+    s->rootfs = BuildTinyRootfs(s->tmp);
+    return s;
+  }();
+  g_shared = shared;
+  return *shared;
+}
+
+// Removes the shared temp dir (rootfs, state dirs) when the binary finishes.
+class CleanupEnvironment : public ::testing::Environment {
+ public:
+  void TearDown() override {
+    if (g_shared != nullptr && !g_shared->tmp.empty()) {
+      std::error_code ec;
+      fs::remove_all(g_shared->tmp, ec);
+    }
+  }
+};
+const ::testing::Environment* const kCleanup =
+    ::testing::AddGlobalTestEnvironment(new CleanupEnvironment);
+
+class ContainerDriverTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!Env().skip_reason.empty()) GTEST_SKIP() << Env().skip_reason;
+    options_.state_dir = Env().tmp + "/state-" + RandomHex(3);
+    options_.agent_binary = Env().agent;
+    options_.images["default"] = Env().rootfs;
+    if (const char* rt = getenv("ESB_TEST_RUNTIME")) options_.runtime = rt;
+    auto driver = NewContainerDriver(options_);
+    ASSERT_TRUE(driver.ok()) << driver.status();
+    driver_ = std::move(*driver);
+    std::printf("[ driver   ] %s: %s\n", driver_->name().c_str(), driver_->Describe().c_str());
+  }
+  void TearDown() override {
+    for (const InstanceRef& ref : live_) {
+      if (driver_) driver_->Destroy(ref).IgnoreError();
+    }
+  }
+
+  InstanceRef MustCreate(const EnvSpec& spec = EnvSpec()) {
+    std::string id = "t" + RandomHex(4);
+    absl::StatusOr<InstanceRef> ref = driver_->Create(id, spec);
+    EXPECT_TRUE(ref.ok()) << ref.status();
+    if (!ref.ok()) return InstanceRef{id, "container", ""};
+    live_.push_back(*ref);
+    return *ref;
+  }
+
+  ExecResult MustExec(const InstanceRef& ref, const std::string& command, int timeout_ms = 20000) {
+    ExecRequest req;
+    req.command = command;
+    req.timeout = std::chrono::milliseconds(timeout_ms);
+    absl::StatusOr<ExecResult> r = driver_->Exec(ref, req, nullptr);
+    EXPECT_TRUE(r.ok()) << r.status();
+    return r.ok() ? *r : ExecResult{};
+  }
+
+  void DestroyAndCheckClean(const InstanceRef& ref) {
+    ASSERT_TRUE(driver_->Destroy(ref).ok());
+    std::vector<std::string> leaks = FindContainerLeaks(options_, ref);
+    EXPECT_TRUE(leaks.empty()) << absl::StrJoin(leaks, "\n");
+    live_.erase(std::remove_if(live_.begin(), live_.end(),
+                               [&](const InstanceRef& r) { return r.id == ref.id; }),
+                live_.end());
+  }
+
+  ContainerDriverOptions options_;
+  std::unique_ptr<Driver> driver_;
+  std::vector<InstanceRef> live_;
+};
+
+// ---------------------------------------------------------------------------------------
+
+TEST(ContainerSpecTest, ConfigHasNoCapabilitiesAndReadOnlyRoot) {
+  container::BundleParams p;
+  p.rootfs = "/img";
+  p.cgroups_path = "/esb/x";
+  p.workspace_bytes = 8 << 20;
+  boost::json::object c = container::BuildOciConfig(p);
+  const auto& caps = c["process"].as_object()["capabilities"].as_object();
+  for (const char* set : {"bounding", "effective", "inheritable", "permitted", "ambient"}) {
+    EXPECT_TRUE(caps.at(set).as_array().empty()) << set;
+  }
+  EXPECT_TRUE(c["process"].as_object()["noNewPrivileges"].as_bool());
+  EXPECT_TRUE(c["root"].as_object()["readonly"].as_bool());
+  EXPECT_EQ(c["process"].as_object()["user"].as_object()["uid"].to_number<int64_t>(), 1000);
+  std::string json = boost::json::serialize(c);
+  EXPECT_TRUE(absl::StrContains(json, "\"size=8192k\"")) << json;
+}
+
+TEST(ContainerSpecTest, SeccompDeniesAreNotAllowed) {
+  const auto& allowed = container::SeccompAllowedSyscalls();
+  std::set<std::string> allow(allowed.begin(), allowed.end());
+  for (const std::string& name : container::SeccompDeniedSyscalls()) {
+    EXPECT_EQ(allow.count(name), 0u) << name << " is both allowed and denied";
+  }
+  for (const char* must_deny :
+       {"mount", "umount2", "ptrace", "unshare", "setns", "bpf", "init_module", "finit_module",
+        "delete_module", "kexec_load", "kexec_file_load", "perf_event_open", "keyctl", "add_key",
+        "request_key", "userfaultfd", "open_by_handle_at"}) {
+    EXPECT_EQ(allow.count(must_deny), 0u) << must_deny;
+  }
+  EXPECT_EQ(allow.count("clone"), 0u) << "clone must only be allowed with an argument filter";
+  EXPECT_EQ(allow.count("clone3"), 0u);
+  EXPECT_EQ(allow.count("personality"), 0u);
+}
+
+TEST_F(ContainerDriverTest, CreateExecDestroy) {
+  InstanceRef ref = MustCreate();
+  ExecResult r = MustExec(ref, "echo hello; id -u; hostname; cat /etc/hostname; pwd");
+  EXPECT_EQ(r.exit_code, 0) << r.stderr_data;
+  EXPECT_EQ(r.stdout_data, "hello\n1000\nsandbox\nsandbox\n/workspace\n");
+  ASSERT_TRUE(driver_->WriteFile(ref, "dir/a.txt", "data", 0, true).ok());
+  absl::StatusOr<FileChunk> chunk = driver_->ReadFile(ref, "dir/a.txt", 0, 100);
+  ASSERT_TRUE(chunk.ok()) << chunk.status();
+  EXPECT_EQ(chunk->data, "data");
+  absl::StatusOr<Usage> usage = driver_->Stats(ref);
+  ASSERT_TRUE(usage.ok()) << usage.status();
+  EXPECT_TRUE(usage->alive);
+  EXPECT_GT(usage->memory_bytes, 0);
+  EXPECT_GE(usage->pids, 1);
+  std::printf("[ stats    ] memory %lld bytes, cpu %lld ms, pids %lld\n",
+              static_cast<long long>(usage->memory_bytes), static_cast<long long>(usage->cpu_ms),
+              static_cast<long long>(usage->pids));
+  DestroyAndCheckClean(ref);
+  // Idempotent.
+  EXPECT_TRUE(driver_->Destroy(ref).ok());
+}
+
+TEST_F(ContainerDriverTest, NoLeaksAfterTenCycles) {
+  for (int i = 0; i < 10; ++i) {
+    InstanceRef ref = MustCreate();
+    EXPECT_EQ(MustExec(ref, "echo $((6*7))").stdout_data, "42\n");
+    DestroyAndCheckClean(ref);
+  }
+  // Nothing of ours is left in the runtime's state or the envs directory.
+  EXPECT_TRUE(fs::is_empty(options_.state_dir + "/envs"));
+}
+
+TEST_F(ContainerDriverTest, RunsAsUnprivilegedUserWithoutCapabilities) {
+  InstanceRef ref = MustCreate();
+  ExecResult r =
+      MustExec(ref, "id -u; id -g; grep -E '^(Cap|NoNewPrivs|Seccomp)' /proc/self/status");
+  EXPECT_EQ(r.exit_code, 0);
+  std::vector<std::string> lines = absl::StrSplit(r.stdout_data, '\n', absl::SkipEmpty());
+  ASSERT_GE(lines.size(), 2u) << r.stdout_data;
+  EXPECT_EQ(lines[0], "1000");
+  EXPECT_EQ(lines[1], "1000");
+  int caps = 0;
+  for (const std::string& line : lines) {
+    if (absl::StartsWith(line, "Cap")) {
+      ++caps;
+      EXPECT_TRUE(absl::EndsWith(line, "0000000000000000")) << line;
+    }
+  }
+  EXPECT_EQ(caps, 5) << r.stdout_data;
+  EXPECT_TRUE(absl::StrContains(r.stdout_data, "NoNewPrivs:\t1")) << r.stdout_data;
+  EXPECT_TRUE(absl::StrContains(r.stdout_data, "Seccomp:\t2")) << r.stdout_data;
+}
+
+TEST_F(ContainerDriverTest, DangerousSyscallsFail) {
+  InstanceRef ref = MustCreate();
+  ExecResult r = MustExec(ref, "/usr/local/bin/syscall_probe");
+  ASSERT_EQ(r.exit_code, 0) << r.stderr_data;
+  std::map<std::string, std::string> result;
+  for (absl::string_view line : absl::StrSplit(r.stdout_data, '\n', absl::SkipEmpty())) {
+    std::pair<std::string, std::string> kv = absl::StrSplit(line, '=');
+    result[kv.first] = kv.second;
+  }
+  std::printf("[ syscalls ] %s\n", absl::StrJoin(absl::StrSplit(r.stdout_data, '\n'), " ").c_str());
+  for (const char* name : {"mount",
+                           "umount2",
+                           "unshare_user",
+                           "unshare_mount",
+                           "unshare_net",
+                           "setns",
+                           "ptrace_traceme",
+                           "ptrace_attach",
+                           "bpf",
+                           "init_module",
+                           "finit_module",
+                           "delete_module",
+                           "kexec_load",
+                           "perf_event_open",
+                           "keyctl",
+                           "add_key",
+                           "request_key",
+                           "userfaultfd",
+                           "open_by_handle_at",
+                           "io_uring_setup",
+                           "personality_change",
+                           "clone_newuser",
+                           "clone_newns",
+                           "chroot",
+                           "swapon",
+                           "sethostname",
+                           "mknod"}) {
+    ASSERT_TRUE(result.count(name)) << name << " missing from: " << r.stdout_data;
+    EXPECT_EQ(result[name], "EPERM") << name;
+  }
+  EXPECT_EQ(result["clone3"], "ENOSYS");
+  EXPECT_EQ(result["clone_plain"], "OK");
+  EXPECT_EQ(result["fork"], "OK");
+  EXPECT_EQ(result["personality_query"], "OK");
+  // The agent (PID 1, same uid) is not dumpable: sandbox code cannot reach its descriptors,
+  // one of which is the container's log file on the host.
+  ExecResult fds = MustExec(ref,
+                            "ls /proc/1/fd 2>&1; echo rc=$?; echo x >> /proc/1/fd/2; "
+                            "echo rc=$?");
+  EXPECT_TRUE(absl::StrContains(fds.stdout_data, "Permission denied")) << fds.stdout_data;
+  EXPECT_FALSE(absl::StrContains(fds.stdout_data, "rc=0")) << fds.stdout_data;
+}
+
+// A listener on the host's loopback: the sandbox must not reach it.
+class HostListener {
+ public:
+  HostListener() {
+    fd_ = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a = {};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    bind(fd_, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+    listen(fd_, 4);
+    socklen_t len = sizeof(a);
+    getsockname(fd_, reinterpret_cast<sockaddr*>(&a), &len);
+    port_ = ntohs(a.sin_port);
+  }
+  ~HostListener() { close(fd_); }
+  int port() const { return port_; }
+
+ private:
+  int fd_ = -1;
+  int port_ = 0;
+};
+
+TEST_F(ContainerDriverTest, NetworkIsLoopbackOnly) {
+  HostListener host;
+  InstanceRef ref = MustCreate();
+  ExecResult r = MustExec(ref, "ls /sys/class/net; cat /sys/class/net/lo/flags");
+  std::printf("[ network  ] interfaces+lo flags: %s\n", r.stdout_data.c_str());
+  std::vector<std::string> lines = absl::StrSplit(r.stdout_data, '\n', absl::SkipEmpty());
+  ASSERT_EQ(lines.size(), 2u) << r.stdout_data;
+  EXPECT_EQ(lines[0], "lo");
+  // IFF_UP (0x1) must be set on lo.
+  EXPECT_EQ(std::stoi(lines[1], nullptr, 16) & 1, 1) << "lo is down: " << lines[1];
+  for (const std::string& target : {absl::StrCat("127.0.0.1/", host.port()),
+                                    std::string("10.0.2.2/80"), std::string("8.8.8.8/53")}) {
+    ExecResult c =
+        MustExec(ref, "timeout 5 bash -c 'exec 3<>/dev/tcp/" + target + "' 2>&1; echo rc=$?");
+    EXPECT_FALSE(absl::StrContains(c.stdout_data, "rc=0")) << target << ": " << c.stdout_data;
+    std::printf("[ network  ] %s -> %s", target.c_str(), c.stdout_data.c_str());
+  }
+  // Loopback inside the sandbox works (its own, not the host's).
+  ExecResult self = MustExec(ref, "bash -c 'exec 3<>/dev/tcp/127.0.0.1/9' 2>&1; echo rc=$?");
+  EXPECT_TRUE(absl::StrContains(self.stdout_data, "refused")) << self.stdout_data;
+}
+
+TEST_F(ContainerDriverTest, RootfsIsReadOnlyAndScratchSpaceWritable) {
+  InstanceRef ref = MustCreate();
+  ExecResult r = MustExec(ref,
+                          "touch /usr/x 2>&1; echo rc=$?; touch /etc/x 2>&1; echo rc=$?; "
+                          "touch /x 2>&1; echo rc=$?; touch /tmp/x && echo tmp-ok; "
+                          "touch /workspace/x && echo ws-ok");
+  EXPECT_EQ(r.stdout_data.find("rc=0"), std::string::npos) << r.stdout_data;
+  EXPECT_TRUE(absl::StrContains(r.stdout_data, "Read-only file system")) << r.stdout_data;
+  EXPECT_TRUE(absl::StrContains(r.stdout_data, "tmp-ok"));
+  EXPECT_TRUE(absl::StrContains(r.stdout_data, "ws-ok"));
+  // The image on the host is untouched.
+  EXPECT_FALSE(fs::exists(Env().rootfs + "/usr/x"));
+}
+
+TEST_F(ContainerDriverTest, WorkspaceDiskCapGivesEnospc) {
+  EnvSpec spec;
+  spec.disk_mb = 8;
+  InstanceRef ref = MustCreate(spec);
+  ExecResult r = MustExec(ref,
+                          "dd if=/dev/zero of=/workspace/big bs=1M count=20 2>&1; "
+                          "echo rc=$?");
+  EXPECT_TRUE(absl::StrContains(r.stdout_data, "No space left on device")) << r.stdout_data;
+  absl::Status w = driver_->WriteFile(ref, "big2", std::string(9 << 20, 'x'), 0, true);
+  EXPECT_FALSE(w.ok());
+  std::printf("[ disk     ] WriteFile of 9 MiB into an 8 MiB workspace: %s\n",
+              w.ToString().c_str());
+}
+
+TEST_F(ContainerDriverTest, MemoryLimitStopsMemoryBomb) {
+  EnvSpec spec;
+  spec.memory_mb = 64;
+  InstanceRef ref = MustCreate(spec);
+  const int64_t t0 = MonotonicMs();
+  ExecRequest req;
+  req.command = "tail /dev/zero; echo rc=$?";
+  req.timeout = std::chrono::milliseconds(30000);
+  absl::StatusOr<ExecResult> r = driver_->Exec(ref, req, nullptr);
+  std::printf("[ memory   ] bomb after %lld ms: %s\n", static_cast<long long>(MonotonicMs() - t0),
+              r.ok() ? absl::StrCat("exit ", r->exit_code, " out=", r->stdout_data).c_str()
+                     : r.status().ToString().c_str());
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_FALSE(r->timed_out);
+  EXPECT_TRUE(absl::StrContains(r->stdout_data, "rc=137")) << r->stdout_data;
+  absl::StatusOr<Usage> usage = driver_->Stats(ref);
+  ASSERT_TRUE(usage.ok());
+  EXPECT_LE(usage->memory_bytes, 64LL << 20);
+  // The sandbox (and its agent) survive; the daemon side was never at risk.
+  EXPECT_EQ(MustExec(ref, "echo alive").stdout_data, "alive\n");
+}
+
+TEST_F(ContainerDriverTest, PidsLimitStopsForkBomb) {
+  EnvSpec spec;
+  spec.pids = 32;
+  InstanceRef ref = MustCreate(spec);
+  ExecResult r = MustExec(ref,
+                          "for i in $(seq 100); do sleep 30 & done 2>/dev/null; "
+                          "echo started",
+                          5000);
+  absl::StatusOr<Usage> usage = driver_->Stats(ref);
+  ASSERT_TRUE(usage.ok());
+  std::printf("[ pids     ] fork bomb: exit %d timed_out %d, pids in cgroup %lld\n", r.exit_code,
+              r.timed_out, static_cast<long long>(usage->pids));
+  EXPECT_LE(usage->pids, 32);
+  // The bomb runs until the exec's timeout (a builtin busy loop: no fork needed), so the
+  // agent kills its whole process group afterwards.
+  ExecResult bomb =
+      MustExec(ref, "b(){ b|b& }; b; SECONDS=0; while ((SECONDS < 5)); do :; done", 3000);
+  EXPECT_TRUE(bomb.timed_out);
+  // The kernel counted refused forks in the container's pids cgroup.
+  int64_t refused = -1;
+  boost::json::object state = boost::json::parse(ref.state).as_object();
+  for (const auto& dir : state["cgroup_dirs"].as_array()) {
+    std::string events;
+    if (!ReadFileToString(std::string(dir.as_string()) + "/pids.events", &events).ok()) continue;
+    std::vector<std::string> kv = absl::StrSplit(events, absl::ByAnyChar(" \n"), absl::SkipEmpty());
+    if (kv.size() >= 2 && kv[0] == "max") refused = std::stoll(kv[1]);
+  }
+  std::printf("[ pids     ] forks refused by the pids limit: %lld\n", (long long)refused);
+  EXPECT_GT(refused, 0);
+  usage = driver_->Stats(ref);
+  ASSERT_TRUE(usage.ok());
+  EXPECT_LE(usage->pids, 32);
+  // Once the bomb is killed the environment is usable again.
+  ExecResult after;
+  for (int i = 0; i < 20; ++i) {
+    ExecRequest req;
+    req.command = "echo ok";
+    req.timeout = std::chrono::milliseconds(5000);
+    absl::StatusOr<ExecResult> r = driver_->Exec(ref, req, nullptr);
+    if (r.ok() && r->stdout_data == "ok\n") {
+      after = *r;
+      break;
+    }
+    usleep(250000);
+  }
+  EXPECT_EQ(after.stdout_data, "ok\n");
+}
+
+TEST_F(ContainerDriverTest, FreshDriverReattachesRunningContainer) {
+  InstanceRef ref = MustCreate();
+  EXPECT_EQ(MustExec(ref, "echo keep > /workspace/k; echo ok").stdout_data, "ok\n");
+  ContainerDriverOptions o = options_;
+  o.probe = false;
+  auto fresh = NewContainerDriver(o);
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  ASSERT_TRUE((*fresh)->Attach(ref).ok()) << (*fresh)->Attach(ref);
+  ExecRequest req;
+  req.command = "cat /workspace/k";
+  absl::StatusOr<ExecResult> r = (*fresh)->Exec(ref, req, nullptr);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->stdout_data, "keep\n");
+  driver_.reset();  // the first driver object going away does not stop the container
+  ASSERT_TRUE((*fresh)->Attach(ref).ok());
+  ASSERT_TRUE((*fresh)->Destroy(ref).ok());
+  EXPECT_TRUE(FindContainerLeaks(options_, ref).empty());
+  EXPECT_TRUE(absl::IsNotFound((*fresh)->Attach(ref))) << (*fresh)->Attach(ref);
+  live_.clear();
+}
+
+TEST_F(ContainerDriverTest, DeadContainerIsReportedAndCleanedUp) {
+  InstanceRef ref = MustCreate();
+  boost::json::object state = boost::json::parse(ref.state).as_object();
+  int pid = static_cast<int>(state["pid"].as_int64());
+  ASSERT_GT(pid, 1);
+  ASSERT_EQ(kill(pid, SIGKILL), 0);  // the sandbox's init dies behind the driver's back
+  for (int i = 0; i < 100 && driver_->Stats(ref).value_or(Usage{}).alive; ++i) usleep(20000);
+  absl::StatusOr<Usage> usage = driver_->Stats(ref);
+  EXPECT_TRUE(!usage.ok() || !usage->alive);
+  absl::Status attach = driver_->Attach(ref);
+  EXPECT_FALSE(attach.ok());
+  std::printf("[ dead     ] Attach after kill -9: %s\n", attach.ToString().c_str());
+  ExecRequest req;
+  req.command = "true";
+  EXPECT_FALSE(driver_->Exec(ref, req, nullptr).ok());
+  DestroyAndCheckClean(ref);
+}
+
+TEST_F(ContainerDriverTest, ConcurrentCreatesAreIndependent) {
+  constexpr int kThreads = 4;
+  std::vector<std::thread> threads;
+  std::vector<std::string> outputs(kThreads);
+  std::vector<InstanceRef> refs(kThreads);
+  std::vector<absl::Status> results(kThreads);
+  for (int i = 0; i < kThreads; ++i) {
+    threads.emplace_back([&, i] {
+      absl::StatusOr<InstanceRef> ref =
+          driver_->Create(absl::StrCat("c", i, RandomHex(3)), EnvSpec());
+      if (!ref.ok()) {
+        results[i] = ref.status();
+        return;
+      }
+      refs[i] = *ref;
+      ExecRequest req;
+      req.command = absl::StrCat("echo ", i, " > /workspace/n; cat /workspace/n");
+      absl::StatusOr<ExecResult> r = driver_->Exec(*ref, req, nullptr);
+      if (r.ok()) outputs[i] = r->stdout_data;
+      results[i] = driver_->Destroy(*ref);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int i = 0; i < kThreads; ++i) {
+    EXPECT_TRUE(results[i].ok()) << results[i];
+    EXPECT_EQ(outputs[i], absl::StrCat(i, "\n"));
+    EXPECT_TRUE(FindContainerLeaks(options_, refs[i]).empty());
+  }
+}
+
+TEST_F(ContainerDriverTest, DestroyHandlesHalfCreatedAndUnknown) {
+  // Never created.
+  EXPECT_TRUE(driver_->Destroy(InstanceRef{"never", "container", ""}).ok());
+  // A directory without a container (daemon died while writing the bundle).
+  fs::create_directories(options_.state_dir + "/envs/half/run");
+  std::ofstream(options_.state_dir + "/envs/half/config.json") << "{";
+  InstanceRef half{"half", "container", "garbage"};
+  EXPECT_TRUE(driver_->Destroy(half).ok());
+  EXPECT_TRUE(FindContainerLeaks(options_, half).empty());
+  // Hostile ids are refused, never used as paths.
+  EXPECT_TRUE(absl::IsInvalidArgument(driver_->Destroy(InstanceRef{"../x", "container", ""})));
+  EnvSpec spec;
+  EXPECT_TRUE(absl::IsInvalidArgument(driver_->Create("a/b", spec).status()));
+  spec.image = "nope";
+  EXPECT_TRUE(absl::IsInvalidArgument(driver_->Create("x1", spec).status()));
+  spec.image = "default";
+  spec.cpu = std::nan("");
+  EXPECT_TRUE(absl::IsInvalidArgument(driver_->Create("x2", spec).status()));
+  spec.cpu = 1;
+  spec.memory_mb = 1LL << 60;
+  EXPECT_TRUE(absl::IsInvalidArgument(driver_->Create("x3", spec).status()));
+  EXPECT_TRUE(FindContainerLeaks(options_, InstanceRef{"x2", "container", ""}).empty());
+}
+
+TEST_F(ContainerDriverTest, FailedCreateCleansUp) {
+  options_.images["broken"] = Env().tmp + "/does-not-exist";
+  auto driver = NewContainerDriver([&] {
+    auto o = options_;
+    o.probe = false;
+    return o;
+  }());
+  ASSERT_TRUE(driver.ok());
+  EnvSpec spec;
+  spec.image = "broken";
+  absl::StatusOr<InstanceRef> r = (*driver)->Create("broken1", spec);
+  EXPECT_FALSE(r.ok());
+  std::printf("[ failure  ] %s\n", r.status().ToString().c_str());
+  EXPECT_TRUE(FindContainerLeaks(options_, InstanceRef{"broken1", "container", ""}).empty());
+}
+
+TEST_F(ContainerDriverTest, SandboxCannotRedirectAgentSocket) {
+  InstanceRef ref = MustCreate();
+  // The sandbox user replaces its socket with a symlink to a host path.
+  ExecResult r = MustExec(ref,
+                          "cd /run/esb && mv agent.sock real.sock && "
+                          "ln -s /run/esb/real.sock agent.sock && echo swapped");
+  ASSERT_EQ(r.stdout_data, "swapped\n") << r.stderr_data;
+  ExecRequest req;
+  req.command = "echo hi";
+  absl::StatusOr<ExecResult> after = driver_->Exec(ref, req, nullptr);
+  EXPECT_FALSE(after.ok()) << "esbd followed a sandbox-controlled symlink";
+  DestroyAndCheckClean(ref);
+}
+
+// Cold Create latency versus the runtime alone running the same bundle.
+TEST_F(ContainerDriverTest, MeasureCreateLatency) {
+  std::vector<int64_t> create_ms, raw_ms, raw_agent_ms;
+  for (int i = 0; i < 5; ++i) {
+    int64_t t0 = MonotonicMs();
+    InstanceRef ref = MustCreate();
+    create_ms.push_back(MonotonicMs() - t0);
+    // Same bundle, started directly by the runtime (its own cgroup and run dir).
+    std::string bundle = Env().tmp + "/raw-" + RandomHex(3);
+    fs::create_directories(bundle + "/run");
+    chown((bundle + "/run").c_str(), 1000, 1000);
+    std::string config;
+    ASSERT_TRUE(
+        ReadFileToString(options_.state_dir + "/envs/" + ref.id + "/config.json", &config).ok());
+    boost::json::object c = boost::json::parse(config).as_object();
+    c["linux"].as_object()["cgroupsPath"] = "/esb/raw-" + RandomHex(3);
+    for (auto& m : c["mounts"].as_array()) {
+      if (m.as_object()["destination"] == "/run/esb") m.as_object()["source"] = bundle + "/run";
+    }
+    ASSERT_TRUE(WriteStringToFile(bundle + "/config.json", boost::json::serialize(c)).ok());
+    boost::json::object state = boost::json::parse(ref.state).as_object();
+    container::RuntimeKind kind;
+    ASSERT_TRUE(container::ParseRuntimeKind(std::string(state["runtime"].as_string()), &kind));
+    auto layout = container::DetectCgroups();
+    ASSERT_TRUE(layout.ok());
+    std::string hide =
+        kind == container::RuntimeKind::kCrun && layout->mode == container::CgroupMode::kHybrid
+            ? layout->v2_mount
+            : "";
+    container::OciRuntime rt(kind, container::FindExecutable(container::RuntimeName(kind)),
+                             bundle + "/root", hide);
+    std::string cid = "raw-" + RandomHex(3);
+    t0 = MonotonicMs();
+    absl::StatusOr<int> s = rt.RunDetached(cid, bundle, bundle + "/log", bundle + "/rtlog", 30000);
+    raw_ms.push_back(MonotonicMs() - t0);
+    ASSERT_TRUE(s.ok()) << s.status();
+    while (!fs::exists(bundle + "/run/agent.sock") && MonotonicMs() - t0 < 10000) usleep(500);
+    raw_agent_ms.push_back(MonotonicMs() - t0);
+    EXPECT_TRUE(rt.Delete(cid).ok());
+    container::RemoveCgroup(*layout, std::string(c["linux"].as_object()["cgroupsPath"].as_string()),
+                            2000)
+        .IgnoreError();
+    fs::remove_all(bundle);
+    DestroyAndCheckClean(ref);
+  }
+  auto median = [](std::vector<int64_t> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  auto minimum = [](const std::vector<int64_t>& v) {
+    return *std::min_element(v.begin(), v.end());
+  };
+  std::printf(
+      "[ latency  ] driver Create (bundle+run+agent ping): min %lld / median %lld ms\n"
+      "[ latency  ] runtime `run -d` of the same bundle:    min %lld / median %lld ms\n"
+      "[ latency  ] runtime `run -d` until agent.sock exists: min %lld / median %lld ms\n",
+      (long long)minimum(create_ms), (long long)median(create_ms), (long long)minimum(raw_ms),
+      (long long)median(raw_ms), (long long)minimum(raw_agent_ms), (long long)median(raw_agent_ms));
+}
+
+// The project's real image (images/), when it has been built: ESBD_IMAGE_DEFAULT from the
+// environment or from build/images.env.
+std::string RealImage() {
+  if (const char* env = getenv("ESBD_IMAGE_DEFAULT")) return env;
+#ifdef ESB_SOURCE_DIR
+  std::ifstream in(std::string(ESB_SOURCE_DIR) + "/build/images.env");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (absl::StartsWith(line, "ESBD_IMAGE_DEFAULT=")) {
+      std::string v = line.substr(strlen("ESBD_IMAGE_DEFAULT="));
+      v.erase(std::remove(v.begin(), v.end(), '"'), v.end());
+      return v;
+    }
+  }
+#endif
+  return "";
+}
+
+TEST_F(ContainerDriverTest, RealImageRunsPython) {
+  std::string image = RealImage();
+  if (image.empty() || !fs::exists(image + "/usr/bin/python3")) {
+    GTEST_SKIP() << "real image not built (no ESBD_IMAGE_DEFAULT / build/images.env)";
+  }
+  ContainerDriverOptions o = options_;
+  o.images["real"] = image;
+  o.probe = false;
+  auto driver = NewContainerDriver(o);
+  ASSERT_TRUE(driver.ok()) << driver.status();
+  EnvSpec spec;
+  spec.image = "real";
+  int64_t t0 = MonotonicMs();
+  absl::StatusOr<InstanceRef> ref = (*driver)->Create("real" + RandomHex(3), spec);
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  std::printf("[ image    ] Create on %s: %lld ms\n", image.c_str(),
+              static_cast<long long>(MonotonicMs() - t0));
+  ExecRequest req;
+  req.command = "id -un; python3 -c 'print(1+1)'; touch /usr/x 2>&1 | grep -c Read-only";
+  absl::StatusOr<ExecResult> r = (*driver)->Exec(*ref, req, nullptr);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->stdout_data, "appuser\n2\n1\n") << r->stderr_data;
+  EXPECT_TRUE((*driver)->Destroy(*ref).ok());
+  EXPECT_TRUE(FindContainerLeaks(o, *ref).empty());
+}
+
+TEST(GvisorDriverTest, CreatesOrExplainsWhyNot) {
+  if (!Env().skip_reason.empty()) GTEST_SKIP() << Env().skip_reason;
+  if (container::FindExecutable("runsc").empty()) GTEST_SKIP() << "runsc (gVisor) not installed";
+  ContainerDriverOptions o;
+  o.state_dir = Env().tmp + "/gvisor-" + RandomHex(3);
+  o.agent_binary = Env().agent;
+  o.images["default"] = Env().rootfs;
+  o.runtime = "runsc";
+  auto driver = NewContainerDriver(o);
+  if (!driver.ok()) {
+    EXPECT_TRUE(absl::IsUnavailable(driver.status())) << driver.status();
+    EXPECT_FALSE(driver.status().message().empty());
+    GTEST_SKIP() << "gVisor unavailable here: " << driver.status().message();
+  }
+  EXPECT_EQ((*driver)->name(), "gvisor");
+  std::printf("[ gvisor   ] %s\n", (*driver)->Describe().c_str());
+  int64_t t0 = MonotonicMs();
+  absl::StatusOr<InstanceRef> ref = (*driver)->Create("g" + RandomHex(3), EnvSpec());
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  std::printf("[ gvisor   ] Create %lld ms\n", static_cast<long long>(MonotonicMs() - t0));
+  ExecRequest req;
+  req.command =
+      "id -u; uname -r; ls /sys/class/net; /usr/local/bin/syscall_probe; ls /proc/1/fd 2>&1 | "
+      "head -2";
+  absl::StatusOr<ExecResult> r = (*driver)->Exec(*ref, req, nullptr);
+  ASSERT_TRUE(r.ok()) << r.status();
+  std::printf("[ gvisor   ] %s", r->stdout_data.c_str());
+  EXPECT_TRUE(absl::StartsWith(r->stdout_data, "1000\n")) << r->stdout_data;
+  for (const char* refused :
+       {"mount=EPERM", "unshare_user=EPERM", "ptrace_attach=EPERM", "bpf=EPERM",
+        "clone_newuser=EPERM", "clone3=ENOSYS", "clone_plain=OK"}) {
+    EXPECT_TRUE(absl::StrContains(r->stdout_data, refused)) << refused;
+  }
+  absl::StatusOr<Usage> usage = (*driver)->Stats(*ref);
+  ASSERT_TRUE(usage.ok()) << usage.status();
+  std::printf("[ gvisor   ] stats: memory %lld, cpu %lld ms, pids %lld, alive %d\n",
+              (long long)usage->memory_bytes, (long long)usage->cpu_ms, (long long)usage->pids,
+              usage->alive);
+  EXPECT_TRUE(usage->alive);
+  EXPECT_TRUE((*driver)->Destroy(*ref).ok());
+  EXPECT_TRUE(FindContainerLeaks(o, *ref).empty())
+      << absl::StrJoin(FindContainerLeaks(o, *ref), "\n");
+}
+
+}  // namespace
+}  // namespace esb

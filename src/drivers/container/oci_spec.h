@@ -1,0 +1,57 @@
+// Builds the OCI runtime config (config.json) of one sandbox container.
+#pragma once
+
+#include <boost/json.hpp>
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace esb::container {
+
+struct BindMount {
+  std::string source;       // host path
+  std::string destination;  // path inside the container
+  bool readonly = true;
+};
+
+struct BundleParams {
+  std::string rootfs;  // absolute host path of the image directory (mounted read-only)
+  std::vector<std::string> args = {"/sbin/esb-agent"};
+  std::vector<std::string> env;  // "KEY=value"
+  std::string cwd = "/";
+  uint32_t uid = 1000;
+  uint32_t gid = 1000;
+  std::string hostname = "sandbox";
+
+  int64_t memory_bytes = 512LL << 20;
+  bool limit_swap = true;  // memory+swap = memory (only where swap accounting exists)
+  int64_t pids = 256;
+  double cpu = 1.0;  // cores; quota = cpu * period
+  int64_t workspace_bytes = 1024LL << 20;
+  int64_t tmp_bytes = 256LL << 20;
+  int64_t shm_bytes = 64LL << 20;
+  int64_t nofile = 4096;
+  std::string cgroups_path;  // absolute, e.g. "/esb/<id>"
+  bool cgroup_namespace = true;
+  bool mqueue = true;  // mount /dev/mqueue
+
+  std::string run_dir;        // host dir bound at /run/esb ("" = none)
+  std::string agent_binary;   // host file bound read-only at /sbin/esb-agent ("" = none)
+  std::string hostname_file;  // host file bound read-only at /etc/hostname ("" = none)
+  std::vector<BindMount> extra_binds;
+  bool seccomp = true;
+  bool seccomp_explicit_denies = true;
+  // clone3 -> ENOSYS (glibc then falls back to the filtered clone). gVisor ignores per-rule
+  // errno values (the agent's first pthread_create fails with EPERM) but does not implement
+  // clone3 itself, so for runsc the rule is left out and clone3 is allowed to reach ENOSYS.
+  bool seccomp_clone3_enosys = true;
+};
+
+// Paths the image must provide as mount points (the rootfs is read-only, so the runtime
+// cannot create them): directories end with '/'.
+std::vector<std::string> RequiredMountpoints(const BundleParams& params);
+
+boost::json::object BuildOciConfig(const BundleParams& params);
+
+}  // namespace esb::container

@@ -1,0 +1,23 @@
+// The seccomp profile every container runs under, in OCI `linux.seccomp` form.
+// An allowlist in the spirit of Docker's default profile, minus everything a process without
+// capabilities has no business calling; the default action is ERRNO(EPERM).
+#pragma once
+
+#include <boost/json.hpp>
+#include <string>
+#include <vector>
+
+namespace esb::container {
+
+// Syscalls denied outright with EPERM (also absent from the allowlist). Listed explicitly so
+// the intent is reviewable and testable.
+const std::vector<std::string>& SeccompDeniedSyscalls();
+// Syscalls allowed unconditionally.
+const std::vector<std::string>& SeccompAllowedSyscalls();
+
+// `linux.seccomp` object for the host architecture. `explicit_denies`: also emit rules for
+// SeccompDeniedSyscalls() (same action as the default; some runtimes reject such rules).
+// `clone3_enosys`: make clone3 fail with ENOSYS (else it is allowed; only for gVisor).
+boost::json::object BuildSeccompProfile(bool explicit_denies = true, bool clone3_enosys = true);
+
+}  // namespace esb::container

@@ -1,0 +1,339 @@
+// esbd: wiring only. Reads configuration, opens the store, builds the drivers, the core and the
+// HTTP API, and runs until SIGTERM/SIGINT.
+#include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <iostream>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "api/http_server.h"
+#include "api/service.h"
+#include "common/util.h"
+#include "core/config.h"
+#include "core/environment_manager.h"
+#include "core/metrics.h"
+#include "drivers/container/container_driver.h"
+#include "storage/store.h"
+
+namespace {
+
+constexpr char kUsage[] = R"(esbd — the EnterSandBox daemon
+
+Usage:
+  esbd [--listen HOST:PORT] [--state-dir DIR] [--config FILE] [--unix-socket PATH|none]
+       [--image NAME=ROOTFS_DIR]... [--runtime auto|crun|runc] [--pool-size N]
+       [--default-ttl SECONDS] [--log-level debug|info|warn|error]
+  esbd keys add --tenant TENANT [--name NAME]     create an API key (printed once)
+  esbd keys list                                  list API keys (ids, tenants; never secrets)
+  esbd keys revoke KEY_ID                         revoke a key
+  esbd cleanup                                    destroy every environment recorded in the
+                                                  state dir (the daemon must not be running)
+
+Environment: ESBD_LISTEN, ESBD_STATE_DIR, ESBD_CONFIG, ESBD_UNIX_SOCKET, ESBD_IMAGE_DEFAULT,
+ESBD_RUNTIME, ESBD_POOL_SIZE, ESBD_DEFAULT_TTL, ESBD_LOG_LEVEL, ESBD_AGENT_BINARY.
+Flags win over the environment, which wins over the config file.
+)";
+
+int Fail(const std::string& message) {
+  std::cerr << "esbd: " << message << "\n";
+  return 2;
+}
+
+std::string SelfDir() {
+  std::error_code ec;
+  auto p = std::filesystem::read_symlink("/proc/self/exe", ec);
+  return ec ? "." : p.parent_path().string();
+}
+
+// Parses flags into `c`; returns the remaining positional args.
+absl::StatusOr<std::vector<std::string>> ParseFlags(int argc, char** argv, esb::DaemonConfig* c,
+                                                    std::string* config_path) {
+  std::vector<std::string> rest;
+  // Two passes: --config first (file < env < flags), then everything else.
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a == "--config" && i + 1 < argc) *config_path = argv[i + 1];
+    else if (a.rfind("--config=", 0) == 0) *config_path = a.substr(9);
+  }
+  if (!config_path->empty()) {
+    if (absl::Status st = esb::LoadConfigFile(*config_path, c); !st.ok()) return st;
+  }
+  if (absl::Status st = esb::ApplyEnvironment([](const char* n) { return std::getenv(n); }, c);
+      !st.ok())
+    return st;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    std::string value;
+    auto take = [&](const char* name) -> bool {
+      std::string flag = absl::StrCat("--", name);
+      if (a == flag) {
+        if (i + 1 >= argc) return false;
+        value = argv[++i];
+        return true;
+      }
+      if (a.rfind(flag + "=", 0) == 0) {
+        value = a.substr(flag.size() + 1);
+        return true;
+      }
+      return false;
+    };
+    auto to_int = [&](const std::string& v, const char* name, auto* out) -> absl::Status {
+      char* end = nullptr;
+      long long n = std::strtoll(v.c_str(), &end, 10);
+      if (v.empty() || *end || n < 0)
+        return absl::InvalidArgumentError(absl::StrCat("--", name, " needs a number"));
+      *out = static_cast<std::remove_pointer_t<decltype(out)>>(n);
+      return absl::OkStatus();
+    };
+    if (take("config")) continue;
+    if (take("listen")) c->listen = value;
+    else if (take("state-dir")) c->state_dir = value;
+    else if (take("unix-socket")) c->unix_socket = value;
+    else if (take("runtime")) c->container_runtime = value;
+    else if (take("log-level")) c->log_level = value;
+    else if (take("agent-binary")) c->agent_binary = value;
+    else if (take("image")) {
+      size_t eq = value.find('=');
+      if (eq == std::string::npos || eq == 0)
+        return absl::InvalidArgumentError("--image needs NAME=ROOTFS_DIR");
+      c->images[value.substr(0, eq)] = value.substr(eq + 1);
+    } else if (take("pool-size")) {
+      if (auto st = to_int(value, "pool-size", &c->pool_size); !st.ok()) return st;
+    } else if (take("default-ttl")) {
+      if (auto st = to_int(value, "default-ttl", &c->default_ttl_s); !st.ok()) return st;
+    } else if (a == "-h" || a == "--help") {
+      rest.push_back("help");
+    } else if (a == "--version") {
+      rest.push_back("version");
+    } else if (a.rfind("--", 0) == 0 && rest.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat("unknown flag '", a, "' (see --help)"));
+    } else {
+      rest.push_back(a);
+    }
+  }
+  return rest;
+}
+
+int KeysCommand(esb::Store* store, const std::vector<std::string>& args) {
+  if (args.size() < 2) return Fail("usage: esbd keys add|list|revoke ...");
+  const std::string& cmd = args[1];
+  if (cmd == "add") {
+    std::string tenant, name;
+    for (size_t i = 2; i + 1 < args.size(); i += 2) {
+      if (args[i] == "--tenant") tenant = args[i + 1];
+      else if (args[i] == "--name") name = args[i + 1];
+      else return Fail(absl::StrCat("keys add: unknown argument '", args[i], "'"));
+    }
+    if (tenant.empty()) return Fail("keys add: --tenant is required");
+    std::string secret;
+    auto rec = store->CreateApiKey(tenant, name, &secret);
+    if (!rec.ok()) return Fail(rec.status().ToString());
+    std::cout << "key_id: " << rec->key_id << "\ntenant: " << rec->tenant << "\napi_key: "
+              << secret << "\n(the api_key is shown only once; esbd stores only its hash)\n";
+    return 0;
+  }
+  if (cmd == "list") {
+    auto keys = store->ListApiKeys();
+    if (!keys.ok()) return Fail(keys.status().ToString());
+    std::printf("%-28s %-20s %-16s %-25s %s\n", "KEY_ID", "TENANT", "NAME", "CREATED", "STATE");
+    for (const auto& k : *keys)
+      std::printf("%-28s %-20s %-16s %-25s %s\n", k.key_id.c_str(), k.tenant.c_str(),
+                  k.name.c_str(), esb::FormatRfc3339(k.created_ms).c_str(),
+                  k.revoked ? "revoked" : "active");
+    return 0;
+  }
+  if (cmd == "revoke" && args.size() == 3) {
+    if (absl::Status st = store->RevokeApiKey(args[2]); !st.ok()) return Fail(st.ToString());
+    std::cout << "revoked " << args[2] << "\n";
+    return 0;
+  }
+  return Fail("usage: esbd keys add --tenant T [--name N] | keys list | keys revoke KEY_ID");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  esb::DaemonConfig config;
+  std::string config_path = std::getenv("ESBD_CONFIG") ? std::getenv("ESBD_CONFIG") : "";
+  auto rest = ParseFlags(argc, argv, &config, &config_path);
+  if (!rest.ok()) return Fail(std::string(rest.status().message()));
+  if (!rest->empty() && (*rest)[0] == "help") {
+    std::cout << kUsage;
+    return 0;
+  }
+  if (!rest->empty() && (*rest)[0] == "version") {
+    std::cout << "esbd " << ESB_VERSION << "\n";
+    return 0;
+  }
+  if (config.log_level == "debug") esb::SetLogLevel(esb::LogLevel::kDebug);
+  else if (config.log_level == "warn") esb::SetLogLevel(esb::LogLevel::kWarn);
+  else if (config.log_level == "error") esb::SetLogLevel(esb::LogLevel::kError);
+
+  std::error_code ec;
+  std::filesystem::create_directories(config.state_dir, ec);
+  if (ec) return Fail(absl::StrCat("cannot create state dir ", config.state_dir, ": ", ec.message()));
+  std::string state_dir = std::filesystem::absolute(config.state_dir).lexically_normal().string();
+  ::chmod(state_dir.c_str(), 0700);
+
+  auto store = esb::Store::Open(state_dir + "/esbd.db");
+  if (!store.ok()) return Fail(absl::StrCat("opening the state database: ", store.status().ToString()));
+
+  if (!rest->empty()) {
+    if ((*rest)[0] == "keys") return KeysCommand(store->get(), *rest);
+    if ((*rest)[0] != "cleanup")
+      return Fail(absl::StrCat("unknown command '", (*rest)[0], "' (see --help)"));
+  }
+
+  for (const auto& k : config.keys) {
+    if (absl::Status st = (*store)->ImportApiKey(k.tenant, k.key, k.name); !st.ok())
+      return Fail(absl::StrCat("importing API key for tenant ", k.tenant, ": ", st.ToString()));
+  }
+
+  std::string host;
+  uint16_t port = 0;
+  if (absl::Status st = esb::ParseListen(config.listen, &host, &port); !st.ok())
+    return Fail(std::string(st.message()));
+
+  // Block the shutdown signals before any thread starts, so only sigwait() below sees them.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+
+  // Drivers.
+  esb::api::ServiceOptions service_options;
+  service_options.images = config.images;
+  service_options.max_output_bytes = config.max_output_bytes;
+  service_options.max_upload_bytes = config.max_upload_bytes;
+  service_options.host_cpus = static_cast<int>(std::thread::hardware_concurrency());
+  std::vector<std::unique_ptr<esb::Driver>> owned;
+  std::map<std::string, esb::Driver*> drivers;
+  esb::ContainerDriverOptions copts;
+  copts.state_dir = state_dir + "/container";
+  copts.agent_binary =
+      config.agent_binary.empty() ? SelfDir() + "/esb-agent" : config.agent_binary;
+  copts.images = config.images;
+  copts.runtime = config.container_runtime;
+  if (config.images.empty()) {
+    service_options.unavailable_runtimes["container"] =
+        "no image configured (build one with `make images`, then pass --image "
+        "default=DIR or ESBD_IMAGE_DEFAULT)";
+  } else if (auto d = esb::NewContainerDriver(copts); d.ok()) {
+    drivers["container"] = d->get();
+    service_options.driver_descriptions["container"] = (*d)->Describe();
+    owned.push_back(std::move(*d));
+  } else {
+    service_options.unavailable_runtimes["container"] = std::string(d.status().message());
+    esb::LogError(absl::StrCat("container driver unavailable: ", d.status().ToString()));
+  }
+  if (!config.images.empty()) {
+    esb::ContainerDriverOptions gopts = copts;
+    gopts.runtime = "runsc";
+    gopts.state_dir = state_dir + "/gvisor";
+    if (auto d = esb::NewContainerDriver(gopts); d.ok()) {
+      drivers["gvisor"] = d->get();
+      service_options.driver_descriptions["gvisor"] = (*d)->Describe();
+      owned.push_back(std::move(*d));
+    } else {
+      service_options.unavailable_runtimes["gvisor"] = std::string(d.status().message());
+      esb::LogInfo(absl::StrCat("gvisor runtime unavailable: ", d.status().message()));
+    }
+  }
+  service_options.unavailable_runtimes["microvm"] =
+      "the microvm driver is not built yet (see docs/api.md)";
+  if (!drivers.count("nano"))
+    service_options.unavailable_runtimes.emplace("nano", "the nano tier is not built yet");
+
+  if (!rest->empty() && (*rest)[0] == "cleanup") {
+    auto live = (*store)->ListLiveEnvironments();
+    if (!live.ok()) return Fail(live.status().ToString());
+    int failed = 0;
+    for (esb::EnvironmentRecord rec : *live) {
+      auto it = drivers.find(rec.runtime);
+      if (it != drivers.end()) {
+        absl::Status st = it->second->Destroy({rec.id, rec.runtime, rec.driver_state});
+        if (!st.ok()) {
+          ++failed;
+          std::cerr << "esbd: destroying " << rec.id << ": " << st << "\n";
+          continue;
+        }
+      }
+      rec.state = "destroyed";
+      rec.destroyed_ms = esb::NowUnixMs();
+      if (rec.destroy_reason.empty()) rec.destroy_reason = "cleanup";
+      (*store)->PutEnvironment(rec).IgnoreError();
+      std::cout << "destroyed " << rec.id << "\n";
+    }
+    return failed ? 1 : 0;
+  }
+
+  esb::Metrics metrics;
+  esb::ManagerOptions mopts;
+  mopts.default_ttl_s = config.default_ttl_s;
+  mopts.max_ttl_s = config.max_ttl_s;
+  mopts.pool_size = config.pool_size;
+  mopts.max_environments = config.max_environments;
+  mopts.max_environments_per_tenant = config.max_environments_per_tenant;
+  mopts.default_spec = config.defaults;
+  esb::EnvironmentManager manager(store->get(), drivers, &metrics, mopts);
+  if (absl::Status st = manager.Start(); !st.ok())
+    return Fail(absl::StrCat("starting the environment manager: ", st.ToString()));
+
+  esb::api::HttpServer::Options hopts;
+  hopts.host = host;
+  hopts.port = port;
+  hopts.unix_socket_path = config.unix_socket.empty() ? state_dir + "/esbd.sock"
+                           : config.unix_socket == "none" ? ""
+                                                          : config.unix_socket;
+  hopts.max_connections = config.max_connections;
+  hopts.max_body_bytes = static_cast<uint64_t>(config.max_json_body_bytes);
+  hopts.on_response = [&metrics](const esb::api::Request&, int status, int64_t) {
+    metrics.CountHttp(status);
+  };
+  esb::api::HttpServer server(hopts);
+  esb::api::ApiService service(&manager, store->get(), &metrics, service_options);
+  service.Register(server.router());
+  if (absl::Status st = server.Start(); !st.ok()) {
+    manager.Stop();
+    return Fail(absl::StrCat("cannot listen on ", config.listen, ": ", st.message()));
+  }
+
+  auto keys = (*store)->CountActiveApiKeys();
+  bool loopback = host == "127.0.0.1" || host == "::1" || host == "localhost";
+  if (keys.ok() && *keys == 0) {
+    esb::LogWarn("==================================================================");
+    esb::LogWarn("DEV MODE: no API keys configured. Only loopback/unix-socket clients");
+    esb::LogWarn("are served, all as tenant 'default'. Create keys with `esbd keys add`.");
+    esb::LogWarn("==================================================================");
+  }
+  if (!loopback) esb::LogWarn(absl::StrCat("listening on a non-loopback address: ", host));
+  esb::LogInfo(absl::StrCat("esbd ", ESB_VERSION, " listening on http://", host, ":",
+                            server.tcp_port(),
+                            hopts.unix_socket_path.empty() ? ""
+                                                           : " and unix:" + hopts.unix_socket_path,
+                            " (state: ", state_dir, ")"));
+  for (const auto& [name, desc] : service_options.driver_descriptions)
+    esb::LogInfo(absl::StrCat("driver ", name, ": ", desc));
+  for (const auto& [name, why] : service_options.unavailable_runtimes)
+    esb::LogInfo(absl::StrCat("runtime ", name, " unavailable: ", why));
+
+  int sig = 0;
+  sigwait(&signals, &sig);
+  esb::LogInfo(absl::StrCat("received ", strsignal(sig), "; shutting down (environments keep "
+                            "running and are re-attached on the next start)"));
+  server.Stop();
+  manager.Stop();
+  esb::LogInfo("bye");
+  return 0;
+}

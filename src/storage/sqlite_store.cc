@@ -1,0 +1,738 @@
+// Store on SQLite: one connection guarded by a mutex, WAL journal, prepared statements cached
+// per SQL text, schema versioned with forward-only migrations.
+#include "storage/sqlite_store.h"
+
+#include <fcntl.h>
+#include <openssl/evp.h>
+#include <sqlite3.h>
+#include <unistd.h>
+
+#include <cctype>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <utility>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "common/util.h"
+#include "storage/store.h"
+
+namespace esb {
+namespace {
+
+// Migration N (1-based) brings the schema from version N-1 to N. Never edit a shipped entry:
+// append a new one.
+constexpr const char* kMigrations[] = {
+    // v1: environments, API keys, audit log with an external-content FTS5 index kept in sync
+    // by triggers (so every writer, even a manual sqlite3 session, keeps it consistent).
+    R"sql(
+CREATE TABLE environments (
+  id             TEXT PRIMARY KEY NOT NULL,
+  tenant         TEXT NOT NULL,
+  state          TEXT NOT NULL,
+  runtime        TEXT NOT NULL DEFAULT '',
+  image          TEXT NOT NULL DEFAULT '',
+  spec_json      TEXT NOT NULL DEFAULT '{}',
+  driver_state   TEXT NOT NULL DEFAULT '',
+  created_ms     INTEGER NOT NULL DEFAULT 0,
+  last_used_ms   INTEGER NOT NULL DEFAULT 0,
+  expires_ms     INTEGER NOT NULL DEFAULT 0,
+  destroyed_ms   INTEGER NOT NULL DEFAULT 0,
+  destroy_reason TEXT NOT NULL DEFAULT '',
+  exec_count     INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX environments_by_tenant ON environments(tenant, state, created_ms);
+CREATE INDEX environments_by_state ON environments(state);
+
+CREATE TABLE api_keys (
+  key_id        TEXT PRIMARY KEY NOT NULL,
+  tenant        TEXT NOT NULL,
+  name          TEXT NOT NULL DEFAULT '',
+  secret_sha256 TEXT NOT NULL UNIQUE,
+  created_ms    INTEGER NOT NULL,
+  revoked_ms    INTEGER NOT NULL DEFAULT 0
+);
+
+CREATE TABLE audit (
+  id             INTEGER PRIMARY KEY AUTOINCREMENT,
+  time_ms        INTEGER NOT NULL,
+  tenant         TEXT NOT NULL,
+  environment_id TEXT NOT NULL DEFAULT '',
+  action         TEXT NOT NULL,
+  detail         TEXT NOT NULL DEFAULT '',
+  exit_code      INTEGER,
+  duration_ms    INTEGER NOT NULL DEFAULT 0,
+  bytes          INTEGER NOT NULL DEFAULT 0,
+  status         INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX audit_by_tenant_time ON audit(tenant, time_ms, id);
+CREATE INDEX audit_by_tenant_env_time ON audit(tenant, environment_id, time_ms, id);
+
+CREATE VIRTUAL TABLE audit_fts USING fts5(
+  action, detail, content='audit', content_rowid='id', tokenize='unicode61 remove_diacritics 2');
+CREATE TRIGGER audit_fts_insert AFTER INSERT ON audit BEGIN
+  INSERT INTO audit_fts(rowid, action, detail) VALUES (new.id, new.action, new.detail);
+END;
+CREATE TRIGGER audit_fts_delete AFTER DELETE ON audit BEGIN
+  INSERT INTO audit_fts(audit_fts, rowid, action, detail)
+    VALUES ('delete', old.id, old.action, old.detail);
+END;
+CREATE TRIGGER audit_fts_update AFTER UPDATE ON audit BEGIN
+  INSERT INTO audit_fts(audit_fts, rowid, action, detail)
+    VALUES ('delete', old.id, old.action, old.detail);
+  INSERT INTO audit_fts(rowid, action, detail) VALUES (new.id, new.action, new.detail);
+END;
+)sql",
+};
+constexpr int kLatestVersion = static_cast<int>(sizeof(kMigrations) / sizeof(kMigrations[0]));
+
+constexpr int kBusyTimeoutMs = 5000;
+constexpr int kMaxAuditLimit = 1000;
+
+// Collapses whitespace and cuts long SQL so it fits in an error message.
+std::string SqlForMessage(std::string_view sql) {
+  std::string out;
+  bool space = false;
+  for (char c : sql) {
+    if (std::isspace(static_cast<unsigned char>(c))) {
+      space = !out.empty();
+      continue;
+    }
+    if (space) out.push_back(' ');
+    space = false;
+    out.push_back(c);
+    if (out.size() >= 160) {
+      out += "...";
+      break;
+    }
+  }
+  return out;
+}
+
+absl::StatusCode CodeForSqlite(int rc) {
+  switch (rc & 0xff) {
+    case SQLITE_BUSY:
+    case SQLITE_LOCKED:
+      return absl::StatusCode::kUnavailable;
+    case SQLITE_FULL:
+    case SQLITE_NOMEM:
+    case SQLITE_TOOBIG:
+      return absl::StatusCode::kResourceExhausted;
+    case SQLITE_CONSTRAINT:
+      return absl::StatusCode::kAlreadyExists;
+    case SQLITE_CORRUPT:
+    case SQLITE_NOTADB:
+      return absl::StatusCode::kDataLoss;
+    case SQLITE_PERM:
+    case SQLITE_READONLY:
+    case SQLITE_AUTH:
+      return absl::StatusCode::kPermissionDenied;
+    case SQLITE_CANTOPEN:
+      return absl::StatusCode::kUnavailable;
+    default:
+      return absl::StatusCode::kInternal;
+  }
+}
+
+// "sqlite step failed: <errmsg> (<rc name>) [sql: ...]"
+absl::Status SqlError(sqlite3* db, int rc, std::string_view op, std::string_view sql) {
+  const char* msg = db != nullptr ? sqlite3_errmsg(db) : sqlite3_errstr(rc);
+  return absl::Status(CodeForSqlite(rc),
+                      absl::StrCat("sqlite ", std::string(op), " failed: ", msg, " (",
+                                   sqlite3_errstr(rc), ") [sql: ", SqlForMessage(sql), "]"));
+}
+
+// A cached prepared statement in use. Resets and clears bindings when it goes out of scope so
+// the next user of the same SQL starts clean.
+class Stmt {
+ public:
+  Stmt(sqlite3* db, sqlite3_stmt* stmt, std::string_view sql) : db_(db), stmt_(stmt), sql_(sql) {}
+  Stmt(Stmt&& o) noexcept
+      : db_(o.db_), stmt_(std::exchange(o.stmt_, nullptr)), sql_(o.sql_), bind_rc_(o.bind_rc_) {}
+  Stmt(const Stmt&) = delete;
+  Stmt& operator=(const Stmt&) = delete;
+  Stmt& operator=(Stmt&&) = delete;
+  ~Stmt() {
+    if (stmt_ != nullptr) {
+      sqlite3_reset(stmt_);
+      sqlite3_clear_bindings(stmt_);
+    }
+  }
+
+  Stmt& Bind(int index, std::string_view value) {
+    Check(sqlite3_bind_text64(stmt_, index, value.data(), value.size(), SQLITE_TRANSIENT,
+                              SQLITE_UTF8));
+    return *this;
+  }
+  Stmt& Bind(int index, const char* value) { return Bind(index, std::string_view(value)); }
+  Stmt& Bind(int index, const std::string& value) { return Bind(index, std::string_view(value)); }
+  Stmt& Bind(int index, int64_t value) {
+    Check(sqlite3_bind_int64(stmt_, index, value));
+    return *this;
+  }
+  Stmt& Bind(int index, int value) { return Bind(index, static_cast<int64_t>(value)); }
+  Stmt& Bind(int index, std::optional<int64_t> value) {
+    if (value.has_value()) return Bind(index, *value);
+    Check(sqlite3_bind_null(stmt_, index));
+    return *this;
+  }
+
+  // true: a row is available; false: done.
+  absl::StatusOr<bool> Step() {
+    if (bind_rc_ != SQLITE_OK) return SqlError(db_, bind_rc_, "bind", sql_);
+    int rc = sqlite3_step(stmt_);
+    if (rc == SQLITE_ROW) return true;
+    if (rc == SQLITE_DONE) return false;
+    last_rc_ = rc;
+    return SqlError(db_, rc, "step", sql_);
+  }
+  // Runs a statement that returns no rows (or ignores them).
+  absl::Status Run() {
+    while (true) {
+      absl::StatusOr<bool> row = Step();
+      if (!row.ok()) return row.status();
+      if (!*row) return absl::OkStatus();
+    }
+  }
+
+  std::string Text(int col) const {
+    const unsigned char* p = sqlite3_column_text(stmt_, col);
+    if (p == nullptr) return "";
+    return std::string(reinterpret_cast<const char*>(p),
+                       static_cast<size_t>(sqlite3_column_bytes(stmt_, col)));
+  }
+  int64_t Int(int col) const { return sqlite3_column_int64(stmt_, col); }
+  bool IsNull(int col) const { return sqlite3_column_type(stmt_, col) == SQLITE_NULL; }
+  int last_rc() const { return last_rc_; }
+  const char* errmsg() const { return sqlite3_errmsg(db_); }
+
+ private:
+  void Check(int rc) {
+    if (rc != SQLITE_OK && bind_rc_ == SQLITE_OK) bind_rc_ = rc;
+  }
+
+  sqlite3* db_;
+  sqlite3_stmt* stmt_;
+  std::string_view sql_;  // points into the statement cache's key (stable)
+  int bind_rc_ = SQLITE_OK;
+  int last_rc_ = SQLITE_OK;
+};
+
+constexpr const char* kEnvColumns =
+    "id, tenant, state, runtime, image, spec_json, driver_state, created_ms, last_used_ms, "
+    "expires_ms, destroyed_ms, destroy_reason, exec_count";
+
+EnvironmentRecord EnvFromRow(const Stmt& s) {
+  EnvironmentRecord r;
+  r.id = s.Text(0);
+  r.tenant = s.Text(1);
+  r.state = s.Text(2);
+  r.runtime = s.Text(3);
+  r.image = s.Text(4);
+  r.spec_json = s.Text(5);
+  r.driver_state = s.Text(6);
+  r.created_ms = s.Int(7);
+  r.last_used_ms = s.Int(8);
+  r.expires_ms = s.Int(9);
+  r.destroyed_ms = s.Int(10);
+  r.destroy_reason = s.Text(11);
+  r.exec_count = s.Int(12);
+  return r;
+}
+
+ApiKeyRecord KeyFromRow(const Stmt& s) {
+  ApiKeyRecord r;
+  r.key_id = s.Text(0);
+  r.tenant = s.Text(1);
+  r.name = s.Text(2);
+  r.created_ms = s.Int(3);
+  r.revoked = s.Int(4) != 0;
+  return r;
+}
+
+// A secret must be sendable in an Authorization header: printable ASCII, no spaces.
+absl::Status ValidateSecret(std::string_view secret) {
+  if (secret.empty()) return absl::InvalidArgumentError("API key secret is empty");
+  for (char c : secret) {
+    if (c < 0x21 || c > 0x7e) {
+      return absl::InvalidArgumentError("API key secret must be printable ASCII without spaces");
+    }
+  }
+  return absl::OkStatus();
+}
+
+class SqliteStore final : public Store {
+ public:
+  explicit SqliteStore(sqlite3* db) : db_(db) {}
+  ~SqliteStore() override {
+    for (auto& [sql, stmt] : cache_) sqlite3_finalize(stmt);
+    // Closing the last connection checkpoints the WAL into the main file.
+    sqlite3_close_v2(db_);
+  }
+
+  absl::Status Init(bool is_file) {
+    sqlite3_busy_timeout(db_, kBusyTimeoutMs);
+    if (is_file) {
+      absl::StatusOr<std::string> mode = QueryText("PRAGMA journal_mode=WAL");
+      if (!mode.ok()) return mode.status();
+      if (absl::AsciiStrToLower(*mode) != "wal") {
+        LogWarn(absl::StrCat("storage: SQLite refused WAL mode (journal_mode=", *mode,
+                             "); continuing with the rollback journal"));
+      }
+    }
+    if (auto s = Exec("PRAGMA synchronous=NORMAL; PRAGMA foreign_keys=ON;"); !s.ok()) return s;
+    return Migrate();
+  }
+
+  absl::Status PutEnvironment(const EnvironmentRecord& rec) override {
+    if (rec.id.empty()) return absl::InvalidArgumentError("PutEnvironment: empty id");
+    std::lock_guard<std::mutex> lock(mu_);
+    auto stmt = Prepare(
+        "INSERT INTO environments (id, tenant, state, runtime, image, spec_json, driver_state, "
+        "created_ms, last_used_ms, expires_ms, destroyed_ms, destroy_reason, exec_count) "
+        "VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13) "
+        "ON CONFLICT(id) DO UPDATE SET tenant=excluded.tenant, state=excluded.state, "
+        "runtime=excluded.runtime, image=excluded.image, spec_json=excluded.spec_json, "
+        "driver_state=excluded.driver_state, created_ms=excluded.created_ms, "
+        "last_used_ms=excluded.last_used_ms, expires_ms=excluded.expires_ms, "
+        "destroyed_ms=excluded.destroyed_ms, destroy_reason=excluded.destroy_reason, "
+        "exec_count=excluded.exec_count");
+    if (!stmt.ok()) return stmt.status();
+    stmt->Bind(1, rec.id)
+        .Bind(2, rec.tenant)
+        .Bind(3, rec.state)
+        .Bind(4, rec.runtime)
+        .Bind(5, rec.image)
+        .Bind(6, rec.spec_json)
+        .Bind(7, rec.driver_state)
+        .Bind(8, rec.created_ms)
+        .Bind(9, rec.last_used_ms)
+        .Bind(10, rec.expires_ms)
+        .Bind(11, rec.destroyed_ms)
+        .Bind(12, rec.destroy_reason)
+        .Bind(13, rec.exec_count);
+    return stmt->Run();
+  }
+
+  absl::StatusOr<EnvironmentRecord> GetEnvironment(const std::string& id) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto stmt = Prepare(absl::StrCat("SELECT ", kEnvColumns, " FROM environments WHERE id = ?1"));
+    if (!stmt.ok()) return stmt.status();
+    stmt->Bind(1, id);
+    absl::StatusOr<bool> row = stmt->Step();
+    if (!row.ok()) return row.status();
+    if (!*row) return absl::NotFoundError(absl::StrCat("environment ", id, " not found"));
+    return EnvFromRow(*stmt);
+  }
+
+  absl::StatusOr<std::vector<EnvironmentRecord>> ListLiveEnvironments() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto stmt = Prepare(absl::StrCat("SELECT ", kEnvColumns,
+                                     " FROM environments WHERE state != 'destroyed' "
+                                     "ORDER BY created_ms, id"));
+    if (!stmt.ok()) return stmt.status();
+    return CollectEnvs(*stmt);
+  }
+
+  absl::StatusOr<std::vector<EnvironmentRecord>> ListEnvironments(const std::string& tenant,
+                                                                  bool include_destroyed) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto stmt = Prepare(absl::StrCat("SELECT ", kEnvColumns,
+                                     " FROM environments WHERE tenant = ?1 "
+                                     "AND (?2 OR state != 'destroyed') ORDER BY created_ms, id"));
+    if (!stmt.ok()) return stmt.status();
+    stmt->Bind(1, tenant).Bind(2, include_destroyed ? 1 : 0);
+    return CollectEnvs(*stmt);
+  }
+
+  absl::StatusOr<ApiKeyRecord> CreateApiKey(const std::string& tenant, const std::string& name,
+                                            std::string* secret) override {
+    if (tenant.empty()) return absl::InvalidArgumentError("CreateApiKey: empty tenant");
+    std::string new_secret = absl::StrCat("esb_", RandomHex(20));
+    ApiKeyRecord rec;
+    rec.key_id = absl::StrCat("key_", RandomHex(8));
+    rec.tenant = tenant;
+    rec.name = name;
+    rec.created_ms = NowUnixMs();
+    std::lock_guard<std::mutex> lock(mu_);
+    if (auto s = InsertKey(rec, Sha256Hex(new_secret)); !s.ok()) return s;
+    if (secret != nullptr) *secret = std::move(new_secret);
+    return rec;
+  }
+
+  absl::Status ImportApiKey(const std::string& tenant, const std::string& secret,
+                            const std::string& name) override {
+    if (tenant.empty()) return absl::InvalidArgumentError("ImportApiKey: empty tenant");
+    if (auto s = ValidateSecret(secret); !s.ok()) return s;
+    const std::string hash = Sha256Hex(secret);
+    std::lock_guard<std::mutex> lock(mu_);
+    auto stmt = Prepare("SELECT key_id, tenant FROM api_keys WHERE secret_sha256 = ?1");
+    if (!stmt.ok()) return stmt.status();
+    stmt->Bind(1, hash);
+    absl::StatusOr<bool> row = stmt->Step();
+    if (!row.ok()) return row.status();
+    if (*row) {
+      // Idempotent for the same tenant. A revoked key stays revoked: re-reading the config
+      // file must not resurrect it.
+      if (stmt->Text(1) != tenant) {
+        return absl::AlreadyExistsError(absl::StrCat("API key '", name, "' (", stmt->Text(0),
+                                                     ") is already registered for another "
+                                                     "tenant"));
+      }
+      return absl::OkStatus();
+    }
+    ApiKeyRecord rec;
+    rec.key_id = absl::StrCat("key_", RandomHex(8));
+    rec.tenant = tenant;
+    rec.name = name;
+    rec.created_ms = NowUnixMs();
+    return InsertKey(rec, hash);
+  }
+
+  absl::StatusOr<std::string> TenantForKey(const std::string& secret) override {
+    if (secret.empty()) return absl::NotFoundError("no API key given");
+    const std::string hash = Sha256Hex(secret);
+    std::lock_guard<std::mutex> lock(mu_);
+    auto stmt = Prepare("SELECT tenant FROM api_keys WHERE secret_sha256 = ?1 AND revoked_ms = 0");
+    if (!stmt.ok()) return stmt.status();
+    stmt->Bind(1, hash);
+    absl::StatusOr<bool> row = stmt->Step();
+    if (!row.ok()) return row.status();
+    if (!*row) return absl::NotFoundError("unknown or revoked API key");
+    return stmt->Text(0);
+  }
+
+  absl::StatusOr<std::vector<ApiKeyRecord>> ListApiKeys() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto stmt = Prepare(
+        "SELECT key_id, tenant, name, created_ms, revoked_ms FROM api_keys "
+        "ORDER BY created_ms, key_id");
+    if (!stmt.ok()) return stmt.status();
+    std::vector<ApiKeyRecord> out;
+    while (true) {
+      absl::StatusOr<bool> row = stmt->Step();
+      if (!row.ok()) return row.status();
+      if (!*row) break;
+      out.push_back(KeyFromRow(*stmt));
+    }
+    return out;
+  }
+
+  absl::Status RevokeApiKey(const std::string& key_id) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    {
+      auto stmt = Prepare("SELECT revoked_ms FROM api_keys WHERE key_id = ?1");
+      if (!stmt.ok()) return stmt.status();
+      stmt->Bind(1, key_id);
+      absl::StatusOr<bool> row = stmt->Step();
+      if (!row.ok()) return row.status();
+      if (!*row) return absl::NotFoundError(absl::StrCat("API key ", key_id, " not found"));
+      if (stmt->Int(0) != 0) return absl::OkStatus();  // already revoked: idempotent
+    }
+    auto stmt = Prepare("UPDATE api_keys SET revoked_ms = ?2 WHERE key_id = ?1");
+    if (!stmt.ok()) return stmt.status();
+    stmt->Bind(1, key_id).Bind(2, NowUnixMs());
+    return stmt->Run();
+  }
+
+  absl::StatusOr<int64_t> CountActiveApiKeys() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto stmt = Prepare("SELECT count(*) FROM api_keys WHERE revoked_ms = 0");
+    if (!stmt.ok()) return stmt.status();
+    absl::StatusOr<bool> row = stmt->Step();
+    if (!row.ok()) return row.status();
+    return *row ? stmt->Int(0) : 0;
+  }
+
+  absl::Status AppendAudit(const AuditEntry& e) override {
+    if (e.tenant.empty()) return absl::InvalidArgumentError("AppendAudit: empty tenant");
+    if (e.action.empty()) return absl::InvalidArgumentError("AppendAudit: empty action");
+    std::lock_guard<std::mutex> lock(mu_);
+    // The FTS row is written by the trigger inside this same statement (atomic).
+    auto stmt = Prepare(
+        "INSERT INTO audit (time_ms, tenant, environment_id, action, detail, exit_code, "
+        "duration_ms, bytes, status) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)");
+    if (!stmt.ok()) return stmt.status();
+    stmt->Bind(1, e.time_ms != 0 ? e.time_ms : NowUnixMs())
+        .Bind(2, e.tenant)
+        .Bind(3, e.environment_id)
+        .Bind(4, e.action)
+        .Bind(5, e.detail)
+        .Bind(6, e.exit_code)
+        .Bind(7, e.duration_ms)
+        .Bind(8, e.bytes)
+        .Bind(9, e.status);
+    return stmt->Run();
+  }
+
+  absl::StatusOr<std::vector<AuditEntry>> QueryAudit(const AuditQuery& q) override {
+    if (q.tenant.empty()) return absl::InvalidArgumentError("audit query needs a tenant");
+    if (q.limit < 1 || q.limit > kMaxAuditLimit) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("audit limit must be between 1 and ", kMaxAuditLimit, ", got ", q.limit));
+    }
+    if (q.since_ms < 0 || q.until_ms < 0 || (q.until_ms != 0 && q.until_ms < q.since_ms)) {
+      return absl::InvalidArgumentError("audit time range is empty or negative");
+    }
+    const std::string fts = NormalizeFtsQuery(q.keyword);
+    std::string sql =
+        "SELECT id, time_ms, tenant, environment_id, action, detail, exit_code, duration_ms, "
+        "bytes, status FROM audit WHERE tenant = ?1 AND (?2 = 0 OR time_ms >= ?2) "
+        "AND (?3 = 0 OR time_ms <= ?3) AND (?4 = '' OR environment_id = ?4) ";
+    if (!fts.empty()) sql += "AND id IN (SELECT rowid FROM audit_fts WHERE audit_fts MATCH ?6) ";
+    sql += "ORDER BY time_ms DESC, id DESC LIMIT ?5";
+
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!fts.empty()) {
+      // SQLite may never evaluate the MATCH when no row passes the other filters, so a bad
+      // query would succeed on an empty log and fail on a full one: check it on its own.
+      if (absl::Status s = CheckFtsQuery(fts, q.keyword); !s.ok()) return s;
+    }
+    auto stmt = Prepare(sql);
+    if (!stmt.ok()) return stmt.status();
+    stmt->Bind(1, q.tenant)
+        .Bind(2, q.since_ms)
+        .Bind(3, q.until_ms)
+        .Bind(4, q.environment_id)
+        .Bind(5, q.limit);
+    if (!fts.empty()) stmt->Bind(6, fts);
+    std::vector<AuditEntry> out;
+    while (true) {
+      absl::StatusOr<bool> row = stmt->Step();
+      if (!row.ok()) {
+        // FTS5 reports bad query syntax ("fts5: syntax error near ...", "no such column")
+        // as a plain SQLITE_ERROR while stepping: that is the caller's mistake, not ours.
+        if (!fts.empty() && (stmt->last_rc() & 0xff) == SQLITE_ERROR) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("invalid audit search query '", q.keyword, "': ", stmt->errmsg()));
+        }
+        return row.status();
+      }
+      if (!*row) break;
+      AuditEntry e;
+      e.id = stmt->Int(0);
+      e.time_ms = stmt->Int(1);
+      e.tenant = stmt->Text(2);
+      e.environment_id = stmt->Text(3);
+      e.action = stmt->Text(4);
+      e.detail = stmt->Text(5);
+      if (!stmt->IsNull(6)) e.exit_code = stmt->Int(6);
+      e.duration_ms = stmt->Int(7);
+      e.bytes = stmt->Int(8);
+      e.status = static_cast<int>(stmt->Int(9));
+      out.push_back(std::move(e));
+    }
+    return out;
+  }
+
+ private:
+  // Returns a cached prepared statement for `sql`. Caller holds mu_ (or is in Init).
+  absl::StatusOr<Stmt> Prepare(const std::string& sql) {
+    auto it = cache_.find(sql);
+    if (it == cache_.end()) {
+      sqlite3_stmt* stmt = nullptr;
+      int rc = sqlite3_prepare_v3(db_, sql.c_str(), static_cast<int>(sql.size()),
+                                  SQLITE_PREPARE_PERSISTENT, &stmt, nullptr);
+      if (rc != SQLITE_OK) {
+        sqlite3_finalize(stmt);
+        return SqlError(db_, rc, "prepare", sql);
+      }
+      it = cache_.emplace(sql, stmt).first;
+    }
+    return Stmt(db_, it->second, it->first);
+  }
+
+  // Runs one or more statements without parameters (pragmas, migrations, transactions).
+  absl::Status Exec(std::string_view sql) {
+    std::string text(sql);
+    char* err = nullptr;
+    int rc = sqlite3_exec(db_, text.c_str(), nullptr, nullptr, &err);
+    if (rc == SQLITE_OK) return absl::OkStatus();
+    std::string msg = err != nullptr ? err : sqlite3_errstr(rc);
+    sqlite3_free(err);
+    return absl::Status(CodeForSqlite(rc),
+                        absl::StrCat("sqlite exec failed: ", msg, " (", sqlite3_errstr(rc),
+                                     ") [sql: ", SqlForMessage(sql), "]"));
+  }
+
+  absl::StatusOr<std::string> QueryText(const std::string& sql) {
+    auto stmt = Prepare(sql);
+    if (!stmt.ok()) return stmt.status();
+    absl::StatusOr<bool> row = stmt->Step();
+    if (!row.ok()) return row.status();
+    return *row ? stmt->Text(0) : std::string();
+  }
+
+  absl::Status Migrate() {
+    if (auto s = Exec("CREATE TABLE IF NOT EXISTS schema_version ("
+                      "  id INTEGER PRIMARY KEY CHECK (id = 1), version INTEGER NOT NULL);"
+                      "INSERT OR IGNORE INTO schema_version (id, version) VALUES (1, 0);");
+        !s.ok()) {
+      return s;
+    }
+    for (int target = 1; target <= kLatestVersion; ++target) {
+      // BEGIN IMMEDIATE takes the write lock first, so two daemons opening the same file
+      // cannot both apply a migration.
+      if (auto s = Exec("BEGIN IMMEDIATE"); !s.ok()) return s;
+      absl::Status s = ApplyMigration(target);
+      if (!s.ok()) {
+        (void)Exec("ROLLBACK");
+        return s;
+      }
+      if (s = Exec("COMMIT"); !s.ok()) {
+        (void)Exec("ROLLBACK");
+        return s;
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  // Inside a transaction: applies migration `target` unless the schema is already there.
+  absl::Status ApplyMigration(int target) {
+    absl::StatusOr<std::string> v = QueryText("SELECT version FROM schema_version WHERE id = 1");
+    if (!v.ok()) return v.status();
+    int version = std::atoi(v->c_str());
+    if (version > kLatestVersion) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("database schema version ", version, " is newer than this esbd supports (",
+                       kLatestVersion, "); upgrade esbd or use another database"));
+    }
+    if (version >= target) return absl::OkStatus();
+    if (auto s = Exec(kMigrations[target - 1]); !s.ok()) {
+      return absl::Status(s.code(),
+                          absl::StrCat("schema migration to version ", target, ": ", s.message()));
+    }
+    return Exec(absl::StrCat("UPDATE schema_version SET version = ", target, " WHERE id = 1"));
+  }
+
+  // Runs the FTS5 query once (at most one row) so that its syntax errors surface.
+  absl::Status CheckFtsQuery(const std::string& fts, const std::string& keyword) {
+    auto stmt = Prepare("SELECT rowid FROM audit_fts WHERE audit_fts MATCH ?1 LIMIT 1");
+    if (!stmt.ok()) return stmt.status();
+    stmt->Bind(1, fts);
+    absl::StatusOr<bool> row = stmt->Step();
+    if (row.ok()) return absl::OkStatus();
+    if ((stmt->last_rc() & 0xff) == SQLITE_ERROR) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("invalid audit search query '", keyword, "': ", stmt->errmsg()));
+    }
+    return row.status();
+  }
+
+  absl::Status InsertKey(const ApiKeyRecord& rec, const std::string& hash) {
+    auto stmt = Prepare(
+        "INSERT INTO api_keys (key_id, tenant, name, secret_sha256, created_ms) "
+        "VALUES (?1, ?2, ?3, ?4, ?5)");
+    if (!stmt.ok()) return stmt.status();
+    stmt->Bind(1, rec.key_id)
+        .Bind(2, rec.tenant)
+        .Bind(3, rec.name)
+        .Bind(4, hash)
+        .Bind(5, rec.created_ms);
+    return stmt->Run();
+  }
+
+  static absl::StatusOr<std::vector<EnvironmentRecord>> CollectEnvs(Stmt& stmt) {
+    std::vector<EnvironmentRecord> out;
+    while (true) {
+      absl::StatusOr<bool> row = stmt.Step();
+      if (!row.ok()) return row.status();
+      if (!*row) break;
+      out.push_back(EnvFromRow(stmt));
+    }
+    return out;
+  }
+
+  std::mutex mu_;
+  sqlite3* db_;
+  std::map<std::string, sqlite3_stmt*> cache_;  // keys are stable: Stmt keeps a view of them
+};
+
+bool IsFtsOperator(std::string_view token) {
+  return token == "AND" || token == "OR" || token == "NOT" || token == "NEAR";
+}
+
+// A token the user meant as FTS5 syntax rather than as text to find.
+bool IsFtsSyntax(std::string_view token) {
+  if (IsFtsOperator(token)) return true;
+  if (token.find_first_of("\"*^(){}") != std::string_view::npos) return true;
+  std::string_view t = token;
+  if (!t.empty() && t.front() == '-') t.remove_prefix(1);
+  return t.starts_with("action:") || t.starts_with("detail:");
+}
+
+}  // namespace
+
+int LatestSchemaVersion() { return kLatestVersion; }
+
+std::string NormalizeFtsQuery(std::string_view keyword) {
+  std::vector<std::string> parts;
+  // (Debian's Abseil has its own string_view type: split a std::string.)
+  const std::string text(keyword);
+  for (absl::string_view piece :
+       absl::StrSplit(text, absl::ByAnyChar(" \t\r\n"), absl::SkipEmpty())) {
+    const std::string_view token(piece.data(), piece.size());
+    if (IsFtsSyntax(token)) {
+      parts.emplace_back(token);
+    } else {
+      // A quoted string is a phrase of whatever tokens the tokenizer finds in it; no
+      // punctuation inside it is syntax. The token contains no '"' (else IsFtsSyntax).
+      parts.push_back("\"" + std::string(token) + "\"");
+    }
+  }
+  return absl::StrJoin(parts, " ");
+}
+
+std::string Sha256Hex(std::string_view data) {
+  unsigned char digest[EVP_MAX_MD_SIZE];
+  unsigned int len = 0;
+  if (EVP_Digest(data.data(), data.size(), digest, &len, EVP_sha256(), nullptr) != 1) {
+    // Only fails if OpenSSL cannot allocate; never store a weak substitute.
+    LogError("storage: EVP_Digest(SHA-256) failed");
+    std::abort();
+  }
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string out;
+  out.reserve(len * 2);
+  for (unsigned int i = 0; i < len; ++i) {
+    out.push_back(kHex[digest[i] >> 4]);
+    out.push_back(kHex[digest[i] & 0xf]);
+  }
+  return out;
+}
+
+absl::StatusOr<std::unique_ptr<Store>> Store::Open(const std::string& path) {
+  if (path.empty()) return absl::InvalidArgumentError("database path is empty");
+  const bool is_memory = path == ":memory:" || path.starts_with("file::memory:") ||
+                         path.find("mode=memory") != std::string::npos;
+  const bool is_uri = path.starts_with("file:");
+  if (!is_memory && !is_uri) {
+    // The database holds key hashes and the audit log: create it owner-only. SQLite gives
+    // the -wal and -shm files the same permissions as the main file.
+    int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+    if (fd < 0) return ErrnoStatus(absl::StrCat("open database ", path));
+    ::close(fd);
+  }
+  sqlite3* db = nullptr;
+  int rc = sqlite3_open_v2(
+      path.c_str(), &db,
+      SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_NOMUTEX | SQLITE_OPEN_URI, nullptr);
+  if (rc != SQLITE_OK) {
+    absl::Status s(CodeForSqlite(rc),
+                   absl::StrCat("sqlite open ", path, " failed: ",
+                                db != nullptr ? sqlite3_errmsg(db) : sqlite3_errstr(rc)));
+    sqlite3_close_v2(db);
+    return s;
+  }
+  auto store = std::make_unique<SqliteStore>(db);
+  if (absl::Status s = store->Init(!is_memory); !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("open database ", path, ": ", s.message()));
+  }
+  return std::unique_ptr<Store>(std::move(store));
+}
+
+}  // namespace esb

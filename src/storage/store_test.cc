@@ -1,0 +1,560 @@
+#include "storage/store.h"
+
+#include <sqlite3.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <filesystem>
+#include <regex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/util.h"
+#include "gtest/gtest.h"
+#include "storage/sqlite_store.h"
+
+namespace esb {
+namespace {
+
+// A fresh directory under $TMPDIR, removed at the end of the test.
+class TempDir {
+ public:
+  TempDir() {
+    std::string tmpl = (std::filesystem::temp_directory_path() / "esb_store_XXXXXX").string();
+    char* p = mkdtemp(tmpl.data());
+    EXPECT_NE(p, nullptr);
+    path_ = tmpl;
+  }
+  ~TempDir() { std::filesystem::remove_all(path_); }
+  std::string File(const std::string& name) const { return path_ + "/" + name; }
+
+ private:
+  std::string path_;
+};
+
+// Reads one text value with a separate raw SQLite connection (what an operator would see).
+std::string RawQuery(const std::string& path, const std::string& sql) {
+  sqlite3* db = nullptr;
+  EXPECT_EQ(sqlite3_open_v2(path.c_str(), &db, SQLITE_OPEN_READWRITE, nullptr), SQLITE_OK);
+  sqlite3_stmt* stmt = nullptr;
+  std::string out;
+  if (sqlite3_prepare_v2(db, sql.c_str(), -1, &stmt, nullptr) == SQLITE_OK &&
+      sqlite3_step(stmt) == SQLITE_ROW && sqlite3_column_text(stmt, 0) != nullptr) {
+    out = reinterpret_cast<const char*>(sqlite3_column_text(stmt, 0));
+  }
+  sqlite3_finalize(stmt);
+  sqlite3_close(db);
+  return out;
+}
+
+void RawExec(const std::string& path, const std::string& sql) {
+  sqlite3* db = nullptr;
+  ASSERT_EQ(sqlite3_open_v2(path.c_str(), &db, SQLITE_OPEN_READWRITE, nullptr), SQLITE_OK);
+  char* err = nullptr;
+  EXPECT_EQ(sqlite3_exec(db, sql.c_str(), nullptr, nullptr, &err), SQLITE_OK) << err;
+  sqlite3_free(err);
+  sqlite3_close(db);
+}
+
+std::unique_ptr<Store> OpenOrDie(const std::string& path) {
+  absl::StatusOr<std::unique_ptr<Store>> store = Store::Open(path);
+  EXPECT_TRUE(store.ok()) << store.status();
+  return store.ok() ? std::move(*store) : nullptr;
+}
+
+EnvironmentRecord MakeEnv(const std::string& id, const std::string& tenant,
+                          const std::string& state, int64_t created_ms) {
+  EnvironmentRecord r;
+  r.id = id;
+  r.tenant = tenant;
+  r.state = state;
+  r.runtime = "container";
+  r.image = "default";
+  r.spec_json = R"({"memory_mb":512})";
+  r.driver_state = "bundle=/run/esb/" + id;
+  r.created_ms = created_ms;
+  r.last_used_ms = created_ms + 1;
+  r.expires_ms = created_ms + 900000;
+  r.exec_count = 3;
+  return r;
+}
+
+AuditEntry MakeAudit(const std::string& tenant, const std::string& env, int64_t time_ms,
+                     const std::string& action, const std::string& detail) {
+  AuditEntry e;
+  e.tenant = tenant;
+  e.environment_id = env;
+  e.time_ms = time_ms;
+  e.action = action;
+  e.detail = detail;
+  e.duration_ms = 7;
+  e.bytes = 42;
+  e.status = 200;
+  return e;
+}
+
+AuditQuery Q(const std::string& tenant, int limit, const std::string& keyword = "") {
+  AuditQuery q;
+  q.tenant = tenant;
+  q.limit = limit;
+  q.keyword = keyword;
+  return q;
+}
+
+std::vector<int64_t> Times(const std::vector<AuditEntry>& entries) {
+  std::vector<int64_t> out;
+  for (const auto& e : entries) out.push_back(e.time_ms);
+  return out;
+}
+
+TEST(StoreTest, EnvironmentRoundTripAndUpsert) {
+  auto store = OpenOrDie(":memory:");
+  ASSERT_NE(store, nullptr);
+  EnvironmentRecord env = MakeEnv("env_1", "acme", "running", 1000);
+  ASSERT_TRUE(store->PutEnvironment(env).ok());
+
+  absl::StatusOr<EnvironmentRecord> got = store->GetEnvironment("env_1");
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->tenant, "acme");
+  EXPECT_EQ(got->state, "running");
+  EXPECT_EQ(got->spec_json, R"({"memory_mb":512})");
+  EXPECT_EQ(got->driver_state, "bundle=/run/esb/env_1");
+  EXPECT_EQ(got->expires_ms, 901000);
+  EXPECT_EQ(got->exec_count, 3);
+
+  env.state = "destroyed";
+  env.destroyed_ms = 5000;
+  env.destroy_reason = "ttl_expired";
+  ASSERT_TRUE(store->PutEnvironment(env).ok());
+  got = store->GetEnvironment("env_1");
+  ASSERT_TRUE(got.ok());
+  EXPECT_EQ(got->state, "destroyed");
+  EXPECT_EQ(got->destroyed_ms, 5000);
+  EXPECT_EQ(got->destroy_reason, "ttl_expired");
+
+  EXPECT_EQ(store->GetEnvironment("env_missing").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(store->PutEnvironment(EnvironmentRecord{}).code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(StoreTest, ListEnvironmentsIsTenantScoped) {
+  auto store = OpenOrDie(":memory:");
+  ASSERT_NE(store, nullptr);
+  ASSERT_TRUE(store->PutEnvironment(MakeEnv("env_a1", "a", "running", 1)).ok());
+  ASSERT_TRUE(store->PutEnvironment(MakeEnv("env_a2", "a", "destroyed", 2)).ok());
+  ASSERT_TRUE(store->PutEnvironment(MakeEnv("env_b1", "b", "creating", 3)).ok());
+
+  auto a = store->ListEnvironments("a", false);
+  ASSERT_TRUE(a.ok());
+  ASSERT_EQ(a->size(), 1u);
+  EXPECT_EQ((*a)[0].id, "env_a1");
+
+  auto a_all = store->ListEnvironments("a", true);
+  ASSERT_TRUE(a_all.ok());
+  ASSERT_EQ(a_all->size(), 2u);
+  EXPECT_EQ((*a_all)[1].id, "env_a2");
+
+  auto b = store->ListEnvironments("b", true);
+  ASSERT_TRUE(b.ok());
+  ASSERT_EQ(b->size(), 1u);
+  EXPECT_EQ((*b)[0].id, "env_b1");
+
+  auto nobody = store->ListEnvironments("c", true);
+  ASSERT_TRUE(nobody.ok());
+  EXPECT_TRUE(nobody->empty());
+
+  auto live = store->ListLiveEnvironments();
+  ASSERT_TRUE(live.ok());
+  ASSERT_EQ(live->size(), 2u);
+  EXPECT_EQ((*live)[0].id, "env_a1");
+  EXPECT_EQ((*live)[1].id, "env_b1");
+}
+
+TEST(StoreTest, CreateApiKeyStoresOnlyHashAndResolvesTenant) {
+  TempDir dir;
+  const std::string path = dir.File("esb.db");
+  auto store = OpenOrDie(path);
+  ASSERT_NE(store, nullptr);
+  std::string secret;
+  absl::StatusOr<ApiKeyRecord> key = store->CreateApiKey("acme", "ci", &secret);
+  ASSERT_TRUE(key.ok()) << key.status();
+  EXPECT_TRUE(std::regex_match(secret, std::regex("esb_[0-9a-f]{40}"))) << secret;
+  EXPECT_TRUE(std::regex_match(key->key_id, std::regex("key_[0-9a-f]{16}"))) << key->key_id;
+  EXPECT_EQ(key->tenant, "acme");
+  EXPECT_FALSE(key->revoked);
+
+  absl::StatusOr<std::string> tenant = store->TenantForKey(secret);
+  ASSERT_TRUE(tenant.ok()) << tenant.status();
+  EXPECT_EQ(*tenant, "acme");
+
+  // The secret itself is nowhere in the table; its SHA-256 is.
+  EXPECT_EQ(RawQuery(path,
+                     "SELECT count(*) FROM api_keys WHERE key_id||tenant||name||"
+                     "secret_sha256 LIKE '%" +
+                         secret.substr(4) + "%'"),
+            "0");
+  EXPECT_EQ(RawQuery(path, "SELECT secret_sha256 FROM api_keys"), Sha256Hex(secret));
+  EXPECT_EQ(Sha256Hex("abc"), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+
+  std::string other;
+  ASSERT_TRUE(store->CreateApiKey("acme", "second", &other).ok());
+  EXPECT_NE(other, secret);
+  EXPECT_EQ(store->TenantForKey("esb_" + std::string(40, '0')).status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(store->TenantForKey("").status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST(StoreTest, RevokedKeyNoLongerResolves) {
+  auto store = OpenOrDie(":memory:");
+  ASSERT_NE(store, nullptr);
+  std::string s1, s2;
+  auto k1 = store->CreateApiKey("acme", "one", &s1);
+  auto k2 = store->CreateApiKey("globex", "two", &s2);
+  ASSERT_TRUE(k1.ok() && k2.ok());
+  EXPECT_EQ(*store->CountActiveApiKeys(), 2);
+
+  ASSERT_TRUE(store->RevokeApiKey(k1->key_id).ok());
+  EXPECT_EQ(store->TenantForKey(s1).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(*store->TenantForKey(s2), "globex");
+  EXPECT_EQ(*store->CountActiveApiKeys(), 1);
+  EXPECT_TRUE(store->RevokeApiKey(k1->key_id).ok());  // idempotent
+  EXPECT_EQ(store->RevokeApiKey("key_nope").code(), absl::StatusCode::kNotFound);
+
+  auto keys = store->ListApiKeys();
+  ASSERT_TRUE(keys.ok());
+  ASSERT_EQ(keys->size(), 2u);
+  for (const auto& k : *keys) EXPECT_EQ(k.revoked, k.key_id == k1->key_id) << k.key_id;
+}
+
+TEST(StoreTest, ImportApiKeyIsIdempotentAndNeverResurrects) {
+  auto store = OpenOrDie(":memory:");
+  ASSERT_NE(store, nullptr);
+  ASSERT_TRUE(store->ImportApiKey("acme", "config-secret-1", "from config").ok());
+  ASSERT_TRUE(store->ImportApiKey("acme", "config-secret-1", "from config").ok());
+  EXPECT_EQ(store->ListApiKeys()->size(), 1u);
+  EXPECT_EQ(*store->TenantForKey("config-secret-1"), "acme");
+
+  // The same secret cannot silently move to another tenant.
+  EXPECT_EQ(store->ImportApiKey("globex", "config-secret-1", "x").code(),
+            absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(*store->TenantForKey("config-secret-1"), "acme");
+
+  // Revoked stays revoked when the config file is read again.
+  const std::string key_id = (*store->ListApiKeys())[0].key_id;
+  ASSERT_TRUE(store->RevokeApiKey(key_id).ok());
+  ASSERT_TRUE(store->ImportApiKey("acme", "config-secret-1", "from config").ok());
+  EXPECT_EQ(store->TenantForKey("config-secret-1").status().code(), absl::StatusCode::kNotFound);
+
+  EXPECT_EQ(store->ImportApiKey("acme", "", "empty").code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(store->ImportApiKey("acme", "has space", "x").code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(store->ImportApiKey("", "abc", "x").code(), absl::StatusCode::kInvalidArgument);
+}
+
+class AuditTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    store_ = OpenOrDie(":memory:");
+    ASSERT_NE(store_, nullptr);
+    Add("acme", "env_1", 1000, "environment.create", "image=default runtime=container");
+    Add("acme", "env_1", 2000, "execute", "pip install numpy");
+    Add("acme", "env_1", 3000, "files.write", "src/main.py");
+    Add("acme", "env_2", 4000, "execute", "python3 /workspace/main.py --fast");
+    Add("acme", "env_2", 5000, "environment.delete", "deleted");
+    Add("globex", "env_9", 2500, "execute", "pip install secret-stuff");
+  }
+  void Add(const std::string& tenant, const std::string& env, int64_t t, const std::string& action,
+           const std::string& detail) {
+    ASSERT_TRUE(store_->AppendAudit(MakeAudit(tenant, env, t, action, detail)).ok());
+  }
+  std::vector<AuditEntry> Query(AuditQuery q) {
+    if (q.tenant.empty()) q.tenant = "acme";
+    auto r = store_->QueryAudit(q);
+    EXPECT_TRUE(r.ok()) << r.status();
+    return r.ok() ? *r : std::vector<AuditEntry>{};
+  }
+  std::unique_ptr<Store> store_;
+};
+
+TEST_F(AuditTest, NewestFirstAndTenantScoped) {
+  auto all = Query({});
+  EXPECT_EQ(Times(all), (std::vector<int64_t>{5000, 4000, 3000, 2000, 1000}));
+  EXPECT_EQ(all[0].action, "environment.delete");
+  EXPECT_EQ(all[0].tenant, "acme");
+  EXPECT_EQ(all[0].duration_ms, 7);
+  EXPECT_EQ(all[0].bytes, 42);
+  EXPECT_EQ(all[0].status, 200);
+  EXPECT_FALSE(all[0].exit_code.has_value());
+
+  AuditQuery g;
+  g.tenant = "globex";
+  auto globex = Query(g);
+  ASSERT_EQ(globex.size(), 1u);
+  EXPECT_EQ(globex[0].detail, "pip install secret-stuff");
+
+  g.tenant = "nobody";
+  EXPECT_TRUE(Query(g).empty());
+
+  AuditQuery none;
+  EXPECT_EQ(store_->QueryAudit(none).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(AuditTest, FiltersByTimeRangeAndEnvironment) {
+  AuditQuery q;
+  q.since_ms = 2000;
+  q.until_ms = 4000;
+  EXPECT_EQ(Times(Query(q)), (std::vector<int64_t>{4000, 3000, 2000}));
+
+  q = {};
+  q.since_ms = 3500;
+  EXPECT_EQ(Times(Query(q)), (std::vector<int64_t>{5000, 4000}));
+
+  q = {};
+  q.until_ms = 1500;
+  EXPECT_EQ(Times(Query(q)), (std::vector<int64_t>{1000}));
+
+  q = {};
+  q.environment_id = "env_2";
+  EXPECT_EQ(Times(Query(q)), (std::vector<int64_t>{5000, 4000}));
+
+  q = {};
+  q.environment_id = "env_9";  // another tenant's environment: invisible
+  EXPECT_TRUE(Query(q).empty());
+
+  q = {};
+  q.since_ms = 5000;
+  q.until_ms = 1000;
+  q.tenant = "acme";
+  EXPECT_EQ(store_->QueryAudit(q).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(AuditTest, LimitIsValidatedAndApplied) {
+  AuditQuery q;
+  q.tenant = "acme";
+  q.limit = 2;
+  EXPECT_EQ(Times(Query(q)), (std::vector<int64_t>{5000, 4000}));
+  q.limit = 0;
+  EXPECT_EQ(store_->QueryAudit(q).status().code(), absl::StatusCode::kInvalidArgument);
+  q.limit = 1001;
+  EXPECT_EQ(store_->QueryAudit(q).status().code(), absl::StatusCode::kInvalidArgument);
+  q.limit = 1000;
+  EXPECT_TRUE(store_->QueryAudit(q).ok());
+}
+
+TEST_F(AuditTest, KeywordSearchUsesFts) {
+  AuditQuery q;
+  q.keyword = "pip";
+  auto r = Query(q);
+  ASSERT_EQ(r.size(), 1u);  // globex's "pip install" is not visible to acme
+  EXPECT_EQ(r[0].detail, "pip install numpy");
+
+  q.keyword = "main.py";  // punctuation in a plain word is not FTS syntax
+  EXPECT_EQ(Times(Query(q)), (std::vector<int64_t>{4000, 3000}));
+
+  q.keyword = "/workspace/main.py";
+  EXPECT_EQ(Times(Query(q)), (std::vector<int64_t>{4000}));
+
+  q.keyword = "--fast";
+  EXPECT_EQ(Times(Query(q)), (std::vector<int64_t>{4000}));
+
+  q.keyword = "execute";  // matches the action column too
+  EXPECT_EQ(Times(Query(q)), (std::vector<int64_t>{4000, 2000}));
+
+  q.keyword = "num*";  // FTS5 prefix query passes through
+  EXPECT_EQ(Times(Query(q)), (std::vector<int64_t>{2000}));
+
+  q.keyword = "numpy OR deleted";
+  EXPECT_EQ(Times(Query(q)), (std::vector<int64_t>{5000, 2000}));
+
+  q.keyword = "action:execute NOT pip";
+  EXPECT_EQ(Times(Query(q)), (std::vector<int64_t>{4000}));
+
+  q.keyword = "\"pip install\"";
+  EXPECT_EQ(Times(Query(q)), (std::vector<int64_t>{2000}));
+
+  q.keyword = "PIP";  // case-insensitive
+  EXPECT_EQ(Times(Query(q)), (std::vector<int64_t>{2000}));
+
+  q.keyword = "nothing-like-this";
+  EXPECT_TRUE(Query(q).empty());
+
+  q.keyword = "execute";  // combined with other filters
+  q.environment_id = "env_1";
+  EXPECT_EQ(Times(Query(q)), (std::vector<int64_t>{2000}));
+
+  q = {};
+  q.keyword = "   ";  // blank keyword = no keyword filter
+  EXPECT_EQ(Query(q).size(), 5u);
+}
+
+TEST_F(AuditTest, MalformedFtsQueryIsInvalidArgument) {
+  for (const char* bad : {"\"unbalanced", "AND", "pip AND", "(pip", "NEAR(", "action:", "*",
+                          "pip OR OR numpy", "^", "{nosuchcol}:x"}) {
+    AuditQuery q;
+    q.tenant = "acme";
+    q.keyword = bad;
+    auto r = store_->QueryAudit(q);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument)
+        << "query " << bad << ": " << r.status();
+  }
+  // The store is still fine afterwards.
+  AuditQuery q;
+  q.keyword = "numpy";
+  EXPECT_EQ(Query(q).size(), 1u);
+  EXPECT_TRUE(store_->AppendAudit(MakeAudit("acme", "env_3", 6000, "execute", "ls")).ok());
+}
+
+TEST(StoreTest, MalformedFtsQueryFailsEvenWhenNothingCouldMatch) {
+  auto store = OpenOrDie(":memory:");
+  ASSERT_NE(store, nullptr);
+  AuditQuery q;
+  q.tenant = "empty";
+  q.keyword = "\"unbalanced";
+  EXPECT_EQ(store->QueryAudit(q).status().code(), absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(store->AppendAudit(MakeAudit("other", "e", 1, "execute", "x")).ok());
+  EXPECT_EQ(store->QueryAudit(q).status().code(), absl::StatusCode::kInvalidArgument);
+  q.keyword = "fine";
+  auto r = store->QueryAudit(q);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->empty());
+}
+
+TEST_F(AuditTest, ExitCodeAndDefaultTime) {
+  AuditEntry e = MakeAudit("acme", "env_3", 0, "execute", "false");
+  e.exit_code = 1;
+  const int64_t before = NowUnixMs();
+  ASSERT_TRUE(store_->AppendAudit(e).ok());
+  AuditQuery q;
+  q.environment_id = "env_3";
+  auto r = Query(q);
+  ASSERT_EQ(r.size(), 1u);
+  ASSERT_TRUE(r[0].exit_code.has_value());
+  EXPECT_EQ(*r[0].exit_code, 1);
+  EXPECT_GE(r[0].time_ms, before);
+  EXPECT_GT(r[0].id, 0);
+
+  EXPECT_EQ(store_->AppendAudit(MakeAudit("", "e", 1, "execute", "x")).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(store_->AppendAudit(MakeAudit("acme", "e", 1, "", "x")).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(StoreTest, ConcurrentWritersAreSerialised) {
+  auto store = OpenOrDie(":memory:");
+  ASSERT_NE(store, nullptr);
+  std::vector<std::thread> threads;
+  std::atomic<int> failures{0};
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < 100; ++i) {
+        if (!store
+                 ->AppendAudit(MakeAudit("acme", "env_" + std::to_string(t), 1 + i, "execute",
+                                         "echo " + std::to_string(i)))
+                 .ok()) {
+          ++failures;
+        }
+        if (!store->QueryAudit(Q("acme", 5)).ok()) ++failures;
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(failures.load(), 0);
+  auto r = store->QueryAudit(Q("acme", 1000));
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->size(), 400u);
+}
+
+TEST(StoreFileTest, DurableAcrossReopenInWalMode) {
+  TempDir dir;
+  const std::string path = dir.File("state.db");
+  std::string secret;
+  {
+    auto store = OpenOrDie(path);
+    ASSERT_NE(store, nullptr);
+    ASSERT_TRUE(store->PutEnvironment(MakeEnv("env_1", "acme", "running", 10)).ok());
+    ASSERT_TRUE(store->CreateApiKey("acme", "ci", &secret).ok());
+    ASSERT_TRUE(store->AppendAudit(MakeAudit("acme", "env_1", 20, "execute", "make test")).ok());
+    // While open, the WAL file exists next to the database.
+    EXPECT_TRUE(std::filesystem::exists(path + "-wal"));
+    EXPECT_EQ(RawQuery(path, "PRAGMA journal_mode"), "wal");
+  }
+  EXPECT_EQ(RawQuery(path, "PRAGMA journal_mode"), "wal");  // WAL is persistent
+  EXPECT_EQ(RawQuery(path, "SELECT version FROM schema_version"),
+            std::to_string(LatestSchemaVersion()));
+  struct stat st;
+  ASSERT_EQ(stat(path.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u) << "database must be owner-only";
+
+  auto store = OpenOrDie(path);
+  ASSERT_NE(store, nullptr);
+  auto env = store->GetEnvironment("env_1");
+  ASSERT_TRUE(env.ok()) << env.status();
+  EXPECT_EQ(env->state, "running");
+  EXPECT_EQ(*store->TenantForKey(secret), "acme");
+  auto audit = store->QueryAudit(Q("acme", 100, "make"));
+  ASSERT_TRUE(audit.ok()) << audit.status();
+  ASSERT_EQ(audit->size(), 1u);
+  EXPECT_EQ((*audit)[0].detail, "make test");
+  // Reopening did not re-run migrations or duplicate anything.
+  EXPECT_EQ(store->ListApiKeys()->size(), 1u);
+  EXPECT_EQ(store->ListLiveEnvironments()->size(), 1u);
+}
+
+TEST(StoreFileTest, TwoConnectionsShareOneFile) {
+  TempDir dir;
+  const std::string path = dir.File("shared.db");
+  auto a = OpenOrDie(path);
+  auto b = OpenOrDie(path);
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);
+  ASSERT_TRUE(a->AppendAudit(MakeAudit("acme", "env_1", 1, "execute", "from a")).ok());
+  ASSERT_TRUE(b->AppendAudit(MakeAudit("acme", "env_1", 2, "execute", "from b")).ok());
+  auto r = a->QueryAudit(Q("acme", 100, "from"));
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->size(), 2u);
+}
+
+TEST(StoreFileTest, RefusesNewerSchema) {
+  TempDir dir;
+  const std::string path = dir.File("future.db");
+  ASSERT_NE(OpenOrDie(path), nullptr);
+  RawExec(path, "UPDATE schema_version SET version = 999");
+  auto store = Store::Open(path);
+  ASSERT_FALSE(store.ok());
+  EXPECT_EQ(store.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(store.status().message().find("999"), std::string::npos) << store.status();
+}
+
+TEST(StoreFileTest, ErrorsNameThePathAndTheProblem) {
+  TempDir dir;
+  auto missing_dir = Store::Open(dir.File("no/such/dir/x.db"));
+  ASSERT_FALSE(missing_dir.ok());
+  EXPECT_NE(missing_dir.status().message().find("no/such/dir/x.db"), std::string::npos)
+      << missing_dir.status();
+
+  const std::string junk = dir.File("junk.db");
+  ASSERT_TRUE(WriteStringToFile(junk, std::string(8192, 'x')).ok());
+  auto not_db = Store::Open(junk);
+  ASSERT_FALSE(not_db.ok());
+  EXPECT_NE(not_db.status().message().find("junk.db"), std::string::npos) << not_db.status();
+  EXPECT_NE(not_db.status().message().find("sql"), std::string::npos) << not_db.status();
+
+  EXPECT_FALSE(Store::Open("").ok());
+}
+
+TEST(FtsQueryTest, QuotesPlainWordsAndKeepsOperators) {
+  EXPECT_EQ(NormalizeFtsQuery(""), "");
+  EXPECT_EQ(NormalizeFtsQuery("  \t "), "");
+  EXPECT_EQ(NormalizeFtsQuery("pip"), "\"pip\"");
+  EXPECT_EQ(NormalizeFtsQuery("main.py /tmp/x"), "\"main.py\" \"/tmp/x\"");
+  EXPECT_EQ(NormalizeFtsQuery("a OR b"), "\"a\" OR \"b\"");
+  EXPECT_EQ(NormalizeFtsQuery("or"), "\"or\"");  // lowercase is a word, not an operator
+  EXPECT_EQ(NormalizeFtsQuery("pip*"), "pip*");
+  EXPECT_EQ(NormalizeFtsQuery("detail:pip"), "detail:pip");
+  EXPECT_EQ(NormalizeFtsQuery("http://x"), "\"http://x\"");
+}
+
+}  // namespace
+}  // namespace esb
