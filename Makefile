@@ -17,6 +17,11 @@ build: deps
 # Slow artefacts (rootfs image, python.wasm), built once and cached by content hash.
 images: build
 	@bash scripts/build-images.sh
+	@# Binaries that link an image artefact (the nano worker links python.wasm's C build)
+	@# appear once the artefact exists: configure and build again (incremental).
+	@. $(BUILD_DIR)/images.env; cmake -S . -B $(BUILD_DIR) \
+	  $${ESBD_PYTHON_WASM:+-DESB_NANO_PYTHON_DIR=$$ESBD_PYTHON_WASM} >/dev/null
+	@cmake --build $(BUILD_DIR) -j $(JOBS)
 
 run: images
 	@bash scripts/run.sh

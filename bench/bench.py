@@ -179,6 +179,77 @@ def bench_concurrent(client, n):
     return lat, ms(t0), errors
 
 
+def bench_nano(url, n):
+    """`print(1)` through POST /run on nano vs bare /usr/bin/python3 vs a container-tier run."""
+    c = KeepAlive(url)
+    st, h = c.call("GET", "/healthz")
+    if "nano" not in (h or {}).get("drivers", {}):
+        return None
+    nano, heavy, bare = [], [], []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        st, r = c.call("POST", "/run", {"code": "print(1)", "runtime": "nano"})
+        dt = ms(t0)
+        if st == 200 and r["stdout"] == "1\n":
+            nano.append(dt)
+        time.sleep(0.02)  # an interactive agent's pace; back-to-back is measured below
+    for _ in range(max(5, n // 10)):
+        t0 = time.perf_counter()
+        st, r = c.call("POST", "/run", {"code": "print(1)", "runtime": "heavy"})
+        if st == 200 and r["stdout"] == "1\n":
+            heavy.append(ms(t0))
+    for _ in range(n):
+        t0 = time.perf_counter()
+        subprocess.run(["/usr/bin/python3", "-c", "print(1)"], stdout=subprocess.DEVNULL)
+        bare.append(ms(t0))
+    # Throughput: back-to-back runs from 2 clients for ~5 s.
+    deadline = time.time() + 5
+    count = [0]
+
+    def worker():
+        k = KeepAlive(url)
+        while time.time() < deadline:
+            st, r = k.call("POST", "/run", {"code": "print(1)", "runtime": "nano"})
+            if st == 200:
+                count[0] += 1
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as ex:
+        list(ex.map(lambda _: worker(), range(2)))
+    rps = count[0] / ((time.perf_counter() - t0))
+    return nano, heavy, bare, rps
+
+
+def nano_session_memory(url, sessions):
+    """Idle memory of stateful nano sessions: PSS of their worker processes."""
+    c = Client(url)
+    ids = []
+    for _ in range(sessions):
+        st, r = c.call("POST", "/environments", {"runtime": "nano"})
+        if st != 201:
+            break
+        ids.append(r["environment_id"])
+        c.call("POST", "/environments/%s/run" % r["environment_id"], {"code": "x = 1"})
+    pss = 0
+    workers = 0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open("/proc/%s/cmdline" % pid, "rb") as f:
+                if b"esb-nano-worker" not in f.read():
+                    continue
+            with open("/proc/%s/smaps_rollup" % pid) as f:
+                for line in f:
+                    if line.startswith("Pss:"):
+                        pss += int(line.split()[1])
+                        workers += 1
+        except OSError:
+            continue
+    for i in ids:
+        c.call("DELETE", "/environments/" + i)
+    return len(ids), workers, pss / 1024.0
+
+
 def row(name, values, baseline_name=None, baseline=None, goal=""):
     p50, p99 = pct(values, 50), pct(values, 99)
     ratio = ""
@@ -206,6 +277,8 @@ def main():
     exec_lat, fork_lat, bash_lat = bench_exec(a.url, env_id, n * 5)
     c.call("DELETE", "/environments/" + env_id)
     conc_lat, conc_total, conc_err = bench_concurrent(c, a.concurrency)
+    nano = bench_nano(a.url, n * 3)
+    mem = nano_session_memory(a.url, 50) if nano else None
 
     print()
     print("| %-44s | %5s | %9s | %9s | %-22s | %-18s |" % ("benchmark (ms)", "n", "p50", "p99", "ratio (p50)", "goal"))
@@ -217,7 +290,21 @@ def main():
     row("baseline: local fork+exec /bin/echo", fork_lat)
     row("baseline: local bash -c 'echo hi'", bash_lat)
     row("%d concurrent create+execute+delete (each)" % a.concurrency, conc_lat, goal="all in <= 3 s")
+    if nano:
+        nano_lat, heavy_lat, bare_lat, rps = nano
+        row("POST /run print(1), nano", nano_lat, "python3", bare_lat, "p50 <= 5 ms")
+        row("POST /run print(1), heavy (container)", heavy_lat, "python3", bare_lat)
+        row("baseline: bare /usr/bin/python3 -c", bare_lat)
     print()
+    if nano:
+        print("nano throughput: %.1f runs/s back to back from 2 clients" % rps)
+        if mem and mem[1]:
+            per = mem[2] / max(1, mem[0])
+            print("nano idle sessions: %d sessions, %d worker processes, %.1f MiB PSS in all, "
+                  "%.2f MiB each -> ~%d sessions in 24 GiB (goal >= 1000)" % (
+                      mem[0], mem[1], mem[2], per, int(24 * 1024 / per) if per else 0))
+    else:
+        print("nano tier not available on this daemon: nano rows skipped")
     print("concurrent: %d/%d succeeded, wall time %.0f ms, errors: %d%s" % (
         len(conc_lat), a.concurrency, conc_total, len(conc_err) + (a.concurrency - len(conc_lat)) * 0,
         (" (first: %s)" % conc_err[0]) if conc_err else ""))

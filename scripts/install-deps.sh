@@ -13,7 +13,7 @@ PKGS=(
   # python SDK tests
   python3 python3-pytest
   # nano tier (CPython -> wasm32-wasi -> wasm2c)
-  clang-14 lld-14 wabt wasi-libc libclang-rt-14-dev-wasm32 dpkg-dev
+  clang-14 lld-14 llvm-14 wabt wasi-libc libclang-rt-14-dev-wasm32 dpkg-dev
   # (nodejs/npm: added below only when no npm is on PATH)
 )
 # Optional: gVisor, used only when runtime "gvisor" is requested.

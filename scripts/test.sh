@@ -15,11 +15,17 @@ if [ -d sdk/python/tests ]; then
   PORT="$(free_port)"
   STATE="$(mktemp -d /tmp/esb-pytest-XXXXXX)"
   log "starting esbd on 127.0.0.1:$PORT for the SDK's end-to-end tests"
+  # Two tenants, so the SDK's bad-credential and tenant-isolation cases run too.
+  KEY_A="esb_e2e_alice_$(head -c 12 /dev/urandom | od -An -tx1 | tr -d ' \n')"
+  KEY_B="esb_e2e_bob_$(head -c 12 /dev/urandom | od -An -tx1 | tr -d ' \n')"
+  printf '{"keys": [{"key": "%s", "tenant": "alice"}, {"key": "%s", "tenant": "bob"}]}\n' \
+    "$KEY_A" "$KEY_B" > "$STATE/config.json"
   "$BUILD_DIR/esbd" --listen "127.0.0.1:$PORT" --state-dir "$STATE" --unix-socket none \
-    >"$STATE/esbd.log" 2>&1 &
+    --config "$STATE/config.json" >"$STATE/esbd.log" 2>&1 &
   ESBD_PID=$!
   if wait_healthy "http://127.0.0.1:$PORT" 60; then
-    AGENTBOX_E2E_URL="http://127.0.0.1:$PORT" /usr/bin/python3 -m pytest -q sdk/python/tests \
+    AGENTBOX_E2E_URL="http://127.0.0.1:$PORT" AGENTBOX_E2E_API_KEY="$KEY_A" \
+      AGENTBOX_E2E_API_KEY_2="$KEY_B" /usr/bin/python3 -m pytest -q sdk/python/tests \
       || status=1
   else
     log "esbd did not start; its log:"; cat "$STATE/esbd.log"; status=1

@@ -32,7 +32,7 @@ std::string_view RuntimeAlias(std::string_view runtime) {
 
 // Output may contain arbitrary bytes; JSON strings must be UTF-8. Replace invalid sequences
 // with U+FFFD so the text stays readable (exact bytes are available through files/raw).
-std::string SanitizeUtf8(std::string_view in) {
+std::string SanitizeUtf8Impl(std::string_view in) {
   if (IsValidUtf8(in)) return std::string(in);
   std::string out;
   out.reserve(in.size());
@@ -56,8 +56,8 @@ std::string SanitizeUtf8(std::string_view in) {
 
 json::object ResultJson(const ExecResult& r) {
   return json::object{{"error", r.exit_code != 0},
-                      {"stdout", SanitizeUtf8(r.stdout_data)},
-                      {"stderr", SanitizeUtf8(r.stderr_data)},
+                      {"stdout", SanitizeUtf8Impl(r.stdout_data)},
+                      {"stderr", SanitizeUtf8Impl(r.stderr_data)},
                       {"exit_code", r.exit_code},
                       {"duration_ms", r.duration_ms},
                       {"timed_out", r.timed_out},
@@ -65,6 +65,8 @@ json::object ResultJson(const ExecResult& r) {
 }
 
 }  // namespace
+
+std::string SanitizeUtf8(std::string_view in) { return SanitizeUtf8Impl(in); }
 
 Response FileStatusResponse(const absl::Status& st) {
   switch (st.code()) {

@@ -25,13 +25,8 @@ struct ServiceOptions {
   std::map<std::string, std::string> driver_descriptions;  // for /healthz
 };
 
-// Nano-tier hook: runs Python code. `session` is empty for one-shot runs. Installed by main when
-// the nano driver is available; absent otherwise (POST /run then answers 400 with the reason).
-struct RunRequest {
-  std::string code;
-  int64_t timeout_ms = 30000;
-  int64_t memory_limit_mb = 256;
-};
+// Handler for POST /run and POST /environments/{id}/run (api/run_service.h builds it);
+// `env_id` is empty for one-shot runs.
 using RunHandler = std::function<Response(const std::string& tenant, const std::string& env_id,
                                           Request& req)>;
 
@@ -68,6 +63,10 @@ class ApiService {
   ServiceOptions options_;
   RunHandler run_handler_;
 };
+
+// Replaces invalid UTF-8 sequences with U+FFFD (JSON strings must be UTF-8; exact bytes are
+// available through files/raw).
+std::string SanitizeUtf8(std::string_view in);
 
 // Status → HTTP answer for file operations, where PermissionDenied means "the sandbox user may
 // not do that" (403), not tenant isolation.

@@ -72,6 +72,9 @@ absl::Status LoadConfigFile(const std::string& path, DaemonConfig* c) {
     else if (key == "state_dir") st = GetString(v, key, &c->state_dir);
     else if (key == "container_runtime") st = GetString(v, key, &c->container_runtime);
     else if (key == "agent_binary") st = GetString(v, key, &c->agent_binary);
+    else if (key == "python_wasm") st = GetString(v, key, &c->python_wasm);
+    else if (key == "nano_worker") st = GetString(v, key, &c->nano_worker);
+    else if (key == "router_rules") st = GetString(v, key, &c->router_rules);
     else if (key == "log_level") st = GetString(v, key, &c->log_level);
     else if (key == "default_ttl_seconds") st = GetInt(v, key, &c->default_ttl_s);
     else if (key == "max_ttl_seconds") st = GetInt(v, key, &c->max_ttl_s);
@@ -130,6 +133,9 @@ absl::Status ApplyEnvironment(const std::function<const char*(const char*)>& get
   str("ESBD_RUNTIME", &c->container_runtime);
   str("ESBD_LOG_LEVEL", &c->log_level);
   str("ESBD_AGENT_BINARY", &c->agent_binary);
+  str("ESBD_PYTHON_WASM", &c->python_wasm);
+  str("ESBD_NANO_WORKER", &c->nano_worker);
+  str("ESBD_ROUTER_RULES", &c->router_rules);
   if (const char* v = getenv_fn("ESBD_IMAGE_DEFAULT"); v && *v) c->images["default"] = v;
   if (const char* v = getenv_fn("ESBD_POOL_SIZE"); v && *v) {
     if (!absl::SimpleAtoi(v, &c->pool_size) || c->pool_size < 0)

@@ -25,6 +25,9 @@ struct DaemonConfig {
   std::map<std::string, std::string> images;  // image name → rootfs directory
   std::string container_runtime = "auto";     // auto | crun | runc
   std::string agent_binary;                   // empty: esb-agent next to esbd
+  std::string python_wasm;                    // nano tier artefact dir (images/python-wasm)
+  std::string nano_worker;                    // empty: esb-nano-worker next to esbd
+  std::string router_rules;                   // routing rules (JSON); empty: built-in path
   int64_t default_ttl_s = 900;
   int64_t max_ttl_s = 86400;
   int pool_size = 2;
@@ -43,7 +46,8 @@ struct DaemonConfig {
 absl::Status LoadConfigFile(const std::string& path, DaemonConfig* config);
 // Applies ESBD_LISTEN, ESBD_STATE_DIR, ESBD_CONFIG (ignored here), ESBD_UNIX_SOCKET,
 // ESBD_IMAGE_DEFAULT, ESBD_RUNTIME, ESBD_POOL_SIZE, ESBD_DEFAULT_TTL, ESBD_LOG_LEVEL,
-// ESBD_AGENT_BINARY.
+// ESBD_AGENT_BINARY, ESBD_PYTHON_WASM, ESBD_NANO_WORKER,
+// ESBD_ROUTER_RULES.
 absl::Status ApplyEnvironment(const std::function<const char*(const char*)>& getenv_fn,
                               DaemonConfig* config);
 // Splits "HOST:PORT" ("[::1]:8080" too). Port must be 0..65535.

@@ -16,12 +16,15 @@
 
 #include "absl/strings/str_cat.h"
 #include "api/http_server.h"
+#include "api/run_service.h"
 #include "api/service.h"
 #include "common/util.h"
 #include "core/config.h"
 #include "core/environment_manager.h"
 #include "core/metrics.h"
 #include "drivers/container/container_driver.h"
+#include "drivers/nano/nano_driver.h"
+#include "router/rules.h"
 #include "storage/store.h"
 
 namespace {
@@ -32,6 +35,7 @@ Usage:
   esbd [--listen HOST:PORT] [--state-dir DIR] [--config FILE] [--unix-socket PATH|none]
        [--image NAME=ROOTFS_DIR]... [--runtime auto|crun|runc] [--pool-size N]
        [--default-ttl SECONDS] [--log-level debug|info|warn|error]
+       [--python-wasm DIR] [--nano-worker PATH] [--router-rules FILE]
   esbd keys add --tenant TENANT [--name NAME]     create an API key (printed once)
   esbd keys list                                  list API keys (ids, tenants; never secrets)
   esbd keys revoke KEY_ID                         revoke a key
@@ -39,7 +43,8 @@ Usage:
                                                   state dir (the daemon must not be running)
 
 Environment: ESBD_LISTEN, ESBD_STATE_DIR, ESBD_CONFIG, ESBD_UNIX_SOCKET, ESBD_IMAGE_DEFAULT,
-ESBD_RUNTIME, ESBD_POOL_SIZE, ESBD_DEFAULT_TTL, ESBD_LOG_LEVEL, ESBD_AGENT_BINARY.
+ESBD_RUNTIME, ESBD_POOL_SIZE, ESBD_DEFAULT_TTL, ESBD_LOG_LEVEL, ESBD_AGENT_BINARY,
+ESBD_PYTHON_WASM (nano tier artefact dir), ESBD_NANO_WORKER, ESBD_ROUTER_RULES.
 Flags win over the environment, which wins over the config file.
 )";
 
@@ -101,6 +106,9 @@ absl::StatusOr<std::vector<std::string>> ParseFlags(int argc, char** argv, esb::
     else if (take("runtime")) c->container_runtime = value;
     else if (take("log-level")) c->log_level = value;
     else if (take("agent-binary")) c->agent_binary = value;
+    else if (take("python-wasm")) c->python_wasm = value;
+    else if (take("nano-worker")) c->nano_worker = value;
+    else if (take("router-rules")) c->router_rules = value;
     else if (take("image")) {
       size_t eq = value.find('=');
       if (eq == std::string::npos || eq == 0)
@@ -250,10 +258,30 @@ int main(int argc, char** argv) {
       esb::LogInfo(absl::StrCat("gvisor runtime unavailable: ", d.status().message()));
     }
   }
+  // Nano tier: CPython on wasm in seccomp-confined workers forked by a fork server.
+  std::unique_ptr<esb::NanoDriver> nano;
+  {
+    std::string worker =
+        config.nano_worker.empty() ? SelfDir() + "/esb-nano-worker" : config.nano_worker;
+    std::error_code exists_ec;
+    if (config.python_wasm.empty()) {
+      service_options.unavailable_runtimes["nano"] =
+          "no python.wasm artefact configured (make images; --python-wasm DIR or "
+          "ESBD_PYTHON_WASM)";
+    } else if (!std::filesystem::exists(worker, exists_ec)) {
+      service_options.unavailable_runtimes["nano"] =
+          absl::StrCat("nano worker binary ", worker, " is missing (rebuild after make images)");
+    } else if (auto nopts = esb::PythonNanoOptions(worker, config.python_wasm); !nopts.ok()) {
+      service_options.unavailable_runtimes["nano"] = std::string(nopts.status().message());
+    } else {
+      nano = esb::NewNanoDriver(*nopts);
+      drivers["nano"] = nano.get();
+      service_options.driver_descriptions["nano"] = nano->Describe();
+    }
+  }
   service_options.unavailable_runtimes["microvm"] =
-      "the microvm driver is not built yet (see docs/api.md)";
-  if (!drivers.count("nano"))
-    service_options.unavailable_runtimes.emplace("nano", "the nano tier is not built yet");
+      "the microvm driver is not built yet: KVM on this host cannot boot guests (see "
+      "docs/design.md)";
 
   if (!rest->empty() && (*rest)[0] == "cleanup") {
     auto live = (*store)->ListLiveEnvironments();
@@ -303,6 +331,20 @@ int main(int argc, char** argv) {
   };
   esb::api::HttpServer server(hopts);
   esb::api::ApiService service(&manager, store->get(), &metrics, service_options);
+  // The adaptive router's rules (reloaded when the file changes).
+  std::string rules_path =
+      config.router_rules.empty() ? std::string(ESB_SOURCE_DIR) + "/config/router.json"
+                                  : config.router_rules;
+  std::unique_ptr<esb::router::RulesHolder> rules;
+  if (auto holder = esb::router::RulesHolder::Create(rules_path); holder.ok()) {
+    rules = std::move(*holder);
+    esb::LogInfo(absl::StrCat("router rules: ", rules_path));
+  } else {
+    esb::LogWarn(absl::StrCat("router rules unavailable (", holder.status().message(),
+                              "): runtime auto tries nano first and falls back to heavy"));
+  }
+  service.SetRunHandler(
+      esb::api::MakeRunHandler(&manager, nano.get(), rules.get(), &service));
   service.Register(server.router());
   if (absl::Status st = server.Start(); !st.ok()) {
     manager.Stop();

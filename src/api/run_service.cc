@@ -1,0 +1,260 @@
+#include "api/run_service.h"
+
+#include <algorithm>
+#include <regex>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "api/json_util.h"
+#include "common/util.h"
+
+namespace esb::api {
+namespace json = boost::json;
+namespace {
+
+struct Outcome {
+  std::string stdout_data, stderr_data;
+  int exit_code = -1;
+  int64_t duration_ms = 0;
+  bool timed_out = false, truncated = false;
+  std::optional<RunError> error;
+  std::string unsupported_module;
+  std::string tier, reason;
+  bool instance_reset = false;
+};
+
+// The last "Type: message" line of a CPython traceback on stderr.
+std::optional<RunError> ErrorFromTraceback(const std::string& stderr_data) {
+  size_t tb = stderr_data.rfind("Traceback (most recent call last):");
+  if (tb == std::string::npos) return std::nullopt;
+  RunError e;
+  e.traceback = stderr_data.substr(tb);
+  static const std::regex kLast(R"(\n([A-Za-z_][\w.]*)(?:: ([^\n]*))?\n?$)");
+  std::smatch m;
+  if (std::regex_search(e.traceback, m, kLast)) {
+    e.type = m[1];
+    e.message = m[2];
+  } else {
+    e.type = "Error";
+  }
+  return e;
+}
+
+json::object Render(const Outcome& o) {
+  json::value error;
+  if (o.error)
+    error = json::object{{"type", SanitizeUtf8(o.error->type)},
+                         {"message", SanitizeUtf8(o.error->message)},
+                         {"traceback", SanitizeUtf8(o.error->traceback)}};
+  json::object out{{"stdout", SanitizeUtf8(o.stdout_data)},
+                   {"stderr", SanitizeUtf8(o.stderr_data)},
+                   {"exit_code", o.exit_code},
+                   {"error", std::move(error)},
+                   {"duration_ms", o.duration_ms},
+                   {"timed_out", o.timed_out},
+                   {"truncated", o.truncated},
+                   {"tier", o.tier},
+                   {"reason", o.reason}};
+  if (!o.unsupported_module.empty()) out["unsupported_module"] = o.unsupported_module;
+  if (o.instance_reset) out["instance_reset"] = true;
+  return out;
+}
+
+Outcome FromNano(const RunResult& r) {
+  Outcome o;
+  o.stdout_data = r.stdout_data;
+  o.stderr_data = r.stderr_data;
+  o.exit_code = r.exit_code;
+  o.duration_ms = r.duration_ms;
+  o.timed_out = r.timed_out;
+  o.truncated = r.truncated;
+  o.error = r.error;
+  o.unsupported_module = r.unsupported_module;
+  o.instance_reset = r.instance_reset;
+  o.tier = "nano";
+  return o;
+}
+
+struct RunParams {
+  std::string code;
+  std::string runtime;
+  int64_t timeout_ms = 30000;
+  int64_t memory_mb = 0;
+  std::vector<std::string> packages;
+};
+
+}  // namespace
+
+RunHandler MakeRunHandler(EnvironmentManager* manager, NanoDriver* nano,
+                          router::RulesHolder* rules, ApiService* service) {
+  // One-shot heavy run: a throw-away container environment of the caller's tenant.
+  auto run_heavy = [manager](const std::string& tenant, const RunParams& p,
+                             const std::string& why) -> absl::StatusOr<Outcome> {
+    EnvSpec spec = manager->options().default_spec;
+    spec.runtime = "container";
+    if (p.memory_mb > 0) spec.memory_mb = p.memory_mb;
+    int64_t timeout_s = std::max<int64_t>(1, (p.timeout_ms + 999) / 1000);
+    auto env = manager->Create(tenant, spec, std::max<int64_t>(60, timeout_s + 60));
+    if (!env.ok()) return env.status();
+    const std::string id = env->record.id;
+    absl::StatusOr<Outcome> result = [&]() -> absl::StatusOr<Outcome> {
+      if (absl::Status st = manager->WriteFile(tenant, id, ".esb_run.py", p.code, 0, true);
+          !st.ok())
+        return st;
+      ExecRequest exec;
+      exec.command = "python3 .esb_run.py";
+      exec.timeout = std::chrono::milliseconds(p.timeout_ms);
+      auto r = manager->Exec(tenant, id, exec, nullptr);
+      if (!r.ok()) return r.status();
+      Outcome o;
+      o.stdout_data = r->stdout_data;
+      o.stderr_data = r->stderr_data;
+      o.exit_code = r->exit_code;
+      o.duration_ms = r->duration_ms;
+      o.timed_out = r->timed_out;
+      o.truncated = r->truncated;
+      if (o.exit_code != 0 && !o.timed_out) o.error = ErrorFromTraceback(o.stderr_data);
+      o.tier = "heavy";
+      o.reason = why;
+      return o;
+    }();
+    manager->Destroy(tenant, id, "run_finished").IgnoreError();
+    return result;
+  };
+
+  return [manager, nano, rules, service, run_heavy](const std::string& tenant,
+                                                    const std::string& env_id,
+                                                    Request& req) -> Response {
+    int64_t start = MonotonicMs();
+    auto body = ParseJsonObjectBody(req, /*allow_empty=*/false);
+    if (!body.ok()) return body.error();
+    JsonFields f(body.value());
+    RunParams p;
+    p.code = f.RequiredString("code");
+    p.runtime = f.OptionalEnum("runtime", env_id.empty() ? "auto" : "nano",
+                               {"auto", "nano", "heavy", "container"});
+    p.timeout_ms = f.OptionalInt("timeout_ms", 30000, 1, 600000);
+    p.memory_mb = f.OptionalInt("memory_limit_mb", 0, 16, 16384);
+    if (const json::value* pk = f.OptionalValue("packages")) {
+      if (!pk->is_array()) f.Fail("'packages' must be an array of strings");
+      else
+        for (const auto& v : pk->as_array()) {
+          if (!v.is_string()) f.Fail("'packages' must be an array of strings");
+          else p.packages.emplace_back(v.as_string());
+        }
+    }
+    std::optional<std::vector<std::string>> allowed;
+    if (const json::value* am = f.OptionalValue("allowed_modules"); am && !am->is_null()) {
+      allowed.emplace();
+      if (!am->is_array()) f.Fail("'allowed_modules' must be an array of strings");
+      else
+        for (const auto& v : am->as_array()) {
+          if (!v.is_string()) f.Fail("'allowed_modules' must be an array of strings");
+          else allowed->emplace_back(v.as_string());
+        }
+    }
+    if (!f.ok()) return f.ErrorResponse();
+    if (p.code.size() > (4 << 20))
+      return ErrorResponse(413, "payload_too_large", "'code' is longer than 4 MiB");
+    if (!p.packages.empty())
+      return ErrorResponse(400, "bad_request",
+                           "'packages' (pip install before the run) is not supported yet");
+
+    const router::ImportScan scan = router::ExtractImports(p.code);
+    if (allowed) {
+      // A policy check on what the code imports (static, like the router): not a sandbox
+      // boundary — both tiers are isolated whatever the code imports.
+      std::vector<std::string> refused;
+      for (const std::string& m : scan.modules)
+        if (std::find(allowed->begin(), allowed->end(), m) == allowed->end()) refused.push_back(m);
+      if (!refused.empty())
+        return ErrorResponse(400, "bad_request",
+                             absl::StrCat("imports not in allowed_modules: ",
+                                          absl::StrJoin(refused, ", ")));
+      if (scan.has_dynamic_import)
+        return ErrorResponse(400, "bad_request",
+                             "dynamic imports (__import__, importlib, exec, eval) cannot be "
+                             "checked against allowed_modules");
+    }
+
+    absl::StatusOr<Outcome> outcome;
+    if (!env_id.empty()) {
+      // Stateful run in an existing environment.
+      auto resolved = manager->Resolve(tenant, env_id);
+      if (!resolved.ok()) return StatusResponse(resolved.status());
+      auto [driver, ref] = *resolved;
+      if (driver->name() != "nano" || !nano)
+        return ErrorResponse(400, "bad_request",
+                             "stateful Python runs need a nano environment for now (the "
+                             "container kernel arrives with the hybrid runtime); use "
+                             "POST /environments/{id}/execute with python3");
+      RunRequest rr;
+      rr.code = p.code;
+      rr.timeout_ms = p.timeout_ms;
+      auto r = nano->Run(&ref, rr);
+      if (!r.ok()) return StatusResponse(r.status());
+      Outcome o = FromNano(*r);
+      o.reason = "stateful nano session";
+      outcome = o;
+    } else if (p.runtime == "auto" && rules && nano) {
+      router::RouteDecision d =
+          rules->Current()->Decide(scan, router::RouteRequest{"auto", p.packages, ""});
+      if (d.tier == router::Tier::kHeavy) {
+        outcome = run_heavy(tenant, p, d.reason);
+      } else {
+        RunRequest rr;
+        rr.code = p.code;
+        rr.timeout_ms = p.timeout_ms;
+        rr.memory_limit_mb = p.memory_mb;
+        auto r = nano->Run(nullptr, rr);
+        if (!r.ok()) return StatusResponse(r.status());
+        Outcome o = FromNano(*r);
+        o.reason = d.reason;
+        if (!o.unsupported_module.empty() && manager->HasDriver("container")) {
+          outcome = run_heavy(tenant, p,
+                              absl::StrCat(d.reason, "; nano cannot provide '",
+                                           o.unsupported_module, "', reran on heavy"));
+        } else {
+          outcome = o;
+        }
+      }
+    } else if (p.runtime == "nano" || (p.runtime == "auto" && nano)) {
+      if (!nano)
+        return ErrorResponse(400, "bad_request",
+                             "runtime 'nano' is not available on this daemon (see GET /healthz)");
+      RunRequest rr;
+      rr.code = p.code;
+      rr.timeout_ms = p.timeout_ms;
+      rr.memory_limit_mb = p.memory_mb;
+      auto r = nano->Run(nullptr, rr);
+      if (!r.ok()) return StatusResponse(r.status());
+      Outcome o = FromNano(*r);
+      o.reason = p.runtime == "nano" ? "runtime nano requested" : "auto: nano first";
+      if (p.runtime == "auto" && !o.unsupported_module.empty() && manager->HasDriver("container")) {
+        // Fallback (seed P2-013): a one-shot nano run has no effects beyond its own instance,
+        // so rerunning on heavy is safe.
+        std::string why = absl::StrCat("auto: nano cannot provide '", o.unsupported_module,
+                                       "', reran on heavy");
+        outcome = run_heavy(tenant, p, why);
+      } else {
+        outcome = o;
+      }
+    } else {
+      if (!manager->HasDriver("container"))
+        return ErrorResponse(400, "bad_request",
+                             "no tier can run this here: neither nano nor container is available");
+      outcome = run_heavy(tenant, p,
+                          p.runtime == "auto" ? "auto: nano tier not available on this daemon"
+                                              : absl::StrCat("runtime ", p.runtime, " requested"));
+    }
+    Response resp = outcome.ok() ? JsonResponse(200, Render(*outcome))
+                                 : StatusResponse(outcome.status());
+    service->Audit(tenant, env_id, "run",
+                   outcome.ok() ? absl::StrCat("[", outcome->tier, "] ", p.code) : p.code,
+                   outcome.ok() ? std::optional<int64_t>(outcome->exit_code) : std::nullopt,
+                   MonotonicMs() - start, static_cast<int64_t>(p.code.size()), resp.status);
+    return resp;
+  };
+}
+
+}  // namespace esb::api

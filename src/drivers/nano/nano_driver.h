@@ -1,0 +1,164 @@
+// The `nano` driver: Python (CPython compiled to wasm32-wasi, pre-initialised by Wizer, turned
+// into native code by wasm2c) in worker processes forked from a fork server that esbd starts.
+// User code never runs in esbd's process: every run happens in a worker confined by seccomp
+// (and, when esbd is root, by its own network/IPC/UTS namespaces and uid nobody).
+//
+// Process model:
+//   esbd ──socketpair── fork server (esb-nano-worker --server; holds an instantiated guest)
+//     └─ one-shot run:  driver makes a socketpair, passes one end to the server ("spawn"); the
+//        server forks a worker that confines itself and serves exactly one "run".
+//     └─ session (environment with runtime "nano"): same, but the worker stays alive between
+//        runs, so interpreter globals and the in-memory /workspace persist.
+//     └─ session snapshot (ForkSession): the session worker clones itself with CLONE_PARENT:
+//        the copy-on-write child has the same interpreter memory and workspace and becomes a
+//        sibling that the fork server reaps and can kill. That is how nano memory is copied.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "drivers/driver.h"
+
+namespace esb {
+
+struct NanoDriverOptions {
+  // The worker binary (one guest linked in) and extra arguments for its fork server, e.g.
+  // {"--pack=/path/stdlib.pack:/usr/local/lib/python3.11"}.
+  std::string worker_path;
+  std::vector<std::string> worker_args;
+  int64_t default_timeout_ms = 30000;
+  int64_t max_timeout_ms = 600000;
+  int64_t default_memory_mb = 256;
+  int64_t max_memory_mb = 4095;
+  int64_t default_max_output_bytes = 1 << 20;
+  // In-memory /workspace cap per instance (also bounded by EnvSpec::disk_mb for sessions).
+  int64_t workspace_max_mb = 64;
+  int64_t workspace_max_files = 4096;
+  // After timeout_ms the guest stops itself (interrupt flag, exit 124); if it has not answered
+  // kill_grace_ms later, the worker is SIGKILLed.
+  int64_t kill_grace_ms = 1000;
+  // Second layer when esbd is root: the fork server and all its workers are put in one cgroup
+  // (v2: /sys/fs/cgroup/<name>; v1: memory and pids hierarchies) with these aggregate caps.
+  // Empty name or not root: skipped.
+  std::string cgroup_name = "esb-nano";
+  int64_t cgroup_memory_mb = 16384;
+  int64_t cgroup_pids_max = 8192;
+  // For plain WASI test programs (no persistent `run` export): argv for every run.
+  std::vector<std::string> argv;
+};
+
+struct RunRequest {
+  std::string code;
+  int64_t timeout_ms = 0;        // 0: driver default
+  int64_t memory_limit_mb = 0;   // 0: driver default (sessions: fixed at Create)
+  int64_t max_output_bytes = 0;  // per stream; 0: driver default
+  // Test programs only: argv for this run (empty: the driver's argv).
+  std::vector<std::string> argv;
+  // Tests only (honoured by test worker binaries): the guest is never interrupted, so only the
+  // driver's SIGKILL backstop can stop it.
+  bool test_no_interrupt = false;
+};
+
+struct RunError {
+  std::string type;       // e.g. "ZeroDivisionError"
+  std::string message;
+  std::string traceback;
+};
+
+struct RunResult {
+  std::string stdout_data;
+  std::string stderr_data;
+  int exit_code = -1;
+  int64_t duration_ms = 0;
+  double duration_exact_ms = 0;  // guest run time measured in the worker
+  bool timed_out = false;
+  bool truncated = false;
+  std::optional<RunError> error;
+  // Non-empty when the run failed on something nano cannot provide: a module name ("numpy")
+  // for an import, or a feature ("socket", "subprocess", "threads", "signal", "ctypes").
+  std::string unsupported_module;
+  // The guest instance was discarded (timeout, trap, exit): a session lost its globals.
+  bool instance_reset = false;
+};
+
+class NanoDriver : public Driver {
+ public:
+  explicit NanoDriver(NanoDriverOptions options);
+  ~NanoDriver() override;
+
+  std::string name() const override { return "nano"; }
+  std::string Describe() const override;
+
+  absl::StatusOr<InstanceRef> Create(const std::string& id, const EnvSpec& spec) override;
+  absl::Status Destroy(const InstanceRef& ref) override;
+  absl::Status Attach(const InstanceRef& ref) override;
+  absl::StatusOr<ExecResult> Exec(const InstanceRef& ref, const ExecRequest& request,
+                                  const OutputSink& sink) override;
+  absl::Status WriteFile(const InstanceRef& ref, const std::string& path, std::string_view data,
+                         int64_t offset, bool truncate) override;
+  absl::StatusOr<FileChunk> ReadFile(const InstanceRef& ref, const std::string& path,
+                                     int64_t offset, int64_t length) override;
+  absl::StatusOr<std::vector<FileEntry>> ListDir(const InstanceRef& ref,
+                                                 const std::string& path) override;
+  absl::StatusOr<Usage> Stats(const InstanceRef& ref) override;
+  absl::Status Configure(const InstanceRef& ref,
+                         const std::map<std::string, std::string>& env) override;
+
+  // `POST /run` (session == nullptr: one-shot, fresh interpreter from the snapshot) and
+  // `POST /environments/{id}/run` (session: the environment's persistent interpreter).
+  absl::StatusOr<RunResult> Run(const InstanceRef* session, const RunRequest& request);
+
+  // Copies a live session (interpreter memory + workspace, copy-on-write) into a new session
+  // `new_id`. The copy is independent from then on.
+  absl::StatusOr<InstanceRef> ForkSession(const InstanceRef& source, const std::string& new_id);
+
+  // Test/diagnostic hooks: the worker pid of a session, and how a worker pid ended
+  // ("running", "signal 31", "exit 0").
+  absl::StatusOr<int> SessionPid(const InstanceRef& ref);
+  absl::StatusOr<std::string> WorkerStatus(int pid);
+  // Cgroup directories the fork server was put in (empty when not root / unsupported).
+  std::vector<std::string> cgroups() const { return cgroups_; }
+  // Test worker binaries only: asks a session worker to run a host-side misbehaviour hook.
+  absl::Status TestHook(const InstanceRef& ref, const std::string& what);
+
+ private:
+  struct Session;
+  struct Server;
+
+  absl::Status EnsureServer();
+  // Best effort: moves `pid` into the nano cgroup; returns the cgroup paths used.
+  std::vector<std::string> JoinCgroup(int pid);
+  // Asks the fork server for a worker; returns our end of its channel and its pid.
+  absl::Status Spawn(bool session, int64_t memory_mb, int64_t ws_bytes,
+                     const std::map<std::string, std::string>& env, int* fd, int* pid);
+  absl::Status Kill(int pid);
+  absl::StatusOr<std::shared_ptr<Session>> GetSession(const InstanceRef& ref);
+  absl::StatusOr<RunResult> RunOn(int fd, int pid, const RunRequest& request, bool* worker_dead,
+                                  bool oneshot);
+
+  NanoDriverOptions options_;
+  std::mutex server_mu_;
+  std::unique_ptr<Server> server_;
+  std::mutex sessions_mu_;
+  std::map<std::string, std::shared_ptr<Session>> sessions_;
+  std::vector<std::string> cgroups_;
+};
+
+std::unique_ptr<NanoDriver> NewNanoDriver(NanoDriverOptions options);
+
+// Options for the CPython guest: `worker_path` = the built esb-nano-worker binary,
+// `artefact_dir` = nanobuild's published directory (images/python-wasm/out), whose
+// stdlib.pack is mounted read-only at /usr/lib/python3.11. NotFound if a file is missing.
+absl::StatusOr<NanoDriverOptions> PythonNanoOptions(const std::string& worker_path,
+                                                    const std::string& artefact_dir);
+
+// Parses the guest's structured result (JSON written by the Python guest, see
+// images/python-wasm/README.md) into `result`. Exposed for tests.
+void ParseGuestResult(const std::string& json, RunResult* result);
+
+}  // namespace esb

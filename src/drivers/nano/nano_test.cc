@@ -1,0 +1,985 @@
+// nano tier tests: the MemFs and WASI host in-process (hostile pointers, path escapes), the
+// seccomp policy, and the whole driver against a WASI test program (testdata/test_guest.c)
+// linked into nano-test-worker; plus real Python when nanobuild's esb-nano-worker exists.
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <thread>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "drivers/nano/memfs.h"
+#include "drivers/nano/nano_driver.h"
+#include "drivers/nano/seccomp_policy.h"
+#include "drivers/nano/wasi_host.h"
+#include "drivers/nano/wire.h"
+
+namespace esb::nano {
+namespace {
+
+// ---------------- MemFs ----------------
+
+TEST(MemFsTest, DotDotNeverLeavesTheRoot) {
+  std::vector<std::string> out;
+  EXPECT_EQ(MemFs::Normalize({}, "../etc/passwd", false, &out), kNotcapable);
+  EXPECT_EQ(MemFs::Normalize({"workspace"}, "../../etc/passwd", false, &out), kNotcapable);
+  EXPECT_EQ(MemFs::Normalize({"workspace"}, "a/../../..", false, &out), kNotcapable);
+  EXPECT_EQ(MemFs::Normalize({}, "/etc/passwd", false, &out), kNotcapable);
+  EXPECT_EQ(MemFs::Normalize({}, std::string("a\0b", 3), false, &out), kInval);
+  ASSERT_EQ(MemFs::Normalize({"workspace"}, "./x/../y//z/", false, &out), kOk);
+  EXPECT_EQ(JoinPath(out), "/workspace/y/z");
+  ASSERT_EQ(MemFs::Normalize({}, "workspace/..", false, &out), kOk);
+  EXPECT_TRUE(out.empty());
+}
+
+TEST(MemFsTest, WorkspaceQuotaCapsBytesAndFiles) {
+  MemFs fs(FsQuota{1000, 3});
+  ASSERT_TRUE(fs.AddDir("/workspace", false).ok());  // counts as 1 file
+  std::shared_ptr<Node> a, b, c;
+  ASSERT_EQ(fs.CreateFile({"workspace", "a"}, false, false, &a), kOk);
+  EXPECT_EQ(a->Write(0, std::string(900, 'x')), kOk);
+  EXPECT_EQ(a->Write(900, std::string(200, 'x')), kNospc);
+  ASSERT_EQ(fs.CreateFile({"workspace", "b"}, false, false, &b), kOk);
+  EXPECT_EQ(fs.CreateFile({"workspace", "c"}, false, false, &c), kNospc);
+  // Unlinking gives the space back once nothing holds the file.
+  a.reset();
+  EXPECT_EQ(fs.Unlink({"workspace", "a"}), kOk);
+  EXPECT_EQ(fs.quota().used_bytes, 0);
+  EXPECT_EQ(b->Write(0, std::string(1000, 'y')), kOk);
+}
+
+TEST(MemFsTest, ReadOnlyTreeRefusesChanges) {
+  MemFs fs;
+  ASSERT_TRUE(fs.LoadHostDir(NANO_TESTDATA_DIR "/rotree", "/lib").ok());
+  std::shared_ptr<Node> n;
+  ASSERT_EQ(fs.Lookup({"lib", "hello.txt"}, &n), kOk);
+  EXPECT_EQ(n->data, "read-only hello\n");
+  EXPECT_EQ(n->Write(0, "x"), kRofs);
+  EXPECT_EQ(fs.Unlink({"lib", "hello.txt"}), kRofs);
+  EXPECT_EQ(fs.Mkdir({"lib", "d"}), kRofs);
+  EXPECT_EQ(fs.CreateFile({"lib", "new"}, false, false, &n), kRofs);
+}
+
+TEST(MemFsTest, PackRoundTripAndHostilePacksAreRejected) {
+  auto u32 = [](uint32_t v) { return std::string(reinterpret_cast<char*>(&v), 4); };
+  auto u64 = [](uint64_t v) { return std::string(reinterpret_cast<char*>(&v), 8); };
+  auto entry = [&](std::string path, uint32_t mode, std::string data) {
+    return u32(path.size()) + path + u32(mode) + u64(data.size()) + data;
+  };
+  std::string body = entry("pkg", 1, "") + entry("pkg/mod.pyc", 0, "hello");
+  std::string pack = "ESBSTD01" + u32(2) + u32(0) + body;
+  MemFs fs;
+  ASSERT_TRUE(fs.LoadPack(pack, "/usr/lib/python3.11").ok());
+  std::shared_ptr<Node> n;
+  ASSERT_EQ(fs.Lookup({"usr", "lib", "python3.11", "pkg", "mod.pyc"}, &n), kOk);
+  EXPECT_EQ(n->data, "hello");
+  EXPECT_TRUE(n->readonly);
+  MemFs fs2;
+  EXPECT_FALSE(fs2.LoadPack(pack.substr(0, pack.size() - 2), "/x").ok());
+  EXPECT_FALSE(fs2.LoadPack("ESBSTD01" + u32(1) + u32(0) + u32(0xFFFFFFF0u) + "x", "/x").ok());
+  EXPECT_FALSE(fs2.LoadPack("ESBSTD01" + u32(1) + u32(0) + entry("../../etc/x", 0, "x"), "/x")
+                   .ok());
+  EXPECT_FALSE(fs2.LoadPack("ESBSTD01" + u32(1) + u32(0) + entry("/etc/x", 0, "x"), "/x").ok());
+  EXPECT_FALSE(fs2.LoadPack("ESBSTD01" + u32(5) + u32(0) + body, "/x").ok());
+}
+
+// ---------------- WasiHost with a fake linear memory ----------------
+
+class WasiHostTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ASSERT_TRUE(fs_.AddDir("/workspace", false).ok());
+    ASSERT_TRUE(host_.Init({{"/", "/"}}).ok());
+    buf_.assign(65536, 0);
+    mem_.data = buf_.data();
+    mem_.pages = 1;
+    mem_.max_pages = 1;
+    mem_.size = 65536;
+    host_.set_memory(&mem_);
+    host_.BeginRun("", 1 << 20);
+  }
+  uint32_t Put(uint32_t at, std::string_view s) {
+    std::memcpy(buf_.data() + at, s.data(), s.size());
+    return at;
+  }
+  void PutIov(uint32_t at, uint32_t ptr, uint32_t len) {
+    std::memcpy(buf_.data() + at, &ptr, 4);
+    std::memcpy(buf_.data() + at + 4, &len, 4);
+  }
+  MemFs fs_;
+  WasiHost host_{&fs_};
+  std::vector<uint8_t> buf_;
+  wasm_rt_memory_t mem_{};
+};
+
+TEST_F(WasiHostTest, HostilePointersGetEfaultNeverACrash) {
+  const uint32_t top = 65536;
+  PutIov(100, top - 4, 100);  // buffer runs off the end
+  EXPECT_EQ(host_.FdWrite(1, 100, 1, 200), kFault);
+  PutIov(100, 0xFFFFFFF0u, 0x20);  // wraps in 32 bits
+  EXPECT_EQ(host_.FdWrite(1, 100, 1, 200), kFault);
+  EXPECT_EQ(host_.FdWrite(1, top - 4, 1, 200), kFault);         // iovec array out of bounds
+  EXPECT_EQ(host_.FdWrite(1, 100, 0x20000000u, 200), kInval);   // 8 * n overflows 32 bits
+  PutIov(100, Put(300, "ok"), 2);
+  EXPECT_EQ(host_.FdWrite(1, 100, 1, 0xFFFFFFFEu), kFault);     // result pointer
+  EXPECT_EQ(host_.FdWrite(1, 100, 1, 200), kOk);
+  EXPECT_EQ(host_.stdout_data(), "ok");
+  EXPECT_EQ(host_.ArgsGet(top, top), kOk);  // no args: nothing written, nothing checked
+  host_.set_args({"prog", "arg"});
+  EXPECT_EQ(host_.ArgsGet(top - 4, 400), kFault);
+  EXPECT_EQ(host_.ArgsSizesGet(top - 2, 400), kFault);
+  EXPECT_EQ(host_.ClockTimeGet(0, 1, top - 7), kFault);
+  EXPECT_EQ(host_.ClockTimeGet(99, 1, 400), kInval);
+  EXPECT_EQ(host_.RandomGet(top - 16, 17), kFault);
+  EXPECT_EQ(host_.RandomGet(0x10, 0xFFFFFFF0u), kFault);
+  EXPECT_EQ(host_.PathOpen(3, 0, top - 3, 10, 0, 0, 0, 0, 400), kFault);
+  EXPECT_EQ(host_.PathOpen(3, 0, Put(500, "workspace"), 9, 0, 0, 0, 0, top), kFault);
+  EXPECT_EQ(host_.PathOpen(12345, 0, 500, 9, 0, 0, 0, 0, 400), kBadf);
+  EXPECT_EQ(host_.PathOpen(0xFFFFFFFFu, 0, 500, 9, 0, 0, 0, 0, 400), kBadf);
+  EXPECT_EQ(host_.FdFilestatGet(3, top - 63), kFault);
+  EXPECT_EQ(host_.FdReaddir(3, top - 10, 100, 0, 400), kFault);
+  EXPECT_EQ(host_.FdReaddir(3, 0xFFFFFFF0u, 0xFFFFFFF0u, 0, 400), kFault);
+  EXPECT_EQ(host_.PollOneoff(600, top, 1, 400), kFault);
+  EXPECT_EQ(host_.PollOneoff(600, 1000, 0x7FFFFFFF, 400), kInval);
+  EXPECT_EQ(host_.FdPrestatDirName(3, top - 1, 8), kOk);  // only strlen("/") bytes are written
+  EXPECT_EQ(host_.FdPrestatDirName(3, top, 8), kFault);
+  EXPECT_EQ(host_.FdRead(0, 100, 1, 0xFFFFFFFCu), kFault);
+  // Memory that grows is seen at once; memory that "shrinks" (a lying size) is not trusted:
+  // bounds come from the page count.
+  mem_.size = 0xFFFFFFFFu;
+  EXPECT_EQ(host_.RandomGet(top - 8, 9), kFault);
+}
+
+TEST_F(WasiHostTest, PathsCannotEscapeThePreopen) {
+  uint32_t out = 400;
+  EXPECT_EQ(host_.PathOpen(3, 0, Put(500, "../etc/passwd"), 13, 0, 2, 0, 0, out), kNotcapable);
+  EXPECT_EQ(host_.PathOpen(3, 0, Put(500, "/etc/passwd"), 11, 0, 2, 0, 0, out), kNotcapable);
+  EXPECT_EQ(host_.PathOpen(3, 0, Put(500, "workspace/../../x"), 17, 0, 2, 0, 0, out),
+            kNotcapable);
+  EXPECT_EQ(host_.PathOpen(3, 0, Put(500, "etc/passwd"), 10, 0, 2, 0, 0, out), kNoent);
+  // Open /workspace, then climb from it.
+  ASSERT_EQ(host_.PathOpen(3, 0, Put(500, "workspace"), 9, 2, 2, 0, 0, out), kOk);
+  uint32_t ws;
+  std::memcpy(&ws, buf_.data() + out, 4);
+  EXPECT_EQ(host_.PathOpen(ws, 0, Put(500, "../../x"), 7, 0, 2, 0, 0, out), kNotcapable);
+  EXPECT_EQ(host_.PathCreateDirectory(ws, Put(500, "../../x"), 7), kNotcapable);
+  EXPECT_EQ(host_.PathCreateDirectory(3, Put(500, "rootdir"), 7), kRofs);
+  EXPECT_EQ(host_.PathCreateDirectory(ws, Put(500, "d"), 1), kOk);
+  EXPECT_EQ(host_.PathRename(ws, Put(500, "d"), 1, 3, Put(600, "../d"), 4), kNotcapable);
+}
+
+TEST_F(WasiHostTest, FileRoundTripThroughWasiCalls) {
+  uint32_t out = 400;
+  // creat | trunc, rights read+write
+  ASSERT_EQ(host_.PathOpen(3, 0, Put(500, "workspace/f.txt"), 15, 1 | 8, (1 << 1) | (1 << 6), 0,
+                           0, out),
+            kOk);
+  uint32_t fd;
+  std::memcpy(&fd, buf_.data() + out, 4);
+  PutIov(100, Put(300, "hello world"), 11);
+  ASSERT_EQ(host_.FdWrite(fd, 100, 1, 200), kOk);
+  ASSERT_EQ(host_.FdSeek(fd, 6, 0, 208), kOk);
+  PutIov(100, 1000, 5);
+  ASSERT_EQ(host_.FdRead(fd, 100, 1, 200), kOk);
+  EXPECT_EQ(std::string(reinterpret_cast<char*>(buf_.data() + 1000), 5), "world");
+  EXPECT_EQ(host_.FdSeek(fd, static_cast<uint64_t>(-100), 1, 208), kInval);
+  EXPECT_EQ(host_.FdClose(fd), kOk);
+  EXPECT_EQ(host_.FdClose(fd), kBadf);
+  EXPECT_EQ(host_.FdClose(3), kOk);  // preopens stay open
+  EXPECT_EQ(host_.PathFilestatGet(3, 0, Put(500, "workspace/f.txt"), 15, 2000), kOk);
+  uint64_t size;
+  std::memcpy(&size, buf_.data() + 2000 + 32, 8);
+  EXPECT_EQ(size, 11u);
+  EXPECT_EQ(buf_[2000 + 16], 4);  // regular file
+}
+
+TEST_F(WasiHostTest, OutputCapTruncatesButReportsSuccess) {
+  host_.BeginRun("", 5);
+  PutIov(100, Put(300, "0123456789"), 10);
+  ASSERT_EQ(host_.FdWrite(1, 100, 1, 200), kOk);
+  uint32_t n;
+  std::memcpy(&n, buf_.data() + 200, 4);
+  EXPECT_EQ(n, 10u);
+  EXPECT_EQ(host_.stdout_data(), "01234");
+  EXPECT_TRUE(host_.truncated());
+}
+
+// ---------------- seccomp policy ----------------
+
+TEST(SeccompTest, ForbiddenSyscallKillsTheProcess) {
+  pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0);
+    if (!ApplyWorkerSeccomp(false).ok()) _exit(3);
+    // The attack: open a socket from a confined worker.
+    int s = socket(AF_INET, SOCK_STREAM, 0);
+    _exit(s >= 0 ? 0 : 4);
+  }
+  int st = 0;
+  waitpid(pid, &st, 0);
+  ASSERT_TRUE(WIFSIGNALED(st)) << "status " << st;
+  EXPECT_EQ(WTERMSIG(st), SIGSYS);
+}
+
+TEST(SeccompTest, OpenAndExecveAreForbiddenButMemoryAndTimeWork) {
+  for (int which = 0; which < 3; which++) {
+    pid_t pid = fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0);
+      if (!ApplyWorkerSeccomp(false).ok()) _exit(3);
+      if (which == 0) {
+        std::vector<char> v(64 << 20, 1);  // malloc → mmap
+        timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        _exit(v[12345] == 1 ? 0 : 5);
+      }
+      if (which == 1) (void)!open("/etc/passwd", O_RDONLY);
+      if (which == 2) execl("/bin/true", "true", nullptr);
+      _exit(0);
+    }
+    int st = 0;
+    waitpid(pid, &st, 0);
+    if (which == 0) {
+      EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << "status " << st;
+    } else {
+      EXPECT_TRUE(WIFSIGNALED(st) && WTERMSIG(st) == SIGSYS) << which << " status " << st;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace esb::nano
+
+// ---------------- the driver against the WASI test guest ----------------
+
+namespace esb {
+namespace {
+
+NanoDriverOptions TestOptions() {
+  NanoDriverOptions o;
+  o.worker_path = NANO_TEST_WORKER;
+  o.worker_args = {"--hostdir=" NANO_TESTDATA_DIR "/rotree:/lib", "--arg=testguest"};
+  o.default_timeout_ms = 10000;
+  o.workspace_max_mb = 1;
+  o.workspace_max_files = 64;
+  o.cgroup_name = "esb-nano-test";
+  return o;
+}
+
+class NanoDriverTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() { driver_ = NewNanoDriver(TestOptions()).release(); }
+  static void TearDownTestSuite() {
+    delete driver_;
+    driver_ = nullptr;
+  }
+  RunResult RunArgs(std::vector<std::string> argv, int64_t timeout_ms = 0,
+                    int64_t memory_mb = 0, int64_t max_out = 0, std::string stdin_data = "") {
+    RunRequest r;
+    r.argv = std::move(argv);
+    r.argv.insert(r.argv.begin(), "testguest");
+    r.timeout_ms = timeout_ms;
+    r.memory_limit_mb = memory_mb;
+    r.max_output_bytes = max_out;
+    r.code = std::move(stdin_data);
+    absl::StatusOr<RunResult> res = driver_->Run(nullptr, r);
+    EXPECT_TRUE(res.ok()) << res.status();
+    return res.ok() ? *res : RunResult{};
+  }
+  static NanoDriver* driver_;
+};
+NanoDriver* NanoDriverTest::driver_ = nullptr;
+
+TEST_F(NanoDriverTest, PrintsArgsAndStderr) {
+  RunResult r = RunArgs({"print", "x y"});
+  EXPECT_EQ(r.exit_code, 0);
+  EXPECT_EQ(r.stdout_data, "hello from wasm argc=3\narg 0 testguest\narg 1 print\narg 2 x y\n");
+  EXPECT_EQ(r.stderr_data, "to stderr\n");
+  EXPECT_FALSE(r.timed_out);
+}
+
+TEST_F(NanoDriverTest, ExitCodesAndStdin) {
+  EXPECT_EQ(RunArgs({"exit", "7"}).exit_code, 7);
+  EXPECT_EQ(RunArgs({"procexit", "42"}).exit_code, 42);
+  EXPECT_EQ(RunArgs({"stdin"}, 0, 0, 0, "some input").stdout_data, "stdin 10 [some input]\n");
+}
+
+TEST_F(NanoDriverTest, ClockRandomAndAllImportsLink) {
+  RunResult c = RunArgs({"clock"});
+  EXPECT_NE(c.stdout_data.find("monotonic_ok 1"), std::string::npos) << c.stdout_data;
+  long secs = std::atol(c.stdout_data.c_str() + strlen("realtime "));
+  EXPECT_GT(secs, 1700000000);
+  std::string r1 = RunArgs({"random"}).stdout_data, r2 = RunArgs({"random"}).stdout_data;
+  EXPECT_EQ(r1.size(), 33u);
+  EXPECT_NE(r1, r2);
+  RunResult a = RunArgs({"allimports"});
+  EXPECT_EQ(a.exit_code, 0);
+  EXPECT_NE(a.stdout_data.find("accept 52 recv 52 send 52 shutdown 52"), std::string::npos)
+      << a.stdout_data;
+  EXPECT_NE(a.stdout_data.find("link 58"), std::string::npos) << a.stdout_data;
+  EXPECT_NE(a.stdout_data.find("symlink 58"), std::string::npos) << a.stdout_data;
+}
+
+TEST_F(NanoDriverTest, FilesInTheWorkspace) {
+  RunResult r = RunArgs({"files"});
+  EXPECT_EQ(r.exit_code, 0) << r.stderr_data;
+  const char* expected[] = {"read 16 [hello file\nmore\n] word=file pos=10", "mkdir 0",
+                            "mkdir again -1 errno 20", "rename 0", "stat 0 size 16 isreg 1",
+                            "stat old -1 errno 44", "rmdir nonempty -1 errno 55",
+                            "entry b.txt", "unlink 0", "rmdir 0", "chdir 0", "relative ok",
+                            "stat rel 0"};
+  for (const char* e : expected) {
+    EXPECT_NE(r.stdout_data.find(e), std::string::npos) << e << "\n" << r.stdout_data;
+  }
+}
+
+TEST_F(NanoDriverTest, EscapeAttemptsFindNoHostFile) {
+  RunResult r = RunArgs({"escape"});
+  EXPECT_EQ(r.exit_code, 0);
+  EXPECT_NE(r.stdout_data.find("escaped 0"), std::string::npos) << r.stdout_data;
+  EXPECT_EQ(r.stdout_data.find(": OK"), std::string::npos) << r.stdout_data;
+  // raw: absolute path, `..` above the preopen, `..` via a subdir, mkdir above root: all
+  // ENOTCAPABLE (76); an embedded NUL: EINVAL (28).
+  EXPECT_NE(r.stdout_data.find("raw 76 76 76 76"), std::string::npos) << r.stdout_data;
+}
+
+TEST_F(NanoDriverTest, ReadOnlyTree) {
+  RunResult r = RunArgs({"readonly"});
+  EXPECT_NE(r.stdout_data.find("open /lib/hello.txt: OK read 16"), std::string::npos)
+      << r.stdout_data;
+  EXPECT_NE(r.stdout_data.find("open ro for write: -1 errno 69"), std::string::npos);
+  EXPECT_NE(r.stdout_data.find("create in ro: -1 errno 69"), std::string::npos);
+  EXPECT_NE(r.stdout_data.find("mkdir in ro: -1 errno 69"), std::string::npos);
+  EXPECT_NE(r.stdout_data.find("unlink in ro: -1 errno 69"), std::string::npos);
+  EXPECT_NE(r.stdout_data.find("rename ro->ws: -1 errno 69"), std::string::npos);
+  EXPECT_NE(r.stdout_data.find("root workspace"), std::string::npos);
+}
+
+TEST_F(NanoDriverTest, HostilePointersFromARealGuest) {
+  RunResult r = RunArgs({"hostile"});
+  EXPECT_EQ(r.exit_code, 0) << r.stderr_data;
+  for (const char* e : {"w1 21", "w2 21", "w3 21", "w4 28", "w5 21", "r1 21", "a2 21", "e1 21",
+                        "c1 21", "c2 28", "g1 21", "g2 21", "p1 44", "p2 21", "p3 8", "p4 8",
+                        "s1 21", "s2 0", "d1 21", "d2 21", "o1 21", "o2 28", "x1 0", "x2 0",
+                        "survived"}) {
+    EXPECT_NE(r.stdout_data.find(std::string(e) + "\n"), std::string::npos)
+        << e << "\n" << r.stdout_data;
+  }
+}
+
+TEST_F(NanoDriverTest, WorkspaceCap) {
+  RunResult r = RunArgs({"fill"});  // 1 MiB, 64 files
+  EXPECT_EQ(r.stdout_data.find("never stopped"), std::string::npos) << r.stdout_data;
+  EXPECT_NE(r.stdout_data.find("errno 51"), std::string::npos) << r.stdout_data;  // ENOSPC
+}
+
+TEST_F(NanoDriverTest, MemoryCapMakesMallocFail) {
+  RunResult r = RunArgs({"alloc"}, 0, 32);
+  EXPECT_EQ(r.exit_code, 0) << r.stderr_data;
+  long mb = std::atol(r.stdout_data.c_str() + strlen("allocated "));
+  EXPECT_GT(mb, 16) << r.stdout_data;
+  EXPECT_LT(mb, 32) << r.stdout_data;
+}
+
+TEST_F(NanoDriverTest, InfiniteLoopTimesOut) {
+  int64_t t0 = nano::NowMonoMs();
+  RunResult r = RunArgs({"loop"}, 300);
+  int64_t took = nano::NowMonoMs() - t0;
+  EXPECT_TRUE(r.timed_out);
+  EXPECT_EQ(r.exit_code, 124);
+  EXPECT_LT(took, 1200);
+  EXPECT_GE(took, 290);
+  // A sleep longer than the timeout is cut short too.
+  RunResult s = RunArgs({"sleep", "5000"}, 300);
+  EXPECT_EQ(s.exit_code, 124);
+  EXPECT_LT(s.duration_ms, 1500);
+  EXPECT_EQ(RunArgs({"sleep", "30"}).stdout_data, "slept\n");
+}
+
+// A guest that never reaches an interrupt check (simulated) is SIGKILLed by the driver after
+// timeout + kill_grace_ms; a session gets a fresh worker on its next run.
+TEST_F(NanoDriverTest, SigkillBackstop) {
+  absl::StatusOr<InstanceRef> ref = driver_->Create("env_backstop", EnvSpec{});
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  absl::StatusOr<int> pid = driver_->SessionPid(*ref);
+  ASSERT_TRUE(pid.ok());
+  RunRequest loop;
+  loop.argv = {"testguest", "loop"};
+  loop.timeout_ms = 200;
+  loop.test_no_interrupt = true;
+  int64_t t0 = nano::NowMonoMs();
+  absl::StatusOr<RunResult> r = driver_->Run(&*ref, loop);
+  int64_t took = nano::NowMonoMs() - t0;
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->timed_out);
+  EXPECT_EQ(r->exit_code, 124);
+  EXPECT_TRUE(r->instance_reset);
+  EXPECT_GE(took, 1100);  // 200 ms + 1000 ms grace
+  EXPECT_LT(took, 3000);
+  absl::StatusOr<std::string> how = driver_->WorkerStatus(*pid);
+  ASSERT_TRUE(how.ok());
+  EXPECT_EQ(*how, "signal 9");
+  RunRequest ok;
+  ok.argv = {"testguest", "exit", "4"};
+  r = driver_->Run(&*ref, ok);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->exit_code, 4);
+  ASSERT_TRUE(driver_->Destroy(*ref).ok());
+}
+
+// Several threads share one driver (esbd serves requests concurrently).
+TEST_F(NanoDriverTest, ConcurrentRuns) {
+  std::vector<std::thread> threads;
+  std::atomic<int> good{0};
+  for (int t = 0; t < 4; t++) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < 10; i++) {
+        RunRequest r;
+        r.argv = {"testguest", "exit", std::to_string(t * 10 + i)};
+        absl::StatusOr<RunResult> res = driver_->Run(nullptr, r);
+        if (res.ok() && res->exit_code == t * 10 + i) {
+          good++;
+        } else {
+          ADD_FAILURE() << (res.ok() ? "exit " + std::to_string(res->exit_code) + " " +
+                                           res->stderr_data + res->stdout_data
+                                     : res.status().ToString());
+        }
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(good.load(), 40);
+}
+
+TEST_F(NanoDriverTest, OutputCaps) {
+  RunResult r = RunArgs({"bigout", "100000"}, 0, 0, 1000);
+  EXPECT_EQ(r.exit_code, 0);
+  EXPECT_TRUE(r.truncated);
+  EXPECT_EQ(r.stdout_data.size(), 1000u);
+  EXPECT_EQ(r.stderr_data, "err done\n");
+  RunResult big = RunArgs({"bigout", "3000000"});  // default cap 1 MiB
+  EXPECT_EQ(big.stdout_data.size(), 1u << 20);
+  EXPECT_TRUE(big.truncated);
+}
+
+TEST_F(NanoDriverTest, TrapsAreContained) {
+  RunResult oob = RunArgs({"trap"});
+  EXPECT_EQ(oob.exit_code, 134);
+  EXPECT_NE(oob.stderr_data.find("guest trapped"), std::string::npos) << oob.stderr_data;
+  RunResult deep = RunArgs({"recurse"});
+  EXPECT_EQ(deep.exit_code, 134);
+  EXPECT_NE(deep.stderr_data.find("guest trapped"), std::string::npos) << deep.stderr_data;
+  // The server and driver are still fine.
+  EXPECT_EQ(RunArgs({"exit", "3"}).exit_code, 3);
+}
+
+TEST_F(NanoDriverTest, RejectsBadLimits) {
+  RunRequest r;
+  r.memory_limit_mb = 1 << 20;
+  EXPECT_EQ(driver_->Run(nullptr, r).status().code(), absl::StatusCode::kInvalidArgument);
+  r.memory_limit_mb = 0;
+  r.timeout_ms = -5;
+  EXPECT_EQ(driver_->Run(nullptr, r).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// Sessions: the workspace persists between runs; the driver's file API sees it.
+TEST_F(NanoDriverTest, SessionFilesAndLifecycle) {
+  EnvSpec spec;
+  spec.runtime = "nano";
+  spec.memory_mb = 64;
+  spec.env = {{"FOO", "bar"}};
+  absl::StatusOr<InstanceRef> ref = driver_->Create("env_files", spec);
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  EXPECT_EQ(ref->driver, "nano");
+  ASSERT_TRUE(driver_->WriteFile(*ref, "/workspace/dir/in.txt", "from host", 0, true).ok());
+  RunRequest cat;
+  cat.argv = {"testguest", "cat", "/workspace/dir/in.txt"};
+  absl::StatusOr<RunResult> r = driver_->Run(&*ref, cat);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->stdout_data, "from host");
+  RunRequest env;
+  env.argv = {"testguest", "env"};
+  r = driver_->Run(&*ref, env);
+  ASSERT_TRUE(r.ok());
+  EXPECT_NE(r->stdout_data.find("FOO=bar"), std::string::npos)
+      << r->stdout_data << r->stderr_data << r->exit_code;
+  RunRequest write;
+  write.argv = {"testguest", "write", "out.txt", "guest data"};
+  r = driver_->Run(&*ref, write);
+  ASSERT_TRUE(r.ok());
+  // cwd is / (read-only) for a plain program.
+  EXPECT_EQ(r->stdout_data, "write out.txt: errno 69\n") << r->stderr_data << r->exit_code;
+  write.argv = {"testguest", "write", "/workspace/out.txt", "guest data"};
+  ASSERT_TRUE(driver_->Run(&*ref, write).ok());
+  absl::StatusOr<FileChunk> chunk = driver_->ReadFile(*ref, "out.txt", 6, 100);
+  ASSERT_TRUE(chunk.ok()) << chunk.status();
+  EXPECT_EQ(chunk->data, "data");
+  EXPECT_EQ(chunk->file_size, 10);
+  EXPECT_TRUE(chunk->eof);
+  absl::StatusOr<std::vector<FileEntry>> ls = driver_->ListDir(*ref, "/workspace");
+  ASSERT_TRUE(ls.ok());
+  std::vector<std::string> names;
+  for (const auto& e : *ls) names.push_back(e.name + ":" + e.type);
+  EXPECT_EQ(names, (std::vector<std::string>{"dir:dir", "out.txt:file"}));
+  // Errors: missing file, read-only tree, escape, cap.
+  EXPECT_EQ(driver_->ReadFile(*ref, "nope", 0, -1).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(driver_->WriteFile(*ref, "/lib/hello.txt", "x", 0, true).code(),
+            absl::StatusCode::kPermissionDenied);
+  EXPECT_FALSE(driver_->ReadFile(*ref, "/../../etc/passwd", 0, -1).ok());
+  EXPECT_EQ(driver_->WriteFile(*ref, "big", std::string(2 << 20, 'x'), 0, true).code(),
+            absl::StatusCode::kResourceExhausted);
+  // No shell.
+  absl::StatusOr<ExecResult> ex = driver_->Exec(*ref, ExecRequest{}, nullptr);
+  EXPECT_EQ(ex.status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_NE(ex.status().message().find("nano environments have no shell"), std::string::npos);
+  absl::StatusOr<Usage> u = driver_->Stats(*ref);
+  ASSERT_TRUE(u.ok());
+  EXPECT_TRUE(u->alive);
+  EXPECT_TRUE(driver_->Attach(*ref).ok());
+  absl::StatusOr<int> pid = driver_->SessionPid(*ref);
+  ASSERT_TRUE(pid.ok());
+  ASSERT_TRUE(driver_->Destroy(*ref).ok());
+  EXPECT_TRUE(driver_->Destroy(*ref).ok());  // idempotent
+  EXPECT_EQ(driver_->Run(&*ref, cat).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_FALSE(driver_->Attach(*ref).ok());
+  absl::StatusOr<std::string> how = driver_->WorkerStatus(*pid);
+  ASSERT_TRUE(how.ok()) << how.status();
+  EXPECT_NE(*how, "running");
+}
+
+TEST_F(NanoDriverTest, SessionWorkerIsConfined) {
+  absl::StatusOr<InstanceRef> ref = driver_->Create("env_conf", EnvSpec{});
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  absl::StatusOr<int> pid = driver_->SessionPid(*ref);
+  ASSERT_TRUE(pid.ok());
+  ASSERT_TRUE(driver_->Stats(*ref).ok());  // answers only once it has confined itself
+  std::ifstream in("/proc/" + std::to_string(*pid) + "/status");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  std::string status = ss.str();
+  EXPECT_NE(status.find("Seccomp:\t2"), std::string::npos) << status;
+  EXPECT_NE(status.find("NoNewPrivs:\t1"), std::string::npos);
+  if (geteuid() == 0) {
+    EXPECT_NE(status.find("Uid:\t65534\t65534\t65534\t65534"), std::string::npos) << status;
+  }
+  // Its only fd is its channel (plus nothing else).
+  int fds = 0;
+  for (int i = 0; i < 64; i++) {
+    if (access(("/proc/" + std::to_string(*pid) + "/fd/" + std::to_string(i)).c_str(), F_OK) ==
+        0) {
+      fds++;
+    }
+  }
+  if (geteuid() == 0) {
+    EXPECT_EQ(fds, 1);
+    // Second layer: the worker sits in the nano cgroup (with aggregate memory/pids caps).
+    std::ifstream cg("/proc/" + std::to_string(*pid) + "/cgroup");
+    std::stringstream cs;
+    cs << cg.rdbuf();
+    if (driver_->cgroups().empty()) {
+      printf("note: no nano cgroup could be created on this host\n");
+    } else {
+      EXPECT_NE(cs.str().find("/esb-nano-test"), std::string::npos) << cs.str();
+    }
+    // And in its own network namespace.
+    char a[64] = {0}, b[64] = {0};
+    ASSERT_GT(readlink(("/proc/" + std::to_string(*pid) + "/ns/net").c_str(), a, 63), 0);
+    ASSERT_GT(readlink("/proc/self/ns/net", b, 63), 0);
+    EXPECT_STRNE(a, b);
+  }
+  ASSERT_TRUE(driver_->Destroy(*ref).ok());
+}
+
+// The attack: host-side code in a worker (a bug exploited through the WASI host) tries a
+// syscall outside the allowlist. The kernel kills the worker with SIGSYS; the driver reports it
+// and the daemon side carries on.
+TEST_F(NanoDriverTest, SeccompKillsAWorkerThatTriesAForbiddenSyscall) {
+  for (const char* what : {"socket", "open", "execve", "fork"}) {
+    absl::StatusOr<InstanceRef> ref = driver_->Create(std::string("env_sc_") + what, EnvSpec{});
+    ASSERT_TRUE(ref.ok()) << ref.status();
+    absl::StatusOr<int> pid = driver_->SessionPid(*ref);
+    ASSERT_TRUE(pid.ok());
+    absl::Status st = driver_->TestHook(*ref, what);
+    EXPECT_FALSE(st.ok()) << what << ": the worker survived";
+    absl::StatusOr<std::string> how;
+    for (int i = 0; i < 50; i++) {
+      how = driver_->WorkerStatus(*pid);
+      if (!how.ok() || *how != "running") break;
+      usleep(10000);
+    }
+    ASSERT_TRUE(how.ok()) << how.status();
+    EXPECT_EQ(*how, "signal 31") << what;  // SIGSYS
+    ASSERT_TRUE(driver_->Destroy(*ref).ok());
+  }
+  EXPECT_EQ(RunArgs({"exit", "5"}).exit_code, 5);
+}
+
+TEST_F(NanoDriverTest, SessionTimeoutKeepsWorkspace) {
+  absl::StatusOr<InstanceRef> ref = driver_->Create("env_to", EnvSpec{});
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  ASSERT_TRUE(driver_->WriteFile(*ref, "keep.txt", "kept", 0, true).ok());
+  RunRequest loop;
+  loop.argv = {"testguest", "loop"};
+  loop.timeout_ms = 200;
+  absl::StatusOr<RunResult> r = driver_->Run(&*ref, loop);
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->exit_code, 124);
+  EXPECT_TRUE(r->instance_reset);
+  RunRequest cat;
+  cat.argv = {"testguest", "cat", "/workspace/keep.txt"};
+  r = driver_->Run(&*ref, cat);
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->stdout_data, "kept");
+  ASSERT_TRUE(driver_->Destroy(*ref).ok());
+}
+
+// Snapshot = copy-on-write clone of the session worker; the copy is independent.
+TEST_F(NanoDriverTest, ForkSessionCopiesTheWorkspace) {
+  absl::StatusOr<InstanceRef> a = driver_->Create("env_a", EnvSpec{});
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(driver_->WriteFile(*a, "f.txt", "v1", 0, true).ok());
+  absl::StatusOr<InstanceRef> b = driver_->ForkSession(*a, "env_b");
+  ASSERT_TRUE(b.ok()) << b.status();
+  ASSERT_TRUE(driver_->WriteFile(*a, "f.txt", "v2-a", 0, true).ok());
+  absl::StatusOr<FileChunk> fb = driver_->ReadFile(*b, "f.txt", 0, -1);
+  ASSERT_TRUE(fb.ok()) << fb.status();
+  EXPECT_EQ(fb->data, "v1");
+  RunRequest cat;
+  cat.argv = {"testguest", "cat", "/workspace/f.txt"};
+  absl::StatusOr<RunResult> rb = driver_->Run(&*b, cat);
+  ASSERT_TRUE(rb.ok());
+  EXPECT_EQ(rb->stdout_data, "v1");
+  absl::StatusOr<int> pb = driver_->SessionPid(*b);
+  ASSERT_TRUE(pb.ok());
+  ASSERT_TRUE(driver_->Destroy(*a).ok());
+  // The copy survives its source.
+  rb = driver_->Run(&*b, cat);
+  ASSERT_TRUE(rb.ok());
+  EXPECT_EQ(rb->stdout_data, "v1");
+  ASSERT_TRUE(driver_->Destroy(*b).ok());
+  absl::StatusOr<std::string> how = driver_->WorkerStatus(*pb);
+  ASSERT_TRUE(how.ok()) << how.status();
+  EXPECT_NE(*how, "running");
+}
+
+TEST_F(NanoDriverTest, OneShotLatency) {
+  std::vector<int64_t> us;
+  for (int i = 0; i < 50; i++) {
+    timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    RunResult r = RunArgs({"print"});
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    ASSERT_EQ(r.exit_code, 0);
+    us.push_back((t1.tv_sec - t0.tv_sec) * 1000000 + (t1.tv_nsec - t0.tv_nsec) / 1000);
+  }
+  std::sort(us.begin(), us.end());
+  printf("nano one-shot Run() with the C test guest: p50 %.2f ms, p90 %.2f ms (n=50)\n",
+         us[25] / 1000.0, us[45] / 1000.0);
+  EXPECT_LT(us[25], 50000);
+}
+
+}  // namespace
+}  // namespace esb
+
+// ---------------- guest ABI 1 (esb_run / esb_reseed / result.json) with a toy guest ----------
+
+namespace esb {
+namespace {
+
+class NanoAbiTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    NanoDriverOptions o;
+    o.worker_path = NANO_ABI_WORKER;
+    o.default_timeout_ms = 10000;
+    o.cgroup_name = "esb-nano-test";
+    driver_ = NewNanoDriver(o).release();
+  }
+  static void TearDownTestSuite() {
+    delete driver_;
+    driver_ = nullptr;
+  }
+  RunResult Toy(const std::string& code, const InstanceRef* session = nullptr,
+                int64_t timeout_ms = 0) {
+    RunRequest r;
+    r.code = code;
+    r.timeout_ms = timeout_ms;
+    absl::StatusOr<RunResult> res = driver_->Run(session, r);
+    EXPECT_TRUE(res.ok()) << res.status();
+    return res.ok() ? *res : RunResult{};
+  }
+  static NanoDriver* driver_;
+};
+NanoDriver* NanoAbiTest::driver_ = nullptr;
+
+TEST_F(NanoAbiTest, OneShotRunsAreFreshAndReseeded) {
+  EXPECT_EQ(Toy("set 5").exit_code, 0);
+  // A new one-shot run starts from the server's pristine instance, reseeded once and warmed by
+  // one empty run (worker.cc: Prepare), so this is the instance's second esb_run.
+  EXPECT_EQ(Toy("get").stdout_data, "value 0 reseeds 1 runs 2\n");
+  EXPECT_EQ(Toy("cwd").stdout_data, "cwd /\n");
+  EXPECT_EQ(Toy("echo hi\nthere").stdout_data, "hi\nthere");
+}
+
+TEST_F(NanoAbiTest, StructuredErrorsAndUnsupported) {
+  RunResult r = Toy("raise ValueError bad_value");
+  EXPECT_EQ(r.exit_code, 1);
+  ASSERT_TRUE(r.error.has_value());
+  EXPECT_EQ(r.error->type, "ValueError");
+  EXPECT_EQ(r.error->message, "bad_value");
+  EXPECT_NE(r.error->traceback.find("Traceback"), std::string::npos);
+  EXPECT_TRUE(r.unsupported_module.empty());
+  RunResult u = Toy("unsupported numpy");
+  EXPECT_EQ(u.unsupported_module, "numpy");
+  ASSERT_TRUE(u.error.has_value());
+  EXPECT_EQ(u.error->type, "ModuleNotFoundError");
+  RunResult e = Toy("exit 3");
+  EXPECT_EQ(e.exit_code, 3);
+  EXPECT_FALSE(e.error.has_value());
+}
+
+TEST_F(NanoAbiTest, SessionKeepsStateAcrossRuns) {
+  absl::StatusOr<InstanceRef> ref = driver_->Create("abi_s", EnvSpec{});
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  EXPECT_EQ(Toy("set 41", &*ref).exit_code, 0);
+  EXPECT_EQ(Toy("get", &*ref).stdout_data, "value 41 reseeds 1 runs 2\n");
+  // An error does not reset the session.
+  EXPECT_EQ(Toy("raise KeyError k", &*ref).exit_code, 1);
+  EXPECT_EQ(Toy("get", &*ref).stdout_data, "value 41 reseeds 1 runs 4\n");
+  // Snapshot by fork: the copy continues from the same memory, independently.
+  absl::StatusOr<InstanceRef> copy = driver_->ForkSession(*ref, "abi_copy");
+  ASSERT_TRUE(copy.ok()) << copy.status();
+  EXPECT_EQ(Toy("set 7", &*copy).exit_code, 0);
+  EXPECT_EQ(Toy("get", &*copy).stdout_data, "value 7 reseeds 1 runs 6\n");
+  EXPECT_EQ(Toy("get", &*ref).stdout_data, "value 41 reseeds 1 runs 5\n");
+  // proc_exit discards the instance: fresh interpreter, reseeded again.
+  EXPECT_EQ(Toy("procexit 9", &*ref).exit_code, 9);
+  EXPECT_EQ(Toy("get", &*ref).stdout_data, "value 0 reseeds 1 runs 1\n");
+  // So does a timeout.
+  EXPECT_EQ(Toy("set 8", &*ref).exit_code, 0);
+  RunResult t = Toy("loop", &*ref, 200);
+  EXPECT_EQ(t.exit_code, 124);
+  EXPECT_TRUE(t.instance_reset);
+  EXPECT_EQ(Toy("get", &*ref).stdout_data, "value 0 reseeds 1 runs 1\n");
+  ASSERT_TRUE(driver_->Destroy(*copy).ok());
+  ASSERT_TRUE(driver_->Destroy(*ref).ok());
+}
+
+TEST_F(NanoAbiTest, ManySessionsAreCheap) {
+  std::vector<InstanceRef> refs;
+  for (int i = 0; i < 20; i++) {
+    absl::StatusOr<InstanceRef> ref = driver_->Create("abi_many_" + std::to_string(i), EnvSpec{});
+    ASSERT_TRUE(ref.ok()) << ref.status();
+    ASSERT_EQ(Toy("set " + std::to_string(i), &*ref).exit_code, 0);
+    refs.push_back(*ref);
+  }
+  for (int i = 0; i < 20; i++) {
+    EXPECT_EQ(Toy("get", &refs[i]).stdout_data,
+              "value " + std::to_string(i) + " reseeds 1 runs 2\n");
+    ASSERT_TRUE(driver_->Destroy(refs[i]).ok());
+  }
+}
+
+}  // namespace
+}  // namespace esb
+
+// ---------------- real CPython (nanobuild's artefact) ----------------
+
+namespace esb {
+namespace {
+
+class NanoPythonTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    if (std::string(NANO_PYTHON_WORKER).empty()) return;
+    absl::StatusOr<NanoDriverOptions> o = PythonNanoOptions(NANO_PYTHON_WORKER, NANO_PYTHON_DIR);
+    if (!o.ok()) return;
+    o->default_timeout_ms = 20000;
+    o->cgroup_name = "esb-nano-test";
+    driver_ = NewNanoDriver(*o).release();
+  }
+  static void TearDownTestSuite() {
+    delete driver_;
+    driver_ = nullptr;
+  }
+  void SetUp() override {
+    if (driver_ == nullptr) {
+      GTEST_SKIP() << "nanobuild's python artefact (" NANO_PYTHON_DIR
+                      "/libpython_wasm.a, stdlib.pack) was not present at configure time";
+    }
+  }
+  RunResult Py(const std::string& code, const InstanceRef* session = nullptr,
+               int64_t timeout_ms = 0, int64_t memory_mb = 0, int64_t max_out = 0) {
+    RunRequest r;
+    r.code = code;
+    r.timeout_ms = timeout_ms;
+    r.memory_limit_mb = memory_mb;
+    r.max_output_bytes = max_out;
+    absl::StatusOr<RunResult> res = driver_->Run(session, r);
+    EXPECT_TRUE(res.ok()) << res.status();
+    return res.ok() ? *res : RunResult{};
+  }
+  static NanoDriver* driver_;
+};
+NanoDriver* NanoPythonTest::driver_ = nullptr;
+
+TEST_F(NanoPythonTest, PrintOnePlusOne) {
+  RunResult r = Py("print(1+1)");
+  EXPECT_EQ(r.stdout_data, "2\n");
+  EXPECT_EQ(r.exit_code, 0) << r.stderr_data;
+  EXPECT_FALSE(r.error.has_value());
+}
+
+TEST_F(NanoPythonTest, JsonAndRe) {
+  RunResult r = Py("import json, re\n"
+                   "print(json.dumps({'a': [1, 2]}, sort_keys=True))\n"
+                   "print(re.findall(r'\\d+', 'a1b22c333'))\n"
+                   "print(json.loads('{\"x\": 1.5}')['x'] * 2)\n");
+  EXPECT_EQ(r.stdout_data, "{\"a\": [1, 2]}\n['1', '22', '333']\n3.0\n") << r.stderr_data;
+}
+
+TEST_F(NanoPythonTest, ExceptionIsStructured) {
+  RunResult r = Py("def f():\n    return 1/0\nf()\n");
+  EXPECT_EQ(r.exit_code, 1);
+  ASSERT_TRUE(r.error.has_value()) << r.stderr_data;
+  EXPECT_EQ(r.error->type, "ZeroDivisionError");
+  EXPECT_EQ(r.error->message, "division by zero");
+  EXPECT_NE(r.error->traceback.find("in f"), std::string::npos) << r.error->traceback;
+  EXPECT_NE(r.stderr_data.find("ZeroDivisionError"), std::string::npos);
+  EXPECT_TRUE(r.unsupported_module.empty());
+  RunResult syn = Py("def (:\n");
+  ASSERT_TRUE(syn.error.has_value());
+  EXPECT_EQ(syn.error->type, "SyntaxError");
+}
+
+TEST_F(NanoPythonTest, UnsupportedImportAndFeatures) {
+  RunResult r = Py("import numpy as np\n");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_EQ(r.unsupported_module, "numpy");
+  ASSERT_TRUE(r.error.has_value());
+  EXPECT_EQ(r.error->type, "ModuleNotFoundError");
+  RunResult s = Py("import socket\nsocket.create_connection(('1.1.1.1', 80))\n");
+  EXPECT_EQ(s.exit_code, 1);
+  EXPECT_EQ(s.unsupported_module, "socket") << s.stderr_data;
+  RunResult p = Py("import subprocess\nsubprocess.run(['ls'])\n");
+  EXPECT_EQ(p.unsupported_module, "subprocess") << p.stderr_data;
+  // Caught by the user: not an error.
+  RunResult c = Py("try:\n    import pandas\nexcept ImportError:\n    print('no pandas')\n");
+  EXPECT_EQ(c.exit_code, 0);
+  EXPECT_EQ(c.stdout_data, "no pandas\n");
+  EXPECT_TRUE(c.unsupported_module.empty());
+}
+
+TEST_F(NanoPythonTest, EscapesAndLimits) {
+  RunResult r = Py("import os\n"
+                   "print(sorted(os.listdir('/')))\n"
+                   "for p in ['/etc/passwd', '../../etc/passwd', '/proc/self/environ']:\n"
+                   "    try:\n"
+                   "        open(p).read(); print('LEAK', p)\n"
+                   "    except OSError as e:\n"
+                   "        print(type(e).__name__)\n");
+  EXPECT_EQ(r.stdout_data.find("LEAK"), std::string::npos) << r.stdout_data;
+  EXPECT_NE(r.stdout_data.find("['.esb', 'tmp', 'usr', 'workspace']"), std::string::npos)
+      << r.stdout_data << r.stderr_data;
+  RunResult m = Py("x = bytearray(512 * 1024 * 1024)\n", nullptr, 0, 64);
+  ASSERT_TRUE(m.error.has_value()) << m.stderr_data;
+  EXPECT_EQ(m.error->type, "MemoryError");
+  RunResult rec = Py("def f(n):\n    return f(n + 1)\nf(0)\n");
+  ASSERT_TRUE(rec.error.has_value()) << rec.stderr_data;
+  EXPECT_EQ(rec.error->type, "RecursionError");
+  RunResult out = Py("print('x' * 5_000_000)", nullptr, 0, 0, 10000);
+  EXPECT_TRUE(out.truncated);
+  EXPECT_EQ(out.stdout_data.size(), 10000u);
+  int64_t t0 = nano::NowMonoMs();
+  RunResult loop = Py("while True:\n    pass\n", nullptr, 500);
+  EXPECT_TRUE(loop.timed_out);
+  EXPECT_EQ(loop.exit_code, 124);
+  EXPECT_LT(nano::NowMonoMs() - t0, 2500);
+  RunResult big = Py("x = 10 ** (10 ** 8)\n", nullptr, 500);
+  EXPECT_EQ(big.exit_code, 124);
+  RunResult nap = Py("import time\ntime.sleep(100)\n", nullptr, 500);
+  EXPECT_EQ(nap.exit_code, 124);
+  EXPECT_LT(nap.duration_ms, 2500);
+  RunResult ok_nap = Py("import time\ntime.sleep(0.05)\nprint('woke')\n");
+  EXPECT_EQ(ok_nap.stdout_data, "woke\n") << ok_nap.stderr_data;
+  RunResult rnd1 = Py("import random; print(random.random())");
+  RunResult rnd2 = Py("import random; print(random.random())");
+  EXPECT_NE(rnd1.stdout_data, rnd2.stdout_data);
+}
+
+TEST_F(NanoPythonTest, SessionKeepsStateAndFiles) {
+  EnvSpec spec;
+  spec.runtime = "nano";
+  absl::StatusOr<InstanceRef> ref = driver_->Create("py_sess", spec);
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  EXPECT_EQ(Py("x = 41\nimport json\n", &*ref).exit_code, 0);
+  EXPECT_EQ(Py("print(x + 1, json.dumps([x]))", &*ref).stdout_data, "42 [41]\n");
+  ASSERT_TRUE(driver_->WriteFile(*ref, "data/in.txt", "hello from host", 0, true).ok());
+  RunResult r = Py("print(open('data/in.txt').read().upper())\n"
+                   "open('/workspace/out.txt', 'w').write('from python')\n",
+                   &*ref);
+  EXPECT_EQ(r.stdout_data, "HELLO FROM HOST\n") << r.stderr_data;
+  absl::StatusOr<FileChunk> c = driver_->ReadFile(*ref, "out.txt", 0, -1);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->data, "from python");
+  // Snapshot: fork the session; the copy has x and evolves independently.
+  absl::StatusOr<InstanceRef> copy = driver_->ForkSession(*ref, "py_copy");
+  ASSERT_TRUE(copy.ok()) << copy.status();
+  EXPECT_EQ(Py("x = 100", &*copy).exit_code, 0);
+  EXPECT_EQ(Py("print(x)", &*copy).stdout_data, "100\n");
+  EXPECT_EQ(Py("print(x)", &*ref).stdout_data, "41\n");
+  // A timeout discards the interpreter but keeps the workspace.
+  RunResult t = Py("while True: pass", &*ref, 300);
+  EXPECT_EQ(t.exit_code, 124);
+  EXPECT_TRUE(t.instance_reset);
+  RunResult after = Py("print('x' in globals(), open('out.txt').read())", &*ref);
+  EXPECT_EQ(after.stdout_data, "False from python\n") << after.stderr_data;
+  ASSERT_TRUE(driver_->Destroy(*copy).ok());
+  ASSERT_TRUE(driver_->Destroy(*ref).ok());
+}
+
+TEST_F(NanoPythonTest, Latency) {
+  for (int i = 0; i < 3; i++) Py("print(1)");  // warm up
+  std::vector<int64_t> us;
+  for (int i = 0; i < 100; i++) {
+    timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    RunResult r = Py("print(1)");
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    ASSERT_EQ(r.stdout_data, "1\n");
+    us.push_back((t1.tv_sec - t0.tv_sec) * 1000000 + (t1.tv_nsec - t0.tv_nsec) / 1000);
+  }
+  std::sort(us.begin(), us.end());
+  printf("nano one-shot Run(print(1)) with CPython: p50 %.2f ms, p99 %.2f ms (n=100)\n",
+         us[50] / 1000.0, us[98] / 1000.0);
+  absl::StatusOr<InstanceRef> ref = driver_->Create("py_lat", EnvSpec{});
+  ASSERT_TRUE(ref.ok());
+  std::vector<int64_t> su;
+  for (int i = 0; i < 100; i++) {
+    timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    Py("print(1)", &*ref);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    su.push_back((t1.tv_sec - t0.tv_sec) * 1000000 + (t1.tv_nsec - t0.tv_nsec) / 1000);
+  }
+  std::sort(su.begin(), su.end());
+  printf("nano session Run(print(1)) with CPython: p50 %.2f ms, p99 %.2f ms (n=100)\n",
+         su[50] / 1000.0, su[98] / 1000.0);
+  ASSERT_TRUE(driver_->Destroy(*ref).ok());
+}
+
+}  // namespace
+}  // namespace esb

@@ -1,0 +1,34 @@
+// The framed protocol between the nano driver (in esbd), the fork server and its workers, over
+// unix stream sockets. A message is a string→bytes map (binary safe); one frame is
+//   u32 little-endian body length, body = repeated (u32 key_len, key, u32 value_len, value).
+// A frame may carry one file descriptor (SCM_RIGHTS), attached to its first byte.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+
+namespace esb::nano {
+
+using Msg = std::map<std::string, std::string>;
+
+inline constexpr uint32_t kMaxMsgBytes = 80u << 20;
+
+std::string EncodeMsg(const Msg& msg);
+bool DecodeMsg(const std::string& body, Msg* msg);
+
+// Sends one frame (and `pass_fd` if >= 0). Returns false on error (errno set).
+bool SendMsg(int fd, const Msg& msg, int pass_fd = -1);
+// Receives one frame. `deadline_ms` is an absolute CLOCK_MONOTONIC time in ms (< 0: none).
+// `*got_fd` (if non-null) receives a passed fd or -1. Returns false on EOF/error/timeout
+// (`*timed_out` tells the last apart).
+bool RecvMsg(int fd, Msg* msg, int* got_fd = nullptr, int64_t deadline_ms = -1,
+             bool* timed_out = nullptr);
+
+int64_t NowMonoMs();
+
+// Helpers for typed fields.
+int64_t GetInt(const Msg& m, const std::string& key, int64_t def = 0);
+std::string GetStr(const Msg& m, const std::string& key);
+
+}  // namespace esb::nano

@@ -1,0 +1,3 @@
+__import__('os').system('x')
+importlib.import_module(name)
+exec(c)

@@ -1,0 +1,3 @@
+import a.b as c, d
+from x import (y,
+  z as w)

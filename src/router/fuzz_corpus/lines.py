@@ -1,0 +1,4 @@
+if x:
+	import y; import z \
+  , w
+# import q

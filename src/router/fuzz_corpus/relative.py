@@ -1,0 +1,2 @@
+from .. pkg import q
+from . import r

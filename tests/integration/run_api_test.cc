@@ -1,0 +1,182 @@
+// POST /run and nano environments, end to end: real esbd, real CPython-on-wasm workers, and the
+// container tier for the fallback.
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+
+#include <gtest/gtest.h>
+
+#include "integration/daemon.h"
+
+namespace esb::testing {
+namespace {
+namespace json = boost::json;
+
+class RunApiTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    if (!Reason().empty()) return;
+    daemon_ = new Daemon();
+    if (!daemon_->Start({})) {
+      delete daemon_;
+      daemon_ = nullptr;
+    }
+  }
+  static void TearDownTestSuite() {
+    delete daemon_;
+    daemon_ = nullptr;
+  }
+  static std::string Reason() {
+    std::string why = Daemon::SkipReason();
+    if (!why.empty()) return why;
+    const char* wasm = std::getenv("ESBD_PYTHON_WASM");
+    if (!wasm || !*wasm) return "ESBD_PYTHON_WASM is not set (run via `make test`)";
+    if (!std::filesystem::exists(std::string(ESB_BUILD_DIR) + "/esb-nano-worker"))
+      return "build/esb-nano-worker was not built (it needs the python.wasm artefact)";
+    return "";
+  }
+  void SetUp() override {
+    std::string why = Reason();
+    if (!why.empty()) GTEST_SKIP() << why;
+    ASSERT_NE(daemon_, nullptr) << "suite set-up failed";
+  }
+  HttpResult Run(const std::string& code, json::object extra = {}) {
+    extra["code"] = code;
+    return daemon_->Call("POST", "/run", extra);
+  }
+  static Daemon* daemon_;
+};
+Daemon* RunApiTest::daemon_ = nullptr;
+
+TEST_F(RunApiTest, PrintRunsOnNano) {
+  HttpResult r = Run("print(1 + 1)");
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(r.str("stdout"), "2\n");
+  EXPECT_EQ(r.num("exit_code"), 0);
+  EXPECT_EQ(r.str("tier"), "nano");
+  EXPECT_TRUE(r.obj().at("error").is_null());
+  EXPECT_TRUE(daemon_->Call("GET", "/healthz").obj().at("drivers").as_object().contains("nano"));
+}
+
+TEST_F(RunApiTest, StdlibLogicWorks) {
+  HttpResult r = Run(
+      "import json, re, datetime, collections, decimal, dataclasses, statistics\n"
+      "@dataclasses.dataclass\nclass P:\n    x: int\n"
+      "print(json.dumps({'n': collections.Counter('abca')['a'], 'm': re.findall(r'\\d+', 'a1b22'),"
+      " 'd': str(decimal.Decimal('1.1') + decimal.Decimal('2.2')), 'p': P(3).x,"
+      " 'mean': statistics.mean([1, 2, 3]), 'y': datetime.date(2026, 11, 22).year}))");
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(r.str("stdout"),
+            "{\"n\": 2, \"m\": [\"1\", \"22\"], \"d\": \"3.3\", \"p\": 3, \"mean\": 2, \"y\": 2026}\n")
+      << r.body;
+}
+
+TEST_F(RunApiTest, ExceptionComesBackStructured) {
+  HttpResult r = Run("def f():\n    return {}['missing']\nf()\n");
+  ASSERT_EQ(r.status, 200);
+  EXPECT_EQ(r.num("exit_code"), 1);
+  const auto& e = r.obj().at("error").as_object();
+  EXPECT_EQ(e.at("type").as_string(), "KeyError");
+  EXPECT_EQ(e.at("message").as_string(), "'missing'");
+  EXPECT_NE(std::string(e.at("traceback").as_string()).find("in f"), std::string::npos);
+}
+
+TEST_F(RunApiTest, UnsupportedModuleOnNanoIsReportedAndAutoFallsBackToHeavy) {
+  HttpResult nano = Run("import numpy", {{"runtime", "nano"}});
+  ASSERT_EQ(nano.status, 200) << nano.body;
+  EXPECT_EQ(nano.str("unsupported_module"), "numpy") << nano.body;
+  EXPECT_NE(nano.num("exit_code"), 0);
+  HttpResult aut = Run("import numpy\nprint(int(numpy.arange(5).sum()))");
+  ASSERT_EQ(aut.status, 200) << aut.body;
+  EXPECT_EQ(aut.str("stdout"), "10\n");
+  EXPECT_EQ(aut.str("tier"), "heavy");
+  EXPECT_NE(aut.str("reason").find("numpy"), std::string::npos) << aut.body;
+}
+
+TEST_F(RunApiTest, EscapeAttemptsAreContained) {
+  std::string secret = "/tmp/esb-nano-secret-" + std::to_string(getpid());
+  FILE* f = fopen(secret.c_str(), "w");
+  fputs("HOST-SECRET", f);
+  fclose(f);
+  struct Case {
+    const char* name;
+    std::string code;
+  } cases[] = {
+      {"read host file", "print(open('" + secret + "').read())"},
+      {"dot-dot traversal", "print(open('../../../../../../.." + secret + "').read())"},
+      {"etc passwd", "print(open('/etc/passwd').read())"},
+      {"proc", "print(open('/proc/self/environ').read())"},
+      {"socket", "import socket; s = socket.socket(); s.connect(('127.0.0.1', 22)); print('CONNECTED')"},
+      {"subprocess", "import subprocess; print(subprocess.run(['id']).returncode)"},
+      {"os.system", "import os; print(os.system('id'))"},
+  };
+  for (const auto& c : cases) {
+    HttpResult r = Run(c.code, {{"runtime", "nano"}});
+    ASSERT_EQ(r.status, 200) << c.name << ": " << r.body;
+    EXPECT_EQ(r.body.find("HOST-SECRET"), std::string::npos) << c.name;
+    EXPECT_EQ(r.body.find("root:x:0:0"), std::string::npos) << c.name;
+    EXPECT_EQ(r.str("stdout").find("CONNECTED"), std::string::npos) << c.name;
+    EXPECT_NE(r.num("exit_code"), 0) << c.name << ": " << r.body;
+  }
+  std::filesystem::remove(secret);
+}
+
+TEST_F(RunApiTest, InfiniteLoopTimesOutAndTheDaemonStaysHealthy) {
+  auto start = std::chrono::steady_clock::now();
+  HttpResult r = Run("while True:\n    pass\n", {{"runtime", "nano"}, {"timeout_ms", 500}});
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_TRUE(r.flag("timed_out"));
+  EXPECT_EQ(r.num("exit_code"), 124);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  EXPECT_EQ(Run("print('still fine')").str("stdout"), "still fine\n");
+}
+
+TEST_F(RunApiTest, MemoryRecursionAndOutputBombsAreContained) {
+  HttpResult mem = Run("x = bytearray(512 * 1024 * 1024)",
+                       {{"runtime", "nano"}, {"memory_limit_mb", 64}});
+  ASSERT_EQ(mem.status, 200) << mem.body;
+  EXPECT_EQ(mem.obj().at("error").as_object().at("type").as_string(), "MemoryError") << mem.body;
+  HttpResult rec = Run("def f(n): return f(n + 1)\nf(0)", {{"runtime", "nano"}});
+  EXPECT_EQ(rec.obj().at("error").as_object().at("type").as_string(), "RecursionError")
+      << rec.body;
+  HttpResult out = Run("print('x' * (50 * 1024 * 1024))", {{"runtime", "nano"}});
+  ASSERT_EQ(out.status, 200);
+  EXPECT_TRUE(out.flag("truncated"));
+  EXPECT_LE(out.str("stdout").size(), 1u << 20);
+}
+
+TEST_F(RunApiTest, NanoEnvironmentKeepsStateAndHasNoShell) {
+  HttpResult c = daemon_->Call("POST", "/environments", json::object{{"runtime", "nano"}});
+  ASSERT_EQ(c.status, 201) << c.body;
+  std::string id = c.str("environment_id");
+  auto run = [&](const std::string& code) {
+    return daemon_->Call("POST", "/environments/" + id + "/run", json::object{{"code", code}});
+  };
+  EXPECT_EQ(run("import math\ntotal = 40").num("exit_code"), 0);
+  EXPECT_EQ(run("total += 2\nprint(total, math.pi > 3)").str("stdout"), "42 True\n");
+  HttpResult w = daemon_->Call("POST", "/environments/" + id + "/files/write",
+                               json::object{{"path", "data.txt"}, {"content", "from api"}});
+  ASSERT_EQ(w.status, 200) << w.body;
+  EXPECT_EQ(run("print(open('data.txt').read())").str("stdout"), "from api\n");
+  EXPECT_EQ(run("open('out.txt', 'w').write('from python')").num("exit_code"), 0);
+  EXPECT_EQ(daemon_->Call("GET", "/environments/" + id + "/files/read?path=out.txt")
+                .str("content"),
+            "from python");
+  HttpResult sh = daemon_->Exec(id, "ls");
+  EXPECT_EQ(sh.status, 400);
+  EXPECT_NE(sh.str("message").find("no shell"), std::string::npos) << sh.body;
+  EXPECT_EQ(daemon_->Call("DELETE", "/environments/" + id).status, 200);
+  EXPECT_EQ(run("print(1)").status, 404);
+}
+
+TEST_F(RunApiTest, BadRunRequestsGet4xx) {
+  EXPECT_EQ(daemon_->Call("POST", "/run", json::object{}).status, 400);
+  EXPECT_EQ(daemon_->Call("POST", "/run", json::object{{"code", 5}}).status, 400);
+  EXPECT_EQ(Run("1", {{"runtime", "gpu"}}).status, 400);
+  EXPECT_EQ(Run("1", {{"timeout_ms", 0}}).status, 400);
+  EXPECT_EQ(Run("1", {{"bogus", true}}).status, 400);
+}
+
+}  // namespace
+}  // namespace esb::testing
