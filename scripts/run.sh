@@ -32,6 +32,19 @@ printf 'print(sum(range(10)))\n' > /tmp/esb-demo.py
 "$ESB" cp /tmp/esb-demo.py "$ENV_ID:demo.py"
 "$ESB" cat "$ENV_ID" demo.py
 "$ESB" exec "$ENV_ID" -- 'python3 demo.py'
+log "demo: one-shot Python through POST /run (the router picks the tier and says why)"
+for code in 'import json; print(json.dumps({"sum": sum(range(10))}))' \
+            'import pandas as pd; print(pd.Series([1, 2, 3]).mean())'; do
+  python3 - "$URL" "$code" <<'PY'
+import json, sys, urllib.request
+url, code = sys.argv[1], sys.argv[2]
+req = urllib.request.Request(url + "/run", data=json.dumps({"code": code}).encode(),
+                             headers={"Content-Type": "application/json"})
+r = json.load(urllib.request.urlopen(req, timeout=120))
+print("  %-62s -> %-14s tier=%s (%s), %d ms" % (code[:62], r["stdout"].strip(), r["tier"],
+                                                r["reason"], r["duration_ms"]))
+PY
+done
 log "demo: delete"
 "$ESB" rm "$ENV_ID"
 log "esbd keeps serving on $URL — try: curl -s -XPOST $URL/environments ; Ctrl-C stops it"

@@ -196,12 +196,31 @@ RunHandler MakeRunHandler(EnvironmentManager* manager, NanoDriver* nano,
       Outcome o = FromNano(*r);
       o.reason = "stateful nano session";
       outcome = o;
-    } else if (p.runtime == "auto" && rules && nano) {
-      router::RouteDecision d =
-          rules->Current()->Decide(scan, router::RouteRequest{"auto", p.packages, ""});
-      if (d.tier == router::Tier::kHeavy) {
-        outcome = run_heavy(tenant, p, d.reason);
+    } else {
+      // One-shot: pick the tier, then run; auto may fall back from nano to heavy.
+      bool use_nano = false, may_fall_back = false;
+      std::string reason;
+      if (p.runtime == "nano") {
+        if (!nano)
+          return ErrorResponse(400, "bad_request",
+                               "runtime 'nano' is not available on this daemon (see GET /healthz)");
+        use_nano = true;
+        reason = "runtime nano requested";
+      } else if (p.runtime != "auto") {
+        reason = absl::StrCat("runtime ", p.runtime, " requested");
+      } else if (!nano) {
+        reason = "auto: nano tier not available on this daemon";
+      } else if (rules) {
+        router::RouteDecision d =
+            rules->Current()->Decide(scan, router::RouteRequest{"auto", p.packages, ""});
+        use_nano = d.tier == router::Tier::kNano;
+        may_fall_back = true;
+        reason = d.reason;
       } else {
+        use_nano = may_fall_back = true;
+        reason = "auto: no routing rules, nano first";
+      }
+      if (use_nano) {
         RunRequest rr;
         rr.code = p.code;
         rr.timeout_ms = p.timeout_ms;
@@ -209,43 +228,22 @@ RunHandler MakeRunHandler(EnvironmentManager* manager, NanoDriver* nano,
         auto r = nano->Run(nullptr, rr);
         if (!r.ok()) return StatusResponse(r.status());
         Outcome o = FromNano(*r);
-        o.reason = d.reason;
-        if (!o.unsupported_module.empty() && manager->HasDriver("container")) {
+        o.reason = reason;
+        // Fallback (seed P2-013): a one-shot nano run has no effects beyond its own instance,
+        // so rerunning on heavy is safe.
+        if (may_fall_back && !o.unsupported_module.empty() && manager->HasDriver("container")) {
           outcome = run_heavy(tenant, p,
-                              absl::StrCat(d.reason, "; nano cannot provide '",
+                              absl::StrCat(reason, "; nano cannot provide '",
                                            o.unsupported_module, "', reran on heavy"));
         } else {
           outcome = o;
         }
-      }
-    } else if (p.runtime == "nano" || (p.runtime == "auto" && nano)) {
-      if (!nano)
+      } else if (!manager->HasDriver("container")) {
         return ErrorResponse(400, "bad_request",
-                             "runtime 'nano' is not available on this daemon (see GET /healthz)");
-      RunRequest rr;
-      rr.code = p.code;
-      rr.timeout_ms = p.timeout_ms;
-      rr.memory_limit_mb = p.memory_mb;
-      auto r = nano->Run(nullptr, rr);
-      if (!r.ok()) return StatusResponse(r.status());
-      Outcome o = FromNano(*r);
-      o.reason = p.runtime == "nano" ? "runtime nano requested" : "auto: nano first";
-      if (p.runtime == "auto" && !o.unsupported_module.empty() && manager->HasDriver("container")) {
-        // Fallback (seed P2-013): a one-shot nano run has no effects beyond its own instance,
-        // so rerunning on heavy is safe.
-        std::string why = absl::StrCat("auto: nano cannot provide '", o.unsupported_module,
-                                       "', reran on heavy");
-        outcome = run_heavy(tenant, p, why);
+                             "no tier can run this here: the container driver is not available");
       } else {
-        outcome = o;
+        outcome = run_heavy(tenant, p, reason);
       }
-    } else {
-      if (!manager->HasDriver("container"))
-        return ErrorResponse(400, "bad_request",
-                             "no tier can run this here: neither nano nor container is available");
-      outcome = run_heavy(tenant, p,
-                          p.runtime == "auto" ? "auto: nano tier not available on this daemon"
-                                              : absl::StrCat("runtime ", p.runtime, " requested"));
     }
     Response resp = outcome.ok() ? JsonResponse(200, Render(*outcome))
                                  : StatusResponse(outcome.status());

@@ -240,9 +240,9 @@ absl::StatusOr<EnvironmentInfo> EnvironmentManager::Create(const std::string& te
       pool_kick_ = true;  // refill in the background
     }
     wake_cv_.notify_all();
-    absl::Status st = spec.env.empty()
-                          ? candidate->driver->Attach(candidate->ref)
-                          : candidate->driver->Configure(candidate->ref, spec.env);
+    // One agent round trip both proves the instance is alive and sets its environment
+    // (Attach would also ask the OCI runtime: a process spawn on the fast path).
+    absl::Status st = candidate->driver->Configure(candidate->ref, spec.env);
     if (st.ok()) {
       env = candidate;
       pooled = true;

@@ -351,6 +351,20 @@ int main(int argc, char** argv) {
     return Fail(absl::StrCat("cannot listen on ", config.listen, ": ", st.message()));
   }
 
+  // Start the nano fork server now (it instantiates the interpreter once), so the first
+  // user's run does not pay for it.
+  std::thread nano_warmup;
+  if (nano) {
+    nano_warmup = std::thread([&nano] {
+      int64_t t0 = esb::MonotonicMs();
+      esb::RunRequest warm;
+      warm.code = "pass";
+      auto r = nano->Run(nullptr, warm);
+      if (r.ok()) esb::LogInfo(absl::StrCat("nano tier warm in ", esb::MonotonicMs() - t0, " ms"));
+      else esb::LogWarn(absl::StrCat("nano warm-up failed: ", r.status().ToString()));
+    });
+  }
+
   auto keys = (*store)->CountActiveApiKeys();
   bool loopback = host == "127.0.0.1" || host == "::1" || host == "localhost";
   if (keys.ok() && *keys == 0) {
@@ -374,6 +388,7 @@ int main(int argc, char** argv) {
   sigwait(&signals, &sig);
   esb::LogInfo(absl::StrCat("received ", strsignal(sig), "; shutting down (environments keep "
                             "running and are re-attached on the next start)"));
+  if (nano_warmup.joinable()) nano_warmup.join();
   server.Stop();
   manager.Stop();
   esb::LogInfo("bye");

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# End-to-end test of the `esb` CLI against a real esbd (root: containers). Exit 77 = skipped.
+set -uo pipefail
+BUILD="${1:?usage: cli_e2e.sh BUILD_DIR}"
+if [ "$(id -u)" -ne 0 ]; then echo "SKIP: needs root (containers)"; exit 77; fi
+if [ -z "${ESBD_IMAGE_DEFAULT:-}" ]; then echo "SKIP: ESBD_IMAGE_DEFAULT unset (run via make test)"; exit 77; fi
+
+STATE="$(mktemp -d /tmp/esb-cli-e2e-XXXXXX)"
+PORT="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')"
+"$BUILD/esbd" --listen "127.0.0.1:$PORT" --state-dir "$STATE" --pool-size 0 --unix-socket none \
+  >"$STATE/esbd.log" 2>&1 &
+PID=$!
+cleanup() {
+  kill -TERM "$PID" 2>/dev/null; wait "$PID" 2>/dev/null
+  "$BUILD/esbd" --state-dir "$STATE" cleanup >/dev/null 2>&1
+  rm -rf "$STATE"
+}
+trap cleanup EXIT
+for _ in $(seq 1 300); do curl -fs "http://127.0.0.1:$PORT/healthz" >/dev/null && break; sleep 0.1; done
+
+export ESB_URL="http://127.0.0.1:$PORT"
+ESB="$BUILD/esb"
+fails=0
+passes=0
+check() {  # check NAME EXPECTED ACTUAL
+  if [ "$2" == "$3" ]; then echo "ok   $1"; passes=$((passes+1)); else echo "FAIL $1: expected [$2], got [$3]"; fails=$((fails+1)); fi
+}
+
+check "health" 0 "$("$ESB" health >/dev/null; echo $?)"
+ENV="$("$ESB" create)"
+check "create prints an id" "env_" "${ENV:0:4}"
+check "exec output" "hello" "$("$ESB" exec "$ENV" -- echo hello)"
+"$ESB" exec "$ENV" -- 'cd /tmp && export X=7' >/dev/null
+check "exec keeps shell state" "/tmp 7" "$("$ESB" exec "$ENV" -- 'echo $PWD $X')"
+"$ESB" exec "$ENV" -- 'exit 5'
+check "exec exit code" 5 "$?"
+head -c 300000 /dev/urandom > "$STATE/blob"
+"$ESB" cp "$STATE/blob" "$ENV:data/blob.bin" >/dev/null 2>&1
+"$ESB" cp "$ENV:data/blob.bin" "$STATE/back" >/dev/null 2>&1
+check "cp round trip is byte-identical" 0 "$(cmp -s "$STATE/blob" "$STATE/back"; echo $?)"
+printf 'line one\n' > "$STATE/t.txt"
+"$ESB" cp "$STATE/t.txt" "$ENV:t.txt" >/dev/null 2>&1
+check "cat" "line one" "$("$ESB" cat "$ENV" t.txt)"
+check "ls lists it" 1 "$("$ESB" ls | grep -c "$ENV")"
+check "logs show the exec" 1 "$("$ESB" logs "$ENV" | grep -c 'exit 5')"
+check "audit search" 1 "$("$ESB" audit --q blob.bin --json | python3 -c 'import json,sys; print(min(1,len(json.load(sys.stdin)["entries"])))')"
+"$ESB" rm "$ENV" >/dev/null
+check "rm then exec fails" 1 "$("$ESB" exec "$ENV" -- true >/dev/null 2>&1; echo $?)"
+"$ESB" rm env_doesnotexist >/dev/null 2>&1
+check "rm unknown → exit 1" 1 "$?"
+kill -TERM "$PID"; wait "$PID" 2>/dev/null
+MSG="$("$ESB" ls 2>&1)"; RC=$?
+check "daemon down → exit 2" 2 "$RC"
+check "daemon down → says where" 1 "$(grep -c "cannot connect to esbd at $ESB_URL" <<<"$MSG")"
+
+echo "$passes passed, $fails failed"
+[ "$fails" -eq 0 ]
