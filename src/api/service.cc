@@ -576,7 +576,6 @@ Response ApiService::GetRaw(Request& req, const std::string& tenant) {
         Audit(tenant, id, "files.download", path, std::nullopt, MonotonicMs() - start, offset,
               w.ok() ? 200 : 499);
       });
-  std::string name = path.substr(path.find_last_of('/') + 1);
   resp.SetHeader("X-File-Size", std::to_string(first->file_size));
   return resp;
 }

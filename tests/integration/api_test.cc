@@ -217,11 +217,18 @@ TEST_F(ApiTest, HeartbeatExtendsTheLeaseAndTheReaperDestroysExpiredOnes) {
   std::string doomed = d.CreateEnv(json::object{{"ttl_seconds", 10}});
   std::string before = d.Call("GET", "/environments/" + keep).str("expires_at");
   std::this_thread::sleep_for(std::chrono::seconds(6));
-  HttpResult hb = d.Call("POST", "/environments/" + keep + "/heartbeat", json::object{});
+  HttpResult hb = d.Call("POST", "/environments/" + keep + "/heartbeat",
+                         json::object{{"ttl_seconds", 60}});
   ASSERT_EQ(hb.status, 200) << hb.body;
   EXPECT_GT(hb.str("expires_at"), before);
-  std::this_thread::sleep_for(std::chrono::seconds(6));
-  HttpResult g = d.Call("GET", "/environments/" + doomed);
+  // `doomed` expires ~10 s after creation; the reaper (1 s tick) then destroys it. Poll, so a
+  // slow destroy on a loaded machine does not make the test flaky.
+  HttpResult g;
+  for (int i = 0; i < 100; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    g = d.Call("GET", "/environments/" + doomed);
+    if (g.str("state") == "destroyed") break;
+  }
   EXPECT_EQ(g.str("state"), "destroyed") << g.body;
   EXPECT_EQ(g.str("destroy_reason"), "ttl_expired");
   EXPECT_EQ(d.Call("GET", "/environments/" + keep).str("state"), "running");
