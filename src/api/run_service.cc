@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "api/heavy_kernel.h"
 #include "api/json_util.h"
 #include "common/util.h"
 
@@ -21,6 +22,11 @@ struct Outcome {
   std::string unsupported_module;
   std::string tier, reason;
   bool instance_reset = false;
+  // Stateful container kernel only: the repr of the cell's final expression, and whether the
+  // kernel had to be killed (its state is gone).
+  bool kernel = false;
+  std::optional<std::string> value;
+  bool kernel_restarted = false;
 };
 
 // The last "Type: message" line of a CPython traceback on stderr.
@@ -57,6 +63,10 @@ json::object Render(const Outcome& o) {
                    {"reason", o.reason}};
   if (!o.unsupported_module.empty()) out["unsupported_module"] = o.unsupported_module;
   if (o.instance_reset) out["instance_reset"] = true;
+  if (o.kernel) {
+    out["value"] = o.value ? json::value(SanitizeUtf8(*o.value)) : json::value(nullptr);
+    out["kernel_restarted"] = o.kernel_restarted;
+  }
   return out;
 }
 
@@ -72,6 +82,82 @@ Outcome FromNano(const RunResult& r) {
   o.unsupported_module = r.unsupported_module;
   o.instance_reset = r.instance_reset;
   o.tier = "nano";
+  return o;
+}
+
+// A stateful cell in a container environment, through kernel.py (heavy_kernel.cc) and the
+// ordinary WriteFile / Exec / ReadFile calls.
+absl::StatusOr<Outcome> RunInContainerKernel(EnvironmentManager* manager,
+                                             const std::string& tenant, const std::string& id,
+                                             const std::string& code, int64_t timeout_ms) {
+  const std::string dir(kHeavyKernelDir), kernel(kHeavyKernelPath);
+  // Written every time: it is small, and a stale or tampered copy gets replaced.
+  if (absl::Status st = manager->WriteFile(tenant, id, kernel, HeavyKernelSource(), 0, true);
+      !st.ok())
+    return st;
+  const std::string tag = RandomHex(8);
+  const std::string cell = absl::StrCat(dir, "/cell-", tag, ".py");
+  const std::string result = absl::StrCat(dir, "/result-", tag, ".json");
+  if (absl::Status st = manager->WriteFile(tenant, id, cell, code, 0, true); !st.ok()) return st;
+  ExecRequest exec;
+  exec.command = absl::StrCat("python3 ", kernel, " run ", cell, " ", result, " ", timeout_ms);
+  exec.timeout = std::chrono::milliseconds(timeout_ms + 5000);
+  auto r = manager->Exec(tenant, id, exec, nullptr);
+  if (!r.ok()) return r.status();
+  Outcome o;
+  o.kernel = true;
+  o.tier = "heavy";
+  o.reason = "stateful container kernel";
+  o.stdout_data = r->stdout_data;
+  o.stderr_data = r->stderr_data;
+  o.duration_ms = r->duration_ms;
+  o.truncated = r->truncated;
+  auto chunk = manager->ReadFile(tenant, id, result, 0, 1 << 20);
+  json::object res;
+  if (chunk.ok()) {
+    boost::system::error_code ec;
+    json::value v = json::parse(chunk->data, ec);
+    if (!ec && v.is_object()) res = v.as_object();
+  }
+  if (res.empty()) {
+    // The client itself failed (python3 missing, killed by the exec timeout, ...).
+    o.timed_out = r->timed_out;
+    o.exit_code = r->timed_out ? 124 : (r->exit_code == 0 ? 1 : r->exit_code);
+    o.error = RunError{"KernelError",
+                       r->timed_out ? "the kernel client did not finish in time"
+                                    : "the kernel client wrote no result (is python3 installed "
+                                      "in the image?)",
+                       r->stderr_data};
+    return o;
+  }
+  // Best effort: the result file is not needed any more.
+  ExecRequest rm;
+  rm.command = absl::StrCat("rm -f ", result);
+  rm.timeout = std::chrono::milliseconds(5000);
+  manager->Exec(tenant, id, rm, nullptr).IgnoreError();
+  auto str = [&](const char* key) -> std::string {
+    const json::value* v = res.if_contains(key);
+    return v && v->is_string() ? std::string(v->as_string()) : std::string();
+  };
+  auto flag = [&](const char* key) {
+    const json::value* v = res.if_contains(key);
+    return v && v->is_bool() && v->as_bool();
+  };
+  const std::string status = str("status");
+  o.timed_out = flag("timed_out");
+  o.kernel_restarted = flag("kernel_restarted");
+  o.truncated = o.truncated || flag("truncated");
+  if (const json::value* v = res.if_contains("value"); v && v->is_string())
+    o.value = std::string(v->as_string());
+  if (const json::value* e = res.if_contains("error"); e && e->is_object()) {
+    const json::object& eo = e->as_object();
+    auto field = [&](const char* key) -> std::string {
+      const json::value* v = eo.if_contains(key);
+      return v && v->is_string() ? std::string(v->as_string()) : std::string();
+    };
+    o.error = RunError{field("type"), field("message"), field("traceback")};
+  }
+  o.exit_code = status == "ok" ? 0 : (o.timed_out ? 124 : 1);
   return o;
 }
 
@@ -183,19 +269,21 @@ RunHandler MakeRunHandler(EnvironmentManager* manager, NanoDriver* nano,
       auto resolved = manager->Resolve(tenant, env_id);
       if (!resolved.ok()) return StatusResponse(resolved.status());
       auto [driver, ref] = *resolved;
-      if (driver->name() != "nano" || !nano)
-        return ErrorResponse(400, "bad_request",
-                             "stateful Python runs need a nano environment for now (the "
-                             "container kernel arrives with the hybrid runtime); use "
-                             "POST /environments/{id}/execute with python3");
-      RunRequest rr;
-      rr.code = p.code;
-      rr.timeout_ms = p.timeout_ms;
-      auto r = nano->Run(&ref, rr);
-      if (!r.ok()) return StatusResponse(r.status());
-      Outcome o = FromNano(*r);
-      o.reason = "stateful nano session";
-      outcome = o;
+      if (driver->name() != "nano") {
+        outcome = RunInContainerKernel(manager, tenant, env_id, p.code, p.timeout_ms);
+      } else {
+        if (!nano)
+          return ErrorResponse(400, "bad_request",
+                               "the nano tier is not available on this daemon");
+        RunRequest rr;
+        rr.code = p.code;
+        rr.timeout_ms = p.timeout_ms;
+        auto r = nano->Run(&ref, rr);
+        if (!r.ok()) return StatusResponse(r.status());
+        Outcome o = FromNano(*r);
+        o.reason = "stateful nano session";
+        outcome = o;
+      }
     } else {
       // One-shot: pick the tier, then run; auto may fall back from nano to heavy.
       bool use_nano = false, may_fall_back = false;

@@ -178,5 +178,145 @@ TEST_F(RunApiTest, BadRunRequestsGet4xx) {
   EXPECT_EQ(Run("1", {{"bogus", true}}).status, 400);
 }
 
+// Stateful Python in a container environment (issue 5, heavy tier): kernel.py keeps one
+// interpreter per environment. Needs only the container driver, not the nano artefact.
+class ContainerKernelTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    if (!Daemon::SkipReason().empty()) return;
+    daemon_ = new Daemon();
+    if (!daemon_->Start({})) {
+      delete daemon_;
+      daemon_ = nullptr;
+    }
+  }
+  static void TearDownTestSuite() {
+    if (daemon_) daemon_->StopAndCleanup();
+    delete daemon_;
+    daemon_ = nullptr;
+  }
+  void SetUp() override {
+    std::string why = Daemon::SkipReason();
+    if (!why.empty()) GTEST_SKIP() << why;
+    ASSERT_NE(daemon_, nullptr) << "suite set-up failed";
+    id_ = daemon_->CreateEnv(json::object{{"runtime", "container"}});
+    ASSERT_FALSE(id_.empty());
+  }
+  void TearDown() override {
+    if (daemon_ && !id_.empty()) daemon_->Call("DELETE", "/environments/" + id_);
+  }
+  HttpResult Cell(const std::string& code, int64_t timeout_ms = 30000) {
+    HttpResult r = daemon_->Call("POST", "/environments/" + id_ + "/run",
+                                 json::object{{"code", code}, {"timeout_ms", timeout_ms}});
+    EXPECT_EQ(r.status, 200) << r.body;
+    return r;
+  }
+  static bool ValueIsNull(const HttpResult& r) {
+    const json::value* v = r.obj().if_contains("value");
+    return v && v->is_null();
+  }
+  static Daemon* daemon_;
+  std::string id_;
+};
+Daemon* ContainerKernelTest::daemon_ = nullptr;
+
+TEST_F(ContainerKernelTest, StatePersistsAndTheFinalExpressionIsTheValue) {
+  HttpResult a = Cell("x = 1");
+  EXPECT_EQ(a.num("exit_code"), 0) << a.body;
+  EXPECT_TRUE(ValueIsNull(a)) << a.body;
+  EXPECT_EQ(a.str("tier"), "heavy");
+  EXPECT_EQ(a.str("reason"), "stateful container kernel");
+  EXPECT_FALSE(a.flag("kernel_restarted"));
+  HttpResult b = Cell("x + 1");
+  EXPECT_EQ(b.str("value"), "2") << b.body;
+  EXPECT_EQ(b.str("stdout"), "");
+  EXPECT_TRUE(b.obj().at("error").is_null()) << b.body;
+  // A statement at the end has no value; None is not shown either (like a notebook).
+  EXPECT_TRUE(ValueIsNull(Cell("y = x * 10\nNone"))) << "None must not be a value";
+  EXPECT_EQ(Cell("[y, 'a']").str("value"), "[10, 'a']");
+}
+
+TEST_F(ContainerKernelTest, ImportsAndDefinitionsPersist) {
+  EXPECT_EQ(Cell("import math\ndef sq(v):\n    return v * v").num("exit_code"), 0);
+  HttpResult r = Cell("sq(3) + int(math.sqrt(16))");
+  EXPECT_EQ(r.str("value"), "13") << r.body;
+}
+
+TEST_F(ContainerKernelTest, PrintOutputAndFinalValueBothComeBack) {
+  HttpResult r = Cell("import sys\nprint('hello')\nprint('oops', file=sys.stderr)\n6 * 7");
+  EXPECT_EQ(r.str("stdout"), "hello\n") << r.body;
+  EXPECT_EQ(r.str("stderr"), "oops\n") << r.body;
+  EXPECT_EQ(r.str("value"), "42") << r.body;
+  EXPECT_EQ(r.num("exit_code"), 0);
+}
+
+TEST_F(ContainerKernelTest, ExceptionComesBackStructuredAndStateSurvives) {
+  Cell("kept = 'yes'");
+  HttpResult r = Cell("def f():\n    return {}['missing']\nf()\n");
+  EXPECT_EQ(r.num("exit_code"), 1) << r.body;
+  ASSERT_TRUE(r.obj().at("error").is_object()) << r.body;
+  const auto& e = r.obj().at("error").as_object();
+  EXPECT_EQ(e.at("type").as_string(), "KeyError");
+  EXPECT_EQ(e.at("message").as_string(), "'missing'");
+  std::string tb(e.at("traceback").as_string());
+  EXPECT_NE(tb.find("in f"), std::string::npos) << tb;
+  EXPECT_EQ(tb.find("kernel.py"), std::string::npos) << "kernel frames leak: " << tb;
+  EXPECT_TRUE(ValueIsNull(r));
+  HttpResult syn = Cell("def broken(:");
+  EXPECT_EQ(syn.obj().at("error").as_object().at("type").as_string(), "SyntaxError") << syn.body;
+  EXPECT_EQ(Cell("kept").str("value"), "'yes'");
+}
+
+TEST_F(ContainerKernelTest, BusyLoopTimesOutAndTheKernelKeepsWorking) {
+  Cell("before = 5");
+  auto start = std::chrono::steady_clock::now();
+  HttpResult r = Cell("while True:\n    pass\n", 1500);
+  auto took = std::chrono::steady_clock::now() - start;
+  EXPECT_TRUE(r.flag("timed_out")) << r.body;
+  EXPECT_EQ(r.num("exit_code"), 124) << r.body;
+  EXPECT_LT(took, std::chrono::seconds(8));
+  ASSERT_TRUE(r.obj().at("error").is_object()) << r.body;
+  EXPECT_EQ(r.obj().at("error").as_object().at("type").as_string(), "KeyboardInterrupt");
+  HttpResult after = Cell("before + 1");
+  if (r.flag("kernel_restarted")) {
+    // Allowed, but then it must say so and the state is gone.
+    EXPECT_EQ(after.obj().at("error").as_object().at("type").as_string(), "NameError");
+  } else {
+    EXPECT_EQ(after.str("value"), "6") << after.body;
+  }
+}
+
+TEST_F(ContainerKernelTest, SleepIsInterruptedAndAnIgnoredInterruptRestartsTheKernel) {
+  Cell("state = 1");
+  HttpResult r = Cell("import time; time.sleep(100)", 1500);
+  EXPECT_TRUE(r.flag("timed_out")) << r.body;
+  EXPECT_FALSE(r.flag("kernel_restarted")) << r.body;
+  EXPECT_EQ(r.obj().at("error").as_object().at("type").as_string(), "KeyboardInterrupt");
+  EXPECT_EQ(Cell("state").str("value"), "1");
+  // A cell that swallows KeyboardInterrupt: the kernel is killed, restarted, and says so.
+  auto start = std::chrono::steady_clock::now();
+  HttpResult stubborn = Cell(
+      "import time\nwhile True:\n    try:\n        time.sleep(1)\n"
+      "    except KeyboardInterrupt:\n        pass\n",
+      1000);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(8));
+  EXPECT_TRUE(stubborn.flag("timed_out")) << stubborn.body;
+  EXPECT_TRUE(stubborn.flag("kernel_restarted")) << stubborn.body;
+  HttpResult fresh = Cell("state");
+  EXPECT_EQ(fresh.obj().at("error").as_object().at("type").as_string(), "NameError")
+      << fresh.body;
+  EXPECT_EQ(Cell("1 + 1").str("value"), "2");
+}
+
+TEST_F(ContainerKernelTest, OutputBombIsTruncatedAndTheKernelSurvives) {
+  Cell("alive = True");
+  HttpResult r = Cell("print('x' * (50 * 1024 * 1024))\n'done'", 20000);
+  EXPECT_TRUE(r.flag("truncated")) << r.body.substr(0, 300);
+  EXPECT_LE(r.str("stdout").size(), 2u << 20);
+  EXPECT_FALSE(r.flag("timed_out"));
+  EXPECT_EQ(r.str("value"), "'done'");
+  EXPECT_EQ(Cell("alive").str("value"), "True");
+}
+
 }  // namespace
 }  // namespace esb::testing
