@@ -242,14 +242,21 @@ absl::StatusOr<ExecResult> AgentClient::Exec(const ExecRequest& request, const O
   auto on_output = [&](const proto::Frame& frame) {
     Stream stream =
         StringField(frame.header, "stream") == "stderr" ? Stream::kStderr : Stream::kStdout;
-    (stream == Stream::kStderr ? result.stderr_data : result.stdout_data) += frame.payload;
+    // SECURITY: the peer is inside the sandbox and may not be the real agent (sandbox code
+    // runs as the same uid and can replace the socket): never buffer more than the cap.
+    std::string& buf = stream == Stream::kStderr ? result.stderr_data : result.stdout_data;
+    size_t room = request.max_output_bytes > static_cast<int64_t>(buf.size())
+                      ? static_cast<size_t>(request.max_output_bytes) - buf.size()
+                      : 0;
+    if (frame.payload.size() > room) result.truncated = true;
+    buf.append(frame.payload, 0, std::min(room, frame.payload.size()));
     return !sink || sink(stream, frame.payload);  // empty payload: a liveness tick
   };
   absl::StatusOr<proto::Frame> response = call.Receive(deadline, on_output);
   if (!response.ok()) return response.status();
   result.exit_code = static_cast<int>(IntField(response->header, "exit_code", -1));
   result.timed_out = BoolField(response->header, "timed_out");
-  result.truncated = BoolField(response->header, "truncated");
+  result.truncated = result.truncated || BoolField(response->header, "truncated");
   result.duration_ms = IntField(response->header, "duration_ms");
   return result;
 }
