@@ -483,12 +483,11 @@ Response ApiService::ReadFile(Request& req, const std::string& tenant) {
     } else {
       resp = FileStatusResponse(st);
     }
-    // Seed 004's read_file shape carries the error text in `content` as well.
-    json::object o = ErrorBody(ErrorCodeForStatus(resp.status), StdView(st.message()));
-    if (resp.status == 403) o["code"] = "forbidden";
-    if (resp.status == 507) o["code"] = "insufficient_storage";
-    o["content"] = std::string(st.message());
-    resp.body = ToJson(o);
+    // Seed 004's read_file shape carries the error text in `content` as well: add it to the
+    // error body built above rather than re-deriving its code here.
+    json::value body = json::parse(resp.body);
+    body.as_object()["content"] = std::string(st.message());
+    resp.body = ToJson(body);
   } else {
     bool text = IsValidUtf8(data);
     resp = JsonResponse(200, json::object{{"error", false},
