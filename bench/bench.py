@@ -260,6 +260,110 @@ def nano_session_memory(url, sessions):
     return len(ids), workers, pss / 1024.0
 
 
+# The "mixed" workload: what an agent's code calls look like when most are plain logic and a
+# few need pandas. Each snippet prints a deterministic line that the bench checks.
+MIXED_LOGIC = [
+    'import json\nd = {"a": [1, 2, 3], "b": {"c": "x"}}\ns = json.dumps(d, sort_keys=True)\n'
+    'print(len(s), json.loads(s)["a"][2])',
+    'import re\ntext = "alice@example.com, bob@test.org; carol@x.io"\n'
+    'print(sorted(re.findall(r"[\\w.]+@([\\w.]+)", text)))',
+    'import math\nprint(round(sum(math.sqrt(i) for i in range(1, 2001)), 3))',
+    'from collections import Counter\n'
+    'words = "the quick brown fox jumps over the lazy dog the end".split()\n'
+    'print(Counter(words).most_common(2))',
+    'import json, collections\nrows = [{"k": i % 3, "v": i} for i in range(100)]\n'
+    'acc = collections.defaultdict(int)\nfor r in rows:\n    acc[r["k"]] += r["v"]\n'
+    'print(json.dumps(acc, sort_keys=True))',
+]
+MIXED_PANDAS = [
+    ('import pandas as pd\n'
+     'df = pd.DataFrame({"team": ["a", "b", "a", "c", "b", "a"], "pts": [3, 5, 2, 7, 1, 4]})\n'
+     'print(df.groupby("team")["pts"].sum().to_dict())', "{'a': 9, 'b': 6, 'c': 7}\n"),
+    ('import pandas as pd\n'
+     'df = pd.DataFrame({"team": ["a", "b", "a", "c", "b", "a"], "pts": [3, 5, 2, 7, 1, 4]})\n'
+     'print(df.groupby("team")["pts"].mean().round(2).to_dict())',
+     "{'a': 3.0, 'b': 3.0, 'c': 7.0}\n"),
+]
+
+
+def mixed_workload(n, seed=20261122):
+    """n (code, expected stdout, kind) in a fixed shuffled order: 80% logic, 20% pandas.
+    Logic snippets' expected output comes from running them here (pure stdlib)."""
+    import contextlib
+    import io
+    import random
+    expected = {}
+    for code in MIXED_LOGIC:
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            exec(compile(code, "<mixed>", "exec"), {})
+        expected[code] = buf.getvalue()
+    n_pandas = n // 5
+    work = [(MIXED_LOGIC[i % len(MIXED_LOGIC)], None, "logic") for i in range(n - n_pandas)]
+    work += [(MIXED_PANDAS[i % len(MIXED_PANDAS)][0], MIXED_PANDAS[i % len(MIXED_PANDAS)][1],
+              "pandas") for i in range(n_pandas)]
+    random.Random(seed).shuffle(work)
+    return [(code, exp if exp is not None else expected[code], kind) for code, exp, kind in work]
+
+
+def bench_mixed(url, work, runtime):
+    """Runs the workload back to back through POST /run with one runtime; returns per-call
+    latencies, total wall time, a count of the answers' tiers and the failures."""
+    import collections
+    c = KeepAlive(url)
+    lat, tiers, failures = [], collections.Counter(), []
+    t_all = time.perf_counter()
+    for code, expected, kind in work:
+        t0 = time.perf_counter()
+        st, r = c.call("POST", "/run", {"code": code, "runtime": runtime, "timeout_ms": 60000})
+        lat.append(ms(t0))
+        r = r or {}
+        tiers[str(r.get("tier"))] += 1
+        if st != 200 or r.get("exit_code") != 0 or r.get("stdout") != expected:
+            failures.append("%s/%s: HTTP %s exit %s stdout %r stderr %r" % (
+                runtime, kind, st, r.get("exit_code"), (r.get("stdout") or "")[:80],
+                (r.get("stderr") or r.get("message") or "")[-200:]))
+    return lat, ms(t_all), tiers, failures
+
+
+def run_mixed(url, n):
+    work = mixed_workload(n)
+    kinds = {"logic": sum(1 for w in work if w[2] == "logic"),
+             "pandas": sum(1 for w in work if w[2] == "pandas")}
+    print("Measuring mixed workload: %d POST /run calls (%d logic, %d pandas), runtime auto "
+          "then heavy ..." % (len(work), kinds["logic"], kinds["pandas"]), file=sys.stderr)
+    # Warm-up (not counted): one call of each kind on each runtime, so neither mode pays
+    # first-use costs (page cache, worker start) inside its measurement.
+    warm = [next(w for w in work if w[2] == "logic"), next(w for w in work if w[2] == "pandas")]
+    for runtime in ("auto", "heavy"):
+        bench_mixed(url, warm, runtime)
+    results = {}
+    for runtime in ("auto", "heavy"):
+        results[runtime] = bench_mixed(url, work, runtime)
+    print()
+    print("| %-30s | %5s | %10s | %9s | %9s | %11s | %12s | %-18s | %8s |" % (
+        "mixed workload, runtime", "n", "total (ms)", "p50", "p95", "logic p50",
+        "pandas p50", "tiers used", "failures"))
+    print("|" + "-" * 32 + "|" + "-" * 7 + "|" + "-" * 12 + "|" + "-" * 11 + "|" + "-" * 11
+          + "|" + "-" * 13 + "|" + "-" * 14 + "|" + "-" * 20 + "|" + "-" * 10 + "|")
+    for runtime in ("auto", "heavy"):
+        lat, wall, tiers, failures = results[runtime]
+        by_kind = {k: [t for t, w in zip(lat, work) if w[2] == k] for k in ("logic", "pandas")}
+        print("| %-30s | %5d | %10.0f | %9.2f | %9.2f | %11.2f | %12.2f | %-18s | %8d |" % (
+            runtime + (" (always-heavy baseline)" if runtime == "heavy" else ""), len(lat),
+            wall, pct(lat, 50), pct(lat, 95), pct(by_kind["logic"], 50),
+            pct(by_kind["pandas"], 50),
+            ", ".join("%s=%d" % kv for kv in sorted(tiers.items())), len(failures)))
+    a_lat, a_wall = results["auto"][0], results["auto"][1]
+    h_lat, h_wall = results["heavy"][0], results["heavy"][1]
+    print()
+    print("mixed: heavy/auto total wall %.2fx, p50 %.2fx, p95 %.2fx" % (
+        h_wall / a_wall, pct(h_lat, 50) / pct(a_lat, 50), pct(h_lat, 95) / pct(a_lat, 95)))
+    for runtime in ("auto", "heavy"):
+        for f in results[runtime][3][:3]:
+            print("  failure: " + f)
+
+
 def row(name, values, baseline_name=None, baseline=None, goal=""):
     p50, p99 = pct(values, 50), pct(values, 99)
     ratio = ""
@@ -276,7 +380,13 @@ def main():
     ap.add_argument("--concurrency", type=int, default=100)
     ap.add_argument("--pool-wait", type=int, default=0,
                     help="before the concurrency test, wait until this many pooled instances are ready")
+    ap.add_argument("--bench", choices=("all", "mixed"), default="all",
+                    help="'mixed': only the auto-vs-heavy mixed POST /run workload")
+    ap.add_argument("--mixed-n", type=int, default=50, help="calls in the mixed workload")
     a = ap.parse_args()
+    if a.bench == "mixed":
+        run_mixed(a.url, a.mixed_n)
+        return
     c = Client(a.url)
     n = a.iterations
 

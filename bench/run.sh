@@ -4,6 +4,8 @@ set -euo pipefail
 LOG_TAG=bench
 . "$(dirname "$0")/../scripts/common.sh"
 [ "$(id -u)" -eq 0 ] || exec sudo -E "$0" "$@"
+# `bench/run.sh mixed [...]` runs only the mixed auto-vs-heavy POST /run workload.
+if [ "${1:-}" = "mixed" ]; then shift; set -- --bench mixed "$@"; fi
 load_images_env
 PORT="$(free_port)"
 STATE="$(mktemp -d /tmp/esb-bench-XXXXXX)"

@@ -1,7 +1,14 @@
-// kernel.py: the heavy tier's stateful Python kernel. esbd writes it to
-// /tmp/.esb-kernel/kernel.py inside a container environment and runs each cell with
-//   python3 /tmp/.esb-kernel/kernel.py run CELLFILE RESULTFILE TIMEOUT_MS
-// through the ordinary Exec call (no agent or driver changes).
+// kernel.py: the heavy tier's Python kernel. esbd writes it to /tmp/.esb-kernel/kernel.py
+// inside a container environment and runs each cell with
+//   python3 /tmp/.esb-kernel/kernel.py run|once CELLFILE RESULTFILE TIMEOUT_MS FORMATS
+// through the ordinary Exec call (no agent or driver changes). `run` = a cell of the
+// environment's persistent kernel; `once` = a one-shot run in this process (POST /run on heavy).
+//
+// Every cell (both modes) returns `table` (a final DataFrame/Series as columns + rows) and
+// `artifacts`: figures saved as FORMATS (png,svg) into RESULTFILE's "-art" directory — on
+// plt.show() through an in-memory matplotlib backend module, and for figures left open at the
+// end — plus files created or changed under /workspace/artifacts during the cell. esbd copies
+// the reported files out (run_service.cc) and removes the staging directory.
 //
 // Server mode (`serve`, started on demand by the client, double-forked + setsid so it outlives
 // the exec's process group; stdio on /dev/null): listens on /tmp/.esb-kernel/sock (dir 0700,
@@ -12,15 +19,19 @@
 // the client as a JSON line (capped at 2 MiB per cell -> `truncated`). Exceptions come back as
 // {type, message, traceback} without the kernel's own frames. SIGINT raises KeyboardInterrupt
 // only while a cell runs (a late interrupt between cells is ignored).
-// Wire format: the client sends {"code": ...}\n; the server answers {"t":"out","s":"stdout"|
-// "stderr","d":...}\n lines, then {"t":"done","status","value","error","truncated"}\n.
+// Wire format: the client sends {"code", "formats", "outdir"}\n; the server answers
+// {"t":"out","s":"stdout"|"stderr","d":...}\n lines, then {"t":"done","status","value",
+// "error","truncated","table","artifacts"}\n.
 //
 // Client mode (`run`): serialises cells with flock, starts the server if nothing listens,
 // relays output to its own stdout/stderr, and at the deadline sends SIGINT to the server (its
 // pid from SO_PEERCRED). If no answer comes within 2 s more, it SIGKILLs the server, removes
 // the socket (the next cell starts a fresh kernel) and reports kernel_restarted. It always
-// writes {status ok|error|interrupted, value, error, kernel_restarted, timed_out, truncated}
-// to RESULTFILE and exits 0 (its own failure shows as a missing result file).
+// writes {status ok|error|interrupted, value, error, kernel_restarted, timed_out, truncated,
+// table, artifacts} to RESULTFILE and exits 0 (its own failure shows as a missing result file).
+//
+// Once mode (`once`): the same cell in the client's own process; SIGALRM at the deadline raises
+// KeyboardInterrupt, and a cell that ignores it is ended 2 s later (still with a result file).
 #include "api/heavy_kernel.h"
 
 namespace esb::api {
@@ -30,14 +41,20 @@ constexpr std::string_view kKernelPy = R"PY(
 # esb heavy-tier Python kernel (written into the environment by esbd; stdlib only).
 #   python3 kernel.py serve                                 -> the persistent kernel
 #   python3 kernel.py run CELLFILE RESULTFILE TIMEOUT_MS    -> run one cell through it
-import ast, builtins, errno, fcntl, glob, json, linecache, os, select, signal, socket
-import struct, sys, time, traceback, types
+import ast, builtins, errno, fcntl, glob, importlib.abc, importlib.util, json, linecache
+import mimetypes, os, select, signal, socket, stat, struct, sys, time, traceback, types
 
 DIR = os.path.dirname(os.path.abspath(__file__))
 SOCK = os.path.join(DIR, "sock")
 VALUE_MAX = 64 * 1024
 STREAM_MAX = 2 * 1024 * 1024
 GRACE_S = 2.0
+ARTIFACTS = "/workspace/artifacts"   # files written here during a cell are artifacts
+ARTIFACT_SCAN_MAX = 2000             # entries looked at per scan of ARTIFACTS
+ARTIFACTS_PER_CELL = 32
+FIGURE_FORMATS = {"png": "image/png", "svg": "image/svg+xml"}
+TABLE_ROWS, TABLE_COLS, TABLE_CELL = 200, 50, 1000
+BACKEND = "_esb_mpl_backend"
 
 
 def send(conn, msg):
@@ -69,8 +86,10 @@ class Forward:
 
 
 class Cell:
-    def __init__(self, conn):
-        self.conn, self.alive, self.sent, self.truncated = conn, True, 0, False
+    """Forwards one cell's output through `deliver(stream, text)`, capped at STREAM_MAX."""
+
+    def __init__(self, deliver):
+        self.deliver, self.alive, self.sent, self.truncated = deliver, True, 0, False
 
     def emit(self, name, s):
         if not s or not self.alive:
@@ -82,9 +101,198 @@ class Cell:
             return
         self.sent += len(s)
         try:
-            send(self.conn, {"t": "out", "s": name, "d": s})
+            self.deliver(name, s)
         except OSError:
             self.alive = False
+
+
+def write_std(name, s):
+    data = s.encode("utf-8", "replace")
+    fd = 1 if name == "stdout" else 2
+    while data:
+        data = data[os.write(fd, data):]
+
+
+# Matplotlib: MPLBACKEND=module://_esb_mpl_backend, a module this finder provides without a
+# file on disk. It draws with Agg and its show() captures the open figures as artifacts, so
+# plt.show() behaves like a notebook's inline backend.
+BACKEND_SOURCE = """
+from matplotlib.backends.backend_agg import FigureCanvasAgg as FigureCanvas
+from matplotlib.backend_bases import FigureManagerBase as FigureManager
+import sys as _sys
+
+
+def show(*args, **kwargs):
+    hook = getattr(_sys.modules.get("__esb_kernel__"), "capture_figures", None)
+    if hook is not None:
+        hook()
+"""
+
+
+class BackendFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, name, path=None, target=None):
+        if name == BACKEND:
+            return importlib.util.spec_from_loader(name, self)
+        return None
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        exec(compile(BACKEND_SOURCE, "<esb matplotlib backend>", "exec"), module.__dict__)
+
+
+class Capture:
+    """What one cell produced besides output: figures and files under ARTIFACTS."""
+
+    def __init__(self, outdir, formats):
+        self.outdir, self.formats, self.items, self.figures = outdir, formats, [], 0
+        self.before = scan_artifacts()
+
+    def add(self, item):
+        if len(self.items) < ARTIFACTS_PER_CELL:
+            self.items.append(item)
+
+    def capture_figures(self):
+        plt = sys.modules.get("matplotlib.pyplot")
+        if plt is None:
+            return
+        for num in list(plt.get_fignums()):
+            fig = plt.figure(num)
+            try:
+                self.figures += 1
+                title = figure_title(fig)
+                for fmt in self.formats:
+                    os.makedirs(self.outdir, exist_ok=True)
+                    name = "figure-%d.%s" % (self.figures, fmt)
+                    path = os.path.join(self.outdir, name)
+                    fig.savefig(path, format=fmt)
+                    self.add({"path": path, "name": name, "kind": "image",
+                              "mime_type": FIGURE_FORMATS[fmt], "title": title,
+                              "staged": True})
+            finally:
+                plt.close(fig)
+
+    def finish(self):
+        try:
+            self.capture_figures()
+        except Exception as e:  # a figure that cannot be drawn must not lose the cell
+            self.add({"error": "figure capture failed: %s: %s" % (type(e).__name__, e)})
+        after = scan_artifacts()
+        for path in sorted(after):
+            if self.before.get(path) != after[path]:
+                mime = mimetypes.guess_type(path)[0] or "application/octet-stream"
+                self.add({"path": path, "name": os.path.relpath(path, ARTIFACTS),
+                          "kind": "image" if mime.startswith("image/") else "file",
+                          "mime_type": mime, "title": None, "staged": False})
+        return self.items
+
+
+def figure_title(fig):
+    try:
+        if getattr(fig, "_suptitle", None) is not None and fig._suptitle.get_text():
+            return fig._suptitle.get_text()
+        for ax in fig.get_axes():
+            if ax.get_title():
+                return ax.get_title()
+    except Exception:
+        pass
+    return None
+
+
+def scan_artifacts():
+    """{path: (mtime_ns, size)} of regular files under ARTIFACTS (no symlinks followed)."""
+    found, seen = {}, 0
+    for root, dirs, files in os.walk(ARTIFACTS):
+        dirs[:] = [d for d in dirs if not os.path.islink(os.path.join(root, d))]
+        for f in files:
+            seen += 1
+            if seen > ARTIFACT_SCAN_MAX:
+                return found
+            p = os.path.join(root, f)
+            try:
+                st = os.lstat(p)
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                found[p] = (st.st_mtime_ns, st.st_size)
+    return found
+
+
+def cell_value(v):
+    if v is None:
+        return None
+    if isinstance(v, float):
+        return v if v == v and v not in (float("inf"), float("-inf")) else None
+    if isinstance(v, (bool, int, str)):
+        return v if not isinstance(v, str) else v[:TABLE_CELL]
+    item = getattr(v, "item", None)  # numpy scalars
+    if callable(item):
+        try:
+            x = item()
+            if isinstance(x, (bool, int, float, str)) or x is None:
+                return cell_value(x)
+        except Exception:
+            pass
+    iso = getattr(v, "isoformat", None)
+    if callable(iso):
+        try:
+            return iso()
+        except Exception:
+            pass
+    try:
+        if v != v:  # NaN, NaT, NA
+            return None
+    except Exception:
+        pass
+    return str(v)[:TABLE_CELL]
+
+
+def table_of(v):
+    """A pandas DataFrame (or Series) as {columns, index, rows, total_rows, ...}."""
+    t = type(v)
+    if not t.__module__.startswith("pandas"):
+        return None
+    if t.__name__ == "Series":
+        v = v.to_frame()
+    elif t.__name__ != "DataFrame":
+        return None
+    rows_total, cols_total = v.shape
+    part = v.iloc[:TABLE_ROWS, :TABLE_COLS]
+    return {
+        "columns": [str(c) for c in part.columns],
+        "index": [cell_value(i) for i in part.index],
+        "rows": [[cell_value(x) for x in row]
+                 for row in part.itertuples(index=False, name=None)],
+        "total_rows": int(rows_total),
+        "total_columns": int(cols_total),
+        "truncated": rows_total > TABLE_ROWS or cols_total > TABLE_COLS,
+    }
+
+
+def install_hooks():
+    if not any(isinstance(f, BackendFinder) for f in sys.meta_path):
+        sys.meta_path.append(BackendFinder())
+    os.environ["MPLBACKEND"] = "module://" + BACKEND
+    hooks = types.ModuleType("__esb_kernel__")
+    sys.modules["__esb_kernel__"] = hooks
+    try:
+        os.makedirs(ARTIFACTS, exist_ok=True)
+    except OSError:
+        pass
+    return hooks
+
+
+def refresh_user_site():
+    # Packages installed with `pip install --user` after the kernel started.
+    import site
+    try:
+        user = site.getusersitepackages()
+    except Exception:
+        return
+    if os.path.isdir(user) and user not in sys.path:
+        site.addsitedir(user)
+        importlib.invalidate_caches()
 
 
 IN_CELL = False
@@ -106,11 +314,17 @@ def describe(e):
     return {"type": type(e).__name__, "message": str(e), "traceback": text}
 
 
-def run_cell(ns, code, counter, cell):
+def run_cell(ns, code, counter, cell, req):
     global IN_CELL
     name = "<cell-%d>" % counter
     linecache.cache[name] = (len(code), None, code.splitlines(True), name)
-    result = {"status": "ok", "value": None, "error": None}
+    result = {"status": "ok", "value": None, "error": None, "table": None}
+    formats = [f for f in req.get("formats") or ["png"] if f in FIGURE_FORMATS] or ["png"]
+    capture = Capture(req.get("outdir") or os.path.join(DIR, "out-%d" % counter), formats)
+    hooks = sys.modules.get("__esb_kernel__")
+    if hooks is not None:
+        hooks.capture_figures = capture.capture_figures
+    refresh_user_site()
     old = sys.stdout, sys.stderr
     sys.stdout, sys.stderr = Forward(cell, "stdout"), Forward(cell, "stderr")
     try:
@@ -128,6 +342,10 @@ def run_cell(ns, code, counter, cell):
                 if len(r) > VALUE_MAX:
                     r = r[:VALUE_MAX] + "...[truncated]"
                 result["value"] = r
+                try:
+                    result["table"] = table_of(v)
+                except Exception:
+                    result["table"] = None
         IN_CELL = False
     except BaseException as e:  # noqa: the cell's own failure, reported
         IN_CELL = False
@@ -143,6 +361,12 @@ def run_cell(ns, code, counter, cell):
         except BaseException:
             pass
         sys.stdout, sys.stderr = old
+    try:
+        result["artifacts"] = capture.finish()
+    except BaseException as e:  # noqa: never lose the cell's result over its artifacts
+        result["artifacts"] = [{"error": "artifact capture failed: %s" % e}]
+    if hooks is not None:
+        hooks.capture_figures = None
     result["truncated"] = cell.truncated
     return result
 
@@ -157,14 +381,20 @@ def read_line(conn, buf):
     return line, rest
 
 
-def serve():
-    signal.signal(signal.SIGINT, on_sigint)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+def new_namespace():
     main = types.ModuleType("__main__")
     main.__dict__["__builtins__"] = builtins
     sys.modules["__main__"] = main
     sys.path[0] = ""
-    ns = main.__dict__
+    sys.argv = [""]
+    install_hooks()
+    return main.__dict__
+
+
+def serve():
+    signal.signal(signal.SIGINT, on_sigint)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    ns = new_namespace()
     try:
         os.unlink(SOCK)
     except FileNotFoundError:
@@ -189,8 +419,8 @@ def serve():
                     continue
                 req = json.loads(line)
                 counter += 1
-                cell = Cell(conn)
-                result = run_cell(ns, req.get("code", ""), counter, cell)
+                cell = Cell(lambda n, d: send(conn, {"t": "out", "s": n, "d": d}))
+                result = run_cell(ns, req.get("code", ""), counter, cell, req)
                 result["t"] = "done"
                 send(conn, result)
         except KeyboardInterrupt:
@@ -230,7 +460,54 @@ def peer_pid(s):
     return struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
 
 
-def run(cellfile, resultfile, timeout_ms):
+def read_cell(cellfile):
+    with open(cellfile, encoding="utf-8", errors="surrogateescape") as f:
+        code = f.read()
+    try:
+        os.unlink(cellfile)
+    except OSError:
+        pass
+    return code
+
+
+def once(cellfile, resultfile, timeout_ms, formats):
+    """One-shot run in this process (POST /run on the heavy tier): same cell semantics as the
+    kernel (value, table, artifacts, structured errors) without a server. At the deadline
+    SIGALRM raises KeyboardInterrupt in the cell; a cell that ignores it is ended GRACE_S
+    later, still with a result file."""
+    code = read_cell(cellfile)
+    out = {"status": "error", "value": None, "error": None, "kernel_restarted": False,
+           "timed_out": False, "truncated": False, "table": None, "artifacts": []}
+    fired = []
+
+    def on_alarm(signum, frame):
+        fired.append(time.monotonic())
+        if len(fired) == 1:
+            signal.setitimer(signal.ITIMER_REAL, GRACE_S)
+            if IN_CELL:
+                raise KeyboardInterrupt
+            return
+        out.update(status="interrupted", timed_out=True, error={
+            "type": "KeyboardInterrupt", "traceback": "",
+            "message": "the code ignored the interrupt at the time limit and was stopped"})
+        finish(resultfile, out)
+        os._exit(0)
+
+    signal.signal(signal.SIGINT, on_sigint)
+    signal.signal(signal.SIGALRM, on_alarm)
+    ns = new_namespace()
+    cell = Cell(write_std)
+    signal.setitimer(signal.ITIMER_REAL, max(0.001, timeout_ms / 1000.0))
+    result = run_cell(ns, code, 1, cell, {"formats": formats, "outdir": resultfile[:-5] + "-art"})
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    out.update(result)
+    out["timed_out"] = bool(fired)
+    if fired and out["status"] == "interrupted" and out["error"]:
+        out["error"]["message"] = "the code ran past its time limit of %d ms" % timeout_ms
+    return finish(resultfile, out)
+
+
+def run(cellfile, resultfile, timeout_ms, formats):
     sys.stdout.reconfigure(errors="replace")
     sys.stderr.reconfigure(errors="replace")
     os.makedirs(DIR, exist_ok=True)
@@ -245,12 +522,7 @@ def run(cellfile, resultfile, timeout_ms):
                 os.unlink(old)
         except OSError:
             pass
-    with open(cellfile, encoding="utf-8", errors="surrogateescape") as f:
-        code = f.read()
-    try:
-        os.unlink(cellfile)
-    except OSError:
-        pass
+    code = read_cell(cellfile)
     start = time.monotonic()
     deadline = start + timeout_ms / 1000.0
     # One cell at a time per kernel: later runs queue here (their deadline keeps running).
@@ -279,7 +551,7 @@ def run(cellfile, resultfile, timeout_ms):
                             "traceback": ""}
             return finish(resultfile, out)
     pid = peer_pid(s)
-    send(s, {"code": code})
+    send(s, {"code": code, "formats": formats, "outdir": resultfile[:-5] + "-art"})
     buf = b""
     interrupted_at = None
     done = None
@@ -340,6 +612,8 @@ def run(cellfile, resultfile, timeout_ms):
         out["value"] = done.get("value")
         out["error"] = done.get("error")
         out["truncated"] = bool(done.get("truncated"))
+        out["table"] = done.get("table")
+        out["artifacts"] = done.get("artifacts") or []
     return finish(resultfile, out)
 
 
@@ -356,10 +630,12 @@ def finish(resultfile, out):
 def main():
     if len(sys.argv) >= 2 and sys.argv[1] == "serve":
         serve()
-    elif len(sys.argv) == 5 and sys.argv[1] == "run":
-        sys.exit(run(sys.argv[2], sys.argv[3], int(sys.argv[4])))
+    elif len(sys.argv) == 6 and sys.argv[1] in ("run", "once"):
+        mode = run if sys.argv[1] == "run" else once
+        sys.exit(mode(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5].split(",")))
     else:
-        sys.stderr.write("usage: kernel.py serve | run CELLFILE RESULTFILE TIMEOUT_MS\n")
+        sys.stderr.write("usage: kernel.py serve | run|once CELLFILE RESULTFILE TIMEOUT_MS "
+                         "FORMATS\n")
         sys.exit(2)
 
 

@@ -1,12 +1,12 @@
 #include "api/run_service.h"
 
 #include <algorithm>
-#include <regex>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "api/heavy_kernel.h"
 #include "api/json_util.h"
+#include "api/sse_output.h"
 #include "common/util.h"
 
 namespace esb::api {
@@ -27,24 +27,24 @@ struct Outcome {
   bool kernel = false;
   std::optional<std::string> value;
   bool kernel_restarted = false;
+  // Heavy tier: a DataFrame/Series final value as a table, the artifacts kept in the store,
+  // and why some were not (too big, over quota, capture failed).
+  json::value table;
+  json::array artifacts;
+  json::array artifact_errors;
+  // The output already went to the client as it was produced (SSE from a container).
+  bool streamed = false;
+  // Packages installed before the run ({name, version, from_cache}) and how long it took.
+  json::array packages;
+  int64_t install_ms = 0;
 };
 
-// The last "Type: message" line of a CPython traceback on stderr.
-std::optional<RunError> ErrorFromTraceback(const std::string& stderr_data) {
-  size_t tb = stderr_data.rfind("Traceback (most recent call last):");
-  if (tb == std::string::npos) return std::nullopt;
-  RunError e;
-  e.traceback = stderr_data.substr(tb);
-  static const std::regex kLast(R"(\n([A-Za-z_][\w.]*)(?:: ([^\n]*))?\n?$)");
-  std::smatch m;
-  if (std::regex_search(e.traceback, m, kLast)) {
-    e.type = m[1];
-    e.message = m[2];
-  } else {
-    e.type = "Error";
-  }
-  return e;
-}
+// Where output goes while the code runs: the code's own stdout/stderr, and pip's output while
+// packages are installed.
+struct Streams {
+  OutputSink output;
+  OutputSink install;
+};
 
 json::object Render(const Outcome& o) {
   json::value error;
@@ -66,7 +66,14 @@ json::object Render(const Outcome& o) {
   if (o.kernel) {
     out["value"] = o.value ? json::value(SanitizeUtf8(*o.value)) : json::value(nullptr);
     out["kernel_restarted"] = o.kernel_restarted;
+    out["table"] = o.table;
   }
+  out["artifacts"] = o.artifacts;
+  if (!o.packages.empty()) {
+    out["packages"] = o.packages;
+    out["install_ms"] = o.install_ms;
+  }
+  if (!o.artifact_errors.empty()) out["artifact_errors"] = o.artifact_errors;
   return out;
 }
 
@@ -85,11 +92,87 @@ Outcome FromNano(const RunResult& r) {
   return o;
 }
 
-// A stateful cell in a container environment, through kernel.py (heavy_kernel.cc) and the
-// ordinary WriteFile / Exec / ReadFile calls.
-absl::StatusOr<Outcome> RunInContainerKernel(EnvironmentManager* manager,
-                                             const std::string& tenant, const std::string& id,
-                                             const std::string& code, int64_t timeout_ms) {
+struct RunParams {
+  std::string code;
+  std::string runtime;
+  int64_t timeout_ms = 30000;
+  int64_t memory_mb = 0;
+  std::vector<std::string> packages;
+  std::vector<std::string> figure_formats{"png"};
+};
+
+constexpr int64_t kMaxArtifactReadChunk = 4 << 20;
+
+// Copies the files the kernel reported (figures it saved, files written under
+// /workspace/artifacts) out of the sandbox into the host store; each becomes an entry of
+// `o->artifacts`, and each one that could not be kept an entry of `o->artifact_errors`.
+void CollectArtifacts(EnvironmentManager* manager, ArtifactStore* store,
+                      const std::string& tenant, const std::string& id,
+                      const json::array& reported, Outcome* o) {
+  if (reported.empty()) return;
+  int64_t step = 0;
+  if (auto info = manager->Get(tenant, id); info.ok()) step = info->record.exec_count;
+  for (const json::value& v : reported) {
+    if (!v.is_object()) continue;
+    const json::object& item = v.as_object();
+    auto str = [&](const char* key) -> std::string {
+      const json::value* x = item.if_contains(key);
+      return x && x->is_string() ? std::string(x->as_string()) : std::string();
+    };
+    if (!str("error").empty()) {
+      o->artifact_errors.emplace_back(SanitizeUtf8(str("error")));
+      continue;
+    }
+    const std::string path = str("path");
+    if (path.empty()) continue;
+    if (store == nullptr) {
+      o->artifact_errors.emplace_back(
+          absl::StrCat(SanitizeUtf8(str("name")), ": this daemon keeps no artifacts"));
+      continue;
+    }
+    const int64_t cap = store->options().max_artifact_bytes;
+    std::string data;
+    absl::Status st;
+    for (;;) {
+      auto chunk = manager->ReadFile(tenant, id, path, static_cast<int64_t>(data.size()),
+                                     kMaxArtifactReadChunk);
+      if (!chunk.ok()) {
+        st = chunk.status();
+        break;
+      }
+      if (chunk->file_size > cap) {
+        st = absl::ResourceExhaustedError(absl::StrCat(
+            "it is ", chunk->file_size, " bytes; the limit is ", cap));
+        break;
+      }
+      data += chunk->data;
+      if (chunk->eof || chunk->data.empty()) break;
+    }
+    ArtifactMeta meta;
+    meta.tenant = tenant;
+    meta.environment_id = id;
+    meta.kind = str("kind") == "image" ? "image" : "file";
+    meta.name = SanitizeUtf8(str("name"));
+    meta.mime_type = str("mime_type").empty() ? "application/octet-stream" : str("mime_type");
+    meta.title = SanitizeUtf8(str("title"));
+    meta.step = step;
+    absl::StatusOr<ArtifactMeta> kept =
+        st.ok() ? store->Put(meta, data) : absl::StatusOr<ArtifactMeta>(st);
+    if (kept.ok()) {
+      o->artifacts.push_back(RenderArtifact(*kept));
+    } else {
+      o->artifact_errors.emplace_back(
+          absl::StrCat(meta.name, ": not kept: ", kept.status().message()));
+    }
+  }
+}
+
+// Runs Python through kernel.py (heavy_kernel.cc) and the ordinary WriteFile / Exec /
+// ReadFile calls: `once` = a one-shot run in a fresh process, else a cell of the environment's
+// persistent kernel. Output goes to `sink` as it is produced.
+absl::StatusOr<Outcome> RunInContainer(EnvironmentManager* manager, ArtifactStore* store,
+                                       const std::string& tenant, const std::string& id,
+                                       const RunParams& p, bool once, const OutputSink& sink) {
   const std::string dir(kHeavyKernelDir), kernel(kHeavyKernelPath);
   // Written every time: it is small, and a stale or tampered copy gets replaced.
   if (absl::Status st = manager->WriteFile(tenant, id, kernel, HeavyKernelSource(), 0, true);
@@ -98,16 +181,18 @@ absl::StatusOr<Outcome> RunInContainerKernel(EnvironmentManager* manager,
   const std::string tag = RandomHex(8);
   const std::string cell = absl::StrCat(dir, "/cell-", tag, ".py");
   const std::string result = absl::StrCat(dir, "/result-", tag, ".json");
-  if (absl::Status st = manager->WriteFile(tenant, id, cell, code, 0, true); !st.ok()) return st;
+  if (absl::Status st = manager->WriteFile(tenant, id, cell, p.code, 0, true); !st.ok())
+    return st;
   ExecRequest exec;
-  exec.command = absl::StrCat("python3 ", kernel, " run ", cell, " ", result, " ", timeout_ms);
-  exec.timeout = std::chrono::milliseconds(timeout_ms + 5000);
-  auto r = manager->Exec(tenant, id, exec, nullptr);
+  exec.command = absl::StrCat("python3 ", kernel, once ? " once " : " run ", cell, " ", result,
+                              " ", p.timeout_ms, " ", absl::StrJoin(p.figure_formats, ","));
+  exec.timeout = std::chrono::milliseconds(p.timeout_ms + 5000);
+  auto r = manager->Exec(tenant, id, exec, sink);
   if (!r.ok()) return r.status();
   Outcome o;
   o.kernel = true;
   o.tier = "heavy";
-  o.reason = "stateful container kernel";
+  o.streamed = static_cast<bool>(sink);
   o.stdout_data = r->stdout_data;
   o.stderr_data = r->stderr_data;
   o.duration_ms = r->duration_ms;
@@ -123,18 +208,13 @@ absl::StatusOr<Outcome> RunInContainerKernel(EnvironmentManager* manager,
     // The client itself failed (python3 missing, killed by the exec timeout, ...).
     o.timed_out = r->timed_out;
     o.exit_code = r->timed_out ? 124 : (r->exit_code == 0 ? 1 : r->exit_code);
-    o.error = RunError{"KernelError",
-                       r->timed_out ? "the kernel client did not finish in time"
-                                    : "the kernel client wrote no result (is python3 installed "
-                                      "in the image?)",
+    o.error = RunError{r->timed_out ? "TimeoutError" : "KernelError",
+                       r->timed_out ? "the run did not finish in time and was killed"
+                                    : "the kernel wrote no result (is python3 installed in "
+                                      "the image?)",
                        r->stderr_data};
     return o;
   }
-  // Best effort: the result file is not needed any more.
-  ExecRequest rm;
-  rm.command = absl::StrCat("rm -f ", result);
-  rm.timeout = std::chrono::milliseconds(5000);
-  manager->Exec(tenant, id, rm, nullptr).IgnoreError();
   auto str = [&](const char* key) -> std::string {
     const json::value* v = res.if_contains(key);
     return v && v->is_string() ? std::string(v->as_string()) : std::string();
@@ -149,6 +229,7 @@ absl::StatusOr<Outcome> RunInContainerKernel(EnvironmentManager* manager,
   o.truncated = o.truncated || flag("truncated");
   if (const json::value* v = res.if_contains("value"); v && v->is_string())
     o.value = std::string(v->as_string());
+  if (const json::value* t = res.if_contains("table"); t && t->is_object()) o.table = *t;
   if (const json::value* e = res.if_contains("error"); e && e->is_object()) {
     const json::object& eo = e->as_object();
     auto field = [&](const char* key) -> std::string {
@@ -158,24 +239,47 @@ absl::StatusOr<Outcome> RunInContainerKernel(EnvironmentManager* manager,
     o.error = RunError{field("type"), field("message"), field("traceback")};
   }
   o.exit_code = status == "ok" ? 0 : (o.timed_out ? 124 : 1);
+  if (const json::value* a = res.if_contains("artifacts"); a && a->is_array())
+    CollectArtifacts(manager, store, tenant, id, a->as_array(), &o);
+  // Best effort: the result file and the staged figures are not needed any more.
+  ExecRequest rm;
+  rm.command = absl::StrCat("rm -rf ", result, " ", dir, "/result-", tag, "-art");
+  rm.timeout = std::chrono::milliseconds(5000);
+  manager->Exec(tenant, id, rm, nullptr).IgnoreError();
   return o;
 }
 
-struct RunParams {
-  std::string code;
-  std::string runtime;
-  int64_t timeout_ms = 30000;
-  int64_t memory_mb = 0;
-  std::vector<std::string> packages;
-};
+
+// `packages` first (when asked), then the code through kernel.py.
+absl::StatusOr<Outcome> InstallAndRun(const RunDeps& deps, const std::string& tenant,
+                                      const std::string& id, const RunParams& p, bool once,
+                                      const Streams& streams, const std::string& reason) {
+  json::array installed;
+  int64_t install_ms = 0;
+  if (!p.packages.empty()) {
+    int64_t t0 = MonotonicMs();
+    auto pk = deps.installer->Install(tenant, id, p.packages, streams.install);
+    if (!pk.ok()) return pk.status();
+    installed = std::move(*pk);
+    install_ms = MonotonicMs() - t0;
+  }
+  auto o = RunInContainer(deps.manager, deps.artifacts, tenant, id, p, once, streams.output);
+  if (!o.ok()) return o;
+  o->reason = reason;
+  o->packages = std::move(installed);
+  o->install_ms = install_ms;
+  return o;
+}
 
 }  // namespace
 
-RunHandler MakeRunHandler(EnvironmentManager* manager, NanoDriver* nano,
-                          router::RulesHolder* rules, ApiService* service) {
-  // One-shot heavy run: a throw-away container environment of the caller's tenant.
-  auto run_heavy = [manager](const std::string& tenant, const RunParams& p,
-                             const std::string& why) -> absl::StatusOr<Outcome> {
+RunHandler MakeRunHandler(const RunDeps& deps) {
+  EnvironmentManager* manager = deps.manager;
+  // One-shot heavy run: a throw-away container environment of the caller's tenant, running
+  // the code once through kernel.py (value, table and artifacts like a stateful cell).
+  auto run_heavy = [deps](const std::string& tenant, const RunParams& p, const std::string& why,
+                          const Streams& streams) -> absl::StatusOr<Outcome> {
+    EnvironmentManager* manager = deps.manager;
     EnvSpec spec = manager->options().default_spec;
     spec.runtime = "container";
     if (p.memory_mb > 0) spec.memory_mb = p.memory_mb;
@@ -183,34 +287,15 @@ RunHandler MakeRunHandler(EnvironmentManager* manager, NanoDriver* nano,
     auto env = manager->Create(tenant, spec, std::max<int64_t>(60, timeout_s + 60));
     if (!env.ok()) return env.status();
     const std::string id = env->record.id;
-    absl::StatusOr<Outcome> result = [&]() -> absl::StatusOr<Outcome> {
-      if (absl::Status st = manager->WriteFile(tenant, id, ".esb_run.py", p.code, 0, true);
-          !st.ok())
-        return st;
-      ExecRequest exec;
-      exec.command = "python3 .esb_run.py";
-      exec.timeout = std::chrono::milliseconds(p.timeout_ms);
-      auto r = manager->Exec(tenant, id, exec, nullptr);
-      if (!r.ok()) return r.status();
-      Outcome o;
-      o.stdout_data = r->stdout_data;
-      o.stderr_data = r->stderr_data;
-      o.exit_code = r->exit_code;
-      o.duration_ms = r->duration_ms;
-      o.timed_out = r->timed_out;
-      o.truncated = r->truncated;
-      if (o.exit_code != 0 && !o.timed_out) o.error = ErrorFromTraceback(o.stderr_data);
-      o.tier = "heavy";
-      o.reason = why;
-      return o;
-    }();
+    absl::StatusOr<Outcome> result =
+        InstallAndRun(deps, tenant, id, p, /*once=*/true, streams, why);
     manager->Destroy(tenant, id, "run_finished").IgnoreError();
     return result;
   };
 
-  return [manager, nano, rules, service, run_heavy](const std::string& tenant,
-                                                    const std::string& env_id,
-                                                    Request& req) -> Response {
+  return [deps, manager, run_heavy](const std::string& tenant, const std::string& env_id,
+                                    Request& req) -> Response {
+    NanoDriver* nano = deps.nano;
     int64_t start = MonotonicMs();
     auto body = ParseJsonObjectBody(req, /*allow_empty=*/false);
     if (!body.ok()) return body.error();
@@ -221,30 +306,46 @@ RunHandler MakeRunHandler(EnvironmentManager* manager, NanoDriver* nano,
                                {"auto", "nano", "heavy", "container"});
     p.timeout_ms = f.OptionalInt("timeout_ms", 30000, 1, 600000);
     p.memory_mb = f.OptionalInt("memory_limit_mb", 0, 16, 16384);
-    if (const json::value* pk = f.OptionalValue("packages")) {
-      if (!pk->is_array()) f.Fail("'packages' must be an array of strings");
-      else
-        for (const auto& v : pk->as_array()) {
-          if (!v.is_string()) f.Fail("'packages' must be an array of strings");
-          else p.packages.emplace_back(v.as_string());
-        }
-    }
+    auto string_list = [&f](const char* key, std::vector<std::string>* out) -> bool {
+      const json::value* v = f.OptionalValue(key);
+      if (!v || v->is_null()) return false;
+      if (!v->is_array()) {
+        f.Fail(absl::StrCat("'", key, "' must be an array of strings"));
+        return true;
+      }
+      out->clear();
+      for (const auto& x : v->as_array()) {
+        if (!x.is_string()) f.Fail(absl::StrCat("'", key, "' must be an array of strings"));
+        else out->emplace_back(x.as_string());
+      }
+      return true;
+    };
+    string_list("packages", &p.packages);
+    std::vector<std::string> allowed_list;
     std::optional<std::vector<std::string>> allowed;
-    if (const json::value* am = f.OptionalValue("allowed_modules"); am && !am->is_null()) {
-      allowed.emplace();
-      if (!am->is_array()) f.Fail("'allowed_modules' must be an array of strings");
-      else
-        for (const auto& v : am->as_array()) {
-          if (!v.is_string()) f.Fail("'allowed_modules' must be an array of strings");
-          else allowed->emplace_back(v.as_string());
-        }
+    if (string_list("allowed_modules", &allowed_list)) allowed = allowed_list;
+    if (string_list("figure_formats", &p.figure_formats)) {
+      for (const std::string& fmt : p.figure_formats)
+        if (fmt != "png" && fmt != "svg")
+          f.Fail(absl::StrCat("'figure_formats' entries must be \"png\" or \"svg\", not \"",
+                              SanitizeUtf8(fmt), "\""));
+      if (p.figure_formats.empty()) p.figure_formats = {"png"};
     }
     if (!f.ok()) return f.ErrorResponse();
     if (p.code.size() > (4 << 20))
       return ErrorResponse(413, "payload_too_large", "'code' is longer than 4 MiB");
-    if (!p.packages.empty())
-      return ErrorResponse(400, "bad_request",
-                           "'packages' (pip install before the run) is not supported yet");
+    if (!p.packages.empty()) {
+      if (env_id.empty() && p.runtime == "nano")
+        return ErrorResponse(400, "bad_request",
+                             "'packages' need the heavy tier: the nano tier cannot install "
+                             "packages (use runtime \"auto\" or \"heavy\")");
+      if (deps.installer == nullptr)
+        return ErrorResponse(400, "bad_request",
+                             "'packages' need a package index, and this daemon has none "
+                             "configured (set packages.index_url in the esbd config)");
+      if (absl::Status st = deps.installer->Validate(p.packages); !st.ok())
+        return StatusResponse(st);
+    }
 
     const router::ImportScan scan = router::ExtractImports(p.code);
     if (allowed) {
@@ -263,26 +364,38 @@ RunHandler MakeRunHandler(EnvironmentManager* manager, NanoDriver* nano,
                              "checked against allowed_modules");
     }
 
-    absl::StatusOr<Outcome> outcome;
+    // Everything that can be refused with a plain 4xx is decided before running (and before
+    // an SSE stream starts): the environment, the tier.
+    std::function<absl::StatusOr<Outcome>(const Streams&)> work;
     if (!env_id.empty()) {
       // Stateful run in an existing environment.
       auto resolved = manager->Resolve(tenant, env_id);
       if (!resolved.ok()) return StatusResponse(resolved.status());
       auto [driver, ref] = *resolved;
       if (driver->name() != "nano") {
-        outcome = RunInContainerKernel(manager, tenant, env_id, p.code, p.timeout_ms);
+        work = [deps, tenant, env_id, p](const Streams& streams) {
+          return InstallAndRun(deps, tenant, env_id, p, /*once=*/false, streams,
+                               "stateful container kernel");
+        };
       } else {
         if (!nano)
           return ErrorResponse(400, "bad_request",
                                "the nano tier is not available on this daemon");
-        RunRequest rr;
-        rr.code = p.code;
-        rr.timeout_ms = p.timeout_ms;
-        auto r = nano->Run(&ref, rr);
-        if (!r.ok()) return StatusResponse(r.status());
-        Outcome o = FromNano(*r);
-        o.reason = "stateful nano session";
-        outcome = o;
+        if (!p.packages.empty())
+          return ErrorResponse(400, "bad_request",
+                               "'packages' cannot be installed in a nano environment (create "
+                               "the environment with runtime \"container\")");
+        work = [nano, ref, p](const Streams&) -> absl::StatusOr<Outcome> {
+          RunRequest rr;
+          rr.code = p.code;
+          rr.timeout_ms = p.timeout_ms;
+          InstanceRef r = ref;
+          auto res = nano->Run(&r, rr);
+          if (!res.ok()) return res.status();
+          Outcome o = FromNano(*res);
+          o.reason = "stateful nano session";
+          return o;
+        };
       }
     } else {
       // One-shot: pick the tier, then run; auto may fall back from nano to heavy.
@@ -298,47 +411,82 @@ RunHandler MakeRunHandler(EnvironmentManager* manager, NanoDriver* nano,
         reason = absl::StrCat("runtime ", p.runtime, " requested");
       } else if (!nano) {
         reason = "auto: nano tier not available on this daemon";
-      } else if (rules) {
+      } else if (deps.rules) {
         router::RouteDecision d =
-            rules->Current()->Decide(scan, router::RouteRequest{"auto", p.packages, ""});
+            deps.rules->Current()->Decide(scan, router::RouteRequest{"auto", p.packages, ""});
         use_nano = d.tier == router::Tier::kNano;
         may_fall_back = true;
         reason = d.reason;
+      } else if (!p.packages.empty()) {
+        reason = "auto: packages requested";
       } else {
         use_nano = may_fall_back = true;
         reason = "auto: no routing rules, nano first";
       }
-      if (use_nano) {
+      if (!use_nano && !manager->HasDriver("container"))
+        return ErrorResponse(400, "bad_request",
+                             "no tier can run this here: the container driver is not available");
+      work = [manager, nano, tenant, p, use_nano, may_fall_back, reason,
+              run_heavy](const Streams& streams) -> absl::StatusOr<Outcome> {
+        if (!use_nano) return run_heavy(tenant, p, reason, streams);
         RunRequest rr;
         rr.code = p.code;
         rr.timeout_ms = p.timeout_ms;
         rr.memory_limit_mb = p.memory_mb;
         auto r = nano->Run(nullptr, rr);
-        if (!r.ok()) return StatusResponse(r.status());
+        if (!r.ok()) return r.status();
         Outcome o = FromNano(*r);
         o.reason = reason;
         // Fallback (seed P2-013): a one-shot nano run has no effects beyond its own instance,
         // so rerunning on heavy is safe.
-        if (may_fall_back && !o.unsupported_module.empty() && manager->HasDriver("container")) {
-          outcome = run_heavy(tenant, p,
-                              absl::StrCat(reason, "; nano cannot provide '",
-                                           o.unsupported_module, "', reran on heavy"));
-        } else {
-          outcome = o;
-        }
-      } else if (!manager->HasDriver("container")) {
-        return ErrorResponse(400, "bad_request",
-                             "no tier can run this here: the container driver is not available");
-      } else {
-        outcome = run_heavy(tenant, p, reason);
-      }
+        if (may_fall_back && !o.unsupported_module.empty() && manager->HasDriver("container"))
+          return run_heavy(tenant, p,
+                           absl::StrCat(reason, "; nano cannot provide '",
+                                        o.unsupported_module, "', reran on heavy"),
+                           streams);
+        return o;
+      };
     }
+
+    auto audit = [deps, tenant, env_id, p, start](const absl::StatusOr<Outcome>& outcome,
+                                                  int status) {
+      deps.service->Audit(
+          tenant, env_id, "run",
+          outcome.ok() ? absl::StrCat("[", outcome->tier, "] ", p.code) : p.code,
+          outcome.ok() ? std::optional<int64_t>(outcome->exit_code) : std::nullopt,
+          MonotonicMs() - start, static_cast<int64_t>(p.code.size()), status);
+    };
+
+    if (req.Accepts("text/event-stream")) {
+      return Response::Sse([work, audit](ResponseWriter& w) {
+        SseOutput output(w);
+        SseOutput install(w, "install", "install");
+        Streams streams{output.Sink(), install.Sink()};
+        absl::StatusOr<Outcome> outcome = work(streams);
+        output.Flush();
+        install.Flush();
+        if (!outcome.ok()) {
+          Response err = StatusResponse(outcome.status());
+          w.WriteEvent("error", ErrorBody(ErrorCodeForStatus(err.status),
+                                          StdView(outcome.status().message())));
+          audit(outcome, err.status);
+          return;
+        }
+        if (!outcome->streamed) {  // the nano tier answers at the end
+          output.Emit(Stream::kStdout, outcome->stdout_data);
+          output.Emit(Stream::kStderr, outcome->stderr_data);
+        }
+        w.WriteEvent("result", Render(*outcome));
+        audit(outcome, w.ok() ? 200 : 499);
+      });
+    }
+    // Not streaming: still notice a client that went away, and stop its code.
+    auto alive = [&req](Stream, std::string_view) { return !req.ClientGone(); };
+    absl::StatusOr<Outcome> outcome = work(Streams{alive, alive});
+    if (outcome.ok()) outcome->streamed = false;
     Response resp = outcome.ok() ? JsonResponse(200, Render(*outcome))
                                  : StatusResponse(outcome.status());
-    service->Audit(tenant, env_id, "run",
-                   outcome.ok() ? absl::StrCat("[", outcome->tier, "] ", p.code) : p.code,
-                   outcome.ok() ? std::optional<int64_t>(outcome->exit_code) : std::nullopt,
-                   MonotonicMs() - start, static_cast<int64_t>(p.code.size()), resp.status);
+    audit(outcome, resp.status);
     return resp;
   };
 }

@@ -10,19 +10,31 @@
 //                               no effects outside its own instance. `packages` force heavy.
 // Routing is an optimisation, never a security decision: both tiers are isolated.
 // Every answer says where it ran and why: {"tier": "nano", "reason": "..."}.
+// Heavy runs go through kernel.py (heavy_kernel.cc): the final expression's value, a DataFrame
+// as a table, and artifacts (figures, files under /workspace/artifacts) copied into the host's
+// ArtifactStore. `packages` are installed first by the PackageInstaller. With
+// `Accept: text/event-stream` the output streams as SSE and the answer is the last event.
 #pragma once
 
 #include "api/http_server.h"
+#include "api/package_installer.h"
 #include "api/service.h"
+#include "core/artifact_store.h"
 #include "core/environment_manager.h"
 #include "drivers/nano/nano_driver.h"
 #include "router/rules.h"
 
 namespace esb::api {
 
-// `nano` may be null (no nano tier on this host); `rules` may be null (no router: auto tries
-// nano first and falls back).
-RunHandler MakeRunHandler(EnvironmentManager* manager, NanoDriver* nano,
-                          router::RulesHolder* rules, ApiService* service);
+struct RunDeps {
+  EnvironmentManager* manager = nullptr;
+  ApiService* service = nullptr;
+  NanoDriver* nano = nullptr;            // null: no nano tier on this host
+  router::RulesHolder* rules = nullptr;  // null: no router (auto tries nano first, falls back)
+  ArtifactStore* artifacts = nullptr;    // null: artifacts are reported as not kept
+  PackageInstaller* installer = nullptr; // null: no package index, `packages` is refused
+};
+
+RunHandler MakeRunHandler(const RunDeps& deps);
 
 }  // namespace esb::api

@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "api/json_util.h"
+#include "api/sse_output.h"
 #include "api/tools_catalog.h"
 #include "common/util.h"
 
@@ -252,6 +253,10 @@ void ApiService::Register(Router& router) {
              authed([this](Request& req, const std::string& t) { return GetRaw(req, t); }));
   router.Add("GET", "/environments/{id}/files/list",
              authed([this](Request& req, const std::string& t) { return ListFiles(req, t); }));
+  router.Add("GET", "/environments/{id}/artifacts",
+             authed([this](Request& req, const std::string& t) { return ListArtifacts(req, t); }));
+  router.Add("GET", "/environments/{id}/artifacts/{aid}",
+             authed([this](Request& req, const std::string& t) { return GetArtifact(req, t); }));
   router.Add("GET", "/audit",
              authed([this](Request& req, const std::string& t) { return QueryAudit(req, t); }));
 
@@ -264,6 +269,58 @@ void ApiService::Register(Router& router) {
   });
   router.Add("POST", "/run", run);
   router.Add("POST", "/environments/{id}/run", run);
+}
+
+json::object RenderArtifact(const ArtifactMeta& m) {
+  return json::object{
+      {"id", m.id},
+      {"kind", m.kind},
+      {"name", m.name},
+      {"mime_type", m.mime_type},
+      {"size", m.size},
+      {"title", m.title.empty() ? json::value(nullptr) : json::value(m.title)},
+      {"step", m.step},
+      {"environment_id", m.environment_id},
+      {"created_at", FormatRfc3339(m.created_ms)},
+      {"url", absl::StrCat("/environments/", m.environment_id, "/artifacts/", m.id)}};
+}
+
+// Artifacts outlive their environment (one-shot runs destroy theirs at once), so these two
+// look only at the store, which is scoped by tenant like everything else.
+Response ApiService::ListArtifacts(Request& req, const std::string& tenant) {
+  const std::string id = req.Param("id");
+  if (!artifacts_) return ErrorResponse(404, "not_found", "this daemon keeps no artifacts");
+  artifacts_->MaybeSweep();
+  json::array arr;
+  for (const ArtifactMeta& m : artifacts_->List(tenant, id)) arr.push_back(RenderArtifact(m));
+  if (arr.empty() && !manager_->Get(tenant, id).ok())
+    return ErrorResponse(404, "not_found", absl::StrCat("environment ", id, " not found"));
+  return JsonResponse(200, json::object{{"artifacts", std::move(arr)}});
+}
+
+Response ApiService::GetArtifact(Request& req, const std::string& tenant) {
+  if (!artifacts_) return ErrorResponse(404, "not_found", "this daemon keeps no artifacts");
+  artifacts_->MaybeSweep();
+  const std::string id = req.Param("id"), aid = req.Param("aid");
+  auto meta = artifacts_->Get(tenant, id, aid);
+  if (!meta.ok()) return StatusResponse(meta.status());
+  auto data = artifacts_->Read(tenant, id, aid);
+  if (!data.ok()) return StatusResponse(data.status());
+  Response resp;
+  resp.status = 200;
+  resp.content_type = meta->mime_type;
+  resp.body = std::move(*data);
+  // The bytes are whatever the sandboxed code wrote: never let a browser run them (an SVG
+  // or HTML artifact could carry script) or guess another type.
+  resp.SetHeader("X-Content-Type-Options", "nosniff");
+  resp.SetHeader("Content-Security-Policy", "sandbox; default-src 'none'; style-src 'unsafe-inline'");
+  if (meta->kind != "image" || meta->mime_type == "image/svg+xml") {
+    std::string name;
+    for (char c : meta->name.substr(meta->name.rfind('/') + 1))
+      name += (c == '"' || c == '\\' || static_cast<unsigned char>(c) < 0x20 || static_cast<unsigned char>(c) >= 0x7f) ? '_' : c;
+    resp.SetHeader("Content-Disposition", absl::StrCat("attachment; filename=\"", name, "\""));
+  }
+  return resp;
 }
 
 Response ApiService::CreateEnvironment(Request& req, const std::string& tenant) {
@@ -347,31 +404,8 @@ Response ApiService::Execute(Request& req, const std::string& tenant) {
                                       : info.status());
     return Response::Sse([this, tenant, id, exec](ResponseWriter& w) {
       int64_t start = MonotonicMs();
-      // Hold back incomplete UTF-8 sequences so multi-byte characters are never split.
-      std::string pending[3];
-      int64_t last_write = MonotonicMs();
-      auto sink = [&](Stream s, std::string_view chunk) -> bool {
-        if (chunk.empty()) {  // a tick while the command is silent: is the client still there?
-          if (MonotonicMs() - last_write >= 15000) {
-            last_write = MonotonicMs();
-            return w.WriteComment("keep-alive");
-          }
-          return !w.ClientGone();
-        }
-        last_write = MonotonicMs();
-        std::string& buf = pending[static_cast<int>(s)];
-        buf.append(chunk);
-        size_t n = Utf8CompletePrefix(buf);
-        if (n == 0) return w.ok();
-        std::string part = buf.substr(0, n);
-        buf.erase(0, n);
-        const char* ev = s == Stream::kStdout ? "stdout" : "stderr";
-        json::object data;
-        if (IsValidUtf8(part)) data["data"] = part;
-        else data["data_b64"] = Base64Encode(part);
-        return w.WriteEvent(ev, data);
-      };
-      auto result = manager_->Exec(tenant, id, exec, sink);
+      SseOutput out(w);
+      auto result = manager_->Exec(tenant, id, exec, out.Sink());
       if (!result.ok()) {
         Response err = StatusResponse(result.status());
         w.WriteEvent("error", ErrorBody(ErrorCodeForStatus(err.status), StdView(result.status().message())));
@@ -379,12 +413,7 @@ Response ApiService::Execute(Request& req, const std::string& tenant) {
               err.status);
         return;
       }
-      for (int s = 1; s <= 2; ++s) {
-        if (!pending[s].empty()) {
-          w.WriteEvent(s == 1 ? "stdout" : "stderr",
-                       json::object{{"data_b64", Base64Encode(pending[s])}});
-        }
-      }
+      out.Flush();
       w.WriteEvent("result", ResultJson(*result));
       Audit(tenant, id, "execute", exec.command, result->exit_code, result->duration_ms,
             static_cast<int64_t>(result->stdout_data.size() + result->stderr_data.size()),

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "api/http_server.h"
+#include "core/artifact_store.h"
 #include "core/config.h"
 #include "core/environment_manager.h"
 #include "core/metrics.h"
@@ -38,6 +39,8 @@ class ApiService {
   void Register(Router& router);
   // Optional handlers for POST /run and POST /environments/{id}/run (nano / heavy Python).
   void SetRunHandler(RunHandler handler) { run_handler_ = std::move(handler); }
+  // Serves GET /environments/{id}/artifacts[/{aid}] from `store` (not owned; may be null).
+  void SetArtifactStore(ArtifactStore* store) { artifacts_ = store; }
 
   // Authenticates a request to a tenant: Bearer key when any key exists; otherwise dev mode
   // (loopback or unix socket only, tenant "default").
@@ -55,6 +58,8 @@ class ApiService {
   Response GetRaw(Request& req, const std::string& tenant);
   Response ListFiles(Request& req, const std::string& tenant);
   Response QueryAudit(Request& req, const std::string& tenant);
+  Response ListArtifacts(Request& req, const std::string& tenant);
+  Response GetArtifact(Request& req, const std::string& tenant);
   boost::json::object RenderEnvironment(const EnvironmentInfo& info, bool with_usage);
 
   EnvironmentManager* manager_;
@@ -62,7 +67,12 @@ class ApiService {
   Metrics* metrics_;
   ServiceOptions options_;
   RunHandler run_handler_;
+  ArtifactStore* artifacts_ = nullptr;
 };
+
+// An artifact as the API shows it: {id, kind, name, mime_type, size, title, step,
+// environment_id, created_at, url}.
+boost::json::object RenderArtifact(const ArtifactMeta& meta);
 
 // Replaces invalid UTF-8 sequences with U+FFFD (JSON strings must be UTF-8; exact bytes are
 // available through files/raw).

@@ -62,6 +62,9 @@ class UniqueFd {
   int fd_ = -1;
 };
 
+// Quotes `s` as one POSIX shell word ('...' with embedded ' as '\'').
+std::string ShellQuote(std::string_view s);
+
 // Reads a whole (small) file; writes a file atomically (tmp + rename).
 absl::Status ReadFileToString(const std::string& path, std::string* out);
 absl::Status WriteStringToFile(const std::string& path, std::string_view data, int mode = 0644);

@@ -5,6 +5,13 @@
 namespace esb {
 namespace {
 
+TEST(UtilTest, ShellQuoteMakesOneWord) {
+  EXPECT_EQ(ShellQuote("abc"), "'abc'");
+  EXPECT_EQ(ShellQuote(""), "''");
+  EXPECT_EQ(ShellQuote("it's"), "'it'\\''s'");
+  EXPECT_EQ(ShellQuote("$(rm -rf /) `x` \"y\""), "'$(rm -rf /) `x` \"y\"'");
+}
+
 TEST(UtilTest, Rfc3339RoundTrips) {
   int64_t ms = 1795321800123;  // 2026-11-22T04:30:00.123Z
   std::string s = FormatRfc3339(ms);

@@ -53,6 +53,52 @@ absl::Status ParseDefaults(const json::value& v, EnvSpec* spec) {
   return absl::OkStatus();
 }
 
+absl::Status ParsePackages(const json::value& v, PackagesConfig* p) {
+  if (!v.is_object()) return TypeError("packages", "an object");
+  for (const auto& kv : v.as_object()) {
+    std::string key = absl::StrCat("packages.", std::string(kv.key()));
+    absl::Status st;
+    if (kv.key() == "index_url") {
+      st = GetString(kv.value(), key, &p->index_url);
+    } else if (kv.key() == "cache_dir") {
+      st = GetString(kv.value(), key, &p->cache_dir);
+    } else if (kv.key() == "allowed_hosts") {
+      if (!kv.value().is_array()) return TypeError(key, "an array of host names");
+      for (const auto& h : kv.value().as_array()) {
+        if (!h.is_string()) return TypeError(key, "an array of host names");
+        p->allowed_hosts.emplace_back(h.as_string());
+      }
+    } else if (kv.key() == "index_ttl_seconds") {
+      st = GetInt(kv.value(), key, &p->index_ttl_s);
+    } else if (kv.key() == "max_wheel_mb") {
+      st = GetInt(kv.value(), key, &p->max_wheel_mb);
+    } else if (kv.key() == "timeout_seconds") {
+      st = GetInt(kv.value(), key, &p->timeout_s);
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat("config: unknown key '", key, "'"));
+    }
+    if (!st.ok()) return st;
+  }
+  if (!p->index_url.empty() && p->index_url.rfind("http://", 0) != 0 &&
+      p->index_url.rfind("https://", 0) != 0)
+    return TypeError("packages.index_url", "an http:// or https:// URL");
+  return absl::OkStatus();
+}
+
+absl::Status ParseArtifacts(const json::value& v, ArtifactsConfig* a) {
+  if (!v.is_object()) return TypeError("artifacts", "an object");
+  for (const auto& kv : v.as_object()) {
+    std::string key = absl::StrCat("artifacts.", std::string(kv.key()));
+    absl::Status st;
+    if (kv.key() == "ttl_seconds") st = GetInt(kv.value(), key, &a->ttl_s);
+    else if (kv.key() == "max_artifact_mb") st = GetInt(kv.value(), key, &a->max_artifact_mb);
+    else if (kv.key() == "max_tenant_mb") st = GetInt(kv.value(), key, &a->max_tenant_mb);
+    else return absl::InvalidArgumentError(absl::StrCat("config: unknown key '", key, "'"));
+    if (!st.ok()) return st;
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status LoadConfigFile(const std::string& path, DaemonConfig* c) {
@@ -87,6 +133,8 @@ absl::Status LoadConfigFile(const std::string& path, DaemonConfig* c) {
     else if (key == "max_json_body_bytes") st = GetInt(v, key, &c->max_json_body_bytes);
     else if (key == "max_connections") st = GetInt(v, key, &c->max_connections);
     else if (key == "defaults") st = ParseDefaults(v, &c->defaults);
+    else if (key == "packages") st = ParsePackages(v, &c->packages);
+    else if (key == "artifacts") st = ParseArtifacts(v, &c->artifacts);
     else if (key == "images") {
       if (!v.is_object()) return TypeError(key, "an object of name → rootfs directory");
       for (const auto& img : v.as_object()) {
@@ -136,6 +184,7 @@ absl::Status ApplyEnvironment(const std::function<const char*(const char*)>& get
   str("ESBD_PYTHON_WASM", &c->python_wasm);
   str("ESBD_NANO_WORKER", &c->nano_worker);
   str("ESBD_ROUTER_RULES", &c->router_rules);
+  str("ESBD_PACKAGE_INDEX", &c->packages.index_url);
   if (const char* v = getenv_fn("ESBD_IMAGE_DEFAULT"); v && *v) c->images["default"] = v;
   if (const char* v = getenv_fn("ESBD_POOL_SIZE"); v && *v) {
     if (!absl::SimpleAtoi(v, &c->pool_size) || c->pool_size < 0)

@@ -18,6 +18,23 @@ struct KeyConfig {
   std::string name;
 };
 
+// `packages: [...]` on the run endpoints (api/package_installer.h): where esbd fetches wheels.
+struct PackagesConfig {
+  std::string index_url;                   // PEP 503 simple index; empty: packages refused
+  std::vector<std::string> allowed_hosts;  // file hosts besides the index's own
+  std::string cache_dir;                   // empty: <state_dir>/wheels
+  int64_t index_ttl_s = 600;               // how long an index page is trusted
+  int64_t max_wheel_mb = 256;
+  int64_t timeout_s = 600;                 // one whole install
+};
+
+// Artifacts (core/artifact_store.h).
+struct ArtifactsConfig {
+  int64_t ttl_s = 24 * 3600;
+  int64_t max_artifact_mb = 32;
+  int64_t max_tenant_mb = 1024;
+};
+
 struct DaemonConfig {
   std::string listen = "127.0.0.1:8080";
   std::string unix_socket;  // empty: <state_dir>/esbd.sock; "none" disables
@@ -39,6 +56,8 @@ struct DaemonConfig {
   int max_connections = 1024;
   EnvSpec defaults;
   std::vector<KeyConfig> keys;
+  PackagesConfig packages;
+  ArtifactsConfig artifacts;
   std::string log_level = "info";
 };
 
@@ -47,7 +66,7 @@ absl::Status LoadConfigFile(const std::string& path, DaemonConfig* config);
 // Applies ESBD_LISTEN, ESBD_STATE_DIR, ESBD_CONFIG (ignored here), ESBD_UNIX_SOCKET,
 // ESBD_IMAGE_DEFAULT, ESBD_RUNTIME, ESBD_POOL_SIZE, ESBD_DEFAULT_TTL, ESBD_LOG_LEVEL,
 // ESBD_AGENT_BINARY, ESBD_PYTHON_WASM, ESBD_NANO_WORKER,
-// ESBD_ROUTER_RULES.
+// ESBD_ROUTER_RULES, ESBD_PACKAGE_INDEX (packages.index_url).
 absl::Status ApplyEnvironment(const std::function<const char*(const char*)>& getenv_fn,
                               DaemonConfig* config);
 // Splits "HOST:PORT" ("[::1]:8080" too). Port must be 0..65535.

@@ -31,11 +31,35 @@ TEST(ConfigTest, LoadsKnownKeys) {
   std::remove(path.c_str());
 }
 
+TEST(ConfigTest, LoadsPackagesAndArtifacts) {
+  DaemonConfig c;
+  std::string path = TempFile(R"({"packages": {"index_url": "http://127.0.0.1:3141/simple/",
+      "allowed_hosts": ["files.example.org"], "index_ttl_seconds": 60, "max_wheel_mb": 10,
+      "timeout_seconds": 30, "cache_dir": "/var/cache/wheels"},
+      "artifacts": {"ttl_seconds": 120, "max_artifact_mb": 5, "max_tenant_mb": 50}})");
+  ASSERT_TRUE(LoadConfigFile(path, &c).ok());
+  EXPECT_EQ(c.packages.index_url, "http://127.0.0.1:3141/simple/");
+  ASSERT_EQ(c.packages.allowed_hosts.size(), 1u);
+  EXPECT_EQ(c.packages.allowed_hosts[0], "files.example.org");
+  EXPECT_EQ(c.packages.index_ttl_s, 60);
+  EXPECT_EQ(c.packages.max_wheel_mb, 10);
+  EXPECT_EQ(c.packages.timeout_s, 30);
+  EXPECT_EQ(c.packages.cache_dir, "/var/cache/wheels");
+  EXPECT_EQ(c.artifacts.ttl_s, 120);
+  EXPECT_EQ(c.artifacts.max_artifact_mb, 5);
+  EXPECT_EQ(c.artifacts.max_tenant_mb, 50);
+  std::remove(path.c_str());
+}
+
 TEST(ConfigTest, RejectsUnknownKeysWrongTypesAndWeakKeys) {
   DaemonConfig c;
   for (const char* bad : {R"({"listne": "x"})", R"({"pool_size": "two"})", R"([1,2])",
                           R"({"keys": [{"key": "short", "tenant": "a"}]})",
-                          R"({"defaults": {"memroy_mb": 1}})", "{not json"}) {
+                          R"({"defaults": {"memroy_mb": 1}})", "{not json",
+                          R"({"packages": {"index": "http://x/"}})",
+                          R"({"packages": {"index_url": "ftp://x/"}})",
+                          R"({"packages": {"allowed_hosts": "x"}})",
+                          R"({"artifacts": {"ttl_seconds": -1}})"}) {
     std::string path = TempFile(bad);
     absl::Status st = LoadConfigFile(path, &c);
     EXPECT_TRUE(absl::IsInvalidArgument(st)) << bad << " → " << st;

@@ -343,8 +343,50 @@ int main(int argc, char** argv) {
     esb::LogWarn(absl::StrCat("router rules unavailable (", holder.status().message(),
                               "): runtime auto tries nano first and falls back to heavy"));
   }
-  service.SetRunHandler(
-      esb::api::MakeRunHandler(&manager, nano.get(), rules.get(), &service));
+  // Artifacts (figures, files under /workspace/artifacts) are kept on the host.
+  esb::ArtifactStore::Options aopts;
+  aopts.dir = state_dir + "/artifacts";
+  aopts.ttl_s = config.artifacts.ttl_s;
+  aopts.max_artifact_bytes = config.artifacts.max_artifact_mb << 20;
+  aopts.max_tenant_bytes = config.artifacts.max_tenant_mb << 20;
+  auto artifacts = esb::ArtifactStore::Open(aopts);
+  if (!artifacts.ok())
+    return Fail(absl::StrCat("artifact store: ", artifacts.status().message()));
+  service.SetArtifactStore(artifacts->get());
+  // `packages`: wheels from the configured index, cached on the host; none configured → refused.
+  esb::packages::BeastHttpFetcher fetcher;
+  std::unique_ptr<esb::packages::WheelCache> wheels;
+  std::unique_ptr<esb::api::PackageInstaller> installer;
+  if (!config.packages.index_url.empty()) {
+    esb::packages::WheelCache::Options wopts;
+    wopts.index_url = config.packages.index_url;
+    wopts.cache_dir = config.packages.cache_dir.empty() ? state_dir + "/wheels"
+                                                        : config.packages.cache_dir;
+    wopts.allowed_hosts = config.packages.allowed_hosts;
+    wopts.index_ttl = std::chrono::seconds(config.packages.index_ttl_s);
+    wopts.max_wheel_bytes = config.packages.max_wheel_mb << 20;
+    wheels = std::make_unique<esb::packages::WheelCache>(wopts, &fetcher);
+    esb::api::PackageInstaller::Options iopts;
+    iopts.timeout_ms = config.packages.timeout_s * 1000;
+    installer = std::make_unique<esb::api::PackageInstaller>(
+        &manager, wheels.get(), iopts,
+        [&service](const std::string& tenant, const std::string& env_id,
+                   const esb::packages::Wheel& w) {
+          service.Audit(tenant, env_id, "package.fetch",
+                        absl::StrCat(w.name, "==", w.version, " ", w.filename), std::nullopt, 0,
+                        w.size, 200);
+        });
+    esb::LogInfo(absl::StrCat("packages: index ", config.packages.index_url, ", wheel cache ",
+                              wopts.cache_dir));
+  }
+  esb::api::RunDeps run_deps;
+  run_deps.manager = &manager;
+  run_deps.service = &service;
+  run_deps.nano = nano.get();
+  run_deps.rules = rules.get();
+  run_deps.artifacts = artifacts->get();
+  run_deps.installer = installer.get();
+  service.SetRunHandler(esb::api::MakeRunHandler(run_deps));
   service.Register(server.router());
   if (absl::Status st = server.Start(); !st.ok()) {
     manager.Stop();

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include <boost/json.hpp>
+#include <gtest/gtest.h>
 
 namespace esb::testing {
 
@@ -74,5 +75,35 @@ class Daemon {
   std::string state_dir_;
   bool own_state_ = false;
 };
+
+// A suite whose tests share one daemon (default options): started before the first test,
+// stopped and its leftover environments cleaned up after the last; every test is skipped with
+// the reason when this machine cannot run it. Use: class FooTest : public SharedDaemonTest<FooTest>.
+// A derived SetUp must call SharedDaemonTest::SetUp() first and return if IsSkipped().
+template <typename Suite>
+class SharedDaemonTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    if (!Daemon::SkipReason().empty()) return;
+    daemon_ = new Daemon();
+    if (!daemon_->Start({})) {
+      delete daemon_;
+      daemon_ = nullptr;
+    }
+  }
+  static void TearDownTestSuite() {
+    if (daemon_) daemon_->StopAndCleanup();
+    delete daemon_;
+    daemon_ = nullptr;
+  }
+  void SetUp() override {
+    std::string why = Daemon::SkipReason();
+    if (!why.empty()) GTEST_SKIP() << why;
+    ASSERT_NE(daemon_, nullptr) << "suite set-up failed";
+  }
+  static Daemon* daemon_;
+};
+template <typename Suite>
+Daemon* SharedDaemonTest<Suite>::daemon_ = nullptr;
 
 }  // namespace esb::testing

@@ -180,25 +180,11 @@ TEST_F(RunApiTest, BadRunRequestsGet4xx) {
 
 // Stateful Python in a container environment (issue 5, heavy tier): kernel.py keeps one
 // interpreter per environment. Needs only the container driver, not the nano artefact.
-class ContainerKernelTest : public ::testing::Test {
+class ContainerKernelTest : public SharedDaemonTest<ContainerKernelTest> {
  protected:
-  static void SetUpTestSuite() {
-    if (!Daemon::SkipReason().empty()) return;
-    daemon_ = new Daemon();
-    if (!daemon_->Start({})) {
-      delete daemon_;
-      daemon_ = nullptr;
-    }
-  }
-  static void TearDownTestSuite() {
-    if (daemon_) daemon_->StopAndCleanup();
-    delete daemon_;
-    daemon_ = nullptr;
-  }
   void SetUp() override {
-    std::string why = Daemon::SkipReason();
-    if (!why.empty()) GTEST_SKIP() << why;
-    ASSERT_NE(daemon_, nullptr) << "suite set-up failed";
+    SharedDaemonTest::SetUp();
+    if (IsSkipped() || HasFatalFailure()) return;
     id_ = daemon_->CreateEnv(json::object{{"runtime", "container"}});
     ASSERT_FALSE(id_.empty());
   }
@@ -215,10 +201,8 @@ class ContainerKernelTest : public ::testing::Test {
     const json::value* v = r.obj().if_contains("value");
     return v && v->is_null();
   }
-  static Daemon* daemon_;
   std::string id_;
 };
-Daemon* ContainerKernelTest::daemon_ = nullptr;
 
 TEST_F(ContainerKernelTest, StatePersistsAndTheFinalExpressionIsTheValue) {
   HttpResult a = Cell("x = 1");

@@ -21,18 +21,20 @@ from .errors import (AuthError, Cancelled, CommandExitError, CommandTimeout,  # 
                      Conflict, DaemonUnreachable, InsufficientStorage, InvalidArgument,
                      PayloadTooLarge, PermissionDenied, RateLimited, ReviewFailed,
                      SandboxError, SandboxNotFound, SandboxTimeout, ServerError, Unavailable)
-from .models import (CommandResult, EntryInfo, ExecutionError, SandboxConfig,  # noqa: E402
-                     SandboxResult, WriteInfo)
-from .sandbox import CancelToken, Commands, Environment, Files, Sandbox  # noqa: E402
-from .aio import AsyncCommands, AsyncEnvironment, AsyncFiles, AsyncSandbox  # noqa: E402
+from .models import (Artifact, CommandResult, EntryInfo, ExecutionError,  # noqa: E402
+                     SandboxConfig, SandboxResult, Table, WriteInfo)
+from .sandbox import (Artifacts, CancelToken, Commands, Environment, Files,  # noqa: E402
+                      Sandbox)
+from .aio import (AsyncArtifacts, AsyncCommands, AsyncEnvironment, AsyncFiles,  # noqa: E402
+                  AsyncSandbox)
 from . import tools, workflow  # noqa: E402
 
 __all__ = [
     "__version__",
-    "Sandbox", "SandboxConfig", "SandboxResult", "ExecutionError",
-    "Environment", "Commands", "Files", "CommandResult", "EntryInfo", "WriteInfo",
-    "CancelToken", "Cancelled",
-    "AsyncSandbox", "AsyncEnvironment", "AsyncCommands", "AsyncFiles",
+    "Sandbox", "SandboxConfig", "SandboxResult", "ExecutionError", "Artifact", "Table",
+    "Environment", "Commands", "Files", "Artifacts", "CommandResult", "EntryInfo",
+    "WriteInfo", "CancelToken", "Cancelled",
+    "AsyncSandbox", "AsyncEnvironment", "AsyncCommands", "AsyncFiles", "AsyncArtifacts",
     "SandboxError", "InvalidArgument", "AuthError", "PermissionDenied", "SandboxNotFound",
     "Conflict", "PayloadTooLarge", "InsufficientStorage", "RateLimited", "ServerError",
     "Unavailable", "SandboxTimeout", "DaemonUnreachable", "CommandExitError", "CommandTimeout",

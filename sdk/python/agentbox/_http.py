@@ -29,10 +29,13 @@ Body = Union[None, bytes, BinaryIO, Iterable[bytes]]
 
 @dataclass
 class SseEvent:
-    """One server-sent event: its ``event`` name and the JSON-decoded ``data``."""
+    """One server-sent event: its ``event`` name and the JSON-decoded ``data``.
+    ``synthetic`` marks the ``result`` event made from a plain JSON answer (a daemon that
+    does not stream that endpoint)."""
 
     event: str
     data: Any
+    synthetic: bool = False
 
 
 class CancelToken:
@@ -225,7 +228,7 @@ class Transport:
             ctype = (resp.getheader("Content-Type") or "").lower()
             try:
                 if "text/event-stream" not in ctype:
-                    yield SseEvent("result", self._decode(resp.read()))
+                    yield SseEvent("result", self._decode(resp.read()), synthetic=True)
                     return
                 yield from parse_sse(resp)
             except (http.client.HTTPException, OSError) as exc:

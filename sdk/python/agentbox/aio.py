@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from typing import (Any, BinaryIO, Callable, Literal, Mapping, Optional, Union, overload)
+from typing import (Any, BinaryIO, Callable, Literal, Mapping, Optional, Sequence, Union,
+                    overload)
 
-from .models import CommandResult, EntryInfo, SandboxConfig, SandboxResult, WriteInfo
+from .models import (Artifact, CommandResult, EntryInfo, SandboxConfig, SandboxResult,
+                     WriteInfo)
 from ._http import CancelToken
 from .sandbox import Environment, PathLike, Sandbox
 
-__all__ = ["AsyncSandbox", "AsyncEnvironment", "AsyncCommands", "AsyncFiles"]
+__all__ = ["AsyncSandbox", "AsyncEnvironment", "AsyncCommands", "AsyncFiles",
+           "AsyncArtifacts"]
 
 AsyncOutputHandler = Callable[[str], Any]
 """A streaming callback for the async client: a function or coroutine function taking a
@@ -124,6 +127,48 @@ class AsyncFiles:
         return await asyncio.to_thread(self._sync.exists, path)
 
 
+class AsyncArtifacts:
+    """Async access to an environment's artifacts (``env.artifacts``); see
+    :class:`agentbox.Artifacts`."""
+
+    def __init__(self, env: Environment) -> None:
+        self._sync = env.artifacts
+
+    async def list(self) -> list[Artifact]:
+        """Every artifact of the environment."""
+        return await asyncio.to_thread(self._sync.list)
+
+    async def get(self, artifact: Union[str, Artifact, Mapping[str, Any]]) -> bytes:
+        """The artifact's bytes."""
+        return await asyncio.to_thread(self._sync.get, artifact)
+
+    async def download(self, artifact: Union[str, Artifact, Mapping[str, Any]],
+                       dest: Union[PathLike, BinaryIO]) -> int:
+        """Stream the artifact into a local path or binary file; returns the byte count."""
+        return await asyncio.to_thread(self._sync.download, artifact, dest)
+
+
+async def _run_cancellable(func: Callable[..., SandboxResult], code: str,
+                           loop: asyncio.AbstractEventLoop,
+                           on_stdout: Optional[AsyncOutputHandler],
+                           on_stderr: Optional[AsyncOutputHandler],
+                           on_install: Optional[AsyncOutputHandler],
+                           stream: Optional[bool], **kwargs: Any) -> SandboxResult:
+    """Run a blocking ``run``/``run_code`` in a worker thread with the callbacks moved onto
+    the event loop; cancelling the awaiting task drops the connection."""
+    token = CancelToken()
+    callbacks = (on_stdout, on_stderr, on_install)
+    try:
+        return await asyncio.to_thread(
+            func, code, on_stdout=_on_loop(loop, on_stdout),
+            on_stderr=_on_loop(loop, on_stderr), on_install=_on_loop(loop, on_install),
+            stream=stream if stream is not None else any(c is not None for c in callbacks),
+            cancel=token, **kwargs)
+    except asyncio.CancelledError:
+        token.cancel()
+        raise
+
+
 class AsyncEnvironment:
     """Async twin of :class:`agentbox.Environment`; use ``async with`` so it is always
     deleted."""
@@ -133,6 +178,7 @@ class AsyncEnvironment:
         self.environment_id = env.environment_id
         self.commands = AsyncCommands(env)
         self.files = AsyncFiles(env)
+        self.artifacts = AsyncArtifacts(env)
 
     @property
     def id(self) -> str:
@@ -152,6 +198,26 @@ class AsyncEnvironment:
 
     async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         await asyncio.to_thread(self.sync.__exit__, exc_type, exc, tb)
+
+    async def run_code(self, code: str, *, timeout_ms: int = 30_000,
+                       memory_limit_mb: Optional[int] = None,
+                       allowed_modules: Optional[Sequence[str]] = None,
+                       packages: Optional[Sequence[str]] = None,
+                       figure_formats: Optional[Sequence[str]] = None,
+                       on_stdout: Optional[AsyncOutputHandler] = None,
+                       on_stderr: Optional[AsyncOutputHandler] = None,
+                       on_install: Optional[AsyncOutputHandler] = None,
+                       stream: Optional[bool] = None,
+                       request_timeout: Optional[float] = None) -> SandboxResult:
+        """Run Python in the environment's stateful interpreter; see
+        :meth:`agentbox.Environment.run_code`. Callbacks may be coroutine functions."""
+        return await _run_cancellable(
+            self.sync.run_code, code, asyncio.get_running_loop(), on_stdout, on_stderr,
+            on_install, stream, timeout_ms=timeout_ms, memory_limit_mb=memory_limit_mb,
+            allowed_modules=allowed_modules, packages=packages, figure_formats=figure_formats,
+            request_timeout=request_timeout)
+
+    run = run_code
 
     async def info(self) -> dict[str, Any]:
         """Fetch the environment record."""
@@ -217,9 +283,24 @@ class AsyncSandbox:
         """The daemon's base URL."""
         return self.sync.url
 
-    async def run(self, code: str, *, config: Optional[SandboxConfig] = None) -> SandboxResult:
-        """Run Python ``code`` once; see :meth:`agentbox.Sandbox.run`."""
-        return await asyncio.to_thread(self.sync.run, code, config=config)
+    async def run(self, code: str, *, config: Optional[SandboxConfig] = None,
+                  on_stdout: Optional[AsyncOutputHandler] = None,
+                  on_stderr: Optional[AsyncOutputHandler] = None,
+                  on_install: Optional[AsyncOutputHandler] = None,
+                  stream: Optional[bool] = None) -> SandboxResult:
+        """Run Python ``code`` once; see :meth:`agentbox.Sandbox.run`. Callbacks may be
+        coroutine functions; giving one makes the request stream."""
+        return await _run_cancellable(self.sync.run, code, asyncio.get_running_loop(),
+                                      on_stdout, on_stderr, on_install, stream, config=config)
+
+    async def download_artifact(self, artifact: Union[Artifact, Mapping[str, Any]]) -> bytes:
+        """The bytes of an artifact from a run's result."""
+        return await asyncio.to_thread(self.sync.download_artifact, artifact)
+
+    async def save_artifact(self, artifact: Union[Artifact, Mapping[str, Any]],
+                            dest: Union[PathLike, BinaryIO, None] = None) -> int:
+        """Stream an artifact into a local path, directory or binary file."""
+        return await asyncio.to_thread(self.sync.save_artifact, artifact, dest)
 
     create = _AsyncCreate()
 

@@ -14,16 +14,17 @@ import shlex
 import threading
 import time
 import warnings
-from typing import (Any, BinaryIO, Callable, Generic, Literal, Mapping, Optional, TypeVar,
-                    Union, overload)
+from typing import (Any, BinaryIO, Callable, Generic, Iterable, Literal, Mapping, Optional,
+                    Sequence, TypeVar, Union, overload)
 
-from ._http import DEFAULT_URL, CancelToken, Transport, quote_id
+from ._http import DEFAULT_URL, CancelToken, SseEvent, Transport, quote_id
 from .errors import (CommandExitError, CommandTimeout, InvalidArgument, PayloadTooLarge,
                      PermissionDenied, SandboxError, SandboxNotFound, error_from_response)
-from .models import (CommandResult, EntryInfo, SandboxConfig, SandboxResult, WriteInfo,
-                     parse_traceback)
+from .models import (Artifact, CommandResult, EntryInfo, SandboxConfig, SandboxResult,
+                     WriteInfo, check_figure_formats, parse_artifacts, parse_traceback)
 
-__all__ = ["Sandbox", "Environment", "Commands", "Files", "OutputHandler", "CancelToken"]
+__all__ = ["Sandbox", "Environment", "Commands", "Files", "Artifacts", "OutputHandler",
+           "CancelToken"]
 
 OutputHandler = Callable[[str], Any]
 """A streaming callback: receives each chunk of output text as it arrives."""
@@ -135,48 +136,185 @@ class Commands:
                        on_stdout: Optional[OutputHandler],
                        on_stderr: Optional[OutputHandler],
                        cancel: Optional[CancelToken] = None) -> CommandResult:
-        decoders = {"stdout": codecs.getincrementaldecoder("utf-8")("replace"),
-                    "stderr": codecs.getincrementaldecoder("utf-8")("replace")}
-        handlers = {"stdout": on_stdout, "stderr": on_stderr}
-
-        def deliver(name: str, chunk: bytes, final: bool = False) -> None:
-            text = decoders[name].decode(chunk, final)
-            handler = handlers[name]
-            if text and handler is not None:
-                handler(text)
-
-        result: Optional[CommandResult] = None
-        for ev in self._env._transport.sse("POST", path, payload, timeout=http_timeout,
-                                           cancel=cancel):
-            if ev.event in ("stdout", "stderr"):
-                data = ev.data if isinstance(ev.data, dict) else {"data": str(ev.data)}
-                if isinstance(data.get("data_b64"), str):
-                    chunk = base64.b64decode(data["data_b64"])
-                else:
-                    chunk = str(data.get("data", "")).encode("utf-8")
-                deliver(ev.event, chunk)
-            elif ev.event == "result":
-                if not isinstance(ev.data, dict):
-                    raise SandboxError(f"malformed result event from esbd: {ev.data!r:.200}")
-                if ev.data.get("error") is True and "exit_code" not in ev.data:
-                    raise _error_event(ev.data)
-                result = CommandResult.from_answer(ev.data)
-            elif ev.event == "error":
-                raise _error_event(ev.data)
-        for name in ("stdout", "stderr"):
-            deliver(name, b"", True)
-        if result is None:
-            raise SandboxError("esbd closed the event stream without a result event")
-        return result
+        events = self._env._transport.sse("POST", path, payload, timeout=http_timeout,
+                                          cancel=cancel)
+        data = _consume_stream(events, {"stdout": on_stdout, "stderr": on_stderr},
+                               context="execute (stream)")
+        return CommandResult.from_answer(data)
 
 
-def _error_event(data: Any) -> SandboxError:
+def _consume_stream(events: Iterable[SseEvent], handlers: Mapping[str, Optional[OutputHandler]],
+                    *, context: str) -> dict[str, Any]:
+    """Drive an esbd event stream to its end and return the ``result`` event's data.
+
+    Output events (``stdout``, ``stderr``, ``install``: ``{"data": text}`` or
+    ``{"data_b64": ...}``) are decoded as UTF-8 incrementally per stream (a character split
+    across chunks is not mangled; invalid bytes become U+FFFD) and passed to the handler of
+    that name, in arrival order. A daemon that answered plain JSON instead of a stream
+    (no streaming for that endpoint) gets its whole ``stdout``/``stderr`` delivered once, at
+    the end. An ``error`` event raises the typed :class:`SandboxError`
+    matching its ``code``; a stream that ends without ``result`` raises too.
+    """
+    decoders = {name: codecs.getincrementaldecoder("utf-8")("replace") for name in handlers}
+
+    def deliver(name: str, chunk: bytes, final: bool = False) -> None:
+        text = decoders[name].decode(chunk, final)
+        handler = handlers[name]
+        if text and handler is not None:
+            handler(text)
+
+    result: Optional[dict[str, Any]] = None
+    for ev in events:
+        if ev.event in handlers:
+            data = ev.data if isinstance(ev.data, dict) else {"data": str(ev.data)}
+            if isinstance(data.get("data_b64"), str):
+                chunk = base64.b64decode(data["data_b64"])
+            else:
+                chunk = str(data.get("data", "")).encode("utf-8")
+            deliver(ev.event, chunk)
+        elif ev.event == "result":
+            if not isinstance(ev.data, dict):
+                raise SandboxError(f"malformed result event from esbd: {ev.data!r:.200}")
+            if ev.data.get("error") is True and "exit_code" not in ev.data:
+                raise _error_event(ev.data, context)
+            result = ev.data
+            if ev.synthetic:  # the daemon did not stream: hand over the output in one piece
+                for name in ("stdout", "stderr"):
+                    if name in handlers and isinstance(result.get(name), str):
+                        deliver(name, result[name].encode("utf-8"))
+        elif ev.event == "error":
+            raise _error_event(ev.data, context)
+    for name in handlers:
+        deliver(name, b"", True)
+    if result is None:
+        raise SandboxError("esbd closed the event stream without a result event")
+    return result
+
+
+#: Machine codes esbd puts in error bodies (ErrorCodeForStatus) and the status they stand for.
+_CODE_STATUS = {"bad_request": 400, "unauthorized": 401, "forbidden": 403, "not_found": 404,
+                "method_not_allowed": 405, "conflict": 409, "payload_too_large": 413,
+                "unsupported_media_type": 415, "unprocessable": 422,
+                "too_many_requests": 429, "internal": 500, "unavailable": 503,
+                "insufficient_storage": 507}
+
+
+def _error_event(data: Any, context: str = "execute (stream)") -> SandboxError:
     if isinstance(data, dict):
-        status = {"bad_request": 400, "unauthorized": 401, "not_found": 404,
-                  "conflict": 409, "payload_too_large": 413, "too_many_requests": 429,
-                  "unavailable": 503}.get(str(data.get("code")), 500)
-        return error_from_response(status, data, context="execute (stream)")
+        status = _CODE_STATUS.get(str(data.get("code")), 500)
+        return error_from_response(status, data, context=context)
     return SandboxError(f"esbd reported an error mid-stream: {data!r:.300}")
+
+
+def _download(transport: Transport, path: str, query: Optional[Mapping[str, Any]],
+              dest: Optional[Union[PathLike, BinaryIO]]) -> Union[bytes, int]:
+    """``GET path`` as a raw byte stream: the bytes when ``dest`` is None, else write them to
+    a local path or binary file object in 64 KiB chunks and return the byte count."""
+    conn, resp = transport.send("GET", path, query=query,
+                                headers={"Accept": "application/octet-stream, */*"},
+                                timeout=max(transport.timeout, 300.0))
+    try:
+        transport.raise_for("GET", path, resp)
+        if dest is None:
+            return resp.read()
+        out: Any
+        if isinstance(dest, (str, os.PathLike)):
+            out = open(os.fspath(dest), "wb")
+        else:
+            out = dest
+        total = 0
+        try:
+            while True:
+                chunk = resp.read(_CHUNK)
+                if not chunk:
+                    break
+                out.write(chunk)
+                total += len(chunk)
+        finally:
+            if out is not dest:
+                out.close()
+        return total
+    finally:
+        conn.close()
+
+
+def _artifact_path(artifact: Union[Artifact, Mapping[str, Any]],
+                   environment_id: Optional[str] = None) -> str:
+    """The daemon path of an artifact's bytes, built from its environment and id (each quoted
+    as one path segment), falling back to its ``url`` when it names no environment."""
+    if isinstance(artifact, Mapping):
+        parsed = Artifact.from_answer(artifact, environment_id)
+        if parsed is None:
+            raise InvalidArgument("artifact: the mapping has no 'id'")
+        artifact = parsed
+    if not isinstance(artifact, Artifact):
+        raise InvalidArgument(f"artifact: expected an Artifact, not {type(artifact).__name__}")
+    env = artifact.environment_id or environment_id
+    if env:
+        return f"/environments/{quote_id(env)}/artifacts/{quote_id(artifact.id)}"
+    if artifact.url.startswith("/environments/"):
+        return artifact.url
+    raise InvalidArgument(f"artifact {artifact.id}: no environment id and no url to fetch "
+                          "it from")
+
+
+def _run_python(transport: Transport, path: str, payload: Mapping[str, Any], *,
+                http_timeout: float, streaming: bool,
+                handlers: Mapping[str, Optional[OutputHandler]],
+                cancel: Optional[CancelToken]) -> tuple[dict[str, Any], float]:
+    """``POST`` a run request (``/run`` or ``/environments/{id}/run``), as JSON or as an event
+    stream; returns the answer and the client-side elapsed milliseconds."""
+    started = time.monotonic()
+    if streaming:
+        events = transport.sse("POST", path, payload, timeout=http_timeout, cancel=cancel)
+        answer = _consume_stream(events, handlers, context=f"POST {path} (stream)")
+    else:
+        answer = transport.json("POST", path, payload, timeout=http_timeout, cancel=cancel)
+    return answer, (time.monotonic() - started) * 1000.0
+
+
+def _run_timeout(timeout_ms: int, packages: Any) -> float:
+    """HTTP timeout for a run: the code's limit plus slack, plus time for pip when packages
+    are to be installed first."""
+    return timeout_ms / 1000.0 + 30.0 + (300.0 if packages else 0.0)
+
+
+class Artifacts:
+    """Artifacts of an environment (``env.artifacts``): matplotlib figures and files written
+    under ``/workspace/artifacts`` by its runs. Artifacts can be passed as
+    :class:`~agentbox.Artifact` objects or by id."""
+
+    def __init__(self, env: "Environment") -> None:
+        self._env = env
+
+    def list(self) -> list[Artifact]:
+        """Every artifact of the environment (``GET /environments/{id}/artifacts``)."""
+        answer = self._env._transport.json(
+            "GET", f"/environments/{quote_id(self._env.environment_id)}/artifacts")
+        return parse_artifacts(answer.get("artifacts"), self._env.environment_id)
+
+    def _path(self, artifact: Union[str, Artifact, Mapping[str, Any]]) -> str:
+        if isinstance(artifact, str):
+            if not artifact:
+                raise InvalidArgument("artifacts: the artifact id must not be empty")
+            return (f"/environments/{quote_id(self._env.environment_id)}/artifacts/"
+                    f"{quote_id(artifact)}")
+        return _artifact_path(artifact, self._env.environment_id)
+
+    def get(self, artifact: Union[str, Artifact, Mapping[str, Any]]) -> bytes:
+        """The artifact's bytes. A missing (or expired) artifact raises
+        :class:`SandboxNotFound`."""
+        data = _download(self._env._transport, self._path(artifact), None, None)
+        assert isinstance(data, bytes)
+        return data
+
+    def download(self, artifact: Union[str, Artifact, Mapping[str, Any]],
+                 dest: Union[PathLike, BinaryIO]) -> int:
+        """Stream the artifact into a local path or binary file object; returns the byte
+        count."""
+        count = _download(self._env._transport, self._path(artifact), None, dest)
+        assert isinstance(count, int)
+        return count
 
 
 class Files:
@@ -301,33 +439,7 @@ class Files:
         With no ``dest`` the bytes are returned; with a local path or a binary file object
         they are written there in 64 KiB chunks and the byte count is returned.
         """
-        transport = self._env._transport
-        conn, resp = transport.send("GET", self._path("raw"), query={"path": path},
-                                    headers={"Accept": "application/octet-stream"},
-                                    timeout=max(transport.timeout, 300.0))
-        try:
-            transport.raise_for("GET", self._path("raw"), resp)
-            if dest is None:
-                return resp.read()
-            out: Any
-            if isinstance(dest, (str, os.PathLike)):
-                out = open(os.fspath(dest), "wb")
-            else:
-                out = dest
-            total = 0
-            try:
-                while True:
-                    chunk = resp.read(_CHUNK)
-                    if not chunk:
-                        break
-                    out.write(chunk)
-                    total += len(chunk)
-            finally:
-                if out is not dest:
-                    out.close()
-            return total
-        finally:
-            conn.close()
+        return _download(self._env._transport, self._path("raw"), {"path": path}, dest)
 
     def list(self, path: str = ".") -> list[EntryInfo]:
         """List the directory ``path`` (default: the workspace)."""
@@ -409,7 +521,7 @@ class Environment:
 
     Attributes:
         environment_id: the daemon's id (``env_...``).
-        commands: :class:`Commands`. files: :class:`Files`.
+        commands: :class:`Commands`. files: :class:`Files`. artifacts: :class:`Artifacts`.
         data: the environment record from the last create/info call.
     """
 
@@ -422,6 +534,7 @@ class Environment:
         self.data: dict[str, Any] = dict(data or {})
         self.commands = Commands(self)
         self.files = Files(self)
+        self.artifacts = Artifacts(self)
         self._closed = False
         self._ttl = ttl_seconds
         self._stop = threading.Event()
@@ -462,6 +575,61 @@ class Environment:
         except SandboxError as cleanup:  # never hide the body's own exception
             warnings.warn(f"agentbox: could not delete {self.environment_id}: {cleanup}",
                           RuntimeWarning, stacklevel=2)
+
+    def run_code(self, code: str, *, timeout_ms: int = 30_000,
+                 memory_limit_mb: Optional[int] = None,
+                 allowed_modules: Optional[Sequence[str]] = None,
+                 packages: Optional[Sequence[str]] = None,
+                 figure_formats: Optional[Sequence[str]] = None,
+                 on_stdout: Optional[OutputHandler] = None,
+                 on_stderr: Optional[OutputHandler] = None,
+                 on_install: Optional[OutputHandler] = None, stream: Optional[bool] = None,
+                 request_timeout: Optional[float] = None,
+                 cancel: Optional[CancelToken] = None) -> SandboxResult:
+        """Run Python ``code`` in the environment's stateful interpreter
+        (``POST /environments/{id}/run``): globals, imports and definitions persist between
+        calls, like notebook cells.
+
+        Args:
+            code: the cell's source.
+            timeout_ms: the cell's time limit (1–600 000 ms). A timeout is not an exception:
+                the result has ``timed_out == True`` and exit code 124.
+            memory_limit_mb, allowed_modules: as in :class:`SandboxConfig`.
+            packages: requirement strings pip installs from the daemon's package index before
+                the cell runs (container environments); see ``result.packages``.
+            figure_formats: ``["png"]`` (daemon default) or ``["png", "svg"]``.
+            on_stdout / on_stderr: called with output text as it arrives (SSE streaming).
+            on_install: called with pip's output text while ``packages`` install.
+            stream: force streaming on (or off) regardless of callbacks.
+            request_timeout: HTTP timeout in seconds (default: the time limit plus 30 s,
+                plus 300 s when ``packages`` are given).
+            cancel: a :class:`CancelToken` to abort from another thread (implies streaming).
+
+        Returns:
+            a :class:`SandboxResult` with ``value`` (the final expression's ``repr``),
+            ``table`` (a final pandas DataFrame as data) and ``artifacts``; download those
+            with :attr:`artifacts`.
+        """
+        if not isinstance(code, str):
+            raise InvalidArgument("run_code: code must be a string")
+        cfg = SandboxConfig(timeout_ms=timeout_ms, memory_limit_mb=memory_limit_mb,
+                            allowed_modules=allowed_modules, packages=packages,
+                            figure_formats=figure_formats)  # validates every option
+        payload = _run_payload(code, cfg, runtime=False)
+        streaming = stream if stream is not None else (
+            on_stdout is not None or on_stderr is not None or on_install is not None
+            or cancel is not None)
+        answer, elapsed = _run_python(
+            self._transport, f"/environments/{quote_id(self.environment_id)}/run", payload,
+            http_timeout=request_timeout if request_timeout is not None
+            else _run_timeout(cfg.timeout_ms, cfg.packages),
+            streaming=streaming,
+            handlers={"stdout": on_stdout, "stderr": on_stderr, "install": on_install},
+            cancel=cancel)
+        answer.setdefault("environment_id", self.environment_id)
+        return SandboxResult.from_run_answer(answer, elapsed_ms=elapsed)
+
+    run = run_code
 
     def info(self) -> dict[str, Any]:
         """Fetch the environment record (state, limits, timestamps, usage)."""
@@ -539,6 +707,24 @@ class Environment:
         return self._closed
 
 
+def _run_payload(code: str, cfg: SandboxConfig, *, runtime: bool) -> dict[str, Any]:
+    """The JSON body of ``POST /run`` (``runtime=True``) or ``POST /environments/{id}/run``
+    (which takes no ``runtime``) for ``code`` under ``cfg``; unset options are left out."""
+    payload: dict[str, Any] = {"code": code, "timeout_ms": cfg.timeout_ms}
+    if runtime:
+        payload["runtime"] = cfg.runtime
+    if cfg.memory_limit_mb is not None:
+        payload["memory_limit_mb"] = cfg.memory_limit_mb
+    if cfg.allowed_modules is not None:
+        payload["allowed_modules"] = list(cfg.allowed_modules)
+    if cfg.packages:
+        payload["packages"] = list(cfg.packages)
+    if cfg.figure_formats is not None:
+        payload["figure_formats"] = check_figure_formats(cfg.figure_formats,
+                                                         "figure_formats")
+    return payload
+
+
 def _says_unavailable(message: str) -> bool:
     text = message.lower()
     return "not available" in text or "unavailable" in text
@@ -572,7 +758,11 @@ class Sandbox:
         return f"Sandbox(url={self.url!r}, runtime={self.config.runtime!r})"
 
     # -- one-shot code ----------------------------------------------------------------------
-    def run(self, code: str, *, config: Optional[SandboxConfig] = None) -> SandboxResult:
+    def run(self, code: str, *, config: Optional[SandboxConfig] = None,
+            on_stdout: Optional[OutputHandler] = None,
+            on_stderr: Optional[OutputHandler] = None,
+            on_install: Optional[OutputHandler] = None, stream: Optional[bool] = None,
+            cancel: Optional[CancelToken] = None) -> SandboxResult:
         """Run Python ``code`` once, in a fresh sandbox, and return its output.
 
         Uses ``POST /run`` when the daemon has it. A daemon without it (404/405), or whose
@@ -580,23 +770,38 @@ class Sandbox:
         ``"nano"``, gets the container fallback: create an environment, write the code to a
         file, run ``python3`` on it with the configured timeout, and delete the environment.
         ``result.via`` tells which path ran.
+
+        Args:
+            code: the Python source.
+            config: overrides this client's :class:`SandboxConfig` for this call.
+            on_stdout / on_stderr: called with output text as it arrives; giving either makes
+                the request stream (SSE). Chunks of one stream arrive in order; invalid UTF-8
+                becomes U+FFFD.
+            on_install: called with pip's output while ``config.packages`` install.
+            stream: force streaming on (or off) regardless of callbacks.
+            cancel: a :class:`CancelToken` to abort from another thread (implies streaming).
+
+        Returns:
+            the :class:`SandboxResult`; its ``artifacts`` (figures, files under
+            ``/workspace/artifacts``) are fetched with :meth:`download_artifact` or
+            :meth:`save_artifact`.
         """
         cfg = config or self.config
         if not isinstance(code, str):
             raise InvalidArgument("run: code must be a string")
+        streaming = stream if stream is not None else (
+            on_stdout is not None or on_stderr is not None or on_install is not None
+            or cancel is not None)
         if self._has_run_endpoint is not False:
-            payload: dict[str, Any] = {"code": code, "runtime": cfg.runtime,
-                                       "timeout_ms": cfg.timeout_ms}
-            if cfg.memory_limit_mb is not None:
-                payload["memory_limit_mb"] = cfg.memory_limit_mb
-            if cfg.allowed_modules is not None:
-                payload["allowed_modules"] = list(cfg.allowed_modules)
-            if cfg.packages:
-                payload["packages"] = list(cfg.packages)
-            started = time.monotonic()
+            payload = _run_payload(code, cfg, runtime=True)
             try:
-                answer = self._transport.json("POST", "/run", payload,
-                                              timeout=cfg.timeout_ms / 1000.0 + 30.0)
+                answer, elapsed = _run_python(
+                    self._transport, "/run", payload,
+                    http_timeout=_run_timeout(cfg.timeout_ms, cfg.packages),
+                    streaming=streaming,
+                    handlers={"stdout": on_stdout, "stderr": on_stderr,
+                              "install": on_install},
+                    cancel=cancel)
             except SandboxError as exc:
                 if exc.status in (404, 405):
                     self._has_run_endpoint = False  # no such route: never ask again
@@ -607,11 +812,43 @@ class Sandbox:
                 # needs the nano tier, which is not available ..."); fall back for this call.
             else:
                 self._has_run_endpoint = True
-                return SandboxResult.from_run_answer(
-                    answer, elapsed_ms=(time.monotonic() - started) * 1000.0)
-        return self._run_in_environment(code, cfg)
+                return SandboxResult.from_run_answer(answer, elapsed_ms=elapsed)
+        return self._run_in_environment(code, cfg, on_stdout=on_stdout, on_stderr=on_stderr,
+                                         cancel=cancel)
 
-    def _run_in_environment(self, code: str, cfg: SandboxConfig) -> SandboxResult:
+    # -- artifacts --------------------------------------------------------------------------
+    def download_artifact(self, artifact: Union[Artifact, Mapping[str, Any]]) -> bytes:
+        """The bytes of an artifact from a run's result (``GET
+        /environments/{env}/artifacts/{id}``). Works after the environment is gone, until the
+        daemon expires the artifact (then :class:`SandboxNotFound`)."""
+        data = _download(self._transport, _artifact_path(artifact), None, None)
+        assert isinstance(data, bytes)
+        return data
+
+    def save_artifact(self, artifact: Union[Artifact, Mapping[str, Any]],
+                      dest: Union[PathLike, BinaryIO, None] = None) -> int:
+        """Stream an artifact into ``dest`` (a local path, a directory — the artifact's name
+        is used inside it —, or a binary file object; default: its name in the current
+        directory). Returns the byte count."""
+        if isinstance(artifact, Mapping):
+            parsed = Artifact.from_answer(artifact)
+            if parsed is None:
+                raise InvalidArgument("save_artifact: the mapping has no 'id'")
+            artifact = parsed
+        if dest is None or (isinstance(dest, (str, os.PathLike))
+                            and os.path.isdir(os.fspath(dest))):
+            name = posixpath.basename(artifact.name.replace("\\", "/")) or artifact.id
+            if name in (".", ".."):
+                name = artifact.id
+            dest = os.path.join(os.fspath(dest) if dest is not None else ".", name)
+        count = _download(self._transport, _artifact_path(artifact), None, dest)
+        assert isinstance(count, int)
+        return count
+
+    def _run_in_environment(self, code: str, cfg: SandboxConfig, *,
+                            on_stdout: Optional[OutputHandler] = None,
+                            on_stderr: Optional[OutputHandler] = None,
+                            cancel: Optional[CancelToken] = None) -> SandboxResult:
         started = time.monotonic()
         seconds = max(1, math.ceil(cfg.timeout_ms / 1000.0))
         options: dict[str, Any] = {"ttl_seconds": min(86400, max(60, seconds + 120))}
@@ -633,7 +870,9 @@ class Sandbox:
                                          via="environment")
             script = f".agentbox/run_{secrets.token_hex(6)}.py"
             env.files.write(script, code)
-            result = env.commands.run(f"python3 {shlex.quote(script)}", timeout=seconds)
+            result = env.commands.run(f"python3 {shlex.quote(script)}", timeout=seconds,
+                                      on_stdout=on_stdout, on_stderr=on_stderr,
+                                      cancel=cancel)
             exception = parse_traceback(result.stderr) if result.exit_code != 0 else None
             return SandboxResult(stdout=result.stdout, stderr=result.stderr,
                                  exit_code=result.exit_code, error=result.exit_code != 0,

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import base64
 import json
+import mimetypes
 import os
 import queue
+import re
 import secrets
 import shutil
 import signal
@@ -37,6 +39,37 @@ _SKIP_VARS = ("BASH", "BASHOPTS", "BASHPID", "BASH_ALIASES", "BASH_ARGC", "BASH_
               "HOSTTYPE", "MACHTYPE", "OSTYPE", "IFS", "OPTIND", "OPTERR", "PS4", "PS1", "PS2")
 _ENV_FIELDS = {"image", "runtime", "cpu", "memory_mb", "pids", "disk_mb", "ttl_seconds", "env",
                "network"}
+_RUN_FIELDS = {"code", "timeout_ms", "memory_limit_mb", "allowed_modules", "packages",
+               "figure_formats"}
+
+# Runs a cell like esbd's heavy kernel: executes the code and, when the last statement is an
+# expression, records its repr as "value" and, for anything that looks like a pandas
+# DataFrame (type named DataFrame with columns/index/values), a "table". argv: code file,
+# meta file, max table rows.
+_CELL_RUNNER = r"""
+import ast, json, sys
+src = open(sys.argv[1]).read()
+tree = ast.parse(src)
+last = None
+if tree.body and isinstance(tree.body[-1], ast.Expr):
+    last = ast.Expression(tree.body.pop().value)
+g = {"__name__": "__main__"}
+exec(compile(tree, "<cell>", "exec"), g)
+meta = {"value": None, "table": None}
+if last is not None:
+    v = eval(compile(last, "<cell>", "eval"), g)
+    if v is not None:
+        meta["value"] = repr(v)
+    if type(v).__name__ == "DataFrame":
+        cap = int(sys.argv[3])
+        rows = [list(r) for r in (v.values.tolist() if hasattr(v.values, "tolist") else v.values)]
+        cols = [str(c) for c in v.columns]
+        meta["table"] = {"columns": cols, "index": list(v.index)[:cap], "rows": rows[:cap],
+                         "total_rows": len(rows), "total_columns": len(cols),
+                         "truncated": len(rows) > cap}
+with open(sys.argv[2], "w") as f:
+    json.dump(meta, f)
+"""
 
 
 def now_iso(delta: float = 0.0) -> str:
@@ -63,6 +96,8 @@ class FakeEnv:
     destroy_reason: Optional[str] = None
     exec_count: int = 0
     heartbeats: int = 0
+    run_steps: int = 0
+    reported: set = field(default_factory=set)  # artifact files already reported
 
     def record(self) -> dict[str, Any]:
         return {"environment_id": self.id,
@@ -83,7 +118,15 @@ class FakeEnv:
 class FakeEsbd:
     """Start with :meth:`start`; ``url`` is then the base URL. ``keys`` maps API keys to
     tenants (None = dev mode, no auth). ``run_endpoint`` enables ``POST /run`` (True), or
-    makes it answer 400 "not available" like esbd without the nano tier ("unavailable")."""
+    makes it answer 400 "not available" like esbd without the nano tier ("unavailable").
+
+    Runs (``POST /run`` and ``POST /environments/{id}/run``) follow the artifacts contract:
+    files written under ``/workspace/artifacts`` become ``file`` artifacts; the fake cannot run
+    matplotlib, so a test queues figures in ``next_figures`` (``(title, png_bytes)``), which
+    the next run reports as ``image`` artifacts in each of its ``figure_formats``. Packages
+    install from ``package_index`` (name → version; others fail with an ``error`` event);
+    ``run_error_event``, when set, is sent after the output instead of the result.
+    Environment runs are not stateful in the fake (each cell is a fresh interpreter)."""
 
     def __init__(self, keys: Optional[dict[str, str]] = None, run_endpoint: Any = False,
                  read_limit: int = 16 * 1024 * 1024) -> None:
@@ -95,6 +138,15 @@ class FakeEsbd:
         self.run_bodies: list[dict[str, Any]] = []
         self.create_bodies: list[dict[str, Any]] = []
         self.audit: list[dict[str, Any]] = []
+        self.next_figures: list[tuple[Optional[str], bytes]] = []
+        self.package_index: dict[str, str] = {"tabulate": "0.9.0", "pandas": "2.1.4"}
+        self.package_cache: set[str] = set()
+        self.run_error_event: Optional[dict[str, Any]] = None
+        self.table_max_rows = 50
+        self.stream_runs = True  # False: run endpoints ignore Accept (an older daemon)
+        # env id → {"tenant": str, "items": {artifact id: (metadata, bytes)}}; kept after the
+        # environment is destroyed, like esbd's artifact retention.
+        self.artifact_store: dict[str, dict[str, Any]] = {}
         self.lock = threading.Lock()
         self.root = tempfile.mkdtemp(prefix="fake-esbd-")
         self.server: Optional[ThreadingHTTPServer] = None
@@ -214,6 +266,13 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
     # -- plumbing -----------------------------------------------------------------------
+    def open_sse(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.end_headers()
+        self.wfile.write(b": stream open\n\n")
+
     def send_json(self, status: int, body: dict[str, Any]) -> None:
         raw = json.dumps(body).encode()
         self.send_response(status)
@@ -287,7 +346,7 @@ class _Handler(BaseHTTPRequestHandler):
             if esbd.run_endpoint == "unavailable":  # what esbd says without the nano tier
                 raise ApiError(400, "bad_request", "POST /run needs the nano tier, which is not "
                                "available on this daemon (see GET /healthz 'unavailable')")
-            return self.run_code(self.json_body())
+            return self.run_code(tenant, self.json_body())
         if parts == ["audit"] and method == "GET":
             rows = [r for r in esbd.audit if r["tenant"] == tenant
                     and (not query.get("environment_id")
@@ -308,6 +367,8 @@ class _Handler(BaseHTTPRequestHandler):
             raise ApiError(405, "method_not_allowed", "Method not allowed.")
         if len(parts) >= 2 and parts[0] == "environments":
             env_id, rest = parts[1], parts[2:]
+            if rest[:1] == ["artifacts"] and method == "GET" and len(rest) <= 2:
+                return self.artifacts(tenant, env_id, rest[1] if len(rest) == 2 else None)
             if not rest:
                 if method == "GET":
                     env = esbd.env_for(tenant, env_id, allow_destroyed=True)
@@ -326,6 +387,8 @@ class _Handler(BaseHTTPRequestHandler):
                 return self.send_json(200, {"error": False, "expires_at": env.expires_at})
             if rest == ["execute"] and method == "POST":
                 return self.execute(env, self.json_body())
+            if rest == ["run"] and method == "POST":
+                return self.run_code(tenant, self.json_body(), env)
             if rest == ["files", "write"] and method == "POST":
                 return self.write_file(env, self.json_body())
             if rest == ["files", "read"] and method == "GET":
@@ -355,48 +418,165 @@ class _Handler(BaseHTTPRequestHandler):
                 return self.list_dir(env, query.get("path", "."))
         raise ApiError(404, "not_found", f"No route for {method} /{'/'.join(parts)}.")
 
-    def run_code(self, body: dict[str, Any]) -> None:
-        self.esbd.run_bodies.append(body)
+    def artifacts(self, tenant: str, env_id: str, aid: Optional[str]) -> None:
+        esbd = self.esbd
+        store = esbd.artifact_store.get(env_id)
+        if store is None or store["tenant"] != tenant:
+            env = esbd.envs.get(env_id)
+            if env is None or env.tenant != tenant or env.destroyed_at:
+                raise ApiError(404, "not_found", f"Environment {env_id} not found.")
+            store = {"tenant": tenant, "items": {}}
+        if aid is None:
+            return self.send_json(200, {"artifacts": [m for m, _ in store["items"].values()]})
+        item = store["items"].get(aid)
+        if item is None:
+            raise ApiError(404, "not_found", f"Artifact {aid} not found.")
+        meta, data = item
+        self.send_response(200)
+        self.send_header("Content-Type", meta["mime_type"])
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def add_artifact(self, tenant: str, env_id: str, kind: str, name: str, mime: str,
+                     data: bytes, title: Optional[str], step: int) -> dict[str, Any]:
+        aid = "art_" + secrets.token_hex(6)
+        meta = {"id": aid, "kind": kind, "name": name, "mime_type": mime, "size": len(data),
+                "title": title, "step": step, "environment_id": env_id,
+                "url": f"/environments/{env_id}/artifacts/{aid}"}
+        with self.esbd.lock:
+            store = self.esbd.artifact_store.setdefault(env_id, {"tenant": tenant, "items": {}})
+            store["items"][aid] = (meta, data)
+        return meta
+
+    def send_event(self, name: str, data: dict[str, Any]) -> None:
+        self.wfile.write(f"event: {name}\ndata: {json.dumps(data)}\n\n".encode())
+        self.wfile.flush()
+
+    def run_code(self, tenant: str, body: dict[str, Any], env: Optional[FakeEnv] = None) -> None:
+        esbd = self.esbd
+        esbd.run_bodies.append(body)
+        allowed = _RUN_FIELDS | ({"runtime"} if env is None else set())
+        unknown = sorted(set(body) - allowed)
+        if unknown:
+            raise ApiError(400, "bad_request", f"Unknown field '{unknown[0]}'.")
         code = body.get("code")
         if not isinstance(code, str):
             raise ApiError(400, "bad_request", "'code' must be a string.")
+        formats = body.get("figure_formats", ["png"])
+        if (not isinstance(formats, list) or not formats
+                or any(f not in ("png", "svg") for f in formats)):
+            raise ApiError(400, "bad_request", "figure_formats must be drawn from png, svg.")
+        packages = body.get("packages") or []
+        streaming = esbd.stream_runs and "text/event-stream" in (self.headers.get("Accept")
+                                                                 or "")
+        if streaming:
+            self.open_sse()
         t0 = time.monotonic()
+        installed = []
+        for req in packages:
+            name = re.split(r"[<>=!~;\[ ]", req, maxsplit=1)[0].strip().lower()
+            if streaming:
+                self.send_event("install", {"data": f"Collecting {req}\n"})
+            if name not in esbd.package_index:
+                err = {"error": True, "code": "bad_request",
+                       "message": f"pip could not install {req!r}: No matching distribution "
+                                  "found"}
+                if streaming:
+                    return self.send_event("error", err)
+                raise ApiError(400, "bad_request", err["message"])
+            version = esbd.package_index[name]
+            installed.append({"name": name, "version": version,
+                              "from_cache": name in esbd.package_cache})
+            esbd.package_cache.add(name)
+            if streaming:
+                self.send_event("install", {"data": f"Successfully installed {name}-{version}\n"})
+        install_ms = (time.monotonic() - t0) * 1000.0
+        if env is not None:
+            env.run_steps += 1
+            env_id, step, work = env.id, env.run_steps, env.workspace
+        else:
+            env_id, step = "env_" + secrets.token_hex(8), 1
+            work = os.path.realpath(os.path.join(esbd.root, env_id))
+            os.makedirs(work)
         try:
-            proc = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True,
-                                  timeout=body.get("timeout_ms", 30000) / 1000.0,
-                                  cwd=self.esbd.root)
-            out, err, rc, timed_out = proc.stdout, proc.stderr, proc.returncode, False
-        except subprocess.TimeoutExpired as exc:
-            out, err, rc, timed_out = exc.stdout or b"", exc.stderr or b"", 124, True
-        answer: dict[str, Any] = {"stdout": out.decode(errors="replace"),
-                                  "stderr": err.decode(errors="replace"), "exit_code": rc,
-                                  "error": rc != 0, "timed_out": timed_out,
-                                  "duration_ms": (time.monotonic() - t0) * 1000.0,
-                                  "tier": "nano", "reason": "fake"}
+            cell = os.path.join(esbd.root, f"cell_{secrets.token_hex(4)}.py")
+            meta_file = cell + ".json"
+            with open(cell, "w") as f:
+                f.write(code.replace("/workspace", work))
+            proc = subprocess.Popen(
+                [sys.executable, "-I", "-c", _CELL_RUNNER, cell, meta_file,
+                 str(esbd.table_max_rows)], cwd=work, stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+            collected = self.collect(proc, body.get("timeout_ms", 30000) / 1000.0, streaming)
+            if collected is None:
+                return
+            bufs, truncated, timed_out = collected
+            rc = 124 if timed_out else proc.returncode
+            meta: dict[str, Any] = {}
+            if os.path.exists(meta_file):
+                with open(meta_file) as f:
+                    meta = json.load(f)
+            for path in (cell, meta_file):
+                if os.path.exists(path):
+                    os.unlink(path)
+            artifacts = []
+            art_dir = os.path.join(work, "artifacts")
+            for dirpath, _, names in os.walk(art_dir):
+                for name in sorted(names):
+                    full = os.path.join(dirpath, name)
+                    st = os.stat(full)
+                    key = (full, st.st_mtime_ns, st.st_size)
+                    if env is not None and key in env.reported:
+                        continue
+                    if env is not None:
+                        env.reported.add(key)
+                    with open(full, "rb") as f:
+                        data = f.read()
+                    mime = mimetypes.guess_type(name)[0] or "application/octet-stream"
+                    artifacts.append(self.add_artifact(tenant, env_id, "file",
+                                                       os.path.relpath(full, art_dir), mime,
+                                                       data, None, step))
+            figures, esbd.next_figures = esbd.next_figures, []
+            for i, (title, png) in enumerate(figures, 1):
+                for fmt in formats:
+                    if fmt == "png":
+                        data, mime = png, "image/png"
+                    else:
+                        data = (f'<svg xmlns="http://www.w3.org/2000/svg"><title>{title or ""}'
+                                "</title></svg>").encode()
+                        mime = "image/svg+xml"
+                    artifacts.append(self.add_artifact(tenant, env_id, "image",
+                                                       f"figure-{i}.{fmt}", mime, data, title,
+                                                       step))
+        finally:
+            if env is None:
+                shutil.rmtree(work, ignore_errors=True)
+        answer: dict[str, Any] = {
+            "stdout": bufs["stdout"].decode(errors="replace"),
+            "stderr": bufs["stderr"].decode(errors="replace"), "exit_code": rc,
+            "error": None, "timed_out": timed_out, "truncated": truncated,
+            "duration_ms": (time.monotonic() - t0) * 1000.0,
+            "tier": "heavy" if (packages or body.get("runtime") == "heavy") else "nano",
+            "reason": "fake", "environment_id": env_id, "artifacts": artifacts,
+            "table": meta.get("table"), "value": meta.get("value")}
+        if packages:
+            answer["packages"], answer["install_ms"] = installed, install_ms
         if rc != 0 and "Traceback" in answer["stderr"]:
             last = answer["stderr"].strip().splitlines()[-1]
             name, _, msg = last.partition(": ")
             answer["error"] = {"type": name, "message": msg, "traceback": answer["stderr"]}
+        if streaming:
+            if esbd.run_error_event is not None:
+                return self.send_event("error", esbd.run_error_event)
+            return self.send_event("result", answer)
         self.send_json(200, answer)
 
-    def execute(self, env: FakeEnv, body: dict[str, Any]) -> None:
-        unknown = sorted(set(body) - {"command", "timeout_seconds", "env"})
-        if unknown:
-            raise ApiError(400, "bad_request", f"Unknown field '{unknown[0]}'.")
-        command = body.get("command")
-        if not isinstance(command, str) or not command:
-            raise ApiError(400, "bad_request", "'command' must be a non-empty string.")
-        timeout = body.get("timeout_seconds", 60)
-        if not isinstance(timeout, int) or not 1 <= timeout <= 3600:
-            raise ApiError(400, "bad_request", "timeout_seconds must be 1..3600.")
-        env.exec_count += 1
-        self.esbd.audit.append({"id": len(self.esbd.audit) + 1, "time": now_iso(),
-                                "tenant": env.tenant, "environment_id": env.id,
-                                "action": "execute", "detail": command})
-        streaming = "text/event-stream" in (self.headers.get("Accept") or "")
-        t0 = time.monotonic()
-        proc = self.esbd.spawn(env, command, {str(k): str(v)
-                                              for k, v in (body.get("env") or {}).items()})
+    def collect(self, proc: subprocess.Popen, timeout: float, streaming: bool,
+                ) -> Optional[tuple[dict[str, bytearray], bool, bool]]:
+        """Read a child's stdout/stderr until both close (capped at CAP bytes each), sending
+        them as SSE events when ``streaming``; kill its process group after ``timeout``
+        seconds. Returns (buffers, truncated, timed_out), or None if the client went away."""
         events: "queue.Queue[tuple[str, bytes]]" = queue.Queue()
 
         def pump(name: str, pipe: Any) -> None:
@@ -409,15 +589,9 @@ class _Handler(BaseHTTPRequestHandler):
 
         for name, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr)):
             threading.Thread(target=pump, args=(name, pipe), daemon=True).start()
-        if streaming:
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Cache-Control", "no-cache")
-            self.end_headers()
-            self.wfile.write(b": stream open\n\n")
         bufs = {"stdout": bytearray(), "stderr": bytearray()}
         truncated, timed_out, open_streams = False, False, 2
-        deadline = t0 + timeout
+        deadline = time.monotonic() + timeout
         while open_streams:
             try:
                 name, chunk = events.get(timeout=max(0.0, deadline - time.monotonic()))
@@ -441,12 +615,38 @@ class _Handler(BaseHTTPRequestHandler):
                 except UnicodeDecodeError:
                     data = {"data_b64": base64.b64encode(chunk).decode()}
                 try:
-                    self.wfile.write(f"event: {name}\ndata: {json.dumps(data)}\n\n".encode())
-                    self.wfile.flush()
+                    self.send_event(name, data)
                 except (BrokenPipeError, ConnectionResetError):
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
-                    return
+                    return None
+        proc.wait()
+        return bufs, truncated, timed_out
+
+    def execute(self, env: FakeEnv, body: dict[str, Any]) -> None:
+        unknown = sorted(set(body) - {"command", "timeout_seconds", "env"})
+        if unknown:
+            raise ApiError(400, "bad_request", f"Unknown field '{unknown[0]}'.")
+        command = body.get("command")
+        if not isinstance(command, str) or not command:
+            raise ApiError(400, "bad_request", "'command' must be a non-empty string.")
+        timeout = body.get("timeout_seconds", 60)
+        if not isinstance(timeout, int) or not 1 <= timeout <= 3600:
+            raise ApiError(400, "bad_request", "timeout_seconds must be 1..3600.")
+        env.exec_count += 1
+        self.esbd.audit.append({"id": len(self.esbd.audit) + 1, "time": now_iso(),
+                                "tenant": env.tenant, "environment_id": env.id,
+                                "action": "execute", "detail": command})
+        streaming = "text/event-stream" in (self.headers.get("Accept") or "")
+        t0 = time.monotonic()
+        proc = self.esbd.spawn(env, command, {str(k): str(v)
+                                              for k, v in (body.get("env") or {}).items()})
+        if streaming:
+            self.open_sse()
+        collected = self.collect(proc, timeout, streaming)
+        if collected is None:
+            return
+        bufs, truncated, timed_out = collected
         rc = proc.wait()
         if timed_out:
             rc = 124

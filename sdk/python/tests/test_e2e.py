@@ -370,6 +370,57 @@ def test_other_tenant_sees_404(env):
     assert env.id not in [e["environment_id"] for e in other.list()]
 
 
+# -- heavy-tier notebook features: artifacts, tables, streaming cells ---------------------
+_FIGURE = ("import matplotlib.pyplot as plt\n"
+           "plt.plot([1, 2, 3], [3, 1, 2])\n"
+           "plt.title('e2e figure')\n"
+           "plt.show()\n")
+
+
+def test_run_captures_a_figure_as_an_artifact(box, tmp_path):
+    r = box.run(_FIGURE, config=SandboxConfig(runtime="auto"))
+    assert r.ok, r.stderr
+    assert r.runtime == "heavy"
+    assert [a.mime_type for a in r.artifacts] == ["image/png"]
+    art = r.artifacts[0]
+    assert art.title == "e2e figure" and art.kind == "image"
+    data = box.download_artifact(art)
+    assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) == art.size
+    saved = box.save_artifact(art, tmp_path)
+    assert saved == art.size
+    assert (tmp_path / art.name).read_bytes() == data
+
+
+def test_stateful_cells_table_and_live_output(box):
+    with box.create(runtime="container", ttl_seconds=300) as e:
+        assert e.run_code("import pandas as pd\nrows = [1, 2, 3]").ok
+        chunks = []
+        r = e.run_code("for i in rows:\n    print('row', i, flush=True)\n"
+                       "pd.DataFrame({'v': rows, 'sq': [i * i for i in rows]})",
+                       on_stdout=chunks.append)
+        assert r.ok, r.stderr
+        assert "".join(chunks) == "row 1\nrow 2\nrow 3\n"
+        assert r.table is not None
+        assert r.table.columns == ["v", "sq"]
+        assert r.table.rows == [[1, 1], [2, 4], [3, 9]]
+        assert r.table.to_records()[2] == {"v": 3, "sq": 9}
+        r = e.run_code("open('/workspace/artifacts/out.txt', 'w').write('hello')")
+        assert [a.name for a in r.artifacts] == ["out.txt"]
+        assert e.artifacts.get(r.artifacts[0]) == b"hello"
+        assert [a.id for a in e.artifacts.list()] == [r.artifacts[0].id]
+
+
+def test_other_tenant_cannot_read_artifacts(box):
+    if not KEY2:
+        pytest.skip("AGENTBOX_E2E_API_KEY_2 (a second tenant's key) is not set")
+    r = box.run("open('/workspace/artifacts/secret.txt', 'w').write('s3cret')",
+                config=SandboxConfig(runtime="heavy"))
+    assert [a.name for a in r.artifacts] == ["secret.txt"]
+    other = Sandbox(url=E2E_URL, api_key=KEY2)
+    with pytest.raises(SandboxNotFound):
+        other.download_artifact(r.artifacts[0])
+
+
 def test_daemon_down(dead_url):
     with pytest.raises(DaemonUnreachable) as info:
         Sandbox(url=dead_url).create()

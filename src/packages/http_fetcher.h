@@ -1,0 +1,67 @@
+// HTTP GET for index pages and wheels, behind an interface so tests can inject a fake.
+//
+// The daemon talks to exactly one operator-configured index (and the file hosts it names), so
+// every request is bounded: allowed hosts (also across redirects), connect and total timeouts,
+// and a body size cap. Bodies stream to a sink so a 200 MB wheel never sits in memory.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace esb::packages {
+
+struct FetchLimits {
+  int64_t max_body_bytes = 16 << 20;  // more → ResourceExhausted
+  std::chrono::milliseconds connect_timeout{10'000};
+  std::chrono::milliseconds timeout{120'000};  // the whole request including redirects
+  int max_redirects = 5;
+  // Hosts ("example.org" or "example.org:8080") the request and its redirects may reach.
+  // Empty = only the host of the requested URL.
+  std::vector<std::string> allowed_hosts;
+  std::string accept;  // Accept header; "" = "*/*"
+};
+
+struct HttpResult {
+  int status = 0;
+  std::string content_type;
+  std::string final_url;  // after redirects
+  int64_t body_bytes = 0;
+};
+
+using BodySink = std::function<absl::Status(std::string_view chunk)>;
+
+class HttpFetcher {
+ public:
+  virtual ~HttpFetcher() = default;
+  // GETs url. On a 2xx the body goes to `sink` (an error from the sink aborts the request and
+  // is returned). Errors: non-2xx per HttpStatusError; connection failures → Unavailable;
+  // timeouts → DeadlineExceeded; body too large → ResourceExhausted; redirect to a host not
+  // allowed → PermissionDenied naming the host.
+  virtual absl::StatusOr<HttpResult> Get(const std::string& url, const FetchLimits& limits,
+                                         const BodySink& sink) = 0;
+};
+
+// The Status for a non-2xx answer: 404/410 → NotFound, 401/403 → PermissionDenied,
+// 408/429/5xx → Unavailable, others → FailedPrecondition. The message names code and URL.
+absl::Status HttpStatusError(int status, const std::string& url);
+
+// True for failures where the server could not be reached or did not answer properly
+// (Unavailable, DeadlineExceeded): the caller may fall back to cached data.
+bool IsUnreachable(const absl::Status& status);
+
+// Boost.Beast over Asio; https with OpenSSL (system trust store, SNI, hostname verification).
+// No proxies. Each Get uses its own io_context, so concurrent calls are independent.
+class BeastHttpFetcher final : public HttpFetcher {
+ public:
+  BeastHttpFetcher() = default;
+  absl::StatusOr<HttpResult> Get(const std::string& url, const FetchLimits& limits,
+                                 const BodySink& sink) override;
+};
+
+}  // namespace esb::packages

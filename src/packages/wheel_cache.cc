@@ -1,0 +1,500 @@
+#include "packages/wheel_cache.h"
+
+#include <fcntl.h>
+#include <openssl/evp.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <boost/json.hpp>
+#include <cerrno>
+#include <filesystem>
+#include <set>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/util.h"
+#include "packages/url.h"
+
+namespace esb::packages {
+namespace {
+
+namespace fs = std::filesystem;
+namespace json = boost::json;
+
+constexpr char kAcceptIndex[] = "application/vnd.pypi.simple.v1+json, text/html;q=0.1";
+constexpr int kMaxListedVersions = 10;
+constexpr int kMaxListedFiles = 5;
+
+class Sha256 {
+ public:
+  Sha256() : ctx_(EVP_MD_CTX_new()) { EVP_DigestInit_ex(ctx_, EVP_sha256(), nullptr); }
+  ~Sha256() { EVP_MD_CTX_free(ctx_); }
+  Sha256(const Sha256&) = delete;
+  Sha256& operator=(const Sha256&) = delete;
+  void Update(std::string_view d) { EVP_DigestUpdate(ctx_, d.data(), d.size()); }
+  std::string HexDigest() {
+    unsigned char md[EVP_MAX_MD_SIZE];
+    unsigned int n = 0;
+    EVP_DigestFinal_ex(ctx_, md, &n);
+    static constexpr char kHex[] = "0123456789abcdef";
+    std::string out;
+    for (unsigned int i = 0; i < n; ++i) {
+      out += kHex[md[i] >> 4];
+      out += kHex[md[i] & 15];
+    }
+    return out;
+  }
+
+ private:
+  EVP_MD_CTX* ctx_;
+};
+
+bool ValidProjectName(const std::string& n) {
+  if (n.empty() || n.size() > 200 || n.front() == '-' || n.back() == '-') return false;
+  return std::all_of(n.begin(), n.end(), [](char c) {
+    return (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '-';
+  });
+}
+
+// pip's rule: a link whose requires-python cannot be parsed is not excluded.
+bool PythonAdmitted(const std::string& requires_python, const Target& t) {
+  if (requires_python.empty()) return true;
+  auto spec = ParseSpecifier(requires_python);
+  if (!spec.ok()) return true;
+  return spec->Contains(t.PythonVersion(), true);
+}
+
+// pip: prereleases only when the specifier names one, or when no final release satisfies it.
+template <class T>
+std::vector<const T*> Satisfying(const std::map<Version, T>& by_version, const Specifier& spec) {
+  std::vector<const T*> out;
+  for (bool allow_pre : {false, true}) {
+    for (const auto& [v, item] : by_version) {
+      if (spec.Contains(v, allow_pre)) out.push_back(&item);
+    }
+    if (!out.empty()) break;
+  }
+  return out;
+}
+
+std::string Describe(const Requirement& req) {
+  return req.specifier.empty() ? req.name : absl::StrCat(req.name, " ", req.specifier);
+}
+
+json::value PageToJson(int64_t fetched_ms, const std::string& url,
+                       const std::vector<IndexLink>& links) {
+  json::array files;
+  for (const auto& l : links) {
+    files.push_back(json::object{{"filename", l.filename},
+                                 {"url", l.url},
+                                 {"sha256", l.sha256},
+                                 {"yanked", l.yanked},
+                                 {"requires_python", l.requires_python}});
+  }
+  return json::object{{"fetched_ms", fetched_ms}, {"url", url}, {"files", std::move(files)}};
+}
+
+bool PageFromJson(const std::string& text, int64_t* fetched_ms, std::string* url,
+                  std::vector<IndexLink>* links) {
+  boost::system::error_code ec;
+  json::value v = json::parse(text, ec);
+  if (ec || !v.is_object()) return false;
+  const auto& o = v.get_object();
+  const auto* f = o.if_contains("fetched_ms");
+  const auto* u = o.if_contains("url");
+  const auto* files = o.if_contains("files");
+  if (!f || !f->is_int64() || !u || !u->is_string() || !files || !files->is_array()) return false;
+  *fetched_ms = f->get_int64();
+  *url = std::string(u->get_string());
+  for (const auto& e : files->get_array()) {
+    const auto* fo = e.if_object();
+    if (!fo) return false;
+    IndexLink l;
+    auto str = [&](const char* key, std::string* out) {
+      const auto* x = fo->if_contains(key);
+      if (x && x->is_string()) *out = std::string(x->get_string());
+    };
+    str("filename", &l.filename);
+    str("url", &l.url);
+    str("sha256", &l.sha256);
+    str("requires_python", &l.requires_python);
+    if (const auto* y = fo->if_contains("yanked"); y && y->is_bool()) l.yanked = y->get_bool();
+    links->push_back(std::move(l));
+  }
+  return true;
+}
+
+}  // namespace
+
+absl::StatusOr<std::string> Sha256File(const std::string& path) {
+  UniqueFd fd(open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!fd) return ErrnoStatus("open " + path);
+  Sha256 sha;
+  char buf[64 << 10];
+  while (true) {
+    ssize_t n = read(fd.get(), buf, sizeof buf);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return ErrnoStatus("read " + path);
+    if (n == 0) break;
+    sha.Update(std::string_view(buf, static_cast<size_t>(n)));
+  }
+  return sha.HexDigest();
+}
+
+WheelCache::WheelCache(Options options, HttpFetcher* fetcher)
+    : options_(std::move(options)), fetcher_(fetcher) {
+  if (!options_.index_url.empty() && !options_.index_url.ends_with('/')) {
+    options_.index_url += '/';
+  }
+  auto u = ParseUrl(options_.index_url);
+  if (!u.ok()) {
+    init_status_ = absl::InvalidArgumentError(
+        absl::StrCat("package index URL: ", u.status().message()));
+  } else {
+    index_host_ = u->HostPort();
+  }
+  if (options_.cache_dir.empty()) {
+    init_status_ = absl::InvalidArgumentError("package cache directory is not set");
+  }
+}
+
+int64_t WheelCache::Now() const { return options_.now_ms ? options_.now_ms() : NowUnixMs(); }
+
+std::string WheelCache::WheelDir(const std::string& name) const {
+  return absl::StrCat(options_.cache_dir, "/wheels/", options_.target.PythonTag(), "/", name);
+}
+
+std::vector<std::string> WheelCache::AllowedHosts() const {
+  std::vector<std::string> hosts = options_.allowed_hosts;
+  hosts.push_back(index_host_);
+  return hosts;
+}
+
+std::shared_ptr<std::mutex> WheelCache::KeyLock(const std::string& key) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto& m = key_locks_[key];
+  if (!m) m = std::make_shared<std::mutex>();
+  return m;
+}
+
+absl::StatusOr<Wheel> WheelCache::Fetch(const Requirement& req) {
+  if (!init_status_.ok()) return init_status_;
+  if (!ValidProjectName(req.name)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("invalid package name '", req.name, "' (not normalised)"));
+  }
+  auto spec = ParseSpecifier(req.specifier);
+  if (!spec.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("package '", req.name, "': ", spec.status().message()));
+  }
+  auto page = GetPage(req.name);
+  if (!page.ok()) {
+    if (IsUnreachable(page.status())) return Offline(req, *spec, page.status());
+    return page.status();
+  }
+  auto choice = Choose(req, *spec, page->links);
+  if (!choice.ok()) return choice.status();
+  return Materialize(req, *choice);
+}
+
+absl::StatusOr<WheelCache::Page> WheelCache::GetPage(const std::string& name) {
+  const std::string url = options_.index_url + name + "/";
+  const int64_t ttl_ms = static_cast<int64_t>(options_.index_ttl.count()) * 1000;
+  auto fresh = [&](const Page& p) {
+    int64_t age = Now() - p.fetched_ms;
+    return p.url == url && age >= 0 && age < ttl_ms;
+  };
+  // One request per project at a time: concurrent callers wait and then find it cached.
+  auto key_lock = KeyLock("page:" + name);
+  std::lock_guard<std::mutex> key_guard(*key_lock);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = pages_.find(name);
+    if (it != pages_.end() && fresh(it->second)) return it->second;
+  }
+  const std::string disk_path = absl::StrCat(options_.cache_dir, "/index/", name, ".json");
+  std::string text;
+  Page page;
+  if (ReadFileToString(disk_path, &text).ok() &&
+      PageFromJson(text, &page.fetched_ms, &page.url, &page.links) && fresh(page)) {
+    std::lock_guard<std::mutex> lock(mu_);
+    pages_[name] = page;
+    return page;
+  }
+  auto downloaded = DownloadPage(name, url);
+  if (!downloaded.ok()) return downloaded.status();
+  std::error_code ec;
+  fs::create_directories(options_.cache_dir + "/index", ec);
+  absl::Status written = ec ? ErrnoStatus("mkdir " + options_.cache_dir + "/index", ec.value())
+                            : WriteStringToFile(disk_path, json::serialize(PageToJson(
+                                                              downloaded->fetched_ms, url,
+                                                              downloaded->links)));
+  if (!written.ok()) LogWarn(absl::StrCat("cannot persist index page: ", written.message()));
+  std::lock_guard<std::mutex> lock(mu_);
+  pages_[name] = *downloaded;
+  return downloaded;
+}
+
+absl::StatusOr<WheelCache::Page> WheelCache::DownloadPage(const std::string& name,
+                                                          const std::string& url) {
+  FetchLimits limits;
+  limits.max_body_bytes = options_.max_page_bytes;
+  limits.timeout = options_.http_timeout;
+  limits.connect_timeout = options_.connect_timeout;
+  limits.allowed_hosts = AllowedHosts();
+  limits.accept = kAcceptIndex;
+  std::string body;
+  auto result = fetcher_->Get(url, limits, [&](std::string_view chunk) {
+    body.append(chunk);
+    return absl::OkStatus();
+  });
+  if (!result.ok()) {
+    if (absl::IsNotFound(result.status())) {
+      return absl::NotFoundError(
+          absl::StrCat("package '", name, "' not found on ", options_.index_url));
+    }
+    return absl::Status(result.status().code(),
+                        absl::StrCat("cannot fetch the index page of package '", name, "' from ",
+                                     options_.index_url, ": ", result.status().message()));
+  }
+  Page page;
+  page.fetched_ms = Now();
+  page.url = url;
+  std::string base = result->final_url.empty() ? url : result->final_url;
+  auto links = absl::StrContains(result->content_type, AbslView(kSimpleJsonContentType))
+                   ? ParseSimpleIndexJson(body, base)
+                   : ParseSimpleIndexHtml(body, base);
+  if (!links.ok()) {
+    return absl::Status(links.status().code(),
+                        absl::StrCat("bad index page of package '", name, "' from ",
+                                     options_.index_url, ": ", links.status().message()));
+  }
+  page.links = std::move(*links);
+  return page;
+}
+
+absl::StatusOr<WheelCache::Choice> WheelCache::Choose(const Requirement& req,
+                                                      const Specifier& spec,
+                                                      const std::vector<IndexLink>& links) {
+  const Target& t = options_.target;
+  std::map<Version, std::vector<Choice>> usable;  // compatible, not yanked, python admitted
+  std::map<Version, std::vector<std::string>> all;  // every file of the project, for messages
+  bool any_wheel = false, any_sdist = false;
+  for (const auto& link : links) {
+    auto w = ParseWheelFilename(link.filename);
+    if (w.ok()) {
+      if (w->name != req.name) continue;
+      any_wheel = true;
+      all[w->version].push_back(link.filename);
+      if (link.yanked || !PythonAdmitted(link.requires_python, t) || WheelScore(*w, t) < 0) {
+        continue;
+      }
+      usable[w->version].push_back(Choice{link, *w});
+      continue;
+    }
+    std::string sv = SdistVersion(link.filename, req.name);
+    if (!sv.empty()) {
+      any_sdist = true;
+      auto v = ParseVersion(sv);
+      if (v.ok()) all[*v].push_back(link.filename);
+    }
+  }
+  const std::string where = options_.index_url;
+  if (!any_wheel && any_sdist) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "package '", req.name, "': only source distributions exist on ", where,
+        "; wheels are required (the sandbox cannot build packages from source)"));
+  }
+  if (all.empty()) {
+    return absl::NotFoundError(
+        absl::StrCat("package '", req.name, "' has no files on ", where));
+  }
+  std::vector<const std::vector<Choice>*> matching = Satisfying(usable, spec);
+  if (matching.empty()) {
+    std::vector<const std::vector<std::string>*> files = Satisfying(all, spec);
+    if (!files.empty()) {
+      // Versions exist but none has a wheel we can use.
+      std::vector<std::string> names;
+      for (auto it = files.rbegin(); it != files.rend(); ++it) {
+        for (const auto& f : **it) {
+          if (names.size() < kMaxListedFiles) names.push_back(f);
+        }
+      }
+      return absl::FailedPreconditionError(absl::StrCat(
+          "package '", Describe(req), "' on ", where, " has no usable wheel for ", t.PythonTag(),
+          " on manylinux (glibc ", t.glibc_major, ".", t.glibc_minor, ") ", t.arch,
+          " (files are yanked, source-only, need another Python or platform): ",
+          absl::StrJoin(names, ", ")));
+    }
+    std::vector<std::string> versions;
+    for (auto it = all.rbegin(); it != all.rend() && versions.size() < kMaxListedVersions; ++it) {
+      versions.push_back(it->first.ToString());
+    }
+    return absl::NotFoundError(absl::StrCat("no version of package '", req.name,
+                                            "' matches '", req.specifier, "' on ", where,
+                                            "; available: ", absl::StrJoin(versions, ", ")));
+  }
+  // Highest satisfying version (the map is ordered), then the most specific wheel.
+  const std::vector<Choice>& best_version = *matching.back();
+  const Choice* best = nullptr;
+  int best_score = -1;
+  for (const auto& c : best_version) {
+    int score = WheelScore(c.wheel, t);
+    if (score > best_score) {
+      best = &c;
+      best_score = score;
+    }
+  }
+  return *best;
+}
+
+absl::StatusOr<Wheel> WheelCache::Materialize(const Requirement& req, const Choice& choice) {
+  const std::string dir = absl::StrCat(WheelDir(req.name), "/", choice.wheel.version.ToString());
+  const std::string path = dir + "/" + choice.link.filename;
+  Wheel w;
+  w.name = req.name;
+  w.version = choice.wheel.version.ToString();
+  w.filename = choice.link.filename;
+  w.path = path;
+
+  auto key_lock = KeyLock("file:" + path);
+  std::lock_guard<std::mutex> key_guard(*key_lock);
+  std::error_code ec;
+  if (fs::is_regular_file(path, ec)) {
+    auto sha = Sha256File(path);
+    if (sha.ok() && (choice.link.sha256.empty() || *sha == choice.link.sha256)) {
+      w.sha256 = *sha;
+      w.size = static_cast<int64_t>(fs::file_size(path, ec));
+      w.from_cache = true;
+      return w;
+    }
+    LogWarn(absl::StrCat("cached wheel ", path, " does not match the index sha256; refetching"));
+    fs::remove(path, ec);
+  }
+  fs::create_directories(dir, ec);
+  if (ec) return ErrnoStatus("cannot create the wheel cache directory " + dir, ec.value());
+  if (auto s = Download(req, choice, path, &w.sha256, &w.size); !s.ok()) return s;
+  return w;
+}
+
+absl::Status WheelCache::Download(const Requirement& req, const Choice& choice,
+                                  const std::string& path, std::string* sha256, int64_t* size) {
+  const IndexLink& link = choice.link;
+  const std::string ctx = absl::StrCat("package '", req.name, "' file ", link.filename, " from ",
+                                       options_.index_url);
+  auto url = ParseUrl(link.url);
+  if (!url.ok()) return absl::InvalidArgumentError(ctx + ": " + std::string(url.status().message()));
+  std::vector<std::string> allowed = AllowedHosts();
+  if (std::find(allowed.begin(), allowed.end(), url->HostPort()) == allowed.end() &&
+      std::find(allowed.begin(), allowed.end(), url->host) == allowed.end()) {
+    return absl::PermissionDeniedError(absl::StrCat(ctx, ": host '", url->HostPort(),
+                                                    "' is not allowed (allowed: ",
+                                                    absl::StrJoin(allowed, ", "), ")"));
+  }
+  const std::string tmp = absl::StrCat(path.substr(0, path.rfind('/') + 1), ".",
+                                       link.filename, ".part-", RandomHex(6));
+  // SECURITY: O_EXCL on a random name in our own cache dir; never follows a planted symlink.
+  UniqueFd fd(open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0644));
+  if (!fd) return ErrnoStatus("cannot create " + tmp);
+  Sha256 sha;
+  int64_t written = 0;
+  std::string head;
+  FetchLimits limits;
+  limits.max_body_bytes = options_.max_wheel_bytes;
+  limits.timeout = options_.http_timeout;
+  limits.connect_timeout = options_.connect_timeout;
+  limits.allowed_hosts = allowed;
+  auto result = fetcher_->Get(link.url, limits, [&](std::string_view chunk) -> absl::Status {
+    written += static_cast<int64_t>(chunk.size());
+    if (written > options_.max_wheel_bytes) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("larger than the limit of ", options_.max_wheel_bytes, " bytes"));
+    }
+    if (head.size() < 4) head.append(chunk.substr(0, 4 - head.size()));
+    sha.Update(chunk);
+    while (!chunk.empty()) {
+      ssize_t n = write(fd.get(), chunk.data(), chunk.size());
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) return ErrnoStatus("write " + tmp);
+      chunk.remove_prefix(static_cast<size_t>(n));
+    }
+    return absl::OkStatus();
+  });
+  auto fail = [&](absl::Status s) {
+    unlink(tmp.c_str());
+    return absl::Status(s.code(), absl::StrCat(ctx, ": ", s.message()));
+  };
+  if (!result.ok()) return fail(result.status());
+  std::string digest = sha.HexDigest();
+  if (!link.sha256.empty() && digest != link.sha256) {
+    return fail(absl::DataLossError(
+        absl::StrCat("sha256 mismatch: the index says ", link.sha256, ", the download is ", digest)));
+  }
+  if (head != std::string_view("PK\x03\x04", 4)) {
+    return fail(absl::DataLossError("the download is not a zip file (no PK header)"));
+  }
+  if (fsync(fd.get()) != 0) return fail(ErrnoStatus("fsync " + tmp));
+  fd.reset();
+  if (rename(tmp.c_str(), path.c_str()) != 0) return fail(ErrnoStatus("rename to " + path));
+  *sha256 = digest;
+  *size = written;
+  LogInfo(absl::StrCat("cached ", link.filename, " (", written, " bytes) for package '", req.name,
+                       "'"));
+  return absl::OkStatus();
+}
+
+std::vector<Wheel> WheelCache::CachedWheels(const std::string& name) {
+  std::vector<Wheel> out;
+  if (!ValidProjectName(name)) return out;
+  std::error_code ec;
+  for (fs::recursive_directory_iterator it(WheelDir(name), ec), end; !ec && it != end;
+       it.increment(ec)) {
+    if (it.depth() > 1) continue;
+    if (!it->is_regular_file(ec)) continue;
+    std::string fn = it->path().filename().string();
+    if (fn.starts_with('.')) continue;  // partial downloads
+    auto w = ParseWheelFilename(fn);
+    if (!w.ok() || w->name != name) continue;
+    if (it->path().parent_path().filename().string() != w->version.ToString()) continue;
+    Wheel wheel;
+    wheel.name = name;
+    wheel.version = w->version.ToString();
+    wheel.filename = fn;
+    wheel.path = it->path().string();
+    wheel.size = static_cast<int64_t>(it->file_size(ec));
+    wheel.from_cache = true;
+    out.push_back(std::move(wheel));
+  }
+  return out;
+}
+
+absl::StatusOr<Wheel> WheelCache::Offline(const Requirement& req, const Specifier& spec,
+                                          const absl::Status& why) {
+  std::map<Version, std::vector<std::pair<Wheel, int>>> by_version;
+  for (auto& w : CachedWheels(req.name)) {
+    auto name = ParseWheelFilename(w.filename);
+    int score = name.ok() ? WheelScore(*name, options_.target) : -1;
+    if (score < 0) continue;
+    by_version[name->version].emplace_back(std::move(w), score);
+  }
+  auto matching = Satisfying(by_version, spec);
+  if (matching.empty()) {
+    return absl::Status(why.code(), absl::StrCat(why.message(), "; and no cached wheel of '",
+                                                 Describe(req), "' is available"));
+  }
+  const auto& candidates = *matching.back();
+  auto best = std::max_element(candidates.begin(), candidates.end(),
+                               [](const auto& a, const auto& b) { return a.second < b.second; });
+  Wheel w = best->first;
+  auto sha = Sha256File(w.path);
+  if (!sha.ok()) return sha.status();
+  w.sha256 = *sha;
+  w.offline = true;
+  LogWarn(absl::StrCat("package index unreachable (", why.message(), "); using cached ",
+                       w.filename));
+  return w;
+}
+
+}  // namespace esb::packages
