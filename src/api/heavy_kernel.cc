@@ -41,8 +41,8 @@ constexpr std::string_view kKernelPy = R"PY(
 # esb heavy-tier Python kernel (written into the environment by esbd; stdlib only).
 #   python3 kernel.py serve                                 -> the persistent kernel
 #   python3 kernel.py run CELLFILE RESULTFILE TIMEOUT_MS    -> run one cell through it
-import ast, builtins, errno, fcntl, glob, importlib.abc, importlib.util, json, linecache
-import mimetypes, os, select, signal, socket, stat, struct, sys, time, traceback, types
+import ast, builtins, errno, fcntl, glob, importlib, importlib.machinery, json, linecache
+import os, select, signal, socket, stat, struct, sys, time, traceback, types
 
 DIR = os.path.dirname(os.path.abspath(__file__))
 SOCK = os.path.join(DIR, "sock")
@@ -129,10 +129,11 @@ def show(*args, **kwargs):
 """
 
 
-class BackendFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+class BackendFinder:
+    # A meta path finder and loader (duck-typed: importlib.abc costs ~18 ms of imports).
     def find_spec(self, name, path=None, target=None):
         if name == BACKEND:
-            return importlib.util.spec_from_loader(name, self)
+            return importlib.machinery.ModuleSpec(name, self)
         return None
 
     def create_module(self, spec):
@@ -181,6 +182,7 @@ class Capture:
         after = scan_artifacts()
         for path in sorted(after):
             if self.before.get(path) != after[path]:
+                import mimetypes  # only when there is something to describe
                 mime = mimetypes.guess_type(path)[0] or "application/octet-stream"
                 self.add({"path": path, "name": os.path.relpath(path, ARTIFACTS),
                           "kind": "image" if mime.startswith("image/") else "file",

@@ -241,7 +241,9 @@ absl::StatusOr<Outcome> RunInContainer(EnvironmentManager* manager, ArtifactStor
   o.exit_code = status == "ok" ? 0 : (o.timed_out ? 124 : 1);
   if (const json::value* a = res.if_contains("artifacts"); a && a->is_array())
     CollectArtifacts(manager, store, tenant, id, a->as_array(), &o);
-  // Best effort: the result file and the staged figures are not needed any more.
+  // Best effort: the result file and the staged figures are not needed any more (a one-shot
+  // run's environment is destroyed anyway).
+  if (once) return o;
   ExecRequest rm;
   rm.command = absl::StrCat("rm -rf ", result, " ", dir, "/result-", tag, "-art");
   rm.timeout = std::chrono::milliseconds(5000);
