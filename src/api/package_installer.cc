@@ -15,7 +15,9 @@ namespace esb::api {
 namespace json = boost::json;
 namespace {
 
-constexpr char kWheelDir[] = "/tmp/.esb-wheels";
+// Wheels are copied into a directory of their own per install (concurrent installs in one
+// environment must not delete each other's), removed afterwards.
+constexpr char kWheelDirPrefix[] = "/tmp/.esb-wheels-";
 constexpr int64_t kCopyChunk = 4 << 20;
 
 // Which requirements the sandbox's Python already satisfies (the image's Debian packages, an
@@ -108,10 +110,16 @@ absl::StatusOr<json::array> PackageInstaller::Install(const std::string& tenant,
     }
   }
   if (missing.empty()) return result;
+  if (cache_ == nullptr)
+    return absl::FailedPreconditionError(absl::StrCat(
+        "not in the sandbox image: ", absl::StrJoin(missing, ", "),
+        "; installing packages needs a package index, and this daemon has none configured "
+        "(set packages.index_url in the esbd config)"));
 
   // 2. Fetch (host cache or index), copy into the sandbox, let pip resolve; repeat for each
   //    dependency pip reports missing.
-  std::set<std::string> copied;  // file names already in kWheelDir
+  const std::string wheel_dir = absl::StrCat(kWheelDirPrefix, RandomHex(6));
+  std::set<std::string> copied;  // file names already in wheel_dir
   auto provide = [&](const packages::Requirement& req) -> absl::StatusOr<bool> {
     auto wheel = cache_->Fetch(req);
     if (!wheel.ok()) return wheel.status();
@@ -123,7 +131,7 @@ absl::StatusOr<json::array> PackageInstaller::Install(const std::string& tenant,
                                        : " (downloaded from the package index)"));
     UniqueFd fd(::open(wheel->path.c_str(), O_RDONLY | O_CLOEXEC));
     if (!fd) return ErrnoStatus(absl::StrCat("open cached wheel ", wheel->path));
-    const std::string dest = absl::StrCat(kWheelDir, "/", wheel->filename);
+    const std::string dest = absl::StrCat(wheel_dir, "/", wheel->filename);
     std::string buf(kCopyChunk, '\0');
     int64_t offset = 0;
     for (;;) {
@@ -146,7 +154,7 @@ absl::StatusOr<json::array> PackageInstaller::Install(const std::string& tenant,
   };
   auto cleanup = [&]() {
     ExecRequest rm;
-    rm.command = absl::StrCat("rm -rf ", kWheelDir);
+    rm.command = absl::StrCat("rm -rf ", wheel_dir);
     rm.timeout = std::chrono::milliseconds(10'000);
     manager_->Exec(tenant, env_id, rm, nullptr).IgnoreError();
   };
@@ -173,7 +181,7 @@ absl::StatusOr<json::array> PackageInstaller::Install(const std::string& tenant,
     }
     ExecRequest pip;
     pip.command = absl::StrCat(
-        "python3 -m pip install --user --no-index --find-links ", kWheelDir,
+        "python3 -m pip install --user --no-index --find-links ", wheel_dir,
         " --no-cache-dir --disable-pip-version-check --no-warn-script-location --no-input"
         " --progress-bar off ",
         absl::StrJoin(quoted, " "));

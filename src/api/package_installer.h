@@ -34,6 +34,8 @@ class PackageInstaller {
   using FetchAudit = std::function<void(const std::string& tenant, const std::string& env_id,
                                         const packages::Wheel& wheel)>;
 
+  // `cache` may be null (no package index configured): then only requirements the image
+  // already satisfies are accepted.
   PackageInstaller(EnvironmentManager* manager, packages::WheelCache* cache, Options options,
                    FetchAudit audit = nullptr)
       : manager_(manager), cache_(cache), options_(options), audit_(std::move(audit)) {}

@@ -1,6 +1,7 @@
 #include "api/run_service.h"
 
 #include <algorithm>
+#include <regex>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -102,6 +103,17 @@ struct RunParams {
 };
 
 constexpr int64_t kMaxArtifactReadChunk = 4 << 20;
+// kernel.py reports at most 32 per cell, but its result file is writable by the cell's own
+// code, so the daemon enforces its own bounds on what it copies and shows.
+constexpr size_t kMaxArtifactsPerRun = 64;
+constexpr size_t kMaxArtifactText = 256;
+
+// "type/subtype" made of safe characters, else application/octet-stream (the value becomes
+// a Content-Type header).
+std::string SafeMimeType(const std::string& mime) {
+  static const std::regex kMime(R"([a-z0-9][a-z0-9.+-]{0,63}/[a-z0-9][a-z0-9.+-]{0,127})");
+  return std::regex_match(mime, kMime) ? mime : "application/octet-stream";
+}
 
 // Copies the files the kernel reported (figures it saved, files written under
 // /workspace/artifacts) out of the sandbox into the host store; each becomes an entry of
@@ -114,10 +126,17 @@ void CollectArtifacts(EnvironmentManager* manager, ArtifactStore* store,
   if (auto info = manager->Get(tenant, id); info.ok()) step = info->record.exec_count;
   for (const json::value& v : reported) {
     if (!v.is_object()) continue;
+    if (o->artifacts.size() + o->artifact_errors.size() >= kMaxArtifactsPerRun) {
+      o->artifact_errors.emplace_back(absl::StrCat("more than ", kMaxArtifactsPerRun,
+                                                   " artifacts in one run: the rest were not kept"));
+      break;
+    }
     const json::object& item = v.as_object();
     auto str = [&](const char* key) -> std::string {
       const json::value* x = item.if_contains(key);
-      return x && x->is_string() ? std::string(x->as_string()) : std::string();
+      return x && x->is_string()
+                 ? std::string(x->as_string()).substr(0, kMaxArtifactText)
+                 : std::string();
     };
     if (!str("error").empty()) {
       o->artifact_errors.emplace_back(SanitizeUtf8(str("error")));
@@ -153,7 +172,7 @@ void CollectArtifacts(EnvironmentManager* manager, ArtifactStore* store,
     meta.environment_id = id;
     meta.kind = str("kind") == "image" ? "image" : "file";
     meta.name = SanitizeUtf8(str("name"));
-    meta.mime_type = str("mime_type").empty() ? "application/octet-stream" : str("mime_type");
+    meta.mime_type = SafeMimeType(str("mime_type"));
     meta.title = SanitizeUtf8(str("title"));
     meta.step = step;
     absl::StatusOr<ArtifactMeta> kept =
@@ -342,9 +361,7 @@ RunHandler MakeRunHandler(const RunDeps& deps) {
                              "'packages' need the heavy tier: the nano tier cannot install "
                              "packages (use runtime \"auto\" or \"heavy\")");
       if (deps.installer == nullptr)
-        return ErrorResponse(400, "bad_request",
-                             "'packages' need a package index, and this daemon has none "
-                             "configured (set packages.index_url in the esbd config)");
+        return ErrorResponse(400, "bad_request", "this daemon cannot install 'packages'");
       if (absl::Status st = deps.installer->Validate(p.packages); !st.ok())
         return StatusResponse(st);
     }

@@ -1,6 +1,7 @@
 #include "api/service.h"
 
 #include <algorithm>
+#include <set>
 
 #include "absl/strings/str_cat.h"
 #include "api/json_util.h"
@@ -311,10 +312,12 @@ Response ApiService::GetArtifact(Request& req, const std::string& tenant) {
   resp.content_type = meta->mime_type;
   resp.body = std::move(*data);
   // The bytes are whatever the sandboxed code wrote: never let a browser run them (an SVG
-  // or HTML artifact could carry script) or guess another type.
+  // or HTML artifact could carry script) or guess another type; only raster images inline.
   resp.SetHeader("X-Content-Type-Options", "nosniff");
   resp.SetHeader("Content-Security-Policy", "sandbox; default-src 'none'; style-src 'unsafe-inline'");
-  if (meta->kind != "image" || meta->mime_type == "image/svg+xml") {
+  static const std::set<std::string> kInline = {"image/png", "image/jpeg", "image/gif",
+                                                 "image/webp"};
+  if (!kInline.count(meta->mime_type)) {
     std::string name;
     for (char c : meta->name.substr(meta->name.rfind('/') + 1))
       name += (c == '"' || c == '\\' || static_cast<unsigned char>(c) < 0x20 || static_cast<unsigned char>(c) >= 0x7f) ? '_' : c;

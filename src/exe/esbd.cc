@@ -353,10 +353,10 @@ int main(int argc, char** argv) {
   if (!artifacts.ok())
     return Fail(absl::StrCat("artifact store: ", artifacts.status().message()));
   service.SetArtifactStore(artifacts->get());
-  // `packages`: wheels from the configured index, cached on the host; none configured → refused.
+  // `packages`: wheels from the configured index, cached on the host. With no index, only
+  // requirements the image already satisfies are accepted.
   esb::packages::BeastHttpFetcher fetcher;
   std::unique_ptr<esb::packages::WheelCache> wheels;
-  std::unique_ptr<esb::api::PackageInstaller> installer;
   if (!config.packages.index_url.empty()) {
     esb::packages::WheelCache::Options wopts;
     wopts.index_url = config.packages.index_url;
@@ -366,26 +366,26 @@ int main(int argc, char** argv) {
     wopts.index_ttl = std::chrono::seconds(config.packages.index_ttl_s);
     wopts.max_wheel_bytes = config.packages.max_wheel_mb << 20;
     wheels = std::make_unique<esb::packages::WheelCache>(wopts, &fetcher);
-    esb::api::PackageInstaller::Options iopts;
-    iopts.timeout_ms = config.packages.timeout_s * 1000;
-    installer = std::make_unique<esb::api::PackageInstaller>(
-        &manager, wheels.get(), iopts,
-        [&service](const std::string& tenant, const std::string& env_id,
-                   const esb::packages::Wheel& w) {
-          service.Audit(tenant, env_id, "package.fetch",
-                        absl::StrCat(w.name, "==", w.version, " ", w.filename), std::nullopt, 0,
-                        w.size, 200);
-        });
     esb::LogInfo(absl::StrCat("packages: index ", config.packages.index_url, ", wheel cache ",
                               wopts.cache_dir));
   }
+  esb::api::PackageInstaller::Options iopts;
+  iopts.timeout_ms = config.packages.timeout_s * 1000;
+  esb::api::PackageInstaller installer(
+      &manager, wheels.get(), iopts,
+      [&service](const std::string& tenant, const std::string& env_id,
+                 const esb::packages::Wheel& w) {
+        service.Audit(tenant, env_id, "package.fetch",
+                      absl::StrCat(w.name, "==", w.version, " ", w.filename), std::nullopt, 0,
+                      w.size, 200);
+      });
   esb::api::RunDeps run_deps;
   run_deps.manager = &manager;
   run_deps.service = &service;
   run_deps.nano = nano.get();
   run_deps.rules = rules.get();
   run_deps.artifacts = artifacts->get();
-  run_deps.installer = installer.get();
+  run_deps.installer = &installer;
   service.SetRunHandler(esb::api::MakeRunHandler(run_deps));
   service.Register(server.router());
   if (absl::Status st = server.Start(); !st.ok()) {

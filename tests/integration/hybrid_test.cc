@@ -245,6 +245,20 @@ TEST_F(HybridTest, UnknownArtifactsGet404) {
   // two-tenant end-to-end tests cover it through the API.
 }
 
+TEST_F(HybridTest, OnlyRasterImagesAreServedInline) {
+  HttpResult r = Cell(
+      "open('/workspace/artifacts/page.html', 'w').write('<script>alert(1)</script>')\n"
+      "import matplotlib.pyplot as plt\nplt.plot([1, 2])\nplt.show()");
+  ASSERT_EQ(Artifacts(r).size(), 2u) << r.body;
+  HttpResult png = daemon_->Call("GET", S(Artifacts(r)[0], "url"));
+  EXPECT_EQ(png.headers["content-type"], "image/png");
+  EXPECT_EQ(png.headers.count("content-disposition"), 0u);
+  HttpResult html = daemon_->Call("GET", S(Artifacts(r)[1], "url"));
+  EXPECT_EQ(html.headers["content-type"], "text/html");
+  EXPECT_EQ(html.headers["content-disposition"], "attachment; filename=\"page.html\"");
+  EXPECT_NE(html.headers["content-security-policy"].find("sandbox"), std::string::npos);
+}
+
 TEST_F(HybridTest, DataFrameFinalValueComesBackAsATable) {
   HttpResult r = Cell(
       "import pandas as pd\n"
@@ -309,11 +323,21 @@ TEST_F(HybridTest, CellOutputStreamsOverSseBeforeTheResult) {
             404);
 }
 
-TEST_F(HybridTest, PackagesWithoutAConfiguredIndexOrOnNanoAreRefused) {
-  HttpResult r = daemon_->Call("POST", "/run",
-                               json::object{{"code", "1"}, {"packages", json::array{"six"}}});
+TEST_F(HybridTest, WithoutAnIndexOnlyPreinstalledPackagesAreAccepted) {
+  // Without an index, what the image already has is accepted (pandas is in it)...
+  HttpResult ok = daemon_->Call(
+      "POST", "/run",
+      json::object{{"code", "import pandas\nprint('ok')"}, {"packages", json::array{"pandas"}}});
+  ASSERT_EQ(ok.status, 200) << ok.body;
+  EXPECT_EQ(ok.str("stdout"), "ok\n");
+  ASSERT_TRUE(ok.obj().at("packages").is_array()) << ok.body;
+  EXPECT_EQ(json::serialize(ok.obj().at("packages").as_array().at(0).at("preinstalled")), "true");
+  // ... anything else is refused, naming the setting.
+  HttpResult r = daemon_->Call(
+      "POST", "/run", json::object{{"code", "1"}, {"packages", json::array{"esbtestpkg"}}});
   EXPECT_EQ(r.status, 400) << r.body;
   EXPECT_NE(r.body.find("packages.index_url"), std::string::npos) << r.body;
+  EXPECT_NE(r.body.find("esbtestpkg"), std::string::npos) << r.body;
   r = daemon_->Call("POST", "/run",
                     json::object{{"code", "1"}, {"runtime", "nano"}, {"packages", json::array{"six"}}});
   EXPECT_EQ(r.status, 400) << r.body;
