@@ -94,6 +94,28 @@ TEST_F(RunApiTest, UnsupportedModuleOnNanoIsReportedAndAutoFallsBackToHeavy) {
   EXPECT_NE(aut.str("reason").find("numpy"), std::string::npos) << aut.body;
 }
 
+TEST_F(RunApiTest, AutoRoutesJsonToNanoAndPandasToHeavyAndSaysWhy) {
+  HttpResult j = Run("import json\nprint(json.dumps([1]))");
+  ASSERT_EQ(j.status, 200) << j.body;
+  EXPECT_EQ(j.str("tier"), "nano");
+  EXPECT_EQ(j.str("reason"), "imports: json") << j.body;
+  HttpResult p = Run("import pandas as pd\nprint(pd.Series([1, 2]).sum())");
+  ASSERT_EQ(p.status, 200) << p.body;
+  EXPECT_EQ(p.str("stdout"), "3\n");
+  EXPECT_EQ(p.str("tier"), "heavy");
+  EXPECT_NE(p.str("reason").find("pandas"), std::string::npos) << p.body;
+}
+
+TEST_F(RunApiTest, AutoFallsBackWhenNanoMeetsWhatTheRouterCouldNotSee) {
+  // The router sees only `import os` (nano); at run time nano refuses os.system.
+  HttpResult r = Run("import os\nrc = getattr(os, 'sys' + 'tem')('echo fell back')\nprint(rc)");
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(r.str("stdout"), "fell back\n0\n") << r.body;
+  EXPECT_EQ(r.str("tier"), "heavy");
+  EXPECT_NE(r.str("reason").find("reran on heavy"), std::string::npos) << r.body;
+  EXPECT_NE(r.str("reason").find("imports: os"), std::string::npos) << r.body;
+}
+
 TEST_F(RunApiTest, EscapeAttemptsAreContained) {
   std::string secret = "/tmp/esb-nano-secret-" + std::to_string(getpid());
   FILE* f = fopen(secret.c_str(), "w");
