@@ -7,7 +7,7 @@ PKGS=(
   # toolchain and libraries
   build-essential cmake pkg-config git ca-certificates
   libboost1.81-dev libboost-json1.81-dev libabsl-dev libsqlite3-dev sqlite3
-  libseccomp-dev libcap-dev libssl-dev zlib1g-dev libgtest-dev libgmock-dev
+  libseccomp-dev libcap-dev libssl-dev openssl zlib1g-dev libgtest-dev libgmock-dev
   # container driver and images
   crun runc debootstrap iproute2 util-linux procps
   # python SDK tests

@@ -1,6 +1,8 @@
 #include "api/run_service.h"
 
 #include <algorithm>
+#include <functional>
+#include <map>
 #include <regex>
 
 #include "absl/strings/str_cat.h"
@@ -107,12 +109,65 @@ constexpr int64_t kMaxArtifactReadChunk = 4 << 20;
 // code, so the daemon enforces its own bounds on what it copies and shows.
 constexpr size_t kMaxArtifactsPerRun = 64;
 constexpr size_t kMaxArtifactText = 256;
+constexpr char kArtifactsDir[] = "/workspace/artifacts";
 
 // "type/subtype" made of safe characters, else application/octet-stream (the value becomes
 // a Content-Type header).
 std::string SafeMimeType(const std::string& mime) {
   static const std::regex kMime(R"([a-z0-9][a-z0-9.+-]{0,63}/[a-z0-9][a-z0-9.+-]{0,127})");
   return std::regex_match(mime, kMime) ? mime : "application/octet-stream";
+}
+
+// Files under /workspace/artifacts as {path: (mtime_ms, size)}, for environments whose cells
+// cannot report artifacts themselves (nano sessions: no kernel.py there). Bounded: three
+// directory levels, 500 entries.
+using FileStamps = std::map<std::string, std::pair<int64_t, int64_t>>;
+FileStamps ScanArtifactFiles(EnvironmentManager* manager, const std::string& tenant,
+                             const std::string& id) {
+  FileStamps out;
+  size_t seen = 0;
+  std::function<void(const std::string&, int)> walk = [&](const std::string& dir, int depth) {
+    auto entries = manager->ListDir(tenant, id, dir);
+    if (!entries.ok()) return;  // no artifacts directory: nothing to report
+    for (const FileEntry& e : *entries) {
+      if (++seen > 500) return;
+      const std::string path = absl::StrCat(dir, "/", e.name);
+      if (e.type == "file") out[path] = {e.mtime_ms, e.size};
+      else if (e.type == "dir" && depth < 3) walk(path, depth + 1);
+    }
+  };
+  walk(std::string(kArtifactsDir), 1);
+  return out;
+}
+
+std::string MimeTypeForName(std::string_view name) {
+  static const std::map<std::string, std::string> kTypes = {
+      {"png", "image/png"},      {"jpg", "image/jpeg"},     {"jpeg", "image/jpeg"},
+      {"gif", "image/gif"},      {"webp", "image/webp"},    {"svg", "image/svg+xml"},
+      {"csv", "text/csv"},       {"txt", "text/plain"},     {"md", "text/markdown"},
+      {"json", "application/json"}, {"html", "text/html"}, {"pdf", "application/pdf"}};
+  size_t dot = name.rfind('.');
+  if (dot == std::string_view::npos) return "application/octet-stream";
+  std::string ext(name.substr(dot + 1));
+  for (char& c : ext) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  auto it = kTypes.find(ext);
+  return it == kTypes.end() ? "application/octet-stream" : it->second;
+}
+
+// What changed between two scans, in kernel.py's report format (for CollectArtifacts).
+json::array ChangedArtifactFiles(const FileStamps& before, const FileStamps& after) {
+  json::array out;
+  const std::string prefix = absl::StrCat(kArtifactsDir, "/");
+  for (const auto& [path, stamp] : after) {
+    auto it = before.find(path);
+    if (it != before.end() && it->second == stamp) continue;
+    const std::string mime = MimeTypeForName(path);
+    out.push_back(json::object{{"path", path},
+                               {"name", path.substr(prefix.size())},
+                               {"kind", mime.rfind("image/", 0) == 0 ? "image" : "file"},
+                               {"mime_type", mime}});
+  }
+  return out;
 }
 
 // Copies the files the kernel reported (figures it saved, files written under
@@ -404,15 +459,21 @@ RunHandler MakeRunHandler(const RunDeps& deps) {
           return ErrorResponse(400, "bad_request",
                                "'packages' cannot be installed in a nano environment (create "
                                "the environment with runtime \"container\")");
-        work = [nano, ref, p](const Streams&) -> absl::StatusOr<Outcome> {
+        work = [deps, nano, ref, tenant, env_id, p](const Streams&) -> absl::StatusOr<Outcome> {
           RunRequest rr;
           rr.code = p.code;
           rr.timeout_ms = p.timeout_ms;
           InstanceRef r = ref;
+          const FileStamps before = ScanArtifactFiles(deps.manager, tenant, env_id);
           auto res = nano->Run(&r, rr);
           if (!res.ok()) return res.status();
           Outcome o = FromNano(*res);
           o.reason = "stateful nano session";
+          if (!res->instance_reset)
+            CollectArtifacts(deps.manager, deps.artifacts, tenant, env_id,
+                             ChangedArtifactFiles(before,
+                                                  ScanArtifactFiles(deps.manager, tenant, env_id)),
+                             &o);
           return o;
         };
       }

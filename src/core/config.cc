@@ -62,6 +62,8 @@ absl::Status ParsePackages(const json::value& v, PackagesConfig* p) {
       st = GetString(kv.value(), key, &p->index_url);
     } else if (kv.key() == "cache_dir") {
       st = GetString(kv.value(), key, &p->cache_dir);
+    } else if (kv.key() == "ca_file") {
+      st = GetString(kv.value(), key, &p->ca_file);
     } else if (kv.key() == "allowed_hosts") {
       if (!kv.value().is_array()) return TypeError(key, "an array of host names");
       for (const auto& h : kv.value().as_array()) {

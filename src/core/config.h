@@ -23,6 +23,7 @@ struct PackagesConfig {
   std::string index_url;                   // PEP 503 simple index; empty: packages refused
   std::vector<std::string> allowed_hosts;  // file hosts besides the index's own
   std::string cache_dir;                   // empty: <state_dir>/wheels
+  std::string ca_file;                     // extra trusted CAs (PEM) for an https index
   int64_t index_ttl_s = 600;               // how long an index page is trusted
   int64_t max_wheel_mb = 256;
   int64_t timeout_s = 600;                 // one whole install

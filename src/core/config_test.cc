@@ -35,7 +35,7 @@ TEST(ConfigTest, LoadsPackagesAndArtifacts) {
   DaemonConfig c;
   std::string path = TempFile(R"({"packages": {"index_url": "http://127.0.0.1:3141/simple/",
       "allowed_hosts": ["files.example.org"], "index_ttl_seconds": 60, "max_wheel_mb": 10,
-      "timeout_seconds": 30, "cache_dir": "/var/cache/wheels"},
+      "timeout_seconds": 30, "cache_dir": "/var/cache/wheels", "ca_file": "/etc/corp-ca.pem"},
       "artifacts": {"ttl_seconds": 120, "max_artifact_mb": 5, "max_tenant_mb": 50}})");
   ASSERT_TRUE(LoadConfigFile(path, &c).ok());
   EXPECT_EQ(c.packages.index_url, "http://127.0.0.1:3141/simple/");
@@ -45,6 +45,7 @@ TEST(ConfigTest, LoadsPackagesAndArtifacts) {
   EXPECT_EQ(c.packages.max_wheel_mb, 10);
   EXPECT_EQ(c.packages.timeout_s, 30);
   EXPECT_EQ(c.packages.cache_dir, "/var/cache/wheels");
+  EXPECT_EQ(c.packages.ca_file, "/etc/corp-ca.pem");
   EXPECT_EQ(c.artifacts.ttl_s, 120);
   EXPECT_EQ(c.artifacts.max_artifact_mb, 5);
   EXPECT_EQ(c.artifacts.max_tenant_mb, 50);

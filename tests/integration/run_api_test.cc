@@ -192,6 +192,28 @@ TEST_F(RunApiTest, NanoEnvironmentKeepsStateAndHasNoShell) {
   EXPECT_EQ(run("print(1)").status, 404);
 }
 
+TEST_F(RunApiTest, NanoSessionFilesUnderWorkspaceArtifactsAreArtifacts) {
+  HttpResult c = daemon_->Call("POST", "/environments", json::object{{"runtime", "nano"}});
+  ASSERT_EQ(c.status, 201) << c.body;
+  std::string id = c.str("environment_id");
+  auto run = [&](const std::string& code) {
+    return daemon_->Call("POST", "/environments/" + id + "/run", json::object{{"code", code}});
+  };
+  HttpResult r = run("import os, json\nos.makedirs('/workspace/artifacts/sub', exist_ok=True)\n"
+                     "open('/workspace/artifacts/sub/r.json', 'w').write(json.dumps([1, 2]))");
+  ASSERT_EQ(r.status, 200) << r.body;
+  const json::array& arts = r.obj().at("artifacts").as_array();
+  ASSERT_EQ(arts.size(), 1u) << r.body;
+  EXPECT_EQ(arts[0].at("name").as_string(), "sub/r.json");
+  EXPECT_EQ(arts[0].at("mime_type").as_string(), "application/json");
+  HttpResult got = daemon_->Call("GET", std::string(arts[0].at("url").as_string()));
+  EXPECT_EQ(got.status, 200);
+  EXPECT_EQ(got.body, "[1, 2]");
+  // Untouched since: not reported again.
+  EXPECT_TRUE(run("x = 1").obj().at("artifacts").as_array().empty());
+  daemon_->Call("DELETE", "/environments/" + id);
+}
+
 TEST_F(RunApiTest, BadRunRequestsGet4xx) {
   EXPECT_EQ(daemon_->Call("POST", "/run", json::object{}).status, 400);
   EXPECT_EQ(daemon_->Call("POST", "/run", json::object{{"code", 5}}).status, 400);
