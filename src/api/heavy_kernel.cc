@@ -72,7 +72,7 @@ class Forward:
         return len(s)
 
     def flush(self):
-        pass
+        self.cell.flush()
 
     def isatty(self):
         return False
@@ -86,10 +86,13 @@ class Forward:
 
 
 class Cell:
-    """Forwards one cell's output through `deliver(stream, text)`, capped at STREAM_MAX."""
+    """Forwards one cell's output through `deliver(stream, text)`, capped at STREAM_MAX.
+    Writes are held until a line ends (or a flush, 4 KiB, or the other stream writes), so
+    print()'s separate writes of text and newline leave as one chunk, in order."""
 
     def __init__(self, deliver):
         self.deliver, self.alive, self.sent, self.truncated = deliver, True, 0, False
+        self.held_name, self.held = None, []
 
     def emit(self, name, s):
         if not s or not self.alive:
@@ -100,8 +103,21 @@ class Cell:
         if not s:
             return
         self.sent += len(s)
+        if self.held_name != name:
+            self.flush()
+            self.held_name = name
+        self.held.append(s)
+        if "\n" in s or "\r" in s or sum(map(len, self.held)) >= 4096:
+            self.flush()
+
+    def flush(self):
+        if not self.held:
+            return
+        text, self.held = "".join(self.held), []
+        if not self.alive:
+            return
         try:
-            self.deliver(name, s)
+            self.deliver(self.held_name, text)
         except OSError:
             self.alive = False
 
@@ -359,7 +375,7 @@ def run_cell(ns, code, counter, cell, req):
     finally:
         IN_CELL = False
         try:
-            sys.stdout.flush()
+            cell.flush()  # even if the cell replaced sys.stdout
         except BaseException:
             pass
         sys.stdout, sys.stderr = old

@@ -302,8 +302,10 @@ TEST_F(HybridTest, CellOutputStreamsOverSseBeforeTheResult) {
     streamed += json::value_to<std::string>(events[i].data.at("data"));
     ++stdout_events;
   }
-  // Three prints 0.3 s apart arrive as separate events, not one blob at the end.
-  EXPECT_GE(stdout_events, 3) << r.body;
+  // Three prints 0.3 s apart arrive as three events (one per line, the newline included),
+  // not as one blob at the end.
+  EXPECT_EQ(stdout_events, 3) << r.body;
+  EXPECT_EQ(json::value_to<std::string>(events[0].data.at("data")), "tick 0\n");
   EXPECT_EQ(streamed, "tick 0\ntick 1\ntick 2\n");
   ASSERT_EQ(events.back().event, "result");
   EXPECT_EQ(json::value_to<std::string>(events.back().data.at("value")), "'done'");
