@@ -6,6 +6,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <iostream>
@@ -355,9 +356,16 @@ int main(int argc, char** argv) {
   service.SetArtifactStore(artifacts->get());
   // `packages`: wheels from the configured index, cached on the host. With no index, only
   // requirements the image already satisfies are accepted.
-  esb::packages::BeastHttpFetcher fetcher;
+  esb::packages::BeastHttpFetcher fetcher(config.packages.ca_file);
   std::unique_ptr<esb::packages::WheelCache> wheels;
   if (!config.packages.index_url.empty()) {
+    // The fetcher re-reads the CA bundle on every fetch (rotation without a restart), but a
+    // bundle that is missing at start is a configuration mistake: say so now, not at the
+    // first install.
+    if (!config.packages.ca_file.empty() && access(config.packages.ca_file.c_str(), R_OK) != 0) {
+      return Fail(absl::StrCat("packages.ca_file '", config.packages.ca_file,
+                               "' cannot be read: ", std::strerror(errno)));
+    }
     esb::packages::WheelCache::Options wopts;
     wopts.index_url = config.packages.index_url;
     wopts.cache_dir = config.packages.cache_dir.empty() ? state_dir + "/wheels"

@@ -1,6 +1,7 @@
 #include "packages/http_fetcher.h"
 
 #include <openssl/ssl.h>
+#include <openssl/x509_vfy.h>
 
 #include <array>
 #include <boost/asio/connect.hpp>
@@ -11,6 +12,10 @@
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
 #include <boost/beast/ssl.hpp>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <memory>
 #include <optional>
 
 #include "absl/strings/ascii.h"
@@ -45,6 +50,40 @@ bool HostAllowed(const Url& u, const std::vector<std::string>& allowed) {
   return false;
 }
 
+// The client TLS context: system trust store plus, when given, the operator's CA bundle.
+// Built per Get (not once per fetcher) so that changes to either are seen without a restart.
+absl::StatusOr<std::unique_ptr<ssl::context>> MakeTlsContext(const std::string& ca_file) {
+  auto ctx = std::make_unique<ssl::context>(ssl::context::tls_client);
+  beast::error_code ec;
+  // A broken system store is not fatal on its own: a configured CA bundle may still suffice,
+  // and otherwise verification fails with a clear reason.
+  ctx->set_default_verify_paths(ec);
+  ctx->set_verify_mode(ssl::verify_peer);
+  if (ca_file.empty()) return ctx;
+  // OpenSSL reports a missing file only as "system lib"; name the errno ourselves.
+  if (FILE* f = std::fopen(ca_file.c_str(), "r"); f == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat("cannot read the CA bundle '", ca_file,
+                                                      "': ", std::strerror(errno)));
+  } else {
+    std::fclose(f);
+  }
+  ctx->load_verify_file(ca_file, ec);
+  if (ec) {
+    return absl::FailedPreconditionError(absl::StrCat("cannot load the CA bundle '", ca_file,
+                                                      "' (expected PEM certificates): ",
+                                                      ec.message()));
+  }
+  return ctx;
+}
+
+// Verification results meaning "this certificate's issuer is not trusted here".
+bool IssuerUnknown(long verify_result) {
+  return verify_result == X509_V_ERR_UNABLE_TO_GET_ISSUER_CERT_LOCALLY ||
+         verify_result == X509_V_ERR_UNABLE_TO_GET_ISSUER_CERT ||
+         verify_result == X509_V_ERR_DEPTH_ZERO_SELF_SIGNED_CERT ||
+         verify_result == X509_V_ERR_SELF_SIGNED_CERT_IN_CHAIN;
+}
+
 // Runs one asynchronous operation to completion on `ioc` (so the tcp_stream timeouts apply).
 template <class Start>
 beast::error_code RunOp(asio::io_context& ioc, Start&& start) {
@@ -70,9 +109,11 @@ struct Hop {
 
 class Request {
  public:
+  // `tls` (needed for https only) is the context from MakeTlsContext.
   Request(const Url& url, const FetchLimits& limits, Clock::time_point deadline,
-          const BodySink& sink)
-      : url_(url), limits_(limits), deadline_(deadline), sink_(sink) {}
+          const BodySink& sink, ssl::context* tls, const std::string& ca_file)
+      : url_(url), limits_(limits), deadline_(deadline), sink_(sink), tls_(tls),
+        ca_file_(ca_file) {}
 
   absl::StatusOr<Hop> Run() {
     tcp::resolver resolver(ioc_);
@@ -101,21 +142,30 @@ class Request {
       }
     }
     if (url_.scheme == "https") {
-      ssl::context ctx(ssl::context::tls_client);
-      ctx.set_default_verify_paths();
-      ctx.set_verify_mode(ssl::verify_peer);
-      beast::ssl_stream<beast::tcp_stream> stream(ioc_, ctx);
-      // SNI, and reject certificates that do not name the host.
-      if (!SSL_set_tlsext_host_name(stream.native_handle(), url_.host.c_str())) {
-        return absl::InternalError("cannot set TLS server name for " + url_.host);
+      if (tls_ == nullptr) return absl::InternalError("https request without a TLS context");
+      beast::ssl_stream<beast::tcp_stream> stream(ioc_, *tls_);
+      SSL* ssl = stream.native_handle();
+      // SECURITY: the certificate must name the URL's host (DNS name, or IP address for an IP
+      // literal, no partial wildcards). OpenSSL's own check, so a mismatch is reported as
+      // such ("hostname mismatch") in the verify result. SNI only for names (RFC 6066 §3).
+      X509_VERIFY_PARAM* param = SSL_get0_param(ssl);
+      X509_VERIFY_PARAM_set_hostflags(param, X509_CHECK_FLAG_NO_PARTIAL_WILDCARDS);
+      if (X509_VERIFY_PARAM_set1_ip_asc(param, url_.host.c_str()) != 1) {
+        if (X509_VERIFY_PARAM_set1_host(param, url_.host.c_str(), 0) != 1 ||
+            !SSL_set_tlsext_host_name(ssl, url_.host.c_str())) {
+          return absl::InternalError("cannot set TLS server name for " + url_.host);
+        }
       }
-      stream.set_verify_callback(ssl::host_name_verification(url_.host));
       if (auto s = Connect(beast::get_lowest_layer(stream), endpoints); !s.ok()) return s;
       if (auto s = Expire(beast::get_lowest_layer(stream), "TLS handshake"); !s.ok()) return s;
       beast::error_code ec = RunOp(ioc_, [&](auto handler) {
         stream.async_handshake(ssl::stream_base::client, handler);
       });
-      if (ec) return Failure(ec, "TLS handshake");
+      if (ec) {
+        long verify = SSL_get_verify_result(ssl);
+        if (verify != X509_V_OK) return Untrusted(verify);
+        return Failure(ec, "TLS handshake");
+      }
       return Exchange(stream, beast::get_lowest_layer(stream));
     }
     beast::tcp_stream stream(ioc_);
@@ -156,6 +206,19 @@ class Request {
     return absl::DeadlineExceededError(absl::StrCat("request to ", url_.ToString(),
                                                     " timed out after ", limits_.timeout.count(),
                                                     " ms (", phase, ")"));
+  }
+
+  absl::Status Untrusted(long verify_result) {
+    std::string msg = absl::StrCat("TLS certificate verification failed for ", url_.HostPort(),
+                                   ": ", X509_verify_cert_error_string(verify_result));
+    if (IssuerUnknown(verify_result)) {
+      absl::StrAppend(&msg, ca_file_.empty()
+                                ? " (the system trust store has no CA for it; for a private CA, "
+                                  "configure a CA bundle)"
+                                : absl::StrCat(" (trusted: the system store and '", ca_file_,
+                                               "')"));
+    }
+    return absl::FailedPreconditionError(msg);
   }
 
   absl::Status Failure(beast::error_code ec, absl::string_view phase) {
@@ -227,6 +290,8 @@ class Request {
   const FetchLimits& limits_;
   Clock::time_point deadline_;
   const BodySink& sink_;
+  ssl::context* tls_;
+  const std::string& ca_file_;
 };
 
 }  // namespace
@@ -250,6 +315,19 @@ absl::StatusOr<HttpResult> BeastHttpFetcher::Get(const std::string& url, const F
   if (!first.ok()) return first.status();
   std::vector<std::string> allowed = limits.allowed_hosts;
   if (allowed.empty()) allowed.push_back(first->HostPort());
+  // A configured CA bundle is checked up front, whatever the scheme: a broken trust setting
+  // should fail loudly, not only once a redirect reaches https.
+  std::unique_ptr<ssl::context> tls;
+  auto need_tls = [&]() -> absl::Status {
+    if (tls != nullptr) return absl::OkStatus();
+    auto made = MakeTlsContext(ca_file_);
+    if (!made.ok()) return made.status();
+    tls = std::move(*made);
+    return absl::OkStatus();
+  };
+  if (!ca_file_.empty()) {
+    if (auto s = need_tls(); !s.ok()) return s;
+  }
   std::string current = url;
   for (int hops = 0;; ++hops) {
     auto u = ParseUrl(current);
@@ -259,7 +337,10 @@ absl::StatusOr<HttpResult> BeastHttpFetcher::Get(const std::string& url, const F
           "host '", u->HostPort(), "' is not in the allowed hosts (",
           absl::StrJoin(allowed, ", "), ")", hops > 0 ? " (redirected from " + url + ")" : ""));
     }
-    Request request(*u, limits, deadline, sink);
+    if (u->scheme == "https") {
+      if (auto s = need_tls(); !s.ok()) return s;
+    }
+    Request request(*u, limits, deadline, sink, tls.get(), ca_file_);
     auto hop = request.Run();
     if (!hop.ok()) return hop.status();
     if (hop->status >= 300 && hop->status < 400) {

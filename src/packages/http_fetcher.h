@@ -10,6 +10,7 @@
 #include <functional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -57,11 +58,26 @@ bool IsUnreachable(const absl::Status& status);
 
 // Boost.Beast over Asio; https with OpenSSL (system trust store, SNI, hostname verification).
 // No proxies. Each Get uses its own io_context, so concurrent calls are independent.
+//
+// `ca_file`: optional PEM bundle of CA certificates trusted IN ADDITION to the system trust
+// store, for an index behind an internal CA (a corporate mirror). It is read on every Get (so a
+// rotated bundle is picked up without a restart); if it is missing, unreadable or holds no
+// certificate, every Get — http too, as redirects may lead to https — fails with
+// FailedPrecondition naming the file, before any connection is made. "" = system store only.
+//
+// A server certificate that does not verify (unknown CA, expired, or not naming the host /
+// IP of the URL) → FailedPrecondition with OpenSSL's reason, e.g. "unable to get local issuer
+// certificate" or "hostname mismatch". Deliberately not Unavailable: it is a trust or
+// configuration problem for the operator, not an outage, so callers do not quietly fall back
+// to cached data (IsUnreachable is false). Other handshake failures stay Unavailable.
 class BeastHttpFetcher final : public HttpFetcher {
  public:
-  BeastHttpFetcher() = default;
+  explicit BeastHttpFetcher(std::string ca_file = "") : ca_file_(std::move(ca_file)) {}
   absl::StatusOr<HttpResult> Get(const std::string& url, const FetchLimits& limits,
                                  const BodySink& sink) override;
+
+ private:
+  std::string ca_file_;
 };
 
 }  // namespace esb::packages

@@ -8,8 +8,20 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/read_until.hpp>
+#include <boost/asio/ssl.hpp>
+#include <boost/asio/write.hpp>
 #include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <memory>
 #include <mutex>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -260,6 +272,303 @@ TEST_F(BeastHttpFetcherTest, SinkErrorAborts) {
   });
   EXPECT_TRUE(absl::IsResourceExhausted(r.status()));
   EXPECT_EQ(std::string(r.status().message()), "disk full");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Real TLS: a throw-away CA and server certificates made with the `openssl` CLI (a declared
+// dependency, so a failure to run it fails the tests rather than skipping them).
+
+namespace asio = boost::asio;
+namespace ssl = boost::asio::ssl;
+using tcp = asio::ip::tcp;
+
+// The PKI of one test-suite run, in a temp dir removed afterwards.
+struct TestPki {
+  std::string dir;
+  std::string ca_cert;     // the test CA (PEM)
+  std::string good_cert;   // SAN IP:127.0.0.1, DNS:localhost, signed by the CA
+  std::string good_key;
+  std::string wrong_cert;  // SAN DNS:wrong.example, signed by the same CA
+  std::string wrong_key;
+  std::string error;       // non-empty when generation failed: why
+};
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// Runs `command` (a shell line) in `dir`, stderr to dir/openssl.log. "" on success, else why.
+std::string RunIn(const std::string& dir, const std::string& command) {
+  const std::string log = dir + "/openssl.log";
+  std::string line = "cd '" + dir + "' && " + command + " >>'" + log + "' 2>&1";
+  int rc = std::system(line.c_str());
+  if (rc == 0) return "";
+  return "`" + command + "` failed (system() = " + std::to_string(rc) + "); output:\n" +
+         ReadFile(log);
+}
+
+TestPki MakeTestPki() {
+  TestPki pki;
+  char tmpl[] = "/tmp/esb-fetcher-tls-XXXXXX";
+  if (mkdtemp(tmpl) == nullptr) {
+    pki.error = std::string("mkdtemp: ") + strerror(errno);
+    return pki;
+  }
+  pki.dir = tmpl;
+  // Our own config, so the system openssl.cnf cannot change the extensions.
+  std::ofstream(pki.dir + "/pki.cnf") << R"([req]
+distinguished_name = dn
+prompt = no
+x509_extensions = ca_ext
+[dn]
+CN = esb test CA
+[ca_ext]
+basicConstraints = critical,CA:TRUE
+keyUsage = critical,keyCertSign,cRLSign
+subjectKeyIdentifier = hash
+[good_ext]
+basicConstraints = CA:FALSE
+keyUsage = critical,digitalSignature
+extendedKeyUsage = serverAuth
+subjectAltName = IP:127.0.0.1,DNS:localhost
+authorityKeyIdentifier = keyid
+[wrong_ext]
+basicConstraints = CA:FALSE
+keyUsage = critical,digitalSignature
+extendedKeyUsage = serverAuth
+subjectAltName = DNS:wrong.example
+authorityKeyIdentifier = keyid
+)";
+  // P-256 keys: generated in milliseconds, unlike RSA.
+  const std::string newkey = "-newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes";
+  const std::vector<std::string> steps = {
+      "openssl req -x509 -config pki.cnf " + newkey +
+          " -keyout ca.key -out ca.pem -days 2 -subj '/CN=esb test CA'",
+      "openssl req -new -config pki.cnf " + newkey +
+          " -keyout good.key -out good.csr -subj '/CN=localhost'",
+      "openssl x509 -req -in good.csr -CA ca.pem -CAkey ca.key -set_serial 2 -days 2 "
+      "-extfile pki.cnf -extensions good_ext -out good.pem",
+      "openssl req -new -config pki.cnf " + newkey +
+          " -keyout wrong.key -out wrong.csr -subj '/CN=wrong.example'",
+      "openssl x509 -req -in wrong.csr -CA ca.pem -CAkey ca.key -set_serial 3 -days 2 "
+      "-extfile pki.cnf -extensions wrong_ext -out wrong.pem",
+  };
+  for (const auto& step : steps) {
+    pki.error = RunIn(pki.dir, step);
+    if (!pki.error.empty()) return pki;
+  }
+  pki.ca_cert = pki.dir + "/ca.pem";
+  pki.good_cert = pki.dir + "/good.pem";
+  pki.good_key = pki.dir + "/good.key";
+  pki.wrong_cert = pki.dir + "/wrong.pem";
+  pki.wrong_key = pki.dir + "/wrong.key";
+  return pki;
+}
+
+// A TLS server on 127.0.0.1:<ephemeral> presenting `cert`, answering every request with one
+// canned 200 response, then closing. Asio in one thread; stopped and joined on destruction.
+class TlsLoopbackServer {
+ public:
+  static constexpr const char* kBody = "hello over TLS";
+
+  TlsLoopbackServer(const std::string& cert, const std::string& key) {
+    ctx_.use_certificate_chain_file(cert);
+    ctx_.use_private_key_file(key, ssl::context::pem);
+    acceptor_.open(tcp::v4());
+    acceptor_.bind(tcp::endpoint(asio::ip::make_address_v4("127.0.0.1"), 0));
+    acceptor_.listen();
+    port_ = acceptor_.local_endpoint().port();
+    Accept();
+    thread_ = std::thread([this] { ioc_.run(); });
+  }
+  ~TlsLoopbackServer() {
+    ioc_.stop();
+    thread_.join();
+  }
+  int port() const { return port_; }
+  // Requests read after a completed handshake.
+  int requests() const { return requests_; }
+  std::string Url(const std::string& host, const std::string& path) const {
+    return "https://" + host + ":" + std::to_string(port_) + path;
+  }
+
+ private:
+  struct Session {
+    explicit Session(tcp::socket s, ssl::context& ctx) : stream(std::move(s), ctx) {}
+    ssl::stream<tcp::socket> stream;
+    std::string request;
+    std::string response;
+  };
+
+  void Accept() {
+    acceptor_.async_accept([this](boost::system::error_code ec, tcp::socket socket) {
+      if (ec) return;
+      auto session = std::make_shared<Session>(std::move(socket), ctx_);
+      session->stream.async_handshake(
+          ssl::stream_base::server, [this, session](boost::system::error_code ec) {
+            if (ec) return;  // e.g. the client rejected our certificate
+            asio::async_read_until(
+                session->stream, asio::dynamic_buffer(session->request), "\r\n\r\n",
+                [this, session](boost::system::error_code ec, size_t) {
+                  if (ec) return;
+                  ++requests_;
+                  session->response =
+                      std::string("HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n") +
+                      "Content-Length: " + std::to_string(std::strlen(kBody)) +
+                      "\r\nConnection: close\r\n\r\n" + kBody;
+                  asio::async_write(session->stream, asio::buffer(session->response),
+                                    [session](boost::system::error_code, size_t) {});
+                });
+          });
+      Accept();
+    });
+  }
+
+  // Declared so that sessions still queued in ioc_ die before the context they refer to.
+  ssl::context ctx_{ssl::context::tls_server};
+  asio::io_context ioc_;
+  tcp::acceptor acceptor_{ioc_};
+  int port_ = 0;
+  std::atomic<int> requests_{0};
+  std::thread thread_;
+};
+
+class TlsFetcherTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() { pki_ = new TestPki(MakeTestPki()); }
+  static void TearDownTestSuite() {
+    if (!pki_->dir.empty()) {
+      std::error_code ec;
+      std::filesystem::remove_all(pki_->dir, ec);
+    }
+    delete pki_;
+    pki_ = nullptr;
+  }
+  void SetUp() override {
+    ASSERT_TRUE(pki_->error.empty()) << "cannot make the test certificates with the openssl CLI "
+                                        "(Debian package `openssl`): "
+                                     << pki_->error;
+    limits_.timeout = std::chrono::milliseconds(5000);
+  }
+  absl::StatusOr<HttpResult> Get(BeastHttpFetcher& fetcher, const std::string& url,
+                                 std::string* body = nullptr) {
+    return fetcher.Get(url, limits_, [body](std::string_view chunk) {
+      if (body != nullptr) body->append(chunk);
+      return absl::OkStatus();
+    });
+  }
+  static std::string Message(const absl::Status& s) { return std::string(s.message()); }
+
+  static TestPki* pki_;
+  FetchLimits limits_;
+};
+TestPki* TlsFetcherTest::pki_ = nullptr;
+
+TEST_F(TlsFetcherTest, TrustsServerSignedByConfiguredCa) {
+  TlsLoopbackServer server(pki_->good_cert, pki_->good_key);
+  BeastHttpFetcher fetcher(pki_->ca_cert);
+  std::string body;
+  auto r = Get(fetcher, server.Url("127.0.0.1", "/x"), &body);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->status, 200);
+  EXPECT_EQ(r->content_type, "text/plain");
+  EXPECT_EQ(body, TlsLoopbackServer::kBody);
+  // By DNS name too (SNI + DNS subjectAltName).
+  body.clear();
+  r = Get(fetcher, server.Url("localhost", "/x"), &body);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(body, TlsLoopbackServer::kBody);
+  EXPECT_EQ(server.requests(), 2);
+}
+
+// Attack: a server whose certificate chains to a CA we were not told to trust (a MITM, or a
+// private mirror without its CA configured). The request must not be sent.
+TEST_F(TlsFetcherTest, RejectsCertificateFromUnknownCa) {
+  TlsLoopbackServer server(pki_->good_cert, pki_->good_key);
+  BeastHttpFetcher fetcher;  // system trust store only
+  std::string body;
+  auto r = Get(fetcher, server.Url("127.0.0.1", "/x"), &body);
+  EXPECT_TRUE(absl::IsFailedPrecondition(r.status())) << r.status();
+  EXPECT_FALSE(IsUnreachable(r.status())) << "a trust failure is not an outage";
+  EXPECT_NE(Message(r.status()).find("certificate"), std::string::npos) << r.status();
+  EXPECT_NE(Message(r.status()).find("verif"), std::string::npos) << r.status();
+  EXPECT_NE(Message(r.status()).find("local issuer"), std::string::npos) << r.status();
+  EXPECT_EQ(body, "");
+  EXPECT_EQ(server.requests(), 0);
+}
+
+// Attack: a valid certificate from a trusted CA, but issued for another name.
+TEST_F(TlsFetcherTest, RejectsCertificateForAnotherHost) {
+  TlsLoopbackServer server(pki_->wrong_cert, pki_->wrong_key);
+  BeastHttpFetcher fetcher(pki_->ca_cert);
+  for (const char* host : {"127.0.0.1", "localhost"}) {
+    SCOPED_TRACE(host);
+    auto r = Get(fetcher, server.Url(host, "/x"));
+    EXPECT_TRUE(absl::IsFailedPrecondition(r.status())) << r.status();
+    EXPECT_NE(Message(r.status()).find("certificate verification failed"), std::string::npos)
+        << r.status();
+    EXPECT_NE(Message(r.status()).find("mismatch"), std::string::npos) << r.status();
+  }
+  EXPECT_EQ(server.requests(), 0);
+}
+
+// The CA bundle adds to the system trust store, it does not replace it. The "system" store is
+// pointed at the test CA with SSL_CERT_FILE (honoured by set_default_verify_paths).
+TEST_F(TlsFetcherTest, CaFileAddsToSystemStore) {
+  TlsLoopbackServer server(pki_->good_cert, pki_->good_key);
+  const char* saved = std::getenv("SSL_CERT_FILE");
+  const std::string saved_value = saved != nullptr ? saved : "";
+  ASSERT_EQ(setenv("SSL_CERT_FILE", pki_->ca_cert.c_str(), 1), 0);
+  BeastHttpFetcher plain;
+  auto r1 = Get(plain, server.Url("127.0.0.1", "/x"));
+  // An unrelated but valid PEM bundle (the wrong.example certificate) as the extra file.
+  BeastHttpFetcher extra(pki_->wrong_cert);
+  auto r2 = Get(extra, server.Url("127.0.0.1", "/x"));
+  if (saved != nullptr) {
+    setenv("SSL_CERT_FILE", saved_value.c_str(), 1);
+  } else {
+    unsetenv("SSL_CERT_FILE");
+  }
+  EXPECT_TRUE(r1.ok()) << r1.status();
+  EXPECT_TRUE(r2.ok()) << r2.status();
+  // And without SSL_CERT_FILE, the extra file alone does not make the server trusted.
+  auto r3 = Get(extra, server.Url("127.0.0.1", "/x"));
+  EXPECT_TRUE(absl::IsFailedPrecondition(r3.status())) << r3.status();
+  EXPECT_EQ(server.requests(), 2);
+}
+
+TEST_F(TlsFetcherTest, MissingCaFileIsFailedPrecondition) {
+  TlsLoopbackServer server(pki_->good_cert, pki_->good_key);
+  const std::string missing = pki_->dir + "/no-such-ca.pem";
+  BeastHttpFetcher fetcher(missing);
+  auto r = Get(fetcher, server.Url("127.0.0.1", "/x"));
+  EXPECT_TRUE(absl::IsFailedPrecondition(r.status())) << r.status();
+  EXPECT_NE(Message(r.status()).find(missing), std::string::npos) << r.status();
+  EXPECT_NE(Message(r.status()).find("No such file"), std::string::npos) << r.status();
+  // Checked before connecting, for http too: port 1 would otherwise be Unavailable.
+  r = Get(fetcher, "http://127.0.0.1:1/x");
+  EXPECT_TRUE(absl::IsFailedPrecondition(r.status())) << r.status();
+  EXPECT_EQ(server.requests(), 0);
+}
+
+TEST_F(TlsFetcherTest, InvalidCaFileIsFailedPrecondition) {
+  TlsLoopbackServer server(pki_->good_cert, pki_->good_key);
+  const std::string garbage = pki_->dir + "/garbage.pem";
+  std::ofstream(garbage) << "this is not a certificate\n\x01\x02\x03\n";
+  // A PEM file without certificates (only a private key) is as useless.
+  const std::string key_only = pki_->good_key;
+  for (const std::string& file : {garbage, key_only, pki_->dir}) {
+    SCOPED_TRACE(file);
+    BeastHttpFetcher fetcher(file);
+    auto r = Get(fetcher, server.Url("127.0.0.1", "/x"));
+    EXPECT_TRUE(absl::IsFailedPrecondition(r.status())) << r.status();
+    EXPECT_NE(Message(r.status()).find("'" + file + "'"), std::string::npos) << r.status();
+    EXPECT_NE(Message(r.status()).find("CA bundle"), std::string::npos) << r.status();
+  }
+  EXPECT_EQ(server.requests(), 0);
 }
 
 TEST(HttpStatusErrorTest, Mapping) {
