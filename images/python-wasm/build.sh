@@ -58,13 +58,15 @@ ensure_tools() {
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
       "${missing[@]}" >&2
   fi
-  if [ ! -x "$HERE/node_modules/.bin/wizer" ]; then
+  # The x86_64 Linux package itself (see package.json for why not the multi-platform wrapper).
+  WIZER="$HERE/node_modules/@bytecodealliance/wizer-linux-x64/wizer"
+  if [ ! -x "$WIZER" ]; then
     command -v npm >/dev/null || die "npm not found (scripts/install-deps.sh installs it)"
     log "npm ci (Wizer) in $HERE"
-    (cd "$HERE" && npm ci --no-audit --no-fund --loglevel=error >&2)
+    (cd "$HERE" && npm ci --no-audit --no-fund --loglevel=error >&2) \
+      || die "npm ci failed (Wizer is pinned by package-lock.json; this build needs x86_64 Linux)"
+    [ -x "$WIZER" ] || die "npm ci did not install $WIZER"
   fi
-  WIZER="$HERE/node_modules/@bytecodealliance/wizer-linux-x64/wizer"
-  [ -x "$WIZER" ] || WIZER="$HERE/node_modules/.bin/wizer"
 }
 
 # ---------------------------------------------------------------------------------------------
