@@ -1,6 +1,50 @@
-// The stateful Python kernel of the heavy (container) tier: a small Python program that
-// esbd writes into the environment and runs through the ordinary Exec call. See
-// heavy_kernel.cc for the protocol.
+// The stateful Python kernel of the heavy (container) tier: src/api/kernel.py, compiled into
+// esbd (CMake embeds the file), written into the environment and run through the ordinary
+// Exec call (no agent or driver changes; the same code serves a future microVM driver):
+//
+//   python3 /tmp/.esb-kernel/kernel.py run|once CELLFILE RESULTFILE TIMEOUT_MS FORMATS
+//
+// `run` = a cell of the environment's persistent kernel; `once` = a one-shot run in this
+// process (POST /run on heavy). Every cell (both modes) reports `value` (repr of the final
+// expression, capped at 64 KiB), `table` (a final DataFrame/Series as columns + rows, at most
+// 512 KiB of JSON), structured errors (type, message, traceback; clipped), and `artifacts`:
+// figures saved as FORMATS (png,svg) into RESULTFILE's "-art" directory — on plt.show()
+// through an in-memory matplotlib backend module, and for figures left open at the end (32
+// per cell; the rest are closed and reported as dropped) — plus files created or changed under
+// /workspace/artifacts during the cell. esbd copies the reported files out
+// (run_service.cc) and removes the staging directory.
+//
+// Server (`serve`, started on demand by the client, double-forked + setsid so it outlives the
+// exec's process group): listens on an abstract unix socket named after its directory (no
+// file to delete; the name frees itself when the kernel dies) and runs cells one after another
+// in one persistent `__main__` namespace. sys.stdout/sys.stderr are file-like objects for the
+// kernel's whole life, sending each write of the current cell to the client as a JSON line
+// (2 MiB per cell -> `truncated`; one lock orders all threads' frames, and an interrupt never
+// tears a frame); file descriptors 1 and 2 are pipes read by a thread, so subprocess and C
+// output reach the cell too. A fork() inside a cell never returns to the serve loop.
+// Wire format: the client sends {"code", "formats", "outdir"}\n, and later at most
+// {"t":"interrupt"}\n; the server answers {"t":"out","s":"stdout"|"stderr","d":...}\n lines,
+// then {"t":"done","status","value","error","truncated","table","artifacts","restarted"}\n.
+//
+// Interrupts belong to a cell: the client's interrupt line (or its going away) is read by a
+// per-cell watcher thread, which raises KeyboardInterrupt in that cell — at once if it runs,
+// or as it starts if the timeout came first. A cell whose client went away and that does not
+// stop within 2 s is killed with its whole process group (nobody waits for it).
+//
+// Client (`run`): serialises cells with flock, starts the server if nothing listens, relays
+// output to its own stdout/stderr, and at the deadline sends the interrupt line. If no answer
+// comes within 2 s more, it SIGKILLs the server's process group (children included) and
+// reports kernel_restarted; a kernel lost any other way (killed, OOM) is reported as
+// kernel_restarted by the first cell of the next kernel. The client always writes
+// {status ok|error|interrupted, value, error, kernel_restarted, timed_out, truncated, table,
+// artifacts} to RESULTFILE and exits 0 (its own failure shows as a missing result file).
+//
+// Once (`once`): the same cell in the client's own process; SIGALRM at the deadline raises
+// KeyboardInterrupt, and a cell that ignores it is ended 2 s later with its process group
+// (still with a result file).
+//
+// Known limit: stdout and stderr travel on the exec's two pipes, so their relative order is
+// kept only within each stream.
 #pragma once
 
 #include <string_view>

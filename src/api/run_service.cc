@@ -108,6 +108,9 @@ constexpr int64_t kMaxArtifactReadChunk = 4 << 20;
 // kernel.py reports at most 32 per cell, but its result file is writable by the cell's own
 // code, so the daemon enforces its own bounds on what it copies and shows.
 constexpr size_t kMaxArtifactsPerRun = 64;
+// kernel.py's result file: value 64 KiB, table 512 KiB, error ~80 KiB (JSON escapes can make
+// each up to 6x larger), 32 artifact entries. More than this is not a kernel's answer.
+constexpr int64_t kMaxKernelResultBytes = 8 << 20;
 constexpr size_t kMaxArtifactText = 256;
 constexpr char kArtifactsDir[] = "/workspace/artifacts";
 
@@ -170,6 +173,26 @@ json::array ChangedArtifactFiles(const FileStamps& before, const FileStamps& aft
   return out;
 }
 
+// A whole file from inside the sandbox, at most `cap` bytes (else ResourceExhausted).
+absl::StatusOr<std::string> ReadSandboxFile(EnvironmentManager* manager,
+                                            const std::string& tenant, const std::string& id,
+                                            const std::string& path, int64_t cap) {
+  std::string data;
+  for (;;) {
+    const int64_t want = std::min<int64_t>(kMaxArtifactReadChunk, cap + 1 - static_cast<int64_t>(data.size()));
+    auto chunk = manager->ReadFile(tenant, id, path, static_cast<int64_t>(data.size()), want);
+    if (!chunk.ok()) return chunk.status();
+    // SECURITY: sizes and lengths come from inside the sandbox; what we hold is what counts.
+    if (chunk->file_size > cap || static_cast<int64_t>(chunk->data.size()) > want ||
+        static_cast<int64_t>(data.size() + chunk->data.size()) > cap) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("it is larger than the limit of ", cap, " bytes"));
+    }
+    data += chunk->data;
+    if (chunk->eof || chunk->data.empty()) return data;
+  }
+}
+
 // Copies the files the kernel reported (figures it saved, files written under
 // /workspace/artifacts) out of the sandbox into the host store; each becomes an entry of
 // `o->artifacts`, and each one that could not be kept an entry of `o->artifact_errors`.
@@ -204,24 +227,8 @@ void CollectArtifacts(EnvironmentManager* manager, ArtifactStore* store,
           absl::StrCat(SanitizeUtf8(str("name")), ": this daemon keeps no artifacts"));
       continue;
     }
-    const int64_t cap = store->options().max_artifact_bytes;
-    std::string data;
-    absl::Status st;
-    for (;;) {
-      auto chunk = manager->ReadFile(tenant, id, path, static_cast<int64_t>(data.size()),
-                                     kMaxArtifactReadChunk);
-      if (!chunk.ok()) {
-        st = chunk.status();
-        break;
-      }
-      if (chunk->file_size > cap) {
-        st = absl::ResourceExhaustedError(absl::StrCat(
-            "it is ", chunk->file_size, " bytes; the limit is ", cap));
-        break;
-      }
-      data += chunk->data;
-      if (chunk->eof || chunk->data.empty()) break;
-    }
+    absl::StatusOr<std::string> data =
+        ReadSandboxFile(manager, tenant, id, path, store->options().max_artifact_bytes);
     ArtifactMeta meta;
     meta.tenant = tenant;
     meta.environment_id = id;
@@ -231,7 +238,7 @@ void CollectArtifacts(EnvironmentManager* manager, ArtifactStore* store,
     meta.title = SanitizeUtf8(str("title"));
     meta.step = step;
     absl::StatusOr<ArtifactMeta> kept =
-        st.ok() ? store->Put(meta, data) : absl::StatusOr<ArtifactMeta>(st);
+        data.ok() ? store->Put(meta, *data) : absl::StatusOr<ArtifactMeta>(data.status());
     if (kept.ok()) {
       o->artifacts.push_back(RenderArtifact(*kept));
     } else {
@@ -241,7 +248,7 @@ void CollectArtifacts(EnvironmentManager* manager, ArtifactStore* store,
   }
 }
 
-// Runs Python through kernel.py (heavy_kernel.cc) and the ordinary WriteFile / Exec /
+// Runs Python through kernel.py (heavy_kernel.h) and the ordinary WriteFile / Exec /
 // ReadFile calls: `once` = a one-shot run in a fresh process, else a cell of the environment's
 // persistent kernel. Output goes to `sink` as it is produced.
 absl::StatusOr<Outcome> RunInContainer(EnvironmentManager* manager, ArtifactStore* store,
@@ -271,22 +278,42 @@ absl::StatusOr<Outcome> RunInContainer(EnvironmentManager* manager, ArtifactStor
   o.stderr_data = r->stderr_data;
   o.duration_ms = r->duration_ms;
   o.truncated = r->truncated;
-  auto chunk = manager->ReadFile(tenant, id, result, 0, 1 << 20);
+  // Best effort, whatever happened: the result file and the staged figures are not needed
+  // once read (a one-shot run's environment is destroyed anyway).
+  auto cleanup = [&] {
+    if (once) return;
+    ExecRequest rm;
+    rm.command = absl::StrCat("rm -rf ", result, " ", dir, "/result-", tag, "-art");
+    rm.timeout = std::chrono::milliseconds(5000);
+    manager->Exec(tenant, id, rm, nullptr).IgnoreError();
+  };
+  absl::StatusOr<std::string> raw =
+      ReadSandboxFile(manager, tenant, id, result, kMaxKernelResultBytes);
   json::object res;
-  if (chunk.ok()) {
+  if (raw.ok()) {
     boost::system::error_code ec;
-    json::value v = json::parse(chunk->data, ec);
+    json::value v = json::parse(*raw, ec);
     if (!ec && v.is_object()) res = v.as_object();
   }
   if (res.empty()) {
-    // The client itself failed (python3 missing, killed by the exec timeout, ...).
+    // The client itself failed (python3 missing, killed by the exec timeout, the cell's own
+    // os._exit in once mode, ...), or what it wrote is not a result.
     o.timed_out = r->timed_out;
     o.exit_code = r->timed_out ? 124 : (r->exit_code == 0 ? 1 : r->exit_code);
-    o.error = RunError{r->timed_out ? "TimeoutError" : "KernelError",
-                       r->timed_out ? "the run did not finish in time and was killed"
-                                    : "the kernel wrote no result (is python3 installed in "
-                                      "the image?)",
-                       r->stderr_data};
+    std::string why;
+    if (r->timed_out) {
+      why = "the run did not finish in time and was killed";
+    } else if (absl::IsResourceExhausted(raw.status())) {
+      why = absl::StrCat("the kernel's result is too large (", raw.status().message(), ")");
+    } else if (raw.ok()) {
+      why = "the kernel's result is not valid JSON";
+    } else {
+      why = absl::StrCat("the kernel wrote no result (exit code ", r->exit_code,
+                         "; the code may have ended the interpreter, e.g. with os._exit, or "
+                         "python3 is missing from the image)");
+    }
+    o.error = RunError{r->timed_out ? "TimeoutError" : "KernelError", why, r->stderr_data};
+    cleanup();
     return o;
   }
   auto str = [&](const char* key) -> std::string {
@@ -315,13 +342,7 @@ absl::StatusOr<Outcome> RunInContainer(EnvironmentManager* manager, ArtifactStor
   o.exit_code = status == "ok" ? 0 : (o.timed_out ? 124 : 1);
   if (const json::value* a = res.if_contains("artifacts"); a && a->is_array())
     CollectArtifacts(manager, store, tenant, id, a->as_array(), &o);
-  // Best effort: the result file and the staged figures are not needed any more (a one-shot
-  // run's environment is destroyed anyway).
-  if (once) return o;
-  ExecRequest rm;
-  rm.command = absl::StrCat("rm -rf ", result, " ", dir, "/result-", tag, "-art");
-  rm.timeout = std::chrono::milliseconds(5000);
-  manager->Exec(tenant, id, rm, nullptr).IgnoreError();
+  cleanup();
   return o;
 }
 

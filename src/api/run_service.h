@@ -10,7 +10,7 @@
 //                               no effects outside its own instance. `packages` force heavy.
 // Routing is an optimisation, never a security decision: both tiers are isolated.
 // Every answer says where it ran and why: {"tier": "nano", "reason": "..."}.
-// Heavy runs go through kernel.py (heavy_kernel.cc): the final expression's value, a DataFrame
+// Heavy runs go through kernel.py (heavy_kernel.h): the final expression's value, a DataFrame
 // as a table, and artifacts (figures, files under /workspace/artifacts) copied into the host's
 // ArtifactStore. `packages` are installed first by the PackageInstaller. With
 // `Accept: text/event-stream` the output streams as SSE and the answer is the last event.

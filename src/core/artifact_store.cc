@@ -114,15 +114,24 @@ absl::StatusOr<ArtifactMeta> ArtifactStore::Put(ArtifactMeta meta, std::string_v
   meta.id = absl::StrCat("art_", RandomHex(12));
   meta.size = size;
   meta.created_ms = NowUnixMs();
-  {
+  // Expired artifacts must not count against the quota, even for a tenant that never reads
+  // artifacts back (the read paths sweep too).
+  MaybeSweep();
+  auto reserve = [&]() -> bool {
     std::lock_guard<std::mutex> lock(mu_);
     int64_t& used = tenant_bytes_[meta.tenant];
-    if (used + size > options_.max_tenant_bytes)
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "artifact '", meta.name, "' not kept: the tenant's artifacts already use ", used,
-          " of ", options_.max_tenant_bytes, " bytes (they expire after ", options_.ttl_s,
-          " s)"));
+    if (used + size > options_.max_tenant_bytes) return false;
     used += size;  // reserved now, so concurrent Puts cannot overshoot together
+    return true;
+  };
+  if (!reserve()) {
+    Sweep(meta.created_ms);
+    if (!reserve()) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "artifact '", meta.name, "' not kept: the tenant's artifacts already use ",
+          TenantBytes(meta.tenant), " of ", options_.max_tenant_bytes,
+          " bytes (they expire after ", options_.ttl_s, " s)"));
+    }
   }
   absl::Status st = WriteStringToFile(PathOf(meta.id, "bin"), data, 0600);
   if (st.ok()) st = WriteStringToFile(PathOf(meta.id, "json"), json::serialize(ToJson(meta)), 0600);

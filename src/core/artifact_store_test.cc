@@ -3,6 +3,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdlib>
 #include <filesystem>
 #include <thread>
@@ -139,6 +140,24 @@ TEST_F(ArtifactStoreTest, SweepDeletesExpiredArtifactsAndFreesQuota) {
   EXPECT_EQ((*store)->TenantBytes("t1"), 0);
   struct stat st;
   EXPECT_NE(::stat((options_.dir + "/" + a->id + ".bin").c_str(), &st), 0);
+}
+
+// A tenant that only writes (never lists or reads artifacts back) must get its quota back
+// when its artifacts expire.
+TEST_F(ArtifactStoreTest, PutSweepsExpiredArtifactsBeforeRefusingForQuota) {
+  options_.ttl_s = 1;
+  options_.max_tenant_bytes = 10;
+  auto store = ArtifactStore::Open(options_);
+  ASSERT_TRUE(store.ok());
+  auto first = (*store)->Put(Meta("t1", "e", "a"), std::string(10, 'x'));
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_TRUE(absl::IsResourceExhausted((*store)->Put(Meta("t1", "e", "b"), "y").status()));
+  std::this_thread::sleep_for(std::chrono::milliseconds(1100));
+  auto later = (*store)->Put(Meta("t1", "e", "c"), std::string(10, 'z'));
+  ASSERT_TRUE(later.ok()) << later.status();
+  EXPECT_EQ((*store)->TenantBytes("t1"), 10);
+  struct stat st;
+  EXPECT_NE(::stat((options_.dir + "/" + first->id + ".bin").c_str(), &st), 0);
 }
 
 TEST_F(ArtifactStoreTest, ConcurrentPutsRespectTheTenantQuota) {

@@ -215,6 +215,22 @@ TEST_F(HybridTest, OpenFiguresAndSvgAndArtifactFilesAreCapturedAtTheEndOfACell) 
   EXPECT_EQ(daemon_->Call("GET", S(Artifacts(again)[0], "url")).body, "a,b\n1,2\n3,4\n");
 }
 
+// Figures left open beyond the per-cell limit are closed, not drawn, and the answer says so.
+TEST_F(HybridTest, TooManyOpenFiguresAreCappedAndReported) {
+  HttpResult r = Cell(
+      "import matplotlib.pyplot as plt\n"
+      "for i in range(40):\n    plt.figure(figsize=(0.5, 0.5))\n"
+      "len(plt.get_fignums())");
+  ASSERT_EQ(r.num("exit_code"), 0) << r.body.substr(0, 500);
+  EXPECT_EQ(r.str("value"), "40");
+  EXPECT_EQ(Artifacts(r).size(), 32u);
+  ASSERT_TRUE(r.obj().contains("artifact_errors")) << r.body.substr(0, 500);
+  EXPECT_NE(json::serialize(r.obj().at("artifact_errors")).find("8 more open figure"),
+            std::string::npos)
+      << json::serialize(r.obj().at("artifact_errors"));
+  EXPECT_EQ(Cell("import matplotlib.pyplot as plt\nlen(plt.get_fignums())").str("value"), "0");
+}
+
 TEST_F(HybridTest, ArtifactsOfOneShotRunsOutliveTheirEnvironment) {
   HttpResult r = daemon_->Call(
       "POST", "/run",

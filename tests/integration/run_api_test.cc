@@ -336,6 +336,34 @@ TEST_F(ContainerKernelTest, SleepIsInterruptedAndAnIgnoredInterruptRestartsTheKe
   EXPECT_EQ(Cell("1 + 1").str("value"), "2");
 }
 
+TEST_F(ContainerKernelTest, OutputOfSubprocessesIsPartOfTheCell) {
+  HttpResult r = Cell(
+      "import os, subprocess\nprint('python')\nsubprocess.run(['echo', 'from a child'])\n"
+      "os.system('echo to stderr >&2')\nNone");
+  EXPECT_EQ(r.num("exit_code"), 0) << r.body;
+  EXPECT_EQ(r.str("stdout"), "python\nfrom a child\n") << r.body;
+  EXPECT_EQ(r.str("stderr"), "to stderr\n") << r.body;
+}
+
+// The caller gives up (its HTTP connection closes) while its cell still runs: the cell is
+// interrupted, so the next caller neither waits for it nor finds it still running.
+TEST_F(ContainerKernelTest, ACallerThatGoesAwayInterruptsItsCell) {
+  Cell("flag = 'unset'");
+  const std::string code =
+      "import time\ntry:\n    while True:\n        print('tick', flush=True)\n"
+      "        time.sleep(0.2)\nexcept KeyboardInterrupt:\n    flag = 'interrupted'\n"
+      "    raise\n";
+  HttpResult gone =
+      Http(daemon_->port(), "POST", "/environments/" + id_ + "/run",
+           json::serialize(json::object{{"code", code}, {"timeout_ms", 120000}}), {}, "",
+           /*timeout_s=*/3);
+  auto start = std::chrono::steady_clock::now();
+  HttpResult next = Cell("flag", 60000);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(15));
+  EXPECT_EQ(next.str("value"), "'interrupted'") << next.body;
+  EXPECT_FALSE(next.flag("kernel_restarted")) << next.body;
+}
+
 TEST_F(ContainerKernelTest, OutputBombIsTruncatedAndTheKernelSurvives) {
   Cell("alive = True");
   HttpResult r = Cell("print('x' * (50 * 1024 * 1024))\n'done'", 20000);
