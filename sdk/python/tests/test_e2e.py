@@ -391,6 +391,23 @@ def test_run_captures_a_figure_as_an_artifact(box, tmp_path):
     assert (tmp_path / art.name).read_bytes() == data
 
 
+def test_run_auto_routes_by_imports_and_says_why(box):
+    logic = box.run("import json, re\nprint(json.dumps(re.findall(r'\\d', 'a1b2')))")
+    assert logic.ok and logic.stdout == '["1", "2"]\n', logic.stderr
+    assert logic.runtime == "nano" and "json" in (logic.reason or ""), logic.reason
+    frame = box.run("import pandas as pd\nprint(int(pd.Series([1, 2, 3]).sum()))")
+    assert frame.ok and frame.stdout == "6\n", frame.stderr
+    assert frame.runtime == "heavy" and "pandas" in (frame.reason or ""), frame.reason
+
+
+def test_nano_session_is_stateful(box):
+    with box.create(runtime="nano", ttl_seconds=300) as e:
+        assert e.run_code("import math\nx = 41").ok
+        r = e.run_code("x += 1\nprint(x, math.isqrt(x * x))")
+        assert r.ok and r.stdout == "42 42\n", r.stderr
+        assert r.runtime == "nano"
+
+
 def test_stateful_cells_table_and_live_output(box):
     with box.create(runtime="container", ttl_seconds=300) as e:
         assert e.run_code("import pandas as pd\nrows = [1, 2, 3]").ok
