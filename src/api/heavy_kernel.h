@@ -43,8 +43,10 @@
 // KeyboardInterrupt, and a cell that ignores it is ended 2 s later with its process group
 // (still with a result file).
 //
-// Known limit: stdout and stderr travel on the exec's two pipes, so their relative order is
-// kept only within each stream.
+// Output framing: `run` and `once` write the cell's stdout and stderr as frames on the
+// exec's stdout (kernel_frames.h), so esbd sees them in the order the cell wrote them; a
+// Python-level write first forwards whatever subprocesses wrote before it. (Two subprocess
+// streams written at the same moment race each other, as in any terminal.)
 #pragma once
 
 #include <string_view>

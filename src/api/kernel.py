@@ -36,6 +36,7 @@ OWNER_PID = os.getpid()           # the kernel process (a fork() in a cell is no
 # outlive a cell goes to whichever cell runs when they write.
 CURRENT = None
 IN_CELL = False
+PUMP = None  # the FdPump, once fds 1/2 are its pipes
 # SIGINT/SIGALRM arriving while the main thread sends a frame must not cut the frame in two:
 # the handler defers the KeyboardInterrupt until the frame is out.
 MAIN_SENDING = False
@@ -145,6 +146,8 @@ class KernelStream(io.TextIOBase):
             raise TypeError("write() argument must be str, not " + type(s).__name__)
         cell = CURRENT
         if cell is not None:
+            if PUMP is not None:
+                PUMP.drain()  # what a subprocess wrote before this write goes first
             cell.emit(self._name, s)
         return len(s)
 
@@ -181,11 +184,22 @@ class _BinaryWriter:
 STDOUT, STDERR = KernelStream("stdout"), KernelStream("stderr")
 
 
-def write_std(name, s):
+# `run` and `once` write the cell's output to their stdout as frames, so that esbd sees
+# stdout and stderr in the order they were written (the exec's two pipes cannot keep it):
+# b"O" or b"E", 8 lowercase hex digits of length, then that many bytes of UTF-8.
+# (src/api/kernel_frames.h decodes them.) Their own stderr is left for their own failures.
+FRAME_FD = 1
+FRAME_MAX = 1 << 20
+
+
+def write_frame(name, s):
     data = s.encode("utf-8", "replace")
-    fd = 1 if name == "stdout" else 2
-    while data:
-        data = data[os.write(fd, data):]
+    tag = b"O" if name == "stdout" else b"E"
+    for i in range(0, len(data), FRAME_MAX):
+        part = data[i:i + FRAME_MAX]
+        buf = tag + b"%08x" % len(part) + part
+        while buf:
+            buf = buf[os.write(FRAME_FD, buf):]
 
 
 class FdPump:
@@ -193,6 +207,8 @@ class FdPump:
     sys.stdout (subprocesses, os.system, C extensions) reaches the current cell too."""
 
     def __init__(self):
+        global PUMP
+        PUMP = self
         self.fds = {}
         self.lock = threading.Lock()
         for fd, name in ((1, "stdout"), (2, "stderr")):
@@ -745,11 +761,16 @@ def once(cellfile, resultfile, timeout_ms, formats):
     kernel (value, table, artifacts, structured errors) without a server. At the deadline
     SIGALRM raises KeyboardInterrupt in the cell; a cell that ignores it is ended GRACE_S
     later, still with a result file."""
+    global FRAME_FD
     code = read_cell(cellfile)
     out = {"status": "error", "value": None, "error": None, "kernel_restarted": False,
            "timed_out": False, "truncated": False, "table": None, "artifacts": []}
     fired = []
-    cell = Cell(write_std)
+    # Output goes out as frames on a copy of fd 1; fds 1/2 become the pump's pipes, so that
+    # subprocess output is framed (and ordered) too.
+    FRAME_FD = os.dup(1)
+    pump = FdPump()
+    cell = Cell(write_frame)
 
     def on_alarm(signum, frame):
         global DEFERRED
@@ -775,7 +796,8 @@ def once(cellfile, resultfile, timeout_ms, formats):
     signal.signal(signal.SIGALRM, on_alarm)
     ns = new_namespace()
     signal.setitimer(signal.ITIMER_REAL, max(0.001, timeout_ms / 1000.0))
-    result = run_cell(ns, code, 1, cell, {"formats": formats, "outdir": resultfile[:-5] + "-art"})
+    result = run_cell(ns, code, 1, cell, {"formats": formats, "outdir": resultfile[:-5] + "-art"},
+                      pump)
     signal.setitimer(signal.ITIMER_REAL, 0)
     cell.close()
     out.update(result)
@@ -803,8 +825,6 @@ def kill_kernel(pid):
 
 
 def run(cellfile, resultfile, timeout_ms, formats):
-    sys.stdout.reconfigure(errors="replace")
-    sys.stderr.reconfigure(errors="replace")
     os.makedirs(DIR, exist_ok=True)
     os.chmod(DIR, 0o700)
     out = {"status": "error", "value": None, "error": None, "kernel_restarted": False,
@@ -896,9 +916,8 @@ def run(cellfile, resultfile, timeout_ms, formats):
                 done = {}
                 break
             if msg.get("t") == "out":
-                stream = sys.stdout if msg.get("s") == "stdout" else sys.stderr
-                stream.write(msg.get("d", ""))
-                stream.flush()
+                write_frame("stdout" if msg.get("s") == "stdout" else "stderr",
+                            str(msg.get("d", "")))
             elif msg.get("t") == "done":
                 done = msg
                 break
@@ -918,8 +937,6 @@ def finish(resultfile, out):
     with open(tmp, "wb") as f:
         f.write(encode_frame(out))
     os.replace(tmp, resultfile)
-    sys.stdout.flush()
-    sys.stderr.flush()
     return 0
 
 

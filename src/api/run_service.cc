@@ -7,7 +7,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "absl/strings/ascii.h"
 #include "api/heavy_kernel.h"
+#include "api/kernel_frames.h"
 #include "api/json_util.h"
 #include "api/sse_output.h"
 #include "common/util.h"
@@ -173,6 +177,26 @@ json::array ChangedArtifactFiles(const FileStamps& before, const FileStamps& aft
   return out;
 }
 
+// One line of requirements.txt: comments and blank lines are skipped, a requirement is
+// appended to `out`; "" or why the line is refused (pip options, continuation lines).
+std::string RequirementLine(absl::string_view line, std::vector<std::string>* out) {
+  // A comment starts at '#' at the line's start or after white space (pip's rule).
+  for (size_t i = 0; i < line.size(); ++i) {
+    if (line[i] == '#' && (i == 0 || line[i - 1] == ' ' || line[i - 1] == '\t')) {
+      line = line.substr(0, i);
+      break;
+    }
+  }
+  line = absl::StripAsciiWhitespace(line);
+  if (line.empty()) return "";
+  if (line.front() == '-')
+    return absl::StrCat("pip options such as '", SanitizeUtf8(StdView(line.substr(0, 40))),
+                        "' are not supported (the index is the daemon's)");
+  if (line.back() == '\\') return "line continuations are not supported";
+  out->emplace_back(line);
+  return "";
+}
+
 // A whole file from inside the sandbox, at most `cap` bytes (else ResourceExhausted).
 absl::StatusOr<std::string> ReadSandboxFile(EnvironmentManager* manager,
                                             const std::string& tenant, const std::string& id,
@@ -268,14 +292,29 @@ absl::StatusOr<Outcome> RunInContainer(EnvironmentManager* manager, ArtifactStor
   exec.command = absl::StrCat("python3 ", kernel, once ? " once " : " run ", cell, " ", result,
                               " ", p.timeout_ms, " ", absl::StrJoin(p.figure_formats, ","));
   exec.timeout = std::chrono::milliseconds(p.timeout_ms + 5000);
-  auto r = manager->Exec(tenant, id, exec, sink);
+  // kernel.py's 2 MiB of cell output (ASCII), framed; more is cut by the agent (`truncated`).
+  exec.max_output_bytes = 3 << 20;
+  // The cell's stdout and stderr come framed on the exec's stdout, in the order written
+  // (kernel_frames.h); the exec's stderr carries only kernel.py's own failures.
+  std::string out_text, err_text;
+  KernelFrameDecoder decoder([&](Stream s, std::string_view d) {
+    (s == Stream::kStderr ? err_text : out_text).append(d);
+    return !sink || sink(s, d);
+  });
+  OutputSink framed = [&](Stream s, std::string_view d) {
+    if (d.empty()) return !sink || sink(s, d);  // a liveness tick: lets the caller cancel
+    if (s == Stream::kStdout) return decoder.Feed(d);
+    err_text.append(d);
+    return !sink || sink(s, d);
+  };
+  auto r = manager->Exec(tenant, id, exec, framed);
   if (!r.ok()) return r.status();
   Outcome o;
   o.kernel = true;
   o.tier = "heavy";
   o.streamed = static_cast<bool>(sink);
-  o.stdout_data = r->stdout_data;
-  o.stderr_data = r->stderr_data;
+  o.stdout_data = std::move(out_text);
+  o.stderr_data = std::move(err_text);
   o.duration_ms = r->duration_ms;
   o.truncated = r->truncated;
   // Best effort, whatever happened: the result file and the staged figures are not needed
@@ -418,6 +457,22 @@ RunHandler MakeRunHandler(const RunDeps& deps) {
       return true;
     };
     string_list("packages", &p.packages);
+    // `requirements`: requirements.txt text, or its lines as an array (what seed 003's tool
+    // plugin sends). Its requirement lines join `packages`.
+    if (const json::value* rq = f.OptionalValue("requirements"); rq && !rq->is_null()) {
+      std::vector<std::string> lines;
+      if (rq->is_string()) {
+        lines = absl::StrSplit(AbslView(rq->as_string()), '\n');
+      } else if (rq->is_array()) {
+        string_list("requirements", &lines);
+      } else {
+        f.Fail("'requirements' must be requirements.txt text or an array of strings");
+      }
+      for (size_t i = 0; i < lines.size(); ++i) {
+        if (auto error = RequirementLine(lines[i], &p.packages); !error.empty())
+          f.Fail(absl::StrCat("'requirements' line ", i + 1, ": ", error));
+      }
+    }
     std::vector<std::string> allowed_list;
     std::optional<std::vector<std::string>> allowed;
     if (string_list("allowed_modules", &allowed_list)) allowed = allowed_list;

@@ -341,6 +341,34 @@ TEST_F(HybridTest, CellOutputStreamsOverSseBeforeTheResult) {
             404);
 }
 
+// stdout and stderr events come in the order the cell wrote them, in both kinds of run.
+TEST_F(HybridTest, StdoutAndStderrEventsKeepTheirOrder) {
+  const std::string code =
+      "import sys\nfor i in range(20):\n    sys.stderr.write('E%d\\n' % i)\n"
+      "    print('O%d' % i)\n";
+  std::string expected;
+  for (int i = 0; i < 20; ++i) expected += "stderr:E" + std::to_string(i) + "\n" +
+                                           "stdout:O" + std::to_string(i) + "\n";
+  for (const std::string target : {"/environments/" + Env() + "/run", std::string("/run")}) {
+    SCOPED_TRACE(target);
+    json::object body{{"code", code}};
+    if (target == "/run") body["runtime"] = "heavy";
+    HttpResult r = daemon_->Call("POST", target, body, {{"Accept", "text/event-stream"}});
+    ASSERT_EQ(r.status, 200) << r.body;
+    std::string seen;
+    for (const SseEvent& e : ParseSse(r.body)) {
+      if (e.event != "stdout" && e.event != "stderr") continue;
+      seen += e.event + ":" + json::value_to<std::string>(e.data.at("data"));
+    }
+    EXPECT_EQ(seen, expected);
+    // Without SSE the two texts come back whole.
+    HttpResult plain = daemon_->Call("POST", target, body);
+    ASSERT_EQ(plain.status, 200) << plain.body;
+    EXPECT_EQ(plain.str("stdout").substr(0, 6), "O0\nO1\n");
+    EXPECT_EQ(plain.str("stderr").substr(0, 6), "E0\nE1\n");
+  }
+}
+
 TEST_F(HybridTest, WithoutAnIndexOnlyPreinstalledPackagesAreAccepted) {
   // Without an index, what the image already has is accepted (pandas is in it)...
   HttpResult ok = daemon_->Call(
@@ -361,6 +389,25 @@ TEST_F(HybridTest, WithoutAnIndexOnlyPreinstalledPackagesAreAccepted) {
   EXPECT_EQ(r.status, 400) << r.body;
   r = daemon_->Call("POST", "/run", json::object{{"code", "1"}, {"figure_formats", json::array{"gif"}}});
   EXPECT_EQ(r.status, 400) << r.body;
+  // `requirements`: requirements.txt text (comments, blank lines, CRLF) joins `packages` and,
+  // like them, sends a run that imports nothing special to the heavy tier.
+  HttpResult req = daemon_->Call(
+      "POST", "/run",
+      json::object{{"code", "print('req ok')"},
+                   {"requirements", "# what the notebook needs\r\nnumpy  # in the image\n\npandas\n"}});
+  ASSERT_EQ(req.status, 200) << req.body;
+  EXPECT_EQ(req.str("stdout"), "req ok\n");
+  EXPECT_EQ(req.str("tier"), "heavy") << req.body;
+  EXPECT_EQ(req.str("reason"), "packages requested") << req.body;
+  ASSERT_TRUE(req.obj().at("packages").is_array()) << req.body;
+  EXPECT_EQ(req.obj().at("packages").as_array().size(), 2u) << req.body;
+  for (const json::value& bad :
+       {json::value("-r other.txt"), json::value("numpy \\\n  >=1"), json::value(5),
+        json::value(json::array{"numpy", 7}), json::value(json::array{"--index-url x"})}) {
+    r = daemon_->Call("POST", "/run", json::object{{"code", "1"}, {"requirements", bad}});
+    EXPECT_EQ(r.status, 400) << json::serialize(bad) << ": " << r.body;
+    EXPECT_NE(r.body.find("requirements"), std::string::npos) << r.body;
+  }
 }
 
 // ---------------------------------------------------------------------------------------------

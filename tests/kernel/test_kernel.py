@@ -18,6 +18,19 @@ import pytest
 KERNEL = pathlib.Path(__file__).resolve().parents[2] / "src" / "api" / "kernel.py"
 
 
+def decode_frames(raw):
+    """kernel.py's stdout: b"O"|b"E", 8 hex digits of length, the bytes (what esbd decodes)."""
+    events, i = [], 0
+    while i < len(raw):
+        tag, n = raw[i:i + 1], int(raw[i + 1:i + 9], 16)
+        assert tag in (b"O", b"E"), raw[i:i + 20]
+        data = raw[i + 9:i + 9 + n]
+        assert len(data) == n, "a torn frame"
+        events.append(("stdout" if tag == b"O" else "stderr", data.decode()))
+        i += 9 + n
+    return events
+
+
 class Kernel:
     def __init__(self, root: pathlib.Path):
         self.dir = root / "kernel"
@@ -42,7 +55,10 @@ class Kernel:
         out, err = proc.communicate(timeout=timeout_ms / 1000 + 20)
         assert result.exists(), f"no result file; rc={proc.returncode} stderr={err!r}"
         res = json.loads(result.read_text())
-        res["stdout"], res["stderr"] = out.decode(), err.decode()
+        res["events"] = decode_frames(out)
+        res["stdout"] = "".join(d for s, d in res["events"] if s == "stdout")
+        res["stderr"] = "".join(d for s, d in res["events"] if s == "stderr")
+        res["own_stderr"] = err.decode()
         res["result_bytes"] = result.stat().st_size
         return res
 
@@ -99,6 +115,27 @@ def test_output_of_subprocesses_and_os_system_reaches_the_cell(kernel):
     for text in ("from-system\n", "from-sh\n", "raw-fd\n"):
         assert text in r["stdout"]
     assert "err-sh\n" in r["stderr"]
+
+
+@pytest.mark.parametrize("mode", ["run", "once"])
+def test_stdout_and_stderr_keep_their_order(kernel, mode):
+    r = kernel.run("import sys, os\nfor i in range(50):\n"
+                   "    sys.stderr.write('E%d\\n' % i)\n    print('O%d' % i)\n"
+                   "os.system('echo sh-out; echo sh-err >&2')\nprint('end')", mode=mode)
+    assert r["status"] == "ok", r["error"]
+    lines = [line for _, d in r["events"] for line in d.splitlines()]
+    expected = [x for i in range(50) for x in ("E%d" % i, "O%d" % i)]
+    assert lines[:100] == expected
+    # The shell's two writes race each other on two pipes, but both precede the next print.
+    assert sorted(lines[100:102]) == ["sh-err", "sh-out"] and lines[102:] == ["end"], lines
+    assert r["own_stderr"] == ""
+
+
+@pytest.mark.parametrize("mode", ["run", "once"])
+def test_subprocess_output_comes_before_what_the_cell_prints_next(kernel, mode):
+    r = kernel.run("import os\nfor i in range(30):\n    os.system('echo child%d' % i)\n"
+                   "    print('parent%d' % i)\n", mode=mode)
+    assert r["stdout"] == "".join("child%d\nparent%d\n" % (i, i) for i in range(30))
 
 
 def test_stream_objects_behave_like_files(kernel):
