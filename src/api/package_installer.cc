@@ -3,7 +3,9 @@
 #include <fcntl.h>
 #include <unistd.h>
 
-#include <regex>
+#include <chrono>
+#include <functional>
+#include <optional>
 #include <set>
 
 #include "absl/strings/str_cat.h"
@@ -19,37 +21,75 @@ namespace {
 // environment must not delete each other's), removed afterwards.
 constexpr char kWheelDirPrefix[] = "/tmp/.esb-wheels-";
 constexpr int64_t kCopyChunk = 4 << 20;
+// Sandbox output quoted in error messages at most (pip's output can be a megabyte of one line).
+constexpr size_t kMaxQuotedOutput = 4000;
 
 // Which requirements the sandbox's Python already satisfies (the image's Debian packages, an
 // earlier install). Uses pip's vendored `packaging`, so specifiers and markers are judged
-// exactly as pip would. Prints one JSON line: [{"req", "name", "installed", "ok"}].
+// exactly as pip would. Prints one JSON array with one entry per argument, in order (the
+// format packages::ParseProbeAnswer reads): {"skip": true} when the marker is false here,
+// {"installed": version-or-null, "ok": bool}, or {"error": why} for a requirement `packaging`
+// rejects — per entry, so one bad entry is reported as such instead of failing the whole probe.
+// Extras are not checked here: the host sends a requirement with extras through pip.
 constexpr std::string_view kProbe = R"PY(
 import json, sys, importlib.metadata as md
 from pip._vendor.packaging.requirements import Requirement
 out = []
 for text in sys.argv[1:]:
-    r = Requirement(text)
-    if r.marker is not None and not r.marker.evaluate():
-        out.append({"req": text, "name": r.name, "installed": None, "ok": True})
-        continue
     try:
-        v = md.version(r.name)
-    except md.PackageNotFoundError:
-        out.append({"req": text, "name": r.name, "installed": None, "ok": False})
-        continue
-    out.append({"req": text, "name": r.name, "installed": v,
-                "ok": r.specifier.contains(v, prereleases=True)})
+        r = Requirement(text)
+        # "extra" only has a value inside a distribution's own metadata; older packaging
+        # raises when it is undefined, newer treats it as "".
+        if r.marker is not None and not r.marker.evaluate({"extra": ""}):
+            out.append({"skip": True})
+            continue
+        try:
+            v = md.version(r.name)
+        except md.PackageNotFoundError:
+            out.append({"installed": None, "ok": False})
+            continue
+        try:
+            ok = bool(r.specifier.contains(v, prereleases=True))
+        except Exception:
+            ok = False  # a version packaging cannot parse: let pip decide
+        out.append({"installed": v, "ok": ok})
+    except Exception as e:
+        out.append({"error": "%s: %s" % (type(e).__name__, e)})
 print(json.dumps(out))
 )PY";
 
-std::string Tail(const std::string& text, int lines) {
+// The last `lines` lines of `text`, and at most kMaxQuotedOutput bytes of them.
+std::string Tail(std::string_view text, int lines) {
+  if (text.size() > kMaxQuotedOutput) text = text.substr(text.size() - kMaxQuotedOutput);
   size_t pos = text.size();
   for (int i = 0; i < lines && pos > 0; ++i) {
     pos = text.rfind('\n', pos - 1);
-    if (pos == std::string::npos) return text;
+    if (pos == std::string_view::npos) return std::string(text);
   }
-  return text.substr(pos + 1);
+  return std::string(text.substr(pos + 1));
 }
+
+// Sandbox-controlled text for a one-line message: printable ASCII, at most `max` bytes.
+std::string Excerpt(std::string_view text, size_t max) {
+  std::string out(text.substr(0, max));
+  for (char& c : out) {
+    if (static_cast<unsigned char>(c) < 0x20 || static_cast<unsigned char>(c) >= 0x7f) c = '?';
+  }
+  if (text.size() > max) out += "...";
+  return out;
+}
+
+// Runs `fn` when the scope ends, on every return path.
+class ScopeExit {
+ public:
+  explicit ScopeExit(std::function<void()> fn) : fn_(std::move(fn)) {}
+  ~ScopeExit() { fn_(); }
+  ScopeExit(const ScopeExit&) = delete;
+  ScopeExit& operator=(const ScopeExit&) = delete;
+
+ private:
+  std::function<void()> fn_;
+};
 
 }  // namespace
 
@@ -72,56 +112,102 @@ absl::StatusOr<json::array> PackageInstaller::Install(const std::string& tenant,
                                                       const std::vector<std::string>& requirements,
                                                       const OutputSink& progress) {
   if (absl::Status st = Validate(requirements); !st.ok()) return st;
+  std::vector<packages::Requirement> parsed;
+  for (const std::string& text : requirements) {
+    auto r = packages::ParseRequirement(text);
+    if (!r.ok()) return r.status();  // Validate said it was fine
+    parsed.push_back(std::move(*r));
+  }
   const int64_t deadline = MonotonicMs() + options_.timeout_ms;
+  // The same deadline for the host-side fetches (each also capped by the cache's http_timeout).
+  const auto fetch_deadline = packages::WheelCache::Clock::now() +
+                              std::chrono::milliseconds(options_.timeout_ms);
   auto remaining = [&]() { return std::max<int64_t>(1000, deadline - MonotonicMs()); };
+  auto out_of_time = [&]() -> absl::Status {
+    if (MonotonicMs() < deadline) return absl::OkStatus();
+    return absl::DeadlineExceededError(absl::StrCat(
+        "installing packages took longer than ", options_.timeout_ms / 1000, " s"));
+  };
   auto say = [&](std::string_view line) {
     if (progress) progress(Stream::kStderr, absl::StrCat(AbslView(line), "\n"));
   };
   std::vector<std::string> quoted;
   for (const std::string& r : requirements) quoted.push_back(ShellQuote(r));
 
-  // 1. What the sandbox already has.
+  // 1. What the sandbox already has. Everything the probe prints is the sandbox's to forge:
+  //    its entries are matched to our own requirements by position and only tell, for each,
+  //    whether pip needs to act; names, counts and requirement texts stay ours.
   ExecRequest probe;
   probe.command =
       absl::StrCat("python3 -c ", ShellQuote(kProbe), " ", absl::StrJoin(quoted, " "));
   probe.timeout = std::chrono::milliseconds(std::min<int64_t>(remaining(), 60'000));
   auto pr = manager_->Exec(tenant, env_id, probe, nullptr);
   if (!pr.ok()) return pr.status();
-  boost::system::error_code ec;
-  json::value probed = json::parse(pr->stdout_data, ec);
-  if (ec || pr->exit_code != 0 || !probed.is_array())
+  if (pr->exit_code != 0 || pr->timed_out)
     return absl::FailedPreconditionError(absl::StrCat(
         "cannot check the sandbox's installed packages (is python3-pip in the image?): ",
-        Tail(pr->stderr_data, 5)));
+        pr->timed_out ? "timed out; " : "", Tail(pr->stderr_data, 5)));
+  auto probed = packages::ParseProbeAnswer(pr->stdout_data, requirements.size());
+  if (!probed.ok())
+    return absl::FailedPreconditionError(
+        absl::StrCat(probed.status().message(), "; stderr: ", Tail(pr->stderr_data, 5)));
   json::array result;
-  std::vector<std::string> missing;
-  for (const json::value& v : probed.as_array()) {
-    if (!v.is_object()) continue;
-    const json::object& o = v.as_object();
-    const json::value* ok = o.if_contains("ok");
-    const json::value* installed = o.if_contains("installed");
-    if (ok && ok->is_bool() && ok->as_bool()) {
-      if (installed && installed->is_string())
-        result.push_back(json::object{{"name", o.at("name")},
-                                      {"version", *installed},
-                                      {"preinstalled", true}});
-    } else if (const json::value* req = o.if_contains("req"); req && req->is_string()) {
-      missing.emplace_back(req->as_string());
+  std::vector<size_t> to_fetch;  // indices into `parsed` whose distribution is missing
+  bool need_pip = false;
+  for (size_t i = 0; i < parsed.size(); ++i) {
+    const packages::ProbeEntry& e = (*probed)[i];
+    const packages::Requirement& req = parsed[i];
+    switch (e.kind) {
+      case packages::ProbeEntry::Kind::kInvalid:
+        return absl::InvalidArgumentError(absl::StrCat(
+            "packages[", i, "] '", Excerpt(req.display, 100),
+            "': the sandbox's Python rejects the requirement: ", e.error));
+      case packages::ProbeEntry::Kind::kSkip:
+        break;
+      case packages::ProbeEntry::Kind::kSatisfied:
+        result.push_back(json::object{
+            {"name", req.name}, {"version", e.installed}, {"preinstalled", true}});
+        // The base distribution is there, but its extras' dependencies may not be: pip
+        // decides, asking for what it lacks like for any dependency.
+        if (!req.extras.empty()) need_pip = true;
+        break;
+      case packages::ProbeEntry::Kind::kMissing:
+        to_fetch.push_back(i);
+        need_pip = true;
+        break;
     }
   }
-  if (missing.empty()) return result;
-  if (cache_ == nullptr)
+  if (!need_pip) return result;
+  if (cache_ == nullptr && !to_fetch.empty()) {
+    std::vector<std::string> names;
+    for (size_t i : to_fetch) names.push_back(parsed[i].display);
     return absl::FailedPreconditionError(absl::StrCat(
-        "not in the sandbox image: ", absl::StrJoin(missing, ", "),
+        "not in the sandbox image: ", absl::StrJoin(names, ", "),
         "; installing packages needs a package index, and this daemon has none configured "
         "(set packages.index_url in the esbd config)"));
+  }
 
   // 2. Fetch (host cache or index), copy into the sandbox, let pip resolve; repeat for each
   //    dependency pip reports missing.
   const std::string wheel_dir = absl::StrCat(kWheelDirPrefix, RandomHex(6));
+  bool wrote = false;  // wheel_dir may exist in the sandbox
+  ScopeExit cleanup([&] {
+    if (!wrote) return;
+    ExecRequest rm;
+    rm.command = absl::StrCat("rm -rf ", wheel_dir);
+    rm.timeout = std::chrono::milliseconds(10'000);
+    manager_->Exec(tenant, env_id, rm, nullptr).IgnoreError();
+  });
   std::set<std::string> copied;  // file names already in wheel_dir
   auto provide = [&](const packages::Requirement& req) -> absl::StatusOr<bool> {
-    auto wheel = cache_->Fetch(req);
+    if (cache_ == nullptr)
+      return absl::FailedPreconditionError(absl::StrCat(
+          "pip needs '", Excerpt(req.display, 200),
+          "', which is not in the sandbox image; installing packages needs a package index, "
+          "and this daemon has none configured (set packages.index_url in the esbd config)"));
+    if (absl::Status st = out_of_time(); !st.ok()) return st;
+    // `wheel` holds a lease on the cached file until the copy below is done.
+    auto wheel = cache_->Fetch(req, fetch_deadline);
     if (!wheel.ok()) return wheel.status();
     if (copied.count(wheel->filename)) return false;  // no progress: pip already had it
     if (!wheel->from_cache && audit_) audit_(tenant, env_id, *wheel);
@@ -135,9 +221,11 @@ absl::StatusOr<json::array> PackageInstaller::Install(const std::string& tenant,
     std::string buf(kCopyChunk, '\0');
     int64_t offset = 0;
     for (;;) {
+      if (absl::Status st = out_of_time(); !st.ok()) return st;
       ssize_t n = ::read(fd.get(), buf.data(), buf.size());
       if (n < 0) return ErrnoStatus(absl::StrCat("read cached wheel ", wheel->path));
       if (n == 0 && offset > 0) break;
+      wrote = true;
       if (absl::Status st = manager_->WriteFile(tenant, env_id, dest,
                                                 std::string_view(buf.data(), n), offset,
                                                 offset == 0);
@@ -152,33 +240,16 @@ absl::StatusOr<json::array> PackageInstaller::Install(const std::string& tenant,
                                   {"from_cache", wheel->from_cache}});
     return true;
   };
-  auto cleanup = [&]() {
-    ExecRequest rm;
-    rm.command = absl::StrCat("rm -rf ", wheel_dir);
-    rm.timeout = std::chrono::milliseconds(10'000);
-    manager_->Exec(tenant, env_id, rm, nullptr).IgnoreError();
-  };
-  absl::Status failure;
-  for (const std::string& text : missing) {
-    auto req = packages::ParseRequirement(text);
-    if (!req.ok()) return req.status();
-    if (auto st = provide(*req); !st.ok()) {
-      failure = st.status();
-      break;
-    }
+  for (size_t i : to_fetch) {
+    if (auto st = provide(parsed[i]); !st.ok()) return st.status();
   }
-  static const std::regex kMissing(R"(No matching distribution found for ([^\r\n]+))");
-  for (int round = 0; failure.ok(); ++round) {
-    if (round >= options_.max_rounds) {
-      failure = absl::ResourceExhaustedError(absl::StrCat(
-          "pip still reported missing dependencies after ", options_.max_rounds, " rounds"));
-      break;
-    }
-    if (MonotonicMs() >= deadline) {
-      failure = absl::DeadlineExceededError(absl::StrCat(
-          "installing packages took longer than ", options_.timeout_ms / 1000, " s"));
-      break;
-    }
+  for (int round = 0;; ++round) {
+    if (round >= options_.max_rounds)
+      return absl::FailedPreconditionError(absl::StrCat(
+          "pip still reported missing dependencies after ", options_.max_rounds,
+          " rounds (one dependency is fetched per round; the limit is ", options_.max_rounds,
+          ")"));
+    if (absl::Status st = out_of_time(); !st.ok()) return st;
     ExecRequest pip;
     pip.command = absl::StrCat(
         "python3 -m pip install --user --no-index --find-links ", wheel_dir,
@@ -188,41 +259,34 @@ absl::StatusOr<json::array> PackageInstaller::Install(const std::string& tenant,
     pip.timeout = std::chrono::milliseconds(remaining());
     pip.max_output_bytes = 1 << 20;
     auto r = manager_->Exec(tenant, env_id, pip, progress);
-    if (!r.ok()) {
-      failure = r.status();
-      break;
-    }
+    if (!r.ok()) return r.status();
     if (r->exit_code == 0) break;
     const std::string output = r->stdout_data + r->stderr_data;
-    std::smatch m;
-    if (r->timed_out || !std::regex_search(output, m, kMissing)) {
-      failure = absl::FailedPreconditionError(
+    // Plain string search: pip's output is the sandbox's, a megabyte on one line if it likes
+    // (std::regex recursed once per character there and overflowed the stack).
+    std::optional<std::string_view> dep =
+        r->timed_out ? std::nullopt : packages::FindMissingDistribution(output);
+    if (!dep)
+      return absl::FailedPreconditionError(
           absl::StrCat("pip install failed (exit ", r->exit_code, r->timed_out ? ", timed out" : "",
                        "):\n", Tail(output, 15)));
-      break;
-    }
-    std::string dep = m[1];
-    while (!dep.empty() && (dep.back() == ' ' || dep.back() == '.')) dep.pop_back();
-    auto req = packages::ParseRequirement(dep);
-    if (!req.ok()) {
-      failure = absl::FailedPreconditionError(
-          absl::StrCat("pip needs '", dep, "', which esbd cannot fetch: ",
-                       req.status().message()));
-      break;
-    }
+    if (dep->size() > packages::kMaxRequirementLength)
+      return absl::FailedPreconditionError(absl::StrCat(
+          "pip reported a missing dependency of ", dep->size(), " characters ('",
+          Excerpt(*dep, 100), "'); esbd fetches requirements of at most ",
+          packages::kMaxRequirementLength));
+    auto req = packages::ParseRequirement(*dep);
+    if (!req.ok())
+      return absl::FailedPreconditionError(absl::StrCat(
+          "pip needs '", Excerpt(*dep, 200), "', which esbd cannot fetch: ",
+          req.status().message()));
     auto progressed = provide(*req);
-    if (!progressed.ok()) {
-      failure = progressed.status();
-      break;
-    }
-    if (!*progressed) {
-      failure = absl::FailedPreconditionError(absl::StrCat(
-          "pip cannot satisfy '", dep, "' with the wheels the index offers:\n", Tail(output, 15)));
-      break;
-    }
+    if (!progressed.ok()) return progressed.status();
+    if (!*progressed)
+      return absl::FailedPreconditionError(
+          absl::StrCat("pip cannot satisfy '", Excerpt(*dep, 200),
+                       "' with the wheels the index offers:\n", Tail(output, 15)));
   }
-  cleanup();
-  if (!failure.ok()) return failure;
   return result;
 }
 

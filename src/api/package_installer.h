@@ -8,6 +8,11 @@
 // pip resolves dependencies: when it reports "No matching distribution found for X", X is
 // fetched the same way and pip runs again (bounded rounds). A second environment asking for
 // the same packages installs them from the host cache without touching the network.
+//
+// Everything that comes out of the sandbox (the probe's answer, pip's output) is the sandbox
+// user's to forge: it is parsed without regexes or recursion, bounded, and never widens what
+// the request asked for beyond one fetched dependency per round. A requirement with extras
+// ("pandas[excel]") always goes through pip, which fetches what the extras need.
 #pragma once
 
 #include <functional>
@@ -28,7 +33,8 @@ class PackageInstaller {
   struct Options {
     int max_packages = 32;      // requirements per request
     int max_rounds = 40;        // pip runs per install (one per missing dependency)
-    int64_t timeout_ms = 600'000;  // the whole install
+    // The whole install, host-side fetches included (each passed the remaining time).
+    int64_t timeout_ms = 600'000;
   };
   // Called for each wheel fetched over the network (the audit trail of egress).
   using FetchAudit = std::function<void(const std::string& tenant, const std::string& env_id,

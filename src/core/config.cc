@@ -74,6 +74,8 @@ absl::Status ParsePackages(const json::value& v, PackagesConfig* p) {
       st = GetInt(kv.value(), key, &p->index_ttl_s);
     } else if (kv.key() == "max_wheel_mb") {
       st = GetInt(kv.value(), key, &p->max_wheel_mb);
+    } else if (kv.key() == "max_cache_mb") {
+      st = GetInt(kv.value(), key, &p->max_cache_mb);
     } else if (kv.key() == "timeout_seconds") {
       st = GetInt(kv.value(), key, &p->timeout_s);
     } else {
@@ -81,6 +83,8 @@ absl::Status ParsePackages(const json::value& v, PackagesConfig* p) {
     }
     if (!st.ok()) return st;
   }
+  if (p->max_cache_mb < 0) return TypeError("packages.max_cache_mb", "0 (unlimited) or more");
+  if (p->max_wheel_mb < 1) return TypeError("packages.max_wheel_mb", "1 or more");
   if (!p->index_url.empty() && p->index_url.rfind("http://", 0) != 0 &&
       p->index_url.rfind("https://", 0) != 0)
     return TypeError("packages.index_url", "an http:// or https:// URL");

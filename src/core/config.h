@@ -26,6 +26,7 @@ struct PackagesConfig {
   std::string ca_file;                     // extra trusted CAs (PEM) for an https index
   int64_t index_ttl_s = 600;               // how long an index page is trusted
   int64_t max_wheel_mb = 256;
+  int64_t max_cache_mb = 10240;            // the wheel cache on disk (LRU); 0 = unlimited
   int64_t timeout_s = 600;                 // one whole install
 };
 

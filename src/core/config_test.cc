@@ -34,7 +34,7 @@ TEST(ConfigTest, LoadsKnownKeys) {
 TEST(ConfigTest, LoadsPackagesAndArtifacts) {
   DaemonConfig c;
   std::string path = TempFile(R"({"packages": {"index_url": "http://127.0.0.1:3141/simple/",
-      "allowed_hosts": ["files.example.org"], "index_ttl_seconds": 60, "max_wheel_mb": 10,
+      "allowed_hosts": ["files.example.org"], "index_ttl_seconds": 60, "max_wheel_mb": 10, "max_cache_mb": 500,
       "timeout_seconds": 30, "cache_dir": "/var/cache/wheels", "ca_file": "/etc/corp-ca.pem"},
       "artifacts": {"ttl_seconds": 120, "max_artifact_mb": 5, "max_tenant_mb": 50}})");
   ASSERT_TRUE(LoadConfigFile(path, &c).ok());
@@ -43,6 +43,7 @@ TEST(ConfigTest, LoadsPackagesAndArtifacts) {
   EXPECT_EQ(c.packages.allowed_hosts[0], "files.example.org");
   EXPECT_EQ(c.packages.index_ttl_s, 60);
   EXPECT_EQ(c.packages.max_wheel_mb, 10);
+  EXPECT_EQ(c.packages.max_cache_mb, 500);
   EXPECT_EQ(c.packages.timeout_s, 30);
   EXPECT_EQ(c.packages.cache_dir, "/var/cache/wheels");
   EXPECT_EQ(c.packages.ca_file, "/etc/corp-ca.pem");
@@ -60,6 +61,8 @@ TEST(ConfigTest, RejectsUnknownKeysWrongTypesAndWeakKeys) {
                           R"({"packages": {"index": "http://x/"}})",
                           R"({"packages": {"index_url": "ftp://x/"}})",
                           R"({"packages": {"allowed_hosts": "x"}})",
+                          R"({"packages": {"max_cache_mb": -1}})",
+                          R"({"packages": {"max_wheel_mb": 0}})",
                           R"({"artifacts": {"ttl_seconds": -1}})"}) {
     std::string path = TempFile(bad);
     absl::Status st = LoadConfigFile(path, &c);

@@ -373,7 +373,10 @@ int main(int argc, char** argv) {
     wopts.allowed_hosts = config.packages.allowed_hosts;
     wopts.index_ttl = std::chrono::seconds(config.packages.index_ttl_s);
     wopts.max_wheel_bytes = config.packages.max_wheel_mb << 20;
+    wopts.max_cache_bytes = config.packages.max_cache_mb << 20;
     wheels = std::make_unique<esb::packages::WheelCache>(wopts, &fetcher);
+    if (!wheels->init_status().ok())
+      return Fail(absl::StrCat("packages: ", wheels->init_status().message()));
     esb::LogInfo(absl::StrCat("packages: index ", config.packages.index_url, ", wheel cache ",
                               wopts.cache_dir));
   }

@@ -8,15 +8,18 @@
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/ssl.hpp>
-#include <boost/asio/steady_timer.hpp>
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
 #include <boost/beast/ssl.hpp>
 #include <cerrno>
+#include <condition_variable>
 #include <cstdio>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <optional>
+#include <system_error>
+#include <thread>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
@@ -40,14 +43,67 @@ constexpr uint32_t kMaxHeaderBytes = 64 << 10;
 #define ESB_VERSION "dev"
 #endif
 
-bool HostAllowed(const Url& u, const std::vector<std::string>& allowed) {
-  for (const auto& a : allowed) {
-    std::string entry = absl::AsciiStrToLower(a);
-    if (entry == u.host || entry == u.HostPort() || entry == absl::StrCat(u.host, ":", u.port)) {
-      return true;
-    }
+// getaddrinfo through Asio's synchronous resolver (which calls it in the calling thread).
+absl::StatusOr<std::vector<std::string>> SystemResolve(const std::string& host) {
+  asio::io_context ioc;
+  tcp::resolver resolver(ioc);
+  beast::error_code ec;
+  auto results = resolver.resolve(host, "", ec);
+  if (ec) return absl::UnavailableError(ec.message());
+  std::vector<std::string> out;
+  for (const auto& r : results) out.push_back(r.endpoint().address().to_string());
+  return out;
+}
+
+// Resolves `url`'s host to endpoints, giving up at `deadline`. IP literals need no lookup.
+// Otherwise the (uninterruptible) lookup runs on a detached thread that owns everything it
+// touches: Asio's own async_resolve would not do, as its cancel() does not stop getaddrinfo and
+// destroying the io_context joins the thread running it, i.e. waits for the lookup anyway.
+absl::StatusOr<std::vector<tcp::endpoint>> ResolveBefore(
+    const Url& url, Clock::time_point deadline,
+    const BeastHttpFetcher::HostResolver& resolver) {
+  const auto port = static_cast<unsigned short>(std::stoi(url.port));
+  beast::error_code ec;
+  asio::ip::address literal = asio::ip::make_address(url.host, ec);
+  if (!ec) return std::vector<tcp::endpoint>{tcp::endpoint(literal, port)};
+
+  struct Shared {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+    absl::StatusOr<std::vector<std::string>> addresses;
+  };
+  auto shared = std::make_shared<Shared>();
+  try {
+    std::thread([shared, resolver, host = url.host] {
+      auto addresses = resolver ? resolver(host) : SystemResolve(host);
+      std::lock_guard<std::mutex> lock(shared->mu);
+      shared->addresses = std::move(addresses);
+      shared->done = true;
+      shared->cv.notify_all();
+    }).detach();
+  } catch (const std::system_error& e) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot resolve host '", url.host, "': no thread for the lookup: ", e.what()));
   }
-  return false;
+  std::unique_lock<std::mutex> lock(shared->mu);
+  if (!shared->cv.wait_until(lock, deadline, [&] { return shared->done; })) {
+    return absl::DeadlineExceededError(absl::StrCat("timed out resolving ", url.host));
+  }
+  if (!shared->addresses.ok()) {
+    return absl::UnavailableError(absl::StrCat("cannot resolve host '", url.host,
+                                               "': ", shared->addresses.status().message()));
+  }
+  std::vector<tcp::endpoint> endpoints;
+  for (const std::string& a : *shared->addresses) {
+    asio::ip::address addr = asio::ip::make_address(a, ec);
+    if (!ec) endpoints.emplace_back(addr, port);
+  }
+  if (endpoints.empty()) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot resolve host '", url.host, "': no addresses"));
+  }
+  return endpoints;
 }
 
 // The client TLS context: system trust store plus, when given, the operator's CA bundle.
@@ -84,9 +140,12 @@ bool IssuerUnknown(long verify_result) {
          verify_result == X509_V_ERR_SELF_SIGNED_CERT_IN_CHAIN;
 }
 
-// Runs one asynchronous operation to completion on `ioc` (so the tcp_stream timeouts apply).
+// Runs one asynchronous operation to completion on `ioc` (so the tcp_stream timeouts apply),
+// but never past `deadline`: the stream timeouts should end every operation by then, and this
+// makes sure of it (an operation still pending then is reported as a timeout; the caller then
+// destroys the stream, and the io_context discards the handler without running it).
 template <class Start>
-beast::error_code RunOp(asio::io_context& ioc, Start&& start) {
+beast::error_code RunOp(asio::io_context& ioc, Clock::time_point deadline, Start&& start) {
   beast::error_code result;
   bool done = false;
   start([&](beast::error_code ec, auto&&...) {
@@ -94,8 +153,8 @@ beast::error_code RunOp(asio::io_context& ioc, Start&& start) {
     done = true;
   });
   ioc.restart();
-  ioc.run();
-  if (!done) return asio::error::operation_aborted;
+  ioc.run_until(deadline);
+  if (!done) return beast::error::timeout;
   return result;
 }
 
@@ -111,36 +170,16 @@ class Request {
  public:
   // `tls` (needed for https only) is the context from MakeTlsContext.
   Request(const Url& url, const FetchLimits& limits, Clock::time_point deadline,
-          const BodySink& sink, ssl::context* tls, const std::string& ca_file)
+          const BodySink& sink, ssl::context* tls, const std::string& ca_file,
+          const BeastHttpFetcher::HostResolver& resolver)
       : url_(url), limits_(limits), deadline_(deadline), sink_(sink), tls_(tls),
-        ca_file_(ca_file) {}
+        ca_file_(ca_file), resolver_(resolver) {}
 
   absl::StatusOr<Hop> Run() {
-    tcp::resolver resolver(ioc_);
-    tcp::resolver::results_type endpoints;
-    {
-      // The resolver has no timeout of its own: cancel it with a timer.
-      asio::steady_timer timer(ioc_);
-      timer.expires_at(std::min(deadline_, Clock::now() + limits_.connect_timeout));
-      timer.async_wait([&](beast::error_code ec) {
-        if (!ec) resolver.cancel();
-      });
-      beast::error_code ec = RunOp(ioc_, [&](auto handler) {
-        resolver.async_resolve(url_.host, url_.port,
-                               [&, handler](beast::error_code e, tcp::resolver::results_type r) {
-                                 endpoints = std::move(r);
-                                 timer.cancel();
-                                 handler(e);
-                               });
-      });
-      if (ec == asio::error::operation_aborted) {
-        return absl::DeadlineExceededError(absl::StrCat("timed out resolving ", url_.host));
-      }
-      if (ec) {
-        return absl::UnavailableError(
-            absl::StrCat("cannot resolve host '", url_.host, "': ", ec.message()));
-      }
-    }
+    auto resolved =
+        ResolveBefore(url_, std::min(deadline_, Clock::now() + limits_.connect_timeout), resolver_);
+    if (!resolved.ok()) return resolved.status();
+    const std::vector<tcp::endpoint>& endpoints = *resolved;
     if (url_.scheme == "https") {
       if (tls_ == nullptr) return absl::InternalError("https request without a TLS context");
       beast::ssl_stream<beast::tcp_stream> stream(ioc_, *tls_);
@@ -158,7 +197,7 @@ class Request {
       }
       if (auto s = Connect(beast::get_lowest_layer(stream), endpoints); !s.ok()) return s;
       if (auto s = Expire(beast::get_lowest_layer(stream), "TLS handshake"); !s.ok()) return s;
-      beast::error_code ec = RunOp(ioc_, [&](auto handler) {
+      beast::error_code ec = RunOp(ioc_, deadline_, [&](auto handler) {
         stream.async_handshake(ssl::stream_base::client, handler);
       });
       if (ec) {
@@ -174,11 +213,11 @@ class Request {
   }
 
  private:
-  absl::Status Connect(beast::tcp_stream& stream, const tcp::resolver::results_type& endpoints) {
+  absl::Status Connect(beast::tcp_stream& stream, const std::vector<tcp::endpoint>& endpoints) {
     auto remaining = deadline_ - Clock::now();
     if (remaining <= Clock::duration::zero()) return Timeout("connecting");
     stream.expires_after(std::min<Clock::duration>(remaining, limits_.connect_timeout));
-    beast::error_code ec = RunOp(ioc_, [&](auto handler) {
+    beast::error_code ec = RunOp(ioc_, deadline_, [&](auto handler) {
       stream.async_connect(endpoints, [handler](beast::error_code e, const tcp::endpoint&) {
         handler(e);
       });
@@ -236,7 +275,8 @@ class Request {
     req.set(http::field::accept_encoding, "identity");
     req.set(http::field::connection, "close");
     if (auto s = Expire(lowest, "sending the request"); !s.ok()) return s;
-    beast::error_code ec = RunOp(ioc_, [&](auto h) { http::async_write(stream, req, h); });
+    beast::error_code ec =
+        RunOp(ioc_, deadline_, [&](auto h) { http::async_write(stream, req, h); });
     if (ec) return Failure(ec, "sending the request");
 
     beast::flat_buffer buffer;
@@ -244,7 +284,8 @@ class Request {
     parser.header_limit(kMaxHeaderBytes);
     parser.body_limit(boost::none);  // counted below, for a clear error
     if (auto s = Expire(lowest, "waiting for the response"); !s.ok()) return s;
-    ec = RunOp(ioc_, [&](auto h) { http::async_read_header(stream, buffer, parser, h); });
+    ec = RunOp(ioc_, deadline_,
+               [&](auto h) { http::async_read_header(stream, buffer, parser, h); });
     if (ec) return Failure(ec, "reading the response header");
 
     Hop hop;
@@ -265,7 +306,7 @@ class Request {
       parser.get().body().data = chunk.data();
       parser.get().body().size = chunk.size();
       if (auto s = Expire(lowest, "reading the body"); !s.ok()) return s;
-      ec = RunOp(ioc_, [&](auto h) { http::async_read(stream, buffer, parser, h); });
+      ec = RunOp(ioc_, deadline_, [&](auto h) { http::async_read(stream, buffer, parser, h); });
       if (ec == http::error::need_buffer) ec = {};
       if (ec) return Failure(ec, "reading the body");
       size_t n = chunk.size() - parser.get().body().size;
@@ -292,6 +333,7 @@ class Request {
   const BodySink& sink_;
   ssl::context* tls_;
   const std::string& ca_file_;
+  const BeastHttpFetcher::HostResolver& resolver_;
 };
 
 }  // namespace
@@ -307,6 +349,9 @@ absl::Status HttpStatusError(int status, const std::string& url) {
 bool IsUnreachable(const absl::Status& status) {
   return absl::IsUnavailable(status) || absl::IsDeadlineExceeded(status);
 }
+
+BeastHttpFetcher::BeastHttpFetcher(std::string ca_file, HostResolver resolver)
+    : ca_file_(std::move(ca_file)), resolver_(std::move(resolver)) {}
 
 absl::StatusOr<HttpResult> BeastHttpFetcher::Get(const std::string& url, const FetchLimits& limits,
                                                  const BodySink& sink) {
@@ -340,7 +385,7 @@ absl::StatusOr<HttpResult> BeastHttpFetcher::Get(const std::string& url, const F
     if (u->scheme == "https") {
       if (auto s = need_tls(); !s.ok()) return s;
     }
-    Request request(*u, limits, deadline, sink, tls.get(), ca_file_);
+    Request request(*u, limits, deadline, sink, tls.get(), ca_file_, resolver_);
     auto hop = request.Run();
     if (!hop.ok()) return hop.status();
     if (hop->status >= 300 && hop->status < 400) {

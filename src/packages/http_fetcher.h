@@ -20,10 +20,12 @@ namespace esb::packages {
 struct FetchLimits {
   int64_t max_body_bytes = 16 << 20;  // more → ResourceExhausted
   std::chrono::milliseconds connect_timeout{10'000};
-  std::chrono::milliseconds timeout{120'000};  // the whole request including redirects
+  // The whole request including name resolution and redirects.
+  std::chrono::milliseconds timeout{120'000};
   int max_redirects = 5;
-  // Hosts ("example.org" or "example.org:8080") the request and its redirects may reach.
-  // Empty = only the host of the requested URL.
+  // Hosts ("example.org" or "example.org:8080") the request and its redirects may reach. Host
+  // and port must match (HostAllowed in url.h): an entry without a port means the default port
+  // of the URL's scheme. Empty = only the host and port of the requested URL.
   std::vector<std::string> allowed_hosts;
   std::string accept;  // Accept header; "" = "*/*"
 };
@@ -70,14 +72,26 @@ bool IsUnreachable(const absl::Status& status);
 // certificate" or "hostname mismatch". Deliberately not Unavailable: it is a trust or
 // configuration problem for the operator, not an outage, so callers do not quietly fall back
 // to cached data (IsUnreachable is false). Other handshake failures stay Unavailable.
+//
+// Name resolution (getaddrinfo) cannot be interrupted, so it runs on a short-lived thread of
+// its own and the request stops waiting for it at min(connect_timeout, the request's deadline):
+// a hanging DNS server costs a DeadlineExceeded in time, and the thread ends whenever the
+// resolver gives up (glibc: at most a few tens of seconds), its late answer dropped.
 class BeastHttpFetcher final : public HttpFetcher {
  public:
-  explicit BeastHttpFetcher(std::string ca_file = "") : ca_file_(std::move(ca_file)) {}
+  // Blocking host name → IP address literals ("192.0.2.1", "2001:db8::1"). The default uses
+  // getaddrinfo; tests inject a slow one. Called on a detached thread: it must not refer to
+  // anything that may be gone by the time it returns.
+  using HostResolver =
+      std::function<absl::StatusOr<std::vector<std::string>>(const std::string& host)>;
+
+  explicit BeastHttpFetcher(std::string ca_file = "", HostResolver resolver = nullptr);
   absl::StatusOr<HttpResult> Get(const std::string& url, const FetchLimits& limits,
                                  const BodySink& sink) override;
 
  private:
   std::string ca_file_;
+  HostResolver resolver_;
 };
 
 }  // namespace esb::packages

@@ -211,8 +211,77 @@ TEST_F(BeastHttpFetcherTest, RefusesInitialHostNotAllowed) {
   limits_.allowed_hosts = {"mirror.example"};
   auto r = Get("/ok");
   EXPECT_TRUE(absl::IsPermissionDenied(r.status())) << r.status();
+  // Host and port must match: a bare host means the scheme's default port (80 here), not any
+  // service on that machine.
   limits_.allowed_hosts = {"127.0.0.1"};
+  r = Get("/ok");
+  EXPECT_TRUE(absl::IsPermissionDenied(r.status())) << r.status();
+  limits_.allowed_hosts = {"127.0.0.1:" + std::to_string(server_.port() == 1 ? 2 : 1)};
+  EXPECT_TRUE(absl::IsPermissionDenied(Get("/ok").status()));
+  limits_.allowed_hosts = {"127.0.0.1:" + std::to_string(server_.port())};
   EXPECT_TRUE(Get("/ok").ok());
+  EXPECT_GT(chunks_, 0);
+}
+
+// Host names go through the resolver (IP literals do not); its addresses are used.
+TEST_F(BeastHttpFetcherTest, ResolvesNamesWithTheResolver) {
+  std::atomic<int> calls{0};
+  BeastHttpFetcher fetcher("", [&calls](const std::string& host)
+                                   -> absl::StatusOr<std::vector<std::string>> {
+    ++calls;
+    if (host == "index.test") return std::vector<std::string>{"127.0.0.1"};
+    return absl::UnavailableError("NXDOMAIN");
+  });
+  const std::string port = std::to_string(server_.port());
+  std::string body;
+  auto r = fetcher.Get("http://index.test:" + port + "/ok", limits_, [&](std::string_view c) {
+    body.append(c);
+    return absl::OkStatus();
+  });
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(body, LoopbackServer::BigBody());
+  EXPECT_EQ(calls.load(), 1);
+  limits_.allowed_hosts = {"nowhere.test:" + port};
+  r = fetcher.Get("http://nowhere.test:" + port + "/ok", limits_,
+                  [](std::string_view) { return absl::OkStatus(); });
+  EXPECT_TRUE(absl::IsUnavailable(r.status())) << r.status();
+  EXPECT_NE(std::string(r.status().message()).find("cannot resolve host 'nowhere.test'"),
+            std::string::npos)
+      << r.status();
+  limits_.allowed_hosts.clear();
+  ASSERT_TRUE(Get("/ok").ok());  // an IP literal: no lookup
+  EXPECT_EQ(calls.load(), 2);
+}
+
+// Finding: a DNS lookup that hangs was not bounded by the request's timeout (cancel() does not
+// stop getaddrinfo, and the io_context waits for it). Now the request gives up in time.
+TEST_F(BeastHttpFetcherTest, HangingDnsHonoursTheDeadline) {
+  auto release = std::make_shared<std::atomic<bool>>(false);
+  BeastHttpFetcher fetcher("", [release](const std::string&)
+                                   -> absl::StatusOr<std::vector<std::string>> {
+    for (int i = 0; i < 500 && !*release; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return std::vector<std::string>{"127.0.0.1"};
+  });
+  limits_.timeout = std::chrono::milliseconds(300);
+  limits_.allowed_hosts = {"slow.test:" + std::to_string(server_.port())};
+  auto start = std::chrono::steady_clock::now();
+  auto r = fetcher.Get("http://slow.test:" + std::to_string(server_.port()) + "/ok", limits_,
+                       [](std::string_view) { return absl::OkStatus(); });
+  auto took = std::chrono::steady_clock::now() - start;
+  EXPECT_TRUE(absl::IsDeadlineExceeded(r.status())) << r.status();
+  EXPECT_NE(std::string(r.status().message()).find("resolving slow.test"), std::string::npos);
+  EXPECT_LT(took, std::chrono::milliseconds(1500));
+  // The connect timeout bounds the lookup too.
+  limits_.timeout = std::chrono::milliseconds(10'000);
+  limits_.connect_timeout = std::chrono::milliseconds(200);
+  start = std::chrono::steady_clock::now();
+  r = fetcher.Get("http://slow.test:" + std::to_string(server_.port()) + "/ok", limits_,
+                  [](std::string_view) { return absl::OkStatus(); });
+  EXPECT_TRUE(absl::IsDeadlineExceeded(r.status())) << r.status();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(1500));
+  *release = true;  // the abandoned lookups end (their answers are dropped)
 }
 
 TEST_F(BeastHttpFetcherTest, StopsRedirectLoops) {

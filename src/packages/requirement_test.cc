@@ -2,6 +2,9 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <string>
+
 namespace esb::packages {
 namespace {
 
@@ -108,6 +111,149 @@ TEST(ParseRequirementTest, MessagesSayWhy) {
       << r.status();
   r = ParseRequirement("foo @ https://x/y");
   EXPECT_NE(std::string(r.status().message()).find("URL"), std::string::npos) << r.status();
+}
+
+// Finding: markers after ';' were not checked, so a typo reached the sandbox's `packaging`,
+// which raised, and the user read "is python3-pip in the image?".
+TEST(ParseRequirementTest, ValidatesMarkers) {
+  for (const char* good : {
+           "foo; python_version < \"3.12\"",
+           "foo;python_version<'3'",
+           "foo >= 1 ; (os_name == 'posix' and python_version >= '3.8') or extra == \"x\"",
+           "foo; 'linux' in sys_platform",
+           "foo; platform_machine not in 'arm64 aarch64'",
+           "foo; os.name == 'posix' and platform.machine != 'x86_64'",
+           "foo; python_full_version === '3.11.2'",
+           "foo; implementation_name == 'cpython' and platform_python_implementation == 'CPython'",
+           "foo; ((python_version > '3'))",
+           "tomli>=1.1.0; python_version < \"3.11\"",  // as pip prints dependencies
+       }) {
+    auto r = ParseRequirement(good);
+    EXPECT_TRUE(r.ok()) << good << ": " << r.status();
+  }
+  auto r = ParseRequirement("foo>=1 ; python_version < '3.12' ");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->marker, "python_version < '3.12'");
+  EXPECT_EQ(r->specifier, ">=1");
+
+  struct Bad {
+    const char* text;
+    const char* why;
+  };
+  for (const Bad& b : {
+           Bad{"foo; python_version <", "expected a marker variable or a quoted string"},
+           Bad{"foo; pyhton_version < '3'", "unknown marker variable 'pyhton_version'"},
+           Bad{"foo; python_version < 3.12", "strings must be quoted"},
+           Bad{"foo; python_version = '3'", "unknown operator"},
+           Bad{"foo; (python_version < '3'", "expected ')'"},
+           Bad{"foo; python_version < '3' and", "at the end"},
+           Bad{"foo; python_version < '3", "unterminated string"},
+           Bad{"foo; python_version not '3'", "expected 'in' after 'not'"},
+           Bad{"foo; python_version < '3' python_version", "expected 'and', 'or' or the end"},
+           Bad{"foo; python_version", "expected a comparison operator"},
+           Bad{"foo; python_version < '3' && os_name == 'nt'", "unexpected character"},
+           Bad{"foo; ()", "expected a marker variable"},
+       }) {
+    auto r = ParseRequirement(b.text);
+    EXPECT_TRUE(absl::IsInvalidArgument(r.status())) << b.text << ": " << r.status();
+    EXPECT_NE(std::string(r.status().message()).find(b.why), std::string::npos)
+        << b.text << ": " << r.status();
+    EXPECT_NE(std::string(r.status().message()).find("environment marker"), std::string::npos)
+        << b.text << ": " << r.status();
+  }
+  // Nesting is bounded (the parser recurses); the whole text is bounded anyway.
+  std::string deep = "foo; " + std::string(40, '(') + "os_name == 'posix'" + std::string(40, ')');
+  EXPECT_NE(std::string(ParseRequirement(deep).status().message()).find("nested too deeply"),
+            std::string::npos);
+  std::string ok_depth = "foo; " + std::string(20, '(') + "os_name == 'posix'" +
+                         std::string(20, ')');
+  EXPECT_TRUE(ParseRequirement(ok_depth).ok());
+}
+
+TEST(FindMissingDistributionTest, FindsTheRequirement) {
+  EXPECT_EQ(FindMissingDistribution("Looking in links: /tmp/x\nERROR: Could not find a version "
+                                    "that satisfies the requirement dep>=1 (from versions: none)"
+                                    "\nERROR: No matching distribution found for dep>=1\n"),
+            "dep>=1");
+  EXPECT_EQ(FindMissingDistribution("No matching distribution found for a<2,>=1.\r\nmore"),
+            "a<2,>=1");
+  EXPECT_EQ(FindMissingDistribution(
+                "ERROR: No matching distribution found for tomli>=1.1.0; python_version < "
+                "\"3.11\"  \n"),
+            "tomli>=1.1.0; python_version < \"3.11\"");
+  EXPECT_EQ(FindMissingDistribution("No matching distribution found for "), "");
+  EXPECT_EQ(FindMissingDistribution("ERROR: something else entirely\n"), std::nullopt);
+  EXPECT_EQ(FindMissingDistribution(""), std::nullopt);
+}
+
+// Finding: a std::regex over pip's output recursed per character and a 50k-character line
+// crashed the daemon. The output is the sandbox's to forge: a megabyte on one line.
+TEST(FindMissingDistributionTest, HugeLinesAreLinearAndBoundedByTheCaller) {
+  const std::string filler(1 << 20, 'x');
+  auto start = std::chrono::steady_clock::now();
+  auto found = FindMissingDistribution("No matching distribution found for " + filler);
+  ASSERT_TRUE(found.has_value());
+  EXPECT_EQ(found->size(), filler.size());
+  EXPECT_EQ(FindMissingDistribution(filler + filler), std::nullopt);
+  found = FindMissingDistribution(filler + "\nNo matching distribution found for " +
+                                  std::string(50'000, 'a') + "\n" + filler);
+  ASSERT_TRUE(found.has_value());
+  EXPECT_EQ(found->size(), 50'000u);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(2));
+  // What the installer does next: too long for a requirement, and a name over the bound.
+  EXPECT_GT(found->size(), kMaxRequirementLength);
+  auto r = ParseRequirement(std::string(kMaxProjectNameLength + 1, 'a'));
+  EXPECT_TRUE(absl::IsInvalidArgument(r.status()));
+  EXPECT_NE(std::string(r.status().message()).find("longer than 200"), std::string::npos);
+}
+
+// Finding: the probe's answer was trusted (its "req" strings became the fetch list, its
+// "name" was read with at()). Entries are now matched by position and checked.
+TEST(ParseProbeAnswerTest, ReadsEntriesByPosition) {
+  auto a = ParseProbeAnswer(
+      R"([{"skip": true}, {"installed": "1.26.4", "ok": true}, {"installed": null, "ok": false},
+          {"installed": "0.9", "ok": false}, {"error": "InvalidMarker: bad\nmarker\u0001"},
+          {"installed": "9", "ok": true, "req": "evil", "name": 7}, {"req": "surplus"}])",
+      6);
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_EQ(a->size(), 6u);  // the surplus entry is ignored
+  using K = ProbeEntry::Kind;
+  EXPECT_EQ((*a)[0].kind, K::kSkip);
+  EXPECT_EQ((*a)[1].kind, K::kSatisfied);
+  EXPECT_EQ((*a)[1].installed, "1.26.4");
+  EXPECT_EQ((*a)[2].kind, K::kMissing);
+  EXPECT_EQ((*a)[3].kind, K::kMissing);
+  EXPECT_EQ((*a)[4].kind, K::kInvalid);
+  EXPECT_EQ((*a)[4].error, "InvalidMarker: bad?marker?");
+  EXPECT_EQ((*a)[5].kind, K::kSatisfied);  // unknown keys carry no weight
+  EXPECT_TRUE(ParseProbeAnswer("[]", 0).ok());
+}
+
+TEST(ParseProbeAnswerTest, MalformedAnswersAreErrorsNotCrashes) {
+  for (const char* bad : {
+           "", "not json", "{\"req\": \"x\"}", "[]", "[1]", "[{}]", "[{\"ok\": \"yes\"}]",
+           "[{\"ok\": true}]", "[{\"ok\": true, \"installed\": null}]",
+           "[{\"ok\": true, \"installed\": 5}]", "[{\"ok\": false, \"installed\": []}]",
+           "[{\"skip\": false}]", "[{\"error\": 3}]", "[{\"ok\": true, \"installed\": \"\"}]",
+           "[{\"ok\": true, \"installed\": \"1 .0\"}]",
+           "[{\"ok\": true, \"installed\": \"1\\n0\"}]",
+       }) {
+    auto a = ParseProbeAnswer(bad, 1);
+    EXPECT_TRUE(absl::IsFailedPrecondition(a.status())) << bad << ": " << a.status();
+    EXPECT_NE(std::string(a.status().message()).find("malformed"), std::string::npos) << bad;
+  }
+  // Fewer entries than requirements: nothing is guessed.
+  auto a = ParseProbeAnswer(R"([{"installed": "1", "ok": true}])", 2);
+  EXPECT_NE(std::string(a.status().message()).find("1 entries for 2 requirements"),
+            std::string::npos)
+      << a.status();
+  // Bounded: a huge version or error text, deep nesting.
+  std::string huge = "[{\"ok\": true, \"installed\": \"" + std::string(5000, '1') + "\"}]";
+  EXPECT_FALSE(ParseProbeAnswer(huge, 1).ok());
+  a = ParseProbeAnswer("[{\"error\": \"" + std::string(100'000, 'e') + "\"}]", 1);
+  ASSERT_TRUE(a.ok());
+  EXPECT_LT((*a)[0].error.size(), 400u);
+  EXPECT_FALSE(ParseProbeAnswer(std::string(100'000, '[') + std::string(100'000, ']'), 1).ok());
 }
 
 }  // namespace

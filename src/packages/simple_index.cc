@@ -61,6 +61,11 @@ bool MakeLink(std::string_view page_url, std::string_view href, IndexLink* link)
   return true;
 }
 
+absl::Status TooManyLinks() {
+  return absl::FailedPreconditionError(
+      absl::StrCat("the project page lists more than ", kMaxLinksPerPage, " files"));
+}
+
 }  // namespace
 
 std::string DecodeHtmlEntities(std::string_view s) {
@@ -73,8 +78,11 @@ std::string DecodeHtmlEntities(std::string_view s) {
       out += s[i];
       continue;
     }
-    size_t semi = s.find(';', i);
-    if (semi == std::string_view::npos || semi - i > 10) {
+    // Look for the ';' only as far as the longest entity: searching the whole rest of `s`
+    // for each '&' would be quadratic in a long attribute full of '&'.
+    size_t semi = s.substr(i, 11).find(';');
+    if (semi != std::string_view::npos) semi += i;
+    if (semi == std::string_view::npos) {
       out += s[i];
       continue;
     }
@@ -113,6 +121,8 @@ absl::StatusOr<std::vector<IndexLink>> ParseSimpleIndexHtml(std::string_view htm
   std::vector<IndexLink> links;
   std::string lower = absl::AsciiStrToLower(std::string(html));
   size_t pos = 0;
+  // The first "</a" at or after the last position searched from (npos: there is none).
+  size_t next_close = 0;
   while (true) {
     size_t a = lower.find("<a", pos);
     if (a == std::string::npos) break;
@@ -163,10 +173,19 @@ absl::StatusOr<std::vector<IndexLink>> ParseSimpleIndexHtml(std::string_view htm
       if (!name.empty()) attrs.emplace(name, DecodeHtmlEntities(value));
     }
     if (!closed) break;
-    size_t text_end = lower.find("</a", i);
-    std::string text = DecodeHtmlEntities(
-        html.substr(i, text_end == std::string::npos ? std::string_view::npos : text_end - i));
-    pos = text_end == std::string::npos ? i : text_end;
+    // The link text ends at the next "</a". On a page of unclosed "<a>" tags, searching (and
+    // copying and decoding) the rest of the page for every tag was quadratic: 400 kB of "<a>"
+    // took minutes. So the position of the next "</a" is remembered (`i` only grows, so the
+    // searches never overlap), and a text longer than kMaxAnchorTextBytes is ignored: it is
+    // only a filename fallback.
+    if (next_close != std::string::npos && next_close < i) next_close = lower.find("</a", i);
+    std::string text;
+    if (next_close != std::string::npos && next_close - i <= kMaxAnchorTextBytes) {
+      text = DecodeHtmlEntities(html.substr(i, next_close - i));
+      pos = next_close;
+    } else {
+      pos = i;
+    }
     auto href = attrs.find("href");
     if (href == attrs.end() || href->second.empty()) continue;
     IndexLink link;
@@ -176,6 +195,7 @@ absl::StatusOr<std::vector<IndexLink>> ParseSimpleIndexHtml(std::string_view htm
     if (auto rp = attrs.find("data-requires-python"); rp != attrs.end()) {
       link.requires_python = rp->second;
     }
+    if (links.size() >= kMaxLinksPerPage) return TooManyLinks();
     links.push_back(std::move(link));
   }
   return links;
@@ -215,6 +235,7 @@ absl::StatusOr<std::vector<IndexLink>> ParseSimpleIndexJson(std::string_view jso
     if (const auto* rp = fo->if_contains("requires-python"); rp != nullptr && rp->is_string()) {
       link.requires_python = std::string(rp->get_string());
     }
+    if (links.size() >= kMaxLinksPerPage) return TooManyLinks();
     links.push_back(std::move(link));
   }
   return links;

@@ -14,6 +14,12 @@ namespace esb::packages {
 
 inline constexpr std::string_view kSimpleJsonContentType = "application/vnd.pypi.simple.v1+json";
 
+// Links per project page at most (the largest real projects have a few thousand files); more
+// is FailedPrecondition rather than unbounded memory and work.
+inline constexpr size_t kMaxLinksPerPage = 50'000;
+// A longer link text is ignored (it is only a fallback filename).
+inline constexpr size_t kMaxAnchorTextBytes = 4096;
+
 struct IndexLink {
   std::string filename;  // last path segment of the URL, percent-decoded (else the link text)
   std::string url;       // absolute, resolved against the page URL, fragment removed
@@ -26,11 +32,14 @@ struct IndexLink {
 std::string DecodeHtmlEntities(std::string_view s);
 
 // All <a href=...> links of an HTML project page. Links whose href cannot be resolved are
-// skipped. Fails only if page_url itself is not an absolute http(s) URL.
+// skipped. Fails if page_url itself is not an absolute http(s) URL (InvalidArgument) or the page
+// has more than kMaxLinksPerPage links (FailedPrecondition). Linear in the page size, whatever
+// the markup (an unclosed <a> does not make every later tag rescan the rest of the page).
 absl::StatusOr<std::vector<IndexLink>> ParseSimpleIndexHtml(std::string_view html,
                                                             std::string_view page_url);
 
-// The "files" of a PEP 691 JSON project page.
+// The "files" of a PEP 691 JSON project page. InvalidArgument when it is not such a page,
+// FailedPrecondition over kMaxLinksPerPage files.
 absl::StatusOr<std::vector<IndexLink>> ParseSimpleIndexJson(std::string_view json,
                                                             std::string_view page_url);
 

@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
+
 #include "packages/url.h"
 
 namespace esb::packages {
@@ -105,6 +107,99 @@ TEST(SimpleIndexJsonTest, ParsesFiles) {
   EXPECT_FALSE((*links)[2].yanked);
   EXPECT_FALSE(ParseSimpleIndexJson("{not json", kPage).ok());
   EXPECT_FALSE(ParseSimpleIndexJson("{\"name\":\"foo\"}", kPage).ok());
+}
+
+// Finding: a page of unclosed "<a>" tags made every tag search (and copy and decode) the rest
+// of the page for "</a": 400 kB took 117 s. Index pages are untrusted input; all of these must
+// be linear.
+TEST(SimpleIndexHtmlTest, PathologicalPagesAreFast) {
+  using Clock = std::chrono::steady_clock;
+  auto timed = [](const std::string& html, size_t* links) {
+    auto start = Clock::now();
+    auto r = ParseSimpleIndexHtml(html, kPage);
+    EXPECT_TRUE(r.ok()) << r.status();
+    *links = r.ok() ? r->size() : 0;
+    return Clock::now() - start;
+  };
+  std::string page;
+  size_t n = 0;
+  for (int i = 0; i < 400'000 / 3; ++i) page += "<a>";
+  EXPECT_LT(timed(page, &n), std::chrono::seconds(2));
+  EXPECT_EQ(n, 0u);
+  // Anchors with hrefs and never a "</a", each followed by a long text.
+  page.clear();
+  for (int i = 0; i < 5'000; ++i) {
+    page += "<a href=\"f-" + std::to_string(i) + ".whl\">" + std::string(200, 't');
+  }
+  EXPECT_LT(timed(page, &n), std::chrono::seconds(2));
+  EXPECT_EQ(n, 5'000u);
+  // An attribute of a megabyte of '&' (each used to search the rest for ';').
+  page = "<a href=\"x.whl\" title=\"" + std::string(1 << 20, '&') + "\">x</a>";
+  EXPECT_LT(timed(page, &n), std::chrono::seconds(2));
+  EXPECT_EQ(n, 1u);
+  // The link text is still found when it is there, and an unfinished one is ignored.
+  auto links = ParseSimpleIndexHtml(
+      "<a href=\"/\">foo-1.0-py3-none-any.whl</a><a href=\"/x/\">" + std::string(10'000, 'y'),
+      kPage);
+  ASSERT_TRUE(links.ok());
+  ASSERT_EQ(links->size(), 2u);
+  EXPECT_EQ((*links)[0].filename, "foo-1.0-py3-none-any.whl");
+  EXPECT_EQ((*links)[1].filename, "");
+}
+
+TEST(SimpleIndexHtmlTest, LinkCountIsCapped) {
+  std::string page;
+  for (size_t i = 0; i <= kMaxLinksPerPage; ++i) page += "<a href=\"f" + std::to_string(i) + "\">";
+  auto r = ParseSimpleIndexHtml(page, kPage);
+  EXPECT_TRUE(absl::IsFailedPrecondition(r.status())) << r.status();
+  EXPECT_NE(std::string(r.status().message()).find("more than 50000 files"), std::string::npos);
+  // Exactly at the cap is fine.
+  page.resize(page.rfind("<a"));
+  r = ParseSimpleIndexHtml(page, kPage);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->size(), kMaxLinksPerPage);
+
+  std::string json = R"({"files":[)";
+  for (size_t i = 0; i <= kMaxLinksPerPage; ++i) {
+    json += std::string(i ? "," : "") + R"({"filename":"f","url":"f)" + std::to_string(i) + "\"}";
+  }
+  json += "]}";
+  r = ParseSimpleIndexJson(json, kPage);
+  EXPECT_TRUE(absl::IsFailedPrecondition(r.status())) << r.status();
+}
+
+TEST(HtmlEntitiesTest, LongRunsOfAmpersands) {
+  EXPECT_EQ(DecodeHtmlEntities("&&amp;&" + std::string(20, 'x') + ";"),
+            "&&&" + std::string(20, 'x') + ";");
+  EXPECT_EQ(DecodeHtmlEntities("&#x10FFFF;&#1114111;"), "\xF4\x8F\xBF\xBF\xF4\x8F\xBF\xBF");
+}
+
+// Finding: an allowed host matched any port (and the wheel cache's own check too).
+TEST(HostAllowedTest, HostAndPortMustMatch) {
+  auto allowed = [](const char* url, std::vector<std::string> hosts) {
+    auto u = ParseUrl(url);
+    EXPECT_TRUE(u.ok()) << url;
+    return u.ok() && HostAllowed(*u, hosts);
+  };
+  EXPECT_TRUE(allowed("https://files.example/x", {"files.example"}));
+  EXPECT_TRUE(allowed("http://files.example/x", {"files.example"}));
+  EXPECT_TRUE(allowed("https://Files.Example:443/x", {"FILES.example"}));
+  EXPECT_FALSE(allowed("https://files.example:8443/x", {"files.example"}));
+  EXPECT_FALSE(allowed("http://files.example:443/x", {"files.example"}));
+  EXPECT_TRUE(allowed("https://files.example:8443/x", {"files.example:8443"}));
+  EXPECT_FALSE(allowed("https://files.example/x", {"files.example:8443"}));
+  EXPECT_TRUE(allowed("https://files.example/x", {"files.example:443"}));
+  EXPECT_TRUE(allowed("https://files.example/x", {"files.example:0443"}));
+  EXPECT_FALSE(allowed("https://evil.example/x", {"files.example", "mirror.example:443"}));
+  EXPECT_FALSE(allowed("https://files.example.evil/x", {"files.example"}));
+  // IPv6, with and without brackets.
+  EXPECT_TRUE(allowed("http://[::1]:8080/x", {"[::1]:8080"}));
+  EXPECT_FALSE(allowed("http://[::1]:8080/x", {"[::1]", "::1"}));
+  EXPECT_TRUE(allowed("http://[::1]/x", {"::1"}));
+  EXPECT_TRUE(allowed("http://[::1]/x", {"[::1]"}));
+  // Malformed entries match nothing.
+  EXPECT_FALSE(allowed("http://files.example/x", {"files.example:", "files.example:http",
+                                                  ":80", "[::1", "files.example:99999"}));
 }
 
 }  // namespace

@@ -163,6 +163,56 @@ absl::StatusOr<std::string> ResolveUrl(std::string_view base, std::string_view r
   return b->ToString();
 }
 
+namespace {
+
+// Splits an allowed-hosts entry into lowercase host and canonical port ("" when absent).
+bool ParseHostEntry(std::string_view entry, std::string* host, std::string* port) {
+  std::string e = absl::AsciiStrToLower(absl::StripAsciiWhitespace(AbslView(entry)));
+  std::string_view v = e;
+  std::string_view h = v, p;
+  if (v.starts_with('[')) {
+    size_t close = v.find(']');
+    if (close == std::string_view::npos) return false;
+    h = v.substr(1, close - 1);
+    std::string_view after = v.substr(close + 1);
+    if (!after.empty()) {
+      if (after.front() != ':') return false;
+      p = after.substr(1);
+      if (p.empty()) return false;
+    }
+  } else if (size_t c = v.find(':'); c != std::string_view::npos && v.find(':', c + 1) ==
+                                                                        std::string_view::npos) {
+    h = v.substr(0, c);
+    p = v.substr(c + 1);
+    if (p.empty()) return false;
+  }  // else: no colon, or several (a bare IPv6 literal): all host
+  if (h.empty()) return false;
+  *host = std::string(h);
+  port->clear();
+  if (!p.empty()) {
+    if (p.size() > 5) return false;
+    for (char c : p) {
+      if (!std::isdigit(static_cast<unsigned char>(c))) return false;
+    }
+    int n = std::stoi(std::string(p));
+    if (n <= 0 || n > 65535) return false;
+    *port = std::to_string(n);
+  }
+  return true;
+}
+
+}  // namespace
+
+bool HostAllowed(const Url& u, const std::vector<std::string>& allowed) {
+  const std::string default_port = u.scheme == "https" ? "443" : "80";
+  for (const auto& a : allowed) {
+    std::string host, port;
+    if (!ParseHostEntry(a, &host, &port)) continue;
+    if (host == u.host && (port.empty() ? default_port : port) == u.port) return true;
+  }
+  return false;
+}
+
 std::string PercentDecode(std::string_view s) {
   std::string out;
   out.reserve(s.size());

@@ -3,6 +3,7 @@
 
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "absl/status/statusor.h"
 
@@ -30,5 +31,13 @@ absl::StatusOr<std::string> ResolveUrl(std::string_view base, std::string_view r
 
 // Decodes %XX escapes (invalid escapes are kept as they are).
 std::string PercentDecode(std::string_view s);
+
+// True when `u` is one of `allowed`: entries are "host", "host:port", "[v6]" or "[v6]:port"
+// (a bare IPv6 literal without brackets is a host without port), case-insensitive. Host AND
+// port must match: an entry without a port stands for the default port of u's scheme, so
+// "mirror.example" admits https://mirror.example/ and http://mirror.example/ but not
+// http://mirror.example:8080/ (another service on the same machine). Malformed entries match
+// nothing.
+bool HostAllowed(const Url& u, const std::vector<std::string>& allowed);
 
 }  // namespace esb::packages

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <openssl/evp.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -78,6 +79,18 @@ std::vector<const T*> Satisfying(const std::map<Version, T>& by_version, const S
   return out;
 }
 
+// PEP 592: a yanked release may still be chosen when the specifier pins that very version
+// (a non-wildcard "==" or "===") and no release that is not yanked matches.
+bool PinsOneVersion(const Specifier& spec) {
+  for (const auto& c : spec.clauses()) {
+    if (c.op == "===" || (c.op == "==" && !c.wildcard)) return true;
+  }
+  return false;
+}
+
+// Marks a cached wheel as just used, for the least-recently-used quota eviction.
+void Touch(const std::string& path) { utimensat(AT_FDCWD, path.c_str(), nullptr, 0); }
+
 std::string Describe(const Requirement& req) {
   return req.specifier.empty() ? req.name : absl::StrCat(req.name, " ", req.specifier);
 }
@@ -147,15 +160,224 @@ WheelCache::WheelCache(Options options, HttpFetcher* fetcher)
   if (!options_.index_url.empty() && !options_.index_url.ends_with('/')) {
     options_.index_url += '/';
   }
+  // Paths are compared as strings (key locks, leases): one spelling of the root.
+  while (options_.cache_dir.size() > 1 && options_.cache_dir.ends_with('/')) {
+    options_.cache_dir.pop_back();
+  }
   auto u = ParseUrl(options_.index_url);
   if (!u.ok()) {
     init_status_ = absl::InvalidArgumentError(
         absl::StrCat("package index URL: ", u.status().message()));
   } else {
-    index_host_ = u->HostPort();
+    // With its port always: the index's own entry admits exactly the index's host and port.
+    std::string host = u->host.find(':') != std::string::npos ? "[" + u->host + "]" : u->host;
+    index_host_ = absl::StrCat(host, ":", u->port);
+    index_https_ = u->scheme == "https";
   }
   if (options_.cache_dir.empty()) {
     init_status_ = absl::InvalidArgumentError("package cache directory is not set");
+  }
+  if (init_status_.ok()) SweepPartialDownloads();
+}
+
+WheelCache::KeyGuard& WheelCache::KeyGuard::operator=(KeyGuard&& o) noexcept {
+  if (this != &o) {
+    Release();
+    cache_ = o.cache_;
+    it_ = o.it_;
+    o.cache_ = nullptr;
+  }
+  return *this;
+}
+
+void WheelCache::KeyGuard::Release() {
+  if (cache_ == nullptr) return;
+  it_->second->mu.unlock();
+  std::lock_guard<std::mutex> lock(cache_->mu_);
+  if (--it_->second->users == 0) cache_->key_locks_.erase(it_);
+  cache_ = nullptr;
+}
+
+absl::StatusOr<WheelCache::KeyGuard> WheelCache::LockKey(const std::string& key,
+                                                         Clock::time_point deadline,
+                                                         std::string_view what) {
+  std::map<std::string, std::unique_ptr<KeyLock>>::iterator it;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    it = key_locks_.try_emplace(key).first;
+    if (!it->second) it->second = std::make_unique<KeyLock>();
+    ++it->second->users;  // from now on the entry stays until we give it up
+  }
+  bool locked = true;
+  if (deadline == Clock::time_point::max()) {
+    it->second->mu.lock();
+  } else {
+    locked = it->second->mu.try_lock_until(deadline);
+  }
+  if (!locked) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (--it->second->users == 0) key_locks_.erase(it);
+    return absl::DeadlineExceededError(absl::StrCat("timed out waiting for ", AbslView(what)));
+  }
+  KeyGuard guard;
+  guard.cache_ = this;
+  guard.it_ = it;
+  return guard;
+}
+
+bool WheelCache::TryLockKey(const std::string& key, KeyGuard* guard) {
+  std::map<std::string, std::unique_ptr<KeyLock>>::iterator it;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    it = key_locks_.try_emplace(key).first;
+    if (!it->second) it->second = std::make_unique<KeyLock>();
+    ++it->second->users;
+  }
+  if (!it->second->mu.try_lock()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (--it->second->users == 0) key_locks_.erase(it);
+    return false;
+  }
+  guard->Release();
+  guard->cache_ = this;
+  guard->it_ = it;
+  return true;
+}
+
+std::shared_ptr<const void> WheelCache::Lease(const std::string& path) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++leases_[path];
+  }
+  return std::shared_ptr<const void>(nullptr, [this, path](const void*) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = leases_.find(path);
+    if (it != leases_.end() && --it->second == 0) leases_.erase(it);
+  });
+}
+
+WheelCache::Stats WheelCache::GetStats() {
+  std::lock_guard<std::mutex> lock(mu_);
+  Stats s;
+  s.pages_in_memory = pages_.size();
+  s.key_locks = key_locks_.size();
+  s.leased_wheels = leases_.size();
+  return s;
+}
+
+absl::StatusOr<FetchLimits> WheelCache::Limits(int64_t max_body_bytes, Clock::time_point deadline,
+                                               std::string_view what) const {
+  FetchLimits limits;
+  limits.max_body_bytes = max_body_bytes;
+  limits.timeout = options_.http_timeout;
+  limits.connect_timeout = options_.connect_timeout;
+  if (deadline != Clock::time_point::max()) {
+    auto remaining =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    if (remaining <= std::chrono::milliseconds::zero()) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("out of time before fetching ", AbslView(what)));
+    }
+    limits.timeout = std::min(limits.timeout, remaining);
+    limits.connect_timeout = std::min(limits.connect_timeout, remaining);
+  }
+  limits.allowed_hosts = AllowedHosts();
+  return limits;
+}
+
+void WheelCache::RememberPage(const std::string& name, const Page& page) {
+  if (options_.max_pages_in_memory == 0) return;
+  // Expired pages are of no use (they are refetched, or read back from disk); then, at the cap,
+  // the oldest goes. Linear, over at most max_pages_in_memory entries.
+  const int64_t now = Now();
+  const int64_t ttl_ms = static_cast<int64_t>(options_.index_ttl.count()) * 1000;
+  for (auto it = pages_.begin(); it != pages_.end();) {
+    int64_t age = now - it->second.fetched_ms;
+    if (it->first != name && (age < 0 || age >= ttl_ms)) {
+      it = pages_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  if (!pages_.count(name) && pages_.size() >= options_.max_pages_in_memory) {
+    auto oldest = std::min_element(pages_.begin(), pages_.end(), [](const auto& a, const auto& b) {
+      return a.second.fetched_ms < b.second.fetched_ms;
+    });
+    pages_.erase(oldest);
+  }
+  pages_[name] = page;
+}
+
+void WheelCache::SweepPartialDownloads() {
+  // A download writes its .part file continuously and ends within http_timeout; one that is
+  // much older belongs to a process that died (a crash, a kill -9) and would stay forever.
+  const auto max_age = std::max<std::chrono::seconds>(2 * options_.http_timeout,
+                                                      std::chrono::hours(1));
+  const auto cutoff = fs::file_time_type::clock::now() - max_age;
+  int removed = 0;
+  std::error_code ec;
+  for (fs::recursive_directory_iterator it(options_.cache_dir + "/wheels", ec), end;
+       !ec && it != end; it.increment(ec)) {
+    if (it.depth() >= 3) it.disable_recursion_pending();  // <tag>/<name>/<version>/<file>
+    std::error_code fec;
+    std::string fn = it->path().filename().string();
+    if (!fn.starts_with('.') || fn.find(".part-") == std::string::npos) continue;
+    if (!it->is_regular_file(fec) || fec) continue;
+    auto mtime = it->last_write_time(fec);
+    if (fec || mtime >= cutoff) continue;
+    if (fs::remove(it->path(), fec)) ++removed;
+  }
+  if (removed > 0) {
+    LogInfo(absl::StrCat("wheel cache: removed ", removed, " stale partial download(s)"));
+  }
+}
+
+void WheelCache::EvictOverQuota() {
+  if (options_.max_cache_bytes <= 0) return;
+  std::lock_guard<std::mutex> evicting(evict_mu_);
+  struct Entry {
+    std::string path;
+    int64_t size;
+    fs::file_time_type mtime;
+  };
+  std::vector<Entry> entries;
+  int64_t total = 0;
+  std::error_code ec;
+  for (fs::recursive_directory_iterator it(options_.cache_dir + "/wheels", ec), end;
+       !ec && it != end; it.increment(ec)) {
+    if (it.depth() >= 3) it.disable_recursion_pending();
+    std::error_code fec;
+    std::string fn = it->path().filename().string();
+    if (fn.starts_with('.') || !fn.ends_with(".whl")) continue;  // partial downloads
+    if (!it->is_regular_file(fec) || fec) continue;
+    Entry e{it->path().string(), static_cast<int64_t>(it->file_size(fec)),
+            it->last_write_time(fec)};
+    if (fec) continue;
+    total += e.size;
+    entries.push_back(std::move(e));
+  }
+  if (total <= options_.max_cache_bytes) return;
+  std::sort(entries.begin(), entries.end(),
+            [](const Entry& a, const Entry& b) { return a.mtime < b.mtime; });
+  for (const Entry& e : entries) {
+    if (total <= options_.max_cache_bytes) break;
+    // Holding the file's key lock: nobody is between finding the file and leasing it.
+    KeyGuard guard;
+    if (!TryLockKey("file:" + e.path, &guard)) continue;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (leases_.count(e.path)) continue;  // being handed out right now
+    }
+    std::error_code rec;
+    if (fs::remove(e.path, rec)) {
+      total -= e.size;
+      LogInfo(absl::StrCat("wheel cache over ", options_.max_cache_bytes, " bytes: evicted ",
+                           e.path));
+    }
+  }
+  if (total > options_.max_cache_bytes) {
+    LogWarn(absl::StrCat("wheel cache holds ", total, " bytes, over its limit of ",
+                         options_.max_cache_bytes, ": the rest is in use"));
   }
 }
 
@@ -171,14 +393,7 @@ std::vector<std::string> WheelCache::AllowedHosts() const {
   return hosts;
 }
 
-std::shared_ptr<std::mutex> WheelCache::KeyLock(const std::string& key) {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto& m = key_locks_[key];
-  if (!m) m = std::make_shared<std::mutex>();
-  return m;
-}
-
-absl::StatusOr<Wheel> WheelCache::Fetch(const Requirement& req) {
+absl::StatusOr<Wheel> WheelCache::Fetch(const Requirement& req, Clock::time_point deadline) {
   if (!init_status_.ok()) return init_status_;
   if (!ValidProjectName(req.name)) {
     return absl::InvalidArgumentError(
@@ -189,17 +404,23 @@ absl::StatusOr<Wheel> WheelCache::Fetch(const Requirement& req) {
     return absl::InvalidArgumentError(
         absl::StrCat("package '", req.name, "': ", spec.status().message()));
   }
-  auto page = GetPage(req.name);
+  auto page = GetPage(req.name, deadline);
   if (!page.ok()) {
-    if (IsUnreachable(page.status())) return Offline(req, *spec, page.status());
+    // The caller's time running out is not the index being unreachable: no fallback then.
+    if (IsUnreachable(page.status()) && Clock::now() < deadline) {
+      return Offline(req, *spec, page.status(), deadline);
+    }
     return page.status();
   }
   auto choice = Choose(req, *spec, page->links);
   if (!choice.ok()) return choice.status();
-  return Materialize(req, *choice);
+  auto wheel = Materialize(req, *choice, deadline);
+  if (wheel.ok() && !wheel->from_cache) EvictOverQuota();
+  return wheel;
 }
 
-absl::StatusOr<WheelCache::Page> WheelCache::GetPage(const std::string& name) {
+absl::StatusOr<WheelCache::Page> WheelCache::GetPage(const std::string& name,
+                                                     Clock::time_point deadline) {
   const std::string url = options_.index_url + name + "/";
   const int64_t ttl_ms = static_cast<int64_t>(options_.index_ttl.count()) * 1000;
   auto fresh = [&](const Page& p) {
@@ -207,8 +428,9 @@ absl::StatusOr<WheelCache::Page> WheelCache::GetPage(const std::string& name) {
     return p.url == url && age >= 0 && age < ttl_ms;
   };
   // One request per project at a time: concurrent callers wait and then find it cached.
-  auto key_lock = KeyLock("page:" + name);
-  std::lock_guard<std::mutex> key_guard(*key_lock);
+  auto key_guard = LockKey("page:" + name, deadline,
+                           absl::StrCat("another fetch of the index page of package '", name, "'"));
+  if (!key_guard.ok()) return key_guard.status();
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = pages_.find(name);
@@ -220,10 +442,10 @@ absl::StatusOr<WheelCache::Page> WheelCache::GetPage(const std::string& name) {
   if (ReadFileToString(disk_path, &text).ok() &&
       PageFromJson(text, &page.fetched_ms, &page.url, &page.links) && fresh(page)) {
     std::lock_guard<std::mutex> lock(mu_);
-    pages_[name] = page;
+    RememberPage(name, page);
     return page;
   }
-  auto downloaded = DownloadPage(name, url);
+  auto downloaded = DownloadPage(name, url, deadline);
   if (!downloaded.ok()) return downloaded.status();
   std::error_code ec;
   fs::create_directories(options_.cache_dir + "/index", ec);
@@ -233,20 +455,19 @@ absl::StatusOr<WheelCache::Page> WheelCache::GetPage(const std::string& name) {
                                                               downloaded->links)));
   if (!written.ok()) LogWarn(absl::StrCat("cannot persist index page: ", written.message()));
   std::lock_guard<std::mutex> lock(mu_);
-  pages_[name] = *downloaded;
+  RememberPage(name, *downloaded);
   return downloaded;
 }
 
 absl::StatusOr<WheelCache::Page> WheelCache::DownloadPage(const std::string& name,
-                                                          const std::string& url) {
-  FetchLimits limits;
-  limits.max_body_bytes = options_.max_page_bytes;
-  limits.timeout = options_.http_timeout;
-  limits.connect_timeout = options_.connect_timeout;
-  limits.allowed_hosts = AllowedHosts();
-  limits.accept = kAcceptIndex;
+                                                          const std::string& url,
+                                                          Clock::time_point deadline) {
+  auto limits = Limits(options_.max_page_bytes, deadline,
+                       absl::StrCat("the index page of package '", name, "'"));
+  if (!limits.ok()) return limits.status();
+  limits->accept = kAcceptIndex;
   std::string body;
-  auto result = fetcher_->Get(url, limits, [&](std::string_view chunk) {
+  auto result = fetcher_->Get(url, *limits, [&](std::string_view chunk) {
     body.append(chunk);
     return absl::OkStatus();
   });
@@ -254,6 +475,13 @@ absl::StatusOr<WheelCache::Page> WheelCache::DownloadPage(const std::string& nam
     if (absl::IsNotFound(result.status())) {
       return absl::NotFoundError(
           absl::StrCat("package '", name, "' not found on ", options_.index_url));
+    }
+    if (absl::IsResourceExhausted(result.status())) {
+      // Permanent (until the operator raises the cap): not a reason to retry later.
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the index page of package '", name, "' on ", options_.index_url,
+          " is larger than the limit of ", options_.max_page_bytes, " bytes: ",
+          result.status().message()));
     }
     return absl::Status(result.status().code(),
                         absl::StrCat("cannot fetch the index page of package '", name, "' from ",
@@ -267,9 +495,13 @@ absl::StatusOr<WheelCache::Page> WheelCache::DownloadPage(const std::string& nam
                    ? ParseSimpleIndexJson(body, base)
                    : ParseSimpleIndexHtml(body, base);
   if (!links.ok()) {
-    return absl::Status(links.status().code(),
-                        absl::StrCat("bad index page of package '", name, "' from ",
-                                     options_.index_url, ": ", links.status().message()));
+    // A page that does not parse is the index's fault (Unavailable: the client did nothing
+    // wrong, and a cached wheel may still serve); too many links is a permanent condition.
+    absl::StatusCode code = absl::IsFailedPrecondition(links.status())
+                                ? absl::StatusCode::kFailedPrecondition
+                                : absl::StatusCode::kUnavailable;
+    return absl::Status(code, absl::StrCat("bad index page of package '", name, "' from ",
+                                           options_.index_url, ": ", links.status().message()));
   }
   page.links = std::move(*links);
   return page;
@@ -280,6 +512,7 @@ absl::StatusOr<WheelCache::Choice> WheelCache::Choose(const Requirement& req,
                                                       const std::vector<IndexLink>& links) {
   const Target& t = options_.target;
   std::map<Version, std::vector<Choice>> usable;  // compatible, not yanked, python admitted
+  std::map<Version, std::vector<Choice>> yanked;  // compatible, python admitted, but yanked
   std::map<Version, std::vector<std::string>> all;  // every file of the project, for messages
   bool any_wheel = false, any_sdist = false;
   for (const auto& link : links) {
@@ -288,10 +521,8 @@ absl::StatusOr<WheelCache::Choice> WheelCache::Choose(const Requirement& req,
       if (w->name != req.name) continue;
       any_wheel = true;
       all[w->version].push_back(link.filename);
-      if (link.yanked || !PythonAdmitted(link.requires_python, t) || WheelScore(*w, t) < 0) {
-        continue;
-      }
-      usable[w->version].push_back(Choice{link, *w});
+      if (!PythonAdmitted(link.requires_python, t) || WheelScore(*w, t) < 0) continue;
+      (link.yanked ? yanked : usable)[w->version].push_back(Choice{link, *w});
       continue;
     }
     std::string sv = SdistVersion(link.filename, req.name);
@@ -312,6 +543,13 @@ absl::StatusOr<WheelCache::Choice> WheelCache::Choose(const Requirement& req,
         absl::StrCat("package '", req.name, "' has no files on ", where));
   }
   std::vector<const std::vector<Choice>*> matching = Satisfying(usable, spec);
+  if (matching.empty() && PinsOneVersion(spec)) {
+    matching = Satisfying(yanked, spec);
+    if (!matching.empty()) {
+      LogWarn(absl::StrCat("package '", Describe(req), "': only a yanked release matches; using "
+                           "it, as the version is pinned (PEP 592)"));
+    }
+  }
   if (matching.empty()) {
     std::vector<const std::vector<std::string>*> files = Satisfying(all, spec);
     if (!files.empty()) {
@@ -350,7 +588,8 @@ absl::StatusOr<WheelCache::Choice> WheelCache::Choose(const Requirement& req,
   return *best;
 }
 
-absl::StatusOr<Wheel> WheelCache::Materialize(const Requirement& req, const Choice& choice) {
+absl::StatusOr<Wheel> WheelCache::Materialize(const Requirement& req, const Choice& choice,
+                                              Clock::time_point deadline) {
   const std::string dir = absl::StrCat(WheelDir(req.name), "/", choice.wheel.version.ToString());
   const std::string path = dir + "/" + choice.link.filename;
   Wheel w;
@@ -359,8 +598,9 @@ absl::StatusOr<Wheel> WheelCache::Materialize(const Requirement& req, const Choi
   w.filename = choice.link.filename;
   w.path = path;
 
-  auto key_lock = KeyLock("file:" + path);
-  std::lock_guard<std::mutex> key_guard(*key_lock);
+  auto key_guard = LockKey("file:" + path, deadline,
+                           absl::StrCat("another download of ", choice.link.filename));
+  if (!key_guard.ok()) return key_guard.status();
   std::error_code ec;
   if (fs::is_regular_file(path, ec)) {
     auto sha = Sha256File(path);
@@ -368,6 +608,8 @@ absl::StatusOr<Wheel> WheelCache::Materialize(const Requirement& req, const Choi
       w.sha256 = *sha;
       w.size = static_cast<int64_t>(fs::file_size(path, ec));
       w.from_cache = true;
+      w.lease = Lease(path);  // under the key lock: eviction cannot slip in between
+      Touch(path);
       return w;
     }
     LogWarn(absl::StrCat("cached wheel ", path, " does not match the index sha256; refetching"));
@@ -375,24 +617,37 @@ absl::StatusOr<Wheel> WheelCache::Materialize(const Requirement& req, const Choi
   }
   fs::create_directories(dir, ec);
   if (ec) return ErrnoStatus("cannot create the wheel cache directory " + dir, ec.value());
-  if (auto s = Download(req, choice, path, &w.sha256, &w.size); !s.ok()) return s;
+  if (auto s = Download(req, choice, path, deadline, &w.sha256, &w.size); !s.ok()) return s;
+  w.lease = Lease(path);
   return w;
 }
 
 absl::Status WheelCache::Download(const Requirement& req, const Choice& choice,
-                                  const std::string& path, std::string* sha256, int64_t* size) {
+                                  const std::string& path, Clock::time_point deadline,
+                                  std::string* sha256, int64_t* size) {
   const IndexLink& link = choice.link;
   const std::string ctx = absl::StrCat("package '", req.name, "' file ", link.filename, " from ",
                                        options_.index_url);
   auto url = ParseUrl(link.url);
-  if (!url.ok()) return absl::InvalidArgumentError(ctx + ": " + std::string(url.status().message()));
+  if (!url.ok()) {
+    return absl::UnavailableError(
+        absl::StrCat(ctx, ": the index links an invalid URL: ", url.status().message()));
+  }
   std::vector<std::string> allowed = AllowedHosts();
-  if (std::find(allowed.begin(), allowed.end(), url->HostPort()) == allowed.end() &&
-      std::find(allowed.begin(), allowed.end(), url->host) == allowed.end()) {
+  if (!HostAllowed(*url, allowed)) {
     return absl::PermissionDeniedError(absl::StrCat(ctx, ": host '", url->HostPort(),
                                                     "' is not allowed (allowed: ",
                                                     absl::StrJoin(allowed, ", "), ")"));
   }
+  // SECURITY: an https index vouches for its pages, not for a plain-http download anyone on
+  // the path can replace, unless the page pins the file's content by hash.
+  if (index_https_ && url->scheme != "https" && link.sha256.empty()) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        ctx, ": refusing to download ", url->ToString(),
+        " over plain http: the index is https and its link carries no sha256 hash"));
+  }
+  auto limits = Limits(options_.max_wheel_bytes, deadline, ctx);
+  if (!limits.ok()) return limits.status();
   const std::string tmp = absl::StrCat(path.substr(0, path.rfind('/') + 1), ".",
                                        link.filename, ".part-", RandomHex(6));
   // SECURITY: O_EXCL on a random name in our own cache dir; never follows a planted symlink.
@@ -401,23 +656,27 @@ absl::Status WheelCache::Download(const Requirement& req, const Choice& choice,
   Sha256 sha;
   int64_t written = 0;
   std::string head;
-  FetchLimits limits;
-  limits.max_body_bytes = options_.max_wheel_bytes;
-  limits.timeout = options_.http_timeout;
-  limits.connect_timeout = options_.connect_timeout;
-  limits.allowed_hosts = allowed;
-  auto result = fetcher_->Get(link.url, limits, [&](std::string_view chunk) -> absl::Status {
+  bool sink_failed = false;
+  auto too_large = [&](absl::string_view detail) {
+    // Permanent for this wheel (until the operator raises the cap): FailedPrecondition.
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the wheel is larger than the limit of ", options_.max_wheel_bytes, " bytes", detail));
+  };
+  auto result = fetcher_->Get(link.url, *limits, [&](std::string_view chunk) -> absl::Status {
     written += static_cast<int64_t>(chunk.size());
     if (written > options_.max_wheel_bytes) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("larger than the limit of ", options_.max_wheel_bytes, " bytes"));
+      sink_failed = true;
+      return too_large("");
     }
     if (head.size() < 4) head.append(chunk.substr(0, 4 - head.size()));
     sha.Update(chunk);
     while (!chunk.empty()) {
       ssize_t n = write(fd.get(), chunk.data(), chunk.size());
       if (n < 0 && errno == EINTR) continue;
-      if (n < 0) return ErrnoStatus("write " + tmp);
+      if (n < 0) {
+        sink_failed = true;
+        return ErrnoStatus("write " + tmp);
+      }
       chunk.remove_prefix(static_cast<size_t>(n));
     }
     return absl::OkStatus();
@@ -426,14 +685,23 @@ absl::Status WheelCache::Download(const Requirement& req, const Choice& choice,
     unlink(tmp.c_str());
     return absl::Status(s.code(), absl::StrCat(ctx, ": ", s.message()));
   };
-  if (!result.ok()) return fail(result.status());
+  if (!result.ok()) {
+    // The fetcher's own size cap (a Content-Length over the limit) is ResourceExhausted.
+    if (!sink_failed && absl::IsResourceExhausted(result.status())) {
+      return fail(too_large(absl::StrCat(" (", result.status().message(), ")")));
+    }
+    return fail(result.status());
+  }
+  // A corrupt file is the index's fault, not the client's and not ours: Unavailable.
   std::string digest = sha.HexDigest();
   if (!link.sha256.empty() && digest != link.sha256) {
-    return fail(absl::DataLossError(
-        absl::StrCat("sha256 mismatch: the index says ", link.sha256, ", the download is ", digest)));
+    return fail(absl::UnavailableError(
+        absl::StrCat("the index served a corrupt file: sha256 mismatch: the index says ",
+                     link.sha256, ", the download is ", digest)));
   }
   if (head != std::string_view("PK\x03\x04", 4)) {
-    return fail(absl::DataLossError("the download is not a zip file (no PK header)"));
+    return fail(absl::UnavailableError(
+        "the index served a corrupt file: not a zip file (no PK header)"));
   }
   if (fsync(fd.get()) != 0) return fail(ErrnoStatus("fsync " + tmp));
   fd.reset();
@@ -471,7 +739,7 @@ std::vector<Wheel> WheelCache::CachedWheels(const std::string& name) {
 }
 
 absl::StatusOr<Wheel> WheelCache::Offline(const Requirement& req, const Specifier& spec,
-                                          const absl::Status& why) {
+                                          const absl::Status& why, Clock::time_point deadline) {
   std::map<Version, std::vector<std::pair<Wheel, int>>> by_version;
   for (auto& w : CachedWheels(req.name)) {
     auto name = ParseWheelFilename(w.filename);
@@ -488,10 +756,15 @@ absl::StatusOr<Wheel> WheelCache::Offline(const Requirement& req, const Specifie
   auto best = std::max_element(candidates.begin(), candidates.end(),
                                [](const auto& a, const auto& b) { return a.second < b.second; });
   Wheel w = best->first;
+  auto key_guard =
+      LockKey("file:" + w.path, deadline, absl::StrCat("another use of ", w.filename));
+  if (!key_guard.ok()) return key_guard.status();
   auto sha = Sha256File(w.path);
-  if (!sha.ok()) return sha.status();
+  if (!sha.ok()) return sha.status();  // e.g. evicted meanwhile
   w.sha256 = *sha;
   w.offline = true;
+  w.lease = Lease(w.path);
+  Touch(w.path);
   LogWarn(absl::StrCat("package index unreachable (", why.message(), "); using cached ",
                        w.filename));
   return w;

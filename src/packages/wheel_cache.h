@@ -8,6 +8,12 @@
 // Layout under cache_dir:
 //   index/<name>.json                          the project page as parsed, with its fetch time
 //   wheels/<cp311>/<name>/<version>/<file>.whl  verified wheels (sha256, zip magic, size cap)
+//   wheels/.../.<file>.whl.part-<random>        a download in progress (swept when stale)
+//
+// Status classes, as the HTTP API maps them: the client's doing or a permanent condition →
+// FailedPrecondition / NotFound / PermissionDenied / InvalidArgument (4xx); the index's fault
+// (unreachable, a broken page, a corrupt file) → Unavailable (503); the install's own time
+// running out → DeadlineExceeded.
 #pragma once
 
 #include <chrono>
@@ -37,18 +43,31 @@ struct Wheel {
   int64_t size = 0;
   bool from_cache = false;  // no wheel download happened
   bool offline = false;     // the index was unreachable; chosen from the cache
+  // While any copy of this Wheel (from Fetch) lives, quota eviction leaves `path` alone: hold
+  // it until the file has been read. Must not outlive the WheelCache.
+  std::shared_ptr<const void> lease;
 };
 
 class WheelCache {
  public:
+  using Clock = std::chrono::steady_clock;
+
   struct Options {
     std::string cache_dir;
     std::string index_url;  // e.g. "https://mirror.example/simple" ('/' appended if missing)
-    // Extra hosts wheel files may come from (the index's host is always allowed).
+    // Extra hosts wheel files may come from: "host" (the scheme's default port) or "host:port".
+    // The index's host and port are always allowed.
     std::vector<std::string> allowed_hosts;
     Target target;
     int64_t max_wheel_bytes = 256 << 20;
     int64_t max_page_bytes = 16 << 20;
+    // Total size of the cached wheels; above it, the least recently used wheels (by file
+    // modification time, refreshed whenever a wheel is handed out) are deleted after each
+    // download, except wheels currently leased (Wheel::lease). 0 = unlimited.
+    int64_t max_cache_bytes = 0;
+    // Parsed project pages kept in memory (each can hold thousands of links); expired pages
+    // are dropped first, then the oldest. Pages also persist on disk under index/.
+    size_t max_pages_in_memory = 256;
     std::chrono::seconds index_ttl{600};
     std::chrono::seconds http_timeout{120};
     std::chrono::seconds connect_timeout{10};
@@ -56,17 +75,32 @@ class WheelCache {
     std::function<int64_t()> now_ms;
   };
 
-  // `fetcher` is not owned and must outlive the cache.
+  // `fetcher` is not owned and must outlive the cache. Deletes partial downloads (.part-*)
+  // older than max(2 × http_timeout, 1 h) left under cache_dir by an earlier process.
   WheelCache(Options options, HttpFetcher* fetcher);
 
   // Finds the best wheel for `req` on the index and makes sure it is in the cache. Thread-safe;
-  // concurrent calls for the same project page or file make one request.
-  absl::StatusOr<Wheel> Fetch(const Requirement& req);
+  // concurrent calls for the same project page or file make one request. Every request and
+  // every wait for a concurrent one ends by `deadline` (the caller's overall time; each request
+  // gets at most http_timeout anyway): past it → DeadlineExceeded, without the offline fallback.
+  absl::StatusOr<Wheel> Fetch(const Requirement& req,
+                              Clock::time_point deadline = Clock::time_point::max());
 
   // Wheels for `name` (normalised) in the cache for the target interpreter, any version.
   std::vector<Wheel> CachedWheels(const std::string& name);
 
+  // What the cache holds in memory (for tests and metrics).
+  struct Stats {
+    size_t pages_in_memory = 0;
+    size_t key_locks = 0;      // projects / files with a fetch in progress or waited for
+    size_t leased_wheels = 0;  // distinct wheel files with a live Wheel::lease
+  };
+  Stats GetStats();
+
   const Options& options() const { return options_; }
+  // OK, or why the options are unusable (a bad index_url, no cache_dir): every Fetch then
+  // fails with it. esbd checks it at start.
+  const absl::Status& init_status() const { return init_status_; }
 
  private:
   struct Page {
@@ -79,16 +113,49 @@ class WheelCache {
     WheelName wheel;
   };
 
-  absl::StatusOr<Page> GetPage(const std::string& name);
-  absl::StatusOr<Page> DownloadPage(const std::string& name, const std::string& url);
+  // One mutex per key ("page:<name>", "file:<path>"), so that concurrent callers make one
+  // request; the entry lives only while someone holds or waits for it.
+  struct KeyLock {
+    std::timed_mutex mu;
+    int users = 0;  // holders and waiters; guarded by WheelCache::mu_
+  };
+  class KeyGuard {
+   public:
+    KeyGuard() = default;
+    KeyGuard(KeyGuard&& o) noexcept { *this = std::move(o); }
+    KeyGuard& operator=(KeyGuard&& o) noexcept;
+    ~KeyGuard() { Release(); }
+    void Release();
+
+   private:
+    friend class WheelCache;
+    WheelCache* cache_ = nullptr;
+    std::map<std::string, std::unique_ptr<KeyLock>>::iterator it_;
+  };
+
+  absl::StatusOr<Page> GetPage(const std::string& name, Clock::time_point deadline);
+  absl::StatusOr<Page> DownloadPage(const std::string& name, const std::string& url,
+                                    Clock::time_point deadline);
   absl::StatusOr<Choice> Choose(const Requirement& req, const Specifier& spec,
                                 const std::vector<IndexLink>& links);
   absl::StatusOr<Wheel> Offline(const Requirement& req, const Specifier& spec,
-                                const absl::Status& why);
-  absl::StatusOr<Wheel> Materialize(const Requirement& req, const Choice& choice);
+                                const absl::Status& why, Clock::time_point deadline);
+  absl::StatusOr<Wheel> Materialize(const Requirement& req, const Choice& choice,
+                                    Clock::time_point deadline);
   absl::Status Download(const Requirement& req, const Choice& choice, const std::string& path,
-                        std::string* sha256, int64_t* size);
-  std::shared_ptr<std::mutex> KeyLock(const std::string& key);
+                        Clock::time_point deadline, std::string* sha256, int64_t* size);
+  // Blocks until `key` is free or `deadline` (→ DeadlineExceeded naming `what`).
+  absl::StatusOr<KeyGuard> LockKey(const std::string& key, Clock::time_point deadline,
+                                   std::string_view what);
+  // Non-blocking; false when someone else holds or waits for `key`.
+  bool TryLockKey(const std::string& key, KeyGuard* guard);
+  // Limits for one request: at most http_timeout / connect_timeout, and ending by `deadline`.
+  absl::StatusOr<FetchLimits> Limits(int64_t max_body_bytes, Clock::time_point deadline,
+                                     std::string_view what) const;
+  void RememberPage(const std::string& name, const Page& page);  // with mu_ held
+  std::shared_ptr<const void> Lease(const std::string& path);
+  void EvictOverQuota();
+  void SweepPartialDownloads();
   int64_t Now() const;
   std::string WheelDir(const std::string& name) const;
   std::vector<std::string> AllowedHosts() const;
@@ -96,11 +163,14 @@ class WheelCache {
   Options options_;
   HttpFetcher* fetcher_;
   absl::Status init_status_;
-  std::string index_host_;
+  std::string index_host_;  // "host:port" of the index, always explicit
+  bool index_https_ = false;
 
   std::mutex mu_;
-  std::map<std::string, Page> pages_;                           // guarded by mu_
-  std::map<std::string, std::shared_ptr<std::mutex>> key_locks_;  // guarded by mu_
+  std::map<std::string, Page> pages_;                         // guarded by mu_
+  std::map<std::string, std::unique_ptr<KeyLock>> key_locks_;  // guarded by mu_
+  std::map<std::string, int> leases_;  // wheel path → live leases; guarded by mu_
+  std::mutex evict_mu_;                // one eviction pass at a time
 };
 
 // Lowercase hex SHA-256 of a file.

@@ -3,7 +3,9 @@
 #include <gtest/gtest.h>
 #include <openssl/sha.h>
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <filesystem>
 #include <map>
 #include <thread>
@@ -46,6 +48,7 @@ class FakeFetcher : public HttpFetcher {
       std::lock_guard<std::mutex> lock(mu_);
       ++counts_[url];
       ++total_;
+      last_limits_ = limits;
     }
     if (delay_ms_ > 0) std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms_));
     if (unreachable_) return absl::UnavailableError("cannot connect to mirror.example: refused");
@@ -57,7 +60,7 @@ class FakeFetcher : public HttpFetcher {
       a = it->second;
     }
     if (a.status < 200 || a.status >= 300) return HttpStatusError(a.status, url);
-    if (static_cast<int64_t>(a.body.size()) > limits.max_body_bytes) {
+    if (!stream_past_limit_ && static_cast<int64_t>(a.body.size()) > limits.max_body_bytes) {
       return absl::ResourceExhaustedError("response exceeds the limit");
     }
     // Stream in small pieces, like the real fetcher.
@@ -79,14 +82,21 @@ class FakeFetcher : public HttpFetcher {
     std::lock_guard<std::mutex> lock(mu_);
     return total_;
   }
+  FetchLimits LastLimits() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return last_limits_;
+  }
   std::atomic<bool> unreachable_{false};
   int delay_ms_ = 0;
+  // Like a server without Content-Length: the body streams until the sink refuses it.
+  bool stream_past_limit_ = false;
 
  private:
   std::mutex mu_;
   std::map<std::string, Answer> answers_;
   std::map<std::string, int> counts_;
   int total_ = 0;
+  FetchLimits last_limits_;
 };
 
 class WheelCacheTest : public ::testing::Test {
@@ -251,13 +261,16 @@ TEST_F(WheelCacheTest, OfflineFallsBackToCachedWheel) {
   EXPECT_EQ(cached.size(), 2u);
 }
 
-TEST_F(WheelCacheTest, ShaMismatchIsDataLossAndLeavesNothing) {
+// A corrupt file is the index's fault: Unavailable (HTTP 503), not DataLoss (500).
+TEST_F(WheelCacheTest, ShaMismatchIsUnavailableAndLeavesNothing) {
   Serve("foo", {{"foo-1.0-py3-none-any.whl", WheelBytes("1.0")}});
   fetcher_.Set(FileUrl("foo-1.0-py3-none-any.whl"), {200, "", WheelBytes("tampered")});
   WheelCache cache(options_, &fetcher_);
   auto w = Fetch(cache, "foo");
-  EXPECT_TRUE(absl::IsDataLoss(w.status())) << w.status();
+  EXPECT_TRUE(absl::IsUnavailable(w.status())) << w.status();
   EXPECT_NE(std::string(w.status().message()).find("sha256"), std::string::npos);
+  EXPECT_NE(std::string(w.status().message()).find("the index served a corrupt file"),
+            std::string::npos);
   EXPECT_NE(std::string(w.status().message()).find("foo"), std::string::npos);
   fs::path vdir = dir_ / "wheels" / "cp311" / "foo" / "1.0";
   EXPECT_TRUE(fs::is_empty(vdir)) << "partial file left behind";
@@ -279,16 +292,68 @@ TEST_F(WheelCacheTest, NotAZipIsRejected) {
   Serve("foo", {{"foo-1.0-py3-none-any.whl", "<html>login page</html>", false}});
   WheelCache cache(options_, &fetcher_);
   auto w = Fetch(cache, "foo");
-  EXPECT_TRUE(absl::IsDataLoss(w.status())) << w.status();
+  EXPECT_TRUE(absl::IsUnavailable(w.status())) << w.status();
+  EXPECT_NE(std::string(w.status().message()).find("not a zip file"), std::string::npos);
 }
 
+// Over max_wheel_bytes is permanent for that wheel: FailedPrecondition (400), not
+// ResourceExhausted (429, "try again later"). Both ways the cap is hit.
 TEST_F(WheelCacheTest, OversizeWheelIsRefused) {
   options_.max_wheel_bytes = 10;
   Serve("foo", {{"foo-1.0-py3-none-any.whl", WheelBytes(std::string(100, 'x'))}});
+  for (bool streamed : {false, true}) {
+    SCOPED_TRACE(streamed ? "cut off while streaming" : "refused by the fetcher");
+    fetcher_.stream_past_limit_ = streamed;
+    WheelCache cache(options_, &fetcher_);
+    auto w = Fetch(cache, "foo");
+    EXPECT_TRUE(absl::IsFailedPrecondition(w.status())) << w.status();
+    EXPECT_NE(std::string(w.status().message()).find("larger than the limit of 10 bytes"),
+              std::string::npos)
+        << w.status();
+    EXPECT_TRUE(fs::is_empty(dir_ / "wheels" / "cp311" / "foo" / "1.0"));
+  }
+}
+
+TEST_F(WheelCacheTest, OversizePageIsFailedPrecondition) {
+  options_.max_page_bytes = 10;
+  Serve("foo", {{"foo-1.0-py3-none-any.whl", WheelBytes("1.0")}});
   WheelCache cache(options_, &fetcher_);
   auto w = Fetch(cache, "foo");
-  EXPECT_TRUE(absl::IsResourceExhausted(w.status())) << w.status();
-  EXPECT_TRUE(fs::is_empty(dir_ / "wheels" / "cp311" / "foo" / "1.0"));
+  EXPECT_TRUE(absl::IsFailedPrecondition(w.status())) << w.status();
+  EXPECT_NE(std::string(w.status().message()).find("larger than the limit of 10 bytes"),
+            std::string::npos)
+      << w.status();
+}
+
+// A page that does not parse, or a link that is not a URL, is the index's fault: Unavailable.
+TEST_F(WheelCacheTest, BrokenIndexPagesAreUnavailable) {
+  fetcher_.Set(PageUrl("foo"), {200, "application/vnd.pypi.simple.v1+json", "{\"files\": 7"});
+  WheelCache cache(options_, &fetcher_);
+  auto w = Fetch(cache, "foo");
+  EXPECT_TRUE(absl::IsUnavailable(w.status())) << w.status();
+  EXPECT_NE(std::string(w.status().message()).find("bad index page of package 'foo'"),
+            std::string::npos)
+      << w.status();
+
+  // A page of the on-disk cache whose link is not a URL (as a broken index could leave it).
+  fs::create_directories(dir_ / "index");
+  ASSERT_TRUE(WriteStringToFile(
+                  (dir_ / "index" / "bar.json").string(),
+                  "{\"fetched_ms\": " + std::to_string(now_ms_.load()) + ", \"url\": \"" +
+                      PageUrl("bar") +
+                      "\", \"files\": [{\"filename\": \"bar-1.0-py3-none-any.whl\", "
+                      "\"url\": \"not a url\"}]}")
+                  .ok());
+  w = Fetch(cache, "bar");
+  EXPECT_TRUE(absl::IsUnavailable(w.status())) << w.status();
+  EXPECT_NE(std::string(w.status().message()).find("invalid URL"), std::string::npos)
+      << w.status();
+
+  std::string many;
+  for (size_t i = 0; i <= kMaxLinksPerPage; ++i) many += "<a href=\"f" + std::to_string(i) + "\">";
+  fetcher_.Set(PageUrl("baz"), {200, "text/html", many});
+  w = Fetch(cache, "baz");
+  EXPECT_TRUE(absl::IsFailedPrecondition(w.status())) << w.status();
 }
 
 TEST_F(WheelCacheTest, OnlySdistsIsFailedPrecondition) {
@@ -338,6 +403,216 @@ TEST_F(WheelCacheTest, ServerErrorWithoutCacheIsUnavailable) {
   WheelCache cache(options_, &fetcher_);
   auto w = Fetch(cache, "foo");
   EXPECT_TRUE(absl::IsUnavailable(w.status())) << w.status();
+}
+
+// Finding: allowed hosts ignored ports. A file on another port of an allowed host (or of the
+// index's host) is another service; refused unless that host:port is allowed.
+TEST_F(WheelCacheTest, AllowedHostsMatchPortsExactly) {
+  auto page = [](const std::string& url) {
+    return FakeFetcher::Answer{200, "text/html", "<a href=\"" + url + "\">x</a>"};
+  };
+  const std::string body = WheelBytes("ports");
+  for (const char* url : {"https://files.example:8443/foo-1.0-py3-none-any.whl",
+                          "https://mirror.example:8443/foo-1.0-py3-none-any.whl"}) {
+    SCOPED_TRACE(url);
+    fetcher_.Set(PageUrl("foo"), page(url));
+    fetcher_.Set(url, {200, "", body});
+    WheelCache cache(options_, &fetcher_);
+    auto w = Fetch(cache, "foo");
+    EXPECT_TRUE(absl::IsPermissionDenied(w.status())) << w.status();
+    EXPECT_NE(std::string(w.status().message()).find(":8443' is not allowed"), std::string::npos)
+        << w.status();
+    EXPECT_EQ(fetcher_.Count(url), 0);
+  }
+  options_.allowed_hosts = {"files.example:8443"};
+  fetcher_.Set(PageUrl("foo"), page("https://files.example:8443/foo-1.0-py3-none-any.whl"));
+  WheelCache cache(options_, &fetcher_);
+  auto w = Fetch(cache, "foo");
+  ASSERT_TRUE(w.ok()) << w.status();
+  // What the fetcher is told to allow (redirects included) is exact too.
+  const auto& hosts = fetcher_.LastLimits().allowed_hosts;
+  EXPECT_NE(std::find(hosts.begin(), hosts.end(), "mirror.example:443"), hosts.end());
+}
+
+// An https index's link to a plain-http file is only followed when the link pins its sha256.
+TEST_F(WheelCacheTest, PlainHttpFileFromHttpsIndexNeedsAHash) {
+  const std::string body = WheelBytes("plain");
+  const std::string url = "http://files.example/foo-1.0-py3-none-any.whl";
+  fetcher_.Set(url, {200, "", body});
+  fetcher_.Set(PageUrl("foo"), {200, "text/html", "<a href=\"" + url + "\">x</a>"});
+  {
+    WheelCache cache(options_, &fetcher_);
+    auto w = Fetch(cache, "foo");
+    EXPECT_TRUE(absl::IsPermissionDenied(w.status())) << w.status();
+    EXPECT_NE(std::string(w.status().message()).find("plain http"), std::string::npos)
+        << w.status();
+    EXPECT_EQ(fetcher_.Count(url), 0);
+  }
+  fetcher_.Set(PageUrl("foo"),
+               {200, "text/html", "<a href=\"" + url + "#sha256=" + Sha(body) + "\">x</a>"});
+  now_ms_ += 601'000;  // past the TTL of the page cached on disk above
+  WheelCache cache(options_, &fetcher_);
+  auto w = Fetch(cache, "foo");
+  ASSERT_TRUE(w.ok()) << w.status();
+  EXPECT_EQ(w->sha256, Sha(body));
+}
+
+// PEP 592: yanked releases are skipped, unless the requirement pins exactly that version and
+// nothing that is not yanked matches.
+TEST_F(WheelCacheTest, YankedReleaseOnlyWhenPinned) {
+  Serve("foo", {{"foo-0.9-py3-none-any.whl", WheelBytes("0.9")},
+                {"foo-1.0-py3-none-any.whl", WheelBytes("1.0"), true, "data-yanked=\"broken\""},
+                {"foo-1.1-py3-none-any.whl", WheelBytes("1.1"), true, "data-yanked"}});
+  WheelCache cache(options_, &fetcher_);
+  auto version = [&](const char* req) {
+    auto w = Fetch(cache, req);
+    return w.ok() ? w->version : std::string(w.status().message());
+  };
+  EXPECT_EQ(version("foo"), "0.9");
+  EXPECT_EQ(version("foo==1.0"), "1.0");
+  EXPECT_EQ(version("foo===1.1"), "1.1");
+  EXPECT_EQ(version("foo==1.1,>=1"), "1.1");
+  EXPECT_EQ(version("foo<=1.0"), "0.9");  // not pinned: the un-yanked release
+  EXPECT_NE(version("foo>=1.0").find("yanked"), std::string::npos);
+  EXPECT_NE(version("foo==1.*").find("yanked"), std::string::npos);  // a wildcard pins nothing
+}
+
+// Finding: fetches took http_timeout each, whatever the install's remaining time.
+TEST_F(WheelCacheTest, DeadlineBoundsEveryRequest) {
+  options_.http_timeout = std::chrono::seconds(120);
+  Serve("foo", {{"foo-1.0-py3-none-any.whl", WheelBytes("1.0")}});
+  WheelCache cache(options_, &fetcher_);
+  auto r = ParseRequirement("foo");
+  auto w = cache.Fetch(*r, WheelCache::Clock::now() + std::chrono::seconds(5));
+  ASSERT_TRUE(w.ok()) << w.status();
+  EXPECT_LE(fetcher_.LastLimits().timeout, std::chrono::seconds(5));
+  EXPECT_GT(fetcher_.LastLimits().timeout, std::chrono::seconds(3));
+  EXPECT_LE(fetcher_.LastLimits().connect_timeout, std::chrono::seconds(5));
+  // Without a deadline: http_timeout.
+  now_ms_ += 601'000;
+  ASSERT_TRUE(cache.Fetch(*r).ok());
+  EXPECT_EQ(fetcher_.LastLimits().timeout, std::chrono::seconds(120));
+
+  // Out of time: no request, and no quiet fallback to the cached wheel.
+  now_ms_ += 601'000;
+  int before = fetcher_.Total();
+  w = cache.Fetch(*r, WheelCache::Clock::now() - std::chrono::milliseconds(1));
+  EXPECT_TRUE(absl::IsDeadlineExceeded(w.status())) << w.status();
+  EXPECT_EQ(fetcher_.Total(), before);
+}
+
+TEST_F(WheelCacheTest, WaitingForAConcurrentFetchHonoursTheDeadline) {
+  Serve("foo", {{"foo-1.0-py3-none-any.whl", WheelBytes("1.0")}});
+  fetcher_.delay_ms_ = 1500;
+  WheelCache cache(options_, &fetcher_);
+  std::thread slow([&] { (void)Fetch(cache, "foo"); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // `slow` holds the page lock
+  auto r = ParseRequirement("foo");
+  auto start = WheelCache::Clock::now();
+  auto w = cache.Fetch(*r, start + std::chrono::milliseconds(200));
+  auto took = WheelCache::Clock::now() - start;
+  slow.join();
+  EXPECT_TRUE(absl::IsDeadlineExceeded(w.status())) << w.status();
+  EXPECT_NE(std::string(w.status().message()).find("waiting for another fetch"), std::string::npos)
+      << w.status();
+  EXPECT_LT(took, std::chrono::milliseconds(1000));
+  EXPECT_EQ(cache.GetStats().key_locks, 0u);
+}
+
+// Finding: one key lock per distinct name stayed forever, and so did every page.
+TEST_F(WheelCacheTest, KeyLocksAndPagesDoNotAccumulate) {
+  options_.max_pages_in_memory = 3;
+  std::vector<File> files;
+  for (int i = 0; i < 10; ++i) {
+    std::string name = "p" + std::to_string(i);
+    Serve(name, {{name + "-1.0-py3-none-any.whl", WheelBytes(name)}});
+  }
+  WheelCache cache(options_, &fetcher_);
+  for (int i = 0; i < 10; ++i) {
+    ASSERT_TRUE(Fetch(cache, ("p" + std::to_string(i)).c_str()).ok());
+    EXPECT_TRUE(Fetch(cache, ("missing" + std::to_string(i)).c_str()).status().code() ==
+                absl::StatusCode::kNotFound);
+  }
+  WheelCache::Stats stats = cache.GetStats();
+  EXPECT_EQ(stats.key_locks, 0u);
+  EXPECT_EQ(stats.pages_in_memory, 3u);
+  EXPECT_EQ(stats.leased_wheels, 0u);  // the Wheels above are gone
+  // Expired pages are dropped when another is added.
+  now_ms_ += 601'000;
+  ASSERT_TRUE(Fetch(cache, "p0").ok());
+  EXPECT_EQ(cache.GetStats().pages_in_memory, 1u);
+}
+
+// Finding: .part files of a crashed download stayed forever.
+TEST_F(WheelCacheTest, StalePartialDownloadsAreSweptAtOpen) {
+  fs::path vdir = dir_ / "wheels" / "cp311" / "foo" / "1.0";
+  fs::create_directories(vdir);
+  auto make = [&](const std::string& name, std::chrono::hours age) {
+    ASSERT_TRUE(WriteStringToFile((vdir / name).string(), "partial").ok());
+    fs::last_write_time(vdir / name, fs::file_time_type::clock::now() - age);
+  };
+  make(".foo-1.0-py3-none-any.whl.part-0123456789ab", std::chrono::hours(3));
+  make(".foo-1.0-py3-none-any.whl.part-ba9876543210", std::chrono::hours(0));  // in progress
+  make("foo-1.0-py3-none-any.whl", std::chrono::hours(3));
+  make(".other", std::chrono::hours(3));
+  WheelCache cache(options_, &fetcher_);
+  EXPECT_FALSE(fs::exists(vdir / ".foo-1.0-py3-none-any.whl.part-0123456789ab"));
+  EXPECT_TRUE(fs::exists(vdir / ".foo-1.0-py3-none-any.whl.part-ba9876543210"));
+  EXPECT_TRUE(fs::exists(vdir / "foo-1.0-py3-none-any.whl"));
+  EXPECT_TRUE(fs::exists(vdir / ".other"));
+}
+
+// max_cache_bytes: least recently used wheels go first, never one that is leased.
+TEST_F(WheelCacheTest, QuotaEvictsLeastRecentlyUsedButNotLeased) {
+  const std::string pad(1000, 'z');
+  for (const char* n : {"a", "b", "c", "d"}) {
+    Serve(n, {{std::string(n) + "-1.0-py3-none-any.whl", WheelBytes(n + pad)}});
+  }
+  const int64_t wheel_size = static_cast<int64_t>(WheelBytes("a" + pad).size());
+  options_.max_cache_bytes = 2 * wheel_size + 10;  // room for two
+  WheelCache cache(options_, &fetcher_);
+  auto path = [&](const std::string& n) {
+    return dir_ / "wheels" / "cp311" / n / "1.0" / (n + "-1.0-py3-none-any.whl");
+  };
+  auto age = [&](const std::string& n, int hours) {
+    fs::last_write_time(path(n), fs::file_time_type::clock::now() - std::chrono::hours(hours));
+  };
+  ASSERT_TRUE(Fetch(cache, "a").ok());
+  ASSERT_TRUE(Fetch(cache, "b").ok());
+  age("a", 3);
+  age("b", 2);
+  // Using `a` again makes it the most recent: `b` is evicted for `c`.
+  auto a = Fetch(cache, "a");
+  ASSERT_TRUE(a.ok());
+  EXPECT_TRUE(a->from_cache);
+  a = absl::InternalError("released");
+  ASSERT_TRUE(Fetch(cache, "c").ok());
+  EXPECT_TRUE(fs::exists(path("a")));
+  EXPECT_FALSE(fs::exists(path("b")));
+  EXPECT_TRUE(fs::exists(path("c")));
+
+  // A leased wheel stays even when it is the oldest; the next oldest goes instead.
+  age("a", 5);
+  age("c", 4);
+  auto held = Fetch(cache, "a");  // touches `a`; age it again while holding it
+  ASSERT_TRUE(held.ok());
+  age("a", 5);
+  EXPECT_EQ(cache.GetStats().leased_wheels, 1u);
+  ASSERT_TRUE(Fetch(cache, "d").ok());
+  EXPECT_TRUE(fs::exists(path("a")));
+  EXPECT_FALSE(fs::exists(path("c")));
+  EXPECT_TRUE(fs::exists(path("d")));
+  // Released, it is evicted by the next download.
+  held = absl::InternalError("released");
+  EXPECT_EQ(cache.GetStats().leased_wheels, 0u);
+  ASSERT_TRUE(Fetch(cache, "b").ok());  // downloaded again
+  EXPECT_FALSE(fs::exists(path("a")));
+  EXPECT_TRUE(fs::exists(path("b")));
+  EXPECT_TRUE(fs::exists(path("d")));
+  // A wheel evicted from disk is simply downloaded again.
+  auto again = Fetch(cache, "a");
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_FALSE(again->from_cache);
 }
 
 TEST_F(WheelCacheTest, FileOnForeignHostIsRefused) {
