@@ -434,7 +434,8 @@ class PackagesTest : public ::testing::Test {
     delete daemon_;
     daemon_ = nullptr;
   }
-  static bool StartIndex() {
+  // Starts the index; on `port` when given (a restart keeps the daemon's index_url valid).
+  static bool StartIndex(int port = 0) {
     int out[2];
     if (::pipe(out) != 0) return false;
     index_pid_ = ::fork();
@@ -443,7 +444,8 @@ class PackagesTest : public ::testing::Test {
       ::close(out[0]);
       ::close(out[1]);
       std::string script = std::string(ESB_SOURCE_DIR) + "/tests/integration/package_index.py";
-      ::execlp("python3", "python3", script.c_str(), nullptr);
+      const std::string port_arg = std::to_string(port);
+      ::execlp("python3", "python3", script.c_str(), port_arg.c_str(), nullptr);
       ::_exit(127);
     }
     ::close(out[1]);
@@ -574,6 +576,27 @@ TEST_F(PackagesTest, InstallsFromTheIndexWithDependenciesThenFromTheHostCacheOff
       "POST", "/run", json::object{{"code", code}, {"packages", json::array{"esbtestpkg==0.9"}}});
   EXPECT_GE(old.status, 400) << old.body;
   EXPECT_NE(old.body.find("esbtestpkg"), std::string::npos) << old.body;
+  daemon_->Call("DELETE", "/environments/" + env);
+}
+
+// An extra of a distribution the environment already has still installs what the extra needs.
+TEST_F(PackagesTest, ExtrasOfAnInstalledDistributionAreInstalled) {
+  if (index_pid_ <= 0) ASSERT_TRUE(StartIndex(index_port_)) << "cannot restart the index";
+  std::string env = daemon_->CreateEnv(json::object{{"runtime", "container"}});
+  ASSERT_FALSE(env.empty());
+  HttpResult base = daemon_->Call(
+      "POST", "/environments/" + env + "/run",
+      json::object{{"code", "import esbtestpkg"}, {"packages", json::array{"esbtestpkg"}}});
+  ASSERT_EQ(base.status, 200) << base.body;
+  EXPECT_EQ(base.num("exit_code"), 0) << base.body;
+  HttpResult fancy = daemon_->Call(
+      "POST", "/environments/" + env + "/run",
+      json::object{{"code", "import esbtestextra\nesbtestextra.VALUE"},
+                   {"packages", json::array{"esbtestpkg[fancy]"}}});
+  ASSERT_EQ(fancy.status, 200) << fancy.body;
+  EXPECT_EQ(fancy.str("value"), "'extra 1.0'") << fancy.body;
+  EXPECT_EQ(Packages(fancy), "esbtestpkg=1.0(preinstalled) esbtestextra=1.0(index) ")
+      << fancy.body;
   daemon_->Call("DELETE", "/environments/" + env);
 }
 

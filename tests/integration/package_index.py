@@ -3,10 +3,13 @@
 
 It builds its own wheels (pure Python, py3-none-any) at start:
   esbtestdep 1.1                       module esbtestdep: VALUE = "dep 1.1"
-  esbtestpkg 0.9 and 1.0               module esbtestpkg: hello(); 1.0 requires esbtestdep>=1.0
+  esbtestpkg 0.9 and 1.0               module esbtestpkg: hello(); 1.0 requires esbtestdep>=1.0,
+                                       and its extra "fancy" requires esbtestextra
+  esbtestextra 1.0                     module esbtestextra: VALUE = "extra 1.0"
 and serves /simple/<name>/ (links with #sha256=) and /files/<wheel>. GET /_requests answers the
 list of paths requested so far (JSON), so a test can prove that a second install made no
-request. Prints "PORT <n>" on stdout once listening; runs until killed.
+request. Prints "PORT <n>" on stdout once listening; runs until killed. An optional argument
+is the port to listen on (a restarted index keeps its address).
 """
 import base64
 import hashlib
@@ -18,12 +21,15 @@ import threading
 import zipfile
 
 
-def build_wheel(name, version, modules, requires=()):
+def build_wheel(name, version, modules, requires=(), extras=None):
     dist = "%s-%s" % (name, version)
     files = dict(modules)
     files[dist + ".dist-info/METADATA"] = (
         "Metadata-Version: 2.1\nName: %s\nVersion: %s\n" % (name, version)
-        + "".join("Requires-Dist: %s\n" % r for r in requires))
+        + "".join("Requires-Dist: %s\n" % r for r in requires)
+        + "".join("Provides-Extra: %s\n" % e + "".join(
+            'Requires-Dist: %s; extra == "%s"\n' % (r, e) for r in reqs)
+            for e, reqs in (extras or {}).items()))
     files[dist + ".dist-info/WHEEL"] = (
         "Wheel-Version: 1.0\nGenerator: esb-test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
     record = []
@@ -54,7 +60,9 @@ add("esbtestpkg", build_wheel("esbtestpkg", "0.9", {
 add("esbtestpkg", build_wheel("esbtestpkg", "1.0", {
     "esbtestpkg/__init__.py": ('from esbtestdep import VALUE\n\n\ndef hello():\n'
                                '    return "hello from esbtestpkg 1.0 with " + VALUE\n')},
-    requires=["esbtestdep>=1.0"]))
+    requires=["esbtestdep>=1.0"], extras={"fancy": ["esbtestextra"]}))
+add("esbtestextra", build_wheel("esbtestextra", "1.0",
+                                {"esbtestextra/__init__.py": 'VALUE = "extra 1.0"\n'}))
 
 REQUESTS = []
 LOCK = threading.Lock()
@@ -95,7 +103,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
 
 def main():
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    port = int(sys.argv[1]) if len(sys.argv) > 1 else 0
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
     sys.stdout.write("PORT %d\n" % server.server_address[1])
     sys.stdout.flush()
     server.serve_forever()
