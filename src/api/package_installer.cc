@@ -69,16 +69,6 @@ std::string Tail(std::string_view text, int lines) {
   return std::string(text.substr(pos + 1));
 }
 
-// Sandbox-controlled text for a one-line message: printable ASCII, at most `max` bytes.
-std::string Excerpt(std::string_view text, size_t max) {
-  std::string out(text.substr(0, max));
-  for (char& c : out) {
-    if (static_cast<unsigned char>(c) < 0x20 || static_cast<unsigned char>(c) >= 0x7f) c = '?';
-  }
-  if (text.size() > max) out += "...";
-  return out;
-}
-
 // Runs `fn` when the scope ends, on every return path.
 class ScopeExit {
  public:
@@ -160,7 +150,7 @@ absl::StatusOr<json::array> PackageInstaller::Install(const std::string& tenant,
     switch (e.kind) {
       case packages::ProbeEntry::Kind::kInvalid:
         return absl::InvalidArgumentError(absl::StrCat(
-            "packages[", i, "] '", Excerpt(req.display, 100),
+            "packages[", i, "] '", packages::Printable(req.display, 100),
             "': the sandbox's Python rejects the requirement: ", e.error));
       case packages::ProbeEntry::Kind::kSkip:
         break;
@@ -202,7 +192,7 @@ absl::StatusOr<json::array> PackageInstaller::Install(const std::string& tenant,
   auto provide = [&](const packages::Requirement& req) -> absl::StatusOr<bool> {
     if (cache_ == nullptr)
       return absl::FailedPreconditionError(absl::StrCat(
-          "pip needs '", Excerpt(req.display, 200),
+          "pip needs '", packages::Printable(req.display, 200),
           "', which is not in the sandbox image; installing packages needs a package index, "
           "and this daemon has none configured (set packages.index_url in the esbd config)"));
     if (absl::Status st = out_of_time(); !st.ok()) return st;
@@ -273,18 +263,18 @@ absl::StatusOr<json::array> PackageInstaller::Install(const std::string& tenant,
     if (dep->size() > packages::kMaxRequirementLength)
       return absl::FailedPreconditionError(absl::StrCat(
           "pip reported a missing dependency of ", dep->size(), " characters ('",
-          Excerpt(*dep, 100), "'); esbd fetches requirements of at most ",
+          packages::Printable(*dep, 100), "'); esbd fetches requirements of at most ",
           packages::kMaxRequirementLength));
     auto req = packages::ParseRequirement(*dep);
     if (!req.ok())
       return absl::FailedPreconditionError(absl::StrCat(
-          "pip needs '", Excerpt(*dep, 200), "', which esbd cannot fetch: ",
+          "pip needs '", packages::Printable(*dep, 200), "', which esbd cannot fetch: ",
           req.status().message()));
     auto progressed = provide(*req);
     if (!progressed.ok()) return progressed.status();
     if (!*progressed)
       return absl::FailedPreconditionError(
-          absl::StrCat("pip cannot satisfy '", Excerpt(*dep, 200),
+          absl::StrCat("pip cannot satisfy '", packages::Printable(*dep, 200),
                        "' with the wheels the index offers:\n", Tail(output, 15)));
   }
   return result;

@@ -42,16 +42,6 @@ bool ValidName(std::string_view n) {
   return true;
 }
 
-// `s` with bytes outside printable ASCII replaced by '?', cut to `max` bytes.
-std::string Printable(std::string_view s, size_t max) {
-  std::string out(s.substr(0, max));
-  for (char& c : out) {
-    if (static_cast<unsigned char>(c) < 0x20 || static_cast<unsigned char>(c) >= 0x7f) c = '?';
-  }
-  if (s.size() > max) out += "...";
-  return out;
-}
-
 // PEP 508 marker variables, as `packaging` accepts them (including the legacy dotted names).
 bool IsMarkerVariable(std::string_view w) {
   static constexpr std::string_view kVariables[] = {
@@ -407,6 +397,15 @@ absl::StatusOr<Requirement> ParseRequirement(std::string_view text) {
     req.specifier = spec->ToString();
   }
   return req;
+}
+
+std::string Printable(std::string_view s, size_t max) {
+  std::string out(s.substr(0, max));
+  for (char& c : out) {
+    if (static_cast<unsigned char>(c) < 0x20 || static_cast<unsigned char>(c) >= 0x7f) c = '?';
+  }
+  if (s.size() > max) out += "...";
+  return out;
 }
 
 }  // namespace esb::packages

@@ -66,4 +66,8 @@ struct ProbeEntry {
 // requirements.
 absl::StatusOr<std::vector<ProbeEntry>> ParseProbeAnswer(std::string_view json, size_t count);
 
+// Untrusted text (a requirement, a sandbox's output) for a one-line message: bytes outside
+// printable ASCII replaced by '?', cut to `max` bytes ("..." marks a cut).
+std::string Printable(std::string_view s, size_t max);
+
 }  // namespace esb::packages
