@@ -474,7 +474,7 @@ Response ApiService::WriteFile(Request& req, const std::string& tenant) {
                                                            {"message", "File saved successfully."},
                                                            {"bytes", data.size()}})
                           : FileStatusResponse(st);
-  if (st.ok() || !absl::IsNotFound(st) || st.message().find("environment") == std::string::npos)
+  if (!IsEnvironmentNotFound(st))
     Audit(tenant, id, "files.write", path, std::nullopt, MonotonicMs() - start,
           static_cast<int64_t>(data.size()), resp.status);
   return resp;
@@ -527,7 +527,7 @@ Response ApiService::ReadFile(Request& req, const std::string& tenant) {
                                           {"encoding", text ? "utf-8" : "base64"},
                                           {"size", data.size()}});
   }
-  if (st.ok() || st.message().find("environment") == std::string::npos)
+  if (!IsEnvironmentNotFound(st))
     Audit(tenant, id, "files.read", path, std::nullopt, MonotonicMs() - start,
           static_cast<int64_t>(data.size()), resp.status);
   return resp;

@@ -4,10 +4,26 @@
 
 #include <boost/json.hpp>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "common/util.h"
 
 namespace esb {
+
+namespace {
+constexpr char kEnvironmentNotFoundUrl[] = "type.entersandbox/environment-not-found";
+}  // namespace
+
+absl::Status EnvironmentNotFoundError(std::string_view message) {
+  absl::Status st = absl::NotFoundError(AbslView(message));
+  st.SetPayload(kEnvironmentNotFoundUrl, absl::Cord("1"));
+  return st;
+}
+
+bool IsEnvironmentNotFound(const absl::Status& status) {
+  return absl::IsNotFound(status) && status.GetPayload(kEnvironmentNotFoundUrl).has_value();
+}
+
 namespace json = boost::json;
 
 std::string SpecToJson(const EnvSpec& spec, int64_t ttl_s) {
@@ -289,16 +305,16 @@ absl::StatusOr<std::shared_ptr<EnvironmentManager::LiveEnv>> EnvironmentManager:
     if (it != envs_.end()) {
       std::lock_guard<std::mutex> elock(it->second->mu);
       if (it->second->record.tenant == tenant) return it->second;
-      return absl::NotFoundError(absl::StrCat("environment ", id, " not found"));
+      return EnvironmentNotFoundError(absl::StrCat("environment ", id, " not found"));
     }
   }
   auto rec = store_->GetEnvironment(id);
   if (rec.ok() && rec->tenant == tenant && rec->state == "destroyed") {
-    return absl::NotFoundError(absl::StrCat("environment ", id, " was destroyed at ",
+    return EnvironmentNotFoundError(absl::StrCat("environment ", id, " was destroyed at ",
                                             FormatRfc3339(rec->destroyed_ms), " (",
                                             rec->destroy_reason, ")"));
   }
-  return absl::NotFoundError(absl::StrCat("environment ", id, " not found"));
+  return EnvironmentNotFoundError(absl::StrCat("environment ", id, " not found"));
 }
 
 void EnvironmentManager::Touch(LiveEnv& env) {
@@ -361,7 +377,7 @@ absl::Status EnvironmentManager::Destroy(const std::string& tenant, const std::s
     if (rec.ok() && rec->tenant == tenant &&
         (rec->state == "destroyed" || rec->state == "destroying"))
       return absl::OkStatus();  // idempotent
-    return absl::NotFoundError(absl::StrCat("environment ", id, " not found"));
+    return EnvironmentNotFoundError(absl::StrCat("environment ", id, " not found"));
   }
   DestroyLive(env, reason);
   return absl::OkStatus();
@@ -379,7 +395,7 @@ absl::StatusOr<EnvironmentInfo> EnvironmentManager::Get(const std::string& tenan
   }
   auto rec = store_->GetEnvironment(id);
   if (!rec.ok() || rec->tenant != tenant)
-    return absl::NotFoundError(absl::StrCat("environment ", id, " not found"));
+    return EnvironmentNotFoundError(absl::StrCat("environment ", id, " not found"));
   return InfoOf(*rec, false);
 }
 

@@ -12,6 +12,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -22,6 +23,11 @@
 #include "storage/store.h"
 
 namespace esb {
+
+// NotFound for an environment that does not exist or is another tenant's (the two look the
+// same), marked so that callers can tell it from NotFound for a file inside an environment.
+absl::Status EnvironmentNotFoundError(std::string_view message);
+bool IsEnvironmentNotFound(const absl::Status& status);
 
 struct ManagerOptions {
   int64_t default_ttl_s = 900;

@@ -128,6 +128,11 @@ TEST_F(ManagerTest, OtherTenantSeesNotFoundNeverTheEnvironment) {
   EXPECT_TRUE(absl::IsNotFound(m->Exec("evil", id, ExecRequest{"id"}, nullptr).status()));
   EXPECT_TRUE(absl::IsNotFound(m->Destroy("evil", id)));
   EXPECT_TRUE(absl::IsNotFound(m->Heartbeat("evil", id, 10).status()));
+  // Marked as "no such environment", unlike a missing file inside one.
+  EXPECT_TRUE(IsEnvironmentNotFound(m->Get("evil", id).status()));
+  EXPECT_TRUE(IsEnvironmentNotFound(m->ReadFile("evil", id, "x", 0, 10).status()));
+  EXPECT_FALSE(IsEnvironmentNotFound(absl::NotFoundError("environment.txt: no such file")));
+  EXPECT_FALSE(IsEnvironmentNotFound(absl::OkStatus()));
   auto list = m->List("evil", true);
   ASSERT_TRUE(list.ok());
   EXPECT_TRUE(list->empty());

@@ -313,6 +313,15 @@ TEST_F(ApiTest, AuditRecordsEveryActionAndFilters) {
   d.Exec(b, "echo other");
   d.Call("POST", "/environments/" + a + "/files/write",
          json::object{{"path", "notes.txt"}, {"content", "x"}});
+  // A missing file is audited whatever its name; an unknown environment is not.
+  d.Call("GET", "/environments/" + a + "/files/read?path=environment-missing.txt");
+  d.Call("GET", "/environments/env_nope/files/read?path=x.txt");
+  HttpResult missing = d.Call("GET", "/audit?q=environment-missing");
+  ASSERT_EQ(missing.obj().at("entries").as_array().size(), 1u) << missing.body;
+  EXPECT_EQ(missing.obj().at("entries").as_array()[0].as_object().at("action").as_string(),
+            "files.read");
+  HttpResult nope = d.Call("GET", "/audit?environment_id=env_nope");
+  EXPECT_TRUE(nope.obj().at("entries").as_array().empty()) << nope.body;
   HttpResult q = d.Call("GET", "/audit?q=haystack");
   ASSERT_EQ(q.status, 200) << q.body;
   auto entries = q.obj().at("entries").as_array();
