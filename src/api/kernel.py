@@ -945,7 +945,14 @@ def main():
         serve()
     elif len(sys.argv) == 6 and sys.argv[1] in ("run", "once"):
         mode = run if sys.argv[1] == "run" else once
-        sys.exit(mode(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5].split(",")))
+        # once() turns fds 1/2 into the cell's pipes: a failure of kernel.py itself is written
+        # to the exec's own stderr, where esbd reports it.
+        own_stderr = os.dup(2)
+        try:
+            sys.exit(mode(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5].split(",")))
+        except Exception:
+            os.write(own_stderr, traceback.format_exc().encode("utf-8", "replace"))
+            os._exit(1)
     else:
         sys.stderr.write("usage: kernel.py serve | run|once CELLFILE RESULTFILE TIMEOUT_MS "
                          "FORMATS\n")

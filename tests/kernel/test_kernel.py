@@ -283,3 +283,15 @@ def test_a_frame_that_cannot_be_encoded_loses_only_its_table(mod):
                              "table": {"rows": [[10 ** 5000]]}})
     msg = json.loads(line)
     assert msg["status"] == "ok" and msg["value"] == "1" and msg["table"] is None
+
+
+def test_a_failure_of_the_kernel_itself_reaches_its_own_stderr(kernel, tmp_path):
+    # A result path in a directory that does not exist: finish() cannot write it.
+    cell = kernel.dir / "cell-x.py"
+    cell.write_text("print('hi')")
+    proc = subprocess.run(
+        [sys.executable, str(kernel.dir / "kernel.py"), "once", str(cell),
+         str(tmp_path / "no-such-dir" / "result-x.json"), "5000", "png"],
+        capture_output=True, env=kernel.env, timeout=30)
+    assert proc.returncode == 1
+    assert b"FileNotFoundError" in proc.stderr, proc.stderr
