@@ -5,11 +5,10 @@
 #include <map>
 #include <regex>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
-#include "absl/strings/strip.h"
-#include "absl/strings/ascii.h"
 #include "api/heavy_kernel.h"
 #include "api/kernel_frames.h"
 #include "api/json_util.h"
@@ -203,12 +202,13 @@ absl::StatusOr<std::string> ReadSandboxFile(EnvironmentManager* manager,
                                             const std::string& path, int64_t cap) {
   std::string data;
   for (;;) {
-    const int64_t want = std::min<int64_t>(kMaxArtifactReadChunk, cap + 1 - static_cast<int64_t>(data.size()));
-    auto chunk = manager->ReadFile(tenant, id, path, static_cast<int64_t>(data.size()), want);
+    const int64_t held = static_cast<int64_t>(data.size());
+    const int64_t want = std::min<int64_t>(kMaxArtifactReadChunk, cap + 1 - held);
+    auto chunk = manager->ReadFile(tenant, id, path, held, want);
     if (!chunk.ok()) return chunk.status();
     // SECURITY: sizes and lengths come from inside the sandbox; what we hold is what counts.
     if (chunk->file_size > cap || static_cast<int64_t>(chunk->data.size()) > want ||
-        static_cast<int64_t>(data.size() + chunk->data.size()) > cap) {
+        held + static_cast<int64_t>(chunk->data.size()) > cap) {
       return absl::ResourceExhaustedError(
           absl::StrCat("it is larger than the limit of ", cap, " bytes"));
     }
@@ -469,8 +469,10 @@ RunHandler MakeRunHandler(const RunDeps& deps) {
         f.Fail("'requirements' must be requirements.txt text or an array of strings");
       }
       for (size_t i = 0; i < lines.size(); ++i) {
-        if (auto error = RequirementLine(lines[i], &p.packages); !error.empty())
+        if (auto error = RequirementLine(lines[i], &p.packages); !error.empty()) {
           f.Fail(absl::StrCat("'requirements' line ", i + 1, ": ", error));
+          break;  // the first bad line is enough to say
+        }
       }
     }
     std::vector<std::string> allowed_list;
