@@ -694,12 +694,16 @@ def serve():
             continue
         try:
             with conn:
-                line, _ = read_line(conn, b"")
+                conn.settimeout(10)  # the client sends its request at once
+                line, rest = read_line(conn, b"")
+                conn.settimeout(None)
                 if line is None:
                     continue
                 req = json.loads(line)
                 counter += 1
                 cell = Cell(lambda n, d, c=conn: send(c, {"t": "out", "s": n, "d": d}))
+                if rest:  # the interrupt line came with the request: the time is already up
+                    cell.interrupt_requested = True
                 done = threading.Event()
                 threading.Thread(target=watch_client, args=(conn, cell, done),
                                  name="esb-watch", daemon=True).start()

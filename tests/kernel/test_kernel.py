@@ -295,3 +295,24 @@ def test_a_failure_of_the_kernel_itself_reaches_its_own_stderr(kernel, tmp_path)
         capture_output=True, env=kernel.env, timeout=30)
     assert proc.returncode == 1
     assert b"FileNotFoundError" in proc.stderr, proc.stderr
+
+
+def test_an_interrupt_sent_with_the_request_interrupts_that_cell(kernel):
+    import socket
+    kernel.run("x = 1")  # starts the kernel
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect("\0esb-kernel:" + str(kernel.dir))
+    # Both lines in one write, so the kernel reads them together (a client whose deadline
+    # passed before the kernel read its request).
+    s.sendall(b'{"code": "import time\\ntime.sleep(20)"}\n{"t": "interrupt"}\n')
+    start, buf = time.monotonic(), b""
+    s.settimeout(10)
+    while b'"t": "done"' not in buf:
+        chunk = s.recv(65536)
+        assert chunk, buf
+        buf += chunk
+    s.close()
+    assert time.monotonic() - start < 5
+    done = json.loads(buf.strip().splitlines()[-1])
+    assert done["status"] == "interrupted", done
+    assert kernel.run("x")["value"] == "1"
