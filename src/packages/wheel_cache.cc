@@ -198,26 +198,19 @@ void WheelCache::KeyGuard::Release() {
   cache_ = nullptr;
 }
 
-absl::StatusOr<WheelCache::KeyGuard> WheelCache::LockKey(const std::string& key,
-                                                         Clock::time_point deadline,
-                                                         std::string_view what) {
+std::optional<WheelCache::KeyGuard> WheelCache::AcquireKey(
+    const std::string& key, const std::function<bool(std::timed_mutex&)>& lock) {
   std::map<std::string, std::unique_ptr<KeyLock>>::iterator it;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::lock_guard<std::mutex> l(mu_);
     it = key_locks_.try_emplace(key).first;
     if (!it->second) it->second = std::make_unique<KeyLock>();
     ++it->second->users;  // from now on the entry stays until we give it up
   }
-  bool locked = true;
-  if (deadline == Clock::time_point::max()) {
-    it->second->mu.lock();
-  } else {
-    locked = it->second->mu.try_lock_until(deadline);
-  }
-  if (!locked) {
-    std::lock_guard<std::mutex> lock(mu_);
+  if (!lock(it->second->mu)) {
+    std::lock_guard<std::mutex> l(mu_);
     if (--it->second->users == 0) key_locks_.erase(it);
-    return absl::DeadlineExceededError(absl::StrCat("timed out waiting for ", AbslView(what)));
+    return std::nullopt;
   }
   KeyGuard guard;
   guard.cache_ = this;
@@ -225,22 +218,24 @@ absl::StatusOr<WheelCache::KeyGuard> WheelCache::LockKey(const std::string& key,
   return guard;
 }
 
+absl::StatusOr<WheelCache::KeyGuard> WheelCache::LockKey(const std::string& key,
+                                                         Clock::time_point deadline,
+                                                         std::string_view what) {
+  auto guard = AcquireKey(key, [deadline](std::timed_mutex& mu) {
+    if (deadline != Clock::time_point::max()) return mu.try_lock_until(deadline);
+    mu.lock();
+    return true;
+  });
+  if (!guard) {
+    return absl::DeadlineExceededError(absl::StrCat("timed out waiting for ", AbslView(what)));
+  }
+  return std::move(*guard);
+}
+
 bool WheelCache::TryLockKey(const std::string& key, KeyGuard* guard) {
-  std::map<std::string, std::unique_ptr<KeyLock>>::iterator it;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    it = key_locks_.try_emplace(key).first;
-    if (!it->second) it->second = std::make_unique<KeyLock>();
-    ++it->second->users;
-  }
-  if (!it->second->mu.try_lock()) {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (--it->second->users == 0) key_locks_.erase(it);
-    return false;
-  }
-  guard->Release();
-  guard->cache_ = this;
-  guard->it_ = it;
+  auto got = AcquireKey(key, [](std::timed_mutex& mu) { return mu.try_lock(); });
+  if (!got) return false;
+  *guard = std::move(*got);
   return true;
 }
 
@@ -308,6 +303,18 @@ void WheelCache::RememberPage(const std::string& name, const Page& page) {
   pages_[name] = page;
 }
 
+void WheelCache::ForEachCacheFile(
+    const std::function<void(const fs::directory_entry&, const std::string&)>& fn) const {
+  std::error_code ec;
+  for (fs::recursive_directory_iterator it(options_.cache_dir + "/wheels", ec), end;
+       !ec && it != end; it.increment(ec)) {
+    if (it.depth() >= 3) it.disable_recursion_pending();  // <tag>/<name>/<version>/<file>
+    std::error_code fec;
+    if (!it->is_regular_file(fec) || fec) continue;
+    fn(*it, it->path().filename().string());
+  }
+}
+
 void WheelCache::SweepPartialDownloads() {
   // A download writes its .part file continuously and ends within http_timeout; one that is
   // much older belongs to a process that died (a crash, a kill -9) and would stay forever.
@@ -315,18 +322,13 @@ void WheelCache::SweepPartialDownloads() {
                                                       std::chrono::hours(1));
   const auto cutoff = fs::file_time_type::clock::now() - max_age;
   int removed = 0;
-  std::error_code ec;
-  for (fs::recursive_directory_iterator it(options_.cache_dir + "/wheels", ec), end;
-       !ec && it != end; it.increment(ec)) {
-    if (it.depth() >= 3) it.disable_recursion_pending();  // <tag>/<name>/<version>/<file>
+  ForEachCacheFile([&](const fs::directory_entry& f, const std::string& fn) {
+    if (!fn.starts_with('.') || fn.find(".part-") == std::string::npos) return;
     std::error_code fec;
-    std::string fn = it->path().filename().string();
-    if (!fn.starts_with('.') || fn.find(".part-") == std::string::npos) continue;
-    if (!it->is_regular_file(fec) || fec) continue;
-    auto mtime = it->last_write_time(fec);
-    if (fec || mtime >= cutoff) continue;
-    if (fs::remove(it->path(), fec)) ++removed;
-  }
+    auto mtime = f.last_write_time(fec);
+    if (fec || mtime >= cutoff) return;
+    if (fs::remove(f.path(), fec)) ++removed;
+  });
   if (removed > 0) {
     LogInfo(absl::StrCat("wheel cache: removed ", removed, " stale partial download(s)"));
   }
@@ -342,20 +344,14 @@ void WheelCache::EvictOverQuota() {
   };
   std::vector<Entry> entries;
   int64_t total = 0;
-  std::error_code ec;
-  for (fs::recursive_directory_iterator it(options_.cache_dir + "/wheels", ec), end;
-       !ec && it != end; it.increment(ec)) {
-    if (it.depth() >= 3) it.disable_recursion_pending();
+  ForEachCacheFile([&](const fs::directory_entry& f, const std::string& fn) {
+    if (fn.starts_with('.') || !fn.ends_with(".whl")) return;  // partial downloads
     std::error_code fec;
-    std::string fn = it->path().filename().string();
-    if (fn.starts_with('.') || !fn.ends_with(".whl")) continue;  // partial downloads
-    if (!it->is_regular_file(fec) || fec) continue;
-    Entry e{it->path().string(), static_cast<int64_t>(it->file_size(fec)),
-            it->last_write_time(fec)};
-    if (fec) continue;
+    Entry e{f.path().string(), static_cast<int64_t>(f.file_size(fec)), f.last_write_time(fec)};
+    if (fec) return;
     total += e.size;
     entries.push_back(std::move(e));
-  }
+  });
   if (total <= options_.max_cache_bytes) return;
   std::sort(entries.begin(), entries.end(),
             [](const Entry& a, const Entry& b) { return a.mtime < b.mtime; });

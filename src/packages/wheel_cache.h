@@ -18,10 +18,12 @@
 
 #include <chrono>
 #include <cstdint>
+#include <filesystem>
 #include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -149,6 +151,15 @@ class WheelCache {
                                    std::string_view what);
   // Non-blocking; false when someone else holds or waits for `key`.
   bool TryLockKey(const std::string& key, KeyGuard* guard);
+  // Both of the above: joins `key`'s entry, calls `lock` on its mutex (true = got it), and
+  // leaves the entry again when it did not.
+  std::optional<KeyGuard> AcquireKey(const std::string& key,
+                                     const std::function<bool(std::timed_mutex&)>& lock);
+  // Calls fn(entry, file name) for each regular file in the wheel tree
+  // (<cache_dir>/wheels/<tag>/<name>/<version>/<file>).
+  void ForEachCacheFile(
+      const std::function<void(const std::filesystem::directory_entry&, const std::string&)>& fn)
+      const;
   // Limits for one request: at most http_timeout / connect_timeout, and ending by `deadline`.
   absl::StatusOr<FetchLimits> Limits(int64_t max_body_bytes, Clock::time_point deadline,
                                      std::string_view what) const;
