@@ -777,17 +777,11 @@ def once(cellfile, resultfile, timeout_ms, formats):
     cell = Cell(write_frame)
 
     def on_alarm(signum, frame):
-        global DEFERRED
         fired.append(time.monotonic())
         if len(fired) == 1:
             signal.setitimer(signal.ITIMER_REAL, GRACE_S)
             cell.interrupt_requested = True
-            if IN_CELL and not cell.interrupt_raised:
-                cell.interrupt_raised = True
-                if MAIN_SENDING:
-                    DEFERRED = True
-                else:
-                    raise KeyboardInterrupt
+            on_sigint(signum, frame)  # the same once-per-request interrupt as the kernel's
             return
         if os.getpid() != OWNER_PID:
             os._exit(0)
