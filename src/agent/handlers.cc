@@ -356,7 +356,7 @@ proto::Frame HandleList(const std::string& workspace, const json::object& header
   bool truncated = false;
   for (auto& [name, o] : sorted) {
     bytes += json::serialize(o).size() + 1;
-    if (bytes > proto::kMaxPayloadBytes - 1024) {
+    if (bytes > proto::kMaxListPayloadBytes - 1024 || entries.size() >= proto::kMaxListEntries) {
       truncated = true;
       break;
     }

@@ -114,6 +114,8 @@ constexpr size_t kMaxArtifactsPerRun = 64;
 // kernel.py's result file: value 64 KiB, table 512 KiB, error ~80 KiB (JSON escapes can make
 // each up to 6x larger), 32 artifact entries. More than this is not a kernel's answer.
 constexpr int64_t kMaxKernelResultBytes = 8 << 20;
+constexpr size_t kMaxKernelResultContainers = 4096;
+constexpr size_t kMaxKernelResultSeparators = 200000;
 constexpr size_t kMaxArtifactText = 256;
 constexpr char kArtifactsDir[] = "/workspace/artifacts";
 
@@ -135,7 +137,7 @@ FileStamps ScanArtifactFiles(EnvironmentManager* manager, const std::string& ten
   std::function<void(const std::string&, int)> walk = [&](const std::string& dir, int depth) {
     auto entries = manager->ListDir(tenant, id, dir);
     if (!entries.ok()) return;  // no artifacts directory: nothing to report
-    for (const FileEntry& e : *entries) {
+    for (const FileEntry& e : entries->entries) {
       if (++seen > 500) return;
       const std::string path = absl::StrCat(dir, "/", e.name);
       if (e.type == "file") out[path] = {e.mtime_ms, e.size};
@@ -329,7 +331,11 @@ absl::StatusOr<Outcome> RunInContainer(EnvironmentManager* manager, ArtifactStor
   absl::StatusOr<std::string> raw =
       ReadSandboxFile(manager, tenant, id, result, kMaxKernelResultBytes);
   json::object res;
-  if (raw.ok()) {
+  // SECURITY: the result file is sandbox-writable. A real result (a table of at most 200 x 50
+  // cells, a few strings) has a small shape; anything beyond it is refused unparsed.
+  const bool shape_ok =
+      raw.ok() && JsonShapeWithin(*raw, kMaxKernelResultContainers, kMaxKernelResultSeparators);
+  if (shape_ok) {
     boost::system::error_code ec;
     json::value v = json::parse(*raw, ec);
     if (!ec && v.is_object()) res = v.as_object();
@@ -344,6 +350,8 @@ absl::StatusOr<Outcome> RunInContainer(EnvironmentManager* manager, ArtifactStor
       why = "the run did not finish in time and was killed";
     } else if (absl::IsResourceExhausted(raw.status())) {
       why = absl::StrCat("the kernel's result is too large (", raw.status().message(), ")");
+    } else if (raw.ok() && !shape_ok) {
+      why = "the kernel's result has more values than a result can have";
     } else if (raw.ok()) {
       why = "the kernel's result is not valid JSON";
     } else {

@@ -617,7 +617,7 @@ Response ApiService::ListFiles(Request& req, const std::string& tenant) {
   auto entries = manager_->ListDir(tenant, req.Param("id"), path);
   if (!entries.ok()) return FileStatusResponse(entries.status());
   json::array arr;
-  for (const FileEntry& e : *entries) {
+  for (const FileEntry& e : entries->entries) {
     char mode[8];
     std::snprintf(mode, sizeof mode, "%04o", e.mode & 07777);
     arr.push_back(json::object{{"name", SanitizeUtf8(e.name)},
@@ -626,8 +626,9 @@ Response ApiService::ListFiles(Request& req, const std::string& tenant) {
                                {"mode", mode},
                                {"mtime", FormatRfc3339(e.mtime_ms)}});
   }
-  return JsonResponse(200, json::object{{"error", false}, {"path", path},
-                                        {"entries", std::move(arr)}});
+  json::object out{{"error", false}, {"path", path}, {"entries", std::move(arr)}};
+  if (entries->truncated) out["truncated"] = true;
+  return JsonResponse(200, std::move(out));
 }
 
 Response ApiService::QueryAudit(Request& req, const std::string& tenant) {

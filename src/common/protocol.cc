@@ -218,7 +218,8 @@ bool WriteFrame(int fd, const Frame& frame, std::string* error) {
   return true;
 }
 
-bool ReadFrame(int fd, Frame* frame, std::string* error, int64_t deadline_ms) {
+bool ReadFrame(int fd, Frame* frame, std::string* error, int64_t deadline_ms,
+               uint32_t max_frame_bytes) {
   char prefix[kPrefixBytes];
   if (!ReadFull(fd, prefix, sizeof prefix, deadline_ms, error)) return false;
   uint32_t length = GetU32(prefix);
@@ -226,12 +227,19 @@ bool ReadFrame(int fd, Frame* frame, std::string* error, int64_t deadline_ms) {
     if (error) *error = "frame too short";
     return false;
   }
-  if (length > kMaxFrameBytes) {
+  if (length > std::min(kMaxFrameBytes, max_frame_bytes)) {
     if (error) *error = "frame too large (" + std::to_string(length) + " bytes)";
     return false;
   }
-  std::string body(length, '\0');
-  if (!ReadFull(fd, body.data(), length, deadline_ms, error)) return false;
+  // SECURITY: memory follows the bytes received, not the length the peer announced.
+  constexpr size_t kStep = 256 * 1024;
+  std::string body;
+  while (body.size() < length) {
+    size_t have = body.size();
+    size_t next = std::min<size_t>(length, have < kStep ? kStep : have * 2);
+    body.resize(next);
+    if (!ReadFull(fd, body.data() + have, next - have, deadline_ms, error)) return false;
+  }
   std::string err = ParseBody(body, frame);
   if (!err.empty()) {
     if (error) *error = std::move(err);

@@ -82,6 +82,31 @@ absl::Status ErrnoNameStatus(std::string_view name, std::string_view message) {
   return absl::InternalError(std::string(message));
 }
 
+bool JsonShapeWithin(std::string_view text, size_t max_containers, size_t max_separators) {
+  size_t containers = 0, separators = 0;
+  bool in_string = false, escaped = false;
+  for (char c : text) {
+    if (in_string) {
+      if (escaped) {
+        escaped = false;
+      } else if (c == '\\') {
+        escaped = true;
+      } else if (c == '"') {
+        in_string = false;
+      }
+      continue;
+    }
+    if (c == '"') {
+      in_string = true;
+    } else if (c == '{' || c == '[') {
+      if (++containers > max_containers) return false;
+    } else if (c == ':' || c == ',') {
+      if (++separators > max_separators) return false;
+    }
+  }
+  return true;
+}
+
 std::string RandomHex(int bytes) {
   std::string raw(bytes, '\0');
   size_t got = 0;

@@ -27,6 +27,12 @@ absl::Status ErrnoNameStatus(std::string_view errno_name, std::string_view messa
 // Cryptographically random lowercase hex string of 2*bytes characters (getrandom).
 std::string RandomHex(int bytes);
 
+// True when JSON text has at most `max_containers` objects and arrays and at most
+// `max_separators` commas and colons outside strings. Parsed JSON costs up to ~40x its text
+// for values like `[{},{},...]`: text from an untrusted peer (a sandbox) is counted with this
+// before it is parsed, so the parse's memory is bounded by the counts, not the text's shape.
+bool JsonShapeWithin(std::string_view text, size_t max_containers, size_t max_separators);
+
 int64_t NowUnixMs();
 int64_t MonotonicMs();
 // RFC 3339 UTC with milliseconds: 2026-11-22T04:30:00.123Z

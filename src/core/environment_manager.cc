@@ -502,9 +502,9 @@ absl::StatusOr<FileChunk> EnvironmentManager::ReadFile(const std::string& tenant
   return (*env)->driver->ReadFile((*env)->ref, path, offset, length);
 }
 
-absl::StatusOr<std::vector<FileEntry>> EnvironmentManager::ListDir(const std::string& tenant,
-                                                                   const std::string& id,
-                                                                   const std::string& path) {
+absl::StatusOr<DirListing> EnvironmentManager::ListDir(const std::string& tenant,
+                                                      const std::string& id,
+                                                      const std::string& path) {
   auto env = Lookup(tenant, id);
   if (!env.ok()) return env.status();
   Touch(**env);

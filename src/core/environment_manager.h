@@ -83,8 +83,8 @@ class EnvironmentManager {
                          bool truncate);
   absl::StatusOr<FileChunk> ReadFile(const std::string& tenant, const std::string& id,
                                      const std::string& path, int64_t offset, int64_t length);
-  absl::StatusOr<std::vector<FileEntry>> ListDir(const std::string& tenant,
-                                                 const std::string& id, const std::string& path);
+  absl::StatusOr<DirListing> ListDir(const std::string& tenant, const std::string& id,
+                                     const std::string& path);
   absl::StatusOr<Usage> Stats(const std::string& tenant, const std::string& id);
   // Returns the driver and instance of a live environment, for driver-specific calls
   // (e.g. nano's Run). Marks the environment used.

@@ -49,9 +49,8 @@ class FakeDriver : public Driver {
                                      int64_t) override {
     return absl::NotFoundError("no such file");
   }
-  absl::StatusOr<std::vector<FileEntry>> ListDir(const InstanceRef&,
-                                                 const std::string&) override {
-    return std::vector<FileEntry>{};
+  absl::StatusOr<DirListing> ListDir(const InstanceRef&, const std::string&) override {
+    return DirListing{};
   }
   absl::StatusOr<Usage> Stats(const InstanceRef& ref) override {
     std::lock_guard<std::mutex> lock(mu);

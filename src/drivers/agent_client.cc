@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <memory>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -30,6 +31,33 @@ constexpr size_t kWriteChunk = 8 << 20;
 // Commands longer than this go in the request payload instead of the header.
 constexpr size_t kMaxCommandInHeader = 32 * 1024;
 
+// SECURITY: the agent lives inside the sandbox, and whatever answers on its socket is treated as
+// hostile. Every reply is refused past the size its op can legitimately need, so a lying peer
+// cannot make esbd allocate more than that per call.
+constexpr uint32_t kHelloFrameBytes = proto::FrameBytesFor(4096, 0);
+// The agent sends output in chunks of at most 64 KiB.
+constexpr uint32_t kMaxOutputPayload = 1 << 20;
+// Error messages from the agent end up in API answers and logs: keep them short.
+constexpr size_t kMaxAgentMessageBytes = 1024;
+// Parsing a listing of at most kMaxListPayloadBytes of real entries needs far less than this;
+// a payload of empty objects (`[{},{},...]`) runs out of it and is refused.
+constexpr size_t kListParseArenaBytes = 16 << 20;
+
+// The agent's message cut to kMaxAgentMessageBytes (at a UTF-8 boundary) with control
+// characters replaced: it is sandbox-controlled text on its way to API answers and logs.
+std::string BoundedMessage(std::string_view in) {
+  std::string out;
+  size_t n = std::min(in.size(), kMaxAgentMessageBytes);
+  while (n > 0 && n < in.size() && (static_cast<unsigned char>(in[n]) & 0xc0) == 0x80) --n;
+  out.reserve(n + 4);
+  for (size_t i = 0; i < n; ++i) {
+    unsigned char c = static_cast<unsigned char>(in[i]);
+    out.push_back(c < 0x20 || c == 0x7f ? '?' : static_cast<char>(c));
+  }
+  if (n < in.size()) out += "...";
+  return out;
+}
+
 // One request on a fresh connection: HELLO, REQUEST, OUTPUT*, RESPONSE.
 class Call {
  public:
@@ -38,7 +66,7 @@ class Call {
   absl::Status Start(int64_t deadline_ms) {
     proto::Frame hello;
     std::string error;
-    if (!proto::ReadFrame(fd_.get(), &hello, &error, deadline_ms)) {
+    if (!proto::ReadFrame(fd_.get(), &hello, &error, deadline_ms, kHelloFrameBytes)) {
       return TransportError("reading agent hello", error);
     }
     if (hello.type != proto::FrameType::kHello) {
@@ -59,10 +87,15 @@ class Call {
     return absl::OkStatus();
   }
 
-  // Reads frames until the RESPONSE; OUTPUT frames go to `on_output` (which may return
-  // false to stop: the call then returns Cancelled and the connection is closed).
+  // Reads frames until the RESPONSE, whose payload may be at most `max_payload` bytes (0 for
+  // header-only replies). OUTPUT frames (at most kMaxOutputPayload each) go to `on_output`,
+  // which may return false to stop: the call then returns Cancelled and the connection is
+  // closed. Without `on_output` an OUTPUT frame is a protocol violation.
   absl::StatusOr<proto::Frame> Receive(
-      int64_t deadline_ms, const std::function<bool(const proto::Frame&)>& on_output = nullptr) {
+      int64_t deadline_ms, uint32_t max_payload,
+      const std::function<bool(const proto::Frame&)>& on_output = nullptr) {
+    const uint32_t max_frame = proto::FrameBytesFor(
+        proto::kMaxHeaderBytes, on_output ? std::max(max_payload, kMaxOutputPayload) : max_payload);
     for (;;) {
       proto::Frame frame;
       std::string error;
@@ -83,18 +116,24 @@ class Call {
           continue;
         }
       }
-      if (!proto::ReadFrame(fd_.get(), &frame, &error, deadline_ms)) {
+      if (!proto::ReadFrame(fd_.get(), &frame, &error, deadline_ms, max_frame)) {
         return TransportError("reading agent response", error);
       }
       if (frame.type == proto::FrameType::kResponse) {
+        if (frame.payload.size() > max_payload) {
+          return absl::InternalError("agent protocol: oversized response");
+        }
         if (const json::value* ok = frame.header.if_contains("ok");
             ok && ok->is_bool() && ok->as_bool()) {
           return frame;
         }
         return ErrorFromResponse(frame.header);
       }
-      if (frame.type != proto::FrameType::kOutput) {
+      if (frame.type != proto::FrameType::kOutput || !on_output) {
         return absl::InternalError("agent protocol: unexpected frame type");
+      }
+      if (frame.payload.size() > kMaxOutputPayload) {
+        return absl::InternalError("agent protocol: oversized output frame");
       }
       if (on_output && !on_output(frame)) {
         fd_.reset();  // closing the connection makes the agent kill the process group
@@ -113,7 +152,7 @@ class Call {
     std::string message = "agent error";
     std::string name;
     if (const json::value* v = header.if_contains("error"); v && v->is_string()) {
-      message = std::string(v->as_string());
+      message = BoundedMessage(v->as_string());
     }
     if (const json::value* v = header.if_contains("errno"); v && v->is_string()) {
       name = std::string(v->as_string());
@@ -143,12 +182,16 @@ std::string StringField(const json::object& o, const char* key) {
   return v && v->is_string() ? std::string(v->as_string()) : std::string();
 }
 
+// An entry as the agent describes it, cut to what a real one can be: a name of at most
+// NAME_MAX bytes, one of the four types, no negative sizes.
 FileEntry EntryFrom(const json::object& o) {
   FileEntry e;
   e.name = StringField(o, "name");
+  if (e.name.size() > 255 * 3) e.name.resize(255 * 3);  // 255 bytes, each may become U+FFFD
   e.type = StringField(o, "type");
-  e.size = IntField(o, "size");
-  e.mode = static_cast<uint32_t>(IntField(o, "mode"));
+  if (e.type != "file" && e.type != "dir" && e.type != "symlink") e.type = "other";
+  e.size = std::max<int64_t>(IntField(o, "size"), 0);
+  e.mode = static_cast<uint32_t>(IntField(o, "mode")) & 07777;
   e.mtime_ms = IntField(o, "mtime_ms");
   return e;
 }
@@ -195,7 +238,7 @@ absl::Status AgentClient::Ping(int timeout_ms) {
   Call call(*fd);
   if (absl::Status s = call.Start(deadline); !s.ok()) return s;
   if (absl::Status s = call.Send({{"op", "ping"}}); !s.ok()) return s;
-  return call.Receive(deadline).status();
+  return call.Receive(deadline, 0).status();
 }
 
 absl::Status AgentClient::WaitReady(int timeout_ms) {
@@ -252,7 +295,7 @@ absl::StatusOr<ExecResult> AgentClient::Exec(const ExecRequest& request, const O
     buf.append(frame.payload, 0, std::min(room, frame.payload.size()));
     return !sink || sink(stream, frame.payload);  // empty payload: a liveness tick
   };
-  absl::StatusOr<proto::Frame> response = call.Receive(deadline, on_output);
+  absl::StatusOr<proto::Frame> response = call.Receive(deadline, 0, on_output);
   if (!response.ok()) return response.status();
   result.exit_code = static_cast<int>(IntField(response->header, "exit_code", -1));
   result.timed_out = BoolField(response->header, "timed_out");
@@ -279,7 +322,7 @@ absl::Status AgentClient::Write(const std::string& path, std::string_view data, 
     if (absl::Status s = call.Send(std::move(header), std::string(data.substr(done, n))); !s.ok()) {
       return s;
     }
-    if (absl::Status s = call.Receive(deadline).status(); !s.ok()) return s;
+    if (absl::Status s = call.Receive(deadline, 0).status(); !s.ok()) return s;
     done += n;
   } while (done < data.size());
   return absl::OkStatus();
@@ -299,38 +342,59 @@ absl::StatusOr<FileChunk> AgentClient::Read(const std::string& path, int64_t off
       !s.ok()) {
     return s;
   }
-  absl::StatusOr<proto::Frame> response = call.Receive(deadline);
+  absl::StatusOr<proto::Frame> response = call.Receive(deadline, static_cast<uint32_t>(length));
   if (!response.ok()) return response.status();
   FileChunk chunk;
   chunk.data = std::move(response->payload);
-  chunk.file_size = IntField(response->header, "size");
+  chunk.file_size = std::max<int64_t>(IntField(response->header, "size"), 0);
   chunk.eof = BoolField(response->header, "eof");
   return chunk;
 }
 
-absl::StatusOr<std::vector<FileEntry>> AgentClient::List(const std::string& path) {
+absl::StatusOr<DirListing> AgentClient::List(const std::string& path) {
   int64_t deadline = proto::MonotonicMs() + kShortOpTimeoutMs;
   absl::StatusOr<int> fd = connect_();
   if (!fd.ok()) return fd.status();
   Call call(*fd);
   if (absl::Status s = call.Start(deadline); !s.ok()) return s;
   if (absl::Status s = call.Send({{"op", "list"}, {"path", path}}); !s.ok()) return s;
-  absl::StatusOr<proto::Frame> response = call.Receive(deadline);
+  absl::StatusOr<proto::Frame> response = call.Receive(deadline, proto::kMaxListPayloadBytes);
   if (!response.ok()) return response.status();
-  json::array entries;
+  DirListing out;
+  out.truncated = BoolField(response->header, "truncated");
+  auto take = [&out](const json::array& entries) -> absl::Status {
+    if (entries.size() > proto::kMaxListEntries) {
+      return absl::InternalError("agent list: more entries than the protocol allows");
+    }
+    out.entries.reserve(entries.size());
+    for (const json::value& e : entries) {
+      if (e.is_object()) out.entries.push_back(EntryFrom(e.as_object()));
+    }
+    return absl::OkStatus();
+  };
   if (BoolField(response->header, "entries_in_payload")) {
     // Large listings travel in the payload (the header is capped at 64 KiB).
+    // SECURITY: a payload of millions of tiny values (`[{},{},...]`) would cost ~40x its size
+    // once parsed: count the values first, then parse into a fixed arena as a hard ceiling.
+    if (!JsonShapeWithin(response->payload, proto::kMaxListEntries + 1,
+                         (proto::kMaxListEntries + 1) * 16)) {
+      return absl::InternalError("agent list: more entries than the protocol allows");
+    }
+    std::unique_ptr<unsigned char[]> arena(new unsigned char[kListParseArenaBytes]);
+    json::static_resource mr(arena.get(), kListParseArenaBytes);
+    json::parse_options options;
+    options.max_depth = 4;
     boost::system::error_code ec;
-    json::value v = json::parse(response->payload, ec);
+    json::value v;
+    try {
+      v = json::parse(response->payload, ec, &mr, options);
+    } catch (const std::bad_alloc&) {
+      return absl::InternalError("agent list: entries payload too complex");
+    }
     if (ec || !v.is_array()) return absl::InternalError("agent list: bad entries payload");
-    entries = std::move(v.as_array());
+    if (absl::Status s = take(v.as_array()); !s.ok()) return s;
   } else if (const json::value* v = response->header.if_contains("entries"); v && v->is_array()) {
-    entries = v->as_array();
-  }
-  std::vector<FileEntry> out;
-  out.reserve(entries.size());
-  for (const json::value& e : entries) {
-    if (e.is_object()) out.push_back(EntryFrom(e.as_object()));
+    if (absl::Status s = take(v->as_array()); !s.ok()) return s;
   }
   return out;
 }
@@ -342,7 +406,7 @@ absl::StatusOr<FileEntry> AgentClient::Stat(const std::string& path) {
   Call call(*fd);
   if (absl::Status s = call.Start(deadline); !s.ok()) return s;
   if (absl::Status s = call.Send({{"op", "stat"}, {"path", path}}); !s.ok()) return s;
-  absl::StatusOr<proto::Frame> response = call.Receive(deadline);
+  absl::StatusOr<proto::Frame> response = call.Receive(deadline, 0);
   if (!response.ok()) return response.status();
   FileEntry entry = EntryFrom(response->header);
   size_t slash = path.find_last_of('/');
@@ -361,7 +425,7 @@ absl::Status AgentClient::Configure(const std::map<std::string, std::string>& en
   if (absl::Status s = call.Send({{"op", "configure"}, {"env", std::move(object)}}); !s.ok()) {
     return s;
   }
-  return call.Receive(deadline).status();
+  return call.Receive(deadline, 0).status();
 }
 
 }  // namespace esb

@@ -29,7 +29,7 @@ class AgentClient {
   absl::Status Write(const std::string& path, std::string_view data, int64_t offset,
                      bool truncate);
   absl::StatusOr<FileChunk> Read(const std::string& path, int64_t offset, int64_t length);
-  absl::StatusOr<std::vector<FileEntry>> List(const std::string& path);
+  absl::StatusOr<DirListing> List(const std::string& path);
   absl::StatusOr<FileEntry> Stat(const std::string& path);
   absl::Status Configure(const std::map<std::string, std::string>& env);
 

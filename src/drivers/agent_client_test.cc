@@ -322,8 +322,9 @@ TEST_F(AgentClientTest, ListAndStat) {
   ASSERT_TRUE(client_.Write("d/a.txt", "1", 0, true).ok());
   ASSERT_EQ(mkdir((agent_.workspace() + "/d/sub").c_str(), 0700), 0);
   ASSERT_EQ(symlink("a.txt", (agent_.workspace() + "/d/link").c_str()), 0);
-  absl::StatusOr<std::vector<FileEntry>> entries = client_.List("d");
-  ASSERT_TRUE(entries.ok()) << entries.status();
+  absl::StatusOr<DirListing> listing = client_.List("d");
+  ASSERT_TRUE(listing.ok()) << listing.status();
+  const std::vector<FileEntry>* entries = &listing->entries;
   ASSERT_EQ(entries->size(), 4u);
   EXPECT_EQ((*entries)[0].name, "a.txt");
   EXPECT_EQ((*entries)[1].name, "b.txt");
@@ -351,8 +352,9 @@ TEST_F(AgentClientTest, ListingSurvivesNonUtf8FileNames) {
   ASSERT_EQ(mkdir((agent_.workspace() + "/odd").c_str(), 0755), 0);
   std::ofstream(agent_.workspace() + "/odd/bad\xff\xfe.bin") << "x";
   std::ofstream(agent_.workspace() + "/odd/ok-\xc3\xa9.txt") << "y";
-  absl::StatusOr<std::vector<FileEntry>> entries = client_.List("odd");
-  ASSERT_TRUE(entries.ok()) << entries.status();
+  absl::StatusOr<DirListing> listing = client_.List("odd");
+  ASSERT_TRUE(listing.ok()) << listing.status();
+  const std::vector<FileEntry>* entries = &listing->entries;
   ASSERT_EQ(entries->size(), 2u);
   EXPECT_EQ((*entries)[0].name, "bad\xef\xbf\xbd\xef\xbf\xbd.bin");
   EXPECT_EQ((*entries)[1].name, "ok-\xc3\xa9.txt");
@@ -364,9 +366,10 @@ TEST_F(AgentClientTest, LargeDirectoryListing) {
                 "file-with-a-longish-name-$i; done")
                 .exit_code,
             0);
-  absl::StatusOr<std::vector<FileEntry>> entries = client_.List("many");
-  ASSERT_TRUE(entries.ok()) << entries.status();
-  EXPECT_EQ(entries->size(), 3000u);
+  absl::StatusOr<DirListing> listing = client_.List("many");
+  ASSERT_TRUE(listing.ok()) << listing.status();
+  EXPECT_EQ(listing->entries.size(), 3000u);
+  EXPECT_FALSE(listing->truncated);
 }
 
 TEST_F(AgentClientTest, LargeCommand) {

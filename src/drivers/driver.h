@@ -67,6 +67,13 @@ struct FileEntry {
   int64_t mtime_ms = 0;
 };
 
+// A directory's entries; `truncated` when the listing was cut at the protocol's limit
+// (proto::kMaxListEntries entries).
+struct DirListing {
+  std::vector<FileEntry> entries;
+  bool truncated = false;
+};
+
 struct FileChunk {
   std::string data;
   int64_t file_size = 0;  // size of the whole file
@@ -107,8 +114,7 @@ class Driver {
                                  std::string_view data, int64_t offset, bool truncate) = 0;
   virtual absl::StatusOr<FileChunk> ReadFile(const InstanceRef& ref, const std::string& path,
                                              int64_t offset, int64_t length) = 0;
-  virtual absl::StatusOr<std::vector<FileEntry>> ListDir(const InstanceRef& ref,
-                                                         const std::string& path) = 0;
+  virtual absl::StatusOr<DirListing> ListDir(const InstanceRef& ref, const std::string& path) = 0;
   virtual absl::StatusOr<Usage> Stats(const InstanceRef& ref) = 0;
   // Sets the base environment variables of an instance (used when a pooled instance is
   // handed to a request with its own `env`).

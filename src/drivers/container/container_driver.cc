@@ -287,8 +287,7 @@ class ContainerDriver : public Driver {
     ESB_RETURN_IF_ERROR(ValidateId(ref.id));
     return Agent(ref).Read(path, offset, length);
   }
-  absl::StatusOr<std::vector<FileEntry>> ListDir(const InstanceRef& ref,
-                                                 const std::string& path) override {
+  absl::StatusOr<DirListing> ListDir(const InstanceRef& ref, const std::string& path) override {
     ESB_RETURN_IF_ERROR(ValidateId(ref.id));
     return Agent(ref).List(path);
   }

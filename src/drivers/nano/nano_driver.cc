@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "common/protocol.h"
 #include "common/util.h"
 #include "drivers/nano/wire.h"
 
@@ -577,8 +578,7 @@ absl::StatusOr<FileChunk> NanoDriver::ReadFile(const InstanceRef& ref, const std
   return chunk;
 }
 
-absl::StatusOr<std::vector<FileEntry>> NanoDriver::ListDir(const InstanceRef& ref,
-                                                           const std::string& path) {
+absl::StatusOr<DirListing> NanoDriver::ListDir(const InstanceRef& ref, const std::string& path) {
   absl::StatusOr<std::shared_ptr<Session>> s = GetSession(ref);
   if (!s.ok()) return s.status();
   std::lock_guard<std::mutex> lock((*s)->mu);
@@ -587,16 +587,28 @@ absl::StatusOr<std::vector<FileEntry>> NanoDriver::ListDir(const InstanceRef& re
                                  kControlTimeoutMs);
   if (!rep.ok()) return rep.status();
   if (absl::Status st = ReplyStatus(*rep, absl::StrCat("list ", path)); !st.ok()) return st;
-  std::vector<std::string> f = absl::StrSplit(GetStr(*rep, "entries"), '\0');
-  std::vector<FileEntry> out;
-  for (size_t i = 0; i + 5 <= f.size(); i += 5) {
+  // Fields come in fives: name, type, size, mtime_ms, w|r. Walked lazily, so a worker that
+  // sends millions of empty fields costs nothing beyond its message.
+  DirListing out;
+  std::string fields[5];
+  int n = 0;
+  const std::string entries = GetStr(*rep, "entries");
+  for (absl::string_view piece : absl::StrSplit(entries, '\0')) {
+    fields[n++] = std::string(piece.substr(0, 1024));
+    if (n < 5) continue;
+    n = 0;
+    // SECURITY: the worker runs guest code; its listing is cut at the protocol's limit.
+    if (out.entries.size() >= proto::kMaxListEntries) {
+      out.truncated = true;
+      break;
+    }
     FileEntry e;
-    e.name = f[i];
-    e.type = f[i + 1];
-    e.size = std::strtoll(f[i + 2].c_str(), nullptr, 10);
-    e.mtime_ms = std::strtoll(f[i + 3].c_str(), nullptr, 10);
-    e.mode = e.type == "dir" ? (f[i + 4] == "w" ? 0755 : 0555) : (f[i + 4] == "w" ? 0644 : 0444);
-    out.push_back(std::move(e));
+    e.name = fields[0];
+    e.type = fields[1];
+    e.size = std::strtoll(fields[2].c_str(), nullptr, 10);
+    e.mtime_ms = std::strtoll(fields[3].c_str(), nullptr, 10);
+    e.mode = e.type == "dir" ? (fields[4] == "w" ? 0755 : 0555) : (fields[4] == "w" ? 0644 : 0444);
+    out.entries.push_back(std::move(e));
   }
   return out;
 }

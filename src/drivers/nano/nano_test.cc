@@ -529,10 +529,11 @@ TEST_F(NanoDriverTest, SessionFilesAndLifecycle) {
   EXPECT_EQ(chunk->data, "data");
   EXPECT_EQ(chunk->file_size, 10);
   EXPECT_TRUE(chunk->eof);
-  absl::StatusOr<std::vector<FileEntry>> ls = driver_->ListDir(*ref, "/workspace");
+  absl::StatusOr<DirListing> ls = driver_->ListDir(*ref, "/workspace");
   ASSERT_TRUE(ls.ok());
+  EXPECT_FALSE(ls->truncated);
   std::vector<std::string> names;
-  for (const auto& e : *ls) names.push_back(e.name + ":" + e.type);
+  for (const auto& e : ls->entries) names.push_back(e.name + ":" + e.type);
   EXPECT_EQ(names, (std::vector<std::string>{"dir:dir", "out.txt:file"}));
   // Errors: missing file, read-only tree, escape, cap.
   EXPECT_EQ(driver_->ReadFile(*ref, "nope", 0, -1).status().code(), absl::StatusCode::kNotFound);

@@ -86,6 +86,9 @@ bool DecodeMsg(const std::string& body, Msg* msg) {
   };
   while (pos < body.size()) {
     std::string k, v;
+    // SECURITY: workers run guest code; a frame of millions of tiny fields would cost ~50x its
+    // size in map nodes. Real messages have a handful of fields.
+    if (msg->size() >= kMaxMsgFields) return false;
     if (!take(&k) || !take(&v)) return false;
     (*msg)[std::move(k)] = std::move(v);
   }
@@ -169,8 +172,18 @@ bool RecvMsg(int fd, Msg* msg, int* got_fd, int64_t deadline_ms, bool* timed_out
   uint32_t len;
   std::memcpy(&len, hdr, 4);
   if (len > kMaxMsgBytes) return false;
-  std::string body(len, '\0');
-  if (!ReadFull(fd, body.data(), len, deadline_ms, timed_out)) return false;
+  // SECURITY: the worker runs guest code; memory follows the bytes it actually sends, not the
+  // length it announces.
+  constexpr size_t kStep = 256 * 1024;
+  std::string body;
+  while (body.size() < len) {
+    size_t have_body = body.size();
+    size_t next = std::min<size_t>(len, have_body < kStep ? kStep : have_body * 2);
+    body.resize(next);
+    if (!ReadFull(fd, body.data() + have_body, next - have_body, deadline_ms, timed_out)) {
+      return false;
+    }
+  }
   return DecodeMsg(body, msg);
 }
 

@@ -13,6 +13,7 @@ namespace esb::nano {
 using Msg = std::map<std::string, std::string>;
 
 inline constexpr uint32_t kMaxMsgBytes = 80u << 20;
+inline constexpr size_t kMaxMsgFields = 256;
 
 std::string EncodeMsg(const Msg& msg);
 bool DecodeMsg(const std::string& body, Msg* msg);

@@ -1,0 +1,257 @@
+// AgentClient against a lying agent. Whatever answers on the agent's socket lives inside the
+// sandbox, so every reply is hostile input: these tests play a peer that answers with
+// oversized, amplifying or malformed frames and assert esbd refuses them without spending
+// memory or time on them.
+#include <gtest/gtest.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <fstream>
+#include <functional>
+#include <string>
+#include <thread>
+
+#include "common/protocol.h"
+#include "drivers/agent_client.h"
+
+namespace esb {
+namespace {
+
+namespace json = boost::json;
+
+// Encodes a frame by hand so a test can announce lengths the real encoder would refuse.
+std::string RawFrame(proto::FrameType type, const std::string& header, const std::string& payload,
+                     uint32_t announced_length = 0) {
+  uint32_t length = announced_length ? announced_length
+                                     : static_cast<uint32_t>(1 + 4 + header.size() + payload.size());
+  std::string out;
+  for (int shift : {24, 16, 8, 0}) out.push_back(static_cast<char>((length >> shift) & 0xff));
+  out.push_back(static_cast<char>(type));
+  uint32_t hl = static_cast<uint32_t>(header.size());
+  for (int shift : {24, 16, 8, 0}) out.push_back(static_cast<char>((hl >> shift) & 0xff));
+  return out + header + payload;
+}
+
+std::string Hello() {
+  return RawFrame(proto::FrameType::kHello, R"({"agent":"esb-agent","version":1,"pid":1})", "");
+}
+
+bool WriteAll(int fd, const std::string& data) {
+  size_t done = 0;
+  while (done < data.size()) {
+    ssize_t n = ::send(fd, data.data() + done, data.size() - done, MSG_NOSIGNAL);
+    if (n <= 0) return false;
+    done += static_cast<size_t>(n);
+  }
+  return true;
+}
+
+// A fake agent: each connection gets a socketpair whose far end is served by `script`
+// (which reads the request and writes whatever it likes) on its own thread.
+class LyingAgent {
+ public:
+  using Script = std::function<void(int fd)>;
+  explicit LyingAgent(Script script) : script_(std::move(script)) {}
+  ~LyingAgent() {
+    for (std::thread& t : threads_) t.join();
+  }
+  AgentClient Client() {
+    return AgentClient([this]() -> absl::StatusOr<int> {
+      int sv[2];
+      if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) {
+        return absl::InternalError("socketpair");
+      }
+      threads_.emplace_back([this, fd = sv[1]] {
+        script_(fd);
+        ::close(fd);
+      });
+      return sv[0];
+    });
+  }
+
+ private:
+  Script script_;
+  std::vector<std::thread> threads_;
+};
+
+// Reads the client's request so the reply comes after it (as the real agent's would).
+void ReadRequest(int fd) {
+  proto::Frame request;
+  std::string error;
+  proto::ReadFrame(fd, &request, &error, proto::MonotonicMs() + 5000);
+}
+
+int64_t StatusKb(const char* field) {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind(field, 0) == 0) return std::stoll(line.substr(strlen(field) + 1));
+  }
+  return -1;
+}
+
+// Resets the peak-RSS counter (VmHWM) so a test can measure its own peak.
+void ResetPeakRss() { std::ofstream("/proc/self/clear_refs") << "5"; }
+
+TEST(LyingAgentTest, ListOfMillionsOfEmptyObjectsIsRefusedWithoutAmplification) {
+  // The attack from the hardening issue: a 4 MiB payload of `[{},{},...]` made esbd build a
+  // 112 MB answer with 1.4 M entries and grow by ~900 MiB.
+  std::string payload = "[";
+  while (payload.size() < proto::kMaxListPayloadBytes - 8) payload += "{},";
+  payload += "{}]";
+  LyingAgent agent([&](int fd) {
+    WriteAll(fd, Hello());
+    ReadRequest(fd);
+    WriteAll(fd, RawFrame(proto::FrameType::kResponse,
+                          R"({"ok":true,"path":"/workspace","entries_in_payload":true})", payload));
+  });
+  AgentClient client = agent.Client();
+  ResetPeakRss();
+  const int64_t rss_before = StatusKb("VmRSS:");
+  absl::StatusOr<DirListing> listing = client.List(".");
+  const int64_t peak = StatusKb("VmHWM:");
+  EXPECT_FALSE(listing.ok());
+  EXPECT_EQ(listing.status().code(), absl::StatusCode::kInternal) << listing.status();
+  // The payload itself (4 MiB) is read; nothing near the 40x of a parsed array may follow.
+  EXPECT_LT(peak - rss_before, 24 * 1024) << "peak RSS grew by " << (peak - rss_before) << " KiB";
+}
+
+TEST(LyingAgentTest, ListBeyondTheEntryLimitIsRefused) {
+  std::string entry = R"({"name":"f","type":"file","size":1,"mode":420,"mtime_ms":0})";
+  std::string payload = "[";
+  for (size_t i = 0; i <= proto::kMaxListEntries; ++i) payload += (i ? "," : "") + entry;
+  payload += "]";
+  LyingAgent agent([&](int fd) {
+    WriteAll(fd, Hello());
+    ReadRequest(fd);
+    WriteAll(fd, RawFrame(proto::FrameType::kResponse,
+                          R"({"ok":true,"path":"/workspace","entries_in_payload":true})", payload));
+  });
+  AgentClient client = agent.Client();
+  EXPECT_FALSE(client.List(".").ok());
+}
+
+TEST(LyingAgentTest, ListEntriesAreCutToWhatARealEntryCanBe) {
+  std::string payload = R"([{"name":")" + std::string(100000, 'n') +
+                        R"(","type":"char-device","size":-5,"mode":1048575,"mtime_ms":1}])";
+  LyingAgent agent([&](int fd) {
+    WriteAll(fd, Hello());
+    ReadRequest(fd);
+    WriteAll(fd, RawFrame(proto::FrameType::kResponse,
+                          R"({"ok":true,"path":"/x","entries_in_payload":true,"truncated":true})",
+                          payload));
+  });
+  AgentClient client = agent.Client();
+  absl::StatusOr<DirListing> listing = client.List(".");
+  ASSERT_TRUE(listing.ok()) << listing.status();
+  ASSERT_EQ(listing->entries.size(), 1u);
+  EXPECT_TRUE(listing->truncated);
+  EXPECT_LE(listing->entries[0].name.size(), 765u);
+  EXPECT_EQ(listing->entries[0].type, "other");
+  EXPECT_EQ(listing->entries[0].size, 0);
+  EXPECT_EQ(listing->entries[0].mode, 07777u);
+}
+
+TEST(LyingAgentTest, OversizedFrameForAHeaderOnlyReplyIsRefusedBeforeReading) {
+  // Announces a 16 MiB RESPONSE to a ping and then sends nothing: the client must refuse the
+  // length at once instead of allocating it and waiting for the bytes.
+  LyingAgent agent([&](int fd) {
+    WriteAll(fd, Hello());
+    ReadRequest(fd);
+    WriteAll(fd, RawFrame(proto::FrameType::kResponse, R"({"ok":true})", "",
+                          proto::kMaxFrameBytes));
+    std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  });
+  AgentClient client = agent.Client();
+  auto start = std::chrono::steady_clock::now();
+  absl::Status s = client.Ping(10000);
+  EXPECT_FALSE(s.ok());
+  EXPECT_NE(std::string(s.message()).find("too large"), std::string::npos) << s;
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(1000));
+}
+
+TEST(LyingAgentTest, ReadReplyLargerThanRequestedIsRefused) {
+  LyingAgent agent([&](int fd) {
+    WriteAll(fd, Hello());
+    ReadRequest(fd);
+    WriteAll(fd, RawFrame(proto::FrameType::kResponse, R"({"ok":true,"size":5,"eof":true})",
+                          std::string(4096, 'x')));
+  });
+  AgentClient client = agent.Client();
+  EXPECT_FALSE(client.Read("f", 0, 100).ok());
+}
+
+TEST(LyingAgentTest, HugeHelloIsRefused) {
+  LyingAgent agent([&](int fd) {
+    WriteAll(fd, RawFrame(proto::FrameType::kHello,
+                          R"({"agent":"esb-agent","pad":")" + std::string(60000, 'p') + R"("})",
+                          ""));
+  });
+  AgentClient client = agent.Client();
+  EXPECT_FALSE(client.Ping(2000).ok());
+}
+
+TEST(LyingAgentTest, OutputFramesLargerThanTheAgentSendsAreRefused) {
+  LyingAgent agent([&](int fd) {
+    WriteAll(fd, Hello());
+    ReadRequest(fd);
+    WriteAll(fd, RawFrame(proto::FrameType::kOutput, R"({"stream":"stdout"})",
+                          std::string((1 << 20) + 1, 'o')));
+  });
+  AgentClient client = agent.Client();
+  ExecRequest request;
+  request.command = "true";
+  request.timeout = std::chrono::milliseconds(2000);
+  request.max_output_bytes = 1 << 20;
+  absl::StatusOr<ExecResult> r = client.Exec(request, nullptr);
+  EXPECT_FALSE(r.ok());
+}
+
+TEST(LyingAgentTest, OutputFrameOnANonExecCallIsAProtocolError) {
+  LyingAgent agent([&](int fd) {
+    WriteAll(fd, Hello());
+    ReadRequest(fd);
+    WriteAll(fd, RawFrame(proto::FrameType::kOutput, R"({"stream":"stdout"})", "x"));
+  });
+  AgentClient client = agent.Client();
+  EXPECT_EQ(client.Ping(2000).code(), absl::StatusCode::kInternal);
+}
+
+TEST(LyingAgentTest, ErrorMessagesAreCutAndControlCharactersReplaced) {
+  std::string message = "\x1b[31mred\n" + std::string(60000, 'm');
+  LyingAgent agent([&](int fd) {
+    WriteAll(fd, Hello());
+    ReadRequest(fd);
+    json::object header{{"ok", false}, {"error", message}, {"errno", "ENOENT"}};
+    WriteAll(fd, RawFrame(proto::FrameType::kResponse, json::serialize(header), ""));
+  });
+  AgentClient client = agent.Client();
+  absl::StatusOr<FileEntry> st = client.Stat("x");
+  ASSERT_EQ(st.status().code(), absl::StatusCode::kNotFound);
+  std::string got(st.status().message());
+  EXPECT_LE(got.size(), 1100u);
+  EXPECT_EQ(got.find('\x1b'), std::string::npos);
+  EXPECT_EQ(got.find('\n'), std::string::npos);
+}
+
+TEST(LyingAgentTest, AnnouncedLengthIsNotAllocatedUpFront) {
+  // proto::ReadFrame on its own: a peer announcing the maximum frame and sending 10 bytes
+  // costs about those bytes until the deadline, not 16 MiB.
+  int sv[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+  std::string bytes = RawFrame(proto::FrameType::kResponse, "{}", "", proto::kMaxFrameBytes);
+  ASSERT_TRUE(WriteAll(sv[1], bytes + "0123456789"));
+  ResetPeakRss();
+  const int64_t rss_before = StatusKb("VmRSS:");
+  proto::Frame frame;
+  std::string error;
+  EXPECT_FALSE(proto::ReadFrame(sv[0], &frame, &error, proto::MonotonicMs() + 300));
+  EXPECT_EQ(error, "timed out");
+  EXPECT_LT(StatusKb("VmHWM:") - rss_before, 4 * 1024);
+  ::close(sv[0]);
+  ::close(sv[1]);
+}
+
+}  // namespace
+}  // namespace esb
