@@ -140,6 +140,7 @@ constexpr int kDeleteBatch = 2000;
 // A kind of suppressed audit event is summarised at most this long after its first one.
 constexpr int64_t kSuppressFlushMs = 10000;
 constexpr int64_t kRetentionIntervalMs = 60000;
+constexpr int kRetentionBatchesPerCall = 5;
 // Distinct (action, status) kinds counted per tenant while over the rate; beyond: one bucket.
 constexpr size_t kMaxSuppressedKinds = 32;
 
@@ -754,7 +755,8 @@ class SqliteStore final : public Store {
         if (absl::Status s = FlushSuppressed(tenant, t); !s.ok()) return s;
       }
     }
-    if (last_retention_ms_ != 0 && now - last_retention_ms_ < kRetentionIntervalMs) {
+    if (!retention_backlog_ && last_retention_ms_ != 0 &&
+        now - last_retention_ms_ < kRetentionIntervalMs) {
       return absl::OkStatus();
     }
     last_retention_ms_ = now;
@@ -878,16 +880,22 @@ class SqliteStore final : public Store {
     return absl::OkStatus();
   }
 
-  // Deletes audit rows and destroyed environments older than `cutoff_ms`, in short batches.
-  // Caller holds mu_.
+  // Deletes audit rows and destroyed environments older than `cutoff_ms`, in short batches, a
+  // few per call so that the writer mutex is never held long; a backlog (e.g. the first start
+  // after retention was shortened) is worked off on the following ticks. Caller holds mu_.
   absl::Status ApplyRetention(int64_t cutoff_ms) {
+    retention_backlog_ = false;
     const char* kDeletes[] = {
         "DELETE FROM audit WHERE id IN (SELECT id FROM audit WHERE time_ms < ?1 LIMIT ?2)",
         "DELETE FROM environments WHERE id IN (SELECT id FROM environments "
         "WHERE state = 'destroyed' AND destroyed_ms < ?1 LIMIT ?2)"};
     int64_t audit_deleted = 0;
     for (const char* sql : kDeletes) {
-      for (int round = 0; round < 50; ++round) {  // the rest waits for the next call
+      for (int round = 0;; ++round) {
+        if (round == kRetentionBatchesPerCall) {
+          retention_backlog_ = true;  // the rest on the next call
+          break;
+        }
         auto stmt = Prepare(sql);
         if (!stmt.ok()) return stmt.status();
         stmt->Bind(1, cutoff_ms).Bind(2, kDeleteBatch);
@@ -999,6 +1007,7 @@ class SqliteStore final : public Store {
   Conn writer_;
   std::map<std::string, TenantAudit> tenants_;
   int64_t last_retention_ms_ = 0;
+  bool retention_backlog_ = false;  // the last retention pass stopped at its batch limit
 
   // Read-only connections for audit searches; guarded by readers_mu_.
   std::vector<std::unique_ptr<Conn>> readers_;
