@@ -135,12 +135,13 @@ constexpr int kBusyTimeoutMs = 5000;
 // Stored caps of the audit fields a caller (URL path, request) can make long.
 constexpr size_t kMaxActionBytes = 64;
 constexpr size_t kMaxEnvironmentIdBytes = 64;
-// Rows deleted per statement by retention and row caps (keeps each write transaction short).
-constexpr int kDeleteBatch = 2000;
+// Rows deleted per statement by retention and row caps: each deletes its FTS rows too, and
+// holds the writer mutex meanwhile, so keep it short (~tens of ms).
+constexpr int kDeleteBatch = 500;
 // A kind of suppressed audit event is summarised at most this long after its first one.
 constexpr int64_t kSuppressFlushMs = 10000;
 constexpr int64_t kRetentionIntervalMs = 60000;
-constexpr int kRetentionBatchesPerCall = 5;
+constexpr int kRetentionBatchesPerCall = 2;
 // Distinct (action, status) kinds counted per tenant while over the rate; beyond: one bucket.
 constexpr size_t kMaxSuppressedKinds = 32;
 
@@ -866,10 +867,12 @@ class SqliteStore final : public Store {
       ++t.rows;
     }
     if (t.rows <= options_.max_audit_rows_per_tenant) return absl::OkStatus();
-    // Over the cap: drop the oldest 5% (at least one row), so the delete is rare and short.
-    const int64_t batch = std::max<int64_t>(
-        t.rows - options_.max_audit_rows_per_tenant,
-        std::max<int64_t>(1, options_.max_audit_rows_per_tenant / 20));
+    // Over the cap: drop the oldest 5% (at least one row, at most one short batch), so the
+    // delete is rare and short; a larger excess (a lowered cap) goes batch by batch.
+    const int64_t batch = std::clamp<int64_t>(
+        std::max(t.rows - options_.max_audit_rows_per_tenant,
+                 options_.max_audit_rows_per_tenant / 20),
+        1, kDeleteBatch);
     auto del = Prepare(
         "DELETE FROM audit WHERE id IN (SELECT id FROM audit WHERE tenant = ?1 "
         "ORDER BY time_ms, id LIMIT ?2)");

@@ -465,7 +465,10 @@ TEST_F(ApiTest, OneTenantsExpensiveAuditSearchLoopDoesNotStallAnotherTenant) {
       e.tenant = "evil";
       e.action = "files.read";
       e.status = 404;
-      e.time_ms = 1'700'000'000'000 + i;
+      // Recent (inside retention), as an attacker's own rows would be.
+      e.time_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                      std::chrono::system_clock::now().time_since_epoch())
+                      .count() - 10'000 + i;
       static const char* kStarts[] = {"abc", "abd", "abe", "xyz"};
       for (int w = 0; e.detail.size() < 1000; ++w)
         e.detail += absl::StrCat(kStarts[w % 4], i * 131 + w * 7919, " ");
@@ -513,7 +516,9 @@ TEST_F(ApiTest, OneTenantsExpensiveAuditSearchLoopDoesNotStallAnotherTenant) {
   }
   stop = true;
   for (auto& t : attackers) t.join();
-  std::cout << "victim GET /environments median " << MedianMs(victim) << " ms, max "
+  std::sort(victim.begin(), victim.end());
+  std::cout << "victim GET /environments median " << MedianMs(victim) << " ms, p90 "
+            << victim[victim.size() * 9 / 10] << " ms, max "
             << *std::max_element(victim.begin(), victim.end()) << " ms; attacker: " << cut_off
             << " cut off (503), " << answered << " answered, " << other
             << " other; slowest attack request " << slowest_attack_ms << " ms\n";
