@@ -396,9 +396,11 @@ class SqliteStore final : public Store {
     if (is_file) {
       absl::StatusOr<std::string> mode = QueryText("PRAGMA journal_mode=WAL");
       if (!mode.ok()) return mode.status();
-      if (absl::AsciiStrToLower(*mode) != "wal") {
+      wal_ = absl::AsciiStrToLower(*mode) == "wal";
+      if (!wal_) {
         LogWarn(absl::StrCat("storage: SQLite refused WAL mode (journal_mode=", *mode,
-                             "); continuing with the rollback journal"));
+                             "); continuing with the rollback journal (audit searches share "
+                             "the writer's connection)"));
       }
     }
     if (auto s = Exec("PRAGMA synchronous=NORMAL; PRAGMA foreign_keys=ON;"); !s.ok()) return s;
@@ -407,6 +409,8 @@ class SqliteStore final : public Store {
 
   // Opens the read-only connections audit searches use (after Init: the schema exists).
   absl::Status OpenReaders(const std::string& path) {
+    // Without WAL a reader's shared lock would block the writer: then there are none.
+    if (!wal_) return absl::OkStatus();
     for (int i = 0; i < options_.audit_readers; ++i) {
       sqlite3* db = nullptr;
       int rc = sqlite3_open_v2(path.c_str(), &db,
@@ -1010,6 +1014,7 @@ class SqliteStore final : public Store {
   Conn writer_;
   std::map<std::string, TenantAudit> tenants_;
   int64_t last_retention_ms_ = 0;
+  bool wal_ = false;
   bool retention_backlog_ = false;  // the last retention pass stopped at its batch limit
 
   // Read-only connections for audit searches; guarded by readers_mu_.
