@@ -110,7 +110,7 @@ void ApiService::Audit(const std::string& tenant, const std::string& env_id,
   e.tenant = tenant;
   e.environment_id = env_id;
   e.action = action;
-  e.detail = detail.size() > 8192 ? detail.substr(0, 8192) + "…" : detail;
+  e.detail = detail;  // the store caps stored fields (and marks the cut): one place
   e.exit_code = exit_code;
   e.duration_ms = duration_ms;
   e.bytes = bytes;
@@ -646,8 +646,9 @@ Response ApiService::QueryAudit(Request& req, const std::string& tenant) {
   if (auto limit = req.Query("limit")) {
     char* end = nullptr;
     long n = std::strtol(limit->c_str(), &end, 10);
-    if (limit->empty() || *end != '\0' || n < 1 || n > 1000)
-      return ErrorResponse(400, "bad_request", "'limit' must be an integer in 1..1000");
+    if (limit->empty() || *end != '\0' || n < 1 || n > kMaxAuditLimit)
+      return ErrorResponse(400, "bad_request",
+                           absl::StrCat("'limit' must be an integer in 1..", kMaxAuditLimit));
     q.limit = static_cast<int>(n);
   }
   auto entries = store_->QueryAudit(q);

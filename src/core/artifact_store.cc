@@ -90,6 +90,7 @@ absl::StatusOr<std::unique_ptr<ArtifactStore>> ArtifactStore::Open(const Options
       continue;
     }
     store->tenant_bytes_[m.tenant] += m.size;
+    store->tenant_count_[m.tenant] += 1;
     store->by_id_[id] = std::move(m);
   }
   std::vector<const ArtifactMeta*> loaded;
@@ -120,8 +121,11 @@ absl::StatusOr<ArtifactMeta> ArtifactStore::Put(ArtifactMeta meta, std::string_v
   auto reserve = [&]() -> bool {
     std::lock_guard<std::mutex> lock(mu_);
     int64_t& used = tenant_bytes_[meta.tenant];
-    if (used + size > options_.max_tenant_bytes) return false;
+    int64_t& count = tenant_count_[meta.tenant];
+    if (used + size > options_.max_tenant_bytes || count >= options_.max_tenant_artifacts)
+      return false;
     used += size;  // reserved now, so concurrent Puts cannot overshoot together
+    ++count;
     return true;
   };
   if (!reserve()) {
@@ -129,8 +133,9 @@ absl::StatusOr<ArtifactMeta> ArtifactStore::Put(ArtifactMeta meta, std::string_v
     if (!reserve()) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "artifact '", meta.name, "' not kept: the tenant's artifacts already use ",
-          TenantBytes(meta.tenant), " of ", options_.max_tenant_bytes,
-          " bytes (they expire after ", options_.ttl_s, " s)"));
+          TenantBytes(meta.tenant), " of ", options_.max_tenant_bytes, " bytes or ",
+          options_.max_tenant_artifacts, " artifacts (they expire after ", options_.ttl_s,
+          " s)"));
     }
   }
   absl::Status st = WriteStringToFile(PathOf(meta.id, "bin"), data, 0600);
@@ -138,6 +143,7 @@ absl::StatusOr<ArtifactMeta> ArtifactStore::Put(ArtifactMeta meta, std::string_v
   std::lock_guard<std::mutex> lock(mu_);
   if (!st.ok()) {
     tenant_bytes_[meta.tenant] -= size;
+    tenant_count_[meta.tenant] -= 1;
     ::unlink(PathOf(meta.id, "bin").c_str());
     return st;
   }
@@ -188,6 +194,7 @@ void ArtifactStore::RemoveLocked(const std::string& id) {
   auto it = by_id_.find(id);
   if (it == by_id_.end()) return;
   tenant_bytes_[it->second.tenant] -= it->second.size;
+  tenant_count_[it->second.tenant] -= 1;
   ::unlink(PathOf(id, "json").c_str());
   ::unlink(PathOf(id, "bin").c_str());
   by_id_.erase(it);

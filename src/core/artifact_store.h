@@ -44,6 +44,8 @@ class ArtifactStore {
     std::string dir;
     int64_t max_artifact_bytes = 32ll << 20;
     int64_t max_tenant_bytes = 1ll << 30;
+    // Empty artifacts cost no bytes but a file pair and an index entry each: count them too.
+    int64_t max_tenant_artifacts = 10000;
     int64_t ttl_s = 24 * 3600;
   };
 
@@ -81,6 +83,7 @@ class ArtifactStore {
   uint64_t next_order_ = 0;
   int64_t last_sweep_ms_ = 0;
   std::map<std::string, int64_t> tenant_bytes_;
+  std::map<std::string, int64_t> tenant_count_;
 };
 
 }  // namespace esb

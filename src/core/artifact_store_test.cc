@@ -160,6 +160,26 @@ TEST_F(ArtifactStoreTest, PutSweepsExpiredArtifactsBeforeRefusingForQuota) {
   EXPECT_NE(::stat((options_.dir + "/" + first->id + ".bin").c_str(), &st), 0);
 }
 
+TEST_F(ArtifactStoreTest, ManyEmptyArtifactsHitTheTenantCountCap) {
+  options_.max_tenant_artifacts = 50;
+  auto store = ArtifactStore::Open(options_);
+  ASSERT_TRUE(store.ok());
+  int kept = 0;
+  for (int i = 0; i < 200; ++i) {
+    auto r = (*store)->Put(Meta("t1", "e", "empty"), "");
+    if (r.ok()) ++kept;
+    else EXPECT_TRUE(absl::IsResourceExhausted(r.status())) << r.status();
+  }
+  EXPECT_EQ(kept, 50) << "zero-byte artifacts must not be free";
+  EXPECT_TRUE((*store)->Put(Meta("t2", "e", "other"), "").ok()) << "per tenant";
+  size_t files = 0;
+  for (const auto& e : std::filesystem::directory_iterator(options_.dir)) {
+    (void)e;
+    ++files;
+  }
+  EXPECT_EQ(files, 2u * 51u);
+}
+
 TEST_F(ArtifactStoreTest, ConcurrentPutsRespectTheTenantQuota) {
   options_.max_tenant_bytes = 100;
   auto store = ArtifactStore::Open(options_);

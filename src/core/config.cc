@@ -105,6 +105,32 @@ absl::Status ParseArtifacts(const json::value& v, ArtifactsConfig* a) {
   return absl::OkStatus();
 }
 
+absl::Status ParseAudit(const json::value& v, AuditConfig* a) {
+  if (!v.is_object()) return TypeError("audit", "an object");
+  for (const auto& kv : v.as_object()) {
+    std::string key = absl::StrCat("audit.", std::string(kv.key()));
+    absl::Status st;
+    if (kv.key() == "retention_days") st = GetInt(kv.value(), key, &a->retention_days);
+    else if (kv.key() == "max_rows_per_tenant") st = GetInt(kv.value(), key, &a->max_rows_per_tenant);
+    else if (kv.key() == "rate_per_second") st = GetInt(kv.value(), key, &a->rate_per_second);
+    else if (kv.key() == "burst") st = GetInt(kv.value(), key, &a->burst);
+    else if (kv.key() == "max_detail_bytes") st = GetInt(kv.value(), key, &a->max_detail_bytes);
+    else if (kv.key() == "query_timeout_ms") st = GetInt(kv.value(), key, &a->query_timeout_ms);
+    else return absl::InvalidArgumentError(absl::StrCat("config: unknown key '", key, "'"));
+    if (!st.ok()) return st;
+  }
+  // Zero would switch the log (or searches) off entirely: never what an operator means.
+  if (a->retention_days < 1) return TypeError("audit.retention_days", "1 or more");
+  if (a->max_rows_per_tenant < 100) return TypeError("audit.max_rows_per_tenant", "100 or more");
+  if (a->rate_per_second < 1) return TypeError("audit.rate_per_second", "1 or more");
+  if (a->burst < 1) return TypeError("audit.burst", "1 or more");
+  if (a->max_detail_bytes < 64 || a->max_detail_bytes > 65536)
+    return TypeError("audit.max_detail_bytes", "64..65536");
+  if (a->query_timeout_ms < 10 || a->query_timeout_ms > 60000)
+    return TypeError("audit.query_timeout_ms", "10..60000");
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status LoadConfigFile(const std::string& path, DaemonConfig* c) {
@@ -141,6 +167,7 @@ absl::Status LoadConfigFile(const std::string& path, DaemonConfig* c) {
     else if (key == "defaults") st = ParseDefaults(v, &c->defaults);
     else if (key == "packages") st = ParsePackages(v, &c->packages);
     else if (key == "artifacts") st = ParseArtifacts(v, &c->artifacts);
+    else if (key == "audit") st = ParseAudit(v, &c->audit);
     else if (key == "images") {
       if (!v.is_object()) return TypeError(key, "an object of name → rootfs directory");
       for (const auto& img : v.as_object()) {

@@ -37,6 +37,17 @@ struct ArtifactsConfig {
   int64_t max_tenant_mb = 1024;
 };
 
+// The audit log and the state database (storage/store.h StoreOptions): retention, per-tenant
+// row cap and rate, stored field size, search deadline.
+struct AuditConfig {
+  int64_t retention_days = 30;            // audit rows and destroyed environments' records
+  int64_t max_rows_per_tenant = 100000;
+  int64_t rate_per_second = 20;           // per tenant; over it similar rows are summarised
+  int64_t burst = 200;
+  int64_t max_detail_bytes = 1024;
+  int64_t query_timeout_ms = 500;         // an audit search running longer answers 503
+};
+
 struct DaemonConfig {
   std::string listen = "127.0.0.1:8080";
   std::string unix_socket;  // empty: <state_dir>/esbd.sock; "none" disables
@@ -60,6 +71,7 @@ struct DaemonConfig {
   std::vector<KeyConfig> keys;
   PackagesConfig packages;
   ArtifactsConfig artifacts;
+  AuditConfig audit;
   std::string log_level = "info";
 };
 

@@ -232,10 +232,13 @@ absl::StatusOr<EnvironmentInfo> EnvironmentManager::Create(const std::string& te
   if (!drivers_.count(spec.runtime))
     return absl::InvalidArgumentError(
         absl::StrCat("runtime '", spec.runtime, "' is not available on this host"));
+  // The quota check takes a reservation in the same critical section, so concurrent creates
+  // cannot all pass the check before any of them is counted. The reservation turns into the
+  // environment (under mu_ again) or is released on failure.
   {
     std::lock_guard<std::mutex> lock(mu_);
-    int total = static_cast<int>(envs_.size());
-    int mine = 0;
+    int total = static_cast<int>(envs_.size()) + reserved_total_;
+    int mine = reserved_[tenant];
     for (const auto& [id, e] : envs_) {
       std::lock_guard<std::mutex> elock(e->mu);
       if (e->record.tenant == tenant) ++mine;
@@ -246,7 +249,24 @@ absl::StatusOr<EnvironmentInfo> EnvironmentManager::Create(const std::string& te
     if (mine >= options_.max_environments_per_tenant)
       return absl::ResourceExhaustedError(absl::StrCat(
           "tenant already has ", mine, " environments (max_environments_per_tenant)"));
+    ++reserved_total_;
+    ++reserved_[tenant];
   }
+  bool reserved = true;
+  auto release = [&]() {  // caller holds mu_
+    if (!reserved) return;
+    reserved = false;
+    --reserved_total_;
+    if (--reserved_[tenant] == 0) reserved_.erase(tenant);
+  };
+  struct ReleaseOnExit {
+    EnvironmentManager* self;
+    std::function<void()> release;
+    ~ReleaseOnExit() {
+      std::lock_guard<std::mutex> lock(self->mu_);
+      release();
+    }
+  } release_on_exit{this, release};
   int64_t start = MonotonicMs();
   std::shared_ptr<LiveEnv> env;
   bool pooled = false;
@@ -276,7 +296,7 @@ absl::StatusOr<EnvironmentInfo> EnvironmentManager::Create(const std::string& te
     rec.spec_json = SpecToJson(spec, ttl_s);
     rec.created_ms = rec.last_used_ms = Now();
     rec.expires_ms = rec.created_ms + ttl_s * 1000;
-    Persist(rec);
+    Persist(rec);  // under env->mu: store writes of one environment keep its order
     metrics_->creates_pooled++;
   } else {
     auto created = CreateInstance(spec, tenant, "running", ttl_s);
@@ -293,6 +313,7 @@ absl::StatusOr<EnvironmentInfo> EnvironmentManager::Create(const std::string& te
   {
     std::lock_guard<std::mutex> lock(mu_);
     envs_[snapshot.id] = env;
+    release();  // the environment itself counts from here on
   }
   return InfoOf(snapshot, pooled);
 }
@@ -331,12 +352,14 @@ void EnvironmentManager::DestroyLive(const std::shared_ptr<LiveEnv>& env,
                                      const std::string& reason) {
   EnvironmentRecord rec;
   {
+    // Persisted under env->mu, like every write of a live environment's record, so that a
+    // heartbeat or exec that finishes now cannot write an older state over this one.
     std::lock_guard<std::mutex> elock(env->mu);
     env->record.state = "destroying";
     env->record.destroy_reason = reason;
     rec = env->record;
+    Persist(rec);
   }
-  Persist(rec);
   absl::Status st = env->driver->Destroy(env->ref);
   if (!st.ok()) {
     LogError(absl::StrCat("destroying ", rec.id, " failed (will retry): ", st.ToString()));
@@ -349,9 +372,8 @@ void EnvironmentManager::DestroyLive(const std::shared_ptr<LiveEnv>& env,
     std::lock_guard<std::mutex> elock(env->mu);
     env->record.state = "destroyed";
     env->record.destroyed_ms = Now();
-    rec = env->record;
+    Persist(env->record);
   }
-  Persist(rec);
 }
 
 absl::Status EnvironmentManager::Destroy(const std::string& tenant, const std::string& id,
@@ -433,19 +455,20 @@ absl::StatusOr<int64_t> EnvironmentManager::Heartbeat(const std::string& tenant,
                                                       const std::string& id, int64_t ttl_s) {
   auto env = Lookup(tenant, id);
   if (!env.ok()) return env.status();
-  EnvironmentRecord rec;
-  {
-    std::lock_guard<std::mutex> elock((*env)->mu);
-    int64_t ttl = options_.default_ttl_s;
-    SpecFromJson((*env)->record.spec_json, &ttl).IgnoreError();
-    if (ttl_s > 0) ttl = std::min(ttl_s, options_.max_ttl_s);
-    int64_t now = Now();
-    (*env)->record.last_used_ms = now;
-    (*env)->record.expires_ms = now + ttl * 1000;
-    rec = (*env)->record;
-  }
-  Persist(rec);
-  return rec.expires_ms;
+  std::lock_guard<std::mutex> elock((*env)->mu);
+  // The reaper may have taken it (expired) between Lookup and here: a heartbeat never
+  // revives an environment that is being destroyed, nor rewrites its stored state.
+  if ((*env)->record.state != "running")
+    return EnvironmentNotFoundError(absl::StrCat("environment ", id, " is being destroyed (",
+                                                 (*env)->record.destroy_reason, ")"));
+  int64_t ttl = options_.default_ttl_s;
+  SpecFromJson((*env)->record.spec_json, &ttl).IgnoreError();
+  if (ttl_s > 0) ttl = std::min(ttl_s, options_.max_ttl_s);
+  int64_t now = Now();
+  (*env)->record.last_used_ms = now;
+  (*env)->record.expires_ms = now + ttl * 1000;
+  Persist((*env)->record);
+  return (*env)->record.expires_ms;
 }
 
 absl::StatusOr<std::pair<Driver*, InstanceRef>> EnvironmentManager::Resolve(
@@ -472,14 +495,13 @@ absl::StatusOr<ExecResult> EnvironmentManager::Exec(const std::string& tenant,
     return result.status();
   }
   if (result->timed_out) metrics_->exec_timeouts++;
-  EnvironmentRecord rec;
   {
     std::lock_guard<std::mutex> elock((*env)->mu);
     (*env)->record.exec_count++;
     (*env)->record.last_used_ms = Now();
-    rec = (*env)->record;
+    // Destroyed while the command ran: its final row is already written; keep it.
+    if ((*env)->record.state == "running") Persist((*env)->record);
   }
-  Persist(rec);
   return result;
 }
 
@@ -555,6 +577,11 @@ void EnvironmentManager::ReaperLoop() {
         {
           std::lock_guard<std::mutex> elock(it->second->mu);
           expired = it->second->record.expires_ms <= now;
+          // Decided under env->mu: a heartbeat from here on sees it going (NotFound).
+          if (expired) {
+            it->second->record.state = "destroying";
+            it->second->record.destroy_reason = "ttl_expired";
+          }
         }
         if (expired) {
           doomed.emplace_back(it->second, "ttl_expired");
@@ -571,6 +598,11 @@ void EnvironmentManager::ReaperLoop() {
       if (usage.ok() && usage->alive) continue;
       std::lock_guard<std::mutex> lock(mu_);
       if (envs_.erase(env->record.id)) {
+        {
+          std::lock_guard<std::mutex> elock(env->mu);
+          env->record.state = "destroying";
+          env->record.destroy_reason = "died";
+        }
         LogWarn(absl::StrCat("environment ", env->record.id, " died; cleaning up"));
         doomed.emplace_back(env, "died");
       }
@@ -581,6 +613,11 @@ void EnvironmentManager::ReaperLoop() {
       DestroyLive(env, reason);
     }
     for (auto& env : retry) DestroyLive(env, env->record.destroy_reason);
+    // Audit retention and rate-limit summaries (cheap when there is nothing to do).
+    if (absl::Status st = store_->Maintain(); !st.ok()) {
+      metrics_->CountError("store");
+      LogError(absl::StrCat("store maintenance: ", st.ToString()));
+    }
   }
 }
 

@@ -129,6 +129,9 @@ class EnvironmentManager {
   std::map<std::string, std::deque<std::shared_ptr<LiveEnv>>> pool_;  // runtime → ready
   std::vector<std::shared_ptr<LiveEnv>> destroy_retry_;
   int pool_creating_ = 0;
+  // Creates that passed the quota check and are not in envs_ yet (they count against it).
+  int reserved_total_ = 0;
+  std::map<std::string, int> reserved_;  // tenant → reservations
 
   std::mutex wake_mu_;
   std::condition_variable wake_cv_;

@@ -17,6 +17,8 @@ class FakeDriver : public Driver {
   std::string name() const override { return "container"; }
   std::string Describe() const override { return "fake"; }
   absl::StatusOr<InstanceRef> Create(const std::string& id, const EnvSpec& spec) override {
+    if (int d = create_delay_ms.load(); d > 0)  // a slow driver widens any check-then-act gap
+      std::this_thread::sleep_for(std::chrono::milliseconds(d));
     std::lock_guard<std::mutex> lock(mu);
     if (fail_create) return absl::InternalError("boom");
     alive.insert(id);
@@ -71,12 +73,17 @@ class FakeDriver : public Driver {
   std::map<std::string, std::map<std::string, std::string>> configured;
   int creates = 0;
   bool fail_create = false;
+  std::atomic<int> create_delay_ms{0};
 };
 
 class ManagerTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    auto s = Store::Open(":memory:");
+    // Tests' fake clocks start in 1970: keep the store's retention (real clock) from pruning
+    // their destroyed environments.
+    StoreOptions sopts;
+    sopts.retention_s = int64_t{200} * 365 * 86400;
+    auto s = Store::Open(":memory:", sopts);
     ASSERT_TRUE(s.ok()) << s.status();
     store = std::move(*s);
   }
@@ -248,6 +255,104 @@ TEST_F(ManagerTest, UnknownRuntimeAndLimitsAreRefused) {
   EXPECT_TRUE(absl::IsResourceExhausted(m.Create("t", EnvSpec{}, 0).status()));
   EXPECT_TRUE(m.Create("other", EnvSpec{}, 0).ok()) << "limits are per tenant";
   m.Stop();
+}
+
+// Fires `n` creates for `tenant` at once; returns (succeeded, resource-exhausted).
+std::pair<int, int> ConcurrentCreates(EnvironmentManager& m, const std::string& tenant, int n) {
+  std::atomic<int> ok{0}, exhausted{0};
+  std::atomic<bool> go{false};
+  std::vector<std::thread> threads;
+  for (int i = 0; i < n; ++i) {
+    threads.emplace_back([&] {
+      while (!go) std::this_thread::yield();
+      auto r = m.Create(tenant, EnvSpec{}, 0);
+      if (r.ok()) ++ok;
+      else if (absl::IsResourceExhausted(r.status())) ++exhausted;
+      else ADD_FAILURE() << r.status();
+    });
+  }
+  go = true;
+  for (auto& t : threads) t.join();
+  return {ok.load(), exhausted.load()};
+}
+
+TEST_F(ManagerTest, ConcurrentCreatesAtTheTenantQuotaEdgeCannotOvershootIt) {
+  ManagerOptions opts;
+  opts.pool_size = 0;
+  opts.max_environments_per_tenant = 20;
+  EnvironmentManager m(store.get(), {{"container", &driver}}, &metrics, opts);
+  ASSERT_TRUE(m.Start().ok());
+  for (int i = 0; i < 18; ++i) ASSERT_TRUE(m.Create("t", EnvSpec{}, 0).ok());
+  driver.create_delay_ms = 50;
+  auto [ok, exhausted] = ConcurrentCreates(m, "t", 40);
+  EXPECT_EQ(ok, 2) << "exactly the quota's room succeeds";
+  EXPECT_EQ(exhausted, 38);
+  EXPECT_EQ(m.List("t", false)->size(), 20u);
+  // Failed creates release their reservation: after one goes, one more fits.
+  driver.create_delay_ms = 0;
+  ASSERT_TRUE(m.Destroy("t", m.List("t", false)->front().record.id).ok());
+  driver.fail_create = true;
+  EXPECT_FALSE(m.Create("t", EnvSpec{}, 0).ok());
+  driver.fail_create = false;
+  EXPECT_TRUE(m.Create("t", EnvSpec{}, 0).ok()) << "a failed create must not leak its slot";
+  EXPECT_TRUE(absl::IsResourceExhausted(m.Create("t", EnvSpec{}, 0).status()));
+  m.Stop();
+}
+
+TEST_F(ManagerTest, ConcurrentCreatesAtTheDaemonQuotaEdgeCannotOvershootIt) {
+  ManagerOptions opts;
+  opts.pool_size = 0;
+  opts.max_environments = 10;
+  EnvironmentManager m(store.get(), {{"container", &driver}}, &metrics, opts);
+  ASSERT_TRUE(m.Start().ok());
+  for (int i = 0; i < 7; ++i) ASSERT_TRUE(m.Create("a", EnvSpec{}, 0).ok());
+  driver.create_delay_ms = 50;
+  std::pair<int, int> b, c;
+  std::thread tb([&] { b = ConcurrentCreates(m, "b", 20); });
+  std::thread tc([&] { c = ConcurrentCreates(m, "c", 20); });
+  tb.join();
+  tc.join();
+  EXPECT_EQ(b.first + c.first, 3);
+  EXPECT_EQ(b.second + c.second, 37);
+  EXPECT_EQ(m.StateCounts()["running"], 10);
+  m.Stop();
+}
+
+TEST_F(ManagerTest, PooledTakesCountAgainstTheQuotaToo) {
+  ManagerOptions opts;
+  opts.pool_size = 5;
+  opts.max_environments_per_tenant = 3;
+  EnvironmentManager m(store.get(), {{"container", &driver}}, &metrics, opts);
+  ASSERT_TRUE(m.Start().ok());
+  for (int i = 0; i < 200 && m.PoolReady() < 5; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  ASSERT_EQ(m.PoolReady(), 5);
+  auto [ok, exhausted] = ConcurrentCreates(m, "t", 12);
+  EXPECT_EQ(ok, 3);
+  EXPECT_EQ(exhausted, 9);
+  EXPECT_EQ(m.List("t", false)->size(), 3u);
+  m.Stop();
+}
+
+TEST_F(ManagerTest, ReaperRunsStoreMaintenance) {
+  // Audit retention runs from the reaper: a row far past retention disappears by itself.
+  StoreOptions sopts;
+  sopts.retention_s = 1;
+  auto s = Store::Open(":memory:", sopts);
+  ASSERT_TRUE(s.ok());
+  store = std::move(*s);
+  AuditEntry old;
+  old.tenant = "t";
+  old.action = "execute";
+  old.time_ms = 1000;
+  ASSERT_TRUE(store->AppendAudit(old).ok());
+  ASSERT_EQ(*store->CountAudit("t"), 1);
+  auto m = Make(0, nullptr);
+  ASSERT_TRUE(m->Start().ok());
+  for (int i = 0; i < 200 && *store->CountAudit("t") != 0; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  EXPECT_EQ(*store->CountAudit("t"), 0);
+  m->Stop();
 }
 
 }  // namespace

@@ -193,7 +193,14 @@ int main(int argc, char** argv) {
   std::string state_dir = std::filesystem::absolute(config.state_dir).lexically_normal().string();
   ::chmod(state_dir.c_str(), 0700);
 
-  auto store = esb::Store::Open(state_dir + "/esbd.db");
+  esb::StoreOptions sopts;
+  sopts.retention_s = config.audit.retention_days * 86400;
+  sopts.max_audit_rows_per_tenant = config.audit.max_rows_per_tenant;
+  sopts.audit_rate_per_s = static_cast<double>(config.audit.rate_per_second);
+  sopts.audit_burst = static_cast<double>(config.audit.burst);
+  sopts.max_detail_bytes = static_cast<size_t>(config.audit.max_detail_bytes);
+  sopts.audit_query_timeout_ms = config.audit.query_timeout_ms;
+  auto store = esb::Store::Open(state_dir + "/esbd.db", sopts);
   if (!store.ok()) return Fail(absl::StrCat("opening the state database: ", store.status().ToString()));
 
   if (!rest->empty()) {

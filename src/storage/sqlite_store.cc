@@ -7,12 +7,20 @@
 #include <sqlite3.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cctype>
+#include <chrono>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
+#include <set>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
@@ -87,11 +95,55 @@ CREATE TRIGGER audit_fts_update AFTER UPDATE ON audit BEGIN
   INSERT INTO audit_fts(rowid, action, detail) VALUES (new.id, new.action, new.detail);
 END;
 )sql",
+    // v2: audit searches are scoped to a tenant inside the FTS index: every row carries its
+    // tenant as one token ('t' + hex of the name: one token per tenant, no two tenants alike)
+    // in the `scope` column, and every MATCH is ANDed with it. An index on time for retention,
+    // one on destroyed environments for their retention. Details stored before v2 are cut to
+    // 1024 characters as new rows are (the FTS index is rebuilt from the cut text).
+    R"sql(
+DROP TRIGGER audit_fts_insert;
+DROP TRIGGER audit_fts_delete;
+DROP TRIGGER audit_fts_update;
+DROP TABLE audit_fts;
+ALTER TABLE audit ADD COLUMN scope TEXT GENERATED ALWAYS AS ('t' || lower(hex(tenant))) VIRTUAL;
+UPDATE audit SET detail = substr(detail, 1, 1024) || '…[truncated]' WHERE length(detail) > 1024;
+CREATE INDEX audit_by_time ON audit(time_ms);
+CREATE INDEX environments_by_destroyed ON environments(state, destroyed_ms);
+CREATE VIRTUAL TABLE audit_fts USING fts5(
+  scope, action, detail, content='audit', content_rowid='id',
+  tokenize='unicode61 remove_diacritics 2');
+INSERT INTO audit_fts(audit_fts) VALUES ('rebuild');
+CREATE TRIGGER audit_fts_insert AFTER INSERT ON audit BEGIN
+  INSERT INTO audit_fts(rowid, scope, action, detail)
+    VALUES (new.id, new.scope, new.action, new.detail);
+END;
+CREATE TRIGGER audit_fts_delete AFTER DELETE ON audit BEGIN
+  INSERT INTO audit_fts(audit_fts, rowid, scope, action, detail)
+    VALUES ('delete', old.id, old.scope, old.action, old.detail);
+END;
+CREATE TRIGGER audit_fts_update AFTER UPDATE ON audit BEGIN
+  INSERT INTO audit_fts(audit_fts, rowid, scope, action, detail)
+    VALUES ('delete', old.id, old.scope, old.action, old.detail);
+  INSERT INTO audit_fts(rowid, scope, action, detail)
+    VALUES (new.id, new.scope, new.action, new.detail);
+END;
+)sql",
 };
 constexpr int kLatestVersion = static_cast<int>(sizeof(kMigrations) / sizeof(kMigrations[0]));
 
 constexpr int kBusyTimeoutMs = 5000;
-constexpr int kMaxAuditLimit = 1000;
+// Stored caps of the audit fields a caller (URL path, request) can make long.
+constexpr size_t kMaxActionBytes = 64;
+constexpr size_t kMaxEnvironmentIdBytes = 64;
+// Rows deleted per statement by retention and row caps: each deletes its FTS rows too, and
+// holds the writer mutex meanwhile, so keep it short (~tens of ms).
+constexpr int kDeleteBatch = 500;
+// A kind of suppressed audit event is summarised at most this long after its first one.
+constexpr int64_t kSuppressFlushMs = 10000;
+constexpr int64_t kRetentionIntervalMs = 60000;
+constexpr int kRetentionBatchesPerCall = 2;
+// Distinct (action, status) kinds counted per tenant while over the rate; beyond: one bucket.
+constexpr size_t kMaxSuppressedKinds = 32;
 
 // Collapses whitespace and cuts long SQL so it fits in an error message.
 std::string SqlForMessage(std::string_view sql) {
@@ -265,27 +317,116 @@ absl::Status ValidateSecret(std::string_view secret) {
   return absl::OkStatus();
 }
 
+// Cuts `text` to at most `max` bytes at a UTF-8 boundary and marks the cut with the number of
+// bytes dropped, so a reader of the audit log knows the stored text is not the whole.
+std::string CapField(std::string_view text, size_t max) {
+  if (text.size() <= max) return std::string(text);
+  size_t cut = max;
+  while (cut > 0 && (static_cast<unsigned char>(text[cut]) & 0xc0) == 0x80) --cut;
+  return absl::StrCat(AbslView(text.substr(0, cut)), "…[truncated ", text.size() - cut, " bytes]");
+}
+
+// One SQLite connection with its prepared-statement cache and a deadline that its progress
+// handler enforces (0 = none).
+struct Conn {
+  sqlite3* db = nullptr;
+  std::map<std::string, sqlite3_stmt*> cache;  // keys are stable: Stmt keeps a view of them
+  std::atomic<int64_t> deadline_ms{0};         // MonotonicMs() after which statements stop
+
+  explicit Conn(sqlite3* d) : db(d) {
+    sqlite3_busy_timeout(db, kBusyTimeoutMs);
+    // Checked every 1000 VM instructions: a runaway statement (an FTS query a tenant wrote)
+    // stops with SQLITE_INTERRUPT once its deadline has passed.
+    sqlite3_progress_handler(
+        db, 1000,
+        [](void* p) -> int {
+          const int64_t d = static_cast<Conn*>(p)->deadline_ms.load(std::memory_order_relaxed);
+          return d != 0 && MonotonicMs() > d ? 1 : 0;
+        },
+        this);
+  }
+  Conn(const Conn&) = delete;
+  Conn& operator=(const Conn&) = delete;
+  ~Conn() {
+    for (auto& [sql, stmt] : cache) sqlite3_finalize(stmt);
+    // Closing the last connection checkpoints the WAL into the main file.
+    sqlite3_close_v2(db);
+  }
+
+  absl::StatusOr<Stmt> Prepare(const std::string& sql) {
+    auto it = cache.find(sql);
+    if (it == cache.end()) {
+      sqlite3_stmt* stmt = nullptr;
+      int rc = sqlite3_prepare_v3(db, sql.c_str(), static_cast<int>(sql.size()),
+                                  SQLITE_PREPARE_PERSISTENT, &stmt, nullptr);
+      if (rc != SQLITE_OK) {
+        sqlite3_finalize(stmt);
+        return SqlError(db, rc, "prepare", sql);
+      }
+      it = cache.emplace(sql, stmt).first;
+    }
+    return Stmt(db, it->second, it->first);
+  }
+};
+
+// The FTS token that every audit row of `tenant` carries in its `scope` column (the same
+// expression as the generated column of migration v2: 't' || lower(hex(tenant))).
+std::string ScopeToken(std::string_view tenant) {
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string out = "t";
+  for (unsigned char c : tenant) {
+    out.push_back(kHex[c >> 4]);
+    out.push_back(kHex[c & 0xf]);
+  }
+  return out;
+}
+
 class SqliteStore final : public Store {
  public:
-  explicit SqliteStore(sqlite3* db) : db_(db) {}
+  SqliteStore(sqlite3* db, StoreOptions options)
+      : options_(std::move(options)), writer_(db) {
+    if (!options_.now_ms) options_.now_ms = NowUnixMs;
+  }
   ~SqliteStore() override {
-    for (auto& [sql, stmt] : cache_) sqlite3_finalize(stmt);
-    // Closing the last connection checkpoints the WAL into the main file.
-    sqlite3_close_v2(db_);
+    // Readers first: the writer's close is the last one and checkpoints the WAL.
+    readers_.clear();
   }
 
   absl::Status Init(bool is_file) {
-    sqlite3_busy_timeout(db_, kBusyTimeoutMs);
     if (is_file) {
       absl::StatusOr<std::string> mode = QueryText("PRAGMA journal_mode=WAL");
       if (!mode.ok()) return mode.status();
-      if (absl::AsciiStrToLower(*mode) != "wal") {
+      wal_ = absl::AsciiStrToLower(*mode) == "wal";
+      if (!wal_) {
         LogWarn(absl::StrCat("storage: SQLite refused WAL mode (journal_mode=", *mode,
-                             "); continuing with the rollback journal"));
+                             "); continuing with the rollback journal (audit searches share "
+                             "the writer's connection)"));
       }
     }
     if (auto s = Exec("PRAGMA synchronous=NORMAL; PRAGMA foreign_keys=ON;"); !s.ok()) return s;
     return Migrate();
+  }
+
+  // Opens the read-only connections audit searches use (after Init: the schema exists).
+  absl::Status OpenReaders(const std::string& path) {
+    // Without WAL a reader's shared lock would block the writer: then there are none.
+    if (!wal_) return absl::OkStatus();
+    for (int i = 0; i < options_.audit_readers; ++i) {
+      sqlite3* db = nullptr;
+      int rc = sqlite3_open_v2(path.c_str(), &db,
+                               SQLITE_OPEN_READONLY | SQLITE_OPEN_NOMUTEX | SQLITE_OPEN_URI,
+                               nullptr);
+      if (rc != SQLITE_OK) {
+        absl::Status s(CodeForSqlite(rc),
+                       absl::StrCat("sqlite open (read-only) failed: ",
+                                    db != nullptr ? sqlite3_errmsg(db) : sqlite3_errstr(rc)));
+        sqlite3_close_v2(db);
+        return s;
+      }
+      readers_.push_back(std::make_unique<Conn>(db));
+      free_readers_.push_back(readers_.back().get());
+    }
+    return absl::OkStatus();
   }
 
   absl::Status PutEnvironment(const EnvironmentRecord& rec) override {
@@ -341,11 +482,15 @@ class SqliteStore final : public Store {
   absl::StatusOr<std::vector<EnvironmentRecord>> ListEnvironments(const std::string& tenant,
                                                                   bool include_destroyed) override {
     std::lock_guard<std::mutex> lock(mu_);
-    auto stmt = Prepare(absl::StrCat("SELECT ", kEnvColumns,
-                                     " FROM environments WHERE tenant = ?1 "
-                                     "AND (?2 OR state != 'destroyed') ORDER BY created_ms, id"));
+    // Live ones all (the quota bounds them), destroyed ones the newest kMaxListedDestroyed.
+    auto stmt = Prepare(absl::StrCat(
+        "SELECT * FROM (SELECT ", kEnvColumns,
+        " FROM environments WHERE tenant = ?1 AND state != 'destroyed' UNION ALL "
+        "SELECT * FROM (SELECT ", kEnvColumns,
+        " FROM environments WHERE ?2 AND tenant = ?1 AND state = 'destroyed' "
+        "ORDER BY destroyed_ms DESC LIMIT ?3)) ORDER BY created_ms, id"));
     if (!stmt.ok()) return stmt.status();
-    stmt->Bind(1, tenant).Bind(2, include_destroyed ? 1 : 0);
+    stmt->Bind(1, tenant).Bind(2, include_destroyed ? 1 : 0).Bind(3, kMaxListedDestroyed);
     return CollectEnvs(*stmt);
   }
 
@@ -451,22 +596,33 @@ class SqliteStore final : public Store {
   absl::Status AppendAudit(const AuditEntry& e) override {
     if (e.tenant.empty()) return absl::InvalidArgumentError("AppendAudit: empty tenant");
     if (e.action.empty()) return absl::InvalidArgumentError("AppendAudit: empty action");
+    AuditEntry row = e;
+    row.time_ms = e.time_ms != 0 ? e.time_ms : options_.now_ms();
+    row.action = CapField(e.action, kMaxActionBytes);
+    row.environment_id = CapField(e.environment_id, kMaxEnvironmentIdBytes);
+    row.detail = CapField(e.detail, options_.max_detail_bytes);
     std::lock_guard<std::mutex> lock(mu_);
-    // The FTS row is written by the trigger inside this same statement (atomic).
-    auto stmt = Prepare(
-        "INSERT INTO audit (time_ms, tenant, environment_id, action, detail, exit_code, "
-        "duration_ms, bytes, status) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)");
-    if (!stmt.ok()) return stmt.status();
-    stmt->Bind(1, e.time_ms != 0 ? e.time_ms : NowUnixMs())
-        .Bind(2, e.tenant)
-        .Bind(3, e.environment_id)
-        .Bind(4, e.action)
-        .Bind(5, e.detail)
-        .Bind(6, e.exit_code)
-        .Bind(7, e.duration_ms)
-        .Bind(8, e.bytes)
-        .Bind(9, e.status);
-    return stmt->Run();
+    TenantAudit& t = tenants_[row.tenant];
+    // Token bucket, refilled by the time since the tenant's last row.
+    const int64_t now = options_.now_ms();
+    if (t.refill_ms == 0) {
+      t.tokens = options_.audit_burst;
+    } else if (now > t.refill_ms) {
+      t.tokens = std::min(options_.audit_burst,
+                          t.tokens + (now - t.refill_ms) * options_.audit_rate_per_s / 1000.0);
+    }
+    t.refill_ms = std::max(t.refill_ms, now);
+    if (t.tokens < 1) {
+      Suppress(t, row);
+      return absl::OkStatus();
+    }
+    t.tokens -= 1;
+    // Summaries go out at most every kSuppressFlushMs per tenant (else each admitted row
+    // would bring one along and double the rate).
+    if (!t.suppressed.empty() && now - t.suppressed_since_ms >= kSuppressFlushMs) {
+      if (absl::Status s = FlushSuppressed(row.tenant, t); !s.ok()) return s;
+    }
+    return InsertAudit(row, t);
   }
 
   absl::StatusOr<std::vector<AuditEntry>> QueryAudit(const AuditQuery& q) override {
@@ -478,7 +634,14 @@ class SqliteStore final : public Store {
     if (q.since_ms < 0 || q.until_ms < 0 || (q.until_ms != 0 && q.until_ms < q.since_ms)) {
       return absl::InvalidArgumentError("audit time range is empty or negative");
     }
-    const std::string fts = NormalizeFtsQuery(q.keyword);
+    std::string fts;
+    if (!q.keyword.empty()) {
+      absl::StatusOr<std::string> user = CheckAuditSearch(q.keyword);
+      if (!user.ok()) return user.status();
+      // The user's expression is balanced (checked), so it cannot break out of the group:
+      // the index only yields this tenant's rows.
+      if (!user->empty()) fts = absl::StrCat("scope : ", ScopeToken(q.tenant), " AND (", *user, ")");
+    }
     std::string sql =
         "SELECT id, time_ms, tenant, environment_id, action, detail, exit_code, duration_ms, "
         "bytes, status FROM audit WHERE tenant = ?1 AND (?2 = 0 OR time_ms >= ?2) "
@@ -486,13 +649,72 @@ class SqliteStore final : public Store {
     if (!fts.empty()) sql += "AND id IN (SELECT rowid FROM audit_fts WHERE audit_fts MATCH ?6) ";
     sql += "ORDER BY time_ms DESC, id DESC LIMIT ?5";
 
-    std::lock_guard<std::mutex> lock(mu_);
+    // One search at a time per tenant (a second one waits, boundedly), so one tenant cannot
+    // hold every reader.
+    {
+      std::unique_lock<std::mutex> lock(readers_mu_);
+      if (!readers_cv_.wait_for(lock, std::chrono::milliseconds(options_.audit_query_timeout_ms),
+                                [&] { return !searching_.count(q.tenant); })) {
+        return absl::ResourceExhaustedError(
+            "an audit search of this tenant is already running; retry when it has finished");
+      }
+      searching_.insert(q.tenant);
+    }
+    Cleanup done([&] {
+      {
+        std::lock_guard<std::mutex> lock(readers_mu_);
+        searching_.erase(q.tenant);
+      }
+      readers_cv_.notify_all();
+    });
+    // A reader connection (never the writer's mutex), or the writer for in-memory databases.
+    Conn* conn = nullptr;
+    std::unique_lock<std::mutex> writer_lock;
+    if (readers_.empty()) {
+      writer_lock = std::unique_lock<std::mutex>(mu_);
+      conn = &writer_;
+    } else {
+      std::unique_lock<std::mutex> lock(readers_mu_);
+      if (!readers_cv_.wait_for(lock, std::chrono::milliseconds(options_.audit_query_timeout_ms),
+                                [this] { return !free_readers_.empty(); })) {
+        return absl::UnavailableError("audit search is busy; retry shortly");
+      }
+      conn = free_readers_.back();
+      free_readers_.pop_back();
+    }
+    Cleanup release([&] {
+      conn->deadline_ms.store(0);
+      if (conn == &writer_) return;
+      {
+        std::lock_guard<std::mutex> lock(readers_mu_);
+        free_readers_.push_back(conn);
+      }
+      readers_cv_.notify_all();
+    });
+    conn->deadline_ms.store(MonotonicMs() + options_.audit_query_timeout_ms);
+
+    auto too_expensive = [&] {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "audit query too expensive: stopped after ", options_.audit_query_timeout_ms,
+          " ms; narrow it (fewer terms, longer prefixes, a time range or an environment_id)"));
+    };
     if (!fts.empty()) {
       // SQLite may never evaluate the MATCH when no row passes the other filters, so a bad
       // query would succeed on an empty log and fail on a full one: check it on its own.
-      if (absl::Status s = CheckFtsQuery(fts, q.keyword); !s.ok()) return s;
+      auto check = conn->Prepare("SELECT rowid FROM audit_fts WHERE audit_fts MATCH ?1 LIMIT 1");
+      if (!check.ok()) return check.status();
+      check->Bind(1, fts);
+      absl::StatusOr<bool> row = check->Step();
+      if (!row.ok()) {
+        if ((check->last_rc() & 0xff) == SQLITE_INTERRUPT) return too_expensive();
+        if ((check->last_rc() & 0xff) == SQLITE_ERROR) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("invalid audit search query '", q.keyword, "': ", check->errmsg()));
+        }
+        return row.status();
+      }
     }
-    auto stmt = Prepare(sql);
+    auto stmt = conn->Prepare(sql);
     if (!stmt.ok()) return stmt.status();
     stmt->Bind(1, q.tenant)
         .Bind(2, q.since_ms)
@@ -504,6 +726,7 @@ class SqliteStore final : public Store {
     while (true) {
       absl::StatusOr<bool> row = stmt->Step();
       if (!row.ok()) {
+        if ((stmt->last_rc() & 0xff) == SQLITE_INTERRUPT) return too_expensive();
         // FTS5 reports bad query syntax ("fts5: syntax error near ...", "no such column")
         // as a plain SQLITE_ERROR while stepping: that is the caller's mistake, not ours.
         if (!fts.empty() && (stmt->last_rc() & 0xff) == SQLITE_ERROR) {
@@ -529,28 +752,181 @@ class SqliteStore final : public Store {
     return out;
   }
 
- private:
-  // Returns a cached prepared statement for `sql`. Caller holds mu_ (or is in Init).
-  absl::StatusOr<Stmt> Prepare(const std::string& sql) {
-    auto it = cache_.find(sql);
-    if (it == cache_.end()) {
-      sqlite3_stmt* stmt = nullptr;
-      int rc = sqlite3_prepare_v3(db_, sql.c_str(), static_cast<int>(sql.size()),
-                                  SQLITE_PREPARE_PERSISTENT, &stmt, nullptr);
-      if (rc != SQLITE_OK) {
-        sqlite3_finalize(stmt);
-        return SqlError(db_, rc, "prepare", sql);
+  absl::Status Maintain() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    const int64_t now = options_.now_ms();
+    for (auto& [tenant, t] : tenants_) {
+      if (!t.suppressed.empty() && now - t.suppressed_since_ms >= kSuppressFlushMs) {
+        if (absl::Status s = FlushSuppressed(tenant, t); !s.ok()) return s;
       }
-      it = cache_.emplace(sql, stmt).first;
     }
-    return Stmt(db_, it->second, it->first);
+    if (!retention_backlog_ && last_retention_ms_ != 0 &&
+        now - last_retention_ms_ < kRetentionIntervalMs) {
+      return absl::OkStatus();
+    }
+    last_retention_ms_ = now;
+    return ApplyRetention(now - options_.retention_s * 1000);
   }
+
+  absl::StatusOr<int64_t> CountAudit(const std::string& tenant) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto stmt = Prepare("SELECT count(*) FROM audit WHERE ?1 = '' OR tenant = ?1");
+    if (!stmt.ok()) return stmt.status();
+    stmt->Bind(1, tenant);
+    absl::StatusOr<bool> row = stmt->Step();
+    if (!row.ok()) return row.status();
+    return *row ? stmt->Int(0) : 0;
+  }
+
+ private:
+  // Runs `f` when it goes out of scope.
+  class Cleanup {
+   public:
+    explicit Cleanup(std::function<void()> f) : f_(std::move(f)) {}
+    ~Cleanup() { f_(); }
+    Cleanup(const Cleanup&) = delete;
+    Cleanup& operator=(const Cleanup&) = delete;
+
+   private:
+    std::function<void()> f_;
+  };
+
+  // Audit rows of one (action, status) kind not stored one by one (over the rate limit).
+  struct Suppressed {
+    int64_t count = 0;
+    int64_t first_ms = 0;
+    int64_t last_ms = 0;
+    int64_t bytes = 0;
+    std::string first_detail;
+  };
+  // Per-tenant audit accounting; guarded by mu_.
+  struct TenantAudit {
+    double tokens = 0;
+    int64_t refill_ms = 0;
+    int64_t rows = -1;  // rows stored for the tenant; -1: not counted yet
+    int64_t suppressed_since_ms = 0;
+    std::map<std::pair<std::string, int>, Suppressed> suppressed;
+  };
+
+  void Suppress(TenantAudit& t, const AuditEntry& row) {
+    std::pair<std::string, int> kind{row.action, row.status};
+    if (t.suppressed.size() >= kMaxSuppressedKinds && !t.suppressed.count(kind)) {
+      kind = {"audit.other", 0};  // bounded: every further kind shares one counter
+    }
+    if (t.suppressed.empty()) t.suppressed_since_ms = options_.now_ms();
+    Suppressed& sup = t.suppressed[kind];
+    if (sup.count++ == 0) {
+      sup.first_ms = row.time_ms;
+      sup.first_detail = CapField(row.detail, 200);
+    }
+    sup.last_ms = std::max(sup.last_ms, row.time_ms);
+    sup.bytes += row.bytes;
+  }
+
+  // Writes one summary row per suppressed kind ("N similar events suppressed ..."). Caller
+  // holds mu_.
+  absl::Status FlushSuppressed(const std::string& tenant, TenantAudit& t) {
+    auto pending = std::move(t.suppressed);
+    t.suppressed.clear();
+    for (const auto& [kind, sup] : pending) {
+      AuditEntry row;
+      row.time_ms = sup.last_ms;
+      row.tenant = tenant;
+      row.action = kind.first;
+      row.status = kind.second;
+      row.bytes = sup.bytes;
+      row.detail = absl::StrCat("[", sup.count, " similar events suppressed by the audit rate limit",
+                                " between ", FormatRfc3339(sup.first_ms), " and ",
+                                FormatRfc3339(sup.last_ms), "; first: ", sup.first_detail, "]");
+      if (absl::Status s = InsertAudit(row, t); !s.ok()) return s;
+    }
+    return absl::OkStatus();
+  }
+
+  // Inserts one (already capped) row and enforces the tenant's row cap. Caller holds mu_.
+  absl::Status InsertAudit(const AuditEntry& e, TenantAudit& t) {
+    // The FTS row is written by the trigger inside this same statement (atomic).
+    auto stmt = Prepare(
+        "INSERT INTO audit (time_ms, tenant, environment_id, action, detail, exit_code, "
+        "duration_ms, bytes, status) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)");
+    if (!stmt.ok()) return stmt.status();
+    stmt->Bind(1, e.time_ms)
+        .Bind(2, e.tenant)
+        .Bind(3, e.environment_id)
+        .Bind(4, e.action)
+        .Bind(5, e.detail)
+        .Bind(6, e.exit_code)
+        .Bind(7, e.duration_ms)
+        .Bind(8, e.bytes)
+        .Bind(9, e.status);
+    if (absl::Status s = stmt->Run(); !s.ok()) return s;
+    if (t.rows < 0) {
+      auto count = Prepare("SELECT count(*) FROM audit WHERE tenant = ?1");
+      if (!count.ok()) return count.status();
+      count->Bind(1, e.tenant);
+      absl::StatusOr<bool> row = count->Step();
+      if (!row.ok()) return row.status();
+      t.rows = *row ? count->Int(0) : 0;
+    } else {
+      ++t.rows;
+    }
+    if (t.rows <= options_.max_audit_rows_per_tenant) return absl::OkStatus();
+    // Over the cap: drop the oldest 5% (at least one row, at most one short batch), so the
+    // delete is rare and short; a larger excess (a lowered cap) goes batch by batch.
+    const int64_t batch = std::clamp<int64_t>(
+        std::max(t.rows - options_.max_audit_rows_per_tenant,
+                 options_.max_audit_rows_per_tenant / 20),
+        1, kDeleteBatch);
+    auto del = Prepare(
+        "DELETE FROM audit WHERE id IN (SELECT id FROM audit WHERE tenant = ?1 "
+        "ORDER BY time_ms, id LIMIT ?2)");
+    if (!del.ok()) return del.status();
+    del->Bind(1, e.tenant).Bind(2, batch);
+    if (absl::Status s = del->Run(); !s.ok()) return s;
+    t.rows -= sqlite3_changes(writer_.db);
+    return absl::OkStatus();
+  }
+
+  // Deletes audit rows and destroyed environments older than `cutoff_ms`, in short batches, a
+  // few per call so that the writer mutex is never held long; a backlog (e.g. the first start
+  // after retention was shortened) is worked off on the following ticks. Caller holds mu_.
+  absl::Status ApplyRetention(int64_t cutoff_ms) {
+    retention_backlog_ = false;
+    const char* kDeletes[] = {
+        "DELETE FROM audit WHERE id IN (SELECT id FROM audit WHERE time_ms < ?1 LIMIT ?2)",
+        "DELETE FROM environments WHERE id IN (SELECT id FROM environments "
+        "WHERE state = 'destroyed' AND destroyed_ms < ?1 LIMIT ?2)"};
+    int64_t audit_deleted = 0;
+    for (const char* sql : kDeletes) {
+      for (int round = 0;; ++round) {
+        if (round == kRetentionBatchesPerCall) {
+          retention_backlog_ = true;  // the rest on the next call
+          break;
+        }
+        auto stmt = Prepare(sql);
+        if (!stmt.ok()) return stmt.status();
+        stmt->Bind(1, cutoff_ms).Bind(2, kDeleteBatch);
+        if (absl::Status s = stmt->Run(); !s.ok()) return s;
+        const int n = sqlite3_changes(writer_.db);
+        if (sql == kDeletes[0]) audit_deleted += n;
+        if (n < kDeleteBatch) break;
+      }
+    }
+    if (audit_deleted > 0) {
+      for (auto& [tenant, t] : tenants_) t.rows = -1;  // recount on the next insert
+    }
+    return absl::OkStatus();
+  }
+
+  // Returns a cached prepared statement of the writer for `sql`. Caller holds mu_ (or is in
+  // Init).
+  absl::StatusOr<Stmt> Prepare(const std::string& sql) { return writer_.Prepare(sql); }
 
   // Runs one or more statements without parameters (pragmas, migrations, transactions).
   absl::Status Exec(std::string_view sql) {
     std::string text(sql);
     char* err = nullptr;
-    int rc = sqlite3_exec(db_, text.c_str(), nullptr, nullptr, &err);
+    int rc = sqlite3_exec(writer_.db, text.c_str(), nullptr, nullptr, &err);
     if (rc == SQLITE_OK) return absl::OkStatus();
     std::string msg = err != nullptr ? err : sqlite3_errstr(rc);
     sqlite3_free(err);
@@ -609,20 +985,6 @@ class SqliteStore final : public Store {
     return Exec(absl::StrCat("UPDATE schema_version SET version = ", target, " WHERE id = 1"));
   }
 
-  // Runs the FTS5 query once (at most one row) so that its syntax errors surface.
-  absl::Status CheckFtsQuery(const std::string& fts, const std::string& keyword) {
-    auto stmt = Prepare("SELECT rowid FROM audit_fts WHERE audit_fts MATCH ?1 LIMIT 1");
-    if (!stmt.ok()) return stmt.status();
-    stmt->Bind(1, fts);
-    absl::StatusOr<bool> row = stmt->Step();
-    if (row.ok()) return absl::OkStatus();
-    if ((stmt->last_rc() & 0xff) == SQLITE_ERROR) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("invalid audit search query '", keyword, "': ", stmt->errmsg()));
-    }
-    return row.status();
-  }
-
   absl::Status InsertKey(const ApiKeyRecord& rec, const std::string& hash) {
     auto stmt = Prepare(
         "INSERT INTO api_keys (key_id, tenant, name, secret_sha256, created_ms) "
@@ -647,9 +1009,20 @@ class SqliteStore final : public Store {
     return out;
   }
 
-  std::mutex mu_;
-  sqlite3* db_;
-  std::map<std::string, sqlite3_stmt*> cache_;  // keys are stable: Stmt keeps a view of them
+  StoreOptions options_;
+  std::mutex mu_;  // the writer connection and tenants_
+  Conn writer_;
+  std::map<std::string, TenantAudit> tenants_;
+  int64_t last_retention_ms_ = 0;
+  bool wal_ = false;
+  bool retention_backlog_ = false;  // the last retention pass stopped at its batch limit
+
+  // Read-only connections for audit searches; guarded by readers_mu_.
+  std::vector<std::unique_ptr<Conn>> readers_;
+  std::mutex readers_mu_;
+  std::condition_variable readers_cv_;
+  std::vector<Conn*> free_readers_;
+  std::set<std::string> searching_;  // tenants with an audit search running
 };
 
 bool IsFtsOperator(std::string_view token) {
@@ -669,6 +1042,11 @@ bool IsFtsSyntax(std::string_view token) {
 
 int LatestSchemaVersion() { return kLatestVersion; }
 
+std::string MigrationSql(int version) {
+  if (version < 1 || version > kLatestVersion) return "";
+  return kMigrations[version - 1];
+}
+
 std::string NormalizeFtsQuery(std::string_view keyword) {
   std::vector<std::string> parts;
   // (Debian's Abseil has its own string_view type: split a std::string.)
@@ -685,6 +1063,58 @@ std::string NormalizeFtsQuery(std::string_view keyword) {
     }
   }
   return absl::StrJoin(parts, " ");
+}
+
+absl::StatusOr<std::string> CheckAuditSearch(std::string_view keyword) {
+  if (keyword.size() > kMaxAuditKeywordBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("audit search 'q' is longer than ",
+                                                   kMaxAuditKeywordBytes, " bytes"));
+  }
+  std::string fts = NormalizeFtsQuery(keyword);
+  bool quoted = false;
+  int depth = 0;
+  for (char c : fts) {
+    if (c == '"') quoted = !quoted;  // FTS5 escapes '"' as '""': two toggles
+    if (quoted) continue;
+    if (c == '(') ++depth;
+    if (c == ')' && --depth < 0) break;
+  }
+  if (quoted || depth != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("invalid audit search query '", AbslView(keyword), "': unbalanced quotes or parentheses"));
+  }
+  int terms = 0, prefixes = 0;
+  const std::string text(fts);
+  for (absl::string_view piece : absl::StrSplit(text, ' ', absl::SkipEmpty())) {
+    std::string_view token(piece.data(), piece.size());
+    if (IsFtsOperator(token)) continue;
+    ++terms;
+    const size_t star = token.find('*');
+    if (star == std::string_view::npos) continue;
+    ++prefixes;
+    // The characters of the prefix itself: after any column filter, before the '*'.
+    std::string_view prefix = token.substr(0, star);
+    if (size_t colon = prefix.rfind(':'); colon != std::string_view::npos) {
+      prefix.remove_prefix(colon + 1);
+    }
+    int chars = 0;
+    for (char c : prefix) {
+      if (std::isalnum(static_cast<unsigned char>(c)) || static_cast<unsigned char>(c) >= 0x80) {
+        ++chars;
+      }
+    }
+    if (chars < kMinAuditPrefixChars) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "audit search '", AbslView(token), "': a prefix search needs at least ", kMinAuditPrefixChars,
+          " characters before '*'"));
+    }
+  }
+  if (terms > kMaxAuditQueryTerms || prefixes > kMaxAuditPrefixTerms) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "audit search has ", terms, " terms (", prefixes, " prefix terms); at most ",
+        kMaxAuditQueryTerms, " terms and ", kMaxAuditPrefixTerms, " prefix terms are allowed"));
+  }
+  return fts;
 }
 
 std::string Sha256Hex(std::string_view data) {
@@ -705,7 +1135,8 @@ std::string Sha256Hex(std::string_view data) {
   return out;
 }
 
-absl::StatusOr<std::unique_ptr<Store>> Store::Open(const std::string& path) {
+absl::StatusOr<std::unique_ptr<Store>> Store::Open(const std::string& path,
+                                                   StoreOptions options) {
   if (path.empty()) return absl::InvalidArgumentError("database path is empty");
   const bool is_memory = path == ":memory:" || path.starts_with("file::memory:") ||
                          path.find("mode=memory") != std::string::npos;
@@ -728,9 +1159,14 @@ absl::StatusOr<std::unique_ptr<Store>> Store::Open(const std::string& path) {
     sqlite3_close_v2(db);
     return s;
   }
-  auto store = std::make_unique<SqliteStore>(db);
+  auto store = std::make_unique<SqliteStore>(db, std::move(options));
   if (absl::Status s = store->Init(!is_memory); !s.ok()) {
     return absl::Status(s.code(), absl::StrCat("open database ", path, ": ", s.message()));
+  }
+  if (!is_memory) {
+    if (absl::Status s = store->OpenReaders(path); !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("open database ", path, ": ", s.message()));
+    }
   }
   return std::unique_ptr<Store>(std::move(store));
 }

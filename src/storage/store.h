@@ -1,8 +1,11 @@
 // Durable state: environments, API keys/tenants and the audit log, in SQLite (WAL).
-// Thread-safe: one connection guarded by a mutex (SQLite serialises writers anyway).
+// Thread-safe: one writer connection guarded by a mutex (SQLite serialises writers anyway);
+// audit searches run on their own read-only connections so they never wait behind, or hold up,
+// the writer.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -59,10 +62,40 @@ struct AuditQuery {
   int limit = 100;             // 1..1000, newest first
 };
 
+// Limits that keep the audit log (and the environments history) bounded in size, and audit
+// searches bounded in cost, whatever a tenant does.
+struct StoreOptions {
+  // Rows older than this are deleted (audit rows, and destroyed environments' records).
+  int64_t retention_s = 30 * 86400;
+  // Per tenant: beyond this many audit rows, the oldest are dropped in batches of 5%.
+  int64_t max_audit_rows_per_tenant = 100000;
+  // Per tenant: a token bucket of audit rows. Rows over the rate are not stored one by one but
+  // counted per (action, status) and written as one "suppressed" summary row per kind.
+  double audit_rate_per_s = 20;
+  double audit_burst = 200;
+  // Stored size cap of `detail` (bytes, cut at a UTF-8 boundary, marked "…[truncated N bytes]").
+  size_t max_detail_bytes = 1024;
+  // An audit search that runs longer than this is stopped (DeadlineExceeded, "too expensive").
+  int64_t audit_query_timeout_ms = 500;
+  // Read-only connections for audit searches (file databases only; ":memory:" uses the writer).
+  int audit_readers = 2;
+  std::function<int64_t()> now_ms;  // injectable clock (unix ms); defaults to NowUnixMs
+};
+
+// Caps on the cost of one audit search (checked before SQLite sees the query).
+inline constexpr size_t kMaxAuditKeywordBytes = 256;
+inline constexpr int kMaxAuditQueryTerms = 16;
+inline constexpr int kMaxAuditPrefixTerms = 4;
+inline constexpr int kMinAuditPrefixChars = 3;
+inline constexpr int kMaxAuditLimit = 1000;
+// At most this many destroyed environments are listed (newest first); live ones always are.
+inline constexpr int kMaxListedDestroyed = 1000;
+
 class Store {
  public:
   // Opens (creating and migrating) the database at `path`; ":memory:" for tests.
-  static absl::StatusOr<std::unique_ptr<Store>> Open(const std::string& path);
+  static absl::StatusOr<std::unique_ptr<Store>> Open(const std::string& path,
+                                                     StoreOptions options = {});
   virtual ~Store() = default;
 
   virtual absl::Status PutEnvironment(const EnvironmentRecord& rec) = 0;  // insert or replace
@@ -70,7 +103,7 @@ class Store {
   // All environments not in state "destroyed" (any tenant); for re-attach after restart.
   virtual absl::StatusOr<std::vector<EnvironmentRecord>> ListLiveEnvironments() = 0;
   virtual absl::StatusOr<std::vector<EnvironmentRecord>> ListEnvironments(
-      const std::string& tenant, bool include_destroyed) = 0;
+      const std::string& tenant, bool include_destroyed) = 0;  // destroyed: newest 1000
 
   // API keys: only a SHA-256 of the secret is stored. Returns the new record and the secret
   // (shown once) via `secret`.
@@ -86,8 +119,17 @@ class Store {
   virtual absl::Status RevokeApiKey(const std::string& key_id) = 0;
   virtual absl::StatusOr<int64_t> CountActiveApiKeys() = 0;
 
+  // Stores one audit row, subject to the tenant's rate (over it: counted into a summary row)
+  // and row cap; `detail` is cut to max_detail_bytes.
   virtual absl::Status AppendAudit(const AuditEntry& entry) = 0;
+  // InvalidArgument for a bad or too costly query, DeadlineExceeded when it runs too long,
+  // ResourceExhausted when the tenant already has a search running.
   virtual absl::StatusOr<std::vector<AuditEntry>> QueryAudit(const AuditQuery& query) = 0;
+  // Periodic upkeep (the manager's reaper calls it): writes pending "suppressed" summaries and
+  // deletes rows past retention. Cheap when there is nothing to do.
+  virtual absl::Status Maintain() = 0;
+  // Number of audit rows of `tenant` (all tenants when empty); for tests and metrics.
+  virtual absl::StatusOr<int64_t> CountAudit(const std::string& tenant) = 0;
 };
 
 }  // namespace esb

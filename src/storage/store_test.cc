@@ -1,17 +1,22 @@
 #include "storage/store.h"
 
 #include <sqlite3.h>
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <filesystem>
+#include <iostream>
 #include <regex>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "common/util.h"
 #include "gtest/gtest.h"
 #include "storage/sqlite_store.h"
@@ -442,7 +447,11 @@ TEST_F(AuditTest, ExitCodeAndDefaultTime) {
 }
 
 TEST(StoreTest, ConcurrentWritersAreSerialised) {
-  auto store = OpenOrDie(":memory:");
+  StoreOptions opts;
+  opts.audit_burst = 1000;  // this test is about serialisation, not the rate limit
+  auto opened = Store::Open(":memory:", opts);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  auto store = std::move(*opened);
   ASSERT_NE(store, nullptr);
   std::vector<std::thread> threads;
   std::atomic<int> failures{0};
@@ -554,6 +563,329 @@ TEST(FtsQueryTest, QuotesPlainWordsAndKeepsOperators) {
   EXPECT_EQ(NormalizeFtsQuery("pip*"), "pip*");
   EXPECT_EQ(NormalizeFtsQuery("detail:pip"), "detail:pip");
   EXPECT_EQ(NormalizeFtsQuery("http://x"), "\"http://x\"");
+}
+
+
+// ---------------------------------------------------------------------------------------------
+// Hardening (issue 9): audit searches scoped and bounded, audit growth bounded.
+
+std::unique_ptr<Store> OpenWith(const std::string& path, StoreOptions opts) {
+  absl::StatusOr<std::unique_ptr<Store>> store = Store::Open(path, std::move(opts));
+  EXPECT_TRUE(store.ok()) << store.status();
+  return store.ok() ? std::move(*store) : nullptr;
+}
+
+// ~1 KiB of distinct words that all start with a few common prefixes: the worst case for
+// prefix searches (each prefix expands to thousands of index terms).
+std::string ManyWords(int row) {
+  static const char* kStarts[] = {"abc", "abd", "abe", "xyz"};
+  std::string out;
+  for (int w = 0; out.size() < 1000; ++w) {
+    out += kStarts[w % 4];
+    out += std::to_string(row * 131 + w * 7919);
+    out += ' ';
+  }
+  return out;
+}
+
+int64_t FileBytes(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0 ? st.st_size : 0;
+}
+
+double Median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+TEST(AuditHardeningTest, SearchCostCapsRejectTheAttackQuery) {
+  auto store = OpenOrDie(":memory:");
+  ASSERT_NE(store, nullptr);
+  // The attack: every letter as a prefix.
+  std::string attack;
+  for (char c = 'a'; c <= 'z'; ++c) attack += absl::StrCat(c == 'a' ? "" : " OR ", std::string(1, c), "*");
+  auto r = store->QueryAudit(Q("acme", 1000, attack));
+  ASSERT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  EXPECT_NE(r.status().message().find("at least 3 characters"), std::string::npos) << r.status();
+  // Too many terms, too many prefixes, too long, and a group that would escape the scope.
+  std::string many;
+  for (int i = 0; i < 17; ++i) many += absl::StrCat("w", i, " OR ");
+  many += "end";
+  EXPECT_EQ(store->QueryAudit(Q("acme", 10, many)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(store->QueryAudit(Q("acme", 10, "abc* OR abd* OR abe* OR abf* OR abg*")).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(store->QueryAudit(Q("acme", 10, std::string(300, 'x'))).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  auto escape = store->QueryAudit(Q("acme", 10, "x) OR (y"));
+  EXPECT_EQ(escape.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(escape.status().message().find("unbalanced"), std::string::npos) << escape.status();
+  EXPECT_EQ(store->QueryAudit(Q("acme", 10, "\"open quote")).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  // Within the caps: fine.
+  EXPECT_TRUE(store->QueryAudit(Q("acme", 10, "abc* OR (main AND detail:tmp)")).ok());
+}
+
+TEST(AuditHardeningTest, FtsIndexIsScopedToTheTenant) {
+  StoreOptions opts;
+  opts.audit_burst = 1e9;
+  auto store = OpenWith(":memory:", opts);
+  ASSERT_NE(store, nullptr);
+  for (int i = 0; i < 20; ++i) {
+    ASSERT_TRUE(store->AppendAudit(MakeAudit("acme", "e", 1 + i, "execute", "secret-plan")).ok());
+    ASSERT_TRUE(store->AppendAudit(MakeAudit("evil", "e", 1 + i, "execute", "other")).ok());
+  }
+  // evil's search for acme's word finds nothing, even through a column filter of its own.
+  for (const char* q : {"secret", "{scope action detail}: secret", "secret OR other"}) {
+    auto r = store->QueryAudit(Q("evil", 1000, q));
+    ASSERT_TRUE(r.ok()) << q << ": " << r.status();
+    for (const auto& e : *r) EXPECT_EQ(e.tenant, "evil") << q;
+  }
+  EXPECT_EQ(store->QueryAudit(Q("evil", 1000, "secret"))->size(), 0u);
+  EXPECT_EQ(store->QueryAudit(Q("acme", 1000, "secret"))->size(), 20u);
+}
+
+TEST(AuditHardeningTest, ExpensiveSearchIsCutOffByTheDeadline) {
+  TempDir dir;
+  const std::string path = dir.File("audit.db");
+  StoreOptions slow;
+  slow.audit_burst = 1e9;
+  slow.audit_query_timeout_ms = 60000;
+  {
+    auto store = OpenWith(path, slow);
+    ASSERT_NE(store, nullptr);
+    for (int i = 0; i < 4000; ++i) {
+      ASSERT_TRUE(store->AppendAudit(MakeAudit("evil", "e", 1 + i, "files.read", ManyWords(i))).ok());
+    }
+  }
+  const std::string expensive = "abc* OR abd* OR abe* OR xyz*";
+  int64_t full_ms = 0;
+  {
+    auto store = OpenWith(path, slow);
+    int64_t t0 = MonotonicMs();
+    auto r = store->QueryAudit(Q("evil", 1000, expensive));
+    full_ms = MonotonicMs() - t0;
+    ASSERT_TRUE(r.ok()) << r.status();
+  }
+  std::cout << "unbounded expensive search: " << full_ms << " ms\n";
+  ASSERT_GE(full_ms, 40) << "the test query must cost well over the deadline to prove anything";
+  StoreOptions bounded = slow;
+  bounded.audit_query_timeout_ms = 5;
+  auto store = OpenWith(path, bounded);
+  int64_t t0 = MonotonicMs();
+  auto r = store->QueryAudit(Q("evil", 1000, expensive));
+  int64_t cut_ms = MonotonicMs() - t0;
+  std::cout << "bounded expensive search: " << cut_ms << " ms, " << r.status() << "\n";
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kDeadlineExceeded) << r.status();
+  EXPECT_NE(r.status().message().find("too expensive"), std::string::npos);
+  EXPECT_LT(cut_ms, full_ms / 2);
+  // The connection is usable again afterwards (the deadline does not stick).
+  EXPECT_TRUE(store->QueryAudit(Q("evil", 5)).ok());
+}
+
+TEST(AuditHardeningTest, ExpensiveSearchLoopDoesNotStallOtherTenantsStoreCalls) {
+  TempDir dir;
+  const std::string path = dir.File("audit.db");
+  StoreOptions opts;
+  opts.audit_burst = 1e9;
+  auto store = OpenWith(path, opts);  // default 500 ms search deadline
+  ASSERT_NE(store, nullptr);
+  for (int i = 0; i < 4000; ++i) {
+    ASSERT_TRUE(store->AppendAudit(MakeAudit("evil", "e", 1 + i, "files.read", ManyWords(i))).ok());
+  }
+  ASSERT_TRUE(store->PutEnvironment(MakeEnv("env_victim", "victim", "running", 1)).ok());
+  std::atomic<bool> stop{false};
+  std::atomic<int> searches{0};
+  std::vector<std::thread> attackers;
+  for (int t = 0; t < 2; ++t) {
+    attackers.emplace_back([&] {
+      while (!stop) {
+        (void)store->QueryAudit(Q("evil", 1000, "abc* OR abd* OR abe* OR xyz*"));
+        ++searches;
+      }
+    });
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  std::vector<double> ms;
+  for (int i = 0; i < 40; ++i) {
+    int64_t t0 = MonotonicMs();
+    ASSERT_TRUE(store->ListEnvironments("victim", false).ok());
+    ASSERT_TRUE(store->AppendAudit(MakeAudit("victim", "env_victim", 5000 + i, "execute", "ls")).ok());
+    ms.push_back(static_cast<double>(MonotonicMs() - t0));
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  stop = true;
+  for (auto& t : attackers) t.join();
+  std::cout << "victim list+append median " << Median(ms) << " ms, max "
+            << *std::max_element(ms.begin(), ms.end()) << " ms; " << searches << " searches\n";
+  EXPECT_GT(searches.load(), 0);
+  EXPECT_LT(Median(ms), 20.0);
+}
+
+TEST(AuditHardeningTest, StoredFieldsAreCappedAndTheCutIsMarked) {
+  auto store = OpenOrDie(":memory:");
+  ASSERT_NE(store, nullptr);
+  const std::string path = "/workspace/" + std::string(4096, 'p');
+  ASSERT_TRUE(store->AppendAudit(MakeAudit("acme", std::string(4096, 'e'), 1, "files.read", path)).ok());
+  auto r = store->QueryAudit(Q("acme", 1));
+  ASSERT_TRUE(r.ok() && r->size() == 1u);
+  const AuditEntry& e = (*r)[0];
+  EXPECT_LE(e.detail.size(), 1024u + 40u);
+  EXPECT_EQ(e.detail.rfind("/workspace/pppp", 0), 0u) << "the head of the field is kept";
+  EXPECT_NE(e.detail.find("…[truncated 3083 bytes]"), std::string::npos) << e.detail.substr(1000);
+  EXPECT_LE(e.environment_id.size(), 64u + 40u);
+  EXPECT_NE(e.environment_id.find("…[truncated"), std::string::npos);
+  // A cut never splits a UTF-8 sequence.
+  std::string utf8;
+  while (utf8.size() < 2000) utf8 += "é";
+  ASSERT_TRUE(store->AppendAudit(MakeAudit("acme", "e", 2, "files.read", "x" + utf8)).ok());
+  auto u = store->QueryAudit(Q("acme", 1));
+  ASSERT_TRUE(u.ok());
+  const std::string& d = (*u)[0].detail;
+  size_t mark = d.find("…[truncated");
+  ASSERT_NE(mark, std::string::npos);
+  EXPECT_EQ(mark % 2, 1u) << "cut inside a 2-byte character";
+}
+
+TEST(AuditHardeningTest, OverTheRateSimilarEventsAreSummarisedNotLost) {
+  std::atomic<int64_t> clock{1'000'000};
+  StoreOptions opts;
+  opts.audit_rate_per_s = 10;
+  opts.audit_burst = 20;
+  opts.now_ms = [&] { return clock.load(); };
+  auto store = OpenWith(":memory:", opts);
+  ASSERT_NE(store, nullptr);
+  for (int i = 0; i < 500; ++i) {
+    AuditEntry e = MakeAudit("evil", "env_1", clock, "files.read", "/missing/" + std::to_string(i));
+    e.status = 404;
+    ASSERT_TRUE(store->AppendAudit(e).ok());
+  }
+  ASSERT_TRUE(store->AppendAudit(MakeAudit("acme", "e", clock, "execute", "ls")).ok())
+      << "another tenant has its own budget";
+  EXPECT_EQ(*store->CountAudit("evil"), 20);
+  EXPECT_EQ(*store->CountAudit("acme"), 1);
+  clock += 11'000;
+  ASSERT_TRUE(store->Maintain().ok());
+  EXPECT_EQ(*store->CountAudit("evil"), 21);
+  auto r = store->QueryAudit(Q("evil", 1, "suppressed"));
+  ASSERT_TRUE(r.ok() && r->size() == 1u) << r.status();
+  EXPECT_EQ((*r)[0].action, "files.read");
+  EXPECT_EQ((*r)[0].status, 404);
+  EXPECT_NE((*r)[0].detail.find("480 similar events suppressed"), std::string::npos)
+      << (*r)[0].detail;
+  EXPECT_NE((*r)[0].detail.find("/missing/20"), std::string::npos) << "names the first one";
+  // After the flush, the refilled bucket stores rows again.
+  ASSERT_TRUE(store->AppendAudit(MakeAudit("evil", "e", clock, "execute", "ls")).ok());
+  EXPECT_EQ(*store->CountAudit("evil"), 22);
+}
+
+TEST(AuditHardeningTest, PerTenantRowCapDropsOldestInBatches) {
+  StoreOptions opts;
+  opts.audit_burst = 1e9;
+  opts.max_audit_rows_per_tenant = 100;
+  auto store = OpenWith(":memory:", opts);
+  ASSERT_NE(store, nullptr);
+  ASSERT_TRUE(store->AppendAudit(MakeAudit("acme", "e", 1, "execute", "keep me")).ok());
+  for (int i = 0; i < 1000; ++i) {
+    ASSERT_TRUE(store->AppendAudit(MakeAudit("evil", "e", 10 + i, "files.read", "x")).ok());
+  }
+  int64_t evil = *store->CountAudit("evil");
+  EXPECT_LE(evil, 100);
+  EXPECT_GE(evil, 95);
+  EXPECT_EQ(*store->CountAudit("acme"), 1) << "another tenant's rows are not touched";
+  auto newest = store->QueryAudit(Q("evil", 1));
+  ASSERT_TRUE(newest.ok());
+  EXPECT_EQ((*newest)[0].time_ms, 1009) << "the newest rows are kept";
+}
+
+TEST(AuditHardeningTest, RetentionDeletesOldAuditRowsAndOldDestroyedEnvironments) {
+  std::atomic<int64_t> clock{100LL * 86400 * 1000};
+  StoreOptions opts;
+  opts.audit_burst = 1e9;
+  opts.retention_s = 7 * 86400;
+  opts.now_ms = [&] { return clock.load(); };
+  auto store = OpenWith(":memory:", opts);
+  ASSERT_NE(store, nullptr);
+  const int64_t old_ms = clock - 8LL * 86400 * 1000, new_ms = clock - 1000;
+  for (int i = 0; i < 3000; ++i) {  // more than one call's batches (2 x 500)
+    ASSERT_TRUE(store->AppendAudit(MakeAudit("acme", "e", old_ms + i, "execute", "old")).ok());
+  }
+  ASSERT_TRUE(store->AppendAudit(MakeAudit("acme", "e", new_ms, "execute", "new")).ok());
+  EnvironmentRecord gone = MakeEnv("env_old", "acme", "destroyed", old_ms);
+  gone.destroyed_ms = old_ms + 1;
+  EnvironmentRecord recent = MakeEnv("env_recent", "acme", "destroyed", new_ms);
+  recent.destroyed_ms = new_ms;
+  EnvironmentRecord live = MakeEnv("env_live", "acme", "running", old_ms);
+  for (const auto& r : {gone, recent, live}) ASSERT_TRUE(store->PutEnvironment(r).ok());
+  ASSERT_TRUE(store->Maintain().ok());
+  EXPECT_EQ(*store->CountAudit("acme"), 3001 - 1000) << "one call deletes a bounded batch";
+  // The backlog goes on the next ticks, not a minute later.
+  for (int tick = 0; tick < 3; ++tick) ASSERT_TRUE(store->Maintain().ok());
+  EXPECT_EQ(*store->CountAudit("acme"), 1);
+  EXPECT_EQ(store->QueryAudit(Q("acme", 10, "old"))->size(), 0u) << "FTS rows deleted too";
+  EXPECT_FALSE(store->GetEnvironment("env_old").ok());
+  EXPECT_TRUE(store->GetEnvironment("env_recent").ok());
+  EXPECT_TRUE(store->GetEnvironment("env_live").ok()) << "live environments are never pruned";
+}
+
+TEST(AuditHardeningTest, ManyConcurrentReadsOfMissing4KiBPathsKeepTheDatabaseBounded) {
+  TempDir dir;
+  const std::string path = dir.File("esbd.db");
+  auto store = OpenOrDie(path);  // default limits, real clock
+  ASSERT_NE(store, nullptr);
+  const int64_t before = FileBytes(path) + FileBytes(path + "-wal");
+  std::atomic<int64_t> attempts{0};
+  const int64_t end = MonotonicMs() + 2000;
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 12; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; MonotonicMs() < end; ++i) {
+        AuditEntry e = MakeAudit("evil", "env_1", 0, "files.read",
+                                 "/workspace/" + std::to_string(t * 1000000 + i) +
+                                     std::string(4096, 'a' + (i % 26)));
+        e.status = 404;
+        ASSERT_TRUE(store->AppendAudit(e).ok());
+        ++attempts;
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  ASSERT_TRUE(store->Maintain().ok());
+  const int64_t rows = *store->CountAudit("evil");
+  store.reset();  // checkpoints the WAL into the file: what stays on disk
+  const int64_t growth = FileBytes(path) + FileBytes(path + "-wal") - before;
+  std::cout << attempts << " audit attempts in 2 s → " << rows << " rows, db+wal +" << growth
+            << " bytes\n";
+  ASSERT_GT(attempts.load(), 1000) << "the attack must actually hammer the log";
+  // Burst 200 + 20/s for ~2 s, plus summaries (none yet: they flush 10 s after the first).
+  EXPECT_LE(rows, 200 + 20 * 3);
+  EXPECT_LT(growth, 1 << 20);
+}
+
+TEST(StoreFileTest, MigrationFromV1ScopesTheIndexAndCapsOldDetails) {
+  TempDir dir;
+  const std::string path = dir.File("v1.db");
+  ::close(::open(path.c_str(), O_CREAT | O_WRONLY, 0600));
+  RawExec(path, "CREATE TABLE schema_version (id INTEGER PRIMARY KEY CHECK (id = 1), "
+                "version INTEGER NOT NULL); INSERT INTO schema_version VALUES (1, 1);" +
+                    MigrationSql(1));
+  RawExec(path, "INSERT INTO audit (time_ms, tenant, action, detail) VALUES "
+                "(1, 'acme', 'execute', 'secret-plan'), (2, 'evil', 'files.read', '" +
+                    std::string(4096, 'z') + "')");
+  auto store = OpenOrDie(path);
+  ASSERT_NE(store, nullptr);
+  EXPECT_EQ(RawQuery(path, "SELECT version FROM schema_version"),
+            std::to_string(LatestSchemaVersion()));
+  EXPECT_EQ(store->QueryAudit(Q("acme", 10, "secret"))->size(), 1u) << "index rebuilt";
+  EXPECT_EQ(store->QueryAudit(Q("evil", 10, "secret"))->size(), 0u);
+  auto evil = store->QueryAudit(Q("evil", 10));
+  ASSERT_TRUE(evil.ok() && evil->size() == 1u);
+  EXPECT_LT((*evil)[0].detail.size(), 1100u);
+  EXPECT_NE((*evil)[0].detail.find("[truncated]"), std::string::npos);
+  EXPECT_EQ(RawQuery(path, "SELECT count(*) FROM audit_fts WHERE audit_fts MATCH 'scope : t" +
+                               std::string("61636d65") + "'"),
+            "1");
 }
 
 }  // namespace

@@ -1,15 +1,22 @@
 // End-to-end tests of the Environment API: real esbd, real containers.
 #include <sys/stat.h>
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
+#include <map>
+#include <mutex>
 #include <set>
 #include <thread>
 
 #include <gtest/gtest.h>
 
+#include "absl/strings/str_cat.h"
 #include "integration/daemon.h"
+#include "storage/store.h"
 
 namespace esb::testing {
 namespace {
@@ -418,6 +425,207 @@ TEST_F(ApiTest, NothingLeaksAfterCreateDeleteCycles) {
   fgets(buf, sizeof buf, p);
   pclose(p);
   EXPECT_EQ(std::atoi(buf), 0) << "background processes of deleted environments survived";
+}
+
+}  // namespace
+}  // namespace esb::testing
+
+namespace esb::testing {
+namespace {
+
+double MedianMs(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+double ElapsedMs(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+constexpr char kTwoTenants[] = R"("keys": [
+      {"key": "esb_tenant_evil_secret_01", "tenant": "evil"},
+      {"key": "esb_tenant_good_secret_02", "tenant": "good"}])";
+
+TEST_F(ApiTest, OneTenantsExpensiveAuditSearchLoopDoesNotStallAnotherTenant) {
+  const std::string config =
+      absl::StrCat("{", kTwoTenants, R"(, "audit": {"query_timeout_ms": 100}})");
+  Daemon d;
+  ASSERT_TRUE(d.Start({.config_json = config}));
+  std::string state = d.state_dir();
+  d.Stop();
+  {
+    // Thousands of the attacker's rows, each ~1 KiB of distinct words behind a few common
+    // prefixes: the worst case for a prefix search.
+    StoreOptions fill;
+    fill.audit_burst = 1e9;
+    auto store = Store::Open(state + "/esbd.db", fill);
+    ASSERT_TRUE(store.ok()) << store.status();
+    for (int i = 0; i < 4000; ++i) {
+      AuditEntry e;
+      e.tenant = "evil";
+      e.action = "files.read";
+      e.status = 404;
+      // Recent (inside retention), as an attacker's own rows would be.
+      e.time_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                      std::chrono::system_clock::now().time_since_epoch())
+                      .count() - 10'000 + i;
+      static const char* kStarts[] = {"abc", "abd", "abe", "xyz"};
+      for (int w = 0; e.detail.size() < 1000; ++w)
+        e.detail += absl::StrCat(kStarts[w % 4], i * 131 + w * 7919, " ");
+      ASSERT_TRUE((*store)->AppendAudit(e).ok());
+    }
+  }
+  Daemon d2;
+  ASSERT_TRUE(d2.Start({.config_json = config}, state));
+  auto as = [](const std::string& key) {
+    return std::map<std::string, std::string>{{"Authorization", "Bearer " + key}};
+  };
+  // The reported attack query is refused outright (single-letter prefixes).
+  std::string letters;
+  for (char c = 'a'; c <= 'z'; ++c) letters += absl::StrCat(c == 'a' ? "" : "%20OR%20", std::string(1, c), "*");
+  HttpResult refused = d2.Call("GET", "/audit?limit=1000&q=" + letters, nullptr,
+                               as("esb_tenant_evil_secret_01"));
+  EXPECT_EQ(refused.status, 400) << refused.body;
+  // The most expensive query the caps allow, looped by two clients of the attacker.
+  const std::string expensive = "/audit?limit=1000&q=abc*%20OR%20abd*%20OR%20abe*%20OR%20xyz*";
+  std::atomic<bool> stop{false};
+  std::atomic<int> cut_off{0}, answered{0}, other{0};
+  std::atomic<int64_t> slowest_attack_ms{0};
+  std::vector<std::thread> attackers;
+  for (int t = 0; t < 2; ++t) {
+    attackers.emplace_back([&] {
+      while (!stop) {
+        auto t0 = std::chrono::steady_clock::now();
+        HttpResult r = d2.Call("GET", expensive, nullptr, as("esb_tenant_evil_secret_01"));
+        int64_t ms = static_cast<int64_t>(ElapsedMs(t0));
+        if (ms > slowest_attack_ms) slowest_attack_ms = ms;
+        if (r.status == 503 && r.body.find("too expensive") != std::string::npos) ++cut_off;
+        else if (r.status == 200) ++answered;
+        else ++other;  // 429: the tenant's other search is still running
+      }
+    });
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  std::vector<double> victim;
+  for (int i = 0; i < 40; ++i) {
+    auto t0 = std::chrono::steady_clock::now();
+    HttpResult r = d2.Call("GET", "/environments", nullptr, as("esb_tenant_good_secret_02"));
+    victim.push_back(ElapsedMs(t0));
+    EXPECT_EQ(r.status, 200) << r.body;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  stop = true;
+  for (auto& t : attackers) t.join();
+  std::sort(victim.begin(), victim.end());
+  std::cout << "victim GET /environments median " << MedianMs(victim) << " ms, p90 "
+            << victim[victim.size() * 9 / 10] << " ms, max "
+            << *std::max_element(victim.begin(), victim.end()) << " ms; attacker: " << cut_off
+            << " cut off (503), " << answered << " answered, " << other
+            << " other; slowest attack request " << slowest_attack_ms << " ms\n";
+  EXPECT_LT(MedianMs(victim), 100.0);
+  EXPECT_GT(cut_off.load(), 0) << "the expensive search must hit the deadline";
+  EXPECT_LT(slowest_attack_ms.load(), 2000) << "no attack request hangs";
+}
+
+TEST_F(ApiTest, AuditFloodOfMissing4KiBPathReadsStaysBounded) {
+  Daemon d;
+  ASSERT_TRUE(d.Start({}));
+  std::string id = d.CreateEnv();
+  const std::string db = d.state_dir() + "/esbd.db";
+  auto bytes = [&] {
+    struct stat st {};
+    int64_t n = ::stat(db.c_str(), &st) == 0 ? st.st_size : 0;
+    if (::stat((db + "-wal").c_str(), &st) == 0) n += st.st_size;
+    return n;
+  };
+  const int64_t before = bytes();
+  std::atomic<int> reads{0};
+  auto end = std::chrono::steady_clock::now() + std::chrono::seconds(4);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 12; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; std::chrono::steady_clock::now() < end; ++i) {
+        // ~4 KiB, in components a filesystem accepts (NAME_MAX), so the read is a plain miss.
+        std::string path = "/workspace/" + std::to_string(t) + "_" + std::to_string(i);
+        while (path.size() < 4000) path += "/" + std::string(200, 'a' + i % 26);
+        HttpResult r = d.Call("GET", "/environments/" + id + "/files/read?path=" + path);
+        if (r.status == 404) ++reads;
+        else if (i == 0) ADD_FAILURE() << "expected a 404 miss: " << r.status << " " << r.body;
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  const int64_t growth = bytes() - before;
+  HttpResult a = d.Call("GET", "/audit?limit=1000&environment_id=" + id);
+  ASSERT_EQ(a.status, 200) << a.body;
+  const auto& entries = a.obj().at("entries").as_array();
+  size_t truncated = 0;
+  for (const auto& e : entries) {
+    const auto& detail = e.as_object().at("detail").as_string();
+    EXPECT_LT(detail.size(), 1200u);
+    if (std::string_view(detail).find("…[truncated") != std::string_view::npos) ++truncated;
+  }
+  d.Call("DELETE", "/environments/" + id);
+  d.Stop();  // closing the store checkpoints the WAL into esbd.db: what stays on disk
+  const int64_t kept = bytes() - before;
+  std::cout << reads << " reads of missing 4 KiB paths in 4 s → " << entries.size()
+            << " audit rows; esbd.db+wal +" << growth << " bytes while running, +" << kept
+            << " bytes after the checkpoint\n";
+  ASSERT_GT(reads.load(), 300) << "the attack must actually run";
+  // Burst 200 + 20/s over ~4-5 s (+ the create row); the rest is counted into summaries.
+  EXPECT_LE(entries.size(), 200u + 20u * 6u);
+  EXPECT_GT(truncated, 100u) << "cut paths are marked";
+  // The WAL may hold up to its 4 MiB autocheckpoint size while running; the data is small.
+  EXPECT_LT(growth, 6 << 20);
+  EXPECT_LT(kept, 2 << 20);
+}
+
+TEST_F(ApiTest, ConcurrentCreatesCannotOvershootTheTenantQuota) {
+  Daemon d;
+  ASSERT_TRUE(d.Start({.config_json = R"({"max_environments_per_tenant": 3})"}));
+  std::atomic<int> created{0}, refused{0}, other{0};
+  std::vector<std::string> ids;
+  std::mutex ids_mu;
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 10; ++i) {
+    threads.emplace_back([&] {
+      HttpResult r = d.Call("POST", "/environments", json::object{});
+      if (r.status == 201) {
+        ++created;
+        std::lock_guard<std::mutex> lock(ids_mu);
+        ids.push_back(r.str("environment_id"));
+      } else if (r.status == 429) {
+        ++refused;
+      } else {
+        ++other;
+        ADD_FAILURE() << r.status << " " << r.body;
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(created.load(), 3);
+  EXPECT_EQ(refused.load(), 7);
+  EXPECT_EQ(d.Call("GET", "/environments").obj().at("environments").as_array().size(), 3u);
+  for (const auto& id : ids) d.Call("DELETE", "/environments/" + id);
+}
+
+TEST_F(ApiTest, NanoSessionsDoNotSurviveADaemonRestartAndAreReportedGone) {
+  Daemon d;
+  ASSERT_TRUE(d.Start({}));
+  if (!d.Call("GET", "/healthz").obj().at("drivers").as_object().contains("nano"))
+    GTEST_SKIP() << "the nano runtime is not available in this build (needs python.wasm)";
+  std::string nano = d.CreateEnv({{"runtime", "nano"}});
+  std::string container = d.CreateEnv();
+  std::string state = d.state_dir();
+  d.Stop();
+  Daemon d2;
+  ASSERT_TRUE(d2.Start({}, state));
+  // As documented (README, docs/api.md): containers survive, nano sessions do not.
+  HttpResult n = d2.Call("GET", "/environments/" + nano);
+  EXPECT_EQ(n.str("state"), "destroyed") << n.body;
+  EXPECT_EQ(n.str("destroy_reason"), "died_while_daemon_down") << n.body;
+  EXPECT_EQ(d2.Call("GET", "/environments/" + container).str("state"), "running");
+  d2.Call("DELETE", "/environments/" + container);
 }
 
 }  // namespace
