@@ -6,10 +6,15 @@
 #include <limits.h>
 #include <stdlib.h>
 #include <string.h>
+#include <linux/magic.h>
+#include <linux/openat2.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <map>
 #include <set>
 #include <utility>
@@ -90,6 +95,24 @@ int MakeParents(const std::string& path) {
   }
   return 0;
 }
+
+// A path that reaches kernel state rather than sandbox files.
+bool OnKernelFs(long f_type) {
+  return f_type == PROC_SUPER_MAGIC || f_type == SYSFS_MAGIC;
+}
+
+// True if any prefix of the absolute `path` ("/a", "/a/b", ...) is on procfs or sysfs
+// (statfs follows symlinks). Only the fallback for kernels without openat2 uses this.
+bool PathTouchesKernelFs(const std::string& path) {
+  for (size_t pos = path.find('/', 1);; pos = path.find('/', pos + 1)) {
+    std::string prefix = pos == std::string::npos ? path : path.substr(0, pos);
+    struct statfs sfs;
+    if (statfs(prefix.c_str(), &sfs) == 0 && OnKernelFs(sfs.f_type)) return true;
+    if (pos == std::string::npos) return false;
+  }
+}
+
+std::atomic<bool> g_no_openat2{false};
 
 proto::Frame NotRegular(const std::string& path, const struct stat& st) {
   if (S_ISDIR(st.st_mode)) return ErrorResponse(path + ": is a directory", "EISDIR");
@@ -204,6 +227,56 @@ proto::Frame ErrnoResponse(const std::string& what, int err) {
   return ErrorResponse(what + ": " + strerror(err), ErrnoName(err));
 }
 
+int OpenSandboxPath(const std::string& path, int flags, mode_t mode, bool* kernel_fs) {
+  *kernel_fs = false;
+  int fd = -1;
+  if (!g_no_openat2.load(std::memory_order_relaxed)) {
+    open_how how{};
+    how.flags = static_cast<uint64_t>(flags) | O_CLOEXEC;
+    how.mode = (flags & O_CREAT) ? mode : 0;
+    // SECURITY: no /proc magic links (/proc/self/fd/N, /proc/<pid>/root, ...): a request can
+    // never reach a descriptor of the agent (the host's socket) or another mount namespace.
+    how.resolve = RESOLVE_NO_MAGICLINKS;
+    fd = static_cast<int>(syscall(SYS_openat2, AT_FDCWD, path.c_str(), &how, sizeof how));
+    if (fd < 0 && errno != ENOSYS) return -1;
+    if (fd < 0) g_no_openat2 = true;  // kernel < 5.6
+  }
+  if (fd < 0) {
+    // Fallback without openat2: refuse paths whose prefixes are on procfs/sysfs. Racy against
+    // a concurrent symlink swap, but by then the agent holds no host file: fds 0-2 are
+    // /dev/null and the host's socket fails the S_ISREG checks of every handler.
+    if (PathTouchesKernelFs(path)) {
+      *kernel_fs = true;
+      errno = EACCES;
+      return -1;
+    }
+    fd = open(path.c_str(), flags | O_CLOEXEC, mode);
+    if (fd < 0) return -1;
+  }
+  struct statfs sfs;
+  if (fstatfs(fd, &sfs) != 0 || OnKernelFs(sfs.f_type)) {
+    // SECURITY: procfs/sysfs files (/proc/self/mem, /proc/1/environ, ...) are kernel
+    // interfaces of the agent itself, never sandbox files.
+    close(fd);
+    *kernel_fs = true;
+    errno = EACCES;
+    return -1;
+  }
+  return fd;
+}
+
+proto::Frame OpenError(const std::string& what, const std::string& rel, int err, bool kernel_fs) {
+  if (kernel_fs) {
+    return ErrorResponse(rel + ": refused: /proc and /sys are not sandbox files", "EACCES");
+  }
+  if (err == ELOOP) {
+    return ErrorResponse(what + " " + rel + ": refused: symlink loop or /proc magic link",
+                         "ELOOP");
+  }
+  if (err == ENXIO) return ErrorResponse(rel + ": not a regular file", "EINVAL");
+  return ErrnoResponse(what + " " + rel, err);
+}
+
 bool ResolvePath(const std::string& workspace, const std::string& path, std::string* out) {
   if (path.empty() || path.size() > PATH_MAX || path.find('\0') != std::string::npos) {
     return false;
@@ -232,28 +305,31 @@ proto::Frame HandleWrite(const std::string& workspace, const json::object& heade
 
   // O_NONBLOCK: opening a FIFO must never block the agent; fstat then refuses it.
   const int flags = O_WRONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY;
-  Fd fd(open(path.c_str(), flags));
+  const mode_t create_mode = static_cast<mode_t>(mode);
+  bool kernel_fs = false;
+  Fd fd(OpenSandboxPath(path, flags, 0, &kernel_fs));
   bool created = false;
   for (int attempt = 0; !fd && attempt < 3; ++attempt) {
-    if (errno == ENXIO) return ErrorResponse(rel + ": not a regular file", "EINVAL");
-    if (errno != ENOENT) return ErrnoResponse("open " + rel, errno);
-    fd.reset(open(path.c_str(), flags | O_CREAT | O_EXCL, static_cast<mode_t>(mode)));
+    if (errno != ENOENT || kernel_fs) return OpenError("open", rel, errno, kernel_fs);
+    fd.reset(OpenSandboxPath(path, flags | O_CREAT | O_EXCL, create_mode, &kernel_fs));
     if (fd) {
       created = true;
       break;
     }
-    if (errno == ENOENT) {
+    if (errno == ENOENT && !kernel_fs) {
       int err = MakeParents(path);
       if (err) return ErrnoResponse("mkdir parents of " + rel, err);
-      fd.reset(open(path.c_str(), flags | O_CREAT | O_EXCL, static_cast<mode_t>(mode)));
+      fd.reset(OpenSandboxPath(path, flags | O_CREAT | O_EXCL, create_mode, &kernel_fs));
       if (fd) {
         created = true;
         break;
       }
     }
-    if (errno == EEXIST) fd.reset(open(path.c_str(), flags));  // lost a race: open it
+    if (errno == EEXIST && !kernel_fs) {
+      fd.reset(OpenSandboxPath(path, flags, 0, &kernel_fs));  // lost a race: open it
+    }
   }
-  if (!fd) return ErrnoResponse("open " + rel, errno);
+  if (!fd) return OpenError("open", rel, errno, kernel_fs);
   struct stat st;
   if (fstat(fd.get(), &st) != 0) return ErrnoResponse("fstat " + rel, errno);
   if (!S_ISREG(st.st_mode)) return NotRegular(rel, st);
@@ -290,8 +366,9 @@ proto::Frame HandleRead(const std::string& workspace, const json::object& header
     return ErrorResponse("length must be between 0 and 16 MiB", "EINVAL");
   }
   // O_NONBLOCK: opening a FIFO without a writer must not hang; fstat then refuses it.
-  Fd fd(open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY));
-  if (!fd) return ErrnoResponse("open " + rel, errno);
+  bool kernel_fs = false;
+  Fd fd(OpenSandboxPath(path, O_RDONLY | O_NONBLOCK | O_NOCTTY, 0, &kernel_fs));
+  if (!fd) return OpenError("open", rel, errno, kernel_fs);
   struct stat st;
   if (fstat(fd.get(), &st) != 0) return ErrnoResponse("fstat " + rel, errno);
   if (!S_ISREG(st.st_mode)) return NotRegular(rel, st);
@@ -323,10 +400,14 @@ proto::Frame HandleList(const std::string& workspace, const json::object& header
   if (rel.empty()) rel = ".";
   std::string path;
   if (!ResolvePath(workspace, rel, &path)) return ErrorResponse("invalid path", "EINVAL");
-  Fd fd(open(path.c_str(), O_RDONLY | O_DIRECTORY | O_NONBLOCK | O_CLOEXEC));
-  if (!fd) return ErrnoResponse("open " + rel, errno);
+  bool kernel_fs = false;
+  Fd fd(OpenSandboxPath(path, O_RDONLY | O_DIRECTORY | O_NONBLOCK, 0, &kernel_fs));
+  if (!fd) return OpenError("open", rel, errno, kernel_fs);
+  // The directory actually opened, not a second resolution of `path`.
   char resolved[PATH_MAX];
-  std::string abs = realpath(path.c_str(), resolved) ? resolved : path;
+  std::string self = "/proc/self/fd/" + std::to_string(fd.get());
+  ssize_t len = readlink(self.c_str(), resolved, sizeof resolved - 1);
+  std::string abs = len > 0 ? std::string(resolved, static_cast<size_t>(len)) : path;
   int dirfd = fd.get();
   DIR* dir = fdopendir(fd.release());
   if (!dir) {
@@ -381,11 +462,17 @@ proto::Frame HandleStat(const std::string& workspace, const json::object& header
   if (!f.ok()) return ErrorResponse(f.error(), "EINVAL");
   std::string path;
   if (!ResolvePath(workspace, rel, &path)) return ErrorResponse("invalid path", "EINVAL");
-  struct stat st;
-  if (stat(path.c_str(), &st) != 0) {
+  // O_PATH: stat needs no read permission; a dangling symlink is reported as the link itself.
+  bool kernel_fs = false;
+  Fd fd(OpenSandboxPath(path, O_PATH, 0, &kernel_fs));
+  if (!fd && errno == ENOENT && !kernel_fs) {
     int err = errno;
-    if (err != ENOENT || lstat(path.c_str(), &st) != 0) return ErrnoResponse("stat " + rel, err);
+    fd.reset(OpenSandboxPath(path, O_PATH | O_NOFOLLOW, 0, &kernel_fs));
+    if (!fd && !kernel_fs) errno = err;
   }
+  if (!fd) return OpenError("stat", rel, errno, kernel_fs);
+  struct stat st;
+  if (fstat(fd.get(), &st) != 0) return ErrnoResponse("stat " + rel, errno);
   proto::Frame resp = OkResponse();
   for (auto& kv : StatObject(st)) resp.header[kv.key()] = kv.value();
   return resp;
