@@ -225,6 +225,53 @@ TEST_F(AgentTest, WriteOptions) {
   EXPECT_EQ(Errno(r), "ENOTDIR");
 }
 
+// Collects an exec's stdout.
+std::string ExecStdout(Conn& c, const std::string& command, int64_t timeout_ms,
+                       proto::Frame* response = nullptr) {
+  EXPECT_TRUE(c.Send({{"op", "exec"}, {"command", command}, {"timeout_ms", timeout_ms}}));
+  std::vector<proto::Frame> outputs;
+  proto::Frame r = c.Response(&outputs, static_cast<int>(timeout_ms) + 10000);
+  if (response) *response = r;
+  std::string out;
+  for (const auto& f : outputs) {
+    if (f.header.at("stream").as_string() == "stdout") out += f.payload;
+  }
+  return out;
+}
+
+// `setsid` and double-fork escapees of a command that times out used to outlive it (they left
+// the process group the timeout kills) and died only with the environment.
+TEST_F(AgentTest, TimeoutKillsSetsidAndDoubleForkEscapees) {
+  Conn c(agent_);
+  ASSERT_TRUE(c.ok());
+  // A background job of a command that completes normally keeps running (servers).
+  std::string kept = ExecStdout(c, "nohup sleep 1000 >/dev/null 2>&1 & echo $!", 10000);
+  pid_t server = std::atoi(kept.c_str());
+  ASSERT_GT(server, 1) << kept;
+  proto::Frame r;
+  std::string pids = ExecStdout(c,
+                                "setsid sleep 1000 >/dev/null 2>&1 & echo $!; "
+                                "( sleep 1001 >/dev/null 2>&1 & echo $! ); "
+                                "( setsid bash -c 'sleep 1002 & echo $!' & ) ; sleep 0.3; "
+                                "sleep 100",
+                                1000, &r);
+  EXPECT_TRUE(r.header.at("timed_out").as_bool());
+  std::vector<pid_t> escapees;
+  std::istringstream in(pids);
+  for (pid_t p; in >> p;) escapees.push_back(p);
+  ASSERT_EQ(escapees.size(), 3u) << pids;
+  for (pid_t p : escapees) EXPECT_TRUE(ProcessGone(p, 3000)) << "pid " << p << " survived";
+  // A later exec sees them gone too, and the normally completed job is still alive.
+  std::string check = ExecStdout(c,
+                                 "for p in " + std::to_string(escapees[0]) + " " +
+                                     std::to_string(escapees[1]) + " " +
+                                     std::to_string(escapees[2]) + " " + std::to_string(server) +
+                                     "; do kill -0 $p 2>/dev/null && echo alive $p; done; :",
+                                 10000);
+  EXPECT_EQ(check, "alive " + std::to_string(server) + "\n");
+  kill(server, SIGKILL);
+}
+
 TEST_F(AgentTest, ClientDisconnectMidExecKillsTheProcessGroup) {
   Conn c(agent_);
   ASSERT_TRUE(c.ok());

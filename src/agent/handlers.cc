@@ -479,33 +479,10 @@ proto::Frame HandleStat(const std::string& workspace, const json::object& header
 }
 
 int64_t CountProcesses() {
-  DIR* proc = opendir("/proc");
-  if (!proc) return -1;
   pid_t self = getpid();
-  std::map<pid_t, pid_t> parent;
-  int64_t all = 0;
-  while (dirent* e = readdir(proc)) {
-    char* end = nullptr;
-    long pid = strtol(e->d_name, &end, 10);
-    if (pid <= 0 || *end != '\0') continue;
-    ++all;
-    if (self == 1) continue;
-    std::string stat_path = std::string("/proc/") + e->d_name + "/stat";
-    Fd fd(open(stat_path.c_str(), O_RDONLY | O_CLOEXEC));
-    if (!fd) continue;
-    char buf[512];
-    ssize_t n = read(fd.get(), buf, sizeof buf - 1);
-    if (n <= 0) continue;
-    buf[n] = '\0';
-    // "pid (comm) state ppid ...": comm may contain anything, so parse after the last ')'.
-    char* close_paren = strrchr(buf, ')');
-    if (!close_paren) continue;
-    char state;
-    int ppid;
-    if (sscanf(close_paren + 1, " %c %d", &state, &ppid) == 2) parent[pid] = ppid;
-  }
-  closedir(proc);
-  if (self == 1) return all;
+  std::map<pid_t, pid_t> parent = ReadParentMap();
+  if (parent.empty()) return -1;
+  if (self == 1) return static_cast<int64_t>(parent.size());
   int64_t count = 0;
   for (const auto& [pid, ppid] : parent) {
     pid_t p = pid;

@@ -84,6 +84,13 @@ bool ParseInt(const std::string& text, int64_t min, int64_t max, int64_t* out) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc >= 3 && strcmp(argv[1], "--exec-shim") == 0) {
+    // Started by the agent for each exec's shell (shell.cc): become a child subreaper (the
+    // attribute survives execve, children do not inherit it), then become the shell.
+    prctl(PR_SET_CHILD_SUBREAPER, 1);
+    execv(argv[2], argv + 2);
+    _exit(127);
+  }
   EnsureStdFds();
   // SECURITY: PID 1 holds the host's listening socket (and, until it is ready, the host's
   // start-up log); a non-dumpable process keeps sandbox code (same uid) out of /proc/1/fd

@@ -1,8 +1,10 @@
 #include "agent/util.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 
@@ -47,6 +49,35 @@ bool WriteAll(int fd, std::string_view data) {
 std::string ErrnoName(int err) {
   const char* name = strerrorname_np(err);
   return name ? name : "EIO";
+}
+
+std::map<pid_t, pid_t> ReadParentMap(bool skip_zombies) {
+  std::map<pid_t, pid_t> parent;
+  DIR* proc = opendir("/proc");
+  if (!proc) return parent;
+  while (dirent* e = readdir(proc)) {
+    char* end = nullptr;
+    long pid = strtol(e->d_name, &end, 10);
+    if (pid <= 0 || *end != '\0') continue;
+    std::string stat_path = std::string("/proc/") + e->d_name + "/stat";
+    int fd = open(stat_path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) continue;
+    char buf[512];
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0) continue;
+    buf[n] = '\0';
+    // "pid (comm) state ppid ...": comm may contain anything, so parse after the last ')'.
+    char* close_paren = strrchr(buf, ')');
+    if (!close_paren) continue;
+    char state;
+    int ppid;
+    if (sscanf(close_paren + 1, " %c %d", &state, &ppid) != 2) continue;
+    if (skip_zombies && (state == 'Z' || state == 'X')) continue;
+    parent[static_cast<pid_t>(pid)] = ppid;
+  }
+  closedir(proc);
+  return parent;
 }
 
 void SetLogLevel(LogLevel level) { g_level = static_cast<int>(level); }

@@ -4,6 +4,7 @@
 
 #include <unistd.h>
 
+#include <map>
 #include <string>
 #include <string_view>
 
@@ -43,6 +44,9 @@ bool WriteAll(int fd, std::string_view data);
 
 // "ENOENT" for ENOENT; "EIO" if the number has no name.
 std::string ErrnoName(int err);
+
+// pid -> parent pid of every process in /proc (zombies too unless `skip_zombies`).
+std::map<pid_t, pid_t> ReadParentMap(bool skip_zombies = false);
 
 enum class LogLevel { kDebug = 0, kInfo = 1, kWarn = 2, kError = 3 };
 void SetLogLevel(LogLevel level);
