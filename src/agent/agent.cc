@@ -115,8 +115,8 @@ void Agent::Serve() {
     if (connections_.load() >= kMaxConnections) {
       int64_t n = ++refused_busy_;
       if ((n & (n - 1)) == 0) {
-        Log(LogLevel::kWarn, "too many connections; closing a new one (" + std::to_string(n) +
-                                 " so far)");
+        Log(LogLevel::kWarn,
+            "too many connections; closing a new one (" + std::to_string(n) + " so far)");
       }
       close(fd);
       continue;

@@ -262,12 +262,12 @@ TEST_F(AgentTest, TimeoutKillsSetsidAndDoubleForkEscapees) {
   ASSERT_EQ(escapees.size(), 3u) << pids;
   for (pid_t p : escapees) EXPECT_TRUE(ProcessGone(p, 3000)) << "pid " << p << " survived";
   // A later exec sees them gone too, and the normally completed job is still alive.
-  std::string check = ExecStdout(c,
-                                 "for p in " + std::to_string(escapees[0]) + " " +
-                                     std::to_string(escapees[1]) + " " +
-                                     std::to_string(escapees[2]) + " " + std::to_string(server) +
-                                     "; do kill -0 $p 2>/dev/null && echo alive $p; done; :",
-                                 10000);
+  std::string check =
+      ExecStdout(c,
+                 "for p in " + std::to_string(escapees[0]) + " " + std::to_string(escapees[1]) +
+                     " " + std::to_string(escapees[2]) + " " + std::to_string(server) +
+                     "; do kill -0 $p 2>/dev/null && echo alive $p; done; :",
+                 10000);
   EXPECT_EQ(check, "alive " + std::to_string(server) + "\n");
   kill(server, SIGKILL);
 }
@@ -450,8 +450,8 @@ namespace {
 sockaddr_un AbstractAddress(socklen_t* len) {
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
-  std::string name = "esb-agent-test-" + std::to_string(getpid()) + "-" +
-                     std::to_string(proto::MonotonicMs());
+  std::string name =
+      "esb-agent-test-" + std::to_string(getpid()) + "-" + std::to_string(proto::MonotonicMs());
   memcpy(addr.sun_path + 1, name.data(), name.size());
   *len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
   return addr;
@@ -487,9 +487,9 @@ TEST(AgentListenFdTest, ServesOnlyRootOnInheritedSocketAndDropsHostLog) {
   posix_spawn_file_actions_adddup2(&actions, log_fd, 1);
   posix_spawn_file_actions_adddup2(&actions, log_fd, 2);
   posix_spawn_file_actions_adddup2(&actions, listener, 3);
-  std::vector<std::string> args = {ESB_AGENT_BINARY, "--listen-fd", "3",          "--workspace",
-                                   dir + "/ws",      "--state-dir", dir + "/state", "--log-level",
-                                   "info"};
+  std::vector<std::string> args = {ESB_AGENT_BINARY, "--listen-fd", "3",
+                                   "--workspace",    dir + "/ws",   "--state-dir",
+                                   dir + "/state",   "--log-level", "info"};
   std::vector<char*> argv;
   for (auto& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);

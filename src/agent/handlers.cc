@@ -4,10 +4,10 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
-#include <stdlib.h>
-#include <string.h>
 #include <linux/magic.h>
 #include <linux/openat2.h>
+#include <stdlib.h>
+#include <string.h>
 #include <sys/stat.h>
 #include <sys/statfs.h>
 #include <sys/syscall.h>
@@ -97,9 +97,7 @@ int MakeParents(const std::string& path) {
 }
 
 // A path that reaches kernel state rather than sandbox files.
-bool OnKernelFs(long f_type) {
-  return f_type == PROC_SUPER_MAGIC || f_type == SYSFS_MAGIC;
-}
+bool OnKernelFs(long f_type) { return f_type == PROC_SUPER_MAGIC || f_type == SYSFS_MAGIC; }
 
 // True if any prefix of the absolute `path` ("/a", "/a/b", ...) is on procfs or sysfs
 // (statfs follows symlinks). Only the fallback for kernels without openat2 uses this.
@@ -112,7 +110,24 @@ bool PathTouchesKernelFs(const std::string& path) {
   }
 }
 
-std::atomic<bool> g_no_openat2{false};
+// openat2 with RESOLVE_NO_MAGICLINKS works here: probed once on "/" (Linux < 5.6 says ENOSYS;
+// gVisor's seccomp layer does not know the syscall and answers EPERM).
+bool HaveOpenat2() {
+  static const bool have = [] {
+    open_how how{};
+    how.flags = O_PATH | O_CLOEXEC;
+    how.resolve = RESOLVE_NO_MAGICLINKS;
+    int fd = static_cast<int>(syscall(SYS_openat2, AT_FDCWD, "/", &how, sizeof how));
+    if (fd < 0) {
+      Log(LogLevel::kWarn, std::string("openat2 unavailable (") + strerror(errno) +
+                               "): request paths are checked with statfs instead");
+      return false;
+    }
+    close(fd);
+    return true;
+  }();
+  return have;
+}
 
 proto::Frame NotRegular(const std::string& path, const struct stat& st) {
   if (S_ISDIR(st.st_mode)) return ErrorResponse(path + ": is a directory", "EISDIR");
@@ -230,7 +245,7 @@ proto::Frame ErrnoResponse(const std::string& what, int err) {
 int OpenSandboxPath(const std::string& path, int flags, mode_t mode, bool* kernel_fs) {
   *kernel_fs = false;
   int fd = -1;
-  if (!g_no_openat2.load(std::memory_order_relaxed)) {
+  if (HaveOpenat2()) {
     open_how how{};
     how.flags = static_cast<uint64_t>(flags) | O_CLOEXEC;
     how.mode = (flags & O_CREAT) ? mode : 0;
@@ -238,11 +253,10 @@ int OpenSandboxPath(const std::string& path, int flags, mode_t mode, bool* kerne
     // never reach a descriptor of the agent (the host's socket) or another mount namespace.
     how.resolve = RESOLVE_NO_MAGICLINKS;
     fd = static_cast<int>(syscall(SYS_openat2, AT_FDCWD, path.c_str(), &how, sizeof how));
-    if (fd < 0 && errno != ENOSYS) return -1;
-    if (fd < 0) g_no_openat2 = true;  // kernel < 5.6
-  }
-  if (fd < 0) {
-    // Fallback without openat2: refuse paths whose prefixes are on procfs/sysfs. Racy against
+    if (fd < 0) return -1;
+  } else {
+    // Fallback without openat2 (gVisor, Linux < 5.6): refuse paths whose prefixes are on
+    // procfs/sysfs. Racy against
     // a concurrent symlink swap, but by then the agent holds no host file: fds 0-2 are
     // /dev/null and the host's socket fails the S_ISREG checks of every handler.
     if (PathTouchesKernelFs(path)) {
@@ -270,8 +284,7 @@ proto::Frame OpenError(const std::string& what, const std::string& rel, int err,
     return ErrorResponse(rel + ": refused: /proc and /sys are not sandbox files", "EACCES");
   }
   if (err == ELOOP) {
-    return ErrorResponse(what + " " + rel + ": refused: symlink loop or /proc magic link",
-                         "ELOOP");
+    return ErrorResponse(what + " " + rel + ": refused: symlink loop or /proc magic link", "ELOOP");
   }
   if (err == ENXIO) return ErrorResponse(rel + ": not a regular file", "EINVAL");
   return ErrnoResponse(what + " " + rel, err);

@@ -213,8 +213,8 @@ int main(int argc, char** argv) {
   Log(LogLevel::kInfo, "listening on " +
                            (options.listen_fd >= 0 ? "fd " + std::to_string(options.listen_fd)
                                                    : options.socket_path) +
-                           " (pid " + std::to_string(getpid()) +
-                           ", workspace " + options.workspace + ")");
+                           " (pid " + std::to_string(getpid()) + ", workspace " +
+                           options.workspace + ")");
   agent.Serve();
   return 0;
 }

@@ -356,8 +356,7 @@ bool ShellSession::StartShell(Shell* shell, std::string* error, int* err) {
   pid_t pid = reaper_->Spawn(
       [&]() -> pid_t {
         pid_t child = -1;
-        spawn_err =
-            posix_spawn(&child, kSelfExe, &actions, &attr, argv.data(), envp.data());
+        spawn_err = posix_spawn(&child, kSelfExe, &actions, &attr, argv.data(), envp.data());
         return spawn_err == 0 ? child : -1;
       },
       shell->exit_fd.get());

@@ -19,9 +19,9 @@ std::atomic<int> g_level{static_cast<int>(LogLevel::kInfo)};
 struct LogSink {
   std::mutex mu;
   int fd = 2;
-  std::string path;        // "" while logging to the inherited stderr
-  int64_t max_bytes = 0;   // 0 = no cap (stderr)
-  int64_t written = 0;     // bytes in the current file
+  std::string path;       // "" while logging to the inherited stderr
+  int64_t max_bytes = 0;  // 0 = no cap (stderr)
+  int64_t written = 0;    // bytes in the current file
 };
 LogSink& Sink() {
   static LogSink* sink = new LogSink;  // never destroyed: threads may log during exit

@@ -284,14 +284,24 @@ bool ProcessAlive(const InstanceState& s) {
 
 // ---------------------------------------------------------------------------------------
 
+absl::StatusOr<std::string> InstallAgent(const std::string& source, const std::string& state_dir,
+                                         RuntimeKind kind);
+bool ShareMounted(const std::string& state_dir);
+void UnmountShare(const std::string& state_dir);
+
 class ContainerDriver : public Driver {
  public:
+  // `options.agent_binary` is the installed copy; `agent_source` the binary it came from.
   ContainerDriver(ContainerDriverOptions options, CgroupLayout layout, RuntimeKind kind,
-                  std::string describe)
+                  std::string describe, std::string agent_source)
       : options_(std::move(options)),
         layout_(std::move(layout)),
         kind_(kind),
-        describe_(std::move(describe)) {}
+        describe_(std::move(describe)),
+        agent_source_(std::move(agent_source)) {}
+  // Running containers keep their binds of the share tmpfs; only the host's mount goes, so a
+  // stopped daemon leaves no mount behind (the next one mounts a fresh share).
+  ~ContainerDriver() override { UnmountShare(options_.state_dir); }
 
   std::string name() const override {
     return kind_ == RuntimeKind::kRunsc ? "gvisor" : "container";
@@ -353,6 +363,7 @@ class ContainerDriver : public Driver {
   const CgroupLayout layout_;
   const RuntimeKind kind_;
   const std::string describe_;
+  const std::string agent_source_;
 
   std::mutex mu_;
   std::set<std::string> busy_;
@@ -474,6 +485,15 @@ absl::Status ContainerDriver::WriteBundle(const std::string& id, const EnvSpec& 
   p.cgroups_path = paths.cgroup_path;
   p.agent_binary = options_.agent_binary;
   p.hostname_file = ShareDir(options_.state_dir) + "/hostname";
+  if (!ShareMounted(options_.state_dir) || !Exists(options_.agent_binary) ||
+      !Exists(p.hostname_file)) {
+    // Another driver on this state dir (tests) unmounted the share: mount and fill it again.
+    absl::StatusOr<std::string> agent = InstallAgent(agent_source_, options_.state_dir, kind_);
+    if (!agent.ok()) return agent.status();
+    if (*agent != options_.agent_binary) {
+      return absl::FailedPreconditionError("agent binary changed on disk: restart esbd");
+    }
+  }
   ESB_RETURN_IF_ERROR(PrepareImage(rootfs, p));
   return WriteStringToFile(paths.bundle_config, boost::json::serialize(BuildOciConfig(p)), 0600);
 }
@@ -660,14 +680,23 @@ absl::StatusOr<Usage> ContainerDriver::Stats(const InstanceRef& ref) {
 // daemon restarts, as the containers binding files from it do). Files bound from it appear in
 // a sandbox's /proc/self/mountinfo with their path inside this tmpfs ("/hostname"), not with
 // a host path that would reveal the state directory.
+bool ShareMounted(const std::string& state_dir) {
+  struct stat dir_st, parent_st;
+  return ::stat(ShareDir(state_dir).c_str(), &dir_st) == 0 &&
+         ::stat(state_dir.c_str(), &parent_st) == 0 && dir_st.st_dev != parent_st.st_dev;
+}
+
+void UnmountShare(const std::string& state_dir) {
+  // SECURITY: detaches only the tmpfs this driver mounted on its own state directory.
+  if (ShareMounted(state_dir)) {
+    ::umount2(ShareDir(state_dir).c_str(), MNT_DETACH | UMOUNT_NOFOLLOW);
+  }
+}
+
 absl::Status MountShareDir(const std::string& state_dir) {
   const std::string share = ShareDir(state_dir);
   ESB_RETURN_IF_ERROR(MakeDirs(share, 0755));
-  struct stat dir_st, parent_st;
-  if (::stat(share.c_str(), &dir_st) != 0 || ::stat(state_dir.c_str(), &parent_st) != 0) {
-    return ErrnoStatus("stat " + share);
-  }
-  if (dir_st.st_dev != parent_st.st_dev) return absl::OkStatus();  // already our tmpfs
+  if (ShareMounted(state_dir)) return absl::OkStatus();  // already our tmpfs
   // SECURITY: a root-owned, non-executable-by-mount tmpfs for read-only binds into sandboxes;
   // it sits on esbd's own state directory.
   if (::mount("esb-share", share.c_str(), "tmpfs", MS_NOSUID | MS_NODEV,
@@ -694,9 +723,8 @@ absl::StatusOr<std::string> InstallAgent(const std::string& source, const std::s
     ESB_RETURN_IF_ERROR(WriteStringToFile(share + "/hostname", "sandbox\n", 0644));
   }
   const mode_t mode = kind == RuntimeKind::kRunsc ? 0755 : 0711;
-  std::string dest =
-      absl::StrCat(share, "/esb-agent-", absl::Hex(Fnv1a(data), absl::kZeroPad8),
-                   kind == RuntimeKind::kRunsc ? "-r" : "-x");
+  std::string dest = absl::StrCat(share, "/esb-agent-", absl::Hex(Fnv1a(data), absl::kZeroPad8),
+                                  kind == RuntimeKind::kRunsc ? "-r" : "-x");
   if (Exists(dest)) return dest;
   ESB_RETURN_IF_ERROR(WriteStringToFile(dest, data, mode));
   // SECURITY: execute-only for the sandbox user where the runtime allows it (see above).
@@ -858,8 +886,8 @@ absl::StatusOr<std::unique_ptr<Driver>> NewContainerDriver(ContainerDriverOption
                                                total_pids.status().message()));
   }
   options.total_pids = *total_pids;
-  LogInfo(absl::StrCat("container driver: pids.max of ", options.cgroup_parent, " = ",
-                       *total_pids, " (all sandboxes), per environment <= ", options.max_pids));
+  LogInfo(absl::StrCat("container driver: pids.max of ", options.cgroup_parent, " = ", *total_pids,
+                       " (all sandboxes), per environment <= ", options.max_pids));
 
   std::vector<RuntimeKind> candidates;
   if (options.runtime == "auto") {
@@ -901,10 +929,12 @@ absl::StatusOr<std::unique_ptr<Driver>> NewContainerDriver(ContainerDriverOption
         CgroupModeName(layout->mode),
         hide.empty() ? "" : absl::StrCat(", ", hide, " hidden from crun"), "; ", probe_note);
     LogInfo("container driver: " + describe);
+    std::string source = options.agent_binary;
     options.agent_binary = *agent;
-    return std::unique_ptr<Driver>(
-        new ContainerDriver(std::move(options), *std::move(layout), kind, describe));
+    return std::unique_ptr<Driver>(new ContainerDriver(std::move(options), *std::move(layout),
+                                                       kind, describe, std::move(source)));
   }
+  UnmountShare(options.state_dir);
   return absl::UnavailableError(
       absl::StrCat("no OCI runtime works on this host: ", absl::StrJoin(failures, "; ")));
 }

@@ -228,8 +228,8 @@ std::string OciRuntime::Version() const {
 
 absl::StatusOr<int> OciRuntime::RunDetached(const std::string& id, const std::string& bundle,
                                             const std::string& log_path,
-                                            const std::string& runtime_log_path,
-                                            int timeout_ms, int listen_fd) const {
+                                            const std::string& runtime_log_path, int timeout_ms,
+                                            int listen_fd) const {
   if (listen_fd >= 0 && kind_ == RuntimeKind::kRunsc) {
     return absl::InvalidArgumentError("runsc cannot pass descriptors to a container");
   }

@@ -2,22 +2,22 @@
 // refuse and prints "name=RESULT" per line, RESULT being OK or the errno name (EPERM, ...).
 #include <errno.h>
 #include <fcntl.h>
+#include <linux/netlink.h>
 #include <linux/sched.h>
+#include <poll.h>
 #include <sched.h>
 #include <signal.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/mount.h>
-#include <sys/socket.h>
-#include <sys/un.h>
-#include <linux/netlink.h>
-#include <poll.h>
 #include <sys/personality.h>
 #include <sys/ptrace.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/swap.h>
 #include <sys/syscall.h>
 #include <sys/sysmacros.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
