@@ -249,7 +249,7 @@ TEST_F(SecurityTest, AgentWriteToProcSelfFdCannotGrowHostLog) {
     EXPECT_GE(rd.status, 400) << path << " " << rd.body.substr(0, 200);
     EXPECT_LT(rd.status, 500) << path << " " << rd.body;
     std::printf("[ attack   ] %s: PUT %d, write %d, read %d (%s)\n", path.c_str(), put.status,
-                w.status, rd.status, rd.str("error").c_str());
+                w.status, rd.status, rd.str("message").c_str());
   }
   for (std::string dir : {"/proc/self/fd", "/proc/1", "/sys"}) {
     HttpResult l = daemon_->Call("GET", base + "/files/list?path=" + dir);

@@ -159,8 +159,9 @@ absl::StatusOr<UniqueFd> BindAgentSocket(const std::string& run_dir) {
 }
 
 // ---------------------------------------------------------------------------------------
-// Agent connection: the run/ directory is writable by the sandbox user, so the socket is
-// opened without following symlinks and checked to be a socket before esbd connects.
+// Agent connection: under gVisor the run/ directory is writable by the sandbox user (crun/runc:
+// root-only), so the socket is opened without following symlinks and checked to be a socket
+// before esbd connects.
 
 AgentClient::Connector SafeAgentConnector(std::string run_dir, int timeout_ms) {
   return [run_dir = std::move(run_dir), timeout_ms]() -> absl::StatusOr<int> {
@@ -563,6 +564,8 @@ absl::StatusOr<InstanceRef> ContainerDriver::Create(const std::string& id, const
 
   ESB_RETURN_IF_ERROR(MakeDirs(options_.state_dir + "/envs", 0700));
   if (absl::Status s = WriteBundle(id, spec, paths, image->second); !s.ok()) return fail(s);
+  // SECURITY: the listening socket is the only descriptor of esbd that enters the container
+  // (as the agent's fd 3); esbd's copy is closed right after the runtime returns.
   UniqueFd listener;
   if (kind_ != RuntimeKind::kRunsc) {
     absl::StatusOr<UniqueFd> sock = BindAgentSocket(paths.run_dir);
@@ -931,8 +934,8 @@ absl::StatusOr<std::unique_ptr<Driver>> NewContainerDriver(ContainerDriverOption
     LogInfo("container driver: " + describe);
     std::string source = options.agent_binary;
     options.agent_binary = *agent;
-    return std::unique_ptr<Driver>(new ContainerDriver(std::move(options), *std::move(layout),
-                                                       kind, describe, std::move(source)));
+    return std::unique_ptr<Driver>(new ContainerDriver(std::move(options), *std::move(layout), kind,
+                                                       describe, std::move(source)));
   }
   UnmountShare(options.state_dir);
   return absl::UnavailableError(
