@@ -57,7 +57,6 @@ bool Agent::Listen(std::string* error) {
     }
     fcntl(fd, F_SETFD, FD_CLOEXEC);
     listen_fd_ = fd;
-    shell_.PrepareStandby();
     return true;
   }
   sockaddr_un addr{};
@@ -95,9 +94,10 @@ bool Agent::Listen(std::string* error) {
     return false;
   }
   listen_fd_ = fd;
-  shell_.PrepareStandby();
   return true;
 }
+
+void Agent::PrepareShell() { shell_.PrepareStandby(); }
 
 void Agent::Serve() {
   for (;;) {

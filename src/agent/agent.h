@@ -36,6 +36,8 @@ class Agent {
   // Binds and listens (creating the socket's directory), or takes over options.listen_fd.
   // false with a message on failure.
   bool Listen(std::string* error);
+  // Starts the first (standby) shell; call after RedirectLog, before Serve.
+  void PrepareShell();
   // Accepts connections forever.
   void Serve();
   // SIGTERM path: kills every session process group and removes the socket.

@@ -183,16 +183,6 @@ int main(int argc, char** argv) {
 
   mkdir(options.workspace.c_str(), 0755);  // usually a mount; harmless if it exists
 
-  // Until here errors go to the inherited stderr (for crun/runc the host's start-up log, read
-  // by esbd when a start fails). From here on the agent logs inside the sandbox, before it
-  // spawns a shell or serves a request.
-  mkdir(options.state_dir.c_str(), 0700);
-  if (log_file.empty()) log_file = options.state_dir + "/agent.log";
-  if (!esb::agent::RedirectLog(log_file, kLogFileBytes)) {
-    Log(LogLevel::kError, "cannot open log file " + log_file + ": " + strerror(errno));
-    return 1;
-  }
-
   esb::agent::Reaper reaper;
   reaper.Start();
   esb::agent::Agent agent(options, &reaper, UserName());
@@ -201,6 +191,15 @@ int main(int argc, char** argv) {
     Log(LogLevel::kError, error);
     return 1;
   }
+  // Until here errors go to the inherited stderr (for crun/runc the host's start-up log, read
+  // by esbd when a start fails). From here on the agent logs inside the sandbox, before it
+  // spawns a shell or serves a request (Listen created the state directory).
+  if (log_file.empty()) log_file = options.state_dir + "/agent.log";
+  if (!esb::agent::RedirectLog(log_file, kLogFileBytes)) {
+    Log(LogLevel::kError, "cannot open log file " + log_file + ": " + strerror(errno));
+    return 1;
+  }
+  agent.PrepareShell();
   std::thread([&agent, wait_set] {
     for (;;) {
       int sig = 0;

@@ -746,6 +746,29 @@ TEST_F(ContainerDriverTest, MountinfoRevealsNoStateDirOrEnvId) {
   DestroyAndCheckClean(ref);
 }
 
+// Start-up errors still reach esbd: the container's stdio is the host log until the agent
+// is up, and Create's error shows its tail.
+TEST_F(ContainerDriverTest, FailedAgentStartShowsItsLog) {
+  std::string broken = Env().tmp + "/broken-agent-" + RandomHex(3);
+  ASSERT_TRUE(WriteStringToFile(broken,
+                                "#!/bin/bash\necho agent-start-failed-marker >&2\n"
+                                "exit 3\n",
+                                0755)
+                  .ok());
+  auto o = options_;
+  o.agent_binary = broken;
+  o.probe = false;
+  auto driver = NewContainerDriver(o);
+  ASSERT_TRUE(driver.ok()) << driver.status();
+  absl::StatusOr<InstanceRef> r = (*driver)->Create("broken" + RandomHex(2), EnvSpec());
+  ASSERT_FALSE(r.ok());
+  std::printf("[ failure  ] %s\n", r.status().ToString().c_str());
+  // The installed copy is execute-only, so bash cannot read the script: that error is the log.
+  EXPECT_TRUE(absl::StrContains(r.status().message(), "agent-start-failed-marker") ||
+              absl::StrContains(r.status().message(), "Permission denied"))
+      << r.status();
+}
+
 // `pids: 32768` was accepted and the parent of all sandboxes had no pids limit.
 TEST_F(ContainerDriverTest, PidsAboveDaemonCapAreRefusedAndParentIsLimited) {
   EnvSpec spec;
