@@ -44,6 +44,21 @@ Agent::Agent(AgentOptions options, Reaper* reaper, std::string user)
       start_ms_(proto::MonotonicMs()) {}
 
 bool Agent::Listen(std::string* error) {
+  MkdirAll(options_.state_dir, 0700);
+  if (options_.listen_fd >= 0) {
+    int fd = options_.listen_fd;
+    int listening = 0, domain = 0;
+    socklen_t len = sizeof listening;
+    socklen_t dlen = sizeof domain;
+    if (getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &len) != 0 || !listening ||
+        getsockopt(fd, SOL_SOCKET, SO_DOMAIN, &domain, &dlen) != 0 || domain != AF_UNIX) {
+      *error = "--listen-fd " + std::to_string(fd) + " is not a listening unix socket";
+      return false;
+    }
+    fcntl(fd, F_SETFD, FD_CLOEXEC);
+    listen_fd_ = fd;
+    return true;
+  }
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   if (options_.socket_path.empty() || options_.socket_path.size() >= sizeof addr.sun_path) {
@@ -55,7 +70,6 @@ bool Agent::Listen(std::string* error) {
   if (slash != std::string::npos && slash > 0) {
     MkdirAll(options_.socket_path.substr(0, slash), 0755);
   }
-  MkdirAll(options_.state_dir, 0700);
   struct stat st;
   if (lstat(options_.socket_path.c_str(), &st) == 0 && S_ISSOCK(st.st_mode)) {
     unlink(options_.socket_path.c_str());  // stale socket from a previous run
@@ -80,9 +94,10 @@ bool Agent::Listen(std::string* error) {
     return false;
   }
   listen_fd_ = fd;
-  shell_.PrepareStandby();
   return true;
 }
+
+void Agent::PrepareShell() { shell_.PrepareStandby(); }
 
 void Agent::Serve() {
   for (;;) {
@@ -93,8 +108,16 @@ void Agent::Serve() {
       usleep(10000);  // EMFILE and friends: back off instead of spinning
       continue;
     }
+    if (!PeerAllowed(fd)) {
+      close(fd);
+      continue;
+    }
     if (connections_.load() >= kMaxConnections) {
-      Log(LogLevel::kWarn, "too many connections; closing a new one");
+      int64_t n = ++refused_busy_;
+      if ((n & (n - 1)) == 0) {
+        Log(LogLevel::kWarn,
+            "too many connections; closing a new one (" + std::to_string(n) + " so far)");
+      }
       close(fd);
       continue;
     }
@@ -119,9 +142,28 @@ void Agent::Serve() {
   }
 }
 
+bool Agent::PeerAllowed(int fd) {
+  ucred cred{};
+  socklen_t len = sizeof cred;
+  if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0 && len == sizeof cred &&
+      (cred.uid == 0 ||
+       (options_.allow_peer_uid >= 0 && cred.uid == static_cast<uid_t>(options_.allow_peer_uid)) ||
+       (options_.host_uds_peers && cred.pid == 1 && getpid() == 1 && cred.uid == getuid()))) {
+    return true;
+  }
+  // SECURITY: only esbd (uid 0 on the host) may drive the agent; sandbox code runs as the
+  // agent's own unprivileged uid and is refused before a single byte is read.
+  int64_t n = ++refused_peers_;
+  if ((n & (n - 1)) == 0) {  // 1st, 2nd, 4th, 8th, ...: a loop of attempts cannot flood the log
+    Log(LogLevel::kWarn, "refused connection from uid " + std::to_string(cred.uid) + " pid " +
+                             std::to_string(cred.pid) + " (" + std::to_string(n) + " so far)");
+  }
+  return false;
+}
+
 void Agent::Shutdown() {
   shell_.KillAll();
-  unlink(options_.socket_path.c_str());
+  if (options_.listen_fd < 0) unlink(options_.socket_path.c_str());
 }
 
 void Agent::HandleConnection(int fd) {

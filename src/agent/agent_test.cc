@@ -2,8 +2,13 @@
 // temporary socket (src/agent/test_agent_process.h). The friendlier API-level tests live in
 // src/drivers/agent_client_test.cc.
 #include <dirent.h>
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <poll.h>
+#include <spawn.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 
 #include <atomic>
@@ -13,6 +18,7 @@
 #include <vector>
 
 #include "agent/test_agent_process.h"
+#include "agent/util.h"
 #include "common/protocol.h"
 
 namespace esb::agent {
@@ -25,7 +31,9 @@ using ::esb::testing::ProcessGone;
 // One connection, hello already read.
 class Conn {
  public:
-  explicit Conn(const AgentProcess& agent) : fd_(agent.Connect()) {
+  explicit Conn(const AgentProcess& agent) : Conn(agent.Connect()) {}
+  // Takes over a connected socket.
+  explicit Conn(int fd) : fd_(fd) {
     if (fd_ >= 0) {
       std::string error;
       ok_ = proto::ReadFrame(fd_, &hello_, &error, proto::MonotonicMs() + 5000);
@@ -217,6 +225,53 @@ TEST_F(AgentTest, WriteOptions) {
   EXPECT_EQ(Errno(r), "ENOTDIR");
 }
 
+// Collects an exec's stdout.
+std::string ExecStdout(Conn& c, const std::string& command, int64_t timeout_ms,
+                       proto::Frame* response = nullptr) {
+  EXPECT_TRUE(c.Send({{"op", "exec"}, {"command", command}, {"timeout_ms", timeout_ms}}));
+  std::vector<proto::Frame> outputs;
+  proto::Frame r = c.Response(&outputs, static_cast<int>(timeout_ms) + 10000);
+  if (response) *response = r;
+  std::string out;
+  for (const auto& f : outputs) {
+    if (f.header.at("stream").as_string() == "stdout") out += f.payload;
+  }
+  return out;
+}
+
+// `setsid` and double-fork escapees of a command that times out used to outlive it (they left
+// the process group the timeout kills) and died only with the environment.
+TEST_F(AgentTest, TimeoutKillsSetsidAndDoubleForkEscapees) {
+  Conn c(agent_);
+  ASSERT_TRUE(c.ok());
+  // A background job of a command that completes normally keeps running (servers).
+  std::string kept = ExecStdout(c, "nohup sleep 1000 >/dev/null 2>&1 & echo $!", 10000);
+  pid_t server = std::atoi(kept.c_str());
+  ASSERT_GT(server, 1) << kept;
+  proto::Frame r;
+  std::string pids = ExecStdout(c,
+                                "setsid sleep 1000 >/dev/null 2>&1 & echo $!; "
+                                "( sleep 1001 >/dev/null 2>&1 & echo $! ); "
+                                "( setsid bash -c 'sleep 1002 & echo $!' & ) ; sleep 0.3; "
+                                "sleep 100",
+                                1000, &r);
+  EXPECT_TRUE(r.header.at("timed_out").as_bool());
+  std::vector<pid_t> escapees;
+  std::istringstream in(pids);
+  for (pid_t p; in >> p;) escapees.push_back(p);
+  ASSERT_EQ(escapees.size(), 3u) << pids;
+  for (pid_t p : escapees) EXPECT_TRUE(ProcessGone(p, 3000)) << "pid " << p << " survived";
+  // A later exec sees them gone too, and the normally completed job is still alive.
+  std::string check =
+      ExecStdout(c,
+                 "for p in " + std::to_string(escapees[0]) + " " + std::to_string(escapees[1]) +
+                     " " + std::to_string(escapees[2]) + " " + std::to_string(server) +
+                     "; do kill -0 $p 2>/dev/null && echo alive $p; done; :",
+                 10000);
+  EXPECT_EQ(check, "alive " + std::to_string(server) + "\n");
+  kill(server, SIGKILL);
+}
+
 TEST_F(AgentTest, ClientDisconnectMidExecKillsTheProcessGroup) {
   Conn c(agent_);
   ASSERT_TRUE(c.ok());
@@ -383,6 +438,151 @@ TEST(AgentPid1Test, RunsAsPid1InAPidNamespace) {
   ASSERT_NE(status, -1) << "agent (PID 1) ignored SIGTERM";
   EXPECT_TRUE(WIFEXITED(status));
   EXPECT_EQ(WEXITSTATUS(status), 0);
+}
+
+}  // namespace
+}  // namespace esb::agent
+
+namespace esb::agent {
+namespace {
+
+// An abstract unix address unique to this test process.
+sockaddr_un AbstractAddress(socklen_t* len) {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::string name =
+      "esb-agent-test-" + std::to_string(getpid()) + "-" + std::to_string(proto::MonotonicMs());
+  memcpy(addr.sun_path + 1, name.data(), name.size());
+  *len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
+  return addr;
+}
+
+int ConnectTo(const sockaddr_un& addr, socklen_t len) {
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (connect(fd, reinterpret_cast<const sockaddr*>(&addr), len) != 0) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+// The container driver's layout: the host binds the socket and hands the listening fd to the
+// agent (fd 3); the agent's stderr is a host file until it is up. Sandbox code (any uid but 0)
+// is refused, the host file is no longer held, and request paths cannot reach /proc.
+TEST(AgentListenFdTest, ServesOnlyRootOnInheritedSocketAndDropsHostLog) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root (a second uid connects to the agent)";
+  char tmpl[] = "/tmp/esb-agent-fd-XXXXXX";
+  std::string dir = mkdtemp(tmpl);
+  std::string host_log = dir + "/host.log";
+  mkdir((dir + "/ws").c_str(), 0755);
+  socklen_t len = 0;
+  sockaddr_un addr = AbstractAddress(&len);
+  int listener = socket(AF_UNIX, SOCK_STREAM, 0);
+  ASSERT_EQ(bind(listener, reinterpret_cast<sockaddr*>(&addr), len), 0);
+  ASSERT_EQ(listen(listener, 16), 0);
+  int log_fd = open(host_log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0600);
+  ASSERT_GE(log_fd, 0);
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_adddup2(&actions, log_fd, 1);
+  posix_spawn_file_actions_adddup2(&actions, log_fd, 2);
+  posix_spawn_file_actions_adddup2(&actions, listener, 3);
+  std::vector<std::string> args = {ESB_AGENT_BINARY, "--listen-fd", "3",
+                                   "--workspace",    dir + "/ws",   "--state-dir",
+                                   dir + "/state",   "--log-level", "info"};
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  pid_t pid = -1;
+  ASSERT_EQ(posix_spawn(&pid, argv[0], &actions, nullptr, argv.data(), environ), 0);
+  posix_spawn_file_actions_destroy(&actions);
+  close(listener);
+  close(log_fd);
+
+  // Root (esbd) is served.
+  int fd = -1;
+  for (int i = 0; i < 500 && fd < 0; ++i) {
+    fd = ConnectTo(addr, len);
+    if (fd < 0) usleep(10000);
+  }
+  Conn root(fd);
+  ASSERT_TRUE(root.ok());
+  EXPECT_TRUE(Ok(root.Call({{"op", "ping"}})));
+
+  // Any other uid gets the connection closed before a single byte.
+  pid_t child = fork();
+  if (child == 0) {
+    if (setresgid(65534, 65534, 65534) != 0 || setresuid(65534, 65534, 65534) != 0) _exit(3);
+    int c = ConnectTo(addr, len);
+    if (c < 0) _exit(4);
+    pollfd p{c, POLLIN, 0};
+    char byte;
+    if (poll(&p, 1, 3000) != 1) _exit(5);
+    _exit(read(c, &byte, 1) == 0 ? 0 : 1);  // 0: closed without HELLO
+  }
+  int status = 0;
+  waitpid(child, &status, 0);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "status " << status;
+
+  // No descriptor of the agent refers to the host log any more.
+  for (int n = 0; n < 3; ++n) {
+    char target[256] = {};
+    std::string link = "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(n);
+    ASSERT_GT(readlink(link.c_str(), target, sizeof target - 1), 0);
+    EXPECT_STREQ(target, "/dev/null") << link;
+  }
+  const std::string before = ReadHostFile(host_log);
+
+  // Request paths through /proc are refused; nothing reaches the host log.
+  const std::string mib(1 << 20, 'x');
+  for (const char* path : {"/proc/self/fd/2", "/proc/self/fd/1", "/proc/self/mem"}) {
+    proto::Frame w = root.Call({{"op", "write"}, {"path", path}}, mib);
+    EXPECT_FALSE(Ok(w)) << path;
+  }
+  proto::Frame r = root.Call({{"op", "read"}, {"path", "/proc/self/status"}});
+  EXPECT_FALSE(Ok(r));
+  EXPECT_EQ(Errno(r), "EACCES");
+  EXPECT_EQ(Errno(root.Call({{"op", "read"}, {"path", "/proc/self/fd/2"}})), "ELOOP");
+  EXPECT_FALSE(Ok(root.Call({{"op", "stat"}, {"path", "/proc/self/fd/2"}})));
+  EXPECT_EQ(Errno(root.Call({{"op", "stat"}, {"path", "/proc/self"}})), "EACCES");
+  EXPECT_EQ(Errno(root.Call({{"op", "list"}, {"path", "/proc/self/fd"}})), "EACCES");
+  EXPECT_EQ(Errno(root.Call({{"op", "list"}, {"path", "/sys"}})), "EACCES");
+  EXPECT_TRUE(Ok(root.Call({{"op", "write"}, {"path", "f"}}, "data")));
+  EXPECT_TRUE(Ok(root.Call({{"op", "stat"}, {"path", "f"}})));
+  EXPECT_EQ(ReadHostFile(host_log), before);
+  // The refusal was logged inside (the sandbox's own, capped log).
+  EXPECT_NE(ReadHostFile(dir + "/state/agent.log").find("refused connection from uid 65534"),
+            std::string::npos);
+  std::printf("[ host log ] %zu bytes, unchanged by the attacks\n", before.size());
+
+  kill(pid, SIGKILL);
+  waitpid(pid, nullptr, 0);
+  std::error_code ec;
+  std::filesystem::remove_all(dir, ec);
+}
+
+// The agent's log inside the sandbox is capped: one file plus one rotated generation.
+TEST(AgentLogTest, RedirectedLogRotatesAtItsCap) {
+  char tmpl[] = "/tmp/esb-agent-log-XXXXXX";
+  std::string dir = mkdtemp(tmpl);
+  std::string log = dir + "/agent.log";
+  pid_t child = fork();
+  if (child == 0) {  // RedirectLog replaces fds 0-2: not in the test process itself
+    if (!RedirectLog(log, 4096)) _exit(2);
+    for (int i = 0; i < 2000; ++i) Log(LogLevel::kWarn, "line " + std::to_string(i));
+    _exit(0);
+  }
+  int status = 0;
+  waitpid(child, &status, 0);
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  struct stat st;
+  ASSERT_EQ(stat(log.c_str(), &st), 0);
+  EXPECT_LE(st.st_size, 4096);
+  ASSERT_EQ(stat((log + ".1").c_str(), &st), 0);
+  EXPECT_LE(st.st_size, 4096);
+  EXPECT_NE(ReadHostFile(log).find("line 1999"), std::string::npos);
+  std::error_code ec;
+  std::filesystem::remove_all(dir, ec);
 }
 
 }  // namespace

@@ -4,12 +4,17 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <linux/magic.h>
+#include <linux/openat2.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <map>
 #include <set>
 #include <utility>
@@ -89,6 +94,39 @@ int MakeParents(const std::string& path) {
     if (mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) return errno;
   }
   return 0;
+}
+
+// A path that reaches kernel state rather than sandbox files.
+bool OnKernelFs(long f_type) { return f_type == PROC_SUPER_MAGIC || f_type == SYSFS_MAGIC; }
+
+// True if any prefix of the absolute `path` ("/a", "/a/b", ...) is on procfs or sysfs
+// (statfs follows symlinks). Only the fallback for kernels without openat2 uses this.
+bool PathTouchesKernelFs(const std::string& path) {
+  for (size_t pos = path.find('/', 1);; pos = path.find('/', pos + 1)) {
+    std::string prefix = pos == std::string::npos ? path : path.substr(0, pos);
+    struct statfs sfs;
+    if (statfs(prefix.c_str(), &sfs) == 0 && OnKernelFs(sfs.f_type)) return true;
+    if (pos == std::string::npos) return false;
+  }
+}
+
+// openat2 with RESOLVE_NO_MAGICLINKS works here: probed once on "/" (Linux < 5.6 says ENOSYS;
+// gVisor's seccomp layer does not know the syscall and answers EPERM).
+bool HaveOpenat2() {
+  static const bool have = [] {
+    open_how how{};
+    how.flags = O_PATH | O_CLOEXEC;
+    how.resolve = RESOLVE_NO_MAGICLINKS;
+    int fd = static_cast<int>(syscall(SYS_openat2, AT_FDCWD, "/", &how, sizeof how));
+    if (fd < 0) {
+      Log(LogLevel::kWarn, std::string("openat2 unavailable (") + strerror(errno) +
+                               "): request paths are checked with statfs instead");
+      return false;
+    }
+    close(fd);
+    return true;
+  }();
+  return have;
 }
 
 proto::Frame NotRegular(const std::string& path, const struct stat& st) {
@@ -204,6 +242,54 @@ proto::Frame ErrnoResponse(const std::string& what, int err) {
   return ErrorResponse(what + ": " + strerror(err), ErrnoName(err));
 }
 
+int OpenSandboxPath(const std::string& path, int flags, mode_t mode, bool* kernel_fs) {
+  *kernel_fs = false;
+  int fd = -1;
+  if (HaveOpenat2()) {
+    open_how how{};
+    how.flags = static_cast<uint64_t>(flags) | O_CLOEXEC;
+    how.mode = (flags & O_CREAT) ? mode : 0;
+    // SECURITY: no /proc magic links (/proc/self/fd/N, /proc/<pid>/root, ...): a request can
+    // never reach a descriptor of the agent (the host's socket) or another mount namespace.
+    how.resolve = RESOLVE_NO_MAGICLINKS;
+    fd = static_cast<int>(syscall(SYS_openat2, AT_FDCWD, path.c_str(), &how, sizeof how));
+    if (fd < 0) return -1;
+  } else {
+    // Fallback without openat2 (gVisor, Linux < 5.6): refuse paths whose prefixes are on
+    // procfs/sysfs. Racy against
+    // a concurrent symlink swap, but by then the agent holds no host file: fds 0-2 are
+    // /dev/null and the host's socket fails the S_ISREG checks of every handler.
+    if (PathTouchesKernelFs(path)) {
+      *kernel_fs = true;
+      errno = EACCES;
+      return -1;
+    }
+    fd = open(path.c_str(), flags | O_CLOEXEC, mode);
+    if (fd < 0) return -1;
+  }
+  struct statfs sfs;
+  if (fstatfs(fd, &sfs) != 0 || OnKernelFs(sfs.f_type)) {
+    // SECURITY: procfs/sysfs files (/proc/self/mem, /proc/1/environ, ...) are kernel
+    // interfaces of the agent itself, never sandbox files.
+    close(fd);
+    *kernel_fs = true;
+    errno = EACCES;
+    return -1;
+  }
+  return fd;
+}
+
+proto::Frame OpenError(const std::string& what, const std::string& rel, int err, bool kernel_fs) {
+  if (kernel_fs) {
+    return ErrorResponse(rel + ": refused: /proc and /sys are not sandbox files", "EACCES");
+  }
+  if (err == ELOOP) {
+    return ErrorResponse(what + " " + rel + ": refused: symlink loop or /proc magic link", "ELOOP");
+  }
+  if (err == ENXIO) return ErrorResponse(rel + ": not a regular file", "EINVAL");
+  return ErrnoResponse(what + " " + rel, err);
+}
+
 bool ResolvePath(const std::string& workspace, const std::string& path, std::string* out) {
   if (path.empty() || path.size() > PATH_MAX || path.find('\0') != std::string::npos) {
     return false;
@@ -232,28 +318,31 @@ proto::Frame HandleWrite(const std::string& workspace, const json::object& heade
 
   // O_NONBLOCK: opening a FIFO must never block the agent; fstat then refuses it.
   const int flags = O_WRONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY;
-  Fd fd(open(path.c_str(), flags));
+  const mode_t create_mode = static_cast<mode_t>(mode);
+  bool kernel_fs = false;
+  Fd fd(OpenSandboxPath(path, flags, 0, &kernel_fs));
   bool created = false;
   for (int attempt = 0; !fd && attempt < 3; ++attempt) {
-    if (errno == ENXIO) return ErrorResponse(rel + ": not a regular file", "EINVAL");
-    if (errno != ENOENT) return ErrnoResponse("open " + rel, errno);
-    fd.reset(open(path.c_str(), flags | O_CREAT | O_EXCL, static_cast<mode_t>(mode)));
+    if (errno != ENOENT || kernel_fs) return OpenError("open", rel, errno, kernel_fs);
+    fd.reset(OpenSandboxPath(path, flags | O_CREAT | O_EXCL, create_mode, &kernel_fs));
     if (fd) {
       created = true;
       break;
     }
-    if (errno == ENOENT) {
+    if (errno == ENOENT && !kernel_fs) {
       int err = MakeParents(path);
       if (err) return ErrnoResponse("mkdir parents of " + rel, err);
-      fd.reset(open(path.c_str(), flags | O_CREAT | O_EXCL, static_cast<mode_t>(mode)));
+      fd.reset(OpenSandboxPath(path, flags | O_CREAT | O_EXCL, create_mode, &kernel_fs));
       if (fd) {
         created = true;
         break;
       }
     }
-    if (errno == EEXIST) fd.reset(open(path.c_str(), flags));  // lost a race: open it
+    if (errno == EEXIST && !kernel_fs) {
+      fd.reset(OpenSandboxPath(path, flags, 0, &kernel_fs));  // lost a race: open it
+    }
   }
-  if (!fd) return ErrnoResponse("open " + rel, errno);
+  if (!fd) return OpenError("open", rel, errno, kernel_fs);
   struct stat st;
   if (fstat(fd.get(), &st) != 0) return ErrnoResponse("fstat " + rel, errno);
   if (!S_ISREG(st.st_mode)) return NotRegular(rel, st);
@@ -290,8 +379,9 @@ proto::Frame HandleRead(const std::string& workspace, const json::object& header
     return ErrorResponse("length must be between 0 and 16 MiB", "EINVAL");
   }
   // O_NONBLOCK: opening a FIFO without a writer must not hang; fstat then refuses it.
-  Fd fd(open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY));
-  if (!fd) return ErrnoResponse("open " + rel, errno);
+  bool kernel_fs = false;
+  Fd fd(OpenSandboxPath(path, O_RDONLY | O_NONBLOCK | O_NOCTTY, 0, &kernel_fs));
+  if (!fd) return OpenError("open", rel, errno, kernel_fs);
   struct stat st;
   if (fstat(fd.get(), &st) != 0) return ErrnoResponse("fstat " + rel, errno);
   if (!S_ISREG(st.st_mode)) return NotRegular(rel, st);
@@ -323,10 +413,14 @@ proto::Frame HandleList(const std::string& workspace, const json::object& header
   if (rel.empty()) rel = ".";
   std::string path;
   if (!ResolvePath(workspace, rel, &path)) return ErrorResponse("invalid path", "EINVAL");
-  Fd fd(open(path.c_str(), O_RDONLY | O_DIRECTORY | O_NONBLOCK | O_CLOEXEC));
-  if (!fd) return ErrnoResponse("open " + rel, errno);
+  bool kernel_fs = false;
+  Fd fd(OpenSandboxPath(path, O_RDONLY | O_DIRECTORY | O_NONBLOCK, 0, &kernel_fs));
+  if (!fd) return OpenError("open", rel, errno, kernel_fs);
+  // The directory actually opened, not a second resolution of `path`.
   char resolved[PATH_MAX];
-  std::string abs = realpath(path.c_str(), resolved) ? resolved : path;
+  std::string self = "/proc/self/fd/" + std::to_string(fd.get());
+  ssize_t len = readlink(self.c_str(), resolved, sizeof resolved - 1);
+  std::string abs = len > 0 ? std::string(resolved, static_cast<size_t>(len)) : path;
   int dirfd = fd.get();
   DIR* dir = fdopendir(fd.release());
   if (!dir) {
@@ -381,44 +475,27 @@ proto::Frame HandleStat(const std::string& workspace, const json::object& header
   if (!f.ok()) return ErrorResponse(f.error(), "EINVAL");
   std::string path;
   if (!ResolvePath(workspace, rel, &path)) return ErrorResponse("invalid path", "EINVAL");
-  struct stat st;
-  if (stat(path.c_str(), &st) != 0) {
+  // O_PATH: stat needs no read permission; a dangling symlink is reported as the link itself.
+  bool kernel_fs = false;
+  Fd fd(OpenSandboxPath(path, O_PATH, 0, &kernel_fs));
+  if (!fd && errno == ENOENT && !kernel_fs) {
     int err = errno;
-    if (err != ENOENT || lstat(path.c_str(), &st) != 0) return ErrnoResponse("stat " + rel, err);
+    fd.reset(OpenSandboxPath(path, O_PATH | O_NOFOLLOW, 0, &kernel_fs));
+    if (!fd && !kernel_fs) errno = err;
   }
+  if (!fd) return OpenError("stat", rel, errno, kernel_fs);
+  struct stat st;
+  if (fstat(fd.get(), &st) != 0) return ErrnoResponse("stat " + rel, errno);
   proto::Frame resp = OkResponse();
   for (auto& kv : StatObject(st)) resp.header[kv.key()] = kv.value();
   return resp;
 }
 
 int64_t CountProcesses() {
-  DIR* proc = opendir("/proc");
-  if (!proc) return -1;
   pid_t self = getpid();
-  std::map<pid_t, pid_t> parent;
-  int64_t all = 0;
-  while (dirent* e = readdir(proc)) {
-    char* end = nullptr;
-    long pid = strtol(e->d_name, &end, 10);
-    if (pid <= 0 || *end != '\0') continue;
-    ++all;
-    if (self == 1) continue;
-    std::string stat_path = std::string("/proc/") + e->d_name + "/stat";
-    Fd fd(open(stat_path.c_str(), O_RDONLY | O_CLOEXEC));
-    if (!fd) continue;
-    char buf[512];
-    ssize_t n = read(fd.get(), buf, sizeof buf - 1);
-    if (n <= 0) continue;
-    buf[n] = '\0';
-    // "pid (comm) state ppid ...": comm may contain anything, so parse after the last ')'.
-    char* close_paren = strrchr(buf, ')');
-    if (!close_paren) continue;
-    char state;
-    int ppid;
-    if (sscanf(close_paren + 1, " %c %d", &state, &ppid) == 2) parent[pid] = ppid;
-  }
-  closedir(proc);
-  if (self == 1) return all;
+  std::map<pid_t, pid_t> parent = ReadParentMap();
+  if (parent.empty()) return -1;
+  if (self == 1) return static_cast<int64_t>(parent.size());
   int64_t count = 0;
   for (const auto& [pid, ppid] : parent) {
     pid_t p = pid;

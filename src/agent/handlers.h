@@ -3,6 +3,8 @@
 // the errno name. They are independent of each other and safe to run concurrently.
 #pragma once
 
+#include <sys/types.h>
+
 #include <boost/json.hpp>
 #include <cstdint>
 #include <string>
@@ -35,6 +37,13 @@ proto::Frame ErrnoResponse(const std::string& what, int err);
 
 // Resolves a request path against the workspace ("" → error; absolute paths are kept).
 bool ResolvePath(const std::string& workspace, const std::string& path, std::string* out);
+
+// open() for every path a request names: resolved without /proc magic links (openat2
+// RESOLVE_NO_MAGICLINKS; without openat2, a statfs walk of the path's prefixes), and refused
+// (-1, EACCES, *kernel_fs = true) when the file is on procfs or sysfs. O_CLOEXEC is added.
+int OpenSandboxPath(const std::string& path, int flags, mode_t mode, bool* kernel_fs);
+// The error reply for a failed OpenSandboxPath.
+proto::Frame OpenError(const std::string& what, const std::string& rel, int err, bool kernel_fs);
 
 proto::Frame HandleWrite(const std::string& workspace, const boost::json::object& header,
                          const std::string& payload);

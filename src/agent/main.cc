@@ -24,8 +24,15 @@ using esb::agent::LogLevel;
 
 void Usage() {
   fprintf(stderr,
-          "usage: esb-agent [--socket PATH] [--workspace DIR] [--state-dir DIR] [--shell PATH]\n"
-          "                 [--log-level debug|info|warn|error]\n");
+          "usage: esb-agent [--socket PATH | --listen-fd N] [--workspace DIR] [--state-dir DIR]\n"
+          "                 [--shell PATH] [--log-level debug|info|warn|error]\n"
+          "                 [--log-file PATH] [--allow-uid UID] [--host-uds-peers]\n"
+          "  --listen-fd N   serve the listening unix socket inherited as fd N (from the host)\n"
+          "  --log-file PATH log here once listening (default <state-dir>/agent.log, capped at\n"
+          "                  1 MiB + one rotated file); until then to stderr\n"
+          "  --allow-uid UID also serve connections from this uid (besides 0)\n"
+          "  --host-uds-peers (gVisor) also serve peers reported as pid 1 with our uid: host\n"
+          "                  connections to a --host-uds=create socket\n");
 }
 
 // Name of the current user from /etc/passwd (no NSS: this binary is static).
@@ -59,16 +66,38 @@ void EnsureStdFds() {
   }
 }
 
+// Cap of the agent's own log inside the sandbox (one rotated generation more).
+constexpr int64_t kLogFileBytes = 1 << 20;
+
+bool ParseInt(const std::string& text, int64_t min, int64_t max, int64_t* out) {
+  if (text.empty() || text.size() > 18) return false;
+  int64_t v = 0;
+  for (char c : text) {
+    if (c < '0' || c > '9') return false;
+    v = v * 10 + (c - '0');
+  }
+  if (v < min || v > max) return false;
+  *out = v;
+  return true;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc >= 3 && strcmp(argv[1], "--exec-shim") == 0) {
+    // Started by the agent for each exec's shell (shell.cc): become a child subreaper (the
+    // attribute survives execve, children do not inherit it), then become the shell.
+    prctl(PR_SET_CHILD_SUBREAPER, 1);
+    execv(argv[2], argv + 2);
+    _exit(127);
+  }
   EnsureStdFds();
-  // Descriptors inherited from whoever started us must not leak into user commands.
-  close_range(3, ~0U, 0);
-  // SECURITY: PID 1 holds the host-visible log and socket descriptors; a non-dumpable process
-  // keeps sandbox code (same uid) out of /proc/1/fd and away from ptrace.
+  // SECURITY: PID 1 holds the host's listening socket (and, until it is ready, the host's
+  // start-up log); a non-dumpable process keeps sandbox code (same uid) out of /proc/1/fd
+  // and away from ptrace.
   prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
   esb::agent::AgentOptions options;
+  std::string log_file;
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
     std::string value;
@@ -81,6 +110,10 @@ int main(int argc, char** argv) {
     if (arg == "--help" || arg == "-h") {
       Usage();
       return 0;
+    }
+    if (arg == "--host-uds-peers") {
+      options.host_uds_peers = true;
+      continue;
     }
     if (!inline_value) {
       if (i + 1 >= argc) {
@@ -95,6 +128,19 @@ int main(int argc, char** argv) {
       options.workspace = value;
     } else if (arg == "--state-dir") {
       options.state_dir = value;
+    } else if (arg == "--listen-fd" || arg == "--allow-uid") {
+      int64_t v = 0;
+      if (!ParseInt(value, arg == "--listen-fd" ? 3 : 0, 1 << 30, &v)) {
+        fprintf(stderr, "esb-agent: bad value for %s: %s\n", arg.c_str(), value.c_str());
+        return 2;
+      }
+      if (arg == "--listen-fd") {
+        options.listen_fd = static_cast<int>(v);
+      } else {
+        options.allow_peer_uid = v;
+      }
+    } else if (arg == "--log-file") {
+      log_file = value;
     } else if (arg == "--shell") {
       options.shell = value;
     } else if (arg == "--log-level") {
@@ -112,6 +158,14 @@ int main(int argc, char** argv) {
   }
   while (options.workspace.size() > 1 && options.workspace.back() == '/') {
     options.workspace.pop_back();
+  }
+  // Descriptors inherited from whoever started us must not leak into user commands; the one
+  // exception is the listening socket the host handed over.
+  if (options.listen_fd >= 3) {
+    if (options.listen_fd > 3) close_range(3, static_cast<unsigned>(options.listen_fd) - 1, 0);
+    close_range(static_cast<unsigned>(options.listen_fd) + 1, ~0U, 0);
+  } else {
+    close_range(3, ~0U, 0);
   }
 
   // Outside a PID namespace (tests, plain host processes) become a subreaper so orphans of
@@ -137,6 +191,15 @@ int main(int argc, char** argv) {
     Log(LogLevel::kError, error);
     return 1;
   }
+  // Until here errors go to the inherited stderr (for crun/runc the host's start-up log, read
+  // by esbd when a start fails). From here on the agent logs inside the sandbox, before it
+  // spawns a shell or serves a request (Listen created the state directory).
+  if (log_file.empty()) log_file = options.state_dir + "/agent.log";
+  if (!esb::agent::RedirectLog(log_file, kLogFileBytes)) {
+    Log(LogLevel::kError, "cannot open log file " + log_file + ": " + strerror(errno));
+    return 1;
+  }
+  agent.PrepareShell();
   std::thread([&agent, wait_set] {
     for (;;) {
       int sig = 0;
@@ -146,8 +209,11 @@ int main(int argc, char** argv) {
       _exit(0);  // no static destructors while connection threads still run
     }
   }).detach();
-  Log(LogLevel::kInfo, "listening on " + options.socket_path + " (pid " + std::to_string(getpid()) +
-                           ", workspace " + options.workspace + ")");
+  Log(LogLevel::kInfo, "listening on " +
+                           (options.listen_fd >= 0 ? "fd " + std::to_string(options.listen_fd)
+                                                   : options.socket_path) +
+                           " (pid " + std::to_string(getpid()) + ", workspace " +
+                           options.workspace + ")");
   agent.Serve();
   return 0;
 }

@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <map>
 #include <vector>
 
 #include "agent/util.h"
@@ -165,8 +166,39 @@ bool DrainDump(int fd, std::string* buf, std::string* dump) {
   }
 }
 
+// The running agent binary (in the child of posix_spawn, still ours) and the shim's argv[0].
+constexpr char kSelfExe[] = "/proc/self/exe";
+constexpr char kShimArgv0[] = "esb-agent-shim";
+
 void KillGroup(pid_t pgid) {
   if (pgid > 1) kill(-pgid, SIGKILL);
+}
+
+// Kills everything an exec started: every live descendant of its shell — including
+// `setsid` and double-fork escapees, which the shell (a child subreaper, see StartShell)
+// inherits — in rounds until none is left, then the shell's process group. The shell stays
+// alive until the end, so orphans of killed processes keep reparenting to it, not to us.
+void KillTree(pid_t shell) {
+  if (shell <= 1) return;
+  for (int round = 0; round < 200; ++round) {
+    std::map<pid_t, pid_t> parent = ReadParentMap(/*skip_zombies=*/true);
+    int killed = 0;
+    for (const auto& [pid, ppid] : parent) {
+      pid_t p = ppid;
+      for (int hops = 0; hops < 4096 && p > 1 && p != shell; ++hops) {
+        auto it = parent.find(p);
+        p = it == parent.end() ? 0 : it->second;
+      }
+      if (p == shell) {
+        // SECURITY: only descendants of this exec's own shell are signalled.
+        kill(pid, SIGKILL);
+        ++killed;
+      }
+    }
+    if (killed == 0) break;
+    usleep(1000);  // let the killed exit and their children reparent to the shell
+  }
+  KillGroup(shell);
 }
 
 }  // namespace
@@ -285,8 +317,11 @@ bool ShellSession::StartShell(Shell* shell, std::string* error, int* err) {
     shell->generation = generation_;
   }
 
-  std::vector<std::string> args = {options_.shell, "--noprofile", "--norc",
-                                   "-c",           kBoot,         "esb-exec"};
+  // The agent binary re-executed as a shim (main.cc: --exec-shim) makes the shell a child
+  // subreaper before it becomes bash: orphans of the exec come back to its shell, so a
+  // timeout finds and kills them (KillTree). posix_spawn offers no prctl of its own.
+  std::vector<std::string> args = {kShimArgv0, "--exec-shim", options_.shell, "--noprofile",
+                                   "--norc",   "-c",          kBoot,          "esb-exec"};
   std::vector<std::string> env = BuildEnv();
   std::vector<char*> argv, envp;
   for (auto& a : args) argv.push_back(a.data());
@@ -321,8 +356,7 @@ bool ShellSession::StartShell(Shell* shell, std::string* error, int* err) {
   pid_t pid = reaper_->Spawn(
       [&]() -> pid_t {
         pid_t child = -1;
-        spawn_err =
-            posix_spawn(&child, options_.shell.c_str(), &actions, &attr, argv.data(), envp.data());
+        spawn_err = posix_spawn(&child, kSelfExe, &actions, &attr, argv.data(), envp.data());
         return spawn_err == 0 ? child : -1;
       },
       shell->exit_fd.get());
@@ -548,14 +582,14 @@ ExecOutcome ShellSession::Exec(const ExecParams& params, int client_fd, const Ou
   Fd* pipes[2] = {&shell.out_r, &shell.err_r};
 
   auto cancel = [&]() {
-    KillGroup(pid);
+    KillTree(pid);
     result.cancelled = true;
   };
 
   while (!result.cancelled) {
     int64_t now = proto::MonotonicMs();
     if (!result.timed_out && now >= deadline) {
-      KillGroup(pid);
+      KillTree(pid);
       result.timed_out = true;
     }
     if (shell_exited && (now >= grace_deadline || (!shell.out_r && !shell.err_r && dump_eof))) {

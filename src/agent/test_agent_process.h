@@ -37,9 +37,18 @@ class AgentProcess {
     socket_ = dir_ + "/run/agent.sock";
     std::filesystem::create_directories(workspace_);
     std::vector<std::string> args = prefix;
-    std::vector<std::string> agent_args = {binary,          "--socket",    socket_,
-                                           "--workspace",   workspace_,    "--state-dir",
-                                           dir_ + "/state", "--log-level", "warn"};
+    // --allow-uid: the agent serves only uid 0 unless told otherwise; tests may run as anyone.
+    std::vector<std::string> agent_args = {binary,
+                                           "--socket",
+                                           socket_,
+                                           "--workspace",
+                                           workspace_,
+                                           "--state-dir",
+                                           dir_ + "/state",
+                                           "--log-level",
+                                           "warn",
+                                           "--allow-uid",
+                                           std::to_string(getuid())};
     args.insert(args.end(), agent_args.begin(), agent_args.end());
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());

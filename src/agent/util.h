@@ -4,6 +4,7 @@
 
 #include <unistd.h>
 
+#include <map>
 #include <string>
 #include <string_view>
 
@@ -44,10 +45,20 @@ bool WriteAll(int fd, std::string_view data);
 // "ENOENT" for ENOENT; "EIO" if the number has no name.
 std::string ErrnoName(int err);
 
+// pid -> parent pid of every process in /proc (zombies too unless `skip_zombies`).
+std::map<pid_t, pid_t> ReadParentMap(bool skip_zombies = false);
+
 enum class LogLevel { kDebug = 0, kInfo = 1, kWarn = 2, kError = 3 };
 void SetLogLevel(LogLevel level);
 bool ParseLogLevel(std::string_view text, LogLevel* level);
-// One line to stderr, prefixed with the level. Thread-safe (single write call).
+// One line to the log (stderr until RedirectLog), prefixed with the level. Thread-safe.
 void Log(LogLevel level, std::string_view message);
+
+// Moves logging from the inherited stderr to `path` (inside the sandbox), capped at
+// `max_bytes`: at the cap the file is renamed to `path`.1 (replacing the previous one) and a
+// new one started, so the agent's logs never exceed 2 * max_bytes. Then puts /dev/null on fds
+// 0-2, so no descriptor of the agent refers to the host file the container started with.
+// false with errno set if the log cannot be opened (logging stays on stderr, fds unchanged).
+bool RedirectLog(const std::string& path, int64_t max_bytes);
 
 }  // namespace esb::agent

@@ -21,6 +21,7 @@ struct ServiceOptions {
   int64_t max_upload_bytes = 256ll << 20;
   int64_t max_json_read_bytes = 16ll << 20;
   int host_cpus = 1;
+  int64_t max_pids = 4096;  // largest "pids" an environment may ask for (daemon config)
   // runtime name → why it is unavailable (shown in 400 answers), for runtimes with no driver.
   std::map<std::string, std::string> unavailable_runtimes;
   std::map<std::string, std::string> driver_descriptions;  // for /healthz

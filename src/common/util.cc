@@ -38,6 +38,10 @@ const char* ErrnoName(int err) {
     case ENAMETOOLONG: return "ENAMETOOLONG";
     case EROFS: return "EROFS";
     case ESRCH: return "ESRCH";
+    case ENXIO: return "ENXIO";
+    case ENODEV: return "ENODEV";
+    case EOPNOTSUPP: return "EOPNOTSUPP";
+    case ENOTEMPTY: return "ENOTEMPTY";
     default: return "E?";
   }
 }
@@ -49,8 +53,12 @@ absl::Status StatusFor(int err, std::string message) {
     case EEXIST: return absl::AlreadyExistsError(message);
     case ENOSPC: case EDQUOT: case EFBIG: case ENOMEM:
       return absl::ResourceExhaustedError(message);
-    case EINVAL: case EISDIR: case ENOTDIR: case ELOOP: case ENAMETOOLONG:
+    // ENXIO/ENODEV/EOPNOTSUPP: the path names a socket, a device without a driver or a
+    // terminal that is not ours — bad input, not a server fault.
+    case EINVAL: case EISDIR: case ENOTDIR: case ELOOP: case ENAMETOOLONG: case ENXIO:
+    case ENODEV: case EOPNOTSUPP:
       return absl::InvalidArgumentError(message);
+    case ENOTEMPTY: return absl::FailedPreconditionError(message);
     case ETIMEDOUT: return absl::DeadlineExceededError(message);
     case ECONNREFUSED: case EAGAIN: case EBUSY: return absl::UnavailableError(message);
     default: return absl::InternalError(message);
@@ -74,7 +82,8 @@ absl::Status ErrnoNameStatus(std::string_view name, std::string_view message) {
       {"ENOSPC", ENOSPC}, {"EDQUOT", EDQUOT}, {"EFBIG", EFBIG}, {"ENOMEM", ENOMEM},
       {"EINVAL", EINVAL}, {"EISDIR", EISDIR}, {"ENOTDIR", ENOTDIR}, {"ELOOP", ELOOP},
       {"ETIMEDOUT", ETIMEDOUT}, {"ENAMETOOLONG", ENAMETOOLONG}, {"EROFS", EROFS},
-      {"EAGAIN", EAGAIN}, {"EBUSY", EBUSY},
+      {"EAGAIN", EAGAIN}, {"EBUSY", EBUSY}, {"ENXIO", ENXIO}, {"ENODEV", ENODEV},
+      {"EOPNOTSUPP", EOPNOTSUPP}, {"ENOTEMPTY", ENOTEMPTY},
   };
   for (const auto& n : kNames) {
     if (name == n.name) return StatusFor(n.err, std::string(message));

@@ -38,6 +38,13 @@ TEST(UtilTest, ErrnoStatusMapsCodes) {
   EXPECT_TRUE(absl::IsPermissionDenied(ErrnoStatus("open x", EACCES)));
   EXPECT_TRUE(absl::IsResourceExhausted(ErrnoNameStatus("ENOSPC", "full")));
   EXPECT_NE(ErrnoStatus("open /x", ENOENT).message().find("/x"), std::string::npos);
+  // A socket, a device without a driver or a terminal that is not ours is bad input (400),
+  // never a server fault (files/read of a socket or /dev/tty answered 500).
+  for (const char* name : {"ENXIO", "ENODEV", "EOPNOTSUPP", "ELOOP"}) {
+    EXPECT_TRUE(absl::IsInvalidArgument(ErrnoNameStatus(name, "x"))) << name;
+  }
+  EXPECT_TRUE(absl::IsInvalidArgument(ErrnoStatus("open /dev/tty", ENXIO)));
+  EXPECT_TRUE(absl::IsFailedPrecondition(ErrnoNameStatus("ENOTEMPTY", "x")));
 }
 
 TEST(UtilTest, RandomHexIsHexAndDiffers) {

@@ -164,6 +164,7 @@ absl::Status LoadConfigFile(const std::string& path, DaemonConfig* c) {
     else if (key == "max_upload_bytes") st = GetInt(v, key, &c->max_upload_bytes);
     else if (key == "max_json_body_bytes") st = GetInt(v, key, &c->max_json_body_bytes);
     else if (key == "max_connections") st = GetInt(v, key, &c->max_connections);
+    else if (key == "max_pids") st = GetInt(v, key, &c->max_pids);
     else if (key == "defaults") st = ParseDefaults(v, &c->defaults);
     else if (key == "packages") st = ParsePackages(v, &c->packages);
     else if (key == "artifacts") st = ParseArtifacts(v, &c->artifacts);

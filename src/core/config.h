@@ -67,6 +67,9 @@ struct DaemonConfig {
   int64_t max_upload_bytes = 256ll << 20;
   int64_t max_json_body_bytes = 16ll << 20;
   int max_connections = 1024;
+  // Most processes/threads one environment may have (its pids cgroup limit); requests for
+  // more are refused with 400. All sandboxes together are also capped (container driver).
+  int64_t max_pids = 4096;
   EnvSpec defaults;
   std::vector<KeyConfig> keys;
   PackagesConfig packages;

@@ -233,6 +233,7 @@ int main(int argc, char** argv) {
   service_options.max_output_bytes = config.max_output_bytes;
   service_options.max_upload_bytes = config.max_upload_bytes;
   service_options.host_cpus = static_cast<int>(std::thread::hardware_concurrency());
+  service_options.max_pids = config.max_pids;
   std::vector<std::unique_ptr<esb::Driver>> owned;
   std::map<std::string, esb::Driver*> drivers;
   esb::ContainerDriverOptions copts;
@@ -241,6 +242,7 @@ int main(int argc, char** argv) {
       config.agent_binary.empty() ? SelfDir() + "/esb-agent" : config.agent_binary;
   copts.images = config.images;
   copts.runtime = config.container_runtime;
+  copts.max_pids = config.max_pids;
   if (config.images.empty()) {
     service_options.unavailable_runtimes["container"] =
         "no image configured (build one with `make images`, then pass --image "

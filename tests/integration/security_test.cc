@@ -1,5 +1,6 @@
 // Security tests: each one tries an attack from inside a sandbox (or through the API) and
 // asserts that it fails, and that the daemon and other environments are unaffected.
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -45,6 +46,15 @@ class SecurityTest : public ::testing::Test {
     daemon_->Call("POST", "/environments/" + env_ + "/files/write",
                   json::object{{"path", ".attack.py"}, {"content", code}});
     return Out("python3 .attack.py 2>&1");
+  }
+
+  // The host file that was the container's stdio (<state>/container/envs/<id>/agent.log).
+  std::string HostAgentLog() const {
+    return daemon_->state_dir() + "/container/envs/" + env_ + "/agent.log";
+  }
+  static int64_t HostSize(const std::string& path) {
+    struct stat st;
+    return ::stat(path.c_str(), &st) == 0 ? static_cast<int64_t>(st.st_size) : -1;
   }
 
   static Daemon* daemon_;
@@ -216,6 +226,195 @@ TEST_F(SecurityTest, MalformedHttpDoesNotHurtTheDaemon) {
       EXPECT_EQ(answer.rfind("HTTP/1.1 4", 0), 0u) << answer.substr(0, 200);
     }
   }
+}
+
+// Issue 9.1: sandbox code (or an API caller) made the agent write to its own fds 1/2, which
+// were the host file agent.log: 64 MiB landed on the host disk despite disk_mb.
+TEST_F(SecurityTest, AgentWriteToProcSelfFdCannotGrowHostLog) {
+  const std::string log = HostAgentLog();
+  const int64_t before = HostSize(log);
+  ASSERT_GE(before, 0) << log;
+  const std::string mib(1 << 20, 'A');
+  const std::string base = "/environments/" + env_;
+  for (std::string path : {"/proc/self/fd/1", "/proc/self/fd/2", "/proc/1/fd/2",
+                           "/proc/self/cwd/../../proc/self/fd/2", "/proc/self/mem"}) {
+    HttpResult put = Http(daemon_->port(), "PUT", base + "/files/raw?path=" + path, mib);
+    EXPECT_GE(put.status, 400) << path << " " << put.body;
+    EXPECT_LT(put.status, 500) << path << " " << put.body;
+    HttpResult w = daemon_->Call("POST", base + "/files/write",
+                                 json::object{{"path", path}, {"content", "x"}});
+    EXPECT_GE(w.status, 400) << path;
+    EXPECT_LT(w.status, 500) << path << " " << w.body;
+    HttpResult rd = daemon_->Call("GET", base + "/files/read?path=" + path);
+    EXPECT_GE(rd.status, 400) << path << " " << rd.body.substr(0, 200);
+    EXPECT_LT(rd.status, 500) << path << " " << rd.body;
+    std::printf("[ attack   ] %s: PUT %d, write %d, read %d (%s)\n", path.c_str(), put.status,
+                w.status, rd.status, rd.str("message").c_str());
+  }
+  for (std::string dir : {"/proc/self/fd", "/proc/1", "/sys"}) {
+    HttpResult l = daemon_->Call("GET", base + "/files/list?path=" + dir);
+    EXPECT_GE(l.status, 400) << dir << " " << l.body.substr(0, 200);
+  }
+  // From inside: the agent's socket is not reachable at all.
+  std::string out = Py(R"(
+import socket, os
+s = socket.socket(socket.AF_UNIX)
+try:
+    s.connect("/run/esb/agent.sock"); print("connected")
+except OSError as e:
+    print("refused", e.errno)
+print(sorted(os.listdir("/run/esb")))
+)");
+  EXPECT_EQ(out.find("connected"), std::string::npos) << out;
+  EXPECT_NE(out.find("refused 2"), std::string::npos) << out;  // ENOENT
+  const int64_t after = HostSize(log);
+  std::printf("[ attack   ] host agent.log %lld bytes before, %lld after\n", (long long)before,
+              (long long)after);
+  EXPECT_EQ(after, before);
+}
+
+// Issue 9.2: connection loops against the agent grew agent.log by ~30 MB / 10 s. Sandbox
+// code now has no socket to loop on and the agent logs inside the sandbox (capped).
+TEST_F(SecurityTest, ConnectionFloodCannotGrowHostLogs) {
+  const std::string env_dir = daemon_->state_dir() + "/container/envs/" + env_;
+  auto total = [&] {
+    int64_t sum = 0;
+    std::error_code ec;
+    for (const auto& e : std::filesystem::recursive_directory_iterator(env_dir, ec)) {
+      if (e.is_regular_file(ec)) sum += static_cast<int64_t>(e.file_size(ec));
+    }
+    return sum;
+  };
+  const int64_t before = total();
+  std::string out = Py(R"(
+import socket, time
+n = 0; t = time.time()
+while time.time() - t < 2:
+    for p in ("/run/esb/agent.sock", "\0esb-agent"):
+        s = socket.socket(socket.AF_UNIX)
+        try: s.connect(p)
+        except OSError: n += 1
+        s.close()
+print("failed", n)
+)");
+  // The agent's own log inside the sandbox stays capped even when it has much to say.
+  std::string log_size = Out("stat -c %s /run/esb/state/agent.log 2>/dev/null || echo 0");
+  const int64_t after = total();
+  std::printf("[ attack   ] %s; host env dir %lld -> %lld bytes; in-sandbox agent.log %s",
+              out.c_str(), (long long)before, (long long)after, log_size.c_str());
+  EXPECT_NE(out.find("failed"), std::string::npos) << out;
+  EXPECT_EQ(after, before);
+  EXPECT_LE(std::atoll(log_size.c_str()), 1 << 20);
+}
+
+// Issue 9.5: socket(AF_VSOCK) worked (vsock is not network-namespaced).
+TEST_F(SecurityTest, SocketFamiliesBeyondUnixAndInetAreRefused) {
+  std::string out = Py(R"(
+import socket, errno
+fams = {"vsock": 40, "packet": 17, "alg": 38, "key": 15, "bluetooth": 31, "rds": 21,
+        "tipc": 30, "can": 29, "xdp": 44, "appletalk": 5, "x25": 9, "netlink_audit": (16, 9)}
+for name, fam in sorted(fams.items()):
+    proto = 0
+    if isinstance(fam, tuple): fam, proto = fam
+    try:
+        socket.socket(fam, socket.SOCK_RAW if name != "vsock" else socket.SOCK_STREAM, proto).close()
+        print(name, "OK")
+    except OSError as e:
+        print(name, errno.errorcode.get(e.errno, e.errno))
+for name, fam, typ in (("unix", socket.AF_UNIX, socket.SOCK_STREAM),
+                       ("inet", socket.AF_INET, socket.SOCK_STREAM),
+                       ("inet6", socket.AF_INET6, socket.SOCK_DGRAM)):
+    socket.socket(fam, typ).close(); print(name, "OK")
+a, b = socket.socketpair(); a.close(); b.close(); print("socketpair OK")
+)");
+  std::printf("%s", out.c_str());
+  for (const char* fam : {"vsock", "packet", "alg", "key", "bluetooth", "rds", "tipc", "can",
+                          "xdp", "appletalk", "x25"}) {
+    EXPECT_NE(out.find(std::string(fam) + " EAFNOSUPPORT\n"), std::string::npos) << fam << out;
+  }
+  EXPECT_NE(out.find("netlink_audit EPERM"), std::string::npos) << out;
+  for (const char* ok : {"unix OK", "inet OK", "inet6 OK", "socketpair OK"}) {
+    EXPECT_NE(out.find(ok), std::string::npos) << ok << out;
+  }
+}
+
+// Issue 9.4: {"pids": 32768} was accepted (host pid_max 32768, parent cgroup unlimited).
+TEST_F(SecurityTest, PidsAboveTheDaemonCapAreRefused) {
+  for (int pids : {32768, 4097}) {
+    HttpResult r = daemon_->Call("POST", "/environments", json::object{{"pids", pids}});
+    EXPECT_EQ(r.status, 400) << pids << " " << r.body;
+    EXPECT_NE(r.body.find("pids"), std::string::npos) << r.body;
+    if (r.status == 201 || r.status == 200) {
+      daemon_->Call("DELETE", "/environments/" + r.str("id"));
+    }
+  }
+  // All sandboxes together are capped below the host's pid space.
+  std::string max;
+  for (const char* dir : {"/sys/fs/cgroup/pids/esb", "/sys/fs/cgroup/esb"}) {
+    std::ifstream in(std::string(dir) + "/pids.max");
+    if (in >> max) break;
+  }
+  std::ifstream pid_max_in("/proc/sys/kernel/pid_max");
+  int64_t pid_max = 0;
+  pid_max_in >> pid_max;
+  std::printf("[ pids     ] parent pids.max %s (pid_max %lld)\n", max.c_str(), (long long)pid_max);
+  ASSERT_FALSE(max.empty());
+  ASSERT_NE(max, "max");
+  EXPECT_LT(std::atoll(max.c_str()), pid_max);
+}
+
+// "Also seen": files/read of a socket or /dev/tty answered 500 although the API promises 400.
+TEST_F(SecurityTest, ReadingASocketOrTtyAnswers400) {
+  Py(R"(
+import socket, os
+try: os.unlink("s.sock")
+except OSError: pass
+socket.socket(socket.AF_UNIX).bind("s.sock")
+)");
+  for (std::string path : {"s.sock", "/dev/tty"}) {
+    HttpResult r = daemon_->Call("GET", "/environments/" + env_ + "/files/read?path=" + path);
+    EXPECT_EQ(r.status, 400) << path << " " << r.body;
+    HttpResult w = daemon_->Call("POST", "/environments/" + env_ + "/files/write",
+                                 json::object{{"path", path}, {"content", "x"}});
+    EXPECT_EQ(w.status, 400) << path << " " << w.body;
+  }
+}
+
+// Issue 9.6: /proc/self/mountinfo showed the state dir and the environment id.
+TEST_F(SecurityTest, MountinfoRevealsNoStateDirOrEnvironmentId) {
+  std::string info = Out("cat /proc/self/mountinfo");
+  ASSERT_FALSE(info.empty());
+  EXPECT_EQ(info.find(daemon_->state_dir()), std::string::npos) << info;
+  EXPECT_EQ(info.find(env_), std::string::npos) << info;
+  // What remains (docs/design.md): the root mount's source is the image directory.
+  int image_lines = 0;
+  for (size_t pos = 0; (pos = info.find("/var/cache/entersandbox", pos)) != std::string::npos;
+       ++pos) {
+    ++image_lines;
+  }
+  std::printf("[ mounts   ] lines naming the image cache: %d\n", image_lines);
+  EXPECT_LE(image_lines, 1) << info;
+}
+
+// "Also seen": background processes that left the exec's process group (setsid, double fork)
+// outlived the exec's timeout. Now a timeout kills everything the exec started; background
+// jobs of a command that completed keep running.
+TEST_F(SecurityTest, SetsidAndDoubleForkEscapeesDieWithTheTimeout) {
+  std::string kept = Out("nohup sleep 1000 >/dev/null 2>&1 & echo $!");
+  while (!kept.empty() && kept.back() == '\n') kept.pop_back();
+  ASSERT_FALSE(kept.empty());
+  HttpResult r = daemon_->Exec(env_,
+                               "setsid sleep 1000 >/dev/null 2>&1 & echo $!; "
+                               "( sleep 1001 >/dev/null 2>&1 & echo $! ); "
+                               "( setsid bash -c 'sleep 1002 & echo $!' & ); sleep 0.3; sleep 100",
+                               2);
+  EXPECT_TRUE(r.flag("timed_out")) << r.body;
+  std::string pids = r.str("stdout");
+  for (char& c : pids) c = c == '\n' ? ' ' : c;
+  std::string check = Out("sleep 0.2; for p in " + pids + " " + kept +
+                          "; do kill -0 $p 2>/dev/null && echo alive $p; done; :");
+  EXPECT_EQ(check, "alive " + kept + "\n") << pids;
+  Run("kill " + kept);
 }
 
 }  // namespace

@@ -124,16 +124,44 @@ absl::Status ValidateId(const std::string& id) {
   return absl::OkStatus();
 }
 
+// The last `max` bytes of a log, read without loading the whole file (logs are written by
+// the sandbox's start-up and must never make esbd allocate their size).
 std::string ReadTail(const std::string& path, size_t max = 800) {
-  std::string text;
-  if (!ReadFileToString(path, &text).ok()) return "";
-  if (text.size() > max) text = text.substr(text.size() - max);
+  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
+  struct stat st;
+  if (!fd || ::fstat(fd.get(), &st) != 0 || !S_ISREG(st.st_mode)) return "";
+  off_t start = st.st_size > static_cast<off_t>(max) ? st.st_size - static_cast<off_t>(max) : 0;
+  std::string text(max, '\0');
+  ssize_t n = ::pread(fd.get(), text.data(), max, start);
+  text.resize(n > 0 ? static_cast<size_t>(n) : 0);
   return std::string(absl::StripAsciiWhitespace(text));
 }
 
+// Binds the agent's listening socket at <run_dir>/agent.sock. run_dir is root-only (0700), so
+// only esbd can connect through the path; the agent gets the listening descriptor itself.
+absl::StatusOr<UniqueFd> BindAgentSocket(const std::string& run_dir) {
+  UniqueFd dir(::open(run_dir.c_str(), O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+  if (!dir) return ErrnoStatus("open " + run_dir);
+  ::unlinkat(dir.get(), "agent.sock", 0);
+  UniqueFd sock(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!sock) return ErrnoStatus("socket");
+  struct sockaddr_un addr = {};
+  addr.sun_family = AF_UNIX;
+  // Through the directory's descriptor: state paths may exceed sun_path's 108 bytes.
+  std::string path = absl::StrCat("/proc/self/fd/", dir.get(), "/agent.sock");
+  memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+  if (::bind(sock.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    return ErrnoStatus("bind " + run_dir + "/agent.sock");
+  }
+  if (::fchmodat(dir.get(), "agent.sock", 0600, 0) != 0) return ErrnoStatus("chmod agent.sock");
+  if (::listen(sock.get(), 128) != 0) return ErrnoStatus("listen");
+  return sock;
+}
+
 // ---------------------------------------------------------------------------------------
-// Agent connection: the run/ directory is writable by the sandbox user, so the socket is
-// opened without following symlinks and checked to be a socket before esbd connects.
+// Agent connection: under gVisor the run/ directory is writable by the sandbox user (crun/runc:
+// root-only), so the socket is opened without following symlinks and checked to be a socket
+// before esbd connects.
 
 AgentClient::Connector SafeAgentConnector(std::string run_dir, int timeout_ms) {
   return [run_dir = std::move(run_dir), timeout_ms]() -> absl::StatusOr<int> {
@@ -174,7 +202,7 @@ AgentClient::Connector SafeAgentConnector(std::string run_dir, int timeout_ms) {
 // Where everything of one environment lives.
 
 struct EnvPaths {
-  std::string env_dir, bundle_config, run_dir, agent_log, runtime_log, hostname_file;
+  std::string env_dir, bundle_config, run_dir, agent_log, runtime_log;
   std::string socket, container_id, cgroup_path;
 };
 
@@ -185,7 +213,6 @@ EnvPaths PathsFor(const ContainerDriverOptions& o, const std::string& id) {
   p.run_dir = p.env_dir + "/run";
   p.agent_log = p.env_dir + "/agent.log";
   p.runtime_log = p.env_dir + "/runtime.log";
-  p.hostname_file = p.env_dir + "/hostname";
   p.socket = p.run_dir + "/agent.sock";
   p.container_id = "esb-" + id;
   // The state_dir hash keeps two daemons (or test runs) with equal ids apart.
@@ -194,6 +221,9 @@ EnvPaths PathsFor(const ContainerDriverOptions& o, const std::string& id) {
   p.cgroup_path = absl::StrCat(o.cgroup_parent, "/", hash, "-", id);
   return p;
 }
+
+// Files shared by every sandbox of this driver (agent binary, hostname), on a tmpfs.
+std::string ShareDir(const std::string& state_dir) { return state_dir + "/share"; }
 
 // What InstanceRef.state holds.
 struct InstanceState {
@@ -255,14 +285,24 @@ bool ProcessAlive(const InstanceState& s) {
 
 // ---------------------------------------------------------------------------------------
 
+absl::StatusOr<std::string> InstallAgent(const std::string& source, const std::string& state_dir,
+                                         RuntimeKind kind);
+bool ShareMounted(const std::string& state_dir);
+void UnmountShare(const std::string& state_dir);
+
 class ContainerDriver : public Driver {
  public:
+  // `options.agent_binary` is the installed copy; `agent_source` the binary it came from.
   ContainerDriver(ContainerDriverOptions options, CgroupLayout layout, RuntimeKind kind,
-                  std::string describe)
+                  std::string describe, std::string agent_source)
       : options_(std::move(options)),
         layout_(std::move(layout)),
         kind_(kind),
-        describe_(std::move(describe)) {}
+        describe_(std::move(describe)),
+        agent_source_(std::move(agent_source)) {}
+  // Running containers keep their binds of the share tmpfs; only the host's mount goes, so a
+  // stopped daemon leaves no mount behind (the next one mounts a fresh share).
+  ~ContainerDriver() override { UnmountShare(options_.state_dir); }
 
   std::string name() const override {
     return kind_ == RuntimeKind::kRunsc ? "gvisor" : "container";
@@ -323,6 +363,7 @@ class ContainerDriver : public Driver {
   const CgroupLayout layout_;
   const RuntimeKind kind_;
   const std::string describe_;
+  const std::string agent_source_;
 
   std::mutex mu_;
   std::set<std::string> busy_;
@@ -412,20 +453,29 @@ absl::Status ContainerDriver::WriteBundle(const std::string& id, const EnvSpec& 
                                           const EnvPaths& paths, const std::string& rootfs) {
   ESB_RETURN_IF_ERROR(MakeDir(paths.env_dir, 0700));
   ESB_RETURN_IF_ERROR(MakeDir(paths.run_dir, 0700));
-  // SECURITY: run/ is the only host directory the sandbox user can write to. It is a small
-  // tmpfs, so a sandbox cannot fill the host's disk through it (its pages are charged to the
-  // writer's memory cgroup); esbd reaches into it only via SafeAgentConnector.
-  std::string opts = absl::StrCat("size=", kRunDirBytes / 1024, "k,mode=0700,uid=", kSandboxUid,
-                                  ",gid=", kSandboxGid);
-  if (::mount("esb-run", paths.run_dir.c_str(), "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
-              opts.c_str()) != 0) {
-    return ErrnoStatus("mount tmpfs on " + paths.run_dir);
-  }
-  ESB_RETURN_IF_ERROR(WriteStringToFile(paths.hostname_file, "sandbox\n", 0644));
-
   BundleParams p = BaseParams(rootfs, layout_, kind_);
   p.env = {"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME=/workspace",
-           "LANG=C.UTF-8", "ESB_AGENT_SOCKET=/run/esb/agent.sock", "ESB_ENV_ID=" + id};
+           "LANG=C.UTF-8", "ESB_ENV_ID=" + id};
+  if (kind_ == RuntimeKind::kRunsc) {
+    // runsc cannot hand a descriptor to the container: the agent binds its socket on a host
+    // directory (--host-uds=create) and checks every peer's SO_PEERCRED instead.
+    // SECURITY: run/ is then the only host directory the sandbox user can write to. It is a
+    // small tmpfs, so a sandbox cannot fill the host's disk through it (its pages are charged
+    // to the writer's memory cgroup); esbd reaches into it only via SafeAgentConnector.
+    std::string opts = absl::StrCat("size=", kRunDirBytes / 1024, "k,mode=0700,uid=", kSandboxUid,
+                                    ",gid=", kSandboxGid);
+    if (::mount("esb-run", paths.run_dir.c_str(), "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                opts.c_str()) != 0) {
+      return ErrnoStatus("mount tmpfs on " + paths.run_dir);
+    }
+    p.run_dir = paths.run_dir;
+    p.args = {"/sbin/esb-agent", "--host-uds-peers"};
+  } else {
+    // SECURITY: nothing of the host is writable or connectable from inside: run/ stays
+    // root-only on the host and the agent serves the listening socket esbd hands it as fd 3.
+    p.args = {"/sbin/esb-agent", "--listen-fd", "3"};
+    p.run_tmpfs_bytes = kRunDirBytes;
+  }
   p.memory_bytes = spec.memory_mb << 20;
   p.pids = spec.pids;
   p.cpu = spec.cpu;
@@ -433,9 +483,17 @@ absl::Status ContainerDriver::WriteBundle(const std::string& id, const EnvSpec& 
   p.tmp_bytes = std::min<int64_t>(spec.disk_mb, 256) << 20;
   p.shm_bytes = std::min<int64_t>(spec.memory_mb / 4, 64) << 20;
   p.cgroups_path = paths.cgroup_path;
-  p.run_dir = paths.run_dir;
   p.agent_binary = options_.agent_binary;
-  p.hostname_file = paths.hostname_file;
+  p.hostname_file = ShareDir(options_.state_dir) + "/hostname";
+  if (!ShareMounted(options_.state_dir) || !Exists(options_.agent_binary) ||
+      !Exists(p.hostname_file)) {
+    // Another driver on this state dir (tests) unmounted the share: mount and fill it again.
+    absl::StatusOr<std::string> agent = InstallAgent(agent_source_, options_.state_dir, kind_);
+    if (!agent.ok()) return agent.status();
+    if (*agent != options_.agent_binary) {
+      return absl::FailedPreconditionError("agent binary changed on disk: restart esbd");
+    }
+  }
   ESB_RETURN_IF_ERROR(PrepareImage(rootfs, p));
   return WriteStringToFile(paths.bundle_config, boost::json::serialize(BuildOciConfig(p)), 0600);
 }
@@ -463,6 +521,10 @@ absl::Status ContainerDriver::WaitForAgent(const EnvPaths& paths, const Instance
 absl::StatusOr<InstanceRef> ContainerDriver::Create(const std::string& id, const EnvSpec& spec) {
   ESB_RETURN_IF_ERROR(ValidateId(id));
   // (NaN fails every comparison, so the checks are written to reject it.)
+  if (spec.pids > options_.max_pids) {
+    return absl::InvalidArgumentError(absl::StrCat("pids ", spec.pids, " exceeds this daemon's ",
+                                                   "limit of ", options_.max_pids, " (max_pids)"));
+  }
   if (!(spec.memory_mb >= 16 && spec.memory_mb <= (1LL << 24)) ||
       !(spec.pids >= 8 && spec.pids <= (1LL << 22)) || !(spec.cpu > 0 && spec.cpu <= 1024) ||
       !(spec.disk_mb >= 1 && spec.disk_mb <= (1LL << 24))) {
@@ -501,9 +563,19 @@ absl::StatusOr<InstanceRef> ContainerDriver::Create(const std::string& id, const
 
   ESB_RETURN_IF_ERROR(MakeDirs(options_.state_dir + "/envs", 0700));
   if (absl::Status s = WriteBundle(id, spec, paths, image->second); !s.ok()) return fail(s);
+  // SECURITY: the listening socket is the only descriptor of esbd that enters the container
+  // (as the agent's fd 3); esbd's copy is closed right after the runtime returns.
+  UniqueFd listener;
+  if (kind_ != RuntimeKind::kRunsc) {
+    absl::StatusOr<UniqueFd> sock = BindAgentSocket(paths.run_dir);
+    if (!sock.ok()) return fail(sock.status());
+    listener = *std::move(sock);
+  }
   const int64_t t_bundle = MonotonicMs();
-  absl::StatusOr<int> pid = runtime.RunDetached(paths.container_id, paths.env_dir, paths.agent_log,
-                                                paths.runtime_log, options_.runtime_timeout_ms);
+  absl::StatusOr<int> pid =
+      runtime.RunDetached(paths.container_id, paths.env_dir, paths.agent_log, paths.runtime_log,
+                          options_.runtime_timeout_ms, listener ? listener.get() : -1);
+  listener.reset();  // the container holds it now; esbd connects through the path
   if (!pid.ok()) return fail(pid.status());
   const int64_t t_run = MonotonicMs();
   state.pid = *pid;
@@ -606,21 +678,55 @@ absl::StatusOr<Usage> ContainerDriver::Stats(const InstanceRef& ref) {
   return usage;
 }
 
-// Copies the agent into the state directory as root:root 0711. A binary its user cannot read
+// Makes <state_dir>/share a small tmpfs of its own (once per boot; it stays mounted across
+// daemon restarts, as the containers binding files from it do). Files bound from it appear in
+// a sandbox's /proc/self/mountinfo with their path inside this tmpfs ("/hostname"), not with
+// a host path that would reveal the state directory.
+bool ShareMounted(const std::string& state_dir) {
+  struct stat dir_st, parent_st;
+  return ::stat(ShareDir(state_dir).c_str(), &dir_st) == 0 &&
+         ::stat(state_dir.c_str(), &parent_st) == 0 && dir_st.st_dev != parent_st.st_dev;
+}
+
+void UnmountShare(const std::string& state_dir) {
+  // SECURITY: detaches only the tmpfs this driver mounted on its own state directory.
+  if (ShareMounted(state_dir)) {
+    ::umount2(ShareDir(state_dir).c_str(), MNT_DETACH | UMOUNT_NOFOLLOW);
+  }
+}
+
+absl::Status MountShareDir(const std::string& state_dir) {
+  const std::string share = ShareDir(state_dir);
+  ESB_RETURN_IF_ERROR(MakeDirs(share, 0755));
+  if (ShareMounted(state_dir)) return absl::OkStatus();  // already our tmpfs
+  // SECURITY: a root-owned, non-executable-by-mount tmpfs for read-only binds into sandboxes;
+  // it sits on esbd's own state directory.
+  if (::mount("esb-share", share.c_str(), "tmpfs", MS_NOSUID | MS_NODEV,
+              "size=65536k,mode=0755,uid=0,gid=0") != 0) {
+    return ErrnoStatus("mount tmpfs on " + share);
+  }
+  return absl::OkStatus();
+}
+
+// Copies the agent into the share tmpfs as root:root 0711. A binary its user cannot read
 // makes the kernel mark the process non-dumpable at exec, so sandbox code running under the
-// same uid cannot open the agent's descriptors (its log file on the host) via /proc/1/fd or
-// attach to it. The copy also keeps running containers independent of rebuilds.
+// same uid cannot open the agent's descriptors via /proc/1/fd or attach to it. The copy also
+// keeps running containers independent of rebuilds.
 // gVisor's loader reads the binary as the sandbox user, so runsc gets a readable copy (and
 // relies on the agent making itself non-dumpable).
 absl::StatusOr<std::string> InstallAgent(const std::string& source, const std::string& state_dir,
                                          RuntimeKind kind) {
   std::string data;
   ESB_RETURN_IF_ERROR(ReadFileToString(source, &data));
-  ESB_RETURN_IF_ERROR(MakeDirs(state_dir + "/bin", 0755));
+  ESB_RETURN_IF_ERROR(MountShareDir(state_dir));
+  const std::string share = ShareDir(state_dir);
+  // The hostname file bound at /etc/hostname (the UTS name itself is set by the runtime).
+  if (!Exists(share + "/hostname")) {
+    ESB_RETURN_IF_ERROR(WriteStringToFile(share + "/hostname", "sandbox\n", 0644));
+  }
   const mode_t mode = kind == RuntimeKind::kRunsc ? 0755 : 0711;
-  std::string dest =
-      absl::StrCat(state_dir, "/bin/esb-agent-", absl::Hex(Fnv1a(data), absl::kZeroPad8),
-                   kind == RuntimeKind::kRunsc ? "-r" : "-x");
+  std::string dest = absl::StrCat(share, "/esb-agent-", absl::Hex(Fnv1a(data), absl::kZeroPad8),
+                                  kind == RuntimeKind::kRunsc ? "-r" : "-x");
   if (Exists(dest)) return dest;
   ESB_RETURN_IF_ERROR(WriteStringToFile(dest, data, mode));
   // SECURITY: execute-only for the sandbox user where the runtime allows it (see above).
@@ -628,6 +734,57 @@ absl::StatusOr<std::string> InstallAgent(const std::string& source, const std::s
     return ErrnoStatus("chmod " + dest);
   }
   return dest;
+}
+
+// A number from a /proc/sys file, 0 if unreadable.
+int64_t ReadSysctl(const char* path) {
+  std::string text;
+  int64_t v = 0;
+  if (!ReadFileToString(path, &text).ok()) return 0;
+  return absl::SimpleAtoi(absl::StripAsciiWhitespace(text), &v) ? v : 0;
+}
+
+// Puts a pids limit on the parent cgroup of all sandboxes, so that together they can never use
+// up the host's pids (each sandbox's own limit alone allows max_pids * environments).
+absl::StatusOr<int64_t> LimitParentPids(const CgroupLayout& layout, const std::string& parent,
+                                        int64_t limit) {
+  if (limit <= 0) {
+    int64_t pid_max = ReadSysctl("/proc/sys/kernel/pid_max");
+    int64_t threads_max = ReadSysctl("/proc/sys/kernel/threads-max");
+    int64_t host = pid_max > 0 && threads_max > 0 ? std::min(pid_max, threads_max)
+                                                  : std::max(pid_max, threads_max);
+    if (host <= 0) return absl::UnavailableError("cannot read kernel.pid_max/threads-max");
+    limit = host / 2;
+  }
+  std::string dir;
+  if (layout.mode == CgroupMode::kV2) {
+    dir = layout.v2_mount + parent;
+    // The pids controller must be enabled from the root down to the parent's children.
+    std::string path = layout.v2_mount;
+    for (absl::string_view part : absl::StrSplit(parent, '/', absl::SkipEmpty())) {
+      UniqueFd ctl(::open((path + "/cgroup.subtree_control").c_str(), O_WRONLY | O_CLOEXEC));
+      if (ctl) (void)!::write(ctl.get(), "+pids", 5);
+      path = absl::StrCat(path, "/", part);
+      ESB_RETURN_IF_ERROR(MakeDir(path, 0755));
+    }
+    UniqueFd ctl(::open((dir + "/cgroup.subtree_control").c_str(), O_WRONLY | O_CLOEXEC));
+    if (ctl) (void)!::write(ctl.get(), "+pids", 5);
+  } else {
+    auto it = layout.v1_mounts.find("pids");
+    if (it == layout.v1_mounts.end()) {
+      return absl::UnavailableError("no pids cgroup hierarchy is mounted");
+    }
+    dir = it->second + parent;
+    ESB_RETURN_IF_ERROR(MakeDirs(dir, 0755));
+  }
+  const std::string file = dir + "/pids.max";
+  std::string value = absl::StrCat(limit);
+  // SECURITY: caps every sandbox together below the host's pid space.
+  UniqueFd fd(::open(file.c_str(), O_WRONLY | O_CLOEXEC));
+  if (!fd || ::write(fd.get(), value.data(), value.size()) != static_cast<ssize_t>(value.size())) {
+    return ErrnoStatus("write " + file);
+  }
+  return limit;
 }
 
 // ---------------------------------------------------------------------------------------
@@ -649,8 +806,6 @@ absl::StatusOr<int64_t> Probe(const ContainerDriverOptions& options, const Cgrou
   p.args = {"/usr/bin/true"};
   p.env = {"PATH=/usr/bin:/bin"};
   p.cgroups_path = absl::StrCat(options.cgroup_parent, "/probe-", RandomHex(4));
-  p.run_dir = dir + "/run";
-  ESB_RETURN_IF_ERROR(MakeDir(p.run_dir, 0700));
   for (const char* top : {"usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32"}) {
     std::string host = absl::StrCat("/", top);
     struct stat st;
@@ -722,6 +877,19 @@ absl::StatusOr<std::unique_ptr<Driver>> NewContainerDriver(ContainerDriverOption
   if (!layout.ok()) return layout.status();
   ESB_RETURN_IF_ERROR(MakeDirs(options.state_dir + "/envs", 0700));
   ::chmod(options.state_dir.c_str(), 0711);
+  if (options.max_pids < 16) {
+    return absl::InvalidArgumentError("container driver: max_pids must be at least 16");
+  }
+  absl::StatusOr<int64_t> total_pids =
+      LimitParentPids(*layout, options.cgroup_parent, options.total_pids);
+  if (!total_pids.ok()) {
+    return absl::UnavailableError(absl::StrCat("container driver: cannot limit the pids of ",
+                                               options.cgroup_parent, ": ",
+                                               total_pids.status().message()));
+  }
+  options.total_pids = *total_pids;
+  LogInfo(absl::StrCat("container driver: pids.max of ", options.cgroup_parent, " = ", *total_pids,
+                       " (all sandboxes), per environment <= ", options.max_pids));
 
   std::vector<RuntimeKind> candidates;
   if (options.runtime == "auto") {
@@ -763,10 +931,12 @@ absl::StatusOr<std::unique_ptr<Driver>> NewContainerDriver(ContainerDriverOption
         CgroupModeName(layout->mode),
         hide.empty() ? "" : absl::StrCat(", ", hide, " hidden from crun"), "; ", probe_note);
     LogInfo("container driver: " + describe);
+    std::string source = options.agent_binary;
     options.agent_binary = *agent;
-    return std::unique_ptr<Driver>(
-        new ContainerDriver(std::move(options), *std::move(layout), kind, describe));
+    return std::unique_ptr<Driver>(new ContainerDriver(std::move(options), *std::move(layout), kind,
+                                                       describe, std::move(source)));
   }
+  UnmountShare(options.state_dir);
   return absl::UnavailableError(
       absl::StrCat("no OCI runtime works on this host: ", absl::StrJoin(failures, "; ")));
 }

@@ -2,13 +2,19 @@
 // distribution (crun or runc; runsc = gVisor as the hardened option). No Docker engine.
 //
 // Per environment:   <state_dir>/envs/<id>/config.json    OCI bundle (root = image, read-only)
-//                                         /run/           16 MiB tmpfs (uid 1000) bound at
-//                                                         /run/esb: agent.sock, shell state
-//                                         /agent.log      container stdio (never esbd's)
+//                                         /run/agent.sock the agent's listening socket, bound
+//                                                         by esbd in a root-only directory and
+//                                                         handed to the agent as fd 3 (crun,
+//                                                         runc). runsc: run/ is a 16 MiB tmpfs
+//                                                         (uid 1000) bound at /run/esb.
+//                                         /agent.log      container stdio until the agent is
+//                                                         up (start-up errors only, capped)
 //                                         /runtime.log    the runtime's own diagnostics
 //                                         /container.pid  init pid from the runtime
 // Runtime state:     <state_dir>/runtime/<crun|runc|runsc>/   (--root)
-// Agent copies:      <state_dir>/bin/esb-agent-<hash>-x  (0711: PID 1 becomes non-dumpable)
+// Shared files:      <state_dir>/share/ (a tmpfs of its own, so mountinfo inside a sandbox
+//                    shows no host path): esb-agent-<hash>-x (0711: PID 1 becomes
+//                    non-dumpable) and the hostname file bound at /etc/hostname
 // cgroups:           <cgroup_parent>/<hash(state_dir)>-<id> in every hierarchy
 // Containers run detached: they are not esbd's children and survive a daemon restart.
 #pragma once
@@ -33,6 +39,11 @@ struct ContainerDriverOptions {
   int agent_timeout_ms = 20000;        // Create: wait this long for the agent's first ping
   int runtime_timeout_ms = 30000;      // deadline of each runtime invocation
   bool probe = true;                   // start a trivial container in NewContainerDriver
+  // Largest pids limit one environment may have (Create answers InvalidArgument above it).
+  int64_t max_pids = 4096;
+  // pids.max of cgroup_parent, over all sandboxes together. 0: half of min(kernel.pid_max,
+  // kernel.threads-max), so sandboxes can never take the host's last pids.
+  int64_t total_pids = 0;
 };
 
 // Probes the host (starts a trivial container under a deadline) and returns a driver for the

@@ -7,6 +7,7 @@
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -354,6 +355,19 @@ TEST_F(ContainerDriverTest, DangerousSyscallsFail) {
   EXPECT_EQ(result["clone_plain"], "OK");
   EXPECT_EQ(result["fork"], "OK");
   EXPECT_EQ(result["personality_query"], "OK");
+  // Address families: vsock is not network-namespaced, packet/alg/key/bluetooth are kernel
+  // attack surface; only unix, inet, inet6 and netlink-route work.
+  for (const char* name :
+       {"socket_vsock", "socket_vsock_high_bits", "socket_packet", "socket_alg", "socket_key",
+        "socket_bluetooth", "socket_appletalk", "socket_unspec", "socketpair_vsock"}) {
+    ASSERT_TRUE(result.count(name)) << name << " missing from: " << r.stdout_data;
+    EXPECT_EQ(result[name], "EAFNOSUPPORT") << name;
+  }
+  EXPECT_EQ(result["socket_netlink_audit"], "EPERM");
+  for (const char* name :
+       {"socket_unix", "socket_inet", "socket_inet6", "socket_netlink_route", "socketpair_unix"}) {
+    EXPECT_EQ(result[name], "OK") << name;
+  }
   // The agent (PID 1, same uid) is not dumpable: sandbox code cannot reach its descriptors,
   // one of which is the container's log file on the host.
   ExecResult fds = MustExec(ref,
@@ -614,18 +628,166 @@ TEST_F(ContainerDriverTest, FailedCreateCleansUp) {
   EXPECT_TRUE(FindContainerLeaks(options_, InstanceRef{"broken1", "container", ""}).empty());
 }
 
-TEST_F(ContainerDriverTest, SandboxCannotRedirectAgentSocket) {
+// Size of a host file (-1 if missing).
+int64_t FileSize(const std::string& path) {
+  struct stat st;
+  return ::stat(path.c_str(), &st) == 0 ? static_cast<int64_t>(st.st_size) : -1;
+}
+
+// Sandbox code used to connect to the agent's socket (a bind of a host directory at /run/esb)
+// and drive the agent itself. Now the socket exists only on the host, in a root-only
+// directory; the agent serves the listening descriptor esbd handed it.
+TEST_F(ContainerDriverTest, SandboxCannotConnectToAgentSocket) {
   InstanceRef ref = MustCreate();
-  // The sandbox user replaces its socket with a symlink to a host path.
   ExecResult r = MustExec(ref,
-                          "cd /run/esb && mv agent.sock real.sock && "
-                          "ln -s /run/esb/real.sock agent.sock && echo swapped");
-  ASSERT_EQ(r.stdout_data, "swapped\n") << r.stderr_data;
-  ExecRequest req;
-  req.command = "echo hi";
-  absl::StatusOr<ExecResult> after = driver_->Exec(ref, req, nullptr);
-  EXPECT_FALSE(after.ok()) << "esbd followed a sandbox-controlled symlink";
+                          "/usr/local/bin/syscall_probe connect /run/esb/agent.sock; "
+                          "ls -A /run/esb; ls /proc/1/fd 2>&1 | head -1");
+  std::printf("[ attack   ] %s", r.stdout_data.c_str());
+  EXPECT_TRUE(absl::StrContains(r.stdout_data, "connect=ENOENT")) << r.stdout_data;
+  EXPECT_FALSE(absl::StrContains(r.stdout_data, "hello=")) << r.stdout_data;
+  EXPECT_FALSE(absl::StrContains(r.stdout_data, "agent.sock")) << r.stdout_data;
+  // On the host: root-only directory, a socket only root can connect to.
+  const std::string run = options_.state_dir + "/envs/" + ref.id + "/run";
+  struct stat st;
+  ASSERT_EQ(::stat(run.c_str(), &st), 0);
+  EXPECT_EQ(st.st_uid, 0u);
+  EXPECT_EQ(st.st_mode & 0777, 0700u);
+  ASSERT_EQ(::lstat((run + "/agent.sock").c_str(), &st), 0);
+  EXPECT_TRUE(S_ISSOCK(st.st_mode));
+  // The host still reaches the agent (and does so again from a fresh driver: daemon restart).
+  auto fresh = NewContainerDriver([&] {
+    auto o = options_;
+    o.probe = false;
+    return o;
+  }());
+  ASSERT_TRUE(fresh.ok());
+  EXPECT_TRUE((*fresh)->Attach(ref).ok());
   DestroyAndCheckClean(ref);
+}
+
+// The agent's fds 1/2 were the host file <env>/agent.log: `write path=/proc/self/fd/2`
+// (through the API: files/raw) grew it without bound, files/read of /proc/self/fd/1 read it.
+TEST_F(ContainerDriverTest, AgentWriteToProcSelfFdCannotGrowHostLog) {
+  InstanceRef ref = MustCreate();
+  const std::string log = options_.state_dir + "/envs/" + ref.id + "/agent.log";
+  const int64_t before = FileSize(log);
+  ASSERT_GE(before, 0);
+  const std::string chunk(1 << 20, 'x');
+  for (const char* path : {"/proc/self/fd/1", "/proc/self/fd/2", "/proc/1/fd/2", "/proc/self/mem",
+                           "/proc/1/root/proc/self/fd/2", "/proc/self/cwd/../proc/self/fd/2",
+                           "/sys/kernel/uevent_helper", "/proc/self/status", "/proc/1/environ"}) {
+    absl::Status w = driver_->WriteFile(ref, path, chunk, 0, false);
+    EXPECT_FALSE(w.ok()) << "write " << path;
+    EXPECT_FALSE(absl::IsInternal(w)) << w;  // a 4xx, not a 500
+    absl::StatusOr<FileChunk> rd = driver_->ReadFile(ref, path, 0, 4096);
+    EXPECT_FALSE(rd.ok()) << "read " << path;
+    std::printf("[ attack   ] %s: write -> %s; read -> %s\n", path, w.ToString().c_str(),
+                rd.status().ToString().c_str());
+  }
+  for (const char* dir : {"/proc/self/fd", "/proc/1", "/proc", "/sys/fs"}) {
+    EXPECT_FALSE(driver_->ListDir(ref, dir).ok()) << "list " << dir;
+  }
+  // A symlink the sandbox plants into /proc is refused just the same.
+  EXPECT_EQ(MustExec(ref, "ln -s /proc/self/fd/2 /workspace/l && echo ok").stdout_data, "ok\n");
+  EXPECT_FALSE(driver_->WriteFile(ref, "l", chunk, 0, false).ok());
+  EXPECT_FALSE(driver_->ReadFile(ref, "l", 0, 10).ok());
+  // Devices and sockets are bad input (400), never a server error.
+  absl::StatusOr<FileChunk> tty = driver_->ReadFile(ref, "/dev/tty", 0, 10);
+  EXPECT_TRUE(absl::IsInvalidArgument(tty.status())) << tty.status();
+  // Ordinary files still work.
+  ASSERT_TRUE(driver_->WriteFile(ref, "ok.txt", "fine", 0, true).ok());
+  EXPECT_EQ(driver_->ReadFile(ref, "ok.txt", 0, 10)->data, "fine");
+  const int64_t after = FileSize(log);
+  std::printf("[ attack   ] host agent.log: %lld bytes before, %lld after\n", (long long)before,
+              (long long)after);
+  EXPECT_EQ(after, before);
+  DestroyAndCheckClean(ref);
+}
+
+// No process of the sandbox holds the host's start-up log once the agent is up (so sandbox
+// code has no way at all to write to it), and the agent's own log is capped inside.
+TEST_F(ContainerDriverTest, NoSandboxProcessHoldsHostLog) {
+  InstanceRef ref = MustCreate();
+  const std::string log = options_.state_dir + "/envs/" + ref.id + "/agent.log";
+  MustExec(ref, "sleep 30 >/dev/null 2>&1 & for i in $(seq 2000); do echo spam >&2; done; :");
+  boost::json::object state = boost::json::parse(ref.state).as_object();
+  int checked = 0;
+  for (int pid : container::CgroupPids(*container::DetectCgroups(),
+                                       std::string(state["cgroup_path"].as_string()))) {
+    std::error_code ec;
+    for (const auto& e : fs::directory_iterator("/proc/" + std::to_string(pid) + "/fd", ec)) {
+      std::string target = fs::read_symlink(e.path(), ec).string();
+      EXPECT_NE(target, log) << "pid " << pid << " fd " << e.path().filename();
+      ++checked;
+    }
+  }
+  EXPECT_GT(checked, 3);
+  // Logging inside the sandbox: 1 MiB + one rotated file at most.
+  ExecResult big = MustExec(ref, "ls -l /run/esb/state/agent.log | awk '{print $5}'");
+  EXPECT_LE(std::atoll(big.stdout_data.c_str()), 1 << 20) << big.stdout_data;
+  DestroyAndCheckClean(ref);
+}
+
+// mountinfo inside a sandbox showed the state directory and the environment id (binds of
+// <state>/envs/<id>/run and .../hostname and <state>/bin/esb-agent-...).
+TEST_F(ContainerDriverTest, MountinfoRevealsNoStateDirOrEnvId) {
+  InstanceRef ref = MustCreate();
+  ExecResult r = MustExec(ref, "cat /proc/self/mountinfo; cat /etc/hostname");
+  EXPECT_FALSE(absl::StrContains(r.stdout_data, options_.state_dir)) << r.stdout_data;
+  EXPECT_FALSE(absl::StrContains(r.stdout_data, ref.id)) << r.stdout_data;
+  EXPECT_TRUE(absl::EndsWith(r.stdout_data, "sandbox\n")) << r.stdout_data;
+  // What remains: the image directory is the root mount's source (documented in design.md).
+  int lines_with_host_path = 0;
+  for (absl::string_view line : absl::StrSplit(r.stdout_data, '\n')) {
+    if (absl::StrContains(line, Env().tmp)) ++lines_with_host_path;
+  }
+  std::printf("[ mounts   ] lines naming a host path: %d (the image root)\n", lines_with_host_path);
+  EXPECT_LE(lines_with_host_path, 1) << r.stdout_data;
+  DestroyAndCheckClean(ref);
+}
+
+// Start-up errors still reach esbd: the container's stdio is the host log until the agent
+// is up, and Create's error shows its tail.
+TEST_F(ContainerDriverTest, FailedAgentStartShowsItsLog) {
+  std::string broken = Env().tmp + "/broken-agent-" + RandomHex(3);
+  ASSERT_TRUE(WriteStringToFile(broken,
+                                "#!/bin/bash\necho agent-start-failed-marker >&2\n"
+                                "exit 3\n",
+                                0755)
+                  .ok());
+  auto o = options_;
+  o.agent_binary = broken;
+  o.probe = false;
+  auto driver = NewContainerDriver(o);
+  ASSERT_TRUE(driver.ok()) << driver.status();
+  absl::StatusOr<InstanceRef> r = (*driver)->Create("broken" + RandomHex(2), EnvSpec());
+  ASSERT_FALSE(r.ok());
+  std::printf("[ failure  ] %s\n", r.status().ToString().c_str());
+  // The installed copy is execute-only, so bash cannot read the script: that error is the log.
+  EXPECT_TRUE(absl::StrContains(r.status().message(), "agent-start-failed-marker") ||
+              absl::StrContains(r.status().message(), "Permission denied"))
+      << r.status();
+}
+
+// `pids: 32768` was accepted and the parent of all sandboxes had no pids limit.
+TEST_F(ContainerDriverTest, PidsAboveDaemonCapAreRefusedAndParentIsLimited) {
+  EnvSpec spec;
+  spec.pids = options_.max_pids + 1;
+  absl::StatusOr<InstanceRef> r = driver_->Create("pidcap" + RandomHex(2), spec);
+  EXPECT_TRUE(absl::IsInvalidArgument(r.status())) << r.status();
+  auto layout = container::DetectCgroups();
+  ASSERT_TRUE(layout.ok());
+  std::string dir = layout->mode == container::CgroupMode::kV2
+                        ? layout->v2_mount + options_.cgroup_parent
+                        : layout->v1_mounts.at("pids") + options_.cgroup_parent;
+  std::string max;
+  ASSERT_TRUE(ReadFileToString(dir + "/pids.max", &max).ok());
+  std::string pid_max, threads_max;
+  ASSERT_TRUE(ReadFileToString("/proc/sys/kernel/pid_max", &pid_max).ok());
+  ASSERT_TRUE(ReadFileToString("/proc/sys/kernel/threads-max", &threads_max).ok());
+  int64_t expect = std::min(std::stoll(pid_max), std::stoll(threads_max)) / 2;
+  std::printf("[ pids     ] %s/pids.max = %s", dir.c_str(), max.c_str());
+  EXPECT_EQ(std::stoll(max), expect);
 }
 
 // Cold Create latency versus the runtime alone running the same bundle.
@@ -638,15 +800,11 @@ TEST_F(ContainerDriverTest, MeasureCreateLatency) {
     // Same bundle, started directly by the runtime (its own cgroup and run dir).
     std::string bundle = Env().tmp + "/raw-" + RandomHex(3);
     fs::create_directories(bundle + "/run");
-    chown((bundle + "/run").c_str(), 1000, 1000);
     std::string config;
     ASSERT_TRUE(
         ReadFileToString(options_.state_dir + "/envs/" + ref.id + "/config.json", &config).ok());
     boost::json::object c = boost::json::parse(config).as_object();
     c["linux"].as_object()["cgroupsPath"] = "/esb/raw-" + RandomHex(3);
-    for (auto& m : c["mounts"].as_array()) {
-      if (m.as_object()["destination"] == "/run/esb") m.as_object()["source"] = bundle + "/run";
-    }
     ASSERT_TRUE(WriteStringToFile(bundle + "/config.json", boost::json::serialize(c)).ok());
     boost::json::object state = boost::json::parse(ref.state).as_object();
     container::RuntimeKind kind;
@@ -660,11 +818,30 @@ TEST_F(ContainerDriverTest, MeasureCreateLatency) {
     container::OciRuntime rt(kind, container::FindExecutable(container::RuntimeName(kind)),
                              bundle + "/root", hide);
     std::string cid = "raw-" + RandomHex(3);
+    int listener = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_un sun = {};
+    sun.sun_family = AF_UNIX;
+    std::string sock_path = bundle + "/run/agent.sock";
+    ASSERT_LT(sock_path.size(), sizeof(sun.sun_path));
+    strcpy(sun.sun_path, sock_path.c_str());
+    ASSERT_EQ(bind(listener, reinterpret_cast<sockaddr*>(&sun), sizeof(sun)), 0);
+    ASSERT_EQ(listen(listener, 8), 0);
     t0 = MonotonicMs();
-    absl::StatusOr<int> s = rt.RunDetached(cid, bundle, bundle + "/log", bundle + "/rtlog", 30000);
+    absl::StatusOr<int> s =
+        rt.RunDetached(cid, bundle, bundle + "/log", bundle + "/rtlog", 30000, listener);
     raw_ms.push_back(MonotonicMs() - t0);
+    close(listener);
     ASSERT_TRUE(s.ok()) << s.status();
-    while (!fs::exists(bundle + "/run/agent.sock") && MonotonicMs() - t0 < 10000) usleep(500);
+    // Until the agent's HELLO arrives.
+    while (MonotonicMs() - t0 < 10000) {
+      int c = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+      char byte;
+      bool hello =
+          connect(c, reinterpret_cast<sockaddr*>(&sun), sizeof(sun)) == 0 && read(c, &byte, 1) == 1;
+      close(c);
+      if (hello) break;
+      usleep(500);
+    }
     raw_agent_ms.push_back(MonotonicMs() - t0);
     EXPECT_TRUE(rt.Delete(cid).ok());
     container::RemoveCgroup(*layout, std::string(c["linux"].as_object()["cgroupsPath"].as_string()),
@@ -683,7 +860,7 @@ TEST_F(ContainerDriverTest, MeasureCreateLatency) {
   std::printf(
       "[ latency  ] driver Create (bundle+run+agent ping): min %lld / median %lld ms\n"
       "[ latency  ] runtime `run -d` of the same bundle:    min %lld / median %lld ms\n"
-      "[ latency  ] runtime `run -d` until agent.sock exists: min %lld / median %lld ms\n",
+      "[ latency  ] runtime `run -d` until the agent's HELLO:  min %lld / median %lld ms\n",
       (long long)minimum(create_ms), (long long)median(create_ms), (long long)minimum(raw_ms),
       (long long)median(raw_ms), (long long)minimum(raw_agent_ms), (long long)median(raw_agent_ms));
 }
@@ -755,7 +932,7 @@ TEST(GvisorDriverTest, CreatesOrExplainsWhyNot) {
   ExecRequest req;
   req.command =
       "id -u; uname -r; ls /sys/class/net; /usr/local/bin/syscall_probe; ls /proc/1/fd 2>&1 | "
-      "head -2";
+      "head -2; /usr/local/bin/syscall_probe connect /run/esb/agent.sock";
   absl::StatusOr<ExecResult> r = (*driver)->Exec(*ref, req, nullptr);
   ASSERT_TRUE(r.ok()) << r.status();
   std::printf("[ gvisor   ] %s", r->stdout_data.c_str());
@@ -764,6 +941,22 @@ TEST(GvisorDriverTest, CreatesOrExplainsWhyNot) {
        {"mount=EPERM", "unshare_user=EPERM", "ptrace_attach=EPERM", "bpf=EPERM",
         "clone_newuser=EPERM", "clone3=ENOSYS", "clone_plain=OK"}) {
     EXPECT_TRUE(absl::StrContains(r->stdout_data, refused)) << refused;
+  }
+  // gVisor refuses connect() to the host-backed agent socket from inside the sandbox.
+  EXPECT_TRUE(absl::StrContains(r->stdout_data, "connect=EPERM")) << r->stdout_data;
+  EXPECT_FALSE(absl::StrContains(r->stdout_data, "hello=")) << r->stdout_data;
+  // Request paths: ordinary files work, /proc is refused (openat2 or its fallback).
+  EXPECT_TRUE((*driver)->WriteFile(*ref, "a.txt", "gv", 0, true).ok());
+  absl::StatusOr<FileChunk> back = (*driver)->ReadFile(*ref, "a.txt", 0, 10);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->data, "gv");
+  for (const char* path : {"/proc/self/fd/2", "/proc/self/status", "/proc/1/fd/1"}) {
+    absl::Status w = (*driver)->WriteFile(*ref, path, "x", 0, false);
+    absl::StatusOr<FileChunk> rd = (*driver)->ReadFile(*ref, path, 0, 10);
+    std::printf("[ gvisor   ] %s: write %s; read %s\n", path, w.ToString().c_str(),
+                rd.status().ToString().c_str());
+    EXPECT_FALSE(w.ok()) << path;
+    EXPECT_FALSE(rd.ok()) << path;
   }
   absl::StatusOr<Usage> usage = (*driver)->Stats(*ref);
   ASSERT_TRUE(usage.ok()) << usage.status();

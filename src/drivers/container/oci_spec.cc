@@ -91,6 +91,11 @@ object BuildOciConfig(const BundleParams& p) {
   if (!p.run_dir.empty()) {
     mounts.push_back(
         Mount("/run/esb", "bind", p.run_dir, {"rbind", "nosuid", "nodev", "noexec", "rw"}));
+  } else if (p.run_tmpfs_bytes > 0) {
+    // The agent's state and log: inside the sandbox only, no host path behind it.
+    mounts.push_back(Mount("/run/esb", "tmpfs", "tmpfs",
+                           {"nosuid", "nodev", "noexec", "mode=0700", SizeOpt(p.run_tmpfs_bytes),
+                            absl::StrCat("uid=", p.uid), absl::StrCat("gid=", p.gid)}));
   }
   if (!p.agent_binary.empty()) {
     mounts.push_back(

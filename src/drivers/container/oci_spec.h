@@ -36,9 +36,10 @@ struct BundleParams {
   bool cgroup_namespace = true;
   bool mqueue = true;  // mount /dev/mqueue
 
-  std::string run_dir;        // host dir bound at /run/esb ("" = none)
-  std::string agent_binary;   // host file bound read-only at /sbin/esb-agent ("" = none)
-  std::string hostname_file;  // host file bound read-only at /etc/hostname ("" = none)
+  std::string run_dir;          // host dir bound at /run/esb ("" = none; runsc only)
+  int64_t run_tmpfs_bytes = 0;  // else: a tmpfs of this size (uid/gid, 0700) at /run/esb
+  std::string agent_binary;     // host file bound read-only at /sbin/esb-agent ("" = none)
+  std::string hostname_file;    // host file bound read-only at /etc/hostname ("" = none)
   std::vector<BindMount> extra_binds;
   bool seccomp = true;
   bool seccomp_explicit_denies = true;

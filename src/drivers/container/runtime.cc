@@ -97,6 +97,7 @@ absl::StatusOr<ProcessResult> RunProcess(const std::vector<std::string>& argv,
   UniqueFd read_end(pipefd[0]);
   UniqueFd write_end(pipefd[1]);
   const int out_fd = capture ? write_end.get() : options.output_fd;
+  const int pass_fd = options.pass_fd;
 
   pid_t pid = ::fork();
   if (pid < 0) return ErrnoStatus("fork");
@@ -115,7 +116,18 @@ absl::StatusOr<ProcessResult> RunProcess(const std::vector<std::string>& argv,
     if (::dup2(devnull.get(), 0) < 0 || ::dup2(out_fd, 1) < 0 || ::dup2(out_fd, 2) < 0) {
       _exit(126);
     }
-    ::syscall(SYS_close_range, 3, ~0U, 0);
+    if (pass_fd >= 0) {
+      // SECURITY: exactly one extra descriptor (the agent's listening socket) crosses into
+      // the runtime and from there into the container, as fd 3.
+      if (pass_fd == 3) {
+        if (::fcntl(3, F_SETFD, 0) != 0) _exit(126);
+      } else if (::dup2(pass_fd, 3) < 0) {
+        _exit(126);
+      }
+      ::syscall(SYS_close_range, 4, ~0U, 0);
+    } else {
+      ::syscall(SYS_close_range, 3, ~0U, 0);
+    }
     ::execv(cargv[0], cargv.data());
     _exit(127);
   }
@@ -193,12 +205,13 @@ std::vector<std::string> OciRuntime::BaseArgs() const {
 }
 
 absl::StatusOr<ProcessResult> OciRuntime::Invoke(std::vector<std::string> args, int timeout_ms,
-                                                 int output_fd) const {
+                                                 int output_fd, int pass_fd) const {
   std::vector<std::string> argv = BaseArgs();
   argv.insert(argv.end(), args.begin(), args.end());
   SpawnOptions options;
   options.timeout_ms = timeout_ms;
   options.output_fd = output_fd;
+  options.pass_fd = pass_fd;
   options.hide_mount = hide_mount_;
   return RunProcess(argv, options);
 }
@@ -215,8 +228,11 @@ std::string OciRuntime::Version() const {
 
 absl::StatusOr<int> OciRuntime::RunDetached(const std::string& id, const std::string& bundle,
                                             const std::string& log_path,
-                                            const std::string& runtime_log_path,
-                                            int timeout_ms) const {
+                                            const std::string& runtime_log_path, int timeout_ms,
+                                            int listen_fd) const {
+  if (listen_fd >= 0 && kind_ == RuntimeKind::kRunsc) {
+    return absl::InvalidArgumentError("runsc cannot pass descriptors to a container");
+  }
   UniqueFd log(::open(log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600));
   if (!log) return ErrnoStatus("open " + log_path);
   std::vector<std::string> args;
@@ -225,8 +241,10 @@ absl::StatusOr<int> OciRuntime::RunDetached(const std::string& id, const std::st
   }
   const std::string pid_file = bundle + "/container.pid";
   ::unlink(pid_file.c_str());
-  args.insert(args.end(), {"run", "--detach", "--pid-file", pid_file, "--bundle", bundle, id});
-  absl::StatusOr<ProcessResult> r = Invoke(args, timeout_ms, log.get());
+  args.insert(args.end(), {"run", "--detach", "--pid-file", pid_file, "--bundle", bundle});
+  if (listen_fd >= 0) args.insert(args.end(), {"--preserve-fds", "1"});
+  args.push_back(id);
+  absl::StatusOr<ProcessResult> r = Invoke(args, timeout_ms, log.get(), listen_fd);
   if (!r.ok()) return r.status();
   if (r->timed_out) {
     return absl::DeadlineExceededError(

@@ -29,6 +29,8 @@ struct SpawnOptions {
   // Run the child in a private mount namespace in which this cgroup2 mount point is
   // unmounted (lets crun treat a hybrid v1+v2 host as plain v1). Empty: no namespace change.
   std::string hide_mount;
+  // When >= 0, this descriptor becomes the child's fd 3 (everything else above 2 is closed).
+  int pass_fd = -1;
 };
 
 // fork+exec `argv` (argv[0] is an absolute path) with stdin = /dev/null and all other
@@ -56,9 +58,11 @@ class OciRuntime {
   // Creates and starts the container, detached. The container's stdio goes to `log_path`;
   // the runtime's own diagnostics go to `runtime_log_path` (crun/runc) or the same log.
   // Returns the pid of the container's init process (on the host) from --pid-file.
+  // `listen_fd` >= 0: handed to the container's init as its fd 3 (`--preserve-fds 1`; crun
+  // and runc only, runsc has no such option: InvalidArgument).
   absl::StatusOr<int> RunDetached(const std::string& id, const std::string& bundle,
                                   const std::string& log_path, const std::string& runtime_log_path,
-                                  int timeout_ms) const;
+                                  int timeout_ms, int listen_fd = -1) const;
   // Runs the container in the foreground until it exits (used by the probe).
   absl::StatusOr<ProcessResult> RunForeground(const std::string& id, const std::string& bundle,
                                               const std::string& log_path, int timeout_ms) const;
@@ -71,7 +75,7 @@ class OciRuntime {
  private:
   std::vector<std::string> BaseArgs() const;
   absl::StatusOr<ProcessResult> Invoke(std::vector<std::string> args, int timeout_ms,
-                                       int output_fd = -1) const;
+                                       int output_fd = -1, int pass_fd = -1) const;
 
   RuntimeKind kind_;
   std::string binary_;

@@ -339,9 +339,6 @@ const std::vector<std::string>& SeccompAllowedSyscalls() {
                                                     "sigpending",
                                                     "sigprocmask",
                                                     "sigreturn",
-                                                    "socket",
-                                                    "socketcall",
-                                                    "socketpair",
                                                     "splice",
                                                     "stat",
                                                     "stat64",
@@ -392,6 +389,34 @@ const std::vector<std::string>& SeccompAllowedSyscalls() {
   return kAllowed;
 }
 
+const std::vector<SocketFamilyRule>& SocketFamilyRules() {
+  static const std::vector<SocketFamilyRule> kRules = [] {
+    std::vector<SocketFamilyRule> v;
+    auto allow = [&](uint64_t family) {
+      v.push_back({family, "SCMP_CMP_EQ", true, 0, true, 0, nullptr});
+    };
+    auto refuse = [&](uint64_t family, const char* op) {
+      v.push_back({family, op, false, EAFNOSUPPORT, true, 0, nullptr});
+    };
+    allow(1);   // AF_UNIX
+    allow(2);   // AF_INET (socketpair: the kernel answers EOPNOTSUPP)
+    allow(10);  // AF_INET6
+    // AF_NETLINK, socket() with protocol NETLINK_ROUTE only: getifaddrs() (Node's
+    // os.networkInterfaces(), Python's psutil, `ip addr`) reads the sandbox's own network
+    // namespace through it; changing anything needs CAP_NET_ADMIN, which sandboxes lack.
+    // Other netlink protocols match no rule: EPERM (the default action). (libseccomp refuses
+    // a second rule on the same argument values with another action: "File exists".)
+    v.push_back({16, "SCMP_CMP_EQ", true, 0, false, 0, "SCMP_CMP_EQ"});
+    refuse(0, "SCMP_CMP_EQ");
+    for (uint64_t f = 3; f <= 9; ++f) refuse(f, "SCMP_CMP_EQ");
+    for (uint64_t f = 11; f <= 15; ++f) refuse(f, "SCMP_CMP_EQ");
+    // 17 and up (AF_PACKET 17, AF_BLUETOOTH 31, AF_ALG 38, AF_VSOCK 40, upper-half garbage).
+    refuse(16, "SCMP_CMP_GT");
+    return v;
+  }();
+  return kRules;
+}
+
 boost::json::object BuildSeccompProfile(bool explicit_denies, bool clone3_enosys) {
   boost::json::array syscalls;
   syscalls.push_back(Rule(SeccompAllowedSyscalls(), "SCMP_ACT_ALLOW"));
@@ -414,6 +439,27 @@ boost::json::object BuildSeccompProfile(bool explicit_denies, bool clone3_enosys
     syscalls.push_back(Rule({"clone3"}, "SCMP_ACT_ALLOW"));
   }
 
+  // socket/socketpair: only the address families a sandbox needs; everything else (AF_VSOCK,
+  // which no network namespace confines, AF_PACKET, AF_ALG, AF_KEY, AF_BLUETOOTH, ...) fails
+  // with EAFNOSUPPORT. The comparisons are on all 64 bits, so garbage in the upper half of
+  // the register (which the kernel would drop) cannot smuggle a family past the allow rules.
+  // socketcall(2) (32-bit x86 only) hides its arguments in memory and is not allowed at all.
+  for (const SocketFamilyRule& rule : SocketFamilyRules()) {
+    boost::json::array names = {"socket"};
+    if (rule.socketpair) names.emplace_back("socketpair");
+    boost::json::object r = {{"names", names},
+                             {"action", rule.allow ? "SCMP_ACT_ALLOW" : "SCMP_ACT_ERRNO"}};
+    if (!rule.allow) r["errnoRet"] = rule.errno_value;
+    boost::json::array args = {boost::json::object{
+        {"index", 0}, {"value", rule.family}, {"valueTwo", 0}, {"op", rule.op}}};
+    if (rule.protocol_op != nullptr) {
+      args.push_back(boost::json::object{
+          {"index", 2}, {"value", rule.protocol}, {"valueTwo", 0}, {"op", rule.protocol_op}});
+    }
+    r["args"] = args;
+    syscalls.push_back(r);
+  }
+
   // personality: only PER_LINUX (0) and the query value 0xffffffff.
   for (uint64_t persona : {0x0ULL, 0xffffffffULL}) {
     boost::json::object p = Rule({"personality"}, "SCMP_ACT_ALLOW");
@@ -429,10 +475,15 @@ boost::json::object BuildSeccompProfile(bool explicit_denies, bool clone3_enosys
   }
 
   boost::json::array arches;
+  // Only the native ABI. The 32-bit ABIs (reachable from any 64-bit process through
+  // `int 0x80`) multiplex socket(2) through socketcall(2), whose arguments live in memory:
+  // libseccomp folds every socket rule into one socketcall rule there, so the family filter
+  // above could not hold (and runtimes refuse the profile: "File exists"). Syscalls of other
+  // ABIs get the runtime's bad-architecture action (the process is killed).
 #if defined(__x86_64__)
-  arches = {"SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32"};
+  arches = {"SCMP_ARCH_X86_64"};
 #elif defined(__aarch64__)
-  arches = {"SCMP_ARCH_AARCH64", "SCMP_ARCH_ARM"};
+  arches = {"SCMP_ARCH_AARCH64"};
 #endif
   return {{"defaultAction", "SCMP_ACT_ERRNO"},
           {"defaultErrnoRet", EPERM},

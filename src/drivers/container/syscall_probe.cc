@@ -2,7 +2,9 @@
 // refuse and prints "name=RESULT" per line, RESULT being OK or the errno name (EPERM, ...).
 #include <errno.h>
 #include <fcntl.h>
+#include <linux/netlink.h>
 #include <linux/sched.h>
+#include <poll.h>
 #include <sched.h>
 #include <signal.h>
 #include <stdio.h>
@@ -10,10 +12,12 @@
 #include <sys/mount.h>
 #include <sys/personality.h>
 #include <sys/ptrace.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/swap.h>
 #include <sys/syscall.h>
 #include <sys/sysmacros.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -31,10 +35,41 @@ long TryClone(unsigned long flags) {
   return r;
 }
 
+long TrySocket(long family, int type, int protocol) {
+  long fd = syscall(SYS_socket, family, type, protocol);
+  if (fd >= 0) close(static_cast<int>(fd));
+  return fd;
+}
+
+long TrySocketpair(int family) {
+  int sv[2];
+  long r = socketpair(family, SOCK_STREAM, 0, sv);
+  if (r == 0) close(sv[0]), close(sv[1]);
+  return r;
+}
+
+// `syscall_probe connect PATH`: connects to a unix socket and reports whether any byte (the
+// agent's HELLO) arrives within a second: connect=..., hello=<bytes>.
+int ProbeConnect(const char* path) {
+  int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  strncpy(addr.sun_path, path, sizeof addr.sun_path - 1);
+  long r = connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+  Report("connect", r);
+  if (r != 0) return 0;
+  pollfd p{fd, POLLIN, 0};
+  char buf[256];
+  ssize_t n = poll(&p, 1, 1000) == 1 ? read(fd, buf, sizeof buf) : -1;
+  printf("hello=%zd\n", n < 0 ? 0 : n);
+  return 0;
+}
+
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
   setvbuf(stdout, nullptr, _IOLBF, 0);
+  if (argc == 3 && strcmp(argv[1], "connect") == 0) return ProbeConnect(argv[2]);
   Report("mount", mount("none", "/tmp", "tmpfs", 0, ""));
   Report("umount2", umount2("/proc", MNT_DETACH));
   Report("unshare_user", unshare(CLONE_NEWUSER));
@@ -71,5 +106,21 @@ int main() {
   Report("sethostname", sethostname("x", 1));
   Report("mknod", mknod("/tmp/null2", S_IFCHR | 0666, makedev(1, 3)));
   Report("fork", TryClone(0));
+  // Address families: only unix, inet, inet6 and netlink-route are a sandbox's business.
+  Report("socket_unix", TrySocket(AF_UNIX, SOCK_STREAM, 0));
+  Report("socket_inet", TrySocket(AF_INET, SOCK_STREAM, 0));
+  Report("socket_inet6", TrySocket(AF_INET6, SOCK_DGRAM, 0));
+  Report("socket_netlink_route", TrySocket(AF_NETLINK, SOCK_RAW, NETLINK_ROUTE));
+  Report("socket_netlink_audit", TrySocket(AF_NETLINK, SOCK_RAW, NETLINK_AUDIT));
+  Report("socket_vsock", TrySocket(40, SOCK_STREAM, 0));
+  Report("socket_vsock_high_bits", TrySocket(0x100000000L | 40, SOCK_STREAM, 0));
+  Report("socket_packet", TrySocket(17, SOCK_RAW, 0));
+  Report("socket_alg", TrySocket(38, SOCK_SEQPACKET, 0));
+  Report("socket_key", TrySocket(15, SOCK_RAW, 2));
+  Report("socket_bluetooth", TrySocket(31, SOCK_RAW, 0));
+  Report("socket_appletalk", TrySocket(5, SOCK_DGRAM, 0));
+  Report("socket_unspec", TrySocket(0, SOCK_STREAM, 0));
+  Report("socketpair_unix", TrySocketpair(AF_UNIX));
+  Report("socketpair_vsock", TrySocketpair(40));
   return 0;
 }
