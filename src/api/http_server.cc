@@ -1410,6 +1410,12 @@ class Connection {
       // The handler did not consume the whole body: the rest cannot be skipped safely.
       keep_alive = false;
     }
+    if (!resp.stream) {
+      // The body is not needed any more: free it (and its budget) before a possibly slow write.
+      // (A stream function may still read the request, body included.)
+      req.body_ = std::string();
+      budget.Release();
+    }
     return Finish(req, std::move(resp), version, keep_alive);
   }
 
