@@ -111,23 +111,24 @@ bool IsLoopbackHostPort(std::string_view hp) {
 // other site). Only requests naming this machine in Host, and coming from a loopback page if
 // they carry an Origin, are served.
 absl::Status CheckDevModeBrowserRequest(const Request& req) {
-  if (std::optional<std::string> host = req.Header("host")) {
-    if (!IsLoopbackHostPort(TrimAscii(*host))) {
+  // Every Host and Origin header is checked: a repeated one must not hide behind a good first.
+  for (const auto& [name, value] : req.headers()) {
+    std::string_view v = TrimAscii(value);
+    if (EqualsIgnoreCase(name, "host") && !IsLoopbackHostPort(v)) {
       return absl::PermissionDeniedError(
           Cat("dev mode (no API keys) serves only requests addressed to localhost, 127.0.0.1 or "
-              "[::1]; Host '", host->substr(0, 200), "' is refused (DNS rebinding protection)"));
+              "[::1]; Host '", v.substr(0, 200), "' is refused (DNS rebinding protection)"));
     }
-  }
-  if (std::optional<std::string> origin = req.Header("origin")) {
-    std::string_view o = TrimAscii(*origin);
-    bool ok = false;
-    for (std::string_view scheme : {"http://", "https://"}) {
-      if (StartsWithIgnoreCase(o, scheme)) ok = IsLoopbackHostPort(o.substr(scheme.size()));
-    }
-    if (!ok) {
-      return absl::PermissionDeniedError(
-          Cat("dev mode (no API keys) refuses cross-site browser requests: Origin '",
-              o.substr(0, 200), "' is not a page on this machine"));
+    if (EqualsIgnoreCase(name, "origin")) {
+      bool ok = false;
+      for (std::string_view scheme : {"http://", "https://"}) {
+        if (StartsWithIgnoreCase(v, scheme)) ok = IsLoopbackHostPort(v.substr(scheme.size()));
+      }
+      if (!ok) {
+        return absl::PermissionDeniedError(
+            Cat("dev mode (no API keys) refuses cross-site browser requests: Origin '",
+                v.substr(0, 200), "' is not a page on this machine"));
+      }
     }
   }
   return absl::OkStatus();
