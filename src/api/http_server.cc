@@ -125,6 +125,9 @@ class FdStream {
   int fd() const { return fd_; }
   // Absolute MonotonicMs() deadline for reads; 0 = none.
   void set_read_deadline(int64_t deadline_ms) { read_deadline_ms_ = deadline_ms; }
+  // Absolute MonotonicMs() deadline for writes, on top of the per-call no-progress timeout;
+  // 0 = none. See WriteBudget.
+  void set_write_deadline(int64_t deadline_ms) { write_deadline_ms_ = deadline_ms; }
 
   // Waits until the socket is readable (data or EOF). False on timeout, stop or error.
   bool WaitReadable(int64_t deadline_ms, bool interruptible) {
@@ -224,6 +227,7 @@ class FdStream {
 
   size_t WriteSome(iovec* iov, size_t n, error_code& ec) {
     int64_t deadline = MonotonicMs() + write_timeout_ms_;
+    if (write_deadline_ms_ > 0) deadline = std::min(deadline, write_deadline_ms_);
     for (;;) {
       msghdr msg{};
       msg.msg_iov = iov;
@@ -241,6 +245,10 @@ class FdStream {
       }
       int64_t left = deadline - MonotonicMs();
       if (left <= 0) {
+        // A reader too slow to be served: the close that follows resets the connection, so
+        // the kernel drops the unsent bytes at once instead of trickling them out for minutes.
+        linger abort{1, 0};
+        setsockopt(fd_, SOL_SOCKET, SO_LINGER, &abort, sizeof(abort));
         ec = beast::error::timeout;
         return 0;
       }
@@ -257,6 +265,27 @@ class FdStream {
   int stop_fd_;
   int64_t write_timeout_ms_;
   int64_t read_deadline_ms_ = 0;
+  int64_t write_deadline_ms_ = 0;
+};
+
+// Bounds the total time of one write of `bytes` on `stream` (a response, or one streamed
+// chunk): write_timeout plus the time the bytes take at `min_rate` bytes/s. Without it a client
+// that reads a trickle, just enough to make progress, would hold the thread and the response's
+// memory for as long as it likes.
+class WriteBudget {
+ public:
+  WriteBudget(FdStream& stream, int64_t write_timeout_ms, uint64_t min_rate, uint64_t bytes)
+      : stream_(stream) {
+    int64_t ms = write_timeout_ms;
+    if (min_rate > 0) ms += static_cast<int64_t>(bytes * 1000 / min_rate);
+    stream_.set_write_deadline(MonotonicMs() + ms);
+  }
+  ~WriteBudget() { stream_.set_write_deadline(0); }
+  WriteBudget(const WriteBudget&) = delete;
+  WriteBudget& operator=(const WriteBudget&) = delete;
+
+ private:
+  FdStream& stream_;
 };
 
 bool PeerHasClosed(int fd) {
@@ -377,13 +406,18 @@ class StreamBodyReader : public BodyReader {
 
 class ChunkedWriter : public ResponseWriter {
  public:
-  ChunkedWriter(FdStream& stream, bool chunked) : stream_(stream), chunked_(chunked) {}
+  ChunkedWriter(FdStream& stream, bool chunked, int64_t write_timeout_ms, uint64_t min_rate)
+      : stream_(stream),
+        chunked_(chunked),
+        write_timeout_ms_(write_timeout_ms),
+        min_rate_(min_rate) {}
 
   bool Write(std::string_view data) override {
     std::lock_guard<std::mutex> lock(mu_);
     if (!ok_ || finished_) return false;
     if (data.empty()) return true;
     if (PeerHasClosed(stream_.fd())) return Broken();
+    WriteBudget budget(stream_, write_timeout_ms_, min_rate_, data.size());
     error_code ec;
     if (chunked_) {
       char head[24];
@@ -426,6 +460,8 @@ class ChunkedWriter : public ResponseWriter {
 
   FdStream& stream_;
   bool chunked_;
+  int64_t write_timeout_ms_;
+  uint64_t min_rate_;
   std::mutex mu_;  // serialises writes from several threads
   std::atomic<bool> ok_{true};
   std::atomic<uint64_t> bytes_{0};
@@ -1479,7 +1515,11 @@ class Connection {
     res.keep_alive(false);
     res.prepare_payload();
     error_code ec;
-    http::write(stream_, res, ec);
+    {
+      WriteBudget wb(stream_, opts_.write_timeout.count(), opts_.min_write_bytes_per_second,
+                     res.body().size());
+      http::write(stream_, res, ec);
+    }
     if (!ec) LingerClose(stream_.fd());
   }
 
@@ -1517,7 +1557,11 @@ class Connection {
       // Observed before writing, so that metrics are updated by the time the client sees the
       // answer (handy for tests; the write time of a small answer is negligible).
       Observe(req, resp.status, "");
-      http::write(stream_, res, ec);
+      {
+        WriteBudget wb(stream_, opts_.write_timeout.count(), opts_.min_write_bytes_per_second,
+                       res.body().size());
+        http::write(stream_, res, ec);
+      }
       if (ec) return false;
       if (!keep_alive) LingerClose(stream_.fd());
       return keep_alive;
@@ -1531,12 +1575,16 @@ class Connection {
     res.keep_alive(keep_alive);
     if (chunked) res.chunked(true);
     http::response_serializer<http::empty_body> sr(res);
-    http::write_header(stream_, sr, ec);
+    {
+      WriteBudget wb(stream_, opts_.write_timeout.count(), opts_.min_write_bytes_per_second, 0);
+      http::write_header(stream_, sr, ec);
+    }
     if (ec) {
       Observe(req, resp.status, " (client gone before the stream)");
       return false;
     }
-    ChunkedWriter writer(stream_, chunked);
+    ChunkedWriter writer(stream_, chunked, opts_.write_timeout.count(),
+                         opts_.min_write_bytes_per_second);
     bool threw = false;
     try {
       resp.stream(writer);

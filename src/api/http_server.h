@@ -312,6 +312,10 @@ class HttpServer {
     std::chrono::milliseconds body_timeout{60'000};    // whole buffered body; stream: per read
     std::chrono::milliseconds idle_timeout{60'000};    // keep-alive wait for the next request
     std::chrono::milliseconds write_timeout{60'000};   // no write progress for this long → drop
+    // A response (or one chunk of a streamed one) must go out at least this fast on average,
+    // on top of write_timeout: a client reading a trickle cannot hold a thread (and the
+    // response's memory) indefinitely. 0: no minimum.
+    uint64_t min_write_bytes_per_second = 16 << 10;
     std::chrono::milliseconds drain_timeout{10'000};   // Stop(): wait for in-flight requests
 
     bool access_log = true;  // one esb::Log line per response

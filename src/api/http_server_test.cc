@@ -800,6 +800,46 @@ TEST_F(HttpServerTest, BufferedBodiesBeyondTheServerBudgetGet503) {
   EXPECT_EQ(r->status, 200);
 }
 
+// A client that reads a large answer at a trickle (enough to make progress, so the no-progress
+// timeout never fires) is cut off once the write falls below the minimum average rate, so it
+// cannot hold a request thread and the response's memory indefinitely.
+TEST_F(HttpServerTest, TrickleReaderOfALargeResponseIsCutOff) {
+  HttpServer::Options o = DefaultOptions();
+  o.write_timeout = milliseconds(500);
+  o.min_write_bytes_per_second = 64 << 20;  // 32 MiB may take 0.5 s + 0.5 s
+  Start(o, [](Router& r) {
+    r.Add("GET", "/big", [](Request&) { return Response::Text(200, std::string(32 << 20, 'b')); });
+    r.Add("GET", "/hello", Hello);
+  });
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  int small = 4096;
+  setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &small, sizeof(small));
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(server_->tcp_port()));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+  Client c(fd);
+  ASSERT_TRUE(c.Send("GET /big HTTP/1.1\r\nHost: t\r\n\r\n"));
+  int64_t t0 = MonotonicMs();
+  size_t got = 0;
+  bool closed = false;
+  while (!closed && MonotonicMs() - t0 < 10000) {
+    char buf[4096];
+    ssize_t n = recv(fd, buf, sizeof(buf), 0);
+    if (n <= 0) {
+      closed = true;
+      break;
+    }
+    got += static_cast<size_t>(n);
+    std::this_thread::sleep_for(milliseconds(20));  // ~200 KiB/s
+  }
+  EXPECT_TRUE(closed);
+  EXPECT_LT(got, size_t{32} << 20);
+  EXPECT_LT(MonotonicMs() - t0, 5000);
+  EXPECT_TRUE(WaitNoConnections());
+}
+
 // ---------------------------------------------------------------------------------------------
 // Keep-alive
 
