@@ -295,25 +295,10 @@ bool PeerHasClosed(int fd) {
   return (pfd.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL)) != 0;
 }
 
-// Closes a connection politely: stop sending, then swallow what the client is still sending for
-// a short while, so that the error response we just wrote is not destroyed by a TCP RST (which
-// the kernel sends when a socket is closed with unread data).
-void LingerClose(int fd) {
-  shutdown(fd, SHUT_WR);
-  int64_t deadline = MonotonicMs() + 2000;
-  char buf[16384];
-  for (;;) {
-    int64_t left = deadline - MonotonicMs();
-    if (left <= 0) break;
-    pollfd pfd{fd, POLLIN, 0};
-    int r = poll(&pfd, 1, static_cast<int>(std::min<int64_t>(left, 500)));
-    if (r < 0 && errno == EINTR) continue;
-    if (r <= 0) break;  // quiet for 500 ms (or error): good enough
-    ssize_t n = recv(fd, buf, sizeof(buf), MSG_DONTWAIT);
-    if (n == 0) break;
-    if (n < 0 && errno != EAGAIN && errno != EINTR) break;
-  }
-}
+// How long a connection that was answered and is being closed may keep sending (its bytes are
+// read and dropped by the poller), so that the answer is not destroyed by a TCP RST, which the
+// kernel sends when a socket is closed with unread data.
+constexpr int64_t kLingerMs = 2000;
 
 // ---------------------------------------------------------------------------------------------
 // Streaming request body
@@ -783,14 +768,16 @@ struct HttpServer::Impl : std::enable_shared_from_this<HttpServer::Impl> {
     int fd = -1;
     PeerInfo peer;
     std::string pending;
+    bool draining = false;
   };
 
   absl::Status ListenTcp();
   absl::Status ListenUnix();
   void PollLoop();
   void Serve(uint64_t id, int fd, PeerInfo peer, std::string prefill, int64_t header_deadline);
-  // A request thread is done with a connection: hand it back to the poller (keep-alive) or close.
-  void Park(uint64_t id, int fd, PeerInfo peer, std::string pending);
+  // A request thread is done with a connection: hand it back to the poller, for the next
+  // request (keep-alive) or to be drained and closed (`draining`, see kLingerMs).
+  void Park(uint64_t id, int fd, PeerInfo peer, std::string pending, bool draining);
   void Finished(uint64_t id, int fd);
   void Observe(const Request& req, int status, int64_t start_ms, std::string_view extra);
 
@@ -974,6 +961,7 @@ struct PollConn {
   int64_t deadline = 0;        // MonotonicMs(): idle or header deadline
   bool header_started = false; // a byte of the next request has arrived
   bool fresh = true;           // never served a request (idle wait = header_timeout)
+  bool draining = false;       // answered and half-closed: read and drop until EOF or deadline
   std::list<int>::iterator age;  // position in the eviction order (oldest first)
 };
 
@@ -1060,7 +1048,7 @@ void HttpServer::Impl::PollLoop() {
     }
     return true;
   };
-  auto add = [&](int fd, PeerInfo peer, std::string pending, bool fresh) {
+  auto add = [&](int fd, PeerInfo peer, std::string pending, bool fresh, bool draining) {
     epoll_event ev{};
     ev.events = EPOLLIN | EPOLLRDHUP;
     ev.data.fd = fd;
@@ -1074,13 +1062,15 @@ void HttpServer::Impl::PollLoop() {
     c.peer = std::move(peer);
     c.buf = std::move(pending);
     c.fresh = fresh;
+    c.draining = draining;
     c.header_started = !c.buf.empty();
     header_bytes += c.buf.capacity();
     age.push_back(fd);
     c.age = std::prev(age.end());
     poller_conns.fetch_add(1);
-    int64_t wait = c.header_started || fresh ? opts.header_timeout.count()
-                                             : opts.idle_timeout.count();
+    int64_t wait = draining                      ? kLingerMs
+                   : c.header_started || fresh ? opts.header_timeout.count()
+                                               : opts.idle_timeout.count();
     c.deadline = MonotonicMs() + wait;
     deadlines.insert({c.deadline, fd});
     if (c.header_started) check_header(c, 0);
@@ -1117,7 +1107,7 @@ void HttpServer::Impl::PollLoop() {
         SendAndClose(fd, opts, 503, "Service Unavailable", "unavailable", "too many connections");
         continue;
       }
-      add(fd, PeerOf(fd, ss, l.is_unix), std::string(), /*fresh=*/true);
+      add(fd, PeerOf(fd, ss, l.is_unix), std::string(), /*fresh=*/true, /*draining=*/false);
     }
   };
   auto on_readable = [&](int fd) {
@@ -1125,6 +1115,13 @@ void HttpServer::Impl::PollLoop() {
     if (it == pc.end()) return;
     PollConn& c = it->second;
     char tmp[16384];
+    if (c.draining) {
+      ssize_t n = recv(fd, tmp, sizeof(tmp), MSG_DONTWAIT);
+      if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
+        drop(fd);
+      }
+      return;
+    }
     size_t room = opts.max_header_bytes + 1 - std::min(c.buf.size(), opts.max_header_bytes);
     ssize_t n = recv(fd, tmp, std::min(sizeof(tmp), room), MSG_DONTWAIT);
     if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
@@ -1148,7 +1145,7 @@ void HttpServer::Impl::PollLoop() {
     while (!deadlines.empty() && deadlines.begin()->first <= now) {
       int fd = deadlines.begin()->second;
       PollConn c = forget(fd);
-      if (c.header_started) {
+      if (c.header_started && !c.draining) {
         Request req;
         req.peer_ = c.peer;
         Observe(req, 408, now, " (header read timeout)");
@@ -1167,7 +1164,9 @@ void HttpServer::Impl::PollLoop() {
       std::lock_guard<std::mutex> lock(mu);
       got.swap(parked);
     }
-    for (Parked& p : got) add(p.fd, std::move(p.peer), std::move(p.pending), /*fresh=*/false);
+    for (Parked& p : got) {
+      add(p.fd, std::move(p.peer), std::move(p.pending), /*fresh=*/false, p.draining);
+    }
   };
 
   std::vector<epoll_event> events(256);
@@ -1209,13 +1208,14 @@ void HttpServer::Impl::PollLoop() {
   parked.clear();
 }
 
-void HttpServer::Impl::Park(uint64_t id, int fd, PeerInfo peer, std::string pending) {
+void HttpServer::Impl::Park(uint64_t id, int fd, PeerInfo peer, std::string pending,
+                            bool draining) {
   std::lock_guard<std::mutex> lock(mu);
   conns.erase(id);
   if (stopping.load()) {
     close(fd);
   } else {
-    parked.push_back({fd, std::move(peer), std::move(pending)});
+    parked.push_back({fd, std::move(peer), std::move(pending), draining});
     uint64_t one = 1;
     (void)!write(wake_fd, &one, sizeof(one));
   }
@@ -1286,6 +1286,9 @@ class Connection {
   // Returns true if the connection may be reused; `Pending()` then has the bytes read beyond
   // this request.
   bool Run() { return HandleOne(); }
+
+  // True if the connection should be closed politely (see kLingerMs): the poller drains it.
+  bool lingering() const { return lingering_; }
 
   std::string Pending() const {
     return std::string(static_cast<const char*>(buffer_.data().data()), buffer_.size());
@@ -1520,7 +1523,7 @@ class Connection {
                      res.body().size());
       http::write(stream_, res, ec);
     }
-    if (!ec) LingerClose(stream_.fd());
+    if (!ec) Linger();
   }
 
   // Sends `resp` (plain or streamed) and logs it. Returns true if the connection stays open.
@@ -1563,7 +1566,7 @@ class Connection {
         http::write(stream_, res, ec);
       }
       if (ec) return false;
-      if (!keep_alive) LingerClose(stream_.fd());
+      if (!keep_alive) Linger();
       return keep_alive;
     }
 
@@ -1609,12 +1612,20 @@ class Connection {
             Cat(" stream ", writer.bytes_written(), "B", writer.ok() ? "" : " (client gone)",
                 threw ? " (handler threw)" : ""));
     if (!writer.ok()) return false;
-    if (!keep_alive) LingerClose(stream_.fd());
+    if (!keep_alive) Linger();
     return keep_alive;
+  }
+
+  // Closes politely: stop sending now; the poller swallows what the client still sends for a
+  // while (no request thread is held for that), then closes.
+  void Linger() {
+    shutdown(stream_.fd(), SHUT_WR);
+    lingering_ = true;
   }
 
   HttpServer::Impl& srv_;
   const HttpServer::Options& opts_;
+  bool lingering_ = false;
   FdStream stream_;
   beast::flat_buffer buffer_;
   PeerInfo peer_;
@@ -1627,11 +1638,13 @@ class Connection {
 void HttpServer::Impl::Serve(uint64_t id, int fd, PeerInfo peer, std::string prefill,
                              int64_t header_deadline) {
   bool keep = false;
+  bool linger = false;
   std::string pending;
   try {
     Connection conn(*this, fd, peer, prefill, header_deadline);
     prefill = std::string();  // the buffer has it now
     keep = conn.Run();
+    linger = conn.lingering();
     if (keep) pending = conn.Pending();
   } catch (const std::exception& e) {
     LogError(Cat("http: connection failed: ", e.what()));
@@ -1641,7 +1654,9 @@ void HttpServer::Impl::Serve(uint64_t id, int fd, PeerInfo peer, std::string pre
     keep = false;
   }
   if (keep) {
-    Park(id, fd, std::move(peer), std::move(pending));
+    Park(id, fd, std::move(peer), std::move(pending), /*draining=*/false);
+  } else if (linger) {
+    Park(id, fd, std::move(peer), std::string(), /*draining=*/true);
   } else {
     Finished(id, fd);
   }

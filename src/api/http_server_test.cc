@@ -746,6 +746,11 @@ TEST_F(HttpServerTest, BeforeBodyRefusesOnTheHeaderWithoutReadingTheBody) {
   EXPECT_FALSE(r->keep_alive);
   EXPECT_LT(MonotonicMs() - t0, 1000) << "answered without waiting for the body";
   EXPECT_EQ(handled.load(), 0);
+  // While the refused client keeps sending its body, no request thread is held for it (the
+  // poller drains and then closes the connection).
+  ASSERT_TRUE(c.Send(std::string(256 << 10, ' ')));
+  EXPECT_TRUE(WaitNoConnections(500));
+  EXPECT_TRUE(c.WaitClosed(4000));
   // Expect: 100-continue is not granted either.
   Client e = Connect();
   ASSERT_TRUE(e.Send("POST /environments HTTP/1.1\r\nHost: t\r\nExpect: 100-continue\r\n"
