@@ -116,8 +116,9 @@ absl::Status CheckDevModeBrowserRequest(const Request& req) {
     std::string_view v = TrimAscii(value);
     if (EqualsIgnoreCase(name, "host") && !IsLoopbackHostPort(v)) {
       return absl::PermissionDeniedError(
-          Cat("dev mode (no API keys) serves only requests addressed to localhost, 127.0.0.1 or "
-              "[::1]; Host '", v.substr(0, 200), "' is refused (DNS rebinding protection)"));
+          Cat("requests served without an API key (dev mode, loopback /metrics) must be "
+              "addressed to localhost, 127.0.0.1 or [::1]; Host '", v.substr(0, 200),
+              "' is refused (DNS rebinding protection)"));
     }
     if (EqualsIgnoreCase(name, "origin")) {
       bool ok = false;
@@ -126,8 +127,9 @@ absl::Status CheckDevModeBrowserRequest(const Request& req) {
       }
       if (!ok) {
         return absl::PermissionDeniedError(
-            Cat("dev mode (no API keys) refuses cross-site browser requests: Origin '",
-                v.substr(0, 200), "' is not a page on this machine"));
+            Cat("requests served without an API key (dev mode, loopback /metrics) refuse "
+                "cross-site browser requests: Origin '", v.substr(0, 200),
+                "' is not a page on this machine"));
       }
     }
   }
@@ -281,6 +283,10 @@ void ApiService::Register(Router& router) {
     if (!req.peer().is_loopback && !req.peer().is_unix) {
       auto tenant = Authenticate(req);
       if (!tenant.ok()) return StatusResponse(tenant.status());
+    } else if (req.peer().is_loopback) {
+      // Served without a key on loopback, so not to web pages (see CheckDevModeBrowserRequest).
+      if (absl::Status st = CheckDevModeBrowserRequest(req); !st.ok())
+        return ErrorResponse(403, "forbidden", StdView(st.message()));
     }
     return Response::Text(200, metrics_->Render(manager_->StateCounts(), manager_->PoolReady()),
                           "text/plain; version=0.0.4");

@@ -308,6 +308,10 @@ TEST_F(HttpAttackTest, DevModeCrossSiteAndDnsRebindingRequestsRunNothing) {
   r = Http(d.port(), "POST", "/run", R"j({"code": "print(1)"})j",
            {{"Content-Type", "application/x-www-form-urlencoded"}});
   EXPECT_EQ(r.status, 415) << r.body;
+  // Metrics are served to loopback without a key, but not to a rebinding page.
+  r = Http(d.port(), "GET", "/metrics", "", {{"Host", "evil.example:" + port}});
+  EXPECT_EQ(r.status, 403) << r.body;
+  EXPECT_EQ(Http(d.port(), "GET", "/metrics").status, 200);
   // Nothing ran.
   HttpResult check =
       d.Exec(id, "for f in rebind both origin null_origin dup form text none; do "
