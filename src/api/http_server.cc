@@ -1,5 +1,6 @@
 // HTTP/1.1 server: Beast for parsing and serialising, our own poll()-based socket stream for
-// deadlines, an epoll poller for idle and header-phase connections, one thread per request. See http_server.h for the model.
+// deadlines, an epoll poller for idle and header-phase connections, one thread per request. See
+// http_server.h for the model.
 #include "api/http_server.h"
 
 #include <arpa/inet.h>
@@ -796,9 +797,9 @@ struct HttpServer::Impl : std::enable_shared_from_this<HttpServer::Impl> {
   Options opts;
   Router router;
   int stop_fd = -1;
-  int wake_fd = -1;   // eventfd: a request thread parked a connection
+  int wake_fd = -1;  // eventfd: a request thread parked a connection
   int epoll_fd = -1;
-  int max_open = 0;   // open-connection cap (Options::max_open_connections, resolved)
+  int max_open = 0;  // open-connection cap (Options::max_open_connections, resolved)
   std::vector<Listener> listeners;
   std::thread poller;
   int tcp_port = -1;
@@ -809,8 +810,8 @@ struct HttpServer::Impl : std::enable_shared_from_this<HttpServer::Impl> {
   std::vector<Parked> parked;     // handed back, not yet taken by the poller
   uint64_t next_id = 1;
   std::atomic<bool> stopping{false};
-  std::atomic<int> poller_conns{0};       // connections the poller owns (idle / header phase)
-  std::atomic<uint64_t> body_bytes{0};    // buffered request bodies, all connections
+  std::atomic<int> poller_conns{0};     // connections the poller owns (idle / header phase)
+  std::atomic<uint64_t> body_bytes{0};  // buffered request bodies, all connections
 
   std::mutex lifecycle_mu;
   bool started = false;
@@ -904,7 +905,6 @@ absl::Status HttpServer::Impl::ListenUnix() {
   return absl::OkStatus();
 }
 
-
 namespace {
 
 PeerInfo PeerOf(int fd, const sockaddr_storage& ss, bool is_unix) {
@@ -944,10 +944,10 @@ PeerInfo PeerOf(int fd, const sockaddr_storage& ss, bool is_unix) {
 void SendAndClose(int fd, const HttpServer::Options& opts, int status, std::string_view reason,
                   std::string_view code, std::string_view message) {
   std::string body = boost::json::serialize(ErrorBody(code, message));
-  std::string msg = Cat("HTTP/1.1 ", status, " ", reason, "\r\nServer: ", opts.server_name,
-                        "\r\nContent-Type: application/json\r\nContent-Length: ", body.size(),
-                        status == 503 ? "\r\nRetry-After: 1" : "", "\r\nConnection: close\r\n\r\n",
-                        body);
+  std::string msg =
+      Cat("HTTP/1.1 ", status, " ", reason, "\r\nServer: ", opts.server_name,
+          "\r\nContent-Type: application/json\r\nContent-Length: ", body.size(),
+          status == 503 ? "\r\nRetry-After: 1" : "", "\r\nConnection: close\r\n\r\n", body);
   (void)send(fd, msg.data(), msg.size(), MSG_DONTWAIT | MSG_NOSIGNAL);
   shutdown(fd, SHUT_WR);
   close(fd);
@@ -957,11 +957,11 @@ void SendAndClose(int fd, const HttpServer::Options& opts, int status, std::stri
 struct PollConn {
   int fd = -1;
   PeerInfo peer;
-  std::string buf;             // header bytes so far (≤ max_header_bytes + one read)
-  int64_t deadline = 0;        // MonotonicMs(): idle or header deadline
-  bool header_started = false; // a byte of the next request has arrived
-  bool fresh = true;           // never served a request (idle wait = header_timeout)
-  bool draining = false;       // answered and half-closed: read and drop until EOF or deadline
+  std::string buf;               // header bytes so far (≤ max_header_bytes + one read)
+  int64_t deadline = 0;          // MonotonicMs(): idle or header deadline
+  bool header_started = false;   // a byte of the next request has arrived
+  bool fresh = true;             // never served a request (idle wait = header_timeout)
+  bool draining = false;         // answered and half-closed: read and drop until EOF or deadline
   std::list<int>::iterator age;  // position in the eviction order (oldest first)
 };
 
@@ -971,10 +971,10 @@ struct PollConn {
 // the open-connection and header-memory caps, and starts a request thread once a header block
 // is complete. Runs until the server stops; then closes every connection it owns.
 void HttpServer::Impl::PollLoop() {
-  std::unordered_map<int, PollConn> pc;          // fd → state
-  std::list<int> age;                            // fds, in the order they entered the poller
-  std::set<std::pair<int64_t, int>> deadlines;   // (deadline, fd)
-  uint64_t header_bytes = 0;                     // sum of pc[*].buf.capacity()
+  std::unordered_map<int, PollConn> pc;         // fd → state
+  std::list<int> age;                           // fds, in the order they entered the poller
+  std::set<std::pair<int64_t, int>> deadlines;  // (deadline, fd)
+  uint64_t header_bytes = 0;                    // sum of pc[*].buf.capacity()
 
   auto set_deadline = [&](PollConn& c, int64_t d) {
     deadlines.erase({c.deadline, c.fd});
@@ -1068,7 +1068,7 @@ void HttpServer::Impl::PollLoop() {
     age.push_back(fd);
     c.age = std::prev(age.end());
     poller_conns.fetch_add(1);
-    int64_t wait = draining                      ? kLingerMs
+    int64_t wait = draining                    ? kLingerMs
                    : c.header_started || fresh ? opts.header_timeout.count()
                                                : opts.idle_timeout.count();
     c.deadline = MonotonicMs() + wait;
@@ -1462,8 +1462,7 @@ class Connection {
   // a Content-Length up front (the parser reserves that much), a chunked body as it grows.
   // Returns the answer for a body that cannot be had (too large, over budget, too slow,
   // malformed), or sets *gone when the client went away; the partial body is freed by then.
-  std::optional<Response> ReadBufferedBody(Request& req,
-                                           http::request_parser<http::empty_body>& hp,
+  std::optional<Response> ReadBufferedBody(Request& req, http::request_parser<http::empty_body>& hp,
                                            uint64_t clen, BodyBudget& budget, bool* gone) {
     if (!budget.Grow(clen)) return BudgetExhausted();
     http::request_parser<http::string_body> bp(std::move(hp));
@@ -1634,7 +1633,6 @@ class Connection {
 
 }  // namespace
 
-
 void HttpServer::Impl::Serve(uint64_t id, int fd, PeerInfo peer, std::string prefill,
                              int64_t header_deadline) {
   bool keep = false;
@@ -1764,8 +1762,7 @@ int HttpServer::active_connections() const {
 
 int HttpServer::open_connections() const {
   std::lock_guard<std::mutex> lock(impl_->mu);
-  return static_cast<int>(impl_->conns.size() + impl_->parked.size()) +
-         impl_->poller_conns.load();
+  return static_cast<int>(impl_->conns.size() + impl_->parked.size()) + impl_->poller_conns.load();
 }
 
 }  // namespace esb::api

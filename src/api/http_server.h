@@ -218,10 +218,10 @@ boost::json::object ErrorBody(std::string_view code, std::string_view message);
 Response ErrorResponse(int status, std::string_view code, std::string_view message);
 // Same, with the machine code derived from the status (ErrorCodeForStatus).
 Response ErrorResponse(int status, std::string_view message);
-// 400 → "bad_request", 401 → "unauthorized", 403 → "forbidden", 404 → "not_found", 405 → "method_not_allowed",
-// 409 → "conflict", 413 → "payload_too_large", 415 → "unsupported_media_type",
-// 422 → "unprocessable", 429 → "too_many_requests", 503 → "unavailable", others ≥ 500 →
-// "internal", other 4xx → "bad_request".
+// 400 → "bad_request", 401 → "unauthorized", 403 → "forbidden", 404 → "not_found", 405 →
+// "method_not_allowed", 409 → "conflict", 413 → "payload_too_large", 415 →
+// "unsupported_media_type", 422 → "unprocessable", 429 → "too_many_requests", 503 → "unavailable",
+// others ≥ 500 → "internal", other 4xx → "bad_request".
 std::string_view ErrorCodeForStatus(int status);
 // Maps an absl::Status to an error response with the status message:
 // InvalidArgument/OutOfRange/FailedPrecondition/PermissionDenied/Unimplemented → 400,

@@ -629,7 +629,8 @@ TEST_F(HttpServerTest, MaxConnectionsAnswers503) {
   ASSERT_TRUE(a.Send("GET /block HTTP/1.1\r\nHost: t\r\n\r\n"));
   ASSERT_TRUE(b.Send("GET /block HTTP/1.1\r\nHost: t\r\n\r\n"));
   int64_t deadline = MonotonicMs() + 3000;
-  while (blocked.load() < 2 && MonotonicMs() < deadline) std::this_thread::sleep_for(milliseconds(10));
+  while (blocked.load() < 2 && MonotonicMs() < deadline)
+    std::this_thread::sleep_for(milliseconds(10));
   ASSERT_EQ(blocked.load(), 2);
   Client c = Connect();
   std::optional<Resp> r = c.Request("GET", "/hello");
@@ -686,7 +687,8 @@ TEST_F(HttpServerTest, OpenConnectionCapClosesTheOldestIdleConnection) {
   Start(o, [](Router& r) { r.Add("GET", "/hello", Hello); });
   std::vector<Client> idle;
   for (int i = 0; i < 30; ++i) idle.push_back(Connect());
-  for (int i = 0; i < 30 && server_->open_connections() < 30; ++i) std::this_thread::sleep_for(milliseconds(10));
+  for (int i = 0; i < 30 && server_->open_connections() < 30; ++i)
+    std::this_thread::sleep_for(milliseconds(10));
   Client c = Connect();
   std::optional<Resp> r = c.Request("GET", "/hello");
   ASSERT_TRUE(r);
@@ -730,15 +732,19 @@ TEST_F(HttpServerTest, BeforeBodyRefusesOnTheHeaderWithoutReadingTheBody) {
       req.principal_ = "tenant-a";
       return std::nullopt;
     };
-    r.Add("POST", "/environments", [&](Request& req) {
-      ++handled;
-      return JsonResponse(200, boost::json::object{{"who", req.principal()},
-                                                   {"size", req.body().size()}});
-    }, ro);
+    r.Add(
+        "POST", "/environments",
+        [&](Request& req) {
+          ++handled;
+          return JsonResponse(
+              200, boost::json::object{{"who", req.principal()}, {"size", req.body().size()}});
+        },
+        ro);
   });
   Client c = Connect();
-  ASSERT_TRUE(c.Send("POST /environments HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
-                     "Content-Length: 16777216\r\n\r\n"));
+  ASSERT_TRUE(
+      c.Send("POST /environments HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+             "Content-Length: 16777216\r\n\r\n"));
   int64_t t0 = MonotonicMs();
   std::optional<Resp> r = c.Read();
   ASSERT_TRUE(r);
@@ -753,8 +759,9 @@ TEST_F(HttpServerTest, BeforeBodyRefusesOnTheHeaderWithoutReadingTheBody) {
   EXPECT_TRUE(c.WaitClosed(4000));
   // Expect: 100-continue is not granted either.
   Client e = Connect();
-  ASSERT_TRUE(e.Send("POST /environments HTTP/1.1\r\nHost: t\r\nExpect: 100-continue\r\n"
-                     "Content-Length: 10\r\n\r\n"));
+  ASSERT_TRUE(
+      e.Send("POST /environments HTTP/1.1\r\nHost: t\r\nExpect: 100-continue\r\n"
+             "Content-Length: 10\r\n\r\n"));
   std::string raw = e.ReadUntil("\r\n\r\n");
   EXPECT_TRUE(raw.starts_with("HTTP/1.1 401")) << raw;
   // Admitted: the handler sees the principal and the body.
@@ -789,8 +796,8 @@ TEST_F(HttpServerTest, BufferedBodiesBeyondTheServerBudgetGet503) {
   Client ch = Connect();
   std::string chunk(500 << 10, 'y');
   ASSERT_TRUE(ch.Send(Cat("POST /echo HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n",
-                          HexSize(chunk.size()), "\r\n", chunk, "\r\n", HexSize(chunk.size()), "\r\n",
-                          chunk, "\r\n0\r\n\r\n")));
+                          HexSize(chunk.size()), "\r\n", chunk, "\r\n", HexSize(chunk.size()),
+                          "\r\n", chunk, "\r\n0\r\n\r\n")));
   r = ch.Read();
   ASSERT_TRUE(r);
   ExpectErrorBody(*r, 503, "unavailable");

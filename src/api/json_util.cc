@@ -36,10 +36,9 @@ std::optional<Response> CheckJsonContentType(const Request& req) {
       (ct.starts_with("application/") && std::string_view(ct).ends_with("+json"))) {
     return std::nullopt;
   }
-  return ErrorResponse(
-      415, "unsupported_media_type",
-      Cat("request body must be JSON: send Content-Type: application/json (got ",
-          ct.empty() ? std::string("no Content-Type") : Cat("'", ct, "'"), ")"));
+  return ErrorResponse(415, "unsupported_media_type",
+                       Cat("request body must be JSON: send Content-Type: application/json (got ",
+                           ct.empty() ? std::string("no Content-Type") : Cat("'", ct, "'"), ")"));
 }
 
 JsonBody ParseJsonObjectBody(const Request& req, bool allow_empty) {

@@ -117,8 +117,8 @@ absl::Status CheckDevModeBrowserRequest(const Request& req) {
     if (EqualsIgnoreCase(name, "host") && !IsLoopbackHostPort(v)) {
       return absl::PermissionDeniedError(
           Cat("requests served without an API key (dev mode, loopback /metrics) must be "
-              "addressed to localhost, 127.0.0.1 or [::1]; Host '", v.substr(0, 200),
-              "' is refused (DNS rebinding protection)"));
+              "addressed to localhost, 127.0.0.1 or [::1]; Host '",
+              v.substr(0, 200), "' is refused (DNS rebinding protection)"));
     }
     if (EqualsIgnoreCase(name, "origin")) {
       bool ok = false;
@@ -128,8 +128,8 @@ absl::Status CheckDevModeBrowserRequest(const Request& req) {
       if (!ok) {
         return absl::PermissionDeniedError(
             Cat("requests served without an API key (dev mode, loopback /metrics) refuse "
-                "cross-site browser requests: Origin '", v.substr(0, 200),
-                "' is not a page on this machine"));
+                "cross-site browser requests: Origin '",
+                v.substr(0, 200), "' is not a page on this machine"));
       }
     }
   }

@@ -1,6 +1,7 @@
 // Attacks on esbd's HTTP front (issue 9, items 7, 8 and 12), performed against the real daemon
 // over TCP. Black-box on purpose: they must hold for any server implementation behind the API.
 #include <arpa/inet.h>
+#include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/resource.h>
@@ -13,8 +14,6 @@
 #include <string>
 #include <thread>
 #include <vector>
-
-#include <gtest/gtest.h>
 
 #include "integration/daemon.h"
 
@@ -165,13 +164,13 @@ TEST_F(HttpAttackTest, UnauthenticatedLargeBodiesDoNotGrowDaemonMemory) {
   int unauthorized = 0;
   for (int s : status) unauthorized += s == 401;
   EXPECT_EQ(unauthorized, 48) << "every connection is refused on its header";
-  EXPECT_LT(after - before, 64 << 10) << "RSS grew from " << before << " KiB to " << after
-                                      << " KiB";
-  std::printf("[ measured ] unauthenticated 48 x 16 MiB flood: RSS %lld -> %lld KiB (%+lld KiB), "
-              "%d x 401, %lld ms\n",
-              static_cast<long long>(before), static_cast<long long>(after),
-              static_cast<long long>(after - before), unauthorized,
-              static_cast<long long>(NowMs() - t0));
+  EXPECT_LT(after - before, 64 << 10)
+      << "RSS grew from " << before << " KiB to " << after << " KiB";
+  std::printf(
+      "[ measured ] unauthenticated 48 x 16 MiB flood: RSS %lld -> %lld KiB (%+lld KiB), "
+      "%d x 401, %lld ms\n",
+      static_cast<long long>(before), static_cast<long long>(after),
+      static_cast<long long>(after - before), unauthorized, static_cast<long long>(NowMs() - t0));
   held.clear();
   EXPECT_EQ(d.Call("GET", "/environments").status, 200) << "tenants are still served";
 }
@@ -198,10 +197,11 @@ TEST_F(HttpAttackTest, AuthenticatedSlowLargeBodiesAreBoundedByTheBodyBudget) {
   EXPECT_EQ(refused + reading, 48);
   EXPECT_LT(after - before, (128 + 64) << 10)
       << "RSS grew from " << before << " KiB to " << after << " KiB";
-  std::printf("[ measured ] authenticated 48 x 16 MiB slow bodies: RSS %lld -> %lld KiB "
-              "(%+lld KiB), %d buffered, %d x 503\n",
-              static_cast<long long>(before), static_cast<long long>(after),
-              static_cast<long long>(after - before), reading, refused);
+  std::printf(
+      "[ measured ] authenticated 48 x 16 MiB slow bodies: RSS %lld -> %lld KiB "
+      "(%+lld KiB), %d buffered, %d x 503\n",
+      static_cast<long long>(before), static_cast<long long>(after),
+      static_cast<long long>(after - before), reading, refused);
   // With the stalled bodies still held, others are still served.
   EXPECT_EQ(d.Call("GET", "/environments").status, 200);
   held.clear();
@@ -209,9 +209,9 @@ TEST_F(HttpAttackTest, AuthenticatedSlowLargeBodiesAreBoundedByTheBodyBudget) {
   int64_t deadline = NowMs() + 5000;
   int code = 0;
   while (NowMs() < deadline) {
-    code = d.Call("POST", "/environments/env_nope/heartbeat", boost::json::object{{"ttl_seconds",
-                                                                                   60}})
-               .status;
+    code =
+        d.Call("POST", "/environments/env_nope/heartbeat", boost::json::object{{"ttl_seconds", 60}})
+            .status;
     if (code != 503) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
@@ -252,9 +252,10 @@ TEST_F(HttpAttackTest, IdleAndSlowlorisConnectionFloodDoesNotLockOutHealthzOrTen
     worst = std::max({worst, t1 - t0, t2 - t1});
     ok += (h.status == 200) + (e.status == 200);
   }
-  std::printf("[ measured ] 1100 idle + 200 slowloris connections: %d/6 requests answered 200, "
-              "slowest %lld ms\n",
-              ok, static_cast<long long>(worst));
+  std::printf(
+      "[ measured ] 1100 idle + 200 slowloris connections: %d/6 requests answered 200, "
+      "slowest %lld ms\n",
+      ok, static_cast<long long>(worst));
 }
 
 // Issue 9 item 12: in dev mode (no keys), a web page in a browser on this machine must not be
@@ -297,9 +298,10 @@ TEST_F(HttpAttackTest, DevModeCrossSiteAndDnsRebindingRequestsRunNothing) {
   EXPECT_NE(r.str("message").find("send Content-Type: application/json"), std::string::npos);
   r = attack("text", {}, "text/plain");
   EXPECT_EQ(r.status, 415) << r.body;
-  std::string raw = RawExchange(
-      d.port(), "POST " + exec + " HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 30\r\n\r\n"
-                "{\"command\": \"touch /tmp/none\"}");
+  std::string raw =
+      RawExchange(d.port(), "POST " + exec +
+                                " HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 30\r\n\r\n"
+                                "{\"command\": \"touch /tmp/none\"}");
   EXPECT_TRUE(raw.starts_with("HTTP/1.1 415")) << raw.substr(0, 200);
   // One-shot runs too (whatever the nano tier's availability: the refusal comes first).
   r = Http(d.port(), "POST", "/run", R"j({"code": "print(1)"})j",
@@ -313,15 +315,16 @@ TEST_F(HttpAttackTest, DevModeCrossSiteAndDnsRebindingRequestsRunNothing) {
   EXPECT_EQ(r.status, 403) << r.body;
   EXPECT_EQ(Http(d.port(), "GET", "/metrics").status, 200);
   // Nothing ran.
-  HttpResult check =
-      d.Exec(id, "for f in rebind both origin null_origin dup form text none; do "
-                 "test -e /tmp/$f && echo RAN:$f; done; echo checked");
+  HttpResult check = d.Exec(id,
+                            "for f in rebind both origin null_origin dup form text none; do "
+                            "test -e /tmp/$f && echo RAN:$f; done; echo checked");
   EXPECT_EQ(check.str("stdout"), "checked\n");
   // This machine's own pages and clients are still served.
   for (const std::string& host :
        std::vector<std::string>{"localhost:" + port, "127.0.0.1", "[::1]:" + port}) {
     r = Http(d.port(), "POST", exec, R"({"command": "echo ok"})",
-             {{"Host", host}, {"Origin", "http://localhost:" + port},
+             {{"Host", host},
+              {"Origin", "http://localhost:" + port},
               {"Content-Type", "application/json; charset=utf-8"}});
     EXPECT_EQ(r.status, 200) << host << ": " << r.body;
     EXPECT_EQ(r.str("stdout"), "ok\n");
