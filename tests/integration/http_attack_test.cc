@@ -172,6 +172,11 @@ TEST_F(HttpAttackTest, UnauthenticatedLargeBodiesDoNotGrowDaemonMemory) {
       static_cast<long long>(before), static_cast<long long>(after),
       static_cast<long long>(after - before), unauthorized, static_cast<long long>(NowMs() - t0));
   held.clear();
+  // The streamed upload route admits on the header too: no key, no body read.
+  Conn up(d.port());
+  up.Send("PUT /environments/env_x/files/raw?path=a HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+          "Content-Type: application/octet-stream\r\nContent-Length: 209715200\r\n\r\n");
+  EXPECT_EQ(up.ReadStatus(1000), 401);
   EXPECT_EQ(d.Call("GET", "/environments").status, 200) << "tenants are still served";
 }
 
