@@ -1,5 +1,6 @@
 // HTTP/1.1 server: Beast for parsing and serialising, our own poll()-based socket stream for
-// deadlines, one thread per connection. See http_server.h for the model.
+// deadlines, an epoll poller for idle and header-phase connections, one thread per request. See
+// http_server.h for the model.
 #include "api/http_server.h"
 
 #include <arpa/inet.h>
@@ -8,7 +9,9 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <sys/epoll.h>
 #include <sys/eventfd.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -21,8 +24,11 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <list>
 #include <mutex>
+#include <set>
 #include <thread>
+#include <unordered_map>
 
 #include "api/json_util.h"
 #include "boost/asio/buffer.hpp"
@@ -120,6 +126,9 @@ class FdStream {
   int fd() const { return fd_; }
   // Absolute MonotonicMs() deadline for reads; 0 = none.
   void set_read_deadline(int64_t deadline_ms) { read_deadline_ms_ = deadline_ms; }
+  // Absolute MonotonicMs() deadline for writes, on top of the per-call no-progress timeout;
+  // 0 = none. See WriteBudget.
+  void set_write_deadline(int64_t deadline_ms) { write_deadline_ms_ = deadline_ms; }
 
   // Waits until the socket is readable (data or EOF). False on timeout, stop or error.
   bool WaitReadable(int64_t deadline_ms, bool interruptible) {
@@ -219,6 +228,7 @@ class FdStream {
 
   size_t WriteSome(iovec* iov, size_t n, error_code& ec) {
     int64_t deadline = MonotonicMs() + write_timeout_ms_;
+    if (write_deadline_ms_ > 0) deadline = std::min(deadline, write_deadline_ms_);
     for (;;) {
       msghdr msg{};
       msg.msg_iov = iov;
@@ -236,6 +246,10 @@ class FdStream {
       }
       int64_t left = deadline - MonotonicMs();
       if (left <= 0) {
+        // A reader too slow to be served: the close that follows resets the connection, so
+        // the kernel drops the unsent bytes at once instead of trickling them out for minutes.
+        linger abort{1, 0};
+        setsockopt(fd_, SOL_SOCKET, SO_LINGER, &abort, sizeof(abort));
         ec = beast::error::timeout;
         return 0;
       }
@@ -252,6 +266,27 @@ class FdStream {
   int stop_fd_;
   int64_t write_timeout_ms_;
   int64_t read_deadline_ms_ = 0;
+  int64_t write_deadline_ms_ = 0;
+};
+
+// Bounds the total time of one write of `bytes` on `stream` (a response, or one streamed
+// chunk): write_timeout plus the time the bytes take at `min_rate` bytes/s. Without it a client
+// that reads a trickle, just enough to make progress, would hold the thread and the response's
+// memory for as long as it likes.
+class WriteBudget {
+ public:
+  WriteBudget(FdStream& stream, int64_t write_timeout_ms, uint64_t min_rate, uint64_t bytes)
+      : stream_(stream) {
+    int64_t ms = write_timeout_ms;
+    if (min_rate > 0) ms += static_cast<int64_t>(bytes * 1000 / min_rate);
+    stream_.set_write_deadline(MonotonicMs() + ms);
+  }
+  ~WriteBudget() { stream_.set_write_deadline(0); }
+  WriteBudget(const WriteBudget&) = delete;
+  WriteBudget& operator=(const WriteBudget&) = delete;
+
+ private:
+  FdStream& stream_;
 };
 
 bool PeerHasClosed(int fd) {
@@ -261,25 +296,10 @@ bool PeerHasClosed(int fd) {
   return (pfd.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL)) != 0;
 }
 
-// Closes a connection politely: stop sending, then swallow what the client is still sending for
-// a short while, so that the error response we just wrote is not destroyed by a TCP RST (which
-// the kernel sends when a socket is closed with unread data).
-void LingerClose(int fd) {
-  shutdown(fd, SHUT_WR);
-  int64_t deadline = MonotonicMs() + 2000;
-  char buf[16384];
-  for (;;) {
-    int64_t left = deadline - MonotonicMs();
-    if (left <= 0) break;
-    pollfd pfd{fd, POLLIN, 0};
-    int r = poll(&pfd, 1, static_cast<int>(std::min<int64_t>(left, 500)));
-    if (r < 0 && errno == EINTR) continue;
-    if (r <= 0) break;  // quiet for 500 ms (or error): good enough
-    ssize_t n = recv(fd, buf, sizeof(buf), MSG_DONTWAIT);
-    if (n == 0) break;
-    if (n < 0 && errno != EAGAIN && errno != EINTR) break;
-  }
-}
+// How long a connection that was answered and is being closed may keep sending (its bytes are
+// read and dropped by the poller), so that the answer is not destroyed by a TCP RST, which the
+// kernel sends when a socket is closed with unread data.
+constexpr int64_t kLingerMs = 2000;
 
 // ---------------------------------------------------------------------------------------------
 // Streaming request body
@@ -372,13 +392,18 @@ class StreamBodyReader : public BodyReader {
 
 class ChunkedWriter : public ResponseWriter {
  public:
-  ChunkedWriter(FdStream& stream, bool chunked) : stream_(stream), chunked_(chunked) {}
+  ChunkedWriter(FdStream& stream, bool chunked, int64_t write_timeout_ms, uint64_t min_rate)
+      : stream_(stream),
+        chunked_(chunked),
+        write_timeout_ms_(write_timeout_ms),
+        min_rate_(min_rate) {}
 
   bool Write(std::string_view data) override {
     std::lock_guard<std::mutex> lock(mu_);
     if (!ok_ || finished_) return false;
     if (data.empty()) return true;
     if (PeerHasClosed(stream_.fd())) return Broken();
+    WriteBudget budget(stream_, write_timeout_ms_, min_rate_, data.size());
     error_code ec;
     if (chunked_) {
       char head[24];
@@ -421,6 +446,8 @@ class ChunkedWriter : public ResponseWriter {
 
   FdStream& stream_;
   bool chunked_;
+  int64_t write_timeout_ms_;
+  uint64_t min_rate_;
   std::mutex mu_;  // serialises writes from several threads
   std::atomic<bool> ok_{true};
   std::atomic<uint64_t> bytes_{0};
@@ -588,6 +615,8 @@ std::string_view ErrorCodeForStatus(int status) {
       return "bad_request";
     case 401:
       return "unauthorized";
+    case 403:
+      return "forbidden";
     case 404:
       return "not_found";
     case 405:
@@ -725,6 +754,8 @@ struct HttpServer::Impl : std::enable_shared_from_this<HttpServer::Impl> {
       if (l.fd >= 0) close(l.fd);
     }
     if (stop_fd >= 0) close(stop_fd);
+    if (wake_fd >= 0) close(wake_fd);
+    if (epoll_fd >= 0) close(epoll_fd);
   }
 
   struct Listener {
@@ -732,26 +763,55 @@ struct HttpServer::Impl : std::enable_shared_from_this<HttpServer::Impl> {
     bool is_unix = false;
   };
 
+  // A connection handed back by a request thread (keep-alive), with the bytes it had read past
+  // the end of its last request (pipelining).
+  struct Parked {
+    int fd = -1;
+    PeerInfo peer;
+    std::string pending;
+    bool draining = false;
+  };
+
   absl::Status ListenTcp();
   absl::Status ListenUnix();
-  void AcceptLoop(Listener listener);
-  void Reject(int fd);
-  void Serve(uint64_t id, int fd, PeerInfo peer);
+  void PollLoop();
+  void Serve(uint64_t id, int fd, PeerInfo peer, std::string prefill, int64_t header_deadline);
+  // A request thread is done with a connection: hand it back to the poller, for the next
+  // request (keep-alive) or to be drained and closed (`draining`, see kLingerMs).
+  void Park(uint64_t id, int fd, PeerInfo peer, std::string pending, bool draining);
   void Finished(uint64_t id, int fd);
   void Observe(const Request& req, int status, int64_t start_ms, std::string_view extra);
+
+  // The server-wide budget for buffered request bodies. False if `bytes` do not fit.
+  bool ReserveBody(uint64_t bytes) {
+    uint64_t cur = body_bytes.load();
+    do {
+      if (bytes > opts.max_buffered_body_bytes || cur > opts.max_buffered_body_bytes - bytes) {
+        return false;
+      }
+    } while (!body_bytes.compare_exchange_weak(cur, cur + bytes));
+    return true;
+  }
+  void ReleaseBody(uint64_t bytes) { body_bytes.fetch_sub(bytes); }
 
   Options opts;
   Router router;
   int stop_fd = -1;
+  int wake_fd = -1;  // eventfd: a request thread parked a connection
+  int epoll_fd = -1;
+  int max_open = 0;  // open-connection cap (Options::max_open_connections, resolved)
   std::vector<Listener> listeners;
-  std::vector<std::thread> acceptors;
+  std::thread poller;
   int tcp_port = -1;
 
   std::mutex mu;
   std::condition_variable cv;
-  std::map<uint64_t, int> conns;  // id → fd; an fd is closed only under `mu`
+  std::map<uint64_t, int> conns;  // request threads: id → fd; an fd is closed only under `mu`
+  std::vector<Parked> parked;     // handed back, not yet taken by the poller
   uint64_t next_id = 1;
   std::atomic<bool> stopping{false};
+  std::atomic<int> poller_conns{0};     // connections the poller owns (idle / header phase)
+  std::atomic<uint64_t> body_bytes{0};  // buffered request bodies, all connections
 
   std::mutex lifecycle_mu;
   bool started = false;
@@ -845,103 +905,321 @@ absl::Status HttpServer::Impl::ListenUnix() {
   return absl::OkStatus();
 }
 
-void HttpServer::Impl::AcceptLoop(Listener listener) {
-  for (;;) {
-    pollfd fds[2] = {{listener.fd, POLLIN, 0}, {stop_fd, POLLIN, 0}};
-    int r = poll(fds, 2, -1);
-    if (r < 0) {
-      if (errno == EINTR) continue;
-      LogError(Cat("http: poll on listener failed: ", strerror(errno)));
-      return;
+namespace {
+
+PeerInfo PeerOf(int fd, const sockaddr_storage& ss, bool is_unix) {
+  PeerInfo peer;
+  if (is_unix) {
+    peer.is_unix = true;
+    peer.address = "unix";
+    ucred cred{};
+    socklen_t cl = sizeof(cred);
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &cl) == 0) {
+      peer.uid = cred.uid;
+      peer.gid = cred.gid;
+      peer.pid = cred.pid;
     }
-    if (fds[1].revents != 0 || stopping.load()) return;
-    if (fds[0].revents == 0) continue;
-    sockaddr_storage ss{};
-    socklen_t len = sizeof(ss);
-    int fd = accept4(listener.fd, reinterpret_cast<sockaddr*>(&ss), &len, SOCK_CLOEXEC);
-    if (fd < 0) {
-      if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
-        LogWarn(Cat("http: accept: ", strerror(errno), "; backing off"));
-        std::this_thread::sleep_for(std::chrono::milliseconds(100));
-      }
-      continue;  // EAGAIN, ECONNABORTED, EINTR, ...
-    }
-    PeerInfo peer;
-    if (listener.is_unix) {
-      peer.is_unix = true;
-      peer.address = "unix";
-      ucred cred{};
-      socklen_t cl = sizeof(cred);
-      if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &cl) == 0) {
-        peer.uid = cred.uid;
-        peer.gid = cred.gid;
-        peer.pid = cred.pid;
-      }
-    } else {
-      char host[INET6_ADDRSTRLEN] = "?";
-      if (ss.ss_family == AF_INET) {
-        auto* a = reinterpret_cast<sockaddr_in*>(&ss);
-        inet_ntop(AF_INET, &a->sin_addr, host, sizeof(host));
-        peer.is_loopback = (ntohl(a->sin_addr.s_addr) >> 24) == 127;
-        peer.address = Cat(host, ":", ntohs(a->sin_port));
-      } else if (ss.ss_family == AF_INET6) {
-        auto* a = reinterpret_cast<sockaddr_in6*>(&ss);
-        inet_ntop(AF_INET6, &a->sin6_addr, host, sizeof(host));
-        peer.is_loopback = IN6_IS_ADDR_LOOPBACK(&a->sin6_addr) ||
-                           (IN6_IS_ADDR_V4MAPPED(&a->sin6_addr) && a->sin6_addr.s6_addr[12] == 127);
-        peer.address = Cat("[", host, "]:", ntohs(a->sin6_port));
-      }
-      int one = 1;
-      setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-    }
-    uint64_t id;
+    return peer;
+  }
+  char host[INET6_ADDRSTRLEN] = "?";
+  if (ss.ss_family == AF_INET) {
+    auto* a = reinterpret_cast<const sockaddr_in*>(&ss);
+    inet_ntop(AF_INET, &a->sin_addr, host, sizeof(host));
+    peer.is_loopback = (ntohl(a->sin_addr.s_addr) >> 24) == 127;
+    peer.address = Cat(host, ":", ntohs(a->sin_port));
+  } else if (ss.ss_family == AF_INET6) {
+    auto* a = reinterpret_cast<const sockaddr_in6*>(&ss);
+    inet_ntop(AF_INET6, &a->sin6_addr, host, sizeof(host));
+    peer.is_loopback = IN6_IS_ADDR_LOOPBACK(&a->sin6_addr) ||
+                       (IN6_IS_ADDR_V4MAPPED(&a->sin6_addr) && a->sin6_addr.s6_addr[12] == 127);
+    peer.address = Cat("[", host, "]:", ntohs(a->sin6_port));
+  }
+  int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  return peer;
+}
+
+// A complete error answer for a connection the poller closes, sent without blocking (best
+// effort: a client that does not read simply does not get it).
+void SendAndClose(int fd, const HttpServer::Options& opts, int status, std::string_view reason,
+                  std::string_view code, std::string_view message) {
+  std::string body = boost::json::serialize(ErrorBody(code, message));
+  std::string msg =
+      Cat("HTTP/1.1 ", status, " ", reason, "\r\nServer: ", opts.server_name,
+          "\r\nContent-Type: application/json\r\nContent-Length: ", body.size(),
+          status == 503 ? "\r\nRetry-After: 1" : "", "\r\nConnection: close\r\n\r\n", body);
+  (void)send(fd, msg.data(), msg.size(), MSG_DONTWAIT | MSG_NOSIGNAL);
+  shutdown(fd, SHUT_WR);
+  close(fd);
+}
+
+// The poller's view of a connection that is idle or still sending its request header.
+struct PollConn {
+  int fd = -1;
+  PeerInfo peer;
+  std::string buf;               // header bytes so far (≤ max_header_bytes + one read)
+  int64_t deadline = 0;          // MonotonicMs(): idle or header deadline
+  bool header_started = false;   // a byte of the next request has arrived
+  bool fresh = true;             // never served a request (idle wait = header_timeout)
+  bool draining = false;         // answered and half-closed: read and drop until EOF or deadline
+  std::list<int>::iterator age;  // position in the eviction order (oldest first)
+};
+
+}  // namespace
+
+// The poller: accepts, reads headers without blocking, enforces the header / idle deadlines and
+// the open-connection and header-memory caps, and starts a request thread once a header block
+// is complete. Runs until the server stops; then closes every connection it owns.
+void HttpServer::Impl::PollLoop() {
+  std::unordered_map<int, PollConn> pc;         // fd → state
+  std::list<int> age;                           // fds, in the order they entered the poller
+  std::set<std::pair<int64_t, int>> deadlines;  // (deadline, fd)
+  uint64_t header_bytes = 0;                    // sum of pc[*].buf.capacity()
+
+  auto set_deadline = [&](PollConn& c, int64_t d) {
+    deadlines.erase({c.deadline, c.fd});
+    c.deadline = d;
+    deadlines.insert({d, c.fd});
+  };
+  // Forgets a connection (the fd stays open: the caller closes it or hands it on).
+  auto forget = [&](int fd) -> PollConn {
+    auto it = pc.find(fd);
+    PollConn c = std::move(it->second);
+    pc.erase(it);
+    deadlines.erase({c.deadline, fd});
+    age.erase(c.age);
+    header_bytes -= c.buf.capacity();
+    epoll_ctl(epoll_fd, EPOLL_CTL_DEL, fd, nullptr);
+    poller_conns.fetch_sub(1);
+    return c;
+  };
+  auto drop = [&](int fd) {
+    forget(fd);
+    close(fd);
+  };
+  auto open_total = [&] {
+    std::lock_guard<std::mutex> lock(mu);
+    return pc.size() + conns.size();
+  };
+  // Hands a connection with a complete header to a request thread (or answers 503).
+  auto dispatch = [&](int fd) {
+    PollConn c = forget(fd);
+    uint64_t id = 0;
     {
       std::lock_guard<std::mutex> lock(mu);
-      if (stopping.load() || static_cast<int>(conns.size()) >= opts.max_connections) {
-        id = 0;
-      } else {
+      if (!stopping.load() && static_cast<int>(conns.size()) < opts.max_connections) {
         id = next_id++;
         conns[id] = fd;
       }
     }
     if (id == 0) {
-      Reject(fd);
-      continue;
+      LogWarn(Cat("http: ", opts.max_connections, " requests in progress; answering 503 to ",
+                  c.peer.address));
+      SendAndClose(fd, opts, 503, "Service Unavailable", "unavailable",
+                   stopping.load() ? "server is shutting down"
+                                   : "too many requests in progress; retry shortly");
+      return;
     }
     try {
-      std::thread([self = shared_from_this(), id, fd, peer = std::move(peer)]() mutable {
-        self->Serve(id, fd, std::move(peer));
+      std::thread([self = shared_from_this(), id, fd, peer = std::move(c.peer),
+                   buf = std::move(c.buf), deadline = c.deadline]() mutable {
+        self->Serve(id, fd, std::move(peer), std::move(buf), deadline);
       }).detach();
     } catch (const std::exception& e) {
-      LogError(Cat("http: cannot start a connection thread: ", e.what()));
+      LogError(Cat("http: cannot start a request thread: ", e.what()));
       Finished(id, fd);
     }
+  };
+  // Looks for the end of the header block; handles a complete or an oversized header.
+  // Returns false if the connection is gone (dispatched or closed).
+  auto check_header = [&](PollConn& c, size_t scan_from) -> bool {
+    size_t from = scan_from >= 3 ? scan_from - 3 : 0;
+    size_t end = c.buf.find("\r\n\r\n", from);
+    if (end != std::string::npos && end + 4 <= opts.max_header_bytes + 4) {
+      dispatch(c.fd);
+      return false;
+    }
+    if (c.buf.size() > opts.max_header_bytes) {
+      int fd = c.fd;
+      forget(fd);
+      SendAndClose(fd, opts, 400, "Bad Request", "bad_request",
+                   Cat("request header too large (limit ", opts.max_header_bytes, " bytes)"));
+      return false;
+    }
+    return true;
+  };
+  auto add = [&](int fd, PeerInfo peer, std::string pending, bool fresh, bool draining) {
+    epoll_event ev{};
+    ev.events = EPOLLIN | EPOLLRDHUP;
+    ev.data.fd = fd;
+    if (epoll_ctl(epoll_fd, EPOLL_CTL_ADD, fd, &ev) != 0) {
+      LogError(Cat("http: epoll_ctl add: ", strerror(errno)));
+      close(fd);
+      return;
+    }
+    PollConn& c = pc[fd];
+    c.fd = fd;
+    c.peer = std::move(peer);
+    c.buf = std::move(pending);
+    c.fresh = fresh;
+    c.draining = draining;
+    c.header_started = !c.buf.empty();
+    header_bytes += c.buf.capacity();
+    age.push_back(fd);
+    c.age = std::prev(age.end());
+    poller_conns.fetch_add(1);
+    int64_t wait = draining                    ? kLingerMs
+                   : c.header_started || fresh ? opts.header_timeout.count()
+                                               : opts.idle_timeout.count();
+    c.deadline = MonotonicMs() + wait;
+    deadlines.insert({c.deadline, fd});
+    if (c.header_started) check_header(c, 0);
+  };
+  // Closes the connection that has been in the poller longest (idle or trickling a header).
+  auto evict_oldest = [&](std::string_view why) -> bool {
+    if (age.empty()) return false;
+    int fd = age.front();
+    LogWarn(Cat("http: closing the oldest idle connection (", pc[fd].peer.address, "): ", why));
+    drop(fd);
+    return true;
+  };
+  auto accept_all = [&](const Listener& l) {
+    for (int i = 0; i < 256; ++i) {
+      sockaddr_storage ss{};
+      socklen_t len = sizeof(ss);
+      int fd = accept4(l.fd, reinterpret_cast<sockaddr*>(&ss), &len, SOCK_CLOEXEC | SOCK_NONBLOCK);
+      if (fd < 0) {
+        if (errno == EMFILE || errno == ENFILE) {
+          // Out of fds despite the cap (other parts of the daemon use fds too): make room.
+          if (!evict_oldest("out of file descriptors")) {
+            LogWarn(Cat("http: accept: ", strerror(errno), "; backing off"));
+            std::this_thread::sleep_for(std::chrono::milliseconds(50));
+          }
+          continue;
+        }
+        if (errno == ENOBUFS || errno == ENOMEM) {
+          LogWarn(Cat("http: accept: ", strerror(errno), "; backing off"));
+          std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        }
+        return;  // EAGAIN (drained), ECONNABORTED, EINTR, ...
+      }
+      if (static_cast<int>(open_total()) >= max_open && !evict_oldest("open-connection cap")) {
+        SendAndClose(fd, opts, 503, "Service Unavailable", "unavailable", "too many connections");
+        continue;
+      }
+      add(fd, PeerOf(fd, ss, l.is_unix), std::string(), /*fresh=*/true, /*draining=*/false);
+    }
+  };
+  auto on_readable = [&](int fd) {
+    auto it = pc.find(fd);
+    if (it == pc.end()) return;
+    PollConn& c = it->second;
+    char tmp[16384];
+    if (c.draining) {
+      ssize_t n = recv(fd, tmp, sizeof(tmp), MSG_DONTWAIT);
+      if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
+        drop(fd);
+      }
+      return;
+    }
+    size_t room = opts.max_header_bytes + 1 - std::min(c.buf.size(), opts.max_header_bytes);
+    ssize_t n = recv(fd, tmp, std::min(sizeof(tmp), room), MSG_DONTWAIT);
+    if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
+      drop(fd);  // closed (or reset) while idle or mid-header: nothing to answer
+      return;
+    }
+    if (n < 0) return;
+    if (!c.header_started) {
+      c.header_started = true;
+      set_deadline(c, MonotonicMs() + opts.header_timeout.count());
+    }
+    size_t old = c.buf.size();
+    header_bytes -= c.buf.capacity();
+    c.buf.append(tmp, static_cast<size_t>(n));
+    header_bytes += c.buf.capacity();
+    if (!check_header(c, old)) return;
+    while (header_bytes > opts.max_buffered_header_bytes && evict_oldest("header memory budget")) {
+    }
+  };
+  auto expire = [&](int64_t now) {
+    while (!deadlines.empty() && deadlines.begin()->first <= now) {
+      int fd = deadlines.begin()->second;
+      PollConn c = forget(fd);
+      if (c.header_started && !c.draining) {
+        Request req;
+        req.peer_ = c.peer;
+        Observe(req, 408, now, " (header read timeout)");
+        SendAndClose(fd, opts, 408, "Request Timeout", "bad_request",
+                     "timed out reading the request header");
+      } else {
+        close(fd);  // idle: close quietly
+      }
+    }
+  };
+  auto take_parked = [&] {
+    uint64_t v;
+    (void)!read(wake_fd, &v, sizeof(v));
+    std::vector<Parked> got;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      got.swap(parked);
+    }
+    for (Parked& p : got) {
+      add(p.fd, std::move(p.peer), std::move(p.pending), /*fresh=*/false, p.draining);
+    }
+  };
+
+  std::vector<epoll_event> events(256);
+  while (!stopping.load()) {
+    int timeout = -1;
+    if (!deadlines.empty()) {
+      int64_t left = deadlines.begin()->first - MonotonicMs();
+      timeout = static_cast<int>(std::clamp<int64_t>(left, 0, 1 << 30));
+    }
+    int n = epoll_wait(epoll_fd, events.data(), static_cast<int>(events.size()), timeout);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      LogError(Cat("http: epoll_wait failed: ", strerror(errno)));
+      break;
+    }
+    for (int i = 0; i < n; ++i) {
+      int fd = events[i].data.fd;
+      if (fd == stop_fd) break;
+      if (fd == wake_fd) {
+        take_parked();
+        continue;
+      }
+      bool is_listener = false;
+      for (const Listener& l : listeners) {
+        if (l.fd == fd) {
+          accept_all(l);
+          is_listener = true;
+        }
+      }
+      if (!is_listener) on_readable(fd);
+    }
+    expire(MonotonicMs());
   }
+  // Stopping: idle and header-phase connections are dropped at once.
+  for (auto& [fd, c] : pc) close(fd);
+  poller_conns.store(0);
+  std::lock_guard<std::mutex> lock(mu);
+  for (Parked& p : parked) close(p.fd);
+  parked.clear();
 }
 
-// Over capacity (or stopping): answer 503 from the acceptor thread without reading the request
-// (waiting at most 20 ms for it, so that the answer is not lost to a TCP RST) and close.
-void HttpServer::Impl::Reject(int fd) {
-  char buf[16384];
-  pollfd pfd{fd, POLLIN, 0};
-  if (poll(&pfd, 1, 20) > 0) {
-    while (recv(fd, buf, sizeof(buf), MSG_DONTWAIT) > 0) {
-    }
+void HttpServer::Impl::Park(uint64_t id, int fd, PeerInfo peer, std::string pending,
+                            bool draining) {
+  std::lock_guard<std::mutex> lock(mu);
+  conns.erase(id);
+  if (stopping.load()) {
+    close(fd);
+  } else {
+    parked.push_back({fd, std::move(peer), std::move(pending), draining});
+    uint64_t one = 1;
+    (void)!write(wake_fd, &one, sizeof(one));
   }
-  std::string body = boost::json::serialize(ErrorBody(
-      "unavailable", stopping.load() ? "server is shutting down" : "too many connections"));
-  std::string msg = Cat("HTTP/1.1 503 Service Unavailable\r\nServer: ", opts.server_name,
-                        "\r\nContent-Type: application/json\r\nContent-Length: ", body.size(),
-                        "\r\nRetry-After: 1\r\nConnection: close\r\n\r\n", body);
-  (void)send(fd, msg.data(), msg.size(), MSG_DONTWAIT | MSG_NOSIGNAL);
-  shutdown(fd, SHUT_WR);
-  if (poll(&pfd, 1, 10) > 0) {
-    while (recv(fd, buf, sizeof(buf), MSG_DONTWAIT) > 0) {
-    }
-  }
-  close(fd);
-  LogWarn(Cat("http: rejected a connection with 503 (",
-              stopping.load() ? "stopping" : "max_connections reached", ")"));
+  cv.notify_all();
 }
 
 void HttpServer::Impl::Finished(uint64_t id, int fd) {
@@ -987,32 +1265,52 @@ void HttpServer::Impl::Observe(const Request& req, int status, int64_t start_ms,
 
 namespace {
 
-// One connection: a loop of read request → route → handle → write response.
+// One request on a connection whose header block the poller has read: parse → route → admit →
+// read the body → handle → write the response. A keep-alive connection then goes back to the
+// poller with whatever the client sent beyond this request (pipelining).
 class Connection {
  public:
-  Connection(HttpServer::Impl& srv, int fd, PeerInfo peer)
+  Connection(HttpServer::Impl& srv, int fd, PeerInfo peer, std::string_view prefill,
+             int64_t header_deadline)
       : srv_(srv),
         opts_(srv.opts),
         stream_(fd, srv.stop_fd, opts_.write_timeout.count()),
         buffer_(std::max<size_t>(opts_.max_header_bytes + (128 << 10), 1 << 20)),
-        peer_(std::move(peer)) {}
+        peer_(std::move(peer)),
+        header_deadline_(header_deadline) {
+    net::mutable_buffer b = buffer_.prepare(prefill.size());
+    memcpy(b.data(), prefill.data(), prefill.size());
+    buffer_.commit(prefill.size());
+  }
 
-  void Run() {
-    bool first = true;
-    for (;;) {
-      if (buffer_.size() == 0) {
-        auto wait = first ? opts_.header_timeout : opts_.idle_timeout;
-        // Idle keep-alive connections (and new ones that have not sent anything) are dropped
-        // at once when the server stops.
-        if (!stream_.WaitReadable(MonotonicMs() + wait.count(), /*interruptible=*/true)) return;
-      }
-      first = false;
-      if (!HandleOne()) return;
-      if (srv_.stopping.load()) return;
-    }
+  // Returns true if the connection may be reused; `Pending()` then has the bytes read beyond
+  // this request.
+  bool Run() { return HandleOne(); }
+
+  // True if the connection should be closed politely (see kLingerMs): the poller drains it.
+  bool lingering() const { return lingering_; }
+
+  std::string Pending() const {
+    return std::string(static_cast<const char*>(buffer_.data().data()), buffer_.size());
   }
 
  private:
+  // Releases a buffered body's share of the server-wide budget.
+  struct BodyBudget {
+    HttpServer::Impl& srv;
+    uint64_t bytes = 0;
+    bool Grow(uint64_t more) {
+      if (!srv.ReserveBody(more)) return false;
+      bytes += more;
+      return true;
+    }
+    void Release() {
+      srv.ReleaseBody(bytes);
+      bytes = 0;
+    }
+    ~BodyBudget() { Release(); }
+  };
+
   // Returns true if the connection may be reused.
   bool HandleOne() {
     Request req;
@@ -1023,7 +1321,8 @@ class Connection {
     http::request_parser<http::empty_body> hp;
     hp.header_limit(static_cast<std::uint32_t>(opts_.max_header_bytes));
     hp.body_limit(boost::none);  // checked per route below
-    stream_.set_read_deadline(MonotonicMs() + opts_.header_timeout.count());
+    // The poller's deadline: the header does not get more time for having changed threads.
+    stream_.set_read_deadline(header_deadline_);
     error_code ec;
     http::read_header(stream_, buffer_, hp, ec);
     if (ec) {
@@ -1058,6 +1357,7 @@ class Connection {
     // Content-Length, or 0 if absent (chunked bodies are limited while they are read).
     const uint64_t clen = hp.content_length().value_or(0);
     const bool has_body = chunked || clen > 0;
+    req.has_body_ = has_body;
     const bool expect_continue =
         EqualsIgnoreCase(TrimAscii(req.HeaderOr("expect", "")), "100-continue");
 
@@ -1089,7 +1389,21 @@ class Connection {
     }
     req.params_ = std::move(match.params);
 
+    // Admission (authentication) on the header alone: a client that is turned away never gets
+    // a body byte read or buffered, nor a "100 Continue".
+    if (match.options->before_body) {
+      std::optional<Response> refused;
+      try {
+        refused = match.options->before_body(req);
+      } catch (const std::exception& e) {
+        LogError(Cat("http: before_body for ", req.method_, " ", req.path_, " threw: ", e.what()));
+        refused = ErrorResponse(500, "internal", "internal server error");
+      }
+      if (refused) return Finish(req, std::move(*refused), version, keep_alive && !has_body);
+    }
+
     std::unique_ptr<StreamBodyReader> reader;
+    BodyBudget budget{srv_};  // held until the handler is done with req.body_
     if (match.options->stream_body) {
       uint64_t cap = match.options->max_stream_body_bytes;
       if (clen > cap) {
@@ -1108,29 +1422,16 @@ class Connection {
         net::write(stream_, net::buffer(kContinue.data(), kContinue.size()), ec);
         if (ec) return false;
       }
-      http::request_parser<http::string_body> bp(std::move(hp));
-      bp.body_limit(opts_.max_body_bytes);
-      stream_.set_read_deadline(MonotonicMs() + opts_.body_timeout.count());
-      http::read(stream_, buffer_, bp, ec);
-      if (ec) {
-        if (ec == http::error::body_limit) {
-          return Finish(req, TooLarge(opts_.max_body_bytes), version, false);
-        }
-        if (ec == beast::error::timeout) {
-          Observe(req, 408, " (body read timeout)");
-          SendError(408, "bad_request", "timed out reading the request body", version);
-          return false;
-        }
-        if (ec == http::error::partial_message || ec == net::error::eof ||
-            ec.category() == boost::system::system_category()) {
+      bool gone = false;
+      std::optional<Response> failed = ReadBufferedBody(req, hp, clen, budget, &gone);
+      if (failed || gone) {
+        budget.Release();  // the partial body is freed already; the linger must not hold it
+        if (gone) {
           Observe(req, 499, " (client went away during the body)");
           return false;
         }
-        return Finish(
-            req, ErrorResponse(400, "bad_request", Cat("malformed request body: ", ec.message())),
-            version, false);
+        return Finish(req, std::move(*failed), version, false);
       }
-      req.body_ = std::move(bp.get().body());
     }
 
     Response resp;
@@ -1148,7 +1449,54 @@ class Connection {
       // The handler did not consume the whole body: the rest cannot be skipped safely.
       keep_alive = false;
     }
+    if (!resp.stream) {
+      // The body is not needed any more: free it (and its budget) before a possibly slow write.
+      // (A stream function may still read the request, body included.)
+      req.body_ = std::string();
+      budget.Release();
+    }
     return Finish(req, std::move(resp), version, keep_alive);
+  }
+
+  // Reads a buffered body into req.body_, its memory counted in the server-wide budget: all of
+  // a Content-Length up front (the parser reserves that much), a chunked body as it grows.
+  // Returns the answer for a body that cannot be had (too large, over budget, too slow,
+  // malformed), or sets *gone when the client went away; the partial body is freed by then.
+  std::optional<Response> ReadBufferedBody(Request& req, http::request_parser<http::empty_body>& hp,
+                                           uint64_t clen, BodyBudget& budget, bool* gone) {
+    if (!budget.Grow(clen)) return BudgetExhausted();
+    http::request_parser<http::string_body> bp(std::move(hp));
+    bp.body_limit(opts_.max_body_bytes);
+    stream_.set_read_deadline(MonotonicMs() + opts_.body_timeout.count());
+    error_code ec;
+    while (!bp.is_done()) {
+      http::read_some(stream_, buffer_, bp, ec);
+      if (ec) break;
+      uint64_t held = bp.get().body().capacity();
+      if (held > budget.bytes && !budget.Grow(held - budget.bytes)) return BudgetExhausted();
+    }
+    if (!ec) {
+      req.body_ = std::move(bp.get().body());
+      return std::nullopt;
+    }
+    if (ec == http::error::body_limit) return TooLarge(opts_.max_body_bytes);
+    if (ec == beast::error::timeout) {
+      return ErrorResponse(408, "bad_request", "timed out reading the request body");
+    }
+    if (ec == http::error::partial_message || ec == net::error::eof ||
+        ec == http::error::end_of_stream || ec.category() == boost::system::system_category()) {
+      *gone = true;
+      return std::nullopt;
+    }
+    return ErrorResponse(400, "bad_request", Cat("malformed request body: ", ec.message()));
+  }
+
+  Response BudgetExhausted() {
+    Response r = ErrorResponse(503, "unavailable",
+                               "the server is receiving too many request bodies at once; retry "
+                               "shortly");
+    r.SetHeader("Retry-After", "1");
+    return r;
   }
 
   Response TooLarge(uint64_t limit) {
@@ -1169,8 +1517,12 @@ class Connection {
     res.keep_alive(false);
     res.prepare_payload();
     error_code ec;
-    http::write(stream_, res, ec);
-    if (!ec) LingerClose(stream_.fd());
+    {
+      WriteBudget wb(stream_, opts_.write_timeout.count(), opts_.min_write_bytes_per_second,
+                     res.body().size());
+      http::write(stream_, res, ec);
+    }
+    if (!ec) Linger();
   }
 
   // Sends `resp` (plain or streamed) and logs it. Returns true if the connection stays open.
@@ -1207,9 +1559,13 @@ class Connection {
       // Observed before writing, so that metrics are updated by the time the client sees the
       // answer (handy for tests; the write time of a small answer is negligible).
       Observe(req, resp.status, "");
-      http::write(stream_, res, ec);
+      {
+        WriteBudget wb(stream_, opts_.write_timeout.count(), opts_.min_write_bytes_per_second,
+                       res.body().size());
+        http::write(stream_, res, ec);
+      }
       if (ec) return false;
-      if (!keep_alive) LingerClose(stream_.fd());
+      if (!keep_alive) Linger();
       return keep_alive;
     }
 
@@ -1221,12 +1577,16 @@ class Connection {
     res.keep_alive(keep_alive);
     if (chunked) res.chunked(true);
     http::response_serializer<http::empty_body> sr(res);
-    http::write_header(stream_, sr, ec);
+    {
+      WriteBudget wb(stream_, opts_.write_timeout.count(), opts_.min_write_bytes_per_second, 0);
+      http::write_header(stream_, sr, ec);
+    }
     if (ec) {
       Observe(req, resp.status, " (client gone before the stream)");
       return false;
     }
-    ChunkedWriter writer(stream_, chunked);
+    ChunkedWriter writer(stream_, chunked, opts_.write_timeout.count(),
+                         opts_.min_write_bytes_per_second);
     bool threw = false;
     try {
       resp.stream(writer);
@@ -1251,29 +1611,53 @@ class Connection {
             Cat(" stream ", writer.bytes_written(), "B", writer.ok() ? "" : " (client gone)",
                 threw ? " (handler threw)" : ""));
     if (!writer.ok()) return false;
-    if (!keep_alive) LingerClose(stream_.fd());
+    if (!keep_alive) Linger();
     return keep_alive;
+  }
+
+  // Closes politely: stop sending now; the poller swallows what the client still sends for a
+  // while (no request thread is held for that), then closes.
+  void Linger() {
+    shutdown(stream_.fd(), SHUT_WR);
+    lingering_ = true;
   }
 
   HttpServer::Impl& srv_;
   const HttpServer::Options& opts_;
+  bool lingering_ = false;
   FdStream stream_;
   beast::flat_buffer buffer_;
   PeerInfo peer_;
+  int64_t header_deadline_;
 };
 
 }  // namespace
 
-void HttpServer::Impl::Serve(uint64_t id, int fd, PeerInfo peer) {
+void HttpServer::Impl::Serve(uint64_t id, int fd, PeerInfo peer, std::string prefill,
+                             int64_t header_deadline) {
+  bool keep = false;
+  bool linger = false;
+  std::string pending;
   try {
-    Connection conn(*this, fd, std::move(peer));
-    conn.Run();
+    Connection conn(*this, fd, peer, prefill, header_deadline);
+    prefill = std::string();  // the buffer has it now
+    keep = conn.Run();
+    linger = conn.lingering();
+    if (keep) pending = conn.Pending();
   } catch (const std::exception& e) {
     LogError(Cat("http: connection failed: ", e.what()));
+    keep = false;
   } catch (...) {
     LogError("http: connection failed with a non-std exception");
+    keep = false;
   }
-  Finished(id, fd);
+  if (keep) {
+    Park(id, fd, std::move(peer), std::move(pending), /*draining=*/false);
+  } else if (linger) {
+    Park(id, fd, std::move(peer), std::string(), /*draining=*/true);
+  } else {
+    Finished(id, fd);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1287,32 +1671,53 @@ Router& HttpServer::router() { return impl_->router; }
 
 absl::Status HttpServer::Start() {
   std::lock_guard<std::mutex> lock(impl_->lifecycle_mu);
-  if (impl_->started) return absl::FailedPreconditionError("HttpServer already started");
-  if (impl_->opts.port < 0 && impl_->opts.unix_socket_path.empty()) {
+  Impl& s = *impl_;
+  if (s.started) return absl::FailedPreconditionError("HttpServer already started");
+  if (s.opts.port < 0 && s.opts.unix_socket_path.empty()) {
     return absl::InvalidArgumentError("HttpServer: no TCP port and no unix socket configured");
   }
-  if (impl_->opts.max_connections < 1) {
+  if (s.opts.max_connections < 1) {
     return absl::InvalidArgumentError("HttpServer: max_connections must be at least 1");
   }
-  if (impl_->stop_fd < 0) impl_->stop_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-  if (impl_->stop_fd < 0) return ErrnoStatus("eventfd");
-  absl::Status s;
-  if (impl_->opts.port >= 0) s = impl_->ListenTcp();
-  if (s.ok() && !impl_->opts.unix_socket_path.empty()) s = impl_->ListenUnix();
-  if (!s.ok()) {
-    for (const Impl::Listener& l : impl_->listeners) close(l.fd);
-    impl_->listeners.clear();
-    impl_->tcp_port = -1;
-    return s;
+  s.max_open = s.opts.max_open_connections;
+  if (s.max_open <= 0) {
+    rlimit rl{};
+    getrlimit(RLIMIT_NOFILE, &rl);
+    rlim_t soft = rl.rlim_cur == RLIM_INFINITY ? (1 << 20) : rl.rlim_cur;
+    s.max_open = static_cast<int>(std::min<rlim_t>(soft / 2, 1 << 20));
   }
-  for (const Impl::Listener& l : impl_->listeners) {
-    impl_->acceptors.emplace_back([impl = impl_.get(), l] { impl->AcceptLoop(l); });
+  s.max_open = std::max(s.max_open, s.opts.max_connections + 16);
+  if (s.stop_fd < 0) s.stop_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (s.stop_fd < 0) return ErrnoStatus("eventfd");
+  if (s.wake_fd < 0) s.wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (s.wake_fd < 0) return ErrnoStatus("eventfd");
+  if (s.epoll_fd < 0) s.epoll_fd = epoll_create1(EPOLL_CLOEXEC);
+  if (s.epoll_fd < 0) return ErrnoStatus("epoll_create1");
+  absl::Status st;
+  if (s.opts.port >= 0) st = s.ListenTcp();
+  if (st.ok() && !s.opts.unix_socket_path.empty()) st = s.ListenUnix();
+  std::vector<int> watched = {s.stop_fd, s.wake_fd};
+  for (const Impl::Listener& l : s.listeners) watched.push_back(l.fd);
+  for (int fd : watched) {
+    if (!st.ok()) break;
+    epoll_event ev{};
+    ev.events = EPOLLIN;
+    ev.data.fd = fd;
+    if (epoll_ctl(s.epoll_fd, EPOLL_CTL_ADD, fd, &ev) != 0) st = ErrnoStatus("epoll_ctl");
   }
-  impl_->started = true;
+  if (!st.ok()) {
+    for (const Impl::Listener& l : s.listeners) close(l.fd);
+    s.listeners.clear();
+    s.tcp_port = -1;
+    return st;
+  }
+  s.poller = std::thread([impl = impl_.get()] { impl->PollLoop(); });
+  s.started = true;
   std::vector<std::string> where;
-  if (impl_->tcp_port >= 0) where.push_back(Cat(impl_->opts.host, ":", impl_->tcp_port));
-  if (!impl_->opts.unix_socket_path.empty()) where.push_back(impl_->opts.unix_socket_path);
-  LogInfo(Cat("http: listening on ", JoinStrings(where, " and ")));
+  if (s.tcp_port >= 0) where.push_back(Cat(s.opts.host, ":", s.tcp_port));
+  if (!s.opts.unix_socket_path.empty()) where.push_back(s.opts.unix_socket_path);
+  LogInfo(Cat("http: listening on ", JoinStrings(where, " and "), " (", s.opts.max_connections,
+              " requests at once, ", s.max_open, " open connections)"));
   return absl::OkStatus();
 }
 
@@ -1323,9 +1728,8 @@ bool HttpServer::Stop() {
   s.stopped = true;
   s.stopping.store(true);
   uint64_t one = 1;
-  (void)!write(s.stop_fd, &one, sizeof(one));  // wakes acceptors and idle connections
-  for (std::thread& t : s.acceptors) t.join();
-  s.acceptors.clear();
+  (void)!write(s.stop_fd, &one, sizeof(one));  // wakes the poller and idle request reads
+  if (s.poller.joinable()) s.poller.join();    // it closes idle and header-phase connections
   for (Impl::Listener& l : s.listeners) {
     close(l.fd);
     l.fd = -1;
@@ -1354,6 +1758,11 @@ int HttpServer::tcp_port() const { return impl_->tcp_port; }
 int HttpServer::active_connections() const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   return static_cast<int>(impl_->conns.size());
+}
+
+int HttpServer::open_connections() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return static_cast<int>(impl_->conns.size() + impl_->parked.size()) + impl_->poller_conns.load();
 }
 
 }  // namespace esb::api

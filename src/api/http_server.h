@@ -2,11 +2,19 @@
 // streamed (chunked) responses for SSE and downloads, streamed request bodies for uploads, and
 // hard limits and timeouts everywhere.
 //
-// Threading model: one acceptor thread per listener (TCP and/or unix socket) and one thread per
-// connection doing synchronous I/O, so a handler may block for minutes (exec) without stalling
-// anybody else. The number of connection threads is bounded by `max_connections`; excess
-// connections get a 503 and are closed. Every socket read and write has a deadline (poll-based),
-// so a slow or silent client cannot hold a thread forever.
+// Threading model: one poller thread (epoll) accepts connections on every listener (TCP and/or
+// unix socket) and owns them while they are idle or still sending their request header: it reads
+// without blocking into a per-connection buffer capped at `max_header_bytes`, under the header
+// deadline. Only a connection whose header block is complete gets a thread, which handles that
+// one request with synchronous I/O (so a handler may block for minutes, e.g. exec, without
+// stalling anybody) and hands a keep-alive connection back to the poller. So idle and slow
+// (slowloris) clients hold no thread: the number of request threads is bounded by
+// `max_connections` (excess requests get a 503), and open connections by a much larger cap
+// derived from RLIMIT_NOFILE, beyond which the oldest idle or header-phase connection is closed
+// to admit a new one. A route's `before_body` hook (authentication) runs on the header alone, so
+// nobody sends a body before being admitted; buffered bodies share a server-wide memory budget.
+// Every socket read and write has a deadline (poll-based), so a slow or silent client cannot
+// hold a thread forever.
 //
 // Typical use:
 //
@@ -131,6 +139,12 @@ class Request {
   // Milliseconds since the request's headers were read.
   int64_t ElapsedMs() const;
 
+  // True if the request announced a body (Content-Length > 0 or chunked), even before (or
+  // without) the server reading it.
+  bool has_body() const { return has_body_ || !body_.empty(); }
+  // Whoever a route's `before_body` hook admitted (e.g. the authenticated tenant); "" if unset.
+  const std::string& principal() const { return principal_; }
+
   // --- Filled by the server. Tests that call handlers directly may set them. ---
   Request() = default;
   std::string method_, path_, target_, body_;
@@ -139,6 +153,8 @@ class Request {
   std::vector<std::pair<std::string, std::string>> headers_;
   PeerInfo peer_;
   BodyReader* body_reader_ = nullptr;
+  bool has_body_ = false;
+  std::string principal_;
   int fd_ = -1;
   int64_t start_ms_ = 0;
 };
@@ -202,10 +218,10 @@ boost::json::object ErrorBody(std::string_view code, std::string_view message);
 Response ErrorResponse(int status, std::string_view code, std::string_view message);
 // Same, with the machine code derived from the status (ErrorCodeForStatus).
 Response ErrorResponse(int status, std::string_view message);
-// 400 → "bad_request", 401 → "unauthorized", 404 → "not_found", 405 → "method_not_allowed",
-// 409 → "conflict", 413 → "payload_too_large", 415 → "unsupported_media_type",
-// 422 → "unprocessable", 429 → "too_many_requests", 503 → "unavailable", others ≥ 500 →
-// "internal", other 4xx → "bad_request".
+// 400 → "bad_request", 401 → "unauthorized", 403 → "forbidden", 404 → "not_found", 405 →
+// "method_not_allowed", 409 → "conflict", 413 → "payload_too_large", 415 →
+// "unsupported_media_type", 422 → "unprocessable", 429 → "too_many_requests", 503 → "unavailable",
+// others ≥ 500 → "internal", other 4xx → "bad_request".
 std::string_view ErrorCodeForStatus(int status);
 // Maps an absl::Status to an error response with the status message:
 // InvalidArgument/OutOfRange/FailedPrecondition/PermissionDenied/Unimplemented → 400,
@@ -229,6 +245,12 @@ struct RouteOptions {
   // `max_stream_body_bytes` is answered 413 before the handler runs.
   bool stream_body = false;
   uint64_t max_stream_body_bytes = 256ull << 20;
+  // Called with the parsed header (method, path, params, query, headers, peer; no body yet) before
+  // any body byte is read and before "100 Continue". Returning a response answers the request
+  // with it, without reading the body (the connection is closed if a body was announced). May
+  // set Request::principal_ for the handler. This is where authentication belongs: a client
+  // that is not admitted never gets the server to buffer anything for it. Must not throw.
+  std::function<std::optional<Response>(Request&)> before_body;
 };
 
 class Router {
@@ -273,13 +295,27 @@ class HttpServer {
     std::string unix_socket_path;
     int unix_socket_mode = 0660;
 
+    // Requests handled at once, each on its own thread; more → 503 (idle keep-alive connections
+    // and connections still sending their header hold no thread and do not count).
     int max_connections = 256;
+    // Open connections in all (each costs one fd); at the cap the oldest idle or header-phase
+    // connection is closed to admit a new one. 0: half of RLIMIT_NOFILE's soft limit.
+    int max_open_connections = 0;
     size_t max_header_bytes = 64 * 1024;               // request line + headers → 400 beyond
     uint64_t max_body_bytes = 16ull << 20;             // buffered bodies → 413 beyond
+    // Memory for buffered request bodies across all connections; a body that does not fit is
+    // answered 503 (retry later). Header buffers of connections still sending their header have
+    // their own budget, beyond which the oldest such connection is closed.
+    uint64_t max_buffered_body_bytes = 128ull << 20;
+    uint64_t max_buffered_header_bytes = 64ull << 20;
     std::chrono::milliseconds header_timeout{30'000};  // from first byte to end of headers
     std::chrono::milliseconds body_timeout{60'000};    // whole buffered body; stream: per read
     std::chrono::milliseconds idle_timeout{60'000};    // keep-alive wait for the next request
     std::chrono::milliseconds write_timeout{60'000};   // no write progress for this long → drop
+    // A response (or one chunk of a streamed one) must go out at least this fast on average,
+    // on top of write_timeout: a client reading a trickle cannot hold a thread (and the
+    // response's memory) indefinitely. 0: no minimum.
+    uint64_t min_write_bytes_per_second = 16 << 10;
     std::chrono::milliseconds drain_timeout{10'000};   // Stop(): wait for in-flight requests
 
     bool access_log = true;  // one esb::Log line per response
@@ -297,7 +333,7 @@ class HttpServer {
   // Add routes here before Start().
   Router& router();
 
-  // Binds the listeners and starts the acceptor threads. Fails if a listener cannot be bound.
+  // Binds the listeners and starts the poller thread. Fails if a listener cannot be bound.
   absl::Status Start();
   // Stops accepting, closes idle keep-alive connections, and waits up to drain_timeout for
   // in-flight requests (they are answered with "Connection: close"). Connections still busy
@@ -309,8 +345,10 @@ class HttpServer {
 
   // The bound TCP port (after Start()), or -1.
   int tcp_port() const;
-  // Connections currently open (each holds a thread).
+  // Requests currently being handled (each holds a thread).
   int active_connections() const;
+  // Connections open in all: idle, sending a header, or being handled.
+  int open_connections() const;
 
   struct Impl;
 

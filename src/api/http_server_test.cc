@@ -247,6 +247,12 @@ class HttpServerTest : public ::testing::Test {
   std::unique_ptr<HttpServer> server_;
 };
 
+std::string HexSize(size_t n) {
+  char b[24];
+  snprintf(b, sizeof(b), "%zx", n);
+  return b;
+}
+
 Response Hello(Request&) { return JsonResponse(200, boost::json::object{{"hello", "world"}}); }
 
 // ---------------------------------------------------------------------------------------------
@@ -606,26 +612,244 @@ TEST_F(HttpServerTest, SlowClientTimesOut) {
 TEST_F(HttpServerTest, MaxConnectionsAnswers503) {
   HttpServer::Options o = DefaultOptions();
   o.max_connections = 2;
-  Start(o, [](Router& r) { r.Add("GET", "/hello", Hello); });
+  std::promise<void> release;
+  std::shared_future<void> released = release.get_future().share();
+  std::atomic<int> blocked{0};
+  Start(o, [&](Router& r) {
+    r.Add("GET", "/hello", Hello);
+    r.Add("GET", "/block", [&, released](Request& req) {
+      ++blocked;
+      released.wait_for(std::chrono::seconds(10));
+      return Hello(req);
+    });
+  });
+  // Two requests in progress hold both request threads.
   Client a = Connect();
   Client b = Connect();
-  // Make sure both are being served (threads hold them).
-  ASSERT_TRUE(a.Request("GET", "/hello"));
-  ASSERT_TRUE(b.Request("GET", "/hello"));
+  ASSERT_TRUE(a.Send("GET /block HTTP/1.1\r\nHost: t\r\n\r\n"));
+  ASSERT_TRUE(b.Send("GET /block HTTP/1.1\r\nHost: t\r\n\r\n"));
+  int64_t deadline = MonotonicMs() + 3000;
+  while (blocked.load() < 2 && MonotonicMs() < deadline)
+    std::this_thread::sleep_for(milliseconds(10));
+  ASSERT_EQ(blocked.load(), 2);
   Client c = Connect();
   std::optional<Resp> r = c.Request("GET", "/hello");
   ASSERT_TRUE(r);
   ExpectErrorBody(*r, 503, "unavailable");
-  a.Close();
-  // Once a slot is free, new connections are served again.
-  int64_t deadline = MonotonicMs() + 3000;
-  while (server_->active_connections() > 1 && MonotonicMs() < deadline) {
-    std::this_thread::sleep_for(milliseconds(10));
-  }
+  release.set_value();
+  ASSERT_TRUE(a.Read());
+  ASSERT_TRUE(b.Read());
+  // Once a thread is free, requests are served again, also on the kept-alive connections.
+  EXPECT_TRUE(WaitNoConnections());
   Client d = Connect();
   r = d.Request("GET", "/hello");
   ASSERT_TRUE(r);
   EXPECT_EQ(r->status, 200);
+  r = a.Request("GET", "/hello");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 200);
+}
+
+// Connection-slot exhaustion: idle connections, and connections trickling a header (slowloris),
+// hold no request thread, so they cannot lock anybody out however many there are.
+TEST_F(HttpServerTest, IdleAndSlowlorisConnectionsHoldNoRequestThread) {
+  HttpServer::Options o = DefaultOptions();
+  o.max_connections = 4;
+  Start(o, [](Router& r) { r.Add("GET", "/hello", Hello); });
+  std::vector<Client> idle;
+  for (int i = 0; i < 300; ++i) idle.push_back(Connect());
+  std::vector<Client> slow;
+  for (int i = 0; i < 100; ++i) {
+    slow.push_back(Connect());
+    ASSERT_TRUE(slow.back().Send("GET /hello HTTP/1.1\r\nHost: t\r\nX-Slow: "));
+  }
+  // Keep-alive connections that served a request go back to idle too.
+  for (int i = 0; i < 20; ++i) ASSERT_TRUE(idle[i].Request("GET", "/hello"));
+  for (int i = 0; i < 3; ++i) {
+    for (Client& s : slow) s.Send("a");
+    int64_t t0 = MonotonicMs();
+    Client c = Connect();
+    std::optional<Resp> r = c.Request("GET", "/hello");
+    ASSERT_TRUE(r);
+    EXPECT_EQ(r->status, 200);
+    EXPECT_LT(MonotonicMs() - t0, 1000);
+  }
+  EXPECT_EQ(server_->active_connections(), 0);
+  EXPECT_GE(server_->open_connections(), 400);
+}
+
+// At the open-connection cap, a new connection displaces the oldest idle one instead of being
+// refused: a flood of idle connections cannot keep a real client out.
+TEST_F(HttpServerTest, OpenConnectionCapClosesTheOldestIdleConnection) {
+  HttpServer::Options o = DefaultOptions();
+  o.max_connections = 4;
+  o.max_open_connections = 30;
+  Start(o, [](Router& r) { r.Add("GET", "/hello", Hello); });
+  std::vector<Client> idle;
+  for (int i = 0; i < 30; ++i) idle.push_back(Connect());
+  for (int i = 0; i < 30 && server_->open_connections() < 30; ++i)
+    std::this_thread::sleep_for(milliseconds(10));
+  Client c = Connect();
+  std::optional<Resp> r = c.Request("GET", "/hello");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 200);
+  EXPECT_TRUE(idle[0].WaitClosed(2000)) << "the oldest idle connection makes room";
+  EXPECT_LE(server_->open_connections(), 30);
+}
+
+// Header-phase memory is bounded across connections: past the budget the oldest header-phase
+// connection is closed.
+TEST_F(HttpServerTest, HeaderMemoryBudgetClosesTheOldestHeaderPhaseConnection) {
+  HttpServer::Options o = DefaultOptions();
+  o.max_buffered_header_bytes = 256 << 10;
+  Start(o, [](Router& r) { r.Add("GET", "/hello", Hello); });
+  std::string filler(40 << 10, 'a');
+  std::vector<Client> big;
+  for (int i = 0; i < 10; ++i) {
+    big.push_back(Connect());
+    ASSERT_TRUE(big.back().Send(Cat("GET /hello HTTP/1.1\r\nX: ", filler)));
+    std::this_thread::sleep_for(milliseconds(20));
+  }
+  EXPECT_TRUE(big[0].WaitClosed(2000));
+  Client c = Connect();
+  std::optional<Resp> r = c.Request("GET", "/hello");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 200);
+}
+
+// A route's before_body hook runs on the header: a refused client gets its answer without a
+// byte of its (announced, huge) body being read, and the handler never runs.
+TEST_F(HttpServerTest, BeforeBodyRefusesOnTheHeaderWithoutReadingTheBody) {
+  std::atomic<int> handled{0};
+  std::atomic<int> admitted{0};
+  Start([&](Router& r) {
+    RouteOptions ro;
+    ro.before_body = [&](Request& req) -> std::optional<Response> {
+      if (req.Header("authorization") != "Bearer ok") {
+        return ErrorResponse(401, "unauthorized", "no key");
+      }
+      ++admitted;
+      req.principal_ = "tenant-a";
+      return std::nullopt;
+    };
+    r.Add(
+        "POST", "/environments",
+        [&](Request& req) {
+          ++handled;
+          return JsonResponse(
+              200, boost::json::object{{"who", req.principal()}, {"size", req.body().size()}});
+        },
+        ro);
+  });
+  Client c = Connect();
+  ASSERT_TRUE(
+      c.Send("POST /environments HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+             "Content-Length: 16777216\r\n\r\n"));
+  int64_t t0 = MonotonicMs();
+  std::optional<Resp> r = c.Read();
+  ASSERT_TRUE(r);
+  ExpectErrorBody(*r, 401, "unauthorized");
+  EXPECT_FALSE(r->keep_alive);
+  EXPECT_LT(MonotonicMs() - t0, 1000) << "answered without waiting for the body";
+  EXPECT_EQ(handled.load(), 0);
+  // While the refused client keeps sending its body, no request thread is held for it (the
+  // poller drains and then closes the connection).
+  ASSERT_TRUE(c.Send(std::string(256 << 10, ' ')));
+  EXPECT_TRUE(WaitNoConnections(500));
+  EXPECT_TRUE(c.WaitClosed(4000));
+  // Expect: 100-continue is not granted either.
+  Client e = Connect();
+  ASSERT_TRUE(
+      e.Send("POST /environments HTTP/1.1\r\nHost: t\r\nExpect: 100-continue\r\n"
+             "Content-Length: 10\r\n\r\n"));
+  std::string raw = e.ReadUntil("\r\n\r\n");
+  EXPECT_TRUE(raw.starts_with("HTTP/1.1 401")) << raw;
+  // Admitted: the handler sees the principal and the body.
+  Client ok = Connect();
+  r = ok.Request("POST", "/environments", "{}", "Authorization: Bearer ok\r\n");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 200);
+  EXPECT_EQ(r->Json().at("who"), "tenant-a");
+  EXPECT_EQ(handled.load(), 1);
+}
+
+// Buffered bodies share a server-wide memory budget: a body that does not fit is answered 503
+// at once (not buffered), and the budget is returned when a request is done.
+TEST_F(HttpServerTest, BufferedBodiesBeyondTheServerBudgetGet503) {
+  HttpServer::Options o = DefaultOptions();
+  o.max_buffered_body_bytes = 1 << 20;
+  o.body_timeout = milliseconds(3000);
+  Start(o, [](Router& r) {
+    r.Add("POST", "/echo", [](Request& req) {
+      return JsonResponse(200, boost::json::object{{"size", req.body().size()}});
+    });
+  });
+  // Two slow clients each announce 600 KiB and send part of it: the second does not fit.
+  Client a = Connect();
+  ASSERT_TRUE(a.Send("POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 614400\r\n\r\nxx"));
+  std::this_thread::sleep_for(milliseconds(100));
+  Client b = Connect();
+  std::optional<Resp> r = b.Request("POST", "/echo", std::string(614400, 'x'));
+  ASSERT_TRUE(r);
+  ExpectErrorBody(*r, 503, "unavailable");
+  // Chunked bodies are counted as they grow.
+  Client ch = Connect();
+  std::string chunk(500 << 10, 'y');
+  ASSERT_TRUE(ch.Send(Cat("POST /echo HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n",
+                          HexSize(chunk.size()), "\r\n", chunk, "\r\n", HexSize(chunk.size()),
+                          "\r\n", chunk, "\r\n0\r\n\r\n")));
+  r = ch.Read();
+  ASSERT_TRUE(r);
+  ExpectErrorBody(*r, 503, "unavailable");
+  // The first finishes; then the budget is free again.
+  ASSERT_TRUE(a.Send(std::string(614398, 'x')));
+  r = a.Read();
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 200);
+  Client c = Connect();
+  r = c.Request("POST", "/echo", std::string(900 << 10, 'z'));
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 200);
+}
+
+// A client that reads a large answer at a trickle (enough to make progress, so the no-progress
+// timeout never fires) is cut off once the write falls below the minimum average rate, so it
+// cannot hold a request thread and the response's memory indefinitely.
+TEST_F(HttpServerTest, TrickleReaderOfALargeResponseIsCutOff) {
+  HttpServer::Options o = DefaultOptions();
+  o.write_timeout = milliseconds(500);
+  o.min_write_bytes_per_second = 64 << 20;  // 32 MiB may take 0.5 s + 0.5 s
+  Start(o, [](Router& r) {
+    r.Add("GET", "/big", [](Request&) { return Response::Text(200, std::string(32 << 20, 'b')); });
+    r.Add("GET", "/hello", Hello);
+  });
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  int small = 4096;
+  setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &small, sizeof(small));
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(server_->tcp_port()));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+  Client c(fd);
+  ASSERT_TRUE(c.Send("GET /big HTTP/1.1\r\nHost: t\r\n\r\n"));
+  int64_t t0 = MonotonicMs();
+  size_t got = 0;
+  bool closed = false;
+  while (!closed && MonotonicMs() - t0 < 10000) {
+    char buf[4096];
+    ssize_t n = recv(fd, buf, sizeof(buf), 0);
+    if (n <= 0) {
+      closed = true;
+      break;
+    }
+    got += static_cast<size_t>(n);
+    std::this_thread::sleep_for(milliseconds(20));  // ~200 KiB/s
+  }
+  EXPECT_TRUE(closed);
+  EXPECT_LT(got, size_t{32} << 20);
+  EXPECT_LT(MonotonicMs() - t0, 5000);
+  EXPECT_TRUE(WaitNoConnections());
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -29,17 +29,20 @@ JsonBody ParseJsonObject(std::string_view text, bool allow_empty) {
   return JsonBody(std::move(v.as_object()));
 }
 
-JsonBody ParseJsonObjectBody(const Request& req, bool allow_empty) {
-  if (!TrimAscii(req.body()).empty()) {
-    std::string ct = req.ContentType();
-    // `curl -d '{...}'` labels JSON as a form; accept that label (the body must still be
-    // valid JSON), so the documented curl one-liners work without -H.
-    if (!ct.empty() && ct != "application/json" && !std::string_view(ct).ends_with("+json") &&
-        ct != "application/x-www-form-urlencoded") {
-      return JsonBody(ErrorResponse(415, "unsupported_media_type",
-                                    Cat("request body must be application/json, not '", ct, "'")));
-    }
+std::optional<Response> CheckJsonContentType(const Request& req) {
+  if (!req.has_body()) return std::nullopt;
+  std::string ct = req.ContentType();
+  if (ct == "application/json" ||
+      (ct.starts_with("application/") && std::string_view(ct).ends_with("+json"))) {
+    return std::nullopt;
   }
+  return ErrorResponse(415, "unsupported_media_type",
+                       Cat("request body must be JSON: send Content-Type: application/json (got ",
+                           ct.empty() ? std::string("no Content-Type") : Cat("'", ct, "'"), ")"));
+}
+
+JsonBody ParseJsonObjectBody(const Request& req, bool allow_empty) {
+  if (std::optional<Response> bad = CheckJsonContentType(req)) return JsonBody(std::move(*bad));
   return ParseJsonObject(req.body(), allow_empty);
 }
 

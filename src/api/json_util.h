@@ -43,12 +43,18 @@ class JsonBody {
 
 // Parses the request body as a JSON object.
 // - empty (or whitespace-only) body: an empty object if `allow_empty`, else 400;
-// - non-empty body with a Content-Type other than application/json, */*+json or
-//   application/x-www-form-urlencoded (curl -d's default label; the body must still be JSON): 415
-//   (a missing Content-Type is accepted);
+// - a body without Content-Type application/json (or application/*+json): 415, see
+//   CheckJsonContentType;
 // - malformed JSON (including invalid UTF-8): 400 "malformed JSON body: <reason> at offset N";
 // - valid JSON that is not an object: 400 "request body must be a JSON object".
 JsonBody ParseJsonObjectBody(const Request& req, bool allow_empty = true);
+// SECURITY: JSON routes take only application/json (or application/*+json) bodies; parameters
+// such as charset are fine. A browser page on another site can send a form or text/plain body
+// without a CORS preflight, never a JSON one, so this is what keeps cross-site requests from
+// acting on the API. A request with a body and any other (or no) Content-Type → 415 with a
+// message saying what to send; a request without a body passes. Usable on the header alone
+// (Request::has_body()), before the body is read.
+std::optional<Response> CheckJsonContentType(const Request& req);
 // The same checks on a raw string (no content-type check).
 JsonBody ParseJsonObject(std::string_view text, bool allow_empty = true);
 

@@ -49,12 +49,15 @@ TEST(JsonBodyTest, ContentTypeChecked) {
   req.headers_ = {{"content-type", "application/merge-patch+json"}};
   EXPECT_TRUE(ParseJsonObjectBody(req).ok());
   req.headers_ = {};
-  EXPECT_TRUE(ParseJsonObjectBody(req).ok());  // missing content type is tolerated
+  EXPECT_EQ(ParseJsonObjectBody(req).error().status, 415) << "a body needs a content type";
+  // What `curl -d '{...}'` and a cross-site HTML form send: refused although the body is JSON.
   req.headers_ = {{"Content-Type", "application/x-www-form-urlencoded"}};
-  EXPECT_TRUE(ParseJsonObjectBody(req).ok());  // what `curl -d '{...}'` sends
-  req.body_ = "a=1&b=2";
-  EXPECT_EQ(ParseJsonObjectBody(req).error().status, 400) << "a real form is still refused";
-  req.body_ = R"({"a": 1})";
+  JsonBody form = ParseJsonObjectBody(req);
+  ASSERT_FALSE(form.ok());
+  EXPECT_EQ(form.error().status, 415);
+  EXPECT_NE(form.error().body.find("send Content-Type: application/json"), std::string::npos);
+  req.headers_ = {{"Content-Type", "multipart/form-data; boundary=x"}};
+  EXPECT_EQ(ParseJsonObjectBody(req).error().status, 415);
   req.headers_ = {{"Content-Type", "text/plain"}};
   JsonBody b = ParseJsonObjectBody(req);
   ASSERT_FALSE(b.ok());
@@ -62,6 +65,13 @@ TEST(JsonBodyTest, ContentTypeChecked) {
   EXPECT_NE(b.error().body.find("unsupported_media_type"), std::string::npos);
   req.body_ = "";
   EXPECT_TRUE(ParseJsonObjectBody(req).ok());  // empty body: content type irrelevant
+  // On the header alone (before the body is read), an announced body counts.
+  Request head;
+  head.has_body_ = true;
+  head.headers_ = {{"Content-Type", "text/plain;charset=utf-8"}};
+  EXPECT_TRUE(CheckJsonContentType(head).has_value());
+  head.headers_ = {{"Content-Type", "Application/JSON; charset=utf-8"}};
+  EXPECT_FALSE(CheckJsonContentType(head).has_value());
 }
 
 TEST(JsonFieldsTest, ReadsTypedFields) {

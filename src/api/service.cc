@@ -1,5 +1,7 @@
 #include "api/service.h"
 
+#include <arpa/inet.h>
+
 #include <algorithm>
 #include <set>
 
@@ -66,6 +68,74 @@ json::object ResultJson(const ExecResult& r) {
                       {"truncated", r.truncated}};
 }
 
+// "localhost", "127.x.y.z" or "[::1]", each optionally with ":port": the names a page served
+// from this machine has. Anything else in Host is a DNS-rebinding page or a remote name.
+bool IsLoopbackHostPort(std::string_view hp) {
+  std::string_view host = hp;
+  std::string_view port;
+  if (hp.starts_with('[')) {
+    size_t close = hp.find(']');
+    if (close == std::string_view::npos) return false;
+    host = hp.substr(1, close - 1);
+    std::string_view rest = hp.substr(close + 1);
+    if (!rest.empty()) {
+      if (rest[0] != ':') return false;
+      port = rest.substr(1);
+    }
+    in6_addr a6{};
+    if (inet_pton(AF_INET6, std::string(host).c_str(), &a6) != 1 || !IN6_IS_ADDR_LOOPBACK(&a6))
+      return false;
+  } else {
+    size_t colon = hp.find(':');
+    if (colon != std::string_view::npos) {
+      host = hp.substr(0, colon);
+      port = hp.substr(colon + 1);
+    }
+    in_addr a4{};
+    bool ok = EqualsIgnoreCase(host, "localhost") ||
+              (inet_pton(AF_INET, std::string(host).c_str(), &a4) == 1 &&
+               (ntohl(a4.s_addr) >> 24) == 127);
+    if (!ok) return false;
+  }
+  if (hp.find(':') != std::string_view::npos && !hp.starts_with('[') && port.empty()) return false;
+  if (port.size() > 5) return false;
+  for (char c : port) {
+    if (c < '0' || c > '9') return false;
+  }
+  return true;
+}
+
+// SECURITY: dev mode has no keys, so "who may call" is "who can reach loopback". A browser on
+// this machine can, on behalf of any web page: through DNS rebinding (a page's own name resolved
+// to 127.0.0.1: its requests carry that name in Host) or as a cross-site request (Origin is the
+// other site). Only requests naming this machine in Host, and coming from a loopback page if
+// they carry an Origin, are served.
+absl::Status CheckDevModeBrowserRequest(const Request& req) {
+  // Every Host and Origin header is checked: a repeated one must not hide behind a good first.
+  for (const auto& [name, value] : req.headers()) {
+    std::string_view v = TrimAscii(value);
+    if (EqualsIgnoreCase(name, "host") && !IsLoopbackHostPort(v)) {
+      return absl::PermissionDeniedError(
+          Cat("requests served without an API key (dev mode, loopback /metrics) must be "
+              "addressed to localhost, 127.0.0.1 or [::1]; Host '",
+              v.substr(0, 200), "' is refused (DNS rebinding protection)"));
+    }
+    if (EqualsIgnoreCase(name, "origin")) {
+      bool ok = false;
+      for (std::string_view scheme : {"http://", "https://"}) {
+        if (StartsWithIgnoreCase(v, scheme)) ok = IsLoopbackHostPort(v.substr(scheme.size()));
+      }
+      if (!ok) {
+        return absl::PermissionDeniedError(
+            Cat("requests served without an API key (dev mode, loopback /metrics) refuse "
+                "cross-site browser requests: Origin '",
+                v.substr(0, 200), "' is not a page on this machine"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 std::string SanitizeUtf8(std::string_view in) { return SanitizeUtf8Impl(in); }
@@ -89,10 +159,15 @@ absl::StatusOr<std::string> ApiService::Authenticate(const Request& req) {
   auto active = store_->CountActiveApiKeys();
   if (!active.ok()) return active.status();
   if (*active == 0) {
-    // SECURITY: dev mode (no keys) serves only this machine's users.
-    if (req.peer().is_loopback || req.peer().is_unix) return std::string("default");
-    return absl::UnauthenticatedError(
-        "no API keys are configured (dev mode): only loopback clients are served");
+    // SECURITY: dev mode (no keys) serves only this machine's users, and not web pages their
+    // browsers load (browsers speak TCP only, so the unix socket needs no such check).
+    if (req.peer().is_unix) return std::string("default");
+    if (!req.peer().is_loopback) {
+      return absl::UnauthenticatedError(
+          "no API keys are configured (dev mode): only loopback clients are served");
+    }
+    if (absl::Status st = CheckDevModeBrowserRequest(req); !st.ok()) return st;
+    return std::string("default");
   }
   auto token = BearerToken(req);
   if (!token) return absl::UnauthenticatedError("missing 'Authorization: Bearer <api-key>'");
@@ -159,14 +234,37 @@ json::object ApiService::RenderEnvironment(const EnvironmentInfo& info, bool wit
   return o;
 }
 
+std::optional<Response> ApiService::Admit(Request& req, bool json_body) {
+  auto tenant = Authenticate(req);
+  if (!tenant.ok()) {
+    if (absl::IsPermissionDenied(tenant.status()))
+      return ErrorResponse(403, "forbidden", StdView(tenant.status().message()));
+    return StatusResponse(tenant.status());
+  }
+  if (json_body) {
+    if (std::optional<Response> bad = CheckJsonContentType(req)) return bad;
+  }
+  req.principal_ = *tenant;
+  return std::nullopt;
+}
+
 void ApiService::Register(Router& router) {
-  // Wraps a handler with authentication; `action` names the audit row (empty: no audit here).
-  auto authed = [this](auto fn) {
-    return [this, fn](Request& req) -> Response {
-      auto tenant = Authenticate(req);
-      if (!tenant.ok()) return StatusResponse(tenant.status());
-      return fn(req, *tenant);
-    };
+  // Authenticated routes. The server admits the request on its header (RouteOptions::
+  // before_body) before reading any body, so an unauthenticated client never gets a body
+  // buffered; POST bodies must be JSON (CheckJsonContentType).
+  auto add = [this, &router](std::string method, std::string_view pattern, auto fn,
+                             RouteOptions opts = {}) {
+    const bool json_body = method == "POST" && !opts.stream_body;
+    opts.before_body = [this, json_body](Request& req) { return Admit(req, json_body); };
+    router.Add(
+        std::move(method), pattern,
+        [this, fn, json_body](Request& req) -> Response {
+          if (req.principal().empty()) {  // called without the server's admission step
+            if (std::optional<Response> refused = Admit(req, json_body)) return *refused;
+          }
+          return fn(req, req.principal());
+        },
+        std::move(opts));
   };
 
   router.Add("GET", "/healthz", [this](Request&) {
@@ -185,6 +283,10 @@ void ApiService::Register(Router& router) {
     if (!req.peer().is_loopback && !req.peer().is_unix) {
       auto tenant = Authenticate(req);
       if (!tenant.ok()) return StatusResponse(tenant.status());
+    } else if (req.peer().is_loopback) {
+      // Served without a key on loopback, so not to web pages (see CheckDevModeBrowserRequest).
+      if (absl::Status st = CheckDevModeBrowserRequest(req); !st.ok())
+        return ErrorResponse(403, "forbidden", StdView(st.message()));
     }
     return Response::Text(200, metrics_->Render(manager_->StateCounts(), manager_->PoolReady()),
                           "text/plain; version=0.0.4");
@@ -192,84 +294,79 @@ void ApiService::Register(Router& router) {
 
   router.Add("GET", "/tools", [](Request&) { return JsonResponse(200, ToolsCatalog()); });
 
-  router.Add("POST", "/environments", authed([this](Request& req, const std::string& t) {
-               return CreateEnvironment(req, t);
-             }));
+  add("POST", "/environments",
+      [this](Request& req, const std::string& t) { return CreateEnvironment(req, t); });
 
-  router.Add("GET", "/environments", authed([this](Request& req, const std::string& t) {
-               std::string all = req.Query("all").value_or("0");
-               auto list = manager_->List(t, all == "1" || all == "true");
-               if (!list.ok()) return StatusResponse(list.status());
-               json::array arr;
-               for (const auto& info : *list) arr.push_back(RenderEnvironment(info, false));
-               return JsonResponse(200, json::object{{"environments", std::move(arr)}});
-             }));
+  add("GET", "/environments", [this](Request& req, const std::string& t) {
+    std::string all = req.Query("all").value_or("0");
+    auto list = manager_->List(t, all == "1" || all == "true");
+    if (!list.ok()) return StatusResponse(list.status());
+    json::array arr;
+    for (const auto& info : *list) arr.push_back(RenderEnvironment(info, false));
+    return JsonResponse(200, json::object{{"environments", std::move(arr)}});
+  });
 
-  router.Add("GET", "/environments/{id}", authed([this](Request& req, const std::string& t) {
-               auto info = manager_->Get(t, req.Param("id"));
-               if (!info.ok()) return StatusResponse(info.status());
-               return JsonResponse(200, RenderEnvironment(*info, true));
-             }));
+  add("GET", "/environments/{id}", [this](Request& req, const std::string& t) {
+    auto info = manager_->Get(t, req.Param("id"));
+    if (!info.ok()) return StatusResponse(info.status());
+    return JsonResponse(200, RenderEnvironment(*info, true));
+  });
 
-  router.Add("DELETE", "/environments/{id}", authed([this](Request& req, const std::string& t) {
-               int64_t start = MonotonicMs();
-               std::string id = req.Param("id");
-               absl::Status st = manager_->Destroy(t, id, "deleted");
-               Response resp = st.ok() ? JsonResponse(200, json::object{{"error", false},
-                                                                        {"message",
-                                                                         "Environment destroyed."}})
-                                       : StatusResponse(st);
-               if (!absl::IsNotFound(st))
-                 Audit(t, id, "environment.delete", "", std::nullopt, MonotonicMs() - start, 0,
-                       resp.status);
-               return resp;
-             }));
+  add("DELETE", "/environments/{id}", [this](Request& req, const std::string& t) {
+    int64_t start = MonotonicMs();
+    std::string id = req.Param("id");
+    absl::Status st = manager_->Destroy(t, id, "deleted");
+    Response resp = st.ok() ? JsonResponse(200, json::object{{"error", false},
+                                                             {"message", "Environment destroyed."}})
+                            : StatusResponse(st);
+    if (!absl::IsNotFound(st))
+      Audit(t, id, "environment.delete", "", std::nullopt, MonotonicMs() - start, 0, resp.status);
+    return resp;
+  });
 
-  router.Add("POST", "/environments/{id}/heartbeat",
-             authed([this](Request& req, const std::string& t) {
-               auto body = ParseJsonObjectBody(req);
-               if (!body.ok()) return body.error();
-               JsonFields f(body.value());
-               int64_t ttl = f.OptionalInt("ttl_seconds", 0, 10, 86400);
-               if (!f.ok()) return f.ErrorResponse();
-               auto expires = manager_->Heartbeat(t, req.Param("id"), ttl);
-               if (!expires.ok()) return StatusResponse(expires.status());
-               return JsonResponse(200, json::object{{"error", false},
-                                                     {"expires_at", FormatRfc3339(*expires)}});
-             }));
+  add("POST", "/environments/{id}/heartbeat", [this](Request& req, const std::string& t) {
+    auto body = ParseJsonObjectBody(req);
+    if (!body.ok()) return body.error();
+    JsonFields f(body.value());
+    int64_t ttl = f.OptionalInt("ttl_seconds", 0, 10, 86400);
+    if (!f.ok()) return f.ErrorResponse();
+    auto expires = manager_->Heartbeat(t, req.Param("id"), ttl);
+    if (!expires.ok()) return StatusResponse(expires.status());
+    return JsonResponse(200,
+                        json::object{{"error", false}, {"expires_at", FormatRfc3339(*expires)}});
+  });
 
-  router.Add("POST", "/environments/{id}/execute",
-             authed([this](Request& req, const std::string& t) { return Execute(req, t); }));
-  router.Add("POST", "/environments/{id}/files/write",
-             authed([this](Request& req, const std::string& t) { return WriteFile(req, t); }));
-  router.Add("GET", "/environments/{id}/files/read",
-             authed([this](Request& req, const std::string& t) { return ReadFile(req, t); }));
+  add("POST", "/environments/{id}/execute",
+      [this](Request& req, const std::string& t) { return Execute(req, t); });
+  add("POST", "/environments/{id}/files/write",
+      [this](Request& req, const std::string& t) { return WriteFile(req, t); });
+  add("GET", "/environments/{id}/files/read",
+      [this](Request& req, const std::string& t) { return ReadFile(req, t); });
   RouteOptions upload;
   upload.stream_body = true;
   upload.max_stream_body_bytes = static_cast<uint64_t>(options_.max_upload_bytes);
-  router.Add("PUT", "/environments/{id}/files/raw",
-             authed([this](Request& req, const std::string& t) { return PutRaw(req, t); }),
-             upload);
-  router.Add("GET", "/environments/{id}/files/raw",
-             authed([this](Request& req, const std::string& t) { return GetRaw(req, t); }));
-  router.Add("GET", "/environments/{id}/files/list",
-             authed([this](Request& req, const std::string& t) { return ListFiles(req, t); }));
-  router.Add("GET", "/environments/{id}/artifacts",
-             authed([this](Request& req, const std::string& t) { return ListArtifacts(req, t); }));
-  router.Add("GET", "/environments/{id}/artifacts/{aid}",
-             authed([this](Request& req, const std::string& t) { return GetArtifact(req, t); }));
-  router.Add("GET", "/audit",
-             authed([this](Request& req, const std::string& t) { return QueryAudit(req, t); }));
+  add(
+      "PUT", "/environments/{id}/files/raw",
+      [this](Request& req, const std::string& t) { return PutRaw(req, t); }, upload);
+  add("GET", "/environments/{id}/files/raw",
+      [this](Request& req, const std::string& t) { return GetRaw(req, t); });
+  add("GET", "/environments/{id}/files/list",
+      [this](Request& req, const std::string& t) { return ListFiles(req, t); });
+  add("GET", "/environments/{id}/artifacts",
+      [this](Request& req, const std::string& t) { return ListArtifacts(req, t); });
+  add("GET", "/environments/{id}/artifacts/{aid}",
+      [this](Request& req, const std::string& t) { return GetArtifact(req, t); });
+  add("GET", "/audit", [this](Request& req, const std::string& t) { return QueryAudit(req, t); });
 
-  auto run = authed([this](Request& req, const std::string& t) -> Response {
+  auto run = [this](Request& req, const std::string& t) -> Response {
     if (!run_handler_)
       return ErrorResponse(400, "bad_request",
                            "POST /run needs the nano tier, which is not available on this "
                            "daemon (see GET /healthz 'unavailable')");
     return run_handler_(t, req.Param("id"), req);
-  });
-  router.Add("POST", "/run", run);
-  router.Add("POST", "/environments/{id}/run", run);
+  };
+  add("POST", "/run", run);
+  add("POST", "/environments/{id}/run", run);
 }
 
 json::object RenderArtifact(const ArtifactMeta& m) {

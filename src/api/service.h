@@ -45,7 +45,14 @@ class ApiService {
 
   // Authenticates a request to a tenant: Bearer key when any key exists; otherwise dev mode
   // (loopback or unix socket only, tenant "default").
+  // In dev mode a TCP request must also name this machine in Host and, if it has an Origin,
+  // come from a page on this machine (PermissionDenied otherwise: 403).
   absl::StatusOr<std::string> Authenticate(const Request& req);
+  // The admission step of every authenticated route, run on the request header before any body
+  // is read: authenticates (401, or 403 for a dev-mode browser request from elsewhere), checks
+  // that a JSON route's body is application/json (415), and sets req.principal_ to the tenant.
+  // nullopt when admitted.
+  std::optional<Response> Admit(Request& req, bool json_body);
   void Audit(const std::string& tenant, const std::string& env_id, const std::string& action,
              const std::string& detail, std::optional<int64_t> exit_code, int64_t duration_ms,
              int64_t bytes, int status);

@@ -1,6 +1,7 @@
 // esbd: wiring only. Reads configuration, opens the store, builds the drivers, the core and the
 // HTTP API, and runs until SIGTERM/SIGINT.
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -339,6 +340,14 @@ int main(int argc, char** argv) {
   hopts.on_response = [&metrics](const esb::api::Request&, int status, int64_t) {
     metrics.CountHttp(status);
   };
+  // Every open client connection costs one fd, idle ones included: take all the fds the hard
+  // limit allows (children could raise their soft limit to it anyway). The server caps open
+  // connections at half the soft limit and closes the oldest idle one beyond that.
+  if (rlimit rl{}; getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < rl.rlim_max) {
+    rl.rlim_cur = rl.rlim_max;
+    if (setrlimit(RLIMIT_NOFILE, &rl) != 0)
+      esb::LogWarn(absl::StrCat("raising RLIMIT_NOFILE: ", std::strerror(errno)));
+  }
   esb::api::HttpServer server(hopts);
   esb::api::ApiService service(&manager, store->get(), &metrics, service_options);
   // The adaptive router's rules (reloaded when the file changes).

@@ -153,12 +153,15 @@ HttpResult Http(int port, const std::string& method, const std::string& target,
     r.error = std::string("connect: ") + strerror(errno);
     return r;
   }
-  std::string req = method + " " + target + " HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n";
+  std::string req = method + " " + target + " HTTP/1.1\r\nConnection: close\r\n";
   bool has_type = false;
+  bool has_host = false;
   for (const auto& [k, v] : headers) {
     req += k + ": " + v + "\r\n";
     has_type = has_type || Lower(k) == "content-type";
+    has_host = has_host || Lower(k) == "host";
   }
+  if (!has_host) req += "Host: 127.0.0.1\r\n";
   if (!body.empty() && !has_type) req += "Content-Type: application/json\r\n";
   if (!body.empty() || method == "POST" || method == "PUT")
     req += "Content-Length: " + std::to_string(body.size()) + "\r\n";

@@ -30,7 +30,8 @@ struct SseEvent {
 };
 std::vector<SseEvent> ParseSse(const std::string& body);
 
-// Raw HTTP over TCP to 127.0.0.1:port (or a unix socket when `unix_path` is set).
+// Raw HTTP over TCP to 127.0.0.1:port (or a unix socket when `unix_path` is set). Sends
+// "Host: 127.0.0.1" and, with a body, "Content-Type: application/json" unless `headers` has them.
 HttpResult Http(int port, const std::string& method, const std::string& target,
                 const std::string& body = "",
                 const std::map<std::string, std::string>& headers = {},

@@ -299,6 +299,12 @@ class _Handler(BaseHTTPRequestHandler):
         raw = self.read_body()
         if not raw:
             return {}
+        # Like esbd: a JSON body must be labelled so (415 otherwise), which catches any SDK
+        # request path that forgets the header.
+        ctype = (self.headers.get("Content-Type") or "").split(";")[0].strip().lower()
+        if ctype != "application/json":
+            raise ApiError(415, "unsupported_media_type",
+                           "request body must be JSON: send Content-Type: application/json")
         try:
             body = json.loads(raw)
         except json.JSONDecodeError as exc:

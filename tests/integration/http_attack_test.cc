@@ -1,0 +1,340 @@
+// Attacks on esbd's HTTP front (issue 9, items 7, 8 and 12), performed against the real daemon
+// over TCP. Black-box on purpose: they must hold for any server implementation behind the API.
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <fstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "integration/daemon.h"
+
+namespace esb::testing {
+namespace {
+
+constexpr char kKeyA[] = "esb_attack_tenant_a_0001";
+constexpr char kKeysConfig[] = R"({"keys": [{"key": "esb_attack_tenant_a_0001", "tenant": "a"}]})";
+
+int64_t NowMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// esbd's resident memory, from /proc/<pid>/status.
+int64_t RssKiB(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("VmRSS:", 0) == 0) return std::stoll(line.substr(6));
+  }
+  return -1;
+}
+
+// A plain TCP connection to the daemon, non-blocking, closed on destruction.
+class Conn {
+ public:
+  explicit Conn(int port) {
+    fd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(static_cast<uint16_t>(port));
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (connect(fd_, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 && errno != EINPROGRESS) {
+      close(fd_);
+      fd_ = -1;
+      return;
+    }
+    pollfd p{fd_, POLLOUT, 0};
+    if (poll(&p, 1, 5000) != 1) {
+      close(fd_);
+      fd_ = -1;
+    }
+  }
+  ~Conn() {
+    if (fd_ >= 0) close(fd_);
+  }
+  Conn(const Conn&) = delete;
+  Conn(Conn&& o) noexcept : fd_(o.fd_) { o.fd_ = -1; }
+  bool ok() const { return fd_ >= 0; }
+
+  // Sends up to `data.size()` bytes within `timeout_ms`; returns how many went out (stops at
+  // the first error: the server may answer early and close).
+  size_t Send(const std::string& data, int timeout_ms = 5000) {
+    size_t sent = 0;
+    int64_t deadline = NowMs() + timeout_ms;
+    while (sent < data.size()) {
+      ssize_t n = send(fd_, data.data() + sent, data.size() - sent, MSG_NOSIGNAL);
+      if (n > 0) {
+        sent += static_cast<size_t>(n);
+        continue;
+      }
+      if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) break;
+      int64_t left = deadline - NowMs();
+      if (left <= 0) break;
+      pollfd p{fd_, POLLOUT, 0};
+      poll(&p, 1, static_cast<int>(left));
+    }
+    return sent;
+  }
+  // The status code of the answer, if one arrives within `timeout_ms`; 0 otherwise.
+  int ReadStatus(int timeout_ms) {
+    std::string got;
+    int64_t deadline = NowMs() + timeout_ms;
+    while (got.size() < 12) {
+      int64_t left = deadline - NowMs();
+      if (left <= 0) return 0;
+      pollfd p{fd_, POLLIN, 0};
+      if (poll(&p, 1, static_cast<int>(left)) != 1) return 0;
+      char buf[4096];
+      ssize_t n = recv(fd_, buf, sizeof(buf), 0);
+      if (n <= 0) return 0;
+      got.append(buf, static_cast<size_t>(n));
+    }
+    return got.starts_with("HTTP/1.1 ") ? std::atoi(got.substr(9, 3).c_str()) : -1;
+  }
+
+ private:
+  int fd_ = -1;
+};
+
+class HttpAttackTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string why = Daemon::SkipReason();
+    if (!why.empty()) GTEST_SKIP() << why;
+    // The attacks open well over a thousand sockets from this process.
+    rlimit rl{};
+    getrlimit(RLIMIT_NOFILE, &rl);
+    rl.rlim_cur = rl.rlim_max;
+    setrlimit(RLIMIT_NOFILE, &rl);
+    if (rl.rlim_cur < 4096) GTEST_SKIP() << "RLIMIT_NOFILE hard limit " << rl.rlim_max << " < 4096";
+  }
+
+  // `n` connections each announce a 16 MiB JSON body to POST /environments, send 15 MiB of it
+  // and stall. Returns their answers' status codes (0: no answer yet, i.e. still being read).
+  static std::vector<int> LargeBodyFlood(const Daemon& d, int n, const std::string& auth_header,
+                                         std::vector<Conn>* held) {
+    std::vector<int> status(n, 0);
+    held->clear();
+    for (int i = 0; i < n; ++i) held->emplace_back(d.port());
+    const std::string head = "POST /environments HTTP/1.1\r\nHost: 127.0.0.1\r\n" + auth_header +
+                             "Content-Type: application/json\r\nContent-Length: 16777216\r\n\r\n";
+    const std::string body(15 << 20, ' ');
+    std::vector<std::thread> threads;
+    for (int i = 0; i < n; ++i) {
+      threads.emplace_back([&, i] {
+        Conn& c = (*held)[i];
+        if (!c.ok()) return;
+        c.Send(head);
+        // A refusal comes on the header; read it before the body's bytes could make the
+        // server's close a reset that discards it.
+        status[i] = c.ReadStatus(300);
+        c.Send(body, 10000);
+        if (status[i] == 0) status[i] = c.ReadStatus(500);
+      });
+    }
+    for (std::thread& t : threads) t.join();
+    return status;
+  }
+};
+
+// Issue 9 item 7: 48 unauthenticated connections each announce 16 MiB, send 15 MiB and stall.
+// They used to grow esbd's RSS by 300–575 MiB; now each is refused on its header (401) and no
+// body is buffered.
+TEST_F(HttpAttackTest, UnauthenticatedLargeBodiesDoNotGrowDaemonMemory) {
+  Daemon d;
+  ASSERT_TRUE(d.Start({.config_json = kKeysConfig}));
+  d.api_key = kKeyA;
+  ASSERT_EQ(d.Call("GET", "/environments").status, 200);
+  int64_t before = RssKiB(d.pid());
+  ASSERT_GT(before, 0);
+  std::vector<Conn> held;
+  int64_t t0 = NowMs();
+  std::vector<int> status = LargeBodyFlood(d, 48, "", &held);
+  int64_t after = RssKiB(d.pid());
+  int unauthorized = 0;
+  for (int s : status) unauthorized += s == 401;
+  EXPECT_EQ(unauthorized, 48) << "every connection is refused on its header";
+  EXPECT_LT(after - before, 64 << 10)
+      << "RSS grew from " << before << " KiB to " << after << " KiB";
+  std::printf(
+      "[ measured ] unauthenticated 48 x 16 MiB flood: RSS %lld -> %lld KiB (%+lld KiB), "
+      "%d x 401, %lld ms\n",
+      static_cast<long long>(before), static_cast<long long>(after),
+      static_cast<long long>(after - before), unauthorized, static_cast<long long>(NowMs() - t0));
+  held.clear();
+  // The streamed upload route admits on the header too: no key, no body read.
+  Conn up(d.port());
+  up.Send("PUT /environments/env_x/files/raw?path=a HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+          "Content-Type: application/octet-stream\r\nContent-Length: 209715200\r\n\r\n");
+  EXPECT_EQ(up.ReadStatus(1000), 401);
+  EXPECT_EQ(d.Call("GET", "/environments").status, 200) << "tenants are still served";
+}
+
+// Item 7, authenticated variant: a tenant's 48 slow 16 MiB bodies are bounded by the server-wide
+// body budget (128 MiB): the bodies beyond it are answered 503 at once, not buffered.
+TEST_F(HttpAttackTest, AuthenticatedSlowLargeBodiesAreBoundedByTheBodyBudget) {
+  Daemon d;
+  ASSERT_TRUE(d.Start({.config_json = kKeysConfig}));
+  d.api_key = kKeyA;
+  ASSERT_EQ(d.Call("GET", "/environments").status, 200);
+  int64_t before = RssKiB(d.pid());
+  std::vector<Conn> held;
+  std::vector<int> status =
+      LargeBodyFlood(d, 48, std::string("Authorization: Bearer ") + kKeyA + "\r\n", &held);
+  int64_t after = RssKiB(d.pid());
+  int refused = 0, reading = 0;
+  for (int s : status) {
+    refused += s == 503;
+    reading += s == 0;
+  }
+  EXPECT_LE(reading, 8) << "at most 128 MiB / 16 MiB bodies are being buffered";
+  EXPECT_GE(refused, 40);
+  EXPECT_EQ(refused + reading, 48);
+  EXPECT_LT(after - before, (128 + 64) << 10)
+      << "RSS grew from " << before << " KiB to " << after << " KiB";
+  std::printf(
+      "[ measured ] authenticated 48 x 16 MiB slow bodies: RSS %lld -> %lld KiB "
+      "(%+lld KiB), %d buffered, %d x 503\n",
+      static_cast<long long>(before), static_cast<long long>(after),
+      static_cast<long long>(after - before), reading, refused);
+  // With the stalled bodies still held, others are still served.
+  EXPECT_EQ(d.Call("GET", "/environments").status, 200);
+  held.clear();
+  // Once they are gone, the budget is free again: a normal body goes through.
+  int64_t deadline = NowMs() + 5000;
+  int code = 0;
+  while (NowMs() < deadline) {
+    code =
+        d.Call("POST", "/environments/env_nope/heartbeat", boost::json::object{{"ttl_seconds", 60}})
+            .status;
+    if (code != 503) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_EQ(code, 404);
+}
+
+// Issue 9 item 8: 1,100 idle TCP connections, plus 200 that trickle a header (slowloris), used
+// to hold every connection slot for the 30 s header timeout, so /healthz and tenants got 503.
+// Now they hold no request thread: both answer 200 at once.
+TEST_F(HttpAttackTest, IdleAndSlowlorisConnectionFloodDoesNotLockOutHealthzOrTenants) {
+  Daemon d;
+  ASSERT_TRUE(d.Start({.config_json = kKeysConfig}));
+  d.api_key = kKeyA;
+  std::vector<Conn> idle;
+  for (int i = 0; i < 1100; ++i) {
+    idle.emplace_back(d.port());
+    ASSERT_TRUE(idle.back().ok()) << "connection " << i;
+  }
+  std::vector<Conn> slow;
+  for (int i = 0; i < 200; ++i) {
+    slow.emplace_back(d.port());
+    slow.back().Send("POST /environments HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ");
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // all accepted by now
+  int64_t worst = 0;
+  int ok = 0;
+  for (int round = 0; round < 3; ++round) {
+    for (Conn& c : slow) c.Send("a");
+    int64_t t0 = NowMs();
+    HttpResult h = d.Call("GET", "/healthz");
+    int64_t t1 = NowMs();
+    HttpResult e = d.Call("GET", "/environments");
+    int64_t t2 = NowMs();
+    EXPECT_EQ(h.status, 200) << h.body << h.error;
+    EXPECT_EQ(e.status, 200) << e.body << e.error;
+    EXPECT_LT(t1 - t0, 1000);
+    EXPECT_LT(t2 - t1, 1000);
+    worst = std::max({worst, t1 - t0, t2 - t1});
+    ok += (h.status == 200) + (e.status == 200);
+  }
+  std::printf(
+      "[ measured ] 1100 idle + 200 slowloris connections: %d/6 requests answered 200, "
+      "slowest %lld ms\n",
+      ok, static_cast<long long>(worst));
+}
+
+// Issue 9 item 12: in dev mode (no keys), a web page in a browser on this machine must not be
+// able to drive the API, by DNS rebinding (foreign Host) or by a cross-site request (foreign
+// Origin; or a form/text body, which needs no CORS preflight). Each attack is refused and its
+// command never runs.
+TEST_F(HttpAttackTest, DevModeCrossSiteAndDnsRebindingRequestsRunNothing) {
+  Daemon d;
+  ASSERT_TRUE(d.Start({}));
+  std::string id = d.CreateEnv();
+  ASSERT_FALSE(id.empty());
+  const std::string port = std::to_string(d.port());
+  const std::string exec = "/environments/" + id + "/execute";
+  auto attack = [&](const std::string& marker, std::map<std::string, std::string> headers,
+                    const std::string& content_type) {
+    std::string body = "{\"command\": \"touch /tmp/" + marker + "\"}";
+    if (!content_type.empty()) headers["Content-Type"] = content_type;
+    return Http(d.port(), "POST", exec, body, headers);
+  };
+  // DNS rebinding: the page's own name, resolved to 127.0.0.1, arrives in Host.
+  HttpResult r = attack("rebind", {{"Host", "evil.example:" + port}}, "application/json");
+  EXPECT_EQ(r.status, 403) << r.body;
+  EXPECT_EQ(r.str("code"), "forbidden");
+  // The issue's request: foreign Host and Origin.
+  r = attack("both", {{"Host", "evil.example:" + port}, {"Origin", "http://evil.example"}},
+             "application/json");
+  EXPECT_EQ(r.status, 403) << r.body;
+  // Cross-site with a loopback Host (the page posts to http://127.0.0.1:PORT directly).
+  r = attack("origin", {{"Origin", "http://evil.example"}}, "application/json");
+  EXPECT_EQ(r.status, 403) << r.body;
+  r = attack("null_origin", {{"Origin", "null"}}, "application/json");
+  EXPECT_EQ(r.status, 403) << r.body;
+  // A second Host header does not hide behind a good first one.
+  r = Http(d.port(), "POST", exec, R"({"command": "touch /tmp/dup"})",
+           {{"Host", "127.0.0.1"}, {"host", "evil.example"}});
+  EXPECT_EQ(r.status, 403) << r.body;
+  // The same JSON as a form or text/plain (no preflight needed), or unlabelled.
+  r = attack("form", {}, "application/x-www-form-urlencoded");
+  EXPECT_EQ(r.status, 415) << r.body;
+  EXPECT_NE(r.str("message").find("send Content-Type: application/json"), std::string::npos);
+  r = attack("text", {}, "text/plain");
+  EXPECT_EQ(r.status, 415) << r.body;
+  std::string raw =
+      RawExchange(d.port(), "POST " + exec +
+                                " HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 30\r\n\r\n"
+                                "{\"command\": \"touch /tmp/none\"}");
+  EXPECT_TRUE(raw.starts_with("HTTP/1.1 415")) << raw.substr(0, 200);
+  // One-shot runs too (whatever the nano tier's availability: the refusal comes first).
+  r = Http(d.port(), "POST", "/run", R"j({"code": "print(1)"})j",
+           {{"Host", "evil.example:" + port}, {"Origin", "http://evil.example"}});
+  EXPECT_EQ(r.status, 403) << r.body;
+  r = Http(d.port(), "POST", "/run", R"j({"code": "print(1)"})j",
+           {{"Content-Type", "application/x-www-form-urlencoded"}});
+  EXPECT_EQ(r.status, 415) << r.body;
+  // Metrics are served to loopback without a key, but not to a rebinding page.
+  r = Http(d.port(), "GET", "/metrics", "", {{"Host", "evil.example:" + port}});
+  EXPECT_EQ(r.status, 403) << r.body;
+  EXPECT_EQ(Http(d.port(), "GET", "/metrics").status, 200);
+  // Nothing ran.
+  HttpResult check = d.Exec(id,
+                            "for f in rebind both origin null_origin dup form text none; do "
+                            "test -e /tmp/$f && echo RAN:$f; done; echo checked");
+  EXPECT_EQ(check.str("stdout"), "checked\n");
+  // This machine's own pages and clients are still served.
+  for (const std::string& host :
+       std::vector<std::string>{"localhost:" + port, "127.0.0.1", "[::1]:" + port}) {
+    r = Http(d.port(), "POST", exec, R"({"command": "echo ok"})",
+             {{"Host", host},
+              {"Origin", "http://localhost:" + port},
+              {"Content-Type", "application/json; charset=utf-8"}});
+    EXPECT_EQ(r.status, 200) << host << ": " << r.body;
+    EXPECT_EQ(r.str("stdout"), "ok\n");
+  }
+}
+
+}  // namespace
+}  // namespace esb::testing
