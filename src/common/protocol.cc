@@ -12,6 +12,8 @@
 
 #include <algorithm>
 
+#include "common/read_growing.h"
+
 namespace esb::proto {
 namespace {
 
@@ -231,14 +233,11 @@ bool ReadFrame(int fd, Frame* frame, std::string* error, int64_t deadline_ms,
     if (error) *error = "frame too large (" + std::to_string(length) + " bytes)";
     return false;
   }
-  // SECURITY: memory follows the bytes received, not the length the peer announced.
-  constexpr size_t kStep = 256 * 1024;
   std::string body;
-  while (body.size() < length) {
-    size_t have = body.size();
-    size_t next = std::min<size_t>(length, have < kStep ? kStep : have * 2);
-    body.resize(next);
-    if (!ReadFull(fd, body.data() + have, next - have, deadline_ms, error)) return false;
+  if (!ReadGrowing(length, &body, [&](char* buf, size_t n) {
+        return ReadFull(fd, buf, n, deadline_ms, error);
+      })) {
+    return false;
   }
   std::string err = ParseBody(body, frame);
   if (!err.empty()) {

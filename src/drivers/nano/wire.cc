@@ -10,6 +10,8 @@
 #include <cstring>
 #include <string>
 
+#include "common/read_growing.h"
+
 namespace esb::nano {
 namespace {
 
@@ -172,17 +174,12 @@ bool RecvMsg(int fd, Msg* msg, int* got_fd, int64_t deadline_ms, bool* timed_out
   uint32_t len;
   std::memcpy(&len, hdr, 4);
   if (len > kMaxMsgBytes) return false;
-  // SECURITY: the worker runs guest code; memory follows the bytes it actually sends, not the
-  // length it announces.
-  constexpr size_t kStep = 256 * 1024;
+  // The worker runs guest code: its announced length is not trusted (ReadGrowing).
   std::string body;
-  while (body.size() < len) {
-    size_t have_body = body.size();
-    size_t next = std::min<size_t>(len, have_body < kStep ? kStep : have_body * 2);
-    body.resize(next);
-    if (!ReadFull(fd, body.data() + have_body, next - have_body, deadline_ms, timed_out)) {
-      return false;
-    }
+  if (!ReadGrowing(len, &body, [&](char* buf, size_t n) {
+        return ReadFull(fd, buf, n, deadline_ms, timed_out);
+      })) {
+    return false;
   }
   return DecodeMsg(body, msg);
 }
