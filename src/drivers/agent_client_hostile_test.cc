@@ -23,8 +23,9 @@ namespace json = boost::json;
 // Encodes a frame by hand so a test can announce lengths the real encoder would refuse.
 std::string RawFrame(proto::FrameType type, const std::string& header, const std::string& payload,
                      uint32_t announced_length = 0) {
-  uint32_t length = announced_length ? announced_length
-                                     : static_cast<uint32_t>(1 + 4 + header.size() + payload.size());
+  uint32_t length = announced_length
+                        ? announced_length
+                        : static_cast<uint32_t>(1 + 4 + header.size() + payload.size());
   std::string out;
   for (int shift : {24, 16, 8, 0}) out.push_back(static_cast<char>((length >> shift) & 0xff));
   out.push_back(static_cast<char>(type));
@@ -109,8 +110,9 @@ TEST(LyingAgentTest, ListOfMillionsOfEmptyObjectsIsRefusedWithoutAmplification) 
   std::string payload = "[";
   while (payload.size() < proto::kMaxListPayloadBytes - 8) payload += "{},";
   payload += "{}]";
-  LyingAgent agent(Replying(RawFrame(proto::FrameType::kResponse,
-                          R"({"ok":true,"path":"/workspace","entries_in_payload":true})", payload)));
+  LyingAgent agent(
+      Replying(RawFrame(proto::FrameType::kResponse,
+                        R"({"ok":true,"path":"/workspace","entries_in_payload":true})", payload)));
   AgentClient client = agent.Client();
   ResetPeakRss();
   const int64_t rss_before = StatusKb("VmRSS:");
@@ -127,8 +129,9 @@ TEST(LyingAgentTest, ListBeyondTheEntryLimitIsRefused) {
   std::string payload = "[";
   for (size_t i = 0; i <= proto::kMaxListEntries; ++i) payload += (i ? "," : "") + entry;
   payload += "]";
-  LyingAgent agent(Replying(RawFrame(proto::FrameType::kResponse,
-                          R"({"ok":true,"path":"/workspace","entries_in_payload":true})", payload)));
+  LyingAgent agent(
+      Replying(RawFrame(proto::FrameType::kResponse,
+                        R"({"ok":true,"path":"/workspace","entries_in_payload":true})", payload)));
   AgentClient client = agent.Client();
   EXPECT_FALSE(client.List(".").ok());
 }
@@ -136,9 +139,9 @@ TEST(LyingAgentTest, ListBeyondTheEntryLimitIsRefused) {
 TEST(LyingAgentTest, ListEntriesAreCutToWhatARealEntryCanBe) {
   std::string payload = R"([{"name":")" + std::string(100000, 'n') +
                         R"(","type":"char-device","size":-5,"mode":1048575,"mtime_ms":1}])";
-  LyingAgent agent(Replying(RawFrame(proto::FrameType::kResponse,
-                          R"({"ok":true,"path":"/x","entries_in_payload":true,"truncated":true})",
-                          payload)));
+  LyingAgent agent(Replying(
+      RawFrame(proto::FrameType::kResponse,
+               R"({"ok":true,"path":"/x","entries_in_payload":true,"truncated":true})", payload)));
   AgentClient client = agent.Client();
   absl::StatusOr<DirListing> listing = client.List(".");
   ASSERT_TRUE(listing.ok()) << listing.status();
@@ -164,17 +167,17 @@ TEST(LyingAgentTest, OversizedFrameForAHeaderOnlyReplyIsRefusedBeforeReading) {
 }
 
 TEST(LyingAgentTest, ReadReplyLargerThanRequestedIsRefused) {
-  LyingAgent agent(Replying(RawFrame(proto::FrameType::kResponse,
-                                     R"({"ok":true,"size":5,"eof":true})", std::string(4096, 'x'))));
+  LyingAgent agent(Replying(RawFrame(
+      proto::FrameType::kResponse, R"({"ok":true,"size":5,"eof":true})", std::string(4096, 'x'))));
   AgentClient client = agent.Client();
   EXPECT_FALSE(client.Read("f", 0, 100).ok());
 }
 
 TEST(LyingAgentTest, HugeHelloIsRefused) {
   LyingAgent agent([&](int fd) {
-    WriteAll(fd, RawFrame(proto::FrameType::kHello,
-                          R"({"agent":"esb-agent","pad":")" + std::string(60000, 'p') + R"("})",
-                          ""));
+    WriteAll(fd,
+             RawFrame(proto::FrameType::kHello,
+                      R"({"agent":"esb-agent","pad":")" + std::string(60000, 'p') + R"("})", ""));
   });
   AgentClient client = agent.Client();
   EXPECT_FALSE(client.Ping(2000).ok());
@@ -182,7 +185,7 @@ TEST(LyingAgentTest, HugeHelloIsRefused) {
 
 TEST(LyingAgentTest, OutputFramesLargerThanTheAgentSendsAreRefused) {
   LyingAgent agent(Replying(RawFrame(proto::FrameType::kOutput, R"({"stream":"stdout"})",
-                          std::string((1 << 20) + 1, 'o'))));
+                                     std::string((1 << 20) + 1, 'o'))));
   AgentClient client = agent.Client();
   ExecRequest request;
   request.command = "true";
