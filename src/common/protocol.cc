@@ -234,9 +234,8 @@ bool ReadFrame(int fd, Frame* frame, std::string* error, int64_t deadline_ms,
     return false;
   }
   std::string body;
-  if (!ReadGrowing(length, &body, [&](char* buf, size_t n) {
-        return ReadFull(fd, buf, n, deadline_ms, error);
-      })) {
+  if (!ReadGrowing(length, &body,
+                   [&](char* buf, size_t n) { return ReadFull(fd, buf, n, deadline_ms, error); })) {
     return false;
   }
   std::string err = ParseBody(body, frame);

@@ -103,8 +103,7 @@ class NanoDriver : public Driver {
                          int64_t offset, bool truncate) override;
   absl::StatusOr<FileChunk> ReadFile(const InstanceRef& ref, const std::string& path,
                                      int64_t offset, int64_t length) override;
-  absl::StatusOr<DirListing> ListDir(const InstanceRef& ref,
-                                                 const std::string& path) override;
+  absl::StatusOr<DirListing> ListDir(const InstanceRef& ref, const std::string& path) override;
   absl::StatusOr<Usage> Stats(const InstanceRef& ref) override;
   absl::Status Configure(const InstanceRef& ref,
                          const std::map<std::string, std::string>& env) override;
