@@ -19,6 +19,7 @@
 #include <memory>
 #include <mutex>
 #include <set>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -98,15 +99,16 @@ END;
     // v2: audit searches are scoped to a tenant inside the FTS index: every row carries its
     // tenant as one token ('t' + hex of the name: one token per tenant, no two tenants alike)
     // in the `scope` column, and every MATCH is ANDed with it. An index on time for retention,
-    // one on destroyed environments for their retention. Details stored before v2 are cut to
-    // 1024 characters as new rows are (the FTS index is rebuilt from the cut text).
+    // one on destroyed environments for their retention. Details stored before v2 are cut as new
+    // rows are (esb_cap_detail: CapField with the configured max_detail_bytes, registered on the
+    // writer connection; the FTS index is rebuilt from the cut text).
     R"sql(
 DROP TRIGGER audit_fts_insert;
 DROP TRIGGER audit_fts_delete;
 DROP TRIGGER audit_fts_update;
 DROP TABLE audit_fts;
 ALTER TABLE audit ADD COLUMN scope TEXT GENERATED ALWAYS AS ('t' || lower(hex(tenant))) VIRTUAL;
-UPDATE audit SET detail = substr(detail, 1, 1024) || '…[truncated]' WHERE length(detail) > 1024;
+UPDATE audit SET detail = esb_cap_detail(detail) WHERE esb_cap_detail(detail) != detail;
 CREATE INDEX audit_by_time ON audit(time_ms);
 CREATE INDEX environments_by_destroyed ON environments(state, destroyed_ms);
 CREATE VIRTUAL TABLE audit_fts USING fts5(
@@ -142,7 +144,8 @@ constexpr int kDeleteBatch = 500;
 constexpr int64_t kSuppressFlushMs = 10000;
 constexpr int64_t kRetentionIntervalMs = 60000;
 constexpr int kRetentionBatchesPerCall = 2;
-// Distinct (action, status) kinds counted per tenant while over the rate; beyond: one bucket.
+// Distinct (environment, action, status) kinds counted per tenant while over the rate; beyond:
+// one bucket.
 constexpr size_t kMaxSuppressedKinds = 32;
 
 // Collapses whitespace and cuts long SQL so it fits in an error message.
@@ -404,6 +407,25 @@ class SqliteStore final : public Store {
       }
     }
     if (auto s = Exec("PRAGMA synchronous=NORMAL; PRAGMA foreign_keys=ON;"); !s.ok()) return s;
+    // The one rule for cutting stored details (CapField), for migrations that cut old rows.
+    int rc = sqlite3_create_function_v2(
+        writer_.db, "esb_cap_detail", 1, SQLITE_UTF8 | SQLITE_DETERMINISTIC | SQLITE_DIRECTONLY,
+        this,
+        [](sqlite3_context* ctx, int, sqlite3_value** argv) {
+          auto* self = static_cast<SqliteStore*>(sqlite3_user_data(ctx));
+          const unsigned char* text = sqlite3_value_text(argv[0]);
+          if (text == nullptr) {
+            sqlite3_result_null(ctx);
+            return;
+          }
+          std::string capped =
+              CapField(std::string_view(reinterpret_cast<const char*>(text),
+                                        static_cast<size_t>(sqlite3_value_bytes(argv[0]))),
+                       self->options_.max_detail_bytes);
+          sqlite3_result_text64(ctx, capped.data(), capped.size(), SQLITE_TRANSIENT, SQLITE_UTF8);
+        },
+        nullptr, nullptr, nullptr);
+    if (rc != SQLITE_OK) return SqlError(writer_.db, rc, "create_function", "esb_cap_detail");
     return Migrate();
   }
 
@@ -791,7 +813,7 @@ class SqliteStore final : public Store {
     std::function<void()> f_;
   };
 
-  // Audit rows of one (action, status) kind not stored one by one (over the rate limit).
+  // Audit rows of one kind not stored one by one (over the rate limit).
   struct Suppressed {
     int64_t count = 0;
     int64_t first_ms = 0;
@@ -805,13 +827,15 @@ class SqliteStore final : public Store {
     int64_t refill_ms = 0;
     int64_t rows = -1;  // rows stored for the tenant; -1: not counted yet
     int64_t suppressed_since_ms = 0;
-    std::map<std::pair<std::string, int>, Suppressed> suppressed;
+    // By (environment_id, action, status): a summary keeps its environment, so a search of
+    // one environment's audit finds the flood against it.
+    std::map<std::tuple<std::string, std::string, int>, Suppressed> suppressed;
   };
 
   void Suppress(TenantAudit& t, const AuditEntry& row) {
-    std::pair<std::string, int> kind{row.action, row.status};
+    std::tuple<std::string, std::string, int> kind{row.environment_id, row.action, row.status};
     if (t.suppressed.size() >= kMaxSuppressedKinds && !t.suppressed.count(kind)) {
-      kind = {"audit.other", 0};  // bounded: every further kind shares one counter
+      kind = {"", "audit.other", 0};  // bounded: every further kind shares one counter
     }
     if (t.suppressed.empty()) t.suppressed_since_ms = options_.now_ms();
     Suppressed& sup = t.suppressed[kind];
@@ -832,8 +856,9 @@ class SqliteStore final : public Store {
       AuditEntry row;
       row.time_ms = sup.last_ms;
       row.tenant = tenant;
-      row.action = kind.first;
-      row.status = kind.second;
+      row.environment_id = std::get<0>(kind);
+      row.action = std::get<1>(kind);
+      row.status = std::get<2>(kind);
       row.bytes = sup.bytes;
       row.detail = absl::StrCat("[", sup.count, " similar events suppressed by the audit rate limit",
                                 " between ", FormatRfc3339(sup.first_ms), " and ",

@@ -897,6 +897,48 @@ TEST(AuditHardeningTest, OverTheRateSimilarEventsAreSummarisedNotLost) {
   EXPECT_EQ(*store->CountAudit("evil"), 22);
 }
 
+TEST(AuditHardeningTest, SummaryOfAFloodAgainstOneEnvironmentIsFoundUnderThatEnvironment) {
+  std::atomic<int64_t> clock{1'000'000};
+  StoreOptions opts;
+  opts.audit_rate_per_s = 10;
+  opts.audit_burst = 5;
+  opts.now_ms = [&] { return clock.load(); };
+  auto store = OpenWith(":memory:", opts);
+  ASSERT_NE(store, nullptr);
+  for (int i = 0; i < 5; ++i) {  // the burst
+    ASSERT_TRUE(store->AppendAudit(MakeAudit("evil", "env_other", clock, "execute", "ls")).ok());
+  }
+  for (int i = 0; i < 300; ++i) {
+    AuditEntry e = MakeAudit("evil", i % 3 ? "env_x" : "env_y", clock, "files.read",
+                             "/missing/" + std::to_string(i));
+    e.status = 404;
+    ASSERT_TRUE(store->AppendAudit(e).ok());
+  }
+  // Many more environments than kinds are kept: the rest share one bounded counter.
+  for (int i = 0; i < 100; ++i) {
+    ASSERT_TRUE(store->AppendAudit(MakeAudit("evil", "env_n" + std::to_string(i), clock,
+                                             "execute", "x")).ok());
+  }
+  clock += 11'000;
+  ASSERT_TRUE(store->Maintain().ok());
+  AuditQuery q = Q("evil", 1000, "suppressed");
+  q.environment_id = "env_x";
+  auto x = store->QueryAudit(q);
+  ASSERT_TRUE(x.ok() && x->size() == 1u) << x.status() << " " << (x.ok() ? x->size() : 0);
+  EXPECT_EQ((*x)[0].environment_id, "env_x");
+  EXPECT_EQ((*x)[0].status, 404);
+  EXPECT_NE((*x)[0].detail.find("[200 similar events suppressed"), std::string::npos)
+      << (*x)[0].detail;
+  q.environment_id = "env_y";
+  auto y = store->QueryAudit(q);
+  ASSERT_TRUE(y.ok() && y->size() == 1u);
+  EXPECT_NE((*y)[0].detail.find("[100 similar events suppressed"), std::string::npos)
+      << (*y)[0].detail;
+  auto all = store->QueryAudit(Q("evil", 1000, "suppressed"));
+  ASSERT_TRUE(all.ok());
+  EXPECT_EQ(all->size(), 32u + 1u) << "32 kinds + one shared bucket, however many environments";
+}
+
 TEST(AuditHardeningTest, PerTenantRowCapDropsOldestInBatches) {
   StoreOptions opts;
   opts.audit_burst = 1e9;
@@ -989,17 +1031,25 @@ TEST(StoreFileTest, MigrationFromV1ScopesTheIndexAndCapsOldDetails) {
                     MigrationSql(1));
   RawExec(path, "INSERT INTO audit (time_ms, tenant, action, detail) VALUES "
                 "(1, 'acme', 'execute', 'secret-plan'), (2, 'evil', 'files.read', '" +
-                    std::string(4096, 'z') + "')");
-  auto store = OpenOrDie(path);
+                    std::string(4096, 'z') + "'), (3, 'evil', 'files.read', '" +
+                    std::string(2000, 'y') + "')");
+  StoreOptions opts;
+  opts.max_detail_bytes = 300;  // the configured cap, in bytes, as for new rows
+  auto store = OpenWith(path, opts);
   ASSERT_NE(store, nullptr);
   EXPECT_EQ(RawQuery(path, "SELECT version FROM schema_version"),
             std::to_string(LatestSchemaVersion()));
   EXPECT_EQ(store->QueryAudit(Q("acme", 10, "secret"))->size(), 1u) << "index rebuilt";
   EXPECT_EQ(store->QueryAudit(Q("evil", 10, "secret"))->size(), 0u);
   auto evil = store->QueryAudit(Q("evil", 10));
-  ASSERT_TRUE(evil.ok() && evil->size() == 1u);
-  EXPECT_LT((*evil)[0].detail.size(), 1100u);
-  EXPECT_NE((*evil)[0].detail.find("[truncated]"), std::string::npos);
+  ASSERT_TRUE(evil.ok() && evil->size() == 2u);
+  // The same rule as AppendAudit (CapField): bytes, the configured cap, the count dropped.
+  EXPECT_EQ((*evil)[1].detail, std::string(300, 'z') + "…[truncated 3796 bytes]");
+  EXPECT_EQ((*evil)[0].detail, std::string(300, 'y') + "…[truncated 1700 bytes]");
+  AuditEntry fresh = MakeAudit("evil", "", 4, "files.read", std::string(4096, 'z'));
+  ASSERT_TRUE(store->AppendAudit(fresh).ok());
+  EXPECT_EQ((*store->QueryAudit(Q("evil", 1)))[0].detail, (*evil)[1].detail)
+      << "an old row and a new one of the same text are stored alike";
   EXPECT_EQ(RawQuery(path, "SELECT count(*) FROM audit_fts WHERE audit_fts MATCH 'scope : t" +
                                std::string("61636d65") + "'"),
             "1");
