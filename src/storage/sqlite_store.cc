@@ -1072,20 +1072,30 @@ bool IsAsciiAlnum(char c) { return std::isalnum(static_cast<unsigned char>(c)) !
 
 // An upper bound of the number of tokens FTS5's unicode61 tokenizer makes of `text`: runs of
 // ASCII letters and digits count one each; every non-ASCII character counts as one more (the
-// tokenizer may split at it: not every character is a letter to it).
+// tokenizer may split at it: not every character is a letter to it). Characters as SQLite
+// decodes them, valid UTF-8 or not: a lead byte and all continuation bytes after it are one, a
+// continuation byte without a lead is one on its own.
 int CountSearchTokens(std::string_view text) {
   int n = 0;
-  bool in_run = false;
+  bool in_run = false;       // in a run of ASCII letters/digits
+  bool in_sequence = false;  // after a lead byte (its continuation bytes belong to it)
   for (char c : text) {
     const auto u = static_cast<unsigned char>(c);
-    if (u >= 0x80) {
-      if ((u & 0xc0) != 0x80) ++n;  // the lead byte of a character
+    if (u >= 0xc0) {
+      ++n;
+      in_sequence = true;
       in_run = false;
-    } else if (IsAsciiAlnum(c)) {
-      if (!in_run) ++n;
-      in_run = true;
+    } else if (u >= 0x80) {
+      if (!in_sequence) ++n;
+      in_run = false;
     } else {
-      in_run = false;
+      in_sequence = false;
+      if (IsAsciiAlnum(c)) {
+        if (!in_run) ++n;
+        in_run = true;
+      } else {
+        in_run = false;
+      }
     }
   }
   return n;
