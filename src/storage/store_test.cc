@@ -674,7 +674,8 @@ TEST(AuditHardeningTest, RandomPunctuationQueriesAreCheckedOrRefusedNeverRunUnch
     ASSERT_FALSE(quoted) << *fts;
     ASSERT_LE(prefixes, kMaxAuditPrefixTerms) << *fts;
     ASSERT_LE(phrases, kMaxAuditQueryTerms) << *fts;
-    ASSERT_EQ(CheckAuditSearch(*fts).value_or("refused"), *fts) << "rebuilt query re-checks as itself";
+    ASSERT_EQ(CheckAuditSearch(*fts).value_or("refused"), *fts)
+        << "the rebuilt query re-checks as itself";
     if (i % 20 == 0) {  // and SQLite accepts it (a fraction: each runs a real search)
       auto r = store->QueryAudit(Q("acme", 10, q));
       ASSERT_TRUE(r.ok()) << q << " -> " << *fts << ": " << r.status();
