@@ -201,6 +201,13 @@ absl::Status LoadConfigFile(const std::string& path, DaemonConfig* c) {
     }
     if (!st.ok()) return st;
   }
+  // Checked after all keys (either may come first): a default above the cap would make every
+  // create without 'pids' fail in the driver (400) and the warm pool never fill.
+  if (c->defaults.pids > c->max_pids) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config ", path, ": defaults.pids (", c->defaults.pids, ") exceeds max_pids (",
+        c->max_pids, "); lower defaults.pids or raise max_pids"));
+  }
   return absl::OkStatus();
 }
 

@@ -80,6 +80,25 @@ TEST(ConfigTest, RejectsUnknownKeysWrongTypesAndWeakKeys) {
   EXPECT_TRUE(absl::IsNotFound(LoadConfigFile("/nonexistent/esbd.json", &c)));
 }
 
+TEST(ConfigTest, DefaultPidsAboveMaxPidsIsRefusedAtLoad) {
+  for (const char* bad : {R"({"max_pids": 100, "defaults": {"pids": 101}})",
+                          R"({"defaults": {"pids": 5000}, "max_pids": 4096})",
+                          R"({"defaults": {"pids": 8192}})"}) {  // above the default 4096
+    DaemonConfig c;
+    std::string path = TempFile(bad);
+    absl::Status st = LoadConfigFile(path, &c);
+    EXPECT_TRUE(absl::IsInvalidArgument(st)) << bad << " → " << st;
+    EXPECT_NE(st.message().find("defaults.pids"), std::string::npos) << st;
+    EXPECT_NE(st.message().find("max_pids"), std::string::npos) << st;
+    std::remove(path.c_str());
+  }
+  DaemonConfig c;
+  std::string path = TempFile(R"({"max_pids": 100, "defaults": {"pids": 100}})");
+  EXPECT_TRUE(LoadConfigFile(path, &c).ok());
+  EXPECT_EQ(c.defaults.pids, 100);
+  std::remove(path.c_str());
+}
+
 TEST(ConfigTest, EnvironmentOverrides) {
   std::map<std::string, std::string> env{{"ESBD_LISTEN", "127.0.0.1:1"},
                                          {"ESBD_POOL_SIZE", "0"},

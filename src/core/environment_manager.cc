@@ -92,6 +92,18 @@ void EnvironmentManager::Persist(const EnvironmentRecord& record) {
   }
 }
 
+void EnvironmentManager::PersistLive(LiveEnv& env) {
+  // The store may be slow (its writer mutex is shared with audit inserts, row-cap deletes and
+  // retention): wait for it holding only this environment's persist_mu, which no lookup takes.
+  std::lock_guard<std::mutex> plock(env.persist_mu);
+  EnvironmentRecord snapshot;
+  {
+    std::lock_guard<std::mutex> elock(env.mu);
+    snapshot = env.record;
+  }
+  Persist(snapshot);
+}
+
 absl::Status EnvironmentManager::Start() {
   auto live = store_->ListLiveEnvironments();
   if (!live.ok()) return live.status();
@@ -137,6 +149,15 @@ absl::Status EnvironmentManager::Start() {
   if (attached || cleaned) {
     LogInfo(absl::StrCat("recovered state: ", attached, " environment(s) re-attached, ", cleaned,
                          " cleaned up"));
+  }
+  {
+    // Re-attached environments are published with their owner outside the mutable record
+    // (before any request or the reaper can see them).
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [id, e] : envs_) {
+      std::lock_guard<std::mutex> elock(e->mu);  // not contended: nothing else runs yet
+      e->tenant = e->record.tenant;
+    }
   }
   {
     std::lock_guard<std::mutex> lock(wake_mu_);
@@ -239,9 +260,9 @@ absl::StatusOr<EnvironmentInfo> EnvironmentManager::Create(const std::string& te
     std::lock_guard<std::mutex> lock(mu_);
     int total = static_cast<int>(envs_.size()) + reserved_total_;
     int mine = reserved_[tenant];
+    // env->tenant is immutable once published: no environment's mutex is taken under mu_.
     for (const auto& [id, e] : envs_) {
-      std::lock_guard<std::mutex> elock(e->mu);
-      if (e->record.tenant == tenant) ++mine;
+      if (e->tenant == tenant) ++mine;
     }
     if (total >= options_.max_environments)
       return absl::ResourceExhaustedError(absl::StrCat(
@@ -289,14 +310,16 @@ absl::StatusOr<EnvironmentInfo> EnvironmentManager::Create(const std::string& te
     DestroyLive(candidate, "pool_instance_broken");
   }
   if (env) {
-    std::lock_guard<std::mutex> elock(env->mu);
-    EnvironmentRecord& rec = env->record;
-    rec.tenant = tenant;
-    rec.state = "running";
-    rec.spec_json = SpecToJson(spec, ttl_s);
-    rec.created_ms = rec.last_used_ms = Now();
-    rec.expires_ms = rec.created_ms + ttl_s * 1000;
-    Persist(rec);  // under env->mu: store writes of one environment keep its order
+    {
+      std::lock_guard<std::mutex> elock(env->mu);
+      EnvironmentRecord& rec = env->record;
+      rec.tenant = tenant;
+      rec.state = "running";
+      rec.spec_json = SpecToJson(spec, ttl_s);
+      rec.created_ms = rec.last_used_ms = Now();
+      rec.expires_ms = rec.created_ms + ttl_s * 1000;
+    }
+    PersistLive(*env);
     metrics_->creates_pooled++;
   } else {
     auto created = CreateInstance(spec, tenant, "running", ttl_s);
@@ -310,6 +333,7 @@ absl::StatusOr<EnvironmentInfo> EnvironmentManager::Create(const std::string& te
     std::lock_guard<std::mutex> elock(env->mu);
     snapshot = env->record;
   }
+  env->tenant = tenant;  // before publication; never changed after
   {
     std::lock_guard<std::mutex> lock(mu_);
     envs_[snapshot.id] = env;
@@ -324,8 +348,7 @@ absl::StatusOr<std::shared_ptr<EnvironmentManager::LiveEnv>> EnvironmentManager:
     std::lock_guard<std::mutex> lock(mu_);
     auto it = envs_.find(id);
     if (it != envs_.end()) {
-      std::lock_guard<std::mutex> elock(it->second->mu);
-      if (it->second->record.tenant == tenant) return it->second;
+      if (it->second->tenant == tenant) return it->second;
       return EnvironmentNotFoundError(absl::StrCat("environment ", id, " not found"));
     }
   }
@@ -352,14 +375,14 @@ void EnvironmentManager::DestroyLive(const std::shared_ptr<LiveEnv>& env,
                                      const std::string& reason) {
   EnvironmentRecord rec;
   {
-    // Persisted under env->mu, like every write of a live environment's record, so that a
-    // heartbeat or exec that finishes now cannot write an older state over this one.
     std::lock_guard<std::mutex> elock(env->mu);
     env->record.state = "destroying";
     env->record.destroy_reason = reason;
     rec = env->record;
-    Persist(rec);
   }
+  // A heartbeat or exec that finishes now cannot write an older state over this one: every
+  // write of a live environment is a snapshot taken in persist_mu order (PersistLive).
+  PersistLive(*env);
   absl::Status st = env->driver->Destroy(env->ref);
   if (!st.ok()) {
     LogError(absl::StrCat("destroying ", rec.id, " failed (will retry): ", st.ToString()));
@@ -372,8 +395,8 @@ void EnvironmentManager::DestroyLive(const std::shared_ptr<LiveEnv>& env,
     std::lock_guard<std::mutex> elock(env->mu);
     env->record.state = "destroyed";
     env->record.destroyed_ms = Now();
-    Persist(env->record);
   }
+  PersistLive(*env);
 }
 
 absl::Status EnvironmentManager::Destroy(const std::string& tenant, const std::string& id,
@@ -383,12 +406,7 @@ absl::Status EnvironmentManager::Destroy(const std::string& tenant, const std::s
     std::lock_guard<std::mutex> lock(mu_);
     auto it = envs_.find(id);
     if (it != envs_.end()) {
-      bool mine;
-      {
-        std::lock_guard<std::mutex> elock(it->second->mu);
-        mine = it->second->record.tenant == tenant;
-      }
-      if (mine) {
+      if (it->second->tenant == tenant) {
         env = it->second;
         envs_.erase(it);  // from here on, nobody else can find or destroy it
       }
@@ -407,13 +425,19 @@ absl::Status EnvironmentManager::Destroy(const std::string& tenant, const std::s
 
 absl::StatusOr<EnvironmentInfo> EnvironmentManager::Get(const std::string& tenant,
                                                         const std::string& id) {
+  std::shared_ptr<LiveEnv> env;
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = envs_.find(id);
-    if (it != envs_.end()) {
-      std::lock_guard<std::mutex> elock(it->second->mu);
-      if (it->second->record.tenant == tenant) return InfoOf(it->second->record, false);
+    if (it != envs_.end() && it->second->tenant == tenant) env = it->second;
+  }
+  if (env) {
+    EnvironmentRecord snapshot;
+    {
+      std::lock_guard<std::mutex> elock(env->mu);
+      snapshot = env->record;
     }
+    return InfoOf(snapshot, false);
   }
   auto rec = store_->GetEnvironment(id);
   if (!rec.ok() || rec->tenant != tenant)
@@ -425,12 +449,16 @@ absl::StatusOr<std::vector<EnvironmentInfo>> EnvironmentManager::List(const std:
                                                                       bool include_destroyed) {
   std::vector<EnvironmentInfo> out;
   std::map<std::string, EnvironmentRecord> live;
+  std::vector<std::shared_ptr<LiveEnv>> mine;
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (const auto& [id, e] : envs_) {
-      std::lock_guard<std::mutex> elock(e->mu);
-      if (e->record.tenant == tenant) live[id] = e->record;
+      if (e->tenant == tenant) mine.push_back(e);
     }
+  }
+  for (const auto& e : mine) {
+    std::lock_guard<std::mutex> elock(e->mu);
+    live[e->record.id] = e->record;
   }
   auto stored = store_->ListEnvironments(tenant, include_destroyed);
   if (!stored.ok()) return stored.status();
@@ -455,20 +483,24 @@ absl::StatusOr<int64_t> EnvironmentManager::Heartbeat(const std::string& tenant,
                                                       const std::string& id, int64_t ttl_s) {
   auto env = Lookup(tenant, id);
   if (!env.ok()) return env.status();
-  std::lock_guard<std::mutex> elock((*env)->mu);
-  // The reaper may have taken it (expired) between Lookup and here: a heartbeat never
-  // revives an environment that is being destroyed, nor rewrites its stored state.
-  if ((*env)->record.state != "running")
-    return EnvironmentNotFoundError(absl::StrCat("environment ", id, " is being destroyed (",
-                                                 (*env)->record.destroy_reason, ")"));
-  int64_t ttl = options_.default_ttl_s;
-  SpecFromJson((*env)->record.spec_json, &ttl).IgnoreError();
-  if (ttl_s > 0) ttl = std::min(ttl_s, options_.max_ttl_s);
-  int64_t now = Now();
-  (*env)->record.last_used_ms = now;
-  (*env)->record.expires_ms = now + ttl * 1000;
-  Persist((*env)->record);
-  return (*env)->record.expires_ms;
+  int64_t expires_ms;
+  {
+    std::lock_guard<std::mutex> elock((*env)->mu);
+    // The reaper may have taken it (expired) between Lookup and here: a heartbeat never
+    // revives an environment that is being destroyed, nor rewrites its stored state (the
+    // write below is a snapshot: it carries the destroy if one comes first).
+    if ((*env)->record.state != "running")
+      return EnvironmentNotFoundError(absl::StrCat("environment ", id, " is being destroyed (",
+                                                   (*env)->record.destroy_reason, ")"));
+    int64_t ttl = options_.default_ttl_s;
+    SpecFromJson((*env)->record.spec_json, &ttl).IgnoreError();
+    if (ttl_s > 0) ttl = std::min(ttl_s, options_.max_ttl_s);
+    int64_t now = Now();
+    (*env)->record.last_used_ms = now;
+    (*env)->record.expires_ms = expires_ms = now + ttl * 1000;
+  }
+  PersistLive(**env);
+  return expires_ms;
 }
 
 absl::StatusOr<std::pair<Driver*, InstanceRef>> EnvironmentManager::Resolve(
@@ -495,13 +527,15 @@ absl::StatusOr<ExecResult> EnvironmentManager::Exec(const std::string& tenant,
     return result.status();
   }
   if (result->timed_out) metrics_->exec_timeouts++;
+  bool running;
   {
     std::lock_guard<std::mutex> elock((*env)->mu);
     (*env)->record.exec_count++;
     (*env)->record.last_used_ms = Now();
-    // Destroyed while the command ran: its final row is already written; keep it.
-    if ((*env)->record.state == "running") Persist((*env)->record);
+    running = (*env)->record.state == "running";
   }
+  // Destroyed while the command ran: its final row is already written; keep it.
+  if (running) PersistLive(**env);
   return result;
 }
 
@@ -570,34 +604,48 @@ void EnvironmentManager::ReaperLoop() {
     std::vector<std::pair<std::shared_ptr<LiveEnv>, std::string>> doomed;
     std::vector<std::shared_ptr<LiveEnv>> retry;
     std::vector<std::shared_ptr<LiveEnv>> check;
+    std::vector<std::shared_ptr<LiveEnv>> live;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      for (auto it = envs_.begin(); it != envs_.end();) {
-        bool expired;
-        {
-          std::lock_guard<std::mutex> elock(it->second->mu);
-          expired = it->second->record.expires_ms <= now;
-          // Decided under env->mu: a heartbeat from here on sees it going (NotFound).
-          if (expired) {
-            it->second->record.state = "destroying";
-            it->second->record.destroy_reason = "ttl_expired";
-          }
-        }
-        if (expired) {
-          doomed.emplace_back(it->second, "ttl_expired");
-          it = envs_.erase(it);
-        } else {
-          if (health) check.push_back(it->second);
-          ++it;
+      for (const auto& [id, e] : envs_) live.push_back(e);
+      retry.swap(destroy_retry_);
+    }
+    // Each environment's mutex is taken without mu_ held (a slow one never stalls lookups).
+    std::vector<std::shared_ptr<LiveEnv>> expired;
+    for (auto& env : live) {
+      std::lock_guard<std::mutex> elock(env->mu);
+      if (env->record.state != "running") continue;  // a Destroy has it
+      if (env->record.expires_ms <= now) {
+        // Decided under env->mu: a heartbeat from here on sees it going (NotFound).
+        env->record.state = "destroying";
+        env->record.destroy_reason = "ttl_expired";
+        expired.push_back(env);
+      } else if (health) {
+        check.push_back(env);
+      }
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto& env : expired) {
+        auto it = envs_.find(env->record.id);  // id is immutable
+        // Not there: a concurrent Destroy took it first and destroys it itself.
+        if (it != envs_.end() && it->second == env) {
+          envs_.erase(it);
+          doomed.emplace_back(env, "ttl_expired");
         }
       }
-      retry.swap(destroy_retry_);
     }
     for (auto& env : check) {
       auto usage = env->driver->Stats(env->ref);
       if (usage.ok() && usage->alive) continue;
-      std::lock_guard<std::mutex> lock(mu_);
-      if (envs_.erase(env->record.id)) {
+      bool erased;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        auto it = envs_.find(env->record.id);
+        erased = it != envs_.end() && it->second == env;
+        if (erased) envs_.erase(it);
+      }
+      if (erased) {
         {
           std::lock_guard<std::mutex> elock(env->mu);
           env->record.state = "destroying";

@@ -98,7 +98,15 @@ class EnvironmentManager {
 
  private:
   struct LiveEnv {
-    std::mutex mu;  // guards record
+    // Guards record. Held only to read or change it, never across a store write or a driver
+    // call, and never taken under mu_: a slow store cannot stall lookups through it.
+    std::mutex mu;
+    // Serialises this environment's store writes (each writes a snapshot taken under mu after
+    // it got persist_mu, so rows are written in order and the last one is the newest state).
+    std::mutex persist_mu;
+    // The owner: set before the environment is published in envs_, never changed after, so
+    // lookups and quota counts read it under mu_ alone.
+    std::string tenant;
     EnvironmentRecord record;
     InstanceRef ref;
     Driver* driver = nullptr;
@@ -115,6 +123,8 @@ class EnvironmentManager {
   std::shared_ptr<LiveEnv> TakePooled(const EnvSpec& spec);
   void DestroyLive(const std::shared_ptr<LiveEnv>& env, const std::string& reason);
   void Persist(const EnvironmentRecord& record);
+  // Writes the current record of `env` (a snapshot) to the store, off env.mu and mu_.
+  void PersistLive(LiveEnv& env);
   EnvironmentInfo InfoOf(const EnvironmentRecord& record, bool pooled) const;
   void ReaperLoop();
   void PoolLoop();

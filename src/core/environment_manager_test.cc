@@ -2,11 +2,16 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
+#include <iostream>
+#include <chrono>
+#include <condition_variable>
 #include <set>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "common/util.h"
 
 namespace esb {
 namespace {
@@ -353,6 +358,125 @@ TEST_F(ManagerTest, ReaperRunsStoreMaintenance) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   EXPECT_EQ(*store->CountAudit("t"), 0);
   m->Stop();
+}
+
+
+// A store whose environment writes for one id block until released (or 3 s pass): what a
+// store busy with audit inserts, row-cap deletes or retention looks like to the manager.
+class BlockingStore : public Store {
+ public:
+  explicit BlockingStore(Store* inner) : inner_(inner) {}
+  void BlockWritesOf(const std::string& id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    blocked_id_ = id;
+  }
+  void Release() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      blocked_id_.clear();
+    }
+    cv_.notify_all();
+  }
+  int blocked_writers() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return waiting_;
+  }
+  absl::Status PutEnvironment(const EnvironmentRecord& rec) override {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      if (rec.id == blocked_id_) {
+        ++waiting_;
+        cv_.wait_for(lock, std::chrono::seconds(3), [&] { return blocked_id_ != rec.id; });
+        --waiting_;
+      }
+    }
+    return inner_->PutEnvironment(rec);
+  }
+  absl::StatusOr<EnvironmentRecord> GetEnvironment(const std::string& id) override {
+    return inner_->GetEnvironment(id);
+  }
+  absl::StatusOr<std::vector<EnvironmentRecord>> ListLiveEnvironments() override {
+    return inner_->ListLiveEnvironments();
+  }
+  absl::StatusOr<std::vector<EnvironmentRecord>> ListEnvironments(const std::string& tenant,
+                                                                  bool destroyed) override {
+    return inner_->ListEnvironments(tenant, destroyed);
+  }
+  absl::StatusOr<ApiKeyRecord> CreateApiKey(const std::string& tenant, const std::string& name,
+                                            std::string* secret) override {
+    return inner_->CreateApiKey(tenant, name, secret);
+  }
+  absl::Status ImportApiKey(const std::string& tenant, const std::string& secret,
+                            const std::string& name) override {
+    return inner_->ImportApiKey(tenant, secret, name);
+  }
+  absl::StatusOr<std::string> TenantForKey(const std::string& secret) override {
+    return inner_->TenantForKey(secret);
+  }
+  absl::StatusOr<std::vector<ApiKeyRecord>> ListApiKeys() override {
+    return inner_->ListApiKeys();
+  }
+  absl::Status RevokeApiKey(const std::string& key_id) override {
+    return inner_->RevokeApiKey(key_id);
+  }
+  absl::StatusOr<int64_t> CountActiveApiKeys() override { return inner_->CountActiveApiKeys(); }
+  absl::Status AppendAudit(const AuditEntry& e) override { return inner_->AppendAudit(e); }
+  absl::StatusOr<std::vector<AuditEntry>> QueryAudit(const AuditQuery& q) override {
+    return inner_->QueryAudit(q);
+  }
+  absl::Status Maintain() override { return inner_->Maintain(); }
+  absl::StatusOr<int64_t> CountAudit(const std::string& tenant) override {
+    return inner_->CountAudit(tenant);
+  }
+
+ private:
+  Store* inner_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::string blocked_id_;
+  int waiting_ = 0;
+};
+
+TEST_F(ManagerTest, SlowStoreWriteOfOneEnvironmentDoesNotStallLookupsOfOthers) {
+  BlockingStore slow(store.get());
+  ManagerOptions opts;
+  opts.pool_size = 0;
+  opts.reaper_interval_ms = 10;  // the reaper walks every environment while the write hangs
+  opts.health_interval_ms = 10;
+  EnvironmentManager m(&slow, {{"container", &driver}}, &metrics, opts);
+  ASSERT_TRUE(m.Start().ok());
+  auto a = m.Create("acme", EnvSpec{}, 0);
+  auto b = m.Create("globex", EnvSpec{}, 0);
+  ASSERT_TRUE(a.ok() && b.ok());
+  const std::string a_id = a->record.id, b_id = b->record.id;
+  slow.BlockWritesOf(a_id);
+  // A's heartbeat now waits in the store, and a create walks the quota meanwhile.
+  std::thread heartbeat([&] { EXPECT_TRUE(m.Heartbeat("acme", a_id, 0).ok()); });
+  for (int i = 0; i < 200 && slow.blocked_writers() == 0; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  ASSERT_EQ(slow.blocked_writers(), 1) << "the heartbeat's store write must be hanging";
+  std::thread create([&] { EXPECT_TRUE(m.Create("initech", EnvSpec{}, 0).ok()); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // quota walk + reaper ticks
+  int64_t worst = 0;
+  for (int i = 0; i < 5; ++i) {
+    int64_t t0 = MonotonicMs();
+    auto got = m.Get("globex", b_id);
+    auto ran = m.Exec("globex", b_id, ExecRequest{"true"}, nullptr);
+    auto listed = m.List("acme", false);  // even the tenant of the hanging environment
+    worst = std::max(worst, MonotonicMs() - t0);
+    EXPECT_TRUE(got.ok()) << got.status();
+    EXPECT_TRUE(ran.ok()) << ran.status();
+    ASSERT_TRUE(listed.ok()) << listed.status();
+    EXPECT_EQ(listed->size(), 1u);
+  }
+  EXPECT_EQ(slow.blocked_writers(), 1) << "the store write was still hanging throughout";
+  std::cout << "Get+Exec+List of other environments while a store write hangs: worst " << worst
+            << " ms\n";
+  EXPECT_LT(worst, 100);
+  slow.Release();
+  heartbeat.join();
+  create.join();
+  m.Stop();
 }
 
 }  // namespace

@@ -19,6 +19,7 @@
 #include <memory>
 #include <mutex>
 #include <set>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -98,15 +99,16 @@ END;
     // v2: audit searches are scoped to a tenant inside the FTS index: every row carries its
     // tenant as one token ('t' + hex of the name: one token per tenant, no two tenants alike)
     // in the `scope` column, and every MATCH is ANDed with it. An index on time for retention,
-    // one on destroyed environments for their retention. Details stored before v2 are cut to
-    // 1024 characters as new rows are (the FTS index is rebuilt from the cut text).
+    // one on destroyed environments for their retention. Details stored before v2 are cut as new
+    // rows are (esb_cap_detail: CapField with the configured max_detail_bytes, registered on the
+    // writer connection; the FTS index is rebuilt from the cut text).
     R"sql(
 DROP TRIGGER audit_fts_insert;
 DROP TRIGGER audit_fts_delete;
 DROP TRIGGER audit_fts_update;
 DROP TABLE audit_fts;
 ALTER TABLE audit ADD COLUMN scope TEXT GENERATED ALWAYS AS ('t' || lower(hex(tenant))) VIRTUAL;
-UPDATE audit SET detail = substr(detail, 1, 1024) || '…[truncated]' WHERE length(detail) > 1024;
+UPDATE audit SET detail = esb_cap_detail(detail) WHERE esb_cap_detail(detail) != detail;
 CREATE INDEX audit_by_time ON audit(time_ms);
 CREATE INDEX environments_by_destroyed ON environments(state, destroyed_ms);
 CREATE VIRTUAL TABLE audit_fts USING fts5(
@@ -142,7 +144,8 @@ constexpr int kDeleteBatch = 500;
 constexpr int64_t kSuppressFlushMs = 10000;
 constexpr int64_t kRetentionIntervalMs = 60000;
 constexpr int kRetentionBatchesPerCall = 2;
-// Distinct (action, status) kinds counted per tenant while over the rate; beyond: one bucket.
+// Distinct (environment, action, status) kinds counted per tenant while over the rate; beyond:
+// one bucket.
 constexpr size_t kMaxSuppressedKinds = 32;
 
 // Collapses whitespace and cuts long SQL so it fits in an error message.
@@ -404,6 +407,25 @@ class SqliteStore final : public Store {
       }
     }
     if (auto s = Exec("PRAGMA synchronous=NORMAL; PRAGMA foreign_keys=ON;"); !s.ok()) return s;
+    // The one rule for cutting stored details (CapField), for migrations that cut old rows.
+    int rc = sqlite3_create_function_v2(
+        writer_.db, "esb_cap_detail", 1, SQLITE_UTF8 | SQLITE_DETERMINISTIC | SQLITE_DIRECTONLY,
+        this,
+        [](sqlite3_context* ctx, int, sqlite3_value** argv) {
+          auto* self = static_cast<SqliteStore*>(sqlite3_user_data(ctx));
+          const unsigned char* text = sqlite3_value_text(argv[0]);
+          if (text == nullptr) {
+            sqlite3_result_null(ctx);
+            return;
+          }
+          std::string capped =
+              CapField(std::string_view(reinterpret_cast<const char*>(text),
+                                        static_cast<size_t>(sqlite3_value_bytes(argv[0]))),
+                       self->options_.max_detail_bytes);
+          sqlite3_result_text64(ctx, capped.data(), capped.size(), SQLITE_TRANSIENT, SQLITE_UTF8);
+        },
+        nullptr, nullptr, nullptr);
+    if (rc != SQLITE_OK) return SqlError(writer_.db, rc, "create_function", "esb_cap_detail");
     return Migrate();
   }
 
@@ -791,7 +813,7 @@ class SqliteStore final : public Store {
     std::function<void()> f_;
   };
 
-  // Audit rows of one (action, status) kind not stored one by one (over the rate limit).
+  // Audit rows of one kind not stored one by one (over the rate limit).
   struct Suppressed {
     int64_t count = 0;
     int64_t first_ms = 0;
@@ -805,13 +827,15 @@ class SqliteStore final : public Store {
     int64_t refill_ms = 0;
     int64_t rows = -1;  // rows stored for the tenant; -1: not counted yet
     int64_t suppressed_since_ms = 0;
-    std::map<std::pair<std::string, int>, Suppressed> suppressed;
+    // By (environment_id, action, status): a summary keeps its environment, so a search of
+    // one environment's audit finds the flood against it.
+    std::map<std::tuple<std::string, std::string, int>, Suppressed> suppressed;
   };
 
   void Suppress(TenantAudit& t, const AuditEntry& row) {
-    std::pair<std::string, int> kind{row.action, row.status};
+    std::tuple<std::string, std::string, int> kind{row.environment_id, row.action, row.status};
     if (t.suppressed.size() >= kMaxSuppressedKinds && !t.suppressed.count(kind)) {
-      kind = {"audit.other", 0};  // bounded: every further kind shares one counter
+      kind = {"", "audit.other", 0};  // bounded: every further kind shares one counter
     }
     if (t.suppressed.empty()) t.suppressed_since_ms = options_.now_ms();
     Suppressed& sup = t.suppressed[kind];
@@ -832,8 +856,9 @@ class SqliteStore final : public Store {
       AuditEntry row;
       row.time_ms = sup.last_ms;
       row.tenant = tenant;
-      row.action = kind.first;
-      row.status = kind.second;
+      row.environment_id = std::get<0>(kind);
+      row.action = std::get<1>(kind);
+      row.status = std::get<2>(kind);
       row.bytes = sup.bytes;
       row.detail = absl::StrCat("[", sup.count, " similar events suppressed by the audit rate limit",
                                 " between ", FormatRfc3339(sup.first_ms), " and ",
@@ -1025,18 +1050,245 @@ class SqliteStore final : public Store {
   std::set<std::string> searching_;  // tenants with an audit search running
 };
 
-bool IsFtsOperator(std::string_view token) {
-  return token == "AND" || token == "OR" || token == "NOT" || token == "NEAR";
+// Audit search grammar (the only FTS5 that reaches SQLite is rebuilt from these tokens):
+//   query   := or
+//   or      := and ("OR" and)*
+//   and     := not (["AND"] not)*          (adjacent terms are ANDed)
+//   not     := primary ("NOT" primary)*
+//   primary := WORD | WORD* | "PHRASE" | "(" query ")"   (groups nest at most kMaxGroupDepth)
+// A WORD is a run of anything but whitespace and the characters below; it is searched as a
+// phrase of the words the tokenizer finds in it ("main.py" finds main followed by py). A prefix
+// WORD* has at least kMinAuditPrefixChars ASCII letters or digits and nothing else (FTS5 would
+// split "a.b*" into "a" and the 1-character prefix "b*"). Everything else FTS5 treats as syntax
+// outside quotes (column filters, NEAR, ^, +, {}, ',', '*' elsewhere) is refused.
+constexpr int kMaxGroupDepth = 8;
+
+bool IsSearchSyntaxChar(char c) {
+  return c == '"' || c == '(' || c == ')' || c == '*' || c == ':' || c == '^' || c == '+' ||
+         c == '{' || c == '}' || c == ',';
 }
 
-// A token the user meant as FTS5 syntax rather than as text to find.
-bool IsFtsSyntax(std::string_view token) {
-  if (IsFtsOperator(token)) return true;
-  if (token.find_first_of("\"*^(){}") != std::string_view::npos) return true;
-  std::string_view t = token;
-  if (!t.empty() && t.front() == '-') t.remove_prefix(1);
-  return t.starts_with("action:") || t.starts_with("detail:");
+bool IsAsciiAlnum(char c) { return std::isalnum(static_cast<unsigned char>(c)) != 0; }
+
+// An upper bound of the number of tokens FTS5's unicode61 tokenizer makes of `text`: runs of
+// ASCII letters and digits count one each; every non-ASCII character counts as one more (the
+// tokenizer may split at it: not every character is a letter to it). Characters as SQLite
+// decodes them, valid UTF-8 or not: a lead byte and all continuation bytes after it are one, a
+// continuation byte without a lead is one on its own.
+int CountSearchTokens(std::string_view text) {
+  int n = 0;
+  bool in_run = false;       // in a run of ASCII letters/digits
+  bool in_sequence = false;  // after a lead byte (its continuation bytes belong to it)
+  for (char c : text) {
+    const auto u = static_cast<unsigned char>(c);
+    if (u >= 0xc0) {
+      ++n;
+      in_sequence = true;
+      in_run = false;
+    } else if (u >= 0x80) {
+      if (!in_sequence) ++n;
+      in_run = false;
+    } else {
+      in_sequence = false;
+      if (IsAsciiAlnum(c)) {
+        if (!in_run) ++n;
+        in_run = true;
+      } else {
+        in_run = false;
+      }
+    }
+  }
+  return n;
 }
+
+struct SearchToken {
+  enum Kind { kPhrase, kPrefix, kAnd, kOr, kNot, kOpen, kClose } kind;
+  std::string text;  // kPhrase: the text (no '"'); kPrefix: the lowercase ASCII stem
+};
+
+absl::Status SearchError(std::string_view keyword, std::string_view why) {
+  return absl::InvalidArgumentError(
+      absl::StrCat("invalid audit search query '", AbslView(keyword), "': ", AbslView(why)));
+}
+
+absl::StatusOr<std::vector<SearchToken>> LexAuditSearch(std::string_view q) {
+  std::vector<SearchToken> out;
+  size_t i = 0;
+  while (i < q.size()) {
+    const char c = q[i];
+    if (c == ' ' || c == '\t' || c == '\r' || c == '\n') {
+      ++i;
+    } else if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) {
+      return SearchError(q, "control characters are not allowed");
+    } else if (c == '(' || c == ')') {
+      out.push_back({c == '(' ? SearchToken::kOpen : SearchToken::kClose, ""});
+      ++i;
+    } else if (c == '"') {
+      // A phrase: everything up to the closing quote is text ('""' is a literal quote, which
+      // the tokenizer drops anyway).
+      std::string text;
+      size_t j = i + 1;
+      for (;; ++j) {
+        if (j >= q.size()) return SearchError(q, "unbalanced quotes");
+        if (q[j] == '"') {
+          if (j + 1 < q.size() && q[j + 1] == '"') {
+            text.push_back(' ');
+            ++j;
+            continue;
+          }
+          break;
+        }
+        if (static_cast<unsigned char>(q[j]) < 0x20 || q[j] == 0x7f) {
+          return SearchError(q, "control characters are not allowed");
+        }
+        text.push_back(q[j]);
+      }
+      i = j + 1;
+      if (i < q.size() && q[i] == '*') {
+        return SearchError(q, "a prefix search is word* (letters and digits only), not \"...\"*");
+      }
+      out.push_back({SearchToken::kPhrase, std::move(text)});
+    } else if (IsSearchSyntaxChar(c)) {
+      return SearchError(
+          q, absl::StrCat("'", std::string(1, c),
+                          "' is search syntax that is not supported here (only words, \"phrases\", "
+                          "word*, AND, OR, NOT and parentheses); put text in double quotes to "
+                          "search for it"));
+    } else {
+      size_t j = i;
+      while (j < q.size() && !IsSearchSyntaxChar(q[j]) && static_cast<unsigned char>(q[j]) > 0x20 &&
+             q[j] != 0x7f) {
+        ++j;
+      }
+      std::string word(q.substr(i, j - i));
+      i = j;
+      if (i < q.size() && q[i] == '*') {
+        ++i;
+        if (word.size() < static_cast<size_t>(kMinAuditPrefixChars) ||
+            !std::all_of(word.begin(), word.end(), IsAsciiAlnum)) {
+          return SearchError(q, absl::StrCat("'", word, "*': a prefix search needs at least ",
+                                             kMinAuditPrefixChars,
+                                             " characters before '*', all letters or digits"));
+        }
+        out.push_back({SearchToken::kPrefix, absl::AsciiStrToLower(word)});
+      } else if (word == "AND") {
+        out.push_back({SearchToken::kAnd, ""});
+      } else if (word == "OR") {
+        out.push_back({SearchToken::kOr, ""});
+      } else if (word == "NOT") {
+        out.push_back({SearchToken::kNot, ""});
+      } else if (word == "NEAR") {
+        return SearchError(q, "NEAR is not supported");
+      } else {
+        out.push_back({SearchToken::kPhrase, std::move(word)});
+      }
+    }
+  }
+  return out;
+}
+
+// Recursive-descent check of the grammar above over `tokens`; writes the FTS5 query.
+class AuditSearchParser {
+ public:
+  AuditSearchParser(std::string_view keyword, const std::vector<SearchToken>& tokens)
+      : keyword_(keyword), tokens_(tokens) {}
+
+  absl::StatusOr<std::string> Parse() {
+    if (tokens_.empty()) return std::string();
+    if (absl::Status s = Or(0); !s.ok()) return s;
+    if (pos_ != tokens_.size()) {
+      return SearchError(keyword_, tokens_[pos_].kind == SearchToken::kClose
+                                       ? "unbalanced parentheses"
+                                       : "unexpected operator");
+    }
+    if (terms_ > kMaxAuditQueryTerms || prefixes_ > kMaxAuditPrefixTerms) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "audit search has ", terms_, " terms (", prefixes_, " prefix terms); at most ",
+          kMaxAuditQueryTerms, " terms and ", kMaxAuditPrefixTerms, " prefix terms are allowed"));
+    }
+    return out_;
+  }
+
+ private:
+  bool At(SearchToken::Kind k) const { return pos_ < tokens_.size() && tokens_[pos_].kind == k; }
+  bool AtPrimary() const {
+    return At(SearchToken::kPhrase) || At(SearchToken::kPrefix) || At(SearchToken::kOpen);
+  }
+
+  absl::Status Or(int depth) {
+    if (absl::Status s = And(depth); !s.ok()) return s;
+    while (At(SearchToken::kOr)) {
+      ++pos_;
+      out_ += " OR ";
+      if (absl::Status s = And(depth); !s.ok()) return s;
+    }
+    return absl::OkStatus();
+  }
+  absl::Status And(int depth) {
+    if (absl::Status s = Not(depth); !s.ok()) return s;
+    while (At(SearchToken::kAnd) || AtPrimary()) {
+      if (At(SearchToken::kAnd)) ++pos_;
+      out_ += " AND ";
+      if (absl::Status s = Not(depth); !s.ok()) return s;
+    }
+    return absl::OkStatus();
+  }
+  absl::Status Not(int depth) {
+    if (absl::Status s = Primary(depth); !s.ok()) return s;
+    while (At(SearchToken::kNot)) {
+      ++pos_;
+      out_ += " NOT ";
+      if (absl::Status s = Primary(depth); !s.ok()) return s;
+    }
+    return absl::OkStatus();
+  }
+  absl::Status Primary(int depth) {
+    if (pos_ >= tokens_.size()) return SearchError(keyword_, "an operator needs a term after it");
+    const SearchToken& t = tokens_[pos_];
+    switch (t.kind) {
+      case SearchToken::kPhrase: {
+        const int n = CountSearchTokens(t.text);
+        if (n == 0) {
+          return SearchError(keyword_, absl::StrCat("'", t.text, "' contains no word to search"));
+        }
+        terms_ += n;
+        out_ += absl::StrCat("\"", t.text, "\"");
+        ++pos_;
+        return absl::OkStatus();
+      }
+      case SearchToken::kPrefix:
+        ++terms_;
+        ++prefixes_;
+        out_ += absl::StrCat(t.text, "*");  // lowercase: never an operator
+        ++pos_;
+        return absl::OkStatus();
+      case SearchToken::kOpen: {
+        if (depth + 1 > kMaxGroupDepth) {
+          return SearchError(keyword_, absl::StrCat("parentheses nest deeper than ",
+                                                    kMaxGroupDepth));
+        }
+        ++pos_;
+        out_ += "(";
+        if (absl::Status s = Or(depth + 1); !s.ok()) return s;
+        if (!At(SearchToken::kClose)) return SearchError(keyword_, "unbalanced parentheses");
+        ++pos_;
+        out_ += ")";
+        return absl::OkStatus();
+      }
+      case SearchToken::kClose:
+        return SearchError(keyword_, "unbalanced parentheses");
+      default:
+        return SearchError(keyword_, "an operator needs a term before and after it");
+    }
+  }
+
+  std::string_view keyword_;
+  const std::vector<SearchToken>& tokens_;
+  size_t pos_ = 0;
+  int terms_ = 0;
+  int prefixes_ = 0;
+  std::string out_;
+};
 
 }  // namespace
 
@@ -1047,74 +1299,14 @@ std::string MigrationSql(int version) {
   return kMigrations[version - 1];
 }
 
-std::string NormalizeFtsQuery(std::string_view keyword) {
-  std::vector<std::string> parts;
-  // (Debian's Abseil has its own string_view type: split a std::string.)
-  const std::string text(keyword);
-  for (absl::string_view piece :
-       absl::StrSplit(text, absl::ByAnyChar(" \t\r\n"), absl::SkipEmpty())) {
-    const std::string_view token(piece.data(), piece.size());
-    if (IsFtsSyntax(token)) {
-      parts.emplace_back(token);
-    } else {
-      // A quoted string is a phrase of whatever tokens the tokenizer finds in it; no
-      // punctuation inside it is syntax. The token contains no '"' (else IsFtsSyntax).
-      parts.push_back("\"" + std::string(token) + "\"");
-    }
-  }
-  return absl::StrJoin(parts, " ");
-}
-
 absl::StatusOr<std::string> CheckAuditSearch(std::string_view keyword) {
   if (keyword.size() > kMaxAuditKeywordBytes) {
     return absl::InvalidArgumentError(absl::StrCat("audit search 'q' is longer than ",
                                                    kMaxAuditKeywordBytes, " bytes"));
   }
-  std::string fts = NormalizeFtsQuery(keyword);
-  bool quoted = false;
-  int depth = 0;
-  for (char c : fts) {
-    if (c == '"') quoted = !quoted;  // FTS5 escapes '"' as '""': two toggles
-    if (quoted) continue;
-    if (c == '(') ++depth;
-    if (c == ')' && --depth < 0) break;
-  }
-  if (quoted || depth != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("invalid audit search query '", AbslView(keyword), "': unbalanced quotes or parentheses"));
-  }
-  int terms = 0, prefixes = 0;
-  const std::string text(fts);
-  for (absl::string_view piece : absl::StrSplit(text, ' ', absl::SkipEmpty())) {
-    std::string_view token(piece.data(), piece.size());
-    if (IsFtsOperator(token)) continue;
-    ++terms;
-    const size_t star = token.find('*');
-    if (star == std::string_view::npos) continue;
-    ++prefixes;
-    // The characters of the prefix itself: after any column filter, before the '*'.
-    std::string_view prefix = token.substr(0, star);
-    if (size_t colon = prefix.rfind(':'); colon != std::string_view::npos) {
-      prefix.remove_prefix(colon + 1);
-    }
-    int chars = 0;
-    for (char c : prefix) {
-      if (std::isalnum(static_cast<unsigned char>(c)) || static_cast<unsigned char>(c) >= 0x80) {
-        ++chars;
-      }
-    }
-    if (chars < kMinAuditPrefixChars) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "audit search '", AbslView(token), "': a prefix search needs at least ", kMinAuditPrefixChars,
-          " characters before '*'"));
-    }
-  }
-  if (terms > kMaxAuditQueryTerms || prefixes > kMaxAuditPrefixTerms) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "audit search has ", terms, " terms (", prefixes, " prefix terms); at most ",
-        kMaxAuditQueryTerms, " terms and ", kMaxAuditPrefixTerms, " prefix terms are allowed"));
-  }
-  return fts;
+  absl::StatusOr<std::vector<SearchToken>> tokens = LexAuditSearch(keyword);
+  if (!tokens.ok()) return tokens.status();
+  return AuditSearchParser(keyword, *tokens).Parse();
 }
 
 std::string Sha256Hex(std::string_view data) {

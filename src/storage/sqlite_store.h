@@ -14,15 +14,11 @@ int LatestSchemaVersion();
 // The SQL of migration `version` (1..LatestSchemaVersion()); for tests that build old schemas.
 std::string MigrationSql(int version);
 
-// Turns a user's audit search keyword into an FTS5 query. Plain words are quoted so that
-// punctuation ("main.py", "/tmp/x", "a-b") never becomes FTS5 syntax; FTS5 operators
-// (AND/OR/NOT/NEAR, "phrases", prefix*, ^, (groups), action:/detail: column filters) are
-// passed through unchanged. Returns "" for a blank keyword.
-std::string NormalizeFtsQuery(std::string_view keyword);
-
-// Checks a user's audit search keyword against the cost caps of store.h (length, terms,
-// prefix terms and their length) and for balanced quotes and parentheses (so that it can be
-// ANDed with the tenant scope as one group), and returns its normalized FTS5 form.
+// Parses a user's audit search keyword with the audit search grammar (words, "phrases",
+// word* prefixes with >= kMinAuditPrefixChars letters or digits, AND/OR/NOT, parentheses at
+// most 8 deep; nothing else of FTS5: no column filters, NEAR, ^, +, {}), checks the cost caps
+// of store.h on its own tokens (length, terms, prefix terms) and returns the FTS5 query rebuilt
+// from those tokens, so SQLite sees exactly what was checked. "" for a blank keyword.
 // InvalidArgument with the reason otherwise.
 absl::StatusOr<std::string> CheckAuditSearch(std::string_view keyword);
 

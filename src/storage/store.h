@@ -70,7 +70,8 @@ struct StoreOptions {
   // Per tenant: beyond this many audit rows, the oldest are dropped in batches of 5%.
   int64_t max_audit_rows_per_tenant = 100000;
   // Per tenant: a token bucket of audit rows. Rows over the rate are not stored one by one but
-  // counted per (action, status) and written as one "suppressed" summary row per kind.
+  // counted per (environment, action, status) and written as one "suppressed" summary row per
+  // kind (with that environment_id).
   double audit_rate_per_s = 20;
   double audit_burst = 200;
   // Stored size cap of `detail` (bytes, cut at a UTF-8 boundary, marked "…[truncated N bytes]").

@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <iostream>
+#include <random>
 #include <regex>
 #include <string>
 #include <thread>
@@ -373,7 +374,7 @@ TEST_F(AuditTest, KeywordSearchUsesFts) {
   q.keyword = "numpy OR deleted";
   EXPECT_EQ(Times(Query(q)), (std::vector<int64_t>{5000, 2000}));
 
-  q.keyword = "action:execute NOT pip";
+  q.keyword = "execute NOT pip";
   EXPECT_EQ(Times(Query(q)), (std::vector<int64_t>{4000}));
 
   q.keyword = "\"pip install\"";
@@ -553,18 +554,137 @@ TEST(StoreFileTest, ErrorsNameThePathAndTheProblem) {
   EXPECT_FALSE(Store::Open("").ok());
 }
 
-TEST(FtsQueryTest, QuotesPlainWordsAndKeepsOperators) {
-  EXPECT_EQ(NormalizeFtsQuery(""), "");
-  EXPECT_EQ(NormalizeFtsQuery("  \t "), "");
-  EXPECT_EQ(NormalizeFtsQuery("pip"), "\"pip\"");
-  EXPECT_EQ(NormalizeFtsQuery("main.py /tmp/x"), "\"main.py\" \"/tmp/x\"");
-  EXPECT_EQ(NormalizeFtsQuery("a OR b"), "\"a\" OR \"b\"");
-  EXPECT_EQ(NormalizeFtsQuery("or"), "\"or\"");  // lowercase is a word, not an operator
-  EXPECT_EQ(NormalizeFtsQuery("pip*"), "pip*");
-  EXPECT_EQ(NormalizeFtsQuery("detail:pip"), "detail:pip");
-  EXPECT_EQ(NormalizeFtsQuery("http://x"), "\"http://x\"");
+std::string Fts(std::string_view q) {
+  absl::StatusOr<std::string> r = CheckAuditSearch(q);
+  return r.ok() ? *r : "ERROR: " + std::string(r.status().message());
 }
 
+TEST(FtsQueryTest, RebuildsTheQueryFromItsOwnTokens) {
+  EXPECT_EQ(Fts(""), "");
+  EXPECT_EQ(Fts("  \t "), "");
+  EXPECT_EQ(Fts("pip"), "\"pip\"");
+  EXPECT_EQ(Fts("main.py /tmp/x"), "\"main.py\" AND \"/tmp/x\"");
+  EXPECT_EQ(Fts("a OR b"), "\"a\" OR \"b\"");
+  EXPECT_EQ(Fts("or"), "\"or\"");  // lowercase is a word, not an operator
+  EXPECT_EQ(Fts("PIP*"), "pip*");
+  EXPECT_EQ(Fts("AND*"), "and*");
+  EXPECT_EQ(Fts("\"pip install\" NOT (numpy OR scipy)"),
+            "\"pip install\" NOT (\"numpy\" OR \"scipy\")");
+  EXPECT_EQ(Fts("\"http://x\""), "\"http://x\"");
+  EXPECT_EQ(Fts("\"say \"\"hi\"\"\""), "\"say  hi \"");  // '""' inside a phrase: a quote
+  EXPECT_EQ(Fts("\"\""), "ERROR: invalid audit search query '\"\"': '' contains no word to search");
+  EXPECT_EQ(Fts("a:b"), "ERROR: invalid audit search query 'a:b': ':' is search syntax that is "
+                        "not supported here (only words, \"phrases\", word*, AND, OR, NOT and "
+                        "parentheses); put text in double quotes to search for it");
+}
+
+// The bypasses of the first cost check (it split on spaces only, but FTS5 also splits at
+// ( ) * + : ^ { } , whatever the spaces): each is refused now.
+TEST(AuditHardeningTest, CostCapBypassesWithoutSpacesAreRefused) {
+  auto store = OpenOrDie(":memory:");
+  ASSERT_NE(store, nullptr);
+  ASSERT_TRUE(store->AppendAudit(MakeAudit("acme", "e", 1, "execute", "abcdef main.py")).ok());
+  std::string letters = "(abc*)";
+  for (char c = 'a'; c <= 'z'; ++c) letters += absl::StrCat("OR(", std::string(1, c), "*)");
+  std::string implicit_and = "abc*";
+  for (char c = 'a'; c <= 'z'; ++c) implicit_and += absl::StrCat(std::string(1, c), "*");
+  std::string many_groups;
+  for (int i = 0; i < 17; ++i) many_groups += absl::StrCat(i ? "OR" : "", "(w", i, ")");
+  std::string five_prefixes = "(abc*)(abd*)(abe*)(abf*)(abg*)";
+  std::string deep = std::string(9, '(') + "x" + std::string(9, ')');
+  for (const std::string& bad :
+       {letters, implicit_and, std::string("NEAR(a* bcd)"), std::string("NEAR(abc bcd)"),
+        many_groups, five_prefixes, std::string("ab.c*"), std::string("ab_c*"),
+        std::string("\"x.ab\"*"), std::string("é€a*"), std::string("action:abc*"),
+        std::string("^abc"), std::string("+abc"), std::string("{detail}:abc"),
+        std::string("a,b"), std::string("abc*def*ghi*jkl*mno*"), deep,
+        std::string("\"a b c d e f g h i j k l m n o p q\""),
+        // Lone UTF-8 continuation bytes: SQLite decodes each as a character of its own (\xaa is
+        // a letter to the tokenizer): 18 tokens however the bytes are arranged.
+        [] {
+          std::string s = "x";
+          for (int i = 0; i < 17; ++i) s += "\xaa\xa9";
+          return s;
+        }()}) {
+    auto r = store->QueryAudit(Q("acme", 10, bad));
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << bad << ": " << r.status();
+  }
+  // A normal query still works, and finds what it should.
+  const std::vector<std::string> goods = {"abc*", "main.py", "(abcdef OR nothing) AND execute",
+                                          "\"main py\" NOT zzz",
+                                          std::string(8, '(') + "abc*" + std::string(8, ')')};
+  for (const std::string& good : goods) {
+    auto r = store->QueryAudit(Q("acme", 10, good));
+    ASSERT_TRUE(r.ok()) << good << ": " << r.status();
+    EXPECT_EQ(r->size(), 1u) << good;
+  }
+}
+
+// Random strings over the characters FTS5 treats specially: never a crash, never an error from
+// SQLite's own parser (whatever passes the check is valid FTS5), and every accepted query, as
+// SQLite sees it, holds at most the allowed terms and prefixes, each prefix 3+ letters/digits.
+TEST(AuditHardeningTest, RandomPunctuationQueriesAreCheckedOrRefusedNeverRunUnchecked) {
+  auto store = OpenOrDie(":memory:");
+  ASSERT_NE(store, nullptr);
+  ASSERT_TRUE(store->AppendAudit(MakeAudit("acme", "e", 1, "execute", "abc abd xyz")).ok());
+  static const char kAlphabet[] = "abcxyz ()*\"+-:^{},.ORANDNOTNEAR_\t\\é";
+  std::mt19937 rng(12345);
+  int accepted = 0, refused = 0;
+  for (int i = 0; i < 20000; ++i) {
+    std::string q;
+    const int len = static_cast<int>(rng() % 40);
+    for (int k = 0; k < len; ++k) q.push_back(kAlphabet[rng() % (sizeof(kAlphabet) - 1)]);
+    absl::StatusOr<std::string> fts = CheckAuditSearch(q);
+    if (!fts.ok()) {
+      ASSERT_EQ(fts.status().code(), absl::StatusCode::kInvalidArgument) << q;
+      ++refused;
+      continue;
+    }
+    ++accepted;
+    // Independent count over the rebuilt query: outside quotes only operators, parentheses
+    // and "stem"* prefixes remain.
+    int prefixes = 0, phrases = 0;
+    bool quoted = false;
+    std::string bare;  // a run of letters/digits outside quotes
+    for (size_t k = 0; k <= fts->size(); ++k) {
+      const char c = k < fts->size() ? (*fts)[k] : ' ';
+      if (quoted) {
+        if (c == '"') quoted = false;
+        continue;
+      }
+      if (std::isalnum(static_cast<unsigned char>(c))) {
+        bare.push_back(c);
+        continue;
+      }
+      if (c == '*') {
+        ++prefixes;
+        ASSERT_GE(bare.size(), 3u) << q << " -> " << *fts;
+      } else {
+        ASSERT_TRUE(bare.empty() || bare == "AND" || bare == "OR" || bare == "NOT")
+            << "bare '" << bare << "' in " << *fts;
+        ASSERT_NE(std::string(" ()\"").find(c), std::string::npos)
+            << "character '" << c << "' outside quotes in " << *fts;
+        if (c == '"') {
+          quoted = true;
+          ++phrases;
+        }
+      }
+      bare.clear();
+    }
+    ASSERT_FALSE(quoted) << *fts;
+    ASSERT_LE(prefixes, kMaxAuditPrefixTerms) << *fts;
+    ASSERT_LE(phrases, kMaxAuditQueryTerms) << *fts;
+    ASSERT_EQ(CheckAuditSearch(*fts).value_or("refused"), *fts)
+        << "the rebuilt query re-checks as itself";
+    if (i % 20 == 0) {  // and SQLite accepts it (a fraction: each runs a real search)
+      auto r = store->QueryAudit(Q("acme", 10, q));
+      ASSERT_TRUE(r.ok()) << q << " -> " << *fts << ": " << r.status();
+    }
+  }
+  std::cout << accepted << " random queries accepted, " << refused << " refused\n";
+  EXPECT_GT(accepted, 100);
+  EXPECT_GT(refused, 100);
+}
 
 // ---------------------------------------------------------------------------------------------
 // Hardening (issue 9): audit searches scoped and bounded, audit growth bounded.
@@ -624,7 +744,7 @@ TEST(AuditHardeningTest, SearchCostCapsRejectTheAttackQuery) {
   EXPECT_EQ(store->QueryAudit(Q("acme", 10, "\"open quote")).status().code(),
             absl::StatusCode::kInvalidArgument);
   // Within the caps: fine.
-  EXPECT_TRUE(store->QueryAudit(Q("acme", 10, "abc* OR (main AND detail:tmp)")).ok());
+  EXPECT_TRUE(store->QueryAudit(Q("acme", 10, "abc* OR (main AND tmp)")).ok());
 }
 
 TEST(AuditHardeningTest, FtsIndexIsScopedToTheTenant) {
@@ -637,7 +757,12 @@ TEST(AuditHardeningTest, FtsIndexIsScopedToTheTenant) {
     ASSERT_TRUE(store->AppendAudit(MakeAudit("evil", "e", 1 + i, "execute", "other")).ok());
   }
   // evil's search for acme's word finds nothing, even through a column filter of its own.
-  for (const char* q : {"secret", "{scope action detail}: secret", "secret OR other"}) {
+  // Column filters (which could name the scope column) are refused outright.
+  EXPECT_EQ(store->QueryAudit(Q("evil", 1000, "{scope action detail}: secret")).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(store->QueryAudit(Q("evil", 1000, "scope:t61636d65")).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  for (const char* q : {"secret", "secret OR other", "(secret) OR (other)"}) {
     auto r = store->QueryAudit(Q("evil", 1000, q));
     ASSERT_TRUE(r.ok()) << q << ": " << r.status();
     for (const auto& e : *r) EXPECT_EQ(e.tenant, "evil") << q;
@@ -780,6 +905,48 @@ TEST(AuditHardeningTest, OverTheRateSimilarEventsAreSummarisedNotLost) {
   EXPECT_EQ(*store->CountAudit("evil"), 22);
 }
 
+TEST(AuditHardeningTest, SummaryOfAFloodAgainstOneEnvironmentIsFoundUnderThatEnvironment) {
+  std::atomic<int64_t> clock{1'000'000};
+  StoreOptions opts;
+  opts.audit_rate_per_s = 10;
+  opts.audit_burst = 5;
+  opts.now_ms = [&] { return clock.load(); };
+  auto store = OpenWith(":memory:", opts);
+  ASSERT_NE(store, nullptr);
+  for (int i = 0; i < 5; ++i) {  // the burst
+    ASSERT_TRUE(store->AppendAudit(MakeAudit("evil", "env_other", clock, "execute", "ls")).ok());
+  }
+  for (int i = 0; i < 300; ++i) {
+    AuditEntry e = MakeAudit("evil", i % 3 ? "env_x" : "env_y", clock, "files.read",
+                             "/missing/" + std::to_string(i));
+    e.status = 404;
+    ASSERT_TRUE(store->AppendAudit(e).ok());
+  }
+  // Many more environments than kinds are kept: the rest share one bounded counter.
+  for (int i = 0; i < 100; ++i) {
+    ASSERT_TRUE(store->AppendAudit(MakeAudit("evil", "env_n" + std::to_string(i), clock,
+                                             "execute", "x")).ok());
+  }
+  clock += 11'000;
+  ASSERT_TRUE(store->Maintain().ok());
+  AuditQuery q = Q("evil", 1000, "suppressed");
+  q.environment_id = "env_x";
+  auto x = store->QueryAudit(q);
+  ASSERT_TRUE(x.ok() && x->size() == 1u) << x.status() << " " << (x.ok() ? x->size() : 0);
+  EXPECT_EQ((*x)[0].environment_id, "env_x");
+  EXPECT_EQ((*x)[0].status, 404);
+  EXPECT_NE((*x)[0].detail.find("[200 similar events suppressed"), std::string::npos)
+      << (*x)[0].detail;
+  q.environment_id = "env_y";
+  auto y = store->QueryAudit(q);
+  ASSERT_TRUE(y.ok() && y->size() == 1u);
+  EXPECT_NE((*y)[0].detail.find("[100 similar events suppressed"), std::string::npos)
+      << (*y)[0].detail;
+  auto all = store->QueryAudit(Q("evil", 1000, "suppressed"));
+  ASSERT_TRUE(all.ok());
+  EXPECT_EQ(all->size(), 32u + 1u) << "32 kinds + one shared bucket, however many environments";
+}
+
 TEST(AuditHardeningTest, PerTenantRowCapDropsOldestInBatches) {
   StoreOptions opts;
   opts.audit_burst = 1e9;
@@ -872,17 +1039,25 @@ TEST(StoreFileTest, MigrationFromV1ScopesTheIndexAndCapsOldDetails) {
                     MigrationSql(1));
   RawExec(path, "INSERT INTO audit (time_ms, tenant, action, detail) VALUES "
                 "(1, 'acme', 'execute', 'secret-plan'), (2, 'evil', 'files.read', '" +
-                    std::string(4096, 'z') + "')");
-  auto store = OpenOrDie(path);
+                    std::string(4096, 'z') + "'), (3, 'evil', 'files.read', '" +
+                    std::string(2000, 'y') + "')");
+  StoreOptions opts;
+  opts.max_detail_bytes = 300;  // the configured cap, in bytes, as for new rows
+  auto store = OpenWith(path, opts);
   ASSERT_NE(store, nullptr);
   EXPECT_EQ(RawQuery(path, "SELECT version FROM schema_version"),
             std::to_string(LatestSchemaVersion()));
   EXPECT_EQ(store->QueryAudit(Q("acme", 10, "secret"))->size(), 1u) << "index rebuilt";
   EXPECT_EQ(store->QueryAudit(Q("evil", 10, "secret"))->size(), 0u);
   auto evil = store->QueryAudit(Q("evil", 10));
-  ASSERT_TRUE(evil.ok() && evil->size() == 1u);
-  EXPECT_LT((*evil)[0].detail.size(), 1100u);
-  EXPECT_NE((*evil)[0].detail.find("[truncated]"), std::string::npos);
+  ASSERT_TRUE(evil.ok() && evil->size() == 2u);
+  // The same rule as AppendAudit (CapField): bytes, the configured cap, the count dropped.
+  EXPECT_EQ((*evil)[1].detail, std::string(300, 'z') + "…[truncated 3796 bytes]");
+  EXPECT_EQ((*evil)[0].detail, std::string(300, 'y') + "…[truncated 1700 bytes]");
+  AuditEntry fresh = MakeAudit("evil", "", 4, "files.read", std::string(4096, 'z'));
+  ASSERT_TRUE(store->AppendAudit(fresh).ok());
+  EXPECT_EQ((*store->QueryAudit(Q("evil", 1)))[0].detail, (*evil)[1].detail)
+      << "an old row and a new one of the same text are stored alike";
   EXPECT_EQ(RawQuery(path, "SELECT count(*) FROM audit_fts WHERE audit_fts MATCH 'scope : t" +
                                std::string("61636d65") + "'"),
             "1");
