@@ -660,7 +660,14 @@ void EnvironmentManager::ReaperLoop() {
       metrics_->reaped_total++;
       DestroyLive(env, reason);
     }
-    for (auto& env : retry) DestroyLive(env, env->record.destroy_reason);
+    for (auto& env : retry) {
+      std::string reason;
+      {
+        std::lock_guard<std::mutex> elock(env->mu);
+        reason = env->record.destroy_reason;
+      }
+      DestroyLive(env, reason);
+    }
     // Audit retention and rate-limit summaries (cheap when there is nothing to do).
     if (absl::Status st = store_->Maintain(); !st.ok()) {
       metrics_->CountError("store");
