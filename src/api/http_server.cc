@@ -845,7 +845,7 @@ struct HttpServer::Impl : std::enable_shared_from_this<HttpServer::Impl> {
   int max_open = 0;  // open-connection cap (Options::max_open_connections, resolved)
   // Kept open so that, out of fds, the poller can still accept (and refuse) a connection.
   int reserve_fd = -1;
-  LogThrottle busy_log, thread_log, evict_log, accept_log;  // per-connection warnings
+  LogThrottle busy_log, thread_log, evict_log, accept_log, failed_log;  // per-connection logs
   std::vector<Listener> listeners;
   std::thread poller;
   int tcp_port = -1;
@@ -1813,10 +1813,14 @@ void HttpServer::Impl::Serve(uint64_t id, int fd, PeerInfo peer, std::string pre
     linger = conn.lingering();
     if (keep) pending = conn.Pending();
   } catch (const std::exception& e) {
-    LogError(Cat("http: connection failed: ", e.what()));
+    if (uint64_t times = failed_log.Hit()) {
+      LogError(Cat("http: connection failed: ", e.what(), " (", times, " times so far)"));
+    }
     keep = false;
   } catch (...) {
-    LogError("http: connection failed with a non-std exception");
+    if (uint64_t times = failed_log.Hit()) {
+      LogError(Cat("http: connection failed with a non-std exception (", times, " times so far)"));
+    }
     keep = false;
   }
   if (keep) {
