@@ -1099,7 +1099,9 @@ TEST_F(HttpServerTest, KeepAliveServesSeveralRequests) {
     r.Add("GET", "/n", [&](Request&) {
       return JsonResponse(200, boost::json::object{{"n", ++calls}});
     });
-    r.Add("POST", "/echo", [](Request& req) { return Response::Text(200, req.body()); }, WithBody());
+    r.Add(
+        "POST", "/echo", [](Request& req) { return Response::Text(200, req.body()); },
+        WithBody());
   });
   Client c = Connect();
   for (int i = 1; i <= 5; ++i) {

@@ -141,7 +141,8 @@ absl::Status ValidateHttpLimits(const DaemonConfig& c) {
   if (c.max_buffered_header_bytes < (1 << 20))
     return TypeError("max_buffered_header_bytes", "at least 1048576 (1 MiB)");
   if (c.max_requests_per_tenant < 0 || c.max_requests_per_tenant > c.max_connections)
-    return TypeError("max_requests_per_tenant", "0 (a quarter of max_connections)..max_connections");
+    return TypeError("max_requests_per_tenant",
+                     "0 (a quarter of max_connections)..max_connections");
   if (c.max_buffered_body_bytes_per_tenant != 0 &&
       (c.max_buffered_body_bytes_per_tenant < c.max_json_body_bytes ||
        c.max_buffered_body_bytes_per_tenant > c.max_buffered_body_bytes))
