@@ -301,6 +301,10 @@ bool PeerHasClosed(int fd) {
 // kernel sends when a socket is closed with unread data.
 constexpr int64_t kLingerMs = 2000;
 
+// How long the poller stops accepting after an accept error it cannot resolve at once (out of
+// file descriptors with nothing to close, out of kernel memory).
+constexpr int64_t kAcceptBackoffMs = 100;
+
 // ---------------------------------------------------------------------------------------------
 // Streaming request body
 
@@ -756,6 +760,7 @@ struct HttpServer::Impl : std::enable_shared_from_this<HttpServer::Impl> {
     if (stop_fd >= 0) close(stop_fd);
     if (wake_fd >= 0) close(wake_fd);
     if (epoll_fd >= 0) close(epoll_fd);
+    if (reserve_fd >= 0) close(reserve_fd);
   }
 
   struct Listener {
@@ -782,17 +787,55 @@ struct HttpServer::Impl : std::enable_shared_from_this<HttpServer::Impl> {
   void Finished(uint64_t id, int fd);
   void Observe(const Request& req, int status, int64_t start_ms, std::string_view extra);
 
-  // The server-wide budget for buffered request bodies. False if `bytes` do not fit.
-  bool ReserveBody(uint64_t bytes) {
-    uint64_t cur = body_bytes.load();
-    do {
-      if (bytes > opts.max_buffered_body_bytes || cur > opts.max_buffered_body_bytes - bytes) {
-        return false;
-      }
-    } while (!body_bytes.compare_exchange_weak(cur, cur + bytes));
+  // What one principal (RouteOptions::before_body) holds right now.
+  struct Share {
+    int requests = 0;
+    uint64_t body_bytes = 0;
+  };
+  enum class Reserved { kOk, kOverShare, kOverBudget };
+
+  // A request thread for `principal`, within its share of max_connections. False: over it.
+  bool AcquireRequest(const std::string& principal) {
+    std::lock_guard<std::mutex> lock(share_mu);
+    Share& s = shares[principal];
+    if (s.requests >= max_requests_per_principal) {
+      if (s.requests == 0 && s.body_bytes == 0) shares.erase(principal);
+      return false;
+    }
+    ++s.requests;
     return true;
   }
-  void ReleaseBody(uint64_t bytes) { body_bytes.fetch_sub(bytes); }
+  void ReleaseRequest(const std::string& principal) {
+    std::lock_guard<std::mutex> lock(share_mu);
+    auto it = shares.find(principal);
+    if (it == shares.end()) return;
+    --it->second.requests;
+    if (it->second.requests <= 0 && it->second.body_bytes == 0) shares.erase(it);
+  }
+  // Body memory for `principal`, within its share and within the server-wide budget.
+  Reserved ReserveBody(const std::string& principal, uint64_t bytes) {
+    std::lock_guard<std::mutex> lock(share_mu);
+    Share& s = shares[principal];  // exists: the principal holds a request
+    if (bytes > opts.max_buffered_body_bytes ||
+        body_bytes > opts.max_buffered_body_bytes - bytes) {
+      return Reserved::kOverBudget;
+    }
+    if (bytes > max_body_per_principal || s.body_bytes > max_body_per_principal - bytes) {
+      return Reserved::kOverShare;
+    }
+    s.body_bytes += bytes;
+    body_bytes += bytes;
+    return Reserved::kOk;
+  }
+  void ReleaseBody(const std::string& principal, uint64_t bytes) {
+    if (bytes == 0) return;
+    std::lock_guard<std::mutex> lock(share_mu);
+    body_bytes -= bytes;
+    auto it = shares.find(principal);
+    if (it == shares.end()) return;
+    it->second.body_bytes -= bytes;
+    if (it->second.requests <= 0 && it->second.body_bytes == 0) shares.erase(it);
+  }
 
   Options opts;
   Router router;
@@ -800,6 +843,9 @@ struct HttpServer::Impl : std::enable_shared_from_this<HttpServer::Impl> {
   int wake_fd = -1;  // eventfd: a request thread parked a connection
   int epoll_fd = -1;
   int max_open = 0;  // open-connection cap (Options::max_open_connections, resolved)
+  // Kept open so that, out of fds, the poller can still accept (and refuse) a connection.
+  int reserve_fd = -1;
+  LogThrottle busy_log, thread_log, evict_log, accept_log, failed_log;  // per-connection logs
   std::vector<Listener> listeners;
   std::thread poller;
   int tcp_port = -1;
@@ -811,7 +857,12 @@ struct HttpServer::Impl : std::enable_shared_from_this<HttpServer::Impl> {
   uint64_t next_id = 1;
   std::atomic<bool> stopping{false};
   std::atomic<int> poller_conns{0};     // connections the poller owns (idle / header phase)
-  std::atomic<uint64_t> body_bytes{0};  // buffered request bodies, all connections
+
+  std::mutex share_mu;
+  std::map<std::string, Share> shares;  // principals with a request in progress
+  uint64_t body_bytes = 0;              // buffered request bodies, all connections
+  int max_requests_per_principal = 0;   // resolved Options (0 → a quarter)
+  uint64_t max_body_per_principal = 0;
 
   std::mutex lifecycle_mu;
   bool started = false;
@@ -971,6 +1022,7 @@ struct PollConn {
 // the open-connection and header-memory caps, and starts a request thread once a header block
 // is complete. Runs until the server stops; then closes every connection it owns.
 void HttpServer::Impl::PollLoop() {
+  int64_t accept_paused_until = 0;              // listeners out of epoll until then (0: not)
   std::unordered_map<int, PollConn> pc;         // fd → state
   std::list<int> age;                           // fds, in the order they entered the poller
   std::set<std::pair<int64_t, int>> deadlines;  // (deadline, fd)
@@ -1013,8 +1065,10 @@ void HttpServer::Impl::PollLoop() {
       }
     }
     if (id == 0) {
-      LogWarn(Cat("http: ", opts.max_connections, " requests in progress; answering 503 to ",
-                  c.peer.address));
+      if (uint64_t times = busy_log.Hit()) {
+        LogWarn(Cat("http: ", opts.max_connections, " requests in progress; answering 503 to ",
+                    c.peer.address, " (", times, " times so far)"));
+      }
       SendAndClose(fd, opts, 503, "Service Unavailable", "unavailable",
                    stopping.load() ? "server is shutting down"
                                    : "too many requests in progress; retry shortly");
@@ -1026,7 +1080,10 @@ void HttpServer::Impl::PollLoop() {
         self->Serve(id, fd, std::move(peer), std::move(buf), deadline);
       }).detach();
     } catch (const std::exception& e) {
-      LogError(Cat("http: cannot start a request thread: ", e.what()));
+      if (uint64_t times = thread_log.Hit()) {
+        LogError(Cat("http: cannot start a request thread: ", e.what(), " (", times,
+                     " times so far)"));
+      }
       Finished(id, fd);
     }
   };
@@ -1079,9 +1136,24 @@ void HttpServer::Impl::PollLoop() {
   auto evict_oldest = [&](std::string_view why) -> bool {
     if (age.empty()) return false;
     int fd = age.front();
-    LogWarn(Cat("http: closing the oldest idle connection (", pc[fd].peer.address, "): ", why));
+    if (uint64_t times = evict_log.Hit()) {
+      LogWarn(Cat("http: closing the oldest idle connection (", pc[fd].peer.address, "): ", why,
+                  " (", times, " times so far)"));
+    }
     drop(fd);
     return true;
+  };
+  // Takes the listeners out of epoll for a moment (the poller's timer puts them back), for an
+  // accept error that retrying at once would only repeat. The poller never sleeps: deadlines
+  // and parked connections keep being served meanwhile.
+  auto pause_accepting = [&](int err) {
+    if (uint64_t times = accept_log.Hit()) {
+      LogWarn(Cat("http: accept: ", strerror(err), "; pausing accepts for ", kAcceptBackoffMs,
+                  " ms (", times, " times so far)"));
+    }
+    if (accept_paused_until != 0) return;
+    for (const Listener& l : listeners) epoll_ctl(epoll_fd, EPOLL_CTL_DEL, l.fd, nullptr);
+    accept_paused_until = MonotonicMs() + kAcceptBackoffMs;
   };
   auto accept_all = [&](const Listener& l) {
     for (int i = 0; i < 256; ++i) {
@@ -1089,18 +1161,31 @@ void HttpServer::Impl::PollLoop() {
       socklen_t len = sizeof(ss);
       int fd = accept4(l.fd, reinterpret_cast<sockaddr*>(&ss), &len, SOCK_CLOEXEC | SOCK_NONBLOCK);
       if (fd < 0) {
-        if (errno == EMFILE || errno == ENFILE) {
-          // Out of fds despite the cap (other parts of the daemon use fds too): make room.
-          if (!evict_oldest("out of file descriptors")) {
-            LogWarn(Cat("http: accept: ", strerror(errno), "; backing off"));
-            std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        const int err = errno;
+        if (err == EMFILE || err == ENFILE) {
+          // Out of fds despite the cap (other parts of the daemon use fds too): make room by
+          // closing the oldest idle connection; with none, use the reserve fd to take the
+          // waiting connection off the queue and refuse it, so that it is not retried forever.
+          if (evict_oldest("out of file descriptors")) continue;
+          if (reserve_fd >= 0) {
+            close(reserve_fd);
+            reserve_fd = -1;
+            int refused = accept4(l.fd, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+            if (refused >= 0) {
+              SendAndClose(refused, opts, 503, "Service Unavailable", "unavailable",
+                           "the server is out of file descriptors; retry shortly");
+            }
+            reserve_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+            if (uint64_t times = accept_log.Hit()) {
+              LogWarn(Cat("http: accept: ", strerror(err), "; refused a connection (", times,
+                          " times so far)"));
+            }
+            if (refused >= 0 && reserve_fd >= 0) continue;
           }
-          continue;
+          pause_accepting(err);
+          return;
         }
-        if (errno == ENOBUFS || errno == ENOMEM) {
-          LogWarn(Cat("http: accept: ", strerror(errno), "; backing off"));
-          std::this_thread::sleep_for(std::chrono::milliseconds(50));
-        }
+        if (err == ENOBUFS || err == ENOMEM) pause_accepting(err);
         return;  // EAGAIN (drained), ECONNABORTED, EINTR, ...
       }
       if (static_cast<int>(open_total()) >= max_open && !evict_oldest("open-connection cap")) {
@@ -1169,11 +1254,28 @@ void HttpServer::Impl::PollLoop() {
     }
   };
 
+  auto resume_accepting = [&](int64_t now) {
+    if (accept_paused_until == 0 || now < accept_paused_until) return;
+    accept_paused_until = 0;
+    for (const Listener& l : listeners) {
+      epoll_event ev{};
+      ev.events = EPOLLIN;
+      ev.data.fd = l.fd;
+      if (epoll_ctl(epoll_fd, EPOLL_CTL_ADD, l.fd, &ev) != 0) {
+        LogError(Cat("http: epoll_ctl re-add listener: ", strerror(errno)));
+      }
+    }
+  };
+
   std::vector<epoll_event> events(256);
   while (!stopping.load()) {
     int timeout = -1;
-    if (!deadlines.empty()) {
-      int64_t left = deadlines.begin()->first - MonotonicMs();
+    int64_t next = deadlines.empty() ? 0 : deadlines.begin()->first;
+    if (accept_paused_until != 0 && (next == 0 || accept_paused_until < next)) {
+      next = accept_paused_until;
+    }
+    if (next != 0) {
+      int64_t left = next - MonotonicMs();
       timeout = static_cast<int>(std::clamp<int64_t>(left, 0, 1 << 30));
     }
     int n = epoll_wait(epoll_fd, events.data(), static_cast<int>(events.size()), timeout);
@@ -1198,7 +1300,9 @@ void HttpServer::Impl::PollLoop() {
       }
       if (!is_listener) on_readable(fd);
     }
-    expire(MonotonicMs());
+    int64_t now = MonotonicMs();
+    expire(now);
+    resume_accepting(now);
   }
   // Stopping: idle and header-phase connections are dropped at once.
   for (auto& [fd, c] : pc) close(fd);
@@ -1295,20 +1399,32 @@ class Connection {
   }
 
  private:
-  // Releases a buffered body's share of the server-wide budget.
+  // A buffered body's part of its principal's share and of the server-wide budget; released
+  // on destruction.
   struct BodyBudget {
     HttpServer::Impl& srv;
+    const std::string& principal;
     uint64_t bytes = 0;
-    bool Grow(uint64_t more) {
-      if (!srv.ReserveBody(more)) return false;
-      bytes += more;
-      return true;
+    HttpServer::Impl::Reserved Grow(uint64_t more) {
+      HttpServer::Impl::Reserved r = srv.ReserveBody(principal, more);
+      if (r == HttpServer::Impl::Reserved::kOk) bytes += more;
+      return r;
     }
     void Release() {
-      srv.ReleaseBody(bytes);
+      srv.ReleaseBody(principal, bytes);
       bytes = 0;
     }
     ~BodyBudget() { Release(); }
+  };
+
+  // One of the principal's request threads (Options::max_requests_per_principal).
+  struct RequestSlot {
+    HttpServer::Impl& srv;
+    std::string principal;
+    bool held = false;
+    ~RequestSlot() {
+      if (held) srv.ReleaseRequest(principal);
+    }
   };
 
   // Returns true if the connection may be reused.
@@ -1389,6 +1505,15 @@ class Connection {
     }
     req.params_ = std::move(match.params);
 
+    // A route that takes no body never reads one: the request is answered on its header, so an
+    // announced body that never comes holds no thread and no budget.
+    if (has_body && !match.options->accepts_body && !match.options->stream_body) {
+      return Finish(req,
+                    ErrorResponse(413, "payload_too_large",
+                                  Cat(req.method_, " ", req.path_, " takes no request body")),
+                    version, false);
+    }
+
     // Admission (authentication) on the header alone: a client that is turned away never gets
     // a body byte read or buffered, nor a "100 Continue".
     if (match.options->before_body) {
@@ -1401,9 +1526,23 @@ class Connection {
       }
       if (refused) return Finish(req, std::move(*refused), version, keep_alive && !has_body);
     }
+    // The admitted principal's fair share of the request threads.
+    RequestSlot slot{srv_, req.principal_};
+    if (!srv_.AcquireRequest(slot.principal)) {
+      static LogThrottle throttle;
+      if (uint64_t n = throttle.Hit()) {
+        LogWarn(Cat("http: a principal is over its share of ", srv_.max_requests_per_principal,
+                    " requests in progress; answering 429 (", n, " times so far)"));
+      }
+      return Finish(req,
+                    OverShare(Cat("too many requests in progress for this client (limit ",
+                                  srv_.max_requests_per_principal, "); retry shortly")),
+                    version, keep_alive && !has_body);
+    }
+    slot.held = true;
 
     std::unique_ptr<StreamBodyReader> reader;
-    BodyBudget budget{srv_};  // held until the handler is done with req.body_
+    BodyBudget budget{srv_, slot.principal};  // held until the handler is done with req.body_
     if (match.options->stream_body) {
       uint64_t cap = match.options->max_stream_body_bytes;
       if (clen > cap) {
@@ -1464,16 +1603,23 @@ class Connection {
   // malformed), or sets *gone when the client went away; the partial body is freed by then.
   std::optional<Response> ReadBufferedBody(Request& req, http::request_parser<http::empty_body>& hp,
                                            uint64_t clen, BodyBudget& budget, bool* gone) {
-    if (!budget.Grow(clen)) return BudgetExhausted();
+    if (std::optional<Response> refused = Refusal(budget.Grow(clen))) return refused;
     http::request_parser<http::string_body> bp(std::move(hp));
     bp.body_limit(opts_.max_body_bytes);
-    stream_.set_read_deadline(MonotonicMs() + opts_.body_timeout.count());
+    const int64_t deadline = MonotonicMs() + opts_.body_timeout.count();
     error_code ec;
     while (!bp.is_done()) {
+      // The reservation is held only while the body keeps coming: a stall loses it.
+      stream_.set_read_deadline(
+          std::min(deadline, MonotonicMs() + opts_.body_stall_timeout.count()));
       http::read_some(stream_, buffer_, bp, ec);
       if (ec) break;
       uint64_t held = bp.get().body().capacity();
-      if (held > budget.bytes && !budget.Grow(held - budget.bytes)) return BudgetExhausted();
+      if (held > budget.bytes) {
+        if (std::optional<Response> refused = Refusal(budget.Grow(held - budget.bytes))) {
+          return refused;
+        }
+      }
     }
     if (!ec) {
       req.body_ = std::move(bp.get().body());
@@ -1491,10 +1637,32 @@ class Connection {
     return ErrorResponse(400, "bad_request", Cat("malformed request body: ", ec.message()));
   }
 
-  Response BudgetExhausted() {
-    Response r = ErrorResponse(503, "unavailable",
-                               "the server is receiving too many request bodies at once; retry "
-                               "shortly");
+  // The answer for a body reservation that failed, if it did.
+  std::optional<Response> Refusal(HttpServer::Impl::Reserved r) {
+    if (r == HttpServer::Impl::Reserved::kOk) return std::nullopt;
+    if (r == HttpServer::Impl::Reserved::kOverShare) {
+      static LogThrottle throttle;
+      if (uint64_t n = throttle.Hit()) {
+        LogWarn(Cat("http: a principal is over its share of ", srv_.max_body_per_principal,
+                    " bytes of buffered request bodies; answering 429 (", n, " times so far)"));
+      }
+      return OverShare(Cat("this client is sending too many request bodies at once (limit ",
+                           srv_.max_body_per_principal, " bytes); retry shortly"));
+    }
+    static LogThrottle throttle;
+    if (uint64_t n = throttle.Hit()) {
+      LogWarn(Cat("http: buffered request bodies at the budget of ", opts_.max_buffered_body_bytes,
+                  " bytes; answering 503 (", n, " times so far)"));
+    }
+    Response resp = ErrorResponse(503, "unavailable",
+                                  "the server is receiving too many request bodies at once; "
+                                  "retry shortly");
+    resp.SetHeader("Retry-After", "1");
+    return resp;
+  }
+
+  static Response OverShare(std::string message) {
+    Response r = ErrorResponse(429, "too_many_requests", message);
     r.SetHeader("Retry-After", "1");
     return r;
   }
@@ -1645,10 +1813,14 @@ void HttpServer::Impl::Serve(uint64_t id, int fd, PeerInfo peer, std::string pre
     linger = conn.lingering();
     if (keep) pending = conn.Pending();
   } catch (const std::exception& e) {
-    LogError(Cat("http: connection failed: ", e.what()));
+    if (uint64_t times = failed_log.Hit()) {
+      LogError(Cat("http: connection failed: ", e.what(), " (", times, " times so far)"));
+    }
     keep = false;
   } catch (...) {
-    LogError("http: connection failed with a non-std exception");
+    if (uint64_t times = failed_log.Hit()) {
+      LogError(Cat("http: connection failed with a non-std exception (", times, " times so far)"));
+    }
     keep = false;
   }
   if (keep) {
@@ -1687,12 +1859,20 @@ absl::Status HttpServer::Start() {
     s.max_open = static_cast<int>(std::min<rlim_t>(soft / 2, 1 << 20));
   }
   s.max_open = std::max(s.max_open, s.opts.max_connections + 16);
+  s.max_requests_per_principal = s.opts.max_requests_per_principal > 0
+                                     ? s.opts.max_requests_per_principal
+                                     : std::max(1, s.opts.max_connections / 4);
+  s.max_body_per_principal = s.opts.max_buffered_body_bytes_per_principal > 0
+                                 ? s.opts.max_buffered_body_bytes_per_principal
+                                 : s.opts.max_buffered_body_bytes / 4;
   if (s.stop_fd < 0) s.stop_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (s.stop_fd < 0) return ErrnoStatus("eventfd");
   if (s.wake_fd < 0) s.wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (s.wake_fd < 0) return ErrnoStatus("eventfd");
   if (s.epoll_fd < 0) s.epoll_fd = epoll_create1(EPOLL_CLOEXEC);
   if (s.epoll_fd < 0) return ErrnoStatus("epoll_create1");
+  if (s.reserve_fd < 0) s.reserve_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+  if (s.reserve_fd < 0) return ErrnoStatus("open /dev/null");
   absl::Status st;
   if (s.opts.port >= 0) st = s.ListenTcp();
   if (st.ok() && !s.opts.unix_socket_path.empty()) st = s.ListenUnix();

@@ -9,10 +9,13 @@
 // one request with synchronous I/O (so a handler may block for minutes, e.g. exec, without
 // stalling anybody) and hands a keep-alive connection back to the poller. So idle and slow
 // (slowloris) clients hold no thread: the number of request threads is bounded by
-// `max_connections` (excess requests get a 503), and open connections by a much larger cap
+// `max_connections` (excess requests get a 503), each principal's share of them by
+// `max_requests_per_principal` (429), and open connections by a much larger cap
 // derived from RLIMIT_NOFILE, beyond which the oldest idle or header-phase connection is closed
 // to admit a new one. A route's `before_body` hook (authentication) runs on the header alone, so
-// nobody sends a body before being admitted; buffered bodies share a server-wide memory budget.
+// nobody sends a body before being admitted, and a route that declares no body never reads
+// one; buffered bodies share a server-wide memory budget, of which each principal may hold only
+// its share.
 // Every socket read and write has a deadline (poll-based), so a slow or silent client cannot
 // hold a thread forever.
 //
@@ -240,6 +243,10 @@ std::optional<std::string> BearerToken(const Request& req);
 using Handler = std::function<Response(Request&)>;
 
 struct RouteOptions {
+  // The route takes a request body (buffered, up to Options::max_body_bytes). A route that does
+  // not (the default) answers a request that announces one with 413 on its header, without
+  // reading a body byte or holding a thread or any body budget for it. Implied by stream_body.
+  bool accepts_body = false;
   // The handler reads the body itself through Request::body_reader(); the server does not
   // buffer it and the JSON body limit does not apply. A Content-Length above
   // `max_stream_body_bytes` is answered 413 before the handler runs.
@@ -250,6 +257,8 @@ struct RouteOptions {
   // with it, without reading the body (the connection is closed if a body was announced). May
   // set Request::principal_ for the handler. This is where authentication belongs: a client
   // that is not admitted never gets the server to buffer anything for it. Must not throw.
+  // The principal it sets ("" without a hook: the anonymous principal) is what the server's
+  // per-principal shares (Options::max_requests_per_principal, ...) are counted against.
   std::function<std::optional<Response>(Request&)> before_body;
 };
 
@@ -308,8 +317,18 @@ class HttpServer {
     // their own budget, beyond which the oldest such connection is closed.
     uint64_t max_buffered_body_bytes = 128ull << 20;
     uint64_t max_buffered_header_bytes = 64ull << 20;
+    // Fair shares, counted per principal (see RouteOptions::before_body) once a request is
+    // admitted: requests one principal may have in progress at once, and the part of
+    // max_buffered_body_bytes its buffered bodies may hold. Over its share a principal gets 429
+    // with Retry-After, so one tenant cannot take every request thread or the whole body
+    // budget from the others. 0: a quarter of max_connections / max_buffered_body_bytes.
+    int max_requests_per_principal = 0;
+    uint64_t max_buffered_body_bytes_per_principal = 0;
     std::chrono::milliseconds header_timeout{30'000};  // from first byte to end of headers
     std::chrono::milliseconds body_timeout{60'000};    // whole buffered body; stream: per read
+    // A buffered body's budget is reserved when its header is admitted; a client that then
+    // sends nothing for this long loses the reservation (408).
+    std::chrono::milliseconds body_stall_timeout{10'000};
     std::chrono::milliseconds idle_timeout{60'000};    // keep-alive wait for the next request
     std::chrono::milliseconds write_timeout{60'000};   // no write progress for this long → drop
     // A response (or one chunk of a streamed one) must go out at least this fast on average,

@@ -4,6 +4,7 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -255,6 +256,13 @@ std::string HexSize(size_t n) {
 
 Response Hello(Request&) { return JsonResponse(200, boost::json::object{{"hello", "world"}}); }
 
+// Options of a route that takes a request body.
+RouteOptions WithBody() {
+  RouteOptions o;
+  o.accepts_body = true;
+  return o;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Routing
 
@@ -271,7 +279,7 @@ TEST_F(HttpServerTest, RoutesWithPathAndQueryParams) {
                                                    {"missing", req.HasQuery("zzz")},
                                                    {"body", req.body()},
                                                    {"hdr", req.HeaderOr("x-test", "")}});
-    });
+    }, WithBody());
     // Literal segments win over parameters.
     r.Add("GET", "/environments/{id}", [](Request& req) {
       return JsonResponse(200, boost::json::object{{"route", "param"}});
@@ -369,7 +377,7 @@ TEST_F(HttpServerTest, JsonBodyHelpersThroughTheServer) {
       int64_t t = f.OptionalInt("timeout_seconds", 60, 1, 3600);
       if (!f.ok()) return f.ErrorResponse();
       return JsonResponse(200, boost::json::object{{"command", cmd}, {"timeout", t}});
-    });
+    }, WithBody());
   });
   Client c = Connect();
   const std::string json_hdr = "Content-Type: application/json\r\n";
@@ -442,7 +450,7 @@ TEST_F(HttpServerTest, RandomInputNeverBreaksTheServer) {
       JsonBody b = ParseJsonObjectBody(req);
       if (!b.ok()) return b.error();
       return JsonResponse(200, b.value());
-    });
+    }, WithBody());
     r.Add("GET", "/hello", Hello);
   });
   std::mt19937 rng(12345);
@@ -519,7 +527,7 @@ TEST_F(HttpServerTest, OversizedBodyIs413WithoutReadingIt) {
     r.Add("POST", "/upload", [&](Request& req) {
       ++calls;
       return JsonResponse(200, boost::json::object{{"size", req.body().size()}});
-    });
+    }, WithBody());
   });
   // Announce 17 MiB but send only the headers: the 413 must come back anyway.
   Client c = Connect();
@@ -548,7 +556,7 @@ TEST_F(HttpServerTest, OversizedChunkedBodyIs413) {
   Start(o, [](Router& r) {
     r.Add("POST", "/upload", [](Request& req) {
       return JsonResponse(200, boost::json::object{{"size", req.body().size()}});
-    });
+    }, WithBody());
   });
   Client c = Connect();
   std::string chunk(800, 'y');
@@ -574,7 +582,7 @@ TEST_F(HttpServerTest, SlowClientTimesOut) {
   o.body_timeout = milliseconds(300);
   Start(o, [](Router& r) {
     r.Add("GET", "/hello", Hello);
-    r.Add("POST", "/upload", Hello);
+    r.Add("POST", "/upload", Hello, WithBody());
   });
   // Slowloris on the header.
   Client c = Connect();
@@ -612,6 +620,7 @@ TEST_F(HttpServerTest, SlowClientTimesOut) {
 TEST_F(HttpServerTest, MaxConnectionsAnswers503) {
   HttpServer::Options o = DefaultOptions();
   o.max_connections = 2;
+  o.max_requests_per_principal = 2;
   std::promise<void> release;
   std::shared_future<void> released = release.get_future().share();
   std::atomic<int> blocked{0};
@@ -724,6 +733,7 @@ TEST_F(HttpServerTest, BeforeBodyRefusesOnTheHeaderWithoutReadingTheBody) {
   std::atomic<int> admitted{0};
   Start([&](Router& r) {
     RouteOptions ro;
+    ro.accepts_body = true;
     ro.before_body = [&](Request& req) -> std::optional<Response> {
       if (req.Header("authorization") != "Bearer ok") {
         return ErrorResponse(401, "unauthorized", "no key");
@@ -778,11 +788,12 @@ TEST_F(HttpServerTest, BeforeBodyRefusesOnTheHeaderWithoutReadingTheBody) {
 TEST_F(HttpServerTest, BufferedBodiesBeyondTheServerBudgetGet503) {
   HttpServer::Options o = DefaultOptions();
   o.max_buffered_body_bytes = 1 << 20;
+  o.max_buffered_body_bytes_per_principal = 1 << 20;  // one (anonymous) principal here
   o.body_timeout = milliseconds(3000);
   Start(o, [](Router& r) {
     r.Add("POST", "/echo", [](Request& req) {
       return JsonResponse(200, boost::json::object{{"size", req.body().size()}});
-    });
+    }, WithBody());
   });
   // Two slow clients each announce 600 KiB and send part of it: the second does not fit.
   Client a = Connect();
@@ -810,6 +821,233 @@ TEST_F(HttpServerTest, BufferedBodiesBeyondTheServerBudgetGet503) {
   r = c.Request("POST", "/echo", std::string(900 << 10, 'z'));
   ASSERT_TRUE(r);
   EXPECT_EQ(r->status, 200);
+}
+
+// A principal admitted by before_body from its "X-Who" header.
+RouteOptions AdmitByHeader() {
+  RouteOptions o = WithBody();
+  o.before_body = [](Request& req) -> std::optional<Response> {
+    req.principal_ = req.HeaderOr("x-who", "");
+    return std::nullopt;
+  };
+  return o;
+}
+
+// Review item 1: a route that takes no body (/healthz) used to read an announced body anyway,
+// reserving its whole Content-Length from the budget up front and waiting body_timeout for it
+// on a request thread. Clients announcing a body that never comes now get 413 on the header:
+// they hold no thread and no budget, and everybody else is served at once.
+TEST_F(HttpServerTest, AnnouncedBodyOnABodylessRouteIsRefusedOnTheHeader) {
+  HttpServer::Options o = DefaultOptions();
+  o.max_connections = 4;
+  o.max_buffered_body_bytes = 1 << 20;
+  o.max_buffered_body_bytes_per_principal = 1 << 20;
+  Start(o, [](Router& r) {
+    r.Add("GET", "/healthz", Hello);
+    r.Add("POST", "/echo", [](Request& req) {
+      return JsonResponse(200, boost::json::object{{"size", req.body().size()}});
+    }, WithBody());
+  });
+  int64_t t0 = MonotonicMs();
+  std::vector<Client> attackers;
+  for (int i = 0; i < 8; ++i) {
+    attackers.push_back(Connect());
+    Client& a = attackers.back();
+    // Half announce one byte (thread exhaustion), half the whole budget (budget exhaustion).
+    // Each used to hold a request thread: the fifth would have got 503.
+    ASSERT_TRUE(a.Send(Cat("GET /healthz HTTP/1.1\r\nHost: t\r\nContent-Length: ",
+                           i % 2 ? 1 : (1 << 20), "\r\n\r\n")));
+    std::optional<Resp> r = a.Read();
+    ASSERT_TRUE(r);
+    ExpectErrorBody(*r, 413, "payload_too_large");
+    EXPECT_NE(r->Json().at("message").as_string().find("takes no request body"),
+              std::string::npos);
+    EXPECT_FALSE(r->keep_alive);
+  }
+  EXPECT_LT(MonotonicMs() - t0, 1000) << "answered without waiting for the bodies";
+  EXPECT_TRUE(WaitNoConnections(500)) << "no request thread is held for the bodies";
+  // With the attackers' connections still open, /healthz and a body route answer at once.
+  Client h = Connect();
+  std::optional<Resp> r = h.Request("GET", "/healthz");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 200);
+  Client p = Connect();
+  r = p.Request("POST", "/echo", std::string(900 << 10, 'x'));
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 200) << "the budget was not reserved by the announced bodies";
+  EXPECT_LT(MonotonicMs() - t0, 2000);
+}
+
+// Review item 2: one principal cannot take every request thread. Over its share it gets 429
+// with Retry-After; another principal still gets a thread, with a body.
+TEST_F(HttpServerTest, PrincipalOverItsShareOfRequestThreadsGets429) {
+  HttpServer::Options o = DefaultOptions();
+  o.max_connections = 6;
+  o.max_requests_per_principal = 3;
+  std::promise<void> release;
+  std::shared_future<void> released = release.get_future().share();
+  std::atomic<int> blocked{0};
+  Start(o, [&](Router& r) {
+    r.Add("POST", "/block", [&, released](Request& req) {
+      ++blocked;
+      released.wait_for(std::chrono::seconds(10));
+      return Hello(req);
+    }, AdmitByHeader());
+    r.Add("POST", "/echo", [](Request& req) {
+      return JsonResponse(200, boost::json::object{{"who", req.principal()},
+                                                   {"size", req.body().size()}});
+    }, AdmitByHeader());
+  });
+  std::vector<Client> held;
+  for (int i = 0; i < 3; ++i) {
+    held.push_back(Connect());
+    ASSERT_TRUE(held.back().Send("POST /block HTTP/1.1\r\nHost: t\r\nX-Who: a\r\n"
+                                 "Content-Length: 2\r\n\r\n{}"));
+  }
+  int64_t deadline = MonotonicMs() + 3000;
+  while (blocked.load() < 3 && MonotonicMs() < deadline)
+    std::this_thread::sleep_for(milliseconds(10));
+  ASSERT_EQ(blocked.load(), 3);
+  // A's fourth request is refused at once, with a body or without.
+  Client a4 = Connect();
+  std::optional<Resp> r = a4.Request("POST", "/echo", "{}", "X-Who: a\r\n");
+  ASSERT_TRUE(r);
+  ExpectErrorBody(*r, 429, "too_many_requests");
+  EXPECT_EQ(r->Header("retry-after"), "1");
+  // B is served, body included.
+  Client b = Connect();
+  r = b.Request("POST", "/echo", std::string(1000, ' '), "X-Who: b\r\n");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 200) << r->body;
+  EXPECT_EQ(r->Json().at("who"), "b");
+  release.set_value();
+  for (Client& c : held) {
+    r = c.Read();
+    ASSERT_TRUE(r);
+    EXPECT_EQ(r->status, 200);
+  }
+  // A's share is free again.
+  EXPECT_TRUE(WaitNoConnections());
+  r = a4.Request("POST", "/echo", "{}", "X-Who: a\r\n");
+  if (!r) {
+    Client again = Connect();
+    r = again.Request("POST", "/echo", "{}", "X-Who: a\r\n");
+  }
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 200);
+}
+
+// Review item 2: one principal's slow bodies cannot take the whole body budget: beyond its
+// share it gets 429 on the header, and another principal's body still fits.
+TEST_F(HttpServerTest, PrincipalOverItsShareOfTheBodyBudgetGets429) {
+  HttpServer::Options o = DefaultOptions();
+  o.max_buffered_body_bytes = 1 << 20;
+  o.max_buffered_body_bytes_per_principal = 512 << 10;
+  o.body_timeout = milliseconds(3000);
+  Start(o, [](Router& r) {
+    r.Add("POST", "/echo", [](Request& req) {
+      return JsonResponse(200, boost::json::object{{"size", req.body().size()}});
+    }, AdmitByHeader());
+  });
+  // A announces 400 KiB and stalls: that fits its share; a second 400 KiB does not.
+  Client a1 = Connect();
+  ASSERT_TRUE(a1.Send("POST /echo HTTP/1.1\r\nHost: t\r\nX-Who: a\r\nContent-Length: 409600\r\n"
+                      "\r\nxx"));
+  std::this_thread::sleep_for(milliseconds(100));
+  Client a2 = Connect();
+  ASSERT_TRUE(a2.Send("POST /echo HTTP/1.1\r\nHost: t\r\nX-Who: a\r\nContent-Length: 409600\r\n"
+                      "\r\n"));
+  int64_t t0 = MonotonicMs();
+  std::optional<Resp> r = a2.Read();
+  ASSERT_TRUE(r);
+  ExpectErrorBody(*r, 429, "too_many_requests");
+  EXPECT_EQ(r->Header("retry-after"), "1");
+  EXPECT_LT(MonotonicMs() - t0, 1000);
+  // B's body of the same size is buffered and handled.
+  Client b = Connect();
+  r = b.Request("POST", "/echo", std::string(409600, 'b'), "X-Who: b\r\n");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 200) << r->body;
+  EXPECT_EQ(r->Json().at("size"), 409600);
+}
+
+// Review item 1, second half: a reservation is held only while the body keeps coming. A client
+// that announces a body and goes silent loses it after body_stall_timeout, not body_timeout.
+TEST_F(HttpServerTest, StalledBodyLosesItsReservation) {
+  HttpServer::Options o = DefaultOptions();
+  o.max_buffered_body_bytes = 1 << 20;
+  o.max_buffered_body_bytes_per_principal = 1 << 20;
+  o.body_timeout = milliseconds(20000);
+  o.body_stall_timeout = milliseconds(300);
+  Start(o, [](Router& r) {
+    r.Add("POST", "/echo", [](Request& req) {
+      return JsonResponse(200, boost::json::object{{"size", req.body().size()}});
+    }, WithBody());
+  });
+  Client a = Connect();
+  int64_t t0 = MonotonicMs();
+  ASSERT_TRUE(a.Send("POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 1000000\r\n\r\nxx"));
+  std::optional<Resp> r = a.Read();
+  ASSERT_TRUE(r);
+  ExpectErrorBody(*r, 408, "bad_request");
+  EXPECT_LT(MonotonicMs() - t0, 2000);
+  Client b = Connect();
+  r = b.Request("POST", "/echo", std::string(1000000, 'x'));
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 200);
+}
+
+// Review item 5: out of file descriptors with no idle connection to close, the poller used to
+// sleep 50 ms per attempt, up to 256 times (12.8 s) per wakeup, leaving the waiting client
+// hanging and deadlines unenforced. Now it takes the connection with its reserve fd and refuses
+// it at once (503), and it keeps working: once fds are free again, requests are served.
+TEST_F(HttpServerTest, OutOfFileDescriptorsRefusesAtOnceWithoutStallingThePoller) {
+  Start([](Router& r) { r.Add("GET", "/hello", Hello); });
+  // The client's socket exists before the fds run out; connect() needs no new fd.
+  int client = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(client, 0);
+  rlimit old{};
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &old), 0);
+  rlimit low = old;
+  low.rlim_cur = std::min<rlim_t>(old.rlim_cur, 4096);
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &low), 0);
+  std::vector<int> filler;
+  for (;;) {
+    int fd = dup(0);
+    if (fd < 0) break;
+    filler.push_back(fd);
+  }
+  ASSERT_EQ(errno, EMFILE);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(server_->tcp_port()));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  int64_t t0 = MonotonicMs();
+  int rc = connect(client, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  std::string got;
+  if (rc == 0) {
+    pollfd pfd{client, POLLIN, 0};
+    while (poll(&pfd, 1, 3000) == 1) {
+      char buf[4096];
+      ssize_t n = recv(client, buf, sizeof(buf), 0);
+      if (n <= 0) break;
+      got.append(buf, static_cast<size_t>(n));
+    }
+  }
+  int64_t waited = MonotonicMs() - t0;
+  for (int fd : filler) close(fd);
+  setrlimit(RLIMIT_NOFILE, &old);
+  close(client);
+  ASSERT_EQ(rc, 0) << strerror(errno);
+  EXPECT_TRUE(got.starts_with("HTTP/1.1 503")) << got;
+  EXPECT_LT(waited, 1000) << "refused at once, not after the poller's back-off";
+  // The poller is awake: with fds free again, a request is answered at once.
+  int64_t t1 = MonotonicMs();
+  Client c = Connect();
+  std::optional<Resp> r = c.Request("GET", "/hello");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 200);
+  EXPECT_LT(MonotonicMs() - t1, 1000);
 }
 
 // A client that reads a large answer at a trickle (enough to make progress, so the no-progress
@@ -861,7 +1099,9 @@ TEST_F(HttpServerTest, KeepAliveServesSeveralRequests) {
     r.Add("GET", "/n", [&](Request&) {
       return JsonResponse(200, boost::json::object{{"n", ++calls}});
     });
-    r.Add("POST", "/echo", [](Request& req) { return Response::Text(200, req.body()); });
+    r.Add(
+        "POST", "/echo", [](Request& req) { return Response::Text(200, req.body()); },
+        WithBody());
   });
   Client c = Connect();
   for (int i = 1; i <= 5; ++i) {
@@ -929,7 +1169,7 @@ TEST_F(HttpServerTest, SseEventsArriveBeforeHandlerFinishes) {
         EXPECT_TRUE(w.WriteEvent("result", boost::json::object{{"exit_code", 0}}));
         handler_done = true;
       });
-    });
+    }, WithBody());
   });
   Client c = Connect();
   ASSERT_TRUE(
@@ -989,7 +1229,7 @@ TEST_F(HttpServerTest, ClientGoneVisibleToBlockingHandler) {
       }
       noticed.set_value(MonotonicMs() - t0);
       return JsonResponse(200, boost::json::object{});
-    });
+    }, WithBody());
   });
   Client c = Connect();
   ASSERT_TRUE(c.Send("POST /exec HTTP/1.1\r\nHost: t\r\nContent-Length: 0\r\n\r\n"));
@@ -1265,7 +1505,7 @@ TEST_F(HttpServerTest, StopWaitsForInFlightRequest) {
       started.set_value();
       std::this_thread::sleep_for(milliseconds(500));
       return JsonResponse(200, boost::json::object{{"done", true}});
-    });
+    }, WithBody());
     r.Add("GET", "/hello", Hello);
   });
   int port = server_->tcp_port();

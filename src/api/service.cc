@@ -255,6 +255,7 @@ void ApiService::Register(Router& router) {
   auto add = [this, &router](std::string method, std::string_view pattern, auto fn,
                              RouteOptions opts = {}) {
     const bool json_body = method == "POST" && !opts.stream_body;
+    opts.accepts_body = json_body || opts.stream_body;  // the others answer a body with 413
     opts.before_body = [this, json_body](Request& req) { return Admit(req, json_body); };
     router.Add(
         std::move(method), pattern,

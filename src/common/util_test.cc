@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <vector>
+
 namespace esb {
 namespace {
 
@@ -52,6 +54,15 @@ TEST(UtilTest, RandomHexIsHexAndDiffers) {
   EXPECT_EQ(a.size(), 32u);
   EXPECT_NE(a, b);
   EXPECT_EQ(a.find_first_not_of("0123456789abcdef"), std::string::npos);
+}
+
+TEST(UtilTest, LogThrottleLogsPowersOfTwoWithTheCount) {
+  LogThrottle t;
+  std::vector<uint64_t> logged;
+  for (int i = 0; i < 1000; ++i) {
+    if (uint64_t n = t.Hit()) logged.push_back(n);
+  }
+  EXPECT_EQ(logged, (std::vector<uint64_t>{1, 2, 4, 8, 16, 32, 64, 128, 256, 512}));
 }
 
 }  // namespace

@@ -131,6 +131,27 @@ absl::Status ParseAudit(const json::value& v, AuditConfig* a) {
   return absl::OkStatus();
 }
 
+// The HTTP server's connection, memory and fair-share limits must let at least one request of
+// every allowed size through.
+absl::Status ValidateHttpLimits(const DaemonConfig& c) {
+  if (c.max_connections < 1) return TypeError("max_connections", "1 or more");
+  if (c.max_json_body_bytes < 1) return TypeError("max_json_body_bytes", "1 or more");
+  if (c.max_buffered_body_bytes < c.max_json_body_bytes)
+    return TypeError("max_buffered_body_bytes", "at least max_json_body_bytes");
+  if (c.max_buffered_header_bytes < (1 << 20))
+    return TypeError("max_buffered_header_bytes", "at least 1048576 (1 MiB)");
+  if (c.max_requests_per_tenant < 0 || c.max_requests_per_tenant > c.max_connections)
+    return TypeError("max_requests_per_tenant",
+                     "0 (a quarter of max_connections)..max_connections");
+  if (c.max_buffered_body_bytes_per_tenant != 0 &&
+      (c.max_buffered_body_bytes_per_tenant < c.max_json_body_bytes ||
+       c.max_buffered_body_bytes_per_tenant > c.max_buffered_body_bytes))
+    return TypeError("max_buffered_body_bytes_per_tenant",
+                     "0 (a quarter of max_buffered_body_bytes) or max_json_body_bytes.."
+                     "max_buffered_body_bytes");
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status LoadConfigFile(const std::string& path, DaemonConfig* c) {
@@ -164,6 +185,12 @@ absl::Status LoadConfigFile(const std::string& path, DaemonConfig* c) {
     else if (key == "max_upload_bytes") st = GetInt(v, key, &c->max_upload_bytes);
     else if (key == "max_json_body_bytes") st = GetInt(v, key, &c->max_json_body_bytes);
     else if (key == "max_connections") st = GetInt(v, key, &c->max_connections);
+    else if (key == "max_buffered_body_bytes") st = GetInt(v, key, &c->max_buffered_body_bytes);
+    else if (key == "max_buffered_header_bytes")
+      st = GetInt(v, key, &c->max_buffered_header_bytes);
+    else if (key == "max_requests_per_tenant") st = GetInt(v, key, &c->max_requests_per_tenant);
+    else if (key == "max_buffered_body_bytes_per_tenant")
+      st = GetInt(v, key, &c->max_buffered_body_bytes_per_tenant);
     else if (key == "max_pids") st = GetInt(v, key, &c->max_pids);
     else if (key == "defaults") st = ParseDefaults(v, &c->defaults);
     else if (key == "packages") st = ParsePackages(v, &c->packages);
@@ -208,6 +235,8 @@ absl::Status LoadConfigFile(const std::string& path, DaemonConfig* c) {
         "config ", path, ": defaults.pids (", c->defaults.pids, ") exceeds max_pids (",
         c->max_pids, "); lower defaults.pids or raise max_pids"));
   }
+  // HTTP limits (cross-field: checked once every key is in).
+  if (absl::Status http = ValidateHttpLimits(*c); !http.ok()) return http;
   return absl::OkStatus();
 }
 

@@ -67,6 +67,14 @@ struct DaemonConfig {
   int64_t max_upload_bytes = 256ll << 20;
   int64_t max_json_body_bytes = 16ll << 20;
   int max_connections = 1024;
+  // HTTP memory and fair shares (api/http_server.h Options): buffered JSON bodies across all
+  // connections, and request headers still being received; per tenant (the dev-mode tenant and
+  // anonymous clients count as one each): requests in progress at once and buffered bodies.
+  // 0 for a per-tenant share: a quarter of the total (at least one request / one max-size body).
+  int64_t max_buffered_body_bytes = 128ll << 20;
+  int64_t max_buffered_header_bytes = 64ll << 20;
+  int max_requests_per_tenant = 0;
+  int64_t max_buffered_body_bytes_per_tenant = 0;
   // Most processes/threads one environment may have (its pids cgroup limit); requests for
   // more are refused with 400. All sandboxes together are also capped (container driver).
   int64_t max_pids = 4096;

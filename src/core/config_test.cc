@@ -99,6 +99,33 @@ TEST(ConfigTest, DefaultPidsAboveMaxPidsIsRefusedAtLoad) {
   std::remove(path.c_str());
 }
 
+TEST(ConfigTest, HttpBudgetsAndPerTenantSharesAreSettableAndValidated) {
+  DaemonConfig c;
+  std::string path = TempFile(
+      R"({"max_connections": 64, "max_buffered_body_bytes": 67108864,
+          "max_buffered_header_bytes": 8388608, "max_requests_per_tenant": 16,
+          "max_buffered_body_bytes_per_tenant": 33554432})");
+  ASSERT_TRUE(LoadConfigFile(path, &c).ok());
+  EXPECT_EQ(c.max_buffered_body_bytes, 64ll << 20);
+  EXPECT_EQ(c.max_buffered_header_bytes, 8ll << 20);
+  EXPECT_EQ(c.max_requests_per_tenant, 16);
+  EXPECT_EQ(c.max_buffered_body_bytes_per_tenant, 32ll << 20);
+  std::remove(path.c_str());
+  for (const char* bad : {R"({"max_connections": 0})",
+                          R"({"max_buffered_body_bytes": 1048576})",  // < max_json_body_bytes
+                          R"({"max_buffered_header_bytes": 65536})",
+                          R"({"max_requests_per_tenant": -1})",
+                          R"({"max_connections": 8, "max_requests_per_tenant": 9})",
+                          R"({"max_buffered_body_bytes_per_tenant": 1048576})",
+                          R"({"max_buffered_body_bytes_per_tenant": 268435456})"}) {
+    DaemonConfig d;
+    path = TempFile(bad);
+    absl::Status st = LoadConfigFile(path, &d);
+    EXPECT_TRUE(absl::IsInvalidArgument(st)) << bad << " → " << st;
+    std::remove(path.c_str());
+  }
+}
+
 TEST(ConfigTest, EnvironmentOverrides) {
   std::map<std::string, std::string> env{{"ESBD_LISTEN", "127.0.0.1:1"},
                                          {"ESBD_POOL_SIZE", "0"},

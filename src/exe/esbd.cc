@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cerrno>
@@ -337,6 +338,18 @@ int main(int argc, char** argv) {
                                                           : config.unix_socket;
   hopts.max_connections = config.max_connections;
   hopts.max_body_bytes = static_cast<uint64_t>(config.max_json_body_bytes);
+  hopts.max_buffered_body_bytes = static_cast<uint64_t>(config.max_buffered_body_bytes);
+  hopts.max_buffered_header_bytes = static_cast<uint64_t>(config.max_buffered_header_bytes);
+  // Fair shares per tenant (0: a quarter of the whole, but always room for one request and
+  // one body of the largest size a tenant may send).
+  hopts.max_requests_per_principal = config.max_requests_per_tenant > 0
+                                         ? config.max_requests_per_tenant
+                                         : std::max(1, config.max_connections / 4);
+  hopts.max_buffered_body_bytes_per_principal = static_cast<uint64_t>(
+      config.max_buffered_body_bytes_per_tenant > 0
+          ? config.max_buffered_body_bytes_per_tenant
+          : std::min(config.max_buffered_body_bytes,
+                     std::max(config.max_buffered_body_bytes / 4, config.max_json_body_bytes)));
   hopts.on_response = [&metrics](const esb::api::Request&, int status, int64_t) {
     metrics.CountHttp(status);
   };
