@@ -292,6 +292,41 @@ TEST_F(AgentTest, ClientDisconnectMidExecKillsTheProcessGroup) {
   EXPECT_TRUE(Alive());
 }
 
+// A timeout or a cancel used to SIGKILL the shell's children first and the shell itself only
+// a round later: in between, bash saw its `sleep` die and ran the next command. The shell's
+// next command here is a builtin (no fork), so it needs microseconds; the kill must freeze
+// the shell before it kills the command it waits for.
+TEST_F(AgentTest, TimeoutAndCancelNeverLetTheShellRunItsNextCommand) {
+  constexpr int kRounds = 8;
+  for (int i = 0; i < kRounds; ++i) {
+    Conn c(agent_);
+    ASSERT_TRUE(c.ok());
+    proto::Frame r;
+    ExecStdout(c, "sleep 30.25; echo ran > timeout_marker_" + std::to_string(i), 150, &r);
+    EXPECT_TRUE(r.header.at("timed_out").as_bool());
+  }
+  for (int i = 0; i < kRounds; ++i) {
+    Conn c(agent_);
+    ASSERT_TRUE(c.ok());
+    std::string sh_pid = "cancel_sh_" + std::to_string(i);
+    ASSERT_TRUE(c.Send({{"op", "exec"},
+                        {"command", "echo $$ > " + sh_pid + "; echo go; sleep 30.25; echo ran > " +
+                                        "cancel_marker_" + std::to_string(i)},
+                        {"timeout_ms", 60000}}));
+    proto::Frame out;
+    std::string error;
+    ASSERT_TRUE(proto::ReadFrame(c.fd(), &out, &error, proto::MonotonicMs() + 5000)) << error;
+    ASSERT_EQ(out.payload, "go\n");
+    c.Close();
+    pid_t sh = std::stoi(ReadHostFile(agent_.workspace() + "/" + sh_pid));
+    EXPECT_TRUE(ProcessGone(sh, 3000));
+  }
+  // No marker, and no process of these commands is left (stopped or not).
+  Conn c(agent_);
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(ExecStdout(c, "ls | grep marker; pgrep -fc 'sleep 30[.]25'; :", 10000), "0\n");
+}
+
 TEST_F(AgentTest, ReapsOrphansWithoutLeavingZombies) {
   Conn c(agent_);
   ASSERT_TRUE(c.ok());
