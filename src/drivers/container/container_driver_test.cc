@@ -3,6 +3,7 @@
 #include "drivers/container/container_driver.h"
 
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -223,6 +224,39 @@ class ContainerDriverTest : public ::testing::Test {
 };
 
 // ---------------------------------------------------------------------------------------
+
+// esbd started with closed stdio gets the agent's listening socket as fd 0, 1 or 2; the
+// child's stdio dup2s used to overwrite it before it was moved to fd 3, so the container got
+// /dev/null (or the log) as its "socket".
+TEST(RunProcessTest, HandedOverFdOnStdioReachesTheChildAsFd3) {
+  for (int target = 0; target <= 2; ++target) {
+    int sv[2];
+    ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+    struct stat st;
+    ASSERT_EQ(::fstat(sv[0], &st), 0);
+    const std::string socket_name = absl::StrCat("socket:[", st.st_ino, "]");
+    int saved = ::fcntl(target, F_DUPFD_CLOEXEC, 10);
+    ASSERT_GE(saved, 0);
+    ASSERT_EQ(::dup3(sv[0], target, O_CLOEXEC), target);
+    container::SpawnOptions options;
+    options.pass_fd = target;
+    auto r = container::RunProcess(
+        {"/bin/sh", "-c", "readlink /proc/self/fd/3; readlink /proc/self/fd/0; ls /proc/self/fd"},
+        options);
+    ::dup3(saved, target, 0);  // restore the test's own stdio before asserting
+    ::close(saved);
+    ::close(sv[0]);
+    ::close(sv[1]);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->exit_code, 0) << r->output;
+    std::vector<std::string> lines = absl::StrSplit(r->output, '\n', absl::SkipEmpty());
+    ASSERT_GE(lines.size(), 2u) << r->output;
+    EXPECT_EQ(lines[0], socket_name) << "fd " << target << ": " << r->output;
+    EXPECT_EQ(lines[1], "/dev/null") << "fd " << target << ": " << r->output;
+    // 0-3 and ls's own directory fd only: nothing else crossed.
+    EXPECT_EQ(lines.size(), 2u + 5u) << r->output;
+  }
+}
 
 TEST(ContainerSpecTest, ConfigHasNoCapabilitiesAndReadOnlyRoot) {
   container::BundleParams p;
