@@ -593,6 +593,35 @@ TEST_F(ContainerDriverTest, FreshDriverReattachesRunningContainer) {
   live_.clear();
 }
 
+// Issue 9 review: environments created by an esbd before the fd-3 hand-over layout (host log
+// as stdio, writable /run/esb bind, agent without the peer check) were re-attached as they
+// were after an upgrade. Their state has no "layout"; re-attach refuses them (the core then
+// destroys them) and the old layout's agent copies are removed.
+TEST_F(ContainerDriverTest, OldLayoutInstanceIsRefusedOnReattach) {
+  InstanceRef ref = MustCreate();
+  boost::json::object state = boost::json::parse(ref.state).as_object();
+  ASSERT_TRUE(state.contains("layout")) << ref.state;
+  InstanceRef old = ref;
+  state.erase("layout");
+  old.state = boost::json::serialize(state);
+  const std::string old_copy = options_.state_dir + "/bin/esb-agent-0123abcd-x";
+  fs::create_directories(options_.state_dir + "/bin");
+  std::ofstream(old_copy) << "old agent";
+  ContainerDriverOptions o = options_;
+  o.probe = false;
+  auto fresh = NewContainerDriver(o);
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  EXPECT_FALSE(fs::exists(old_copy)) << "layout-1 agent copy left behind";
+  absl::Status st = (*fresh)->Attach(old);
+  EXPECT_TRUE(IsSandboxOutdated(st)) << st;
+  EXPECT_TRUE(absl::IsFailedPrecondition(st)) << st;
+  EXPECT_TRUE((*fresh)->Attach(ref).ok()) << (*fresh)->Attach(ref);  // the current layout is fine
+  EXPECT_FALSE(IsSandboxOutdated(absl::NotFoundError("gone")));
+  ASSERT_TRUE((*fresh)->Destroy(old).ok());
+  EXPECT_TRUE(FindContainerLeaks(options_, ref).empty());
+  live_.clear();
+}
+
 TEST_F(ContainerDriverTest, DeadContainerIsReportedAndCleanedUp) {
   InstanceRef ref = MustCreate();
   boost::json::object state = boost::json::parse(ref.state).as_object();
