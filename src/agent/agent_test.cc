@@ -17,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "agent/reaper.h"
 #include "agent/test_agent_process.h"
 #include "agent/util.h"
 #include "common/protocol.h"
@@ -597,6 +598,56 @@ TEST(AgentListenFdTest, ServesOnlyRootOnInheritedSocketAndDropsHostLog) {
 }
 
 // The agent's log inside the sandbox is capped: one file plus one rotated generation.
+// The state letter of /proc/<pid>/stat ('Z' for a zombie), 0 once the pid is gone.
+char ProcState(pid_t pid) {
+  std::string stat = ReadHostFile("/proc/" + std::to_string(pid) + "/stat");
+  size_t paren = stat.rfind(')');
+  return paren == std::string::npos || paren + 2 >= stat.size() ? 0 : stat[paren + 2];
+}
+
+// A timeout or hang-up after the exec's shell was reaped used to signal its pid (and process
+// group), which by then may belong to another process. Signals go through
+// Reaper::WhileUnreaped, and the reaper may not free (reap) a pid while that runs: an exited
+// child stays a zombie, its pid reserved, until the signaller is done.
+TEST(ReaperTest, APidIsNotFreedWhileItsSignallerRuns) {
+  // In a child process: the reaper collects every child of its process (waitid(P_ALL)).
+  pid_t tester = fork();
+  ASSERT_GE(tester, 0);
+  if (tester == 0) {
+    auto* reaper = new esb::agent::Reaper();  // its thread lives as long as this process
+    reaper->Start();
+    pid_t child = reaper->Spawn(
+        [] {
+          pid_t p = fork();
+          if (p == 0) {
+            pause();
+            _exit(0);
+          }
+          return p;
+        },
+        -1);
+    if (child <= 0) _exit(2);
+    char during = 0;
+    bool ran = reaper->WhileUnreaped(child, [&] {
+      kill(child, SIGKILL);
+      usleep(200000);  // the reaper thread sees the exit meanwhile, but must not reap it yet
+      during = ProcState(child);
+    });
+    if (!ran) _exit(3);
+    if (during != 'Z') _exit(4);
+    int status = 0;
+    if (!reaper->Wait(child, &status, 5000) || !WIFSIGNALED(status)) _exit(5);
+    if (reaper->WhileUnreaped(child, [] { _exit(6); })) _exit(7);  // reaped: never runs
+    _exit(0);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(tester, &status, 0), tester);
+  ASSERT_TRUE(WIFEXITED(status)) << "tester died of signal " << WTERMSIG(status);
+  EXPECT_EQ(WEXITSTATUS(status), 0)
+      << "2: spawn failed, 3: not run for a live child, 4: the pid was reaped while its "
+         "signaller ran, 5: status lost, 6/7: run for a reaped pid";
+}
+
 TEST(AgentLogTest, RedirectedLogRotatesAtItsCap) {
   char tmpl[] = "/tmp/esb-agent-log-XXXXXX";
   std::string dir = mkdtemp(tmpl);
