@@ -17,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "agent/reaper.h"
 #include "agent/test_agent_process.h"
 #include "agent/util.h"
 #include "common/protocol.h"
@@ -292,6 +293,41 @@ TEST_F(AgentTest, ClientDisconnectMidExecKillsTheProcessGroup) {
   EXPECT_TRUE(Alive());
 }
 
+// A timeout or a cancel used to SIGKILL the shell's children first and the shell itself only
+// a round later: in between, bash saw its `sleep` die and ran the next command. The shell's
+// next command here is a builtin (no fork), so it needs microseconds; the kill must freeze
+// the shell before it kills the command it waits for.
+TEST_F(AgentTest, TimeoutAndCancelNeverLetTheShellRunItsNextCommand) {
+  constexpr int kRounds = 8;
+  for (int i = 0; i < kRounds; ++i) {
+    Conn c(agent_);
+    ASSERT_TRUE(c.ok());
+    proto::Frame r;
+    ExecStdout(c, "sleep 30.25; echo ran > timeout_marker_" + std::to_string(i), 150, &r);
+    EXPECT_TRUE(r.header.at("timed_out").as_bool());
+  }
+  for (int i = 0; i < kRounds; ++i) {
+    Conn c(agent_);
+    ASSERT_TRUE(c.ok());
+    std::string sh_pid = "cancel_sh_" + std::to_string(i);
+    ASSERT_TRUE(c.Send({{"op", "exec"},
+                        {"command", "echo $$ > " + sh_pid + "; echo go; sleep 30.25; echo ran > " +
+                                        "cancel_marker_" + std::to_string(i)},
+                        {"timeout_ms", 60000}}));
+    proto::Frame out;
+    std::string error;
+    ASSERT_TRUE(proto::ReadFrame(c.fd(), &out, &error, proto::MonotonicMs() + 5000)) << error;
+    ASSERT_EQ(out.payload, "go\n");
+    c.Close();
+    pid_t sh = std::stoi(ReadHostFile(agent_.workspace() + "/" + sh_pid));
+    EXPECT_TRUE(ProcessGone(sh, 3000));
+  }
+  // No marker, and no process of these commands is left (stopped or not).
+  Conn c(agent_);
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(ExecStdout(c, "ls | grep marker; pgrep -fc 'sleep 30[.]25'; :", 10000), "0\n");
+}
+
 TEST_F(AgentTest, ReapsOrphansWithoutLeavingZombies) {
   Conn c(agent_);
   ASSERT_TRUE(c.ok());
@@ -562,6 +598,56 @@ TEST(AgentListenFdTest, ServesOnlyRootOnInheritedSocketAndDropsHostLog) {
 }
 
 // The agent's log inside the sandbox is capped: one file plus one rotated generation.
+// The state letter of /proc/<pid>/stat ('Z' for a zombie), 0 once the pid is gone.
+char ProcState(pid_t pid) {
+  std::string stat = ReadHostFile("/proc/" + std::to_string(pid) + "/stat");
+  size_t paren = stat.rfind(')');
+  return paren == std::string::npos || paren + 2 >= stat.size() ? 0 : stat[paren + 2];
+}
+
+// A timeout or hang-up after the exec's shell was reaped used to signal its pid (and process
+// group), which by then may belong to another process. Signals go through
+// Reaper::WhileUnreaped, and the reaper may not free (reap) a pid while that runs: an exited
+// child stays a zombie, its pid reserved, until the signaller is done.
+TEST(ReaperTest, APidIsNotFreedWhileItsSignallerRuns) {
+  // In a child process: the reaper collects every child of its process (waitid(P_ALL)).
+  pid_t tester = fork();
+  ASSERT_GE(tester, 0);
+  if (tester == 0) {
+    auto* reaper = new esb::agent::Reaper();  // its thread lives as long as this process
+    reaper->Start();
+    pid_t child = reaper->Spawn(
+        [] {
+          pid_t p = fork();
+          if (p == 0) {
+            pause();
+            _exit(0);
+          }
+          return p;
+        },
+        -1);
+    if (child <= 0) _exit(2);
+    char during = 0;
+    bool ran = reaper->WhileUnreaped(child, [&] {
+      kill(child, SIGKILL);
+      usleep(200000);  // the reaper thread sees the exit meanwhile, but must not reap it yet
+      during = ProcState(child);
+    });
+    if (!ran) _exit(3);
+    if (during != 'Z') _exit(4);
+    int status = 0;
+    if (!reaper->Wait(child, &status, 5000) || !WIFSIGNALED(status)) _exit(5);
+    if (reaper->WhileUnreaped(child, [] { _exit(6); })) _exit(7);  // reaped: never runs
+    _exit(0);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(tester, &status, 0), tester);
+  ASSERT_TRUE(WIFEXITED(status)) << "tester died of signal " << WTERMSIG(status);
+  EXPECT_EQ(WEXITSTATUS(status), 0)
+      << "2: spawn failed, 3: not run for a live child, 4: the pid was reaped while its "
+         "signaller ran, 5: status lost, 6/7: run for a reaped pid";
+}
+
 TEST(AgentLogTest, RedirectedLogRotatesAtItsCap) {
   char tmpl[] = "/tmp/esb-agent-log-XXXXXX";
   std::string dir = mkdtemp(tmpl);

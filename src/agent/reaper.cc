@@ -1,6 +1,7 @@
 #include "agent/reaper.h"
 
 #include <errno.h>
+#include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -52,6 +53,14 @@ bool Reaper::Wait(pid_t pid, int* status, int64_t timeout_ms) {
   return true;
 }
 
+bool Reaper::WhileUnreaped(pid_t pid, const std::function<void()>& fn) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = entries_.find(pid);
+  if (it == entries_.end() || it->second.exited) return false;
+  fn();
+  return true;
+}
+
 void Reaper::Forget(pid_t pid) {
   std::lock_guard<std::mutex> lock(mu_);
   entries_.erase(pid);
@@ -69,9 +78,10 @@ void Reaper::Loop() {
       std::lock_guard<std::mutex> lock(mu_);
       seen = spawns_;
     }
-    int status = 0;
-    pid_t pid = waitpid(-1, &status, __WALL);
-    if (pid < 0) {
+    // Learn which child exited without reaping it (WNOWAIT): it stays a zombie, its pid
+    // reserved, until it is reaped below under mu_ (see WhileUnreaped).
+    siginfo_t info{};
+    if (waitid(P_ALL, 0, &info, WEXITED | WNOWAIT | __WALL) != 0) {
       if (errno == EINTR) continue;
       // ECHILD: no children right now. New children only appear through Spawn (orphans are
       // reparented before their parent's exit is reported), so sleep until the next spawn;
@@ -81,6 +91,9 @@ void Reaper::Loop() {
       continue;
     }
     std::lock_guard<std::mutex> lock(mu_);
+    int status = 0;
+    pid_t pid = waitpid(info.si_pid, &status, __WALL | WNOHANG);
+    if (pid <= 0) continue;
     auto it = entries_.find(pid);
     if (it == entries_.end()) {
       ++orphans_;

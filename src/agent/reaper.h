@@ -33,6 +33,10 @@ class Reaper {
   bool TryCollect(pid_t pid, int* status);
   // Blocks until `pid` exits (or the timeout passes; timeout_ms < 0 waits forever).
   bool Wait(pid_t pid, int* status, int64_t timeout_ms = -1);
+  // Runs `fn` and returns true only if `pid` is tracked and not yet reaped; holds the registry
+  // lock meanwhile. The reaper frees a pid (reaps it) only under that lock, so a signal `fn`
+  // sends to `pid` or its process group cannot reach a recycled pid.
+  bool WhileUnreaped(pid_t pid, const std::function<void()>& fn);
   // Stops tracking `pid` (its status, when it comes, is discarded).
   void Forget(pid_t pid);
 

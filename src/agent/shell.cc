@@ -176,14 +176,22 @@ void KillGroup(pid_t pgid) {
 
 // Kills everything an exec started: every live descendant of its shell — including
 // `setsid` and double-fork escapees, which the shell (a child subreaper, see StartShell)
-// inherits — in rounds until none is left, then the shell's process group. The shell stays
-// alive until the end, so orphans of killed processes keep reparenting to it, not to us.
+// inherits — in rounds until none is left, then the shell's process group.
+// The shell and its group are frozen (SIGSTOP) first and re-frozen each round: a shell that
+// saw its foreground command die would otherwise run its next command (`sleep 5; touch x`
+// must not touch x) before the group kill lands. The frozen shell stays alive until the end,
+// so orphans of killed processes keep reparenting to it, not to us. Nothing stays stopped:
+// everything SIGSTOP reached is in the shell's group, which is SIGKILLed last (SIGKILL ends
+// stopped processes too). Call only while the shell is unreaped (Reaper::WhileUnreaped).
 void KillTree(pid_t shell) {
   if (shell <= 1) return;
   for (int round = 0; round < 200; ++round) {
+    // SECURITY: only this exec's shell's own process group (its session) is frozen.
+    kill(-shell, SIGSTOP);
     std::map<pid_t, pid_t> parent = ReadParentMap(/*skip_zombies=*/true);
     int killed = 0;
     for (const auto& [pid, ppid] : parent) {
+      if (pid == shell) continue;
       pid_t p = ppid;
       for (int hops = 0; hops < 4096 && p > 1 && p != shell; ++hops) {
         auto it = parent.find(p);
@@ -200,7 +208,6 @@ void KillTree(pid_t shell) {
   }
   KillGroup(shell);
 }
-
 }  // namespace
 
 bool ValidEnvName(std::string_view name) {
@@ -379,7 +386,8 @@ bool ShellSession::StartShell(Shell* shell, std::string* error, int* err) {
 
 void ShellSession::DiscardShell(Shell* shell) {
   if (shell->pid > 0) {
-    KillGroup(shell->pid);
+    // Only while unreaped: a reaped shell's pid may already be another process's.
+    reaper_->WhileUnreaped(shell->pid, [&] { KillGroup(shell->pid); });
     reaper_->Forget(shell->pid);  // before exit_fd closes: the reaper must not write to it
     std::lock_guard<std::mutex> lock(mu_);
     if (standby_pid_ == shell->pid) standby_pid_ = -1;
@@ -581,15 +589,24 @@ ExecOutcome ShellSession::Exec(const ExecParams& params, int client_fd, const Ou
   std::string buf(kReadChunk, '\0');
   Fd* pipes[2] = {&shell.out_r, &shell.err_r};
 
+  // Kills the exec's processes while its shell runs. Once the shell is reaped (shell_exited;
+  // and WhileUnreaped covers the reaper thread getting there first) its pid may belong to
+  // another process, so nothing is signalled: the command completed, and what it left behind
+  // are its background jobs (reparented to the agent), which by design keep running
+  // (servers) until the environment ends.
+  auto kill_tree = [&]() {
+    if (!shell_exited) reaper_->WhileUnreaped(pid, [&] { KillTree(pid); });
+  };
   auto cancel = [&]() {
-    KillTree(pid);
+    kill_tree();
     result.cancelled = true;
   };
 
   while (!result.cancelled) {
     int64_t now = proto::MonotonicMs();
-    if (!result.timed_out && now >= deadline) {
-      KillTree(pid);
+    // After the shell exited, the command finished in time; only its output is drained.
+    if (!shell_exited && !result.timed_out && now >= deadline) {
+      kill_tree();
       result.timed_out = true;
     }
     if (shell_exited && (now >= grace_deadline || (!shell.out_r && !shell.err_r && dump_eof))) {

@@ -126,9 +126,11 @@ absl::Status EnvironmentManager::Start() {
         ++attached;
         continue;
       }
-      reason = "died_while_daemon_down";
-      LogWarn(absl::StrCat("environment ", rec.id, " could not be re-attached: ",
-                           st.ToString()));
+      // SECURITY: an environment created by an older esbd keeps that esbd's sandbox layout
+      // (and its weaknesses); it is destroyed rather than adopted.
+      reason = IsSandboxOutdated(st) ? "sandbox_outdated" : "died_while_daemon_down";
+      LogWarn(absl::StrCat("environment ", rec.id, " could not be re-attached (", reason,
+                           "): ", st.ToString()));
     } else if (rec.state == "pooled") {
       reason = "pool_discarded_on_restart";
     } else if (rec.state == "creating") {

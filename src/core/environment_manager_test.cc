@@ -38,6 +38,7 @@ class FakeDriver : public Driver {
   }
   absl::Status Attach(const InstanceRef& ref) override {
     std::lock_guard<std::mutex> lock(mu);
+    if (outdated.count(ref.id)) return SandboxOutdatedError("layout 1");
     return alive.count(ref.id) ? absl::OkStatus() : absl::NotFoundError("gone");
   }
   absl::StatusOr<ExecResult> Exec(const InstanceRef& ref, const ExecRequest& req,
@@ -74,6 +75,7 @@ class FakeDriver : public Driver {
 
   std::mutex mu;
   std::set<std::string> alive;
+  std::set<std::string> outdated;  // Attach answers SandboxOutdatedError
   std::vector<std::string> destroyed;
   std::map<std::string, std::map<std::string, std::string>> configured;
   int creates = 0;
@@ -215,6 +217,36 @@ TEST_F(ManagerTest, RestartReattachesLiveAndCleansUpDead) {
   ASSERT_TRUE(dead.ok());
   EXPECT_EQ(dead->record.state, "destroyed");
   EXPECT_EQ(dead->record.destroy_reason, "died_while_daemon_down");
+  m2->Stop();
+}
+
+// An environment an older esbd created keeps that esbd's (weaker) sandbox layout: after an
+// upgrade it is destroyed, not re-attached, and says why.
+TEST_F(ManagerTest, RestartDestroysEnvironmentsOfAnOutdatedSandboxLayout) {
+  std::string old_id, new_id;
+  {
+    auto m = Make(0, nullptr);
+    ASSERT_TRUE(m->Start().ok());
+    old_id = m->Create("t", EnvSpec{}, 0)->record.id;
+    new_id = m->Create("t", EnvSpec{}, 0)->record.id;
+    m->Stop();
+  }
+  {
+    std::lock_guard<std::mutex> lock(driver.mu);
+    driver.outdated.insert(old_id);  // alive, but of the old layout
+  }
+  auto m2 = Make(0, nullptr);
+  ASSERT_TRUE(m2->Start().ok());
+  EXPECT_TRUE(m2->Exec("t", new_id, ExecRequest{"true"}, nullptr).ok());
+  auto old = m2->Get("t", old_id);
+  ASSERT_TRUE(old.ok());
+  EXPECT_EQ(old->record.state, "destroyed");
+  EXPECT_EQ(old->record.destroy_reason, "sandbox_outdated");
+  EXPECT_FALSE(m2->Exec("t", old_id, ExecRequest{"true"}, nullptr).ok());
+  {
+    std::lock_guard<std::mutex> lock(driver.mu);
+    EXPECT_EQ(driver.alive.count(old_id), 0u) << "the outdated sandbox was not destroyed";
+  }
   m2->Stop();
 }
 

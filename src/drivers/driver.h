@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/cord.h"
 #include "absl/status/statusor.h"
 
 namespace esb {
@@ -91,6 +92,19 @@ struct Usage {
 // NotFound → 404, InvalidArgument → 400, PermissionDenied → 400 (inside-sandbox EACCES),
 // ResourceExhausted → 413/429, FailedPrecondition → 409, Unavailable → 503,
 // DeadlineExceeded → 504, Unimplemented → 400 with the message, others → 500.
+// Attach's answer for an instance that is alive but was created by an older esbd whose
+// sandbox layout lacks protections the current one relies on (so it must not be adopted).
+// The core destroys such an instance and records destroy_reason "sandbox_outdated".
+inline constexpr char kSandboxOutdatedPayload[] = "type.entersandbox/sandbox_outdated";
+inline absl::Status SandboxOutdatedError(const std::string& message) {
+  absl::Status status = absl::FailedPreconditionError(message);
+  status.SetPayload(kSandboxOutdatedPayload, absl::Cord("1"));
+  return status;
+}
+inline bool IsSandboxOutdated(const absl::Status& status) {
+  return status.GetPayload(kSandboxOutdatedPayload).has_value();
+}
+
 class Driver {
  public:
   virtual ~Driver() = default;
@@ -104,7 +118,8 @@ class Driver {
   // Destroys everything the instance owns (processes, mounts, cgroups, directories).
   // Idempotent: destroying a dead or half-created instance succeeds.
   virtual absl::Status Destroy(const InstanceRef& ref) = 0;
-  // After a daemon restart: checks the instance is still alive and usable.
+  // After a daemon restart: checks the instance is still alive and usable. An instance whose
+  // sandbox layout is older than the driver's answers SandboxOutdatedError.
   virtual absl::Status Attach(const InstanceRef& ref) = 0;
 
   virtual absl::StatusOr<ExecResult> Exec(const InstanceRef& ref, const ExecRequest& request,

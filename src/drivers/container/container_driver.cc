@@ -13,6 +13,7 @@
 #include <boost/json.hpp>
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
 #include <mutex>
 #include <set>
 #include <thread>
@@ -225,8 +226,15 @@ EnvPaths PathsFor(const ContainerDriverOptions& o, const std::string& id) {
 // Files shared by every sandbox of this driver (agent binary, hostname), on a tmpfs.
 std::string ShareDir(const std::string& state_dir) { return state_dir + "/share"; }
 
+// The sandbox layout this driver creates, recorded in each instance's state. Layout 2 (issue
+// 9): the agent's socket is handed over as fd 3 (no writable /run/esb bind), its stdio is not
+// the host log, it checks SO_PEERCRED, and it runs from the share tmpfs. Instances of an older
+// layout (no "layout" field) are refused on re-attach (SandboxOutdatedError).
+constexpr int kSandboxLayout = 2;
+
 // What InstanceRef.state holds.
 struct InstanceState {
+  int layout = 1;       // absent in states written before layouts were recorded
   std::string runtime;  // crun | runc | runsc
   int pid = 0;
   uint64_t pid_start = 0;
@@ -237,6 +245,7 @@ std::string SerializeState(const InstanceState& s, const EnvPaths& p, const Cgro
   boost::json::array dirs;
   for (const std::string& d : CgroupDirs(layout, s.cgroup_path)) dirs.emplace_back(d);
   boost::json::object o = {
+      {"layout", s.layout},
       {"runtime", s.runtime},
       {"container_id", p.container_id},
       {"bundle", p.env_dir},
@@ -262,6 +271,10 @@ InstanceState ParseState(const std::string& json, const std::string& default_run
   if (auto* r = o.if_contains("runtime"); r && r->is_string()) {
     RuntimeKind k;
     if (ParseRuntimeKind(std::string(r->as_string()), &k)) s.runtime = RuntimeName(k);
+  }
+  if (auto* l = o.if_contains("layout"); l && l->is_int64() && l->as_int64() > 0 &&
+                                          l->as_int64() < 1000) {
+    s.layout = static_cast<int>(l->as_int64());
   }
   if (auto* p = o.if_contains("pid"); p && p->is_int64()) s.pid = static_cast<int>(p->as_int64());
   if (auto* p = o.if_contains("pid_start")) {
@@ -549,6 +562,7 @@ absl::StatusOr<InstanceRef> ContainerDriver::Create(const std::string& id, const
   }
   const int64_t t0 = MonotonicMs();
   InstanceState state;
+  state.layout = kSandboxLayout;
   state.runtime = RuntimeName(kind_);
   state.cgroup_path = paths.cgroup_path;
   const OciRuntime& runtime = Runtime(state.runtime);
@@ -644,6 +658,13 @@ absl::Status ContainerDriver::Attach(const InstanceRef& ref) {
   ESB_RETURN_IF_ERROR(ValidateId(ref.id));
   const EnvPaths paths = PathsFor(options_, ref.id);
   InstanceState state = ParseState(ref.state, RuntimeName(kind_), paths);
+  if (state.layout < kSandboxLayout) {
+    // SECURITY: an older esbd's sandbox (host log as stdio, writable /run/esb bind, agent
+    // without the peer check) is never adopted, however healthy it is.
+    return SandboxOutdatedError(absl::StrCat("environment ", ref.id, " was created with sandbox "
+                                             "layout ", state.layout, " (this esbd: ",
+                                             kSandboxLayout, ")"));
+  }
   absl::StatusOr<ContainerState> cs = Runtime(state.runtime).State(paths.container_id);
   if (absl::IsNotFound(cs.status())) {
     return absl::NotFoundError(absl::StrCat("container of environment ", ref.id, " is gone"));
@@ -734,6 +755,27 @@ absl::StatusOr<std::string> InstallAgent(const std::string& source, const std::s
     return ErrnoStatus("chmod " + dest);
   }
   return dest;
+}
+
+// Sandbox layout 1 ran the agent from <state_dir>/bin/esb-agent-*. No instance of the current
+// layout uses those copies, and every layout-1 instance is refused on re-attach and destroyed
+// (its agent keeps running from the already mapped binary until then), so they go.
+void RemoveLayout1AgentCopies(const std::string& state_dir) {
+  const std::string bin = state_dir + "/bin";
+  std::error_code ec;
+  std::vector<std::filesystem::path> copies;
+  for (const auto& entry : std::filesystem::directory_iterator(bin, ec)) {
+    if (absl::StartsWith(entry.path().filename().string(), "esb-agent-")) {
+      copies.push_back(entry.path());
+    }
+  }
+  int removed = 0;
+  for (const auto& path : copies) removed += std::filesystem::remove(path, ec) ? 1 : 0;
+  if (removed > 0) {
+    LogInfo(absl::StrCat("container driver: removed ", removed, " agent copies of sandbox "
+                         "layout 1 from ", bin));
+  }
+  std::filesystem::remove(bin, ec);  // only if now empty
 }
 
 // A number from a /proc/sys file, 0 if unreadable.
@@ -877,6 +919,7 @@ absl::StatusOr<std::unique_ptr<Driver>> NewContainerDriver(ContainerDriverOption
   if (!layout.ok()) return layout.status();
   ESB_RETURN_IF_ERROR(MakeDirs(options.state_dir + "/envs", 0700));
   ::chmod(options.state_dir.c_str(), 0711);
+  RemoveLayout1AgentCopies(options.state_dir);
   if (options.max_pids < 16) {
     return absl::InvalidArgumentError("container driver: max_pids must be at least 16");
   }

@@ -96,8 +96,21 @@ absl::StatusOr<ProcessResult> RunProcess(const std::vector<std::string>& argv,
   if (capture && ::pipe2(pipefd, O_CLOEXEC) != 0) return ErrnoStatus("pipe2");
   UniqueFd read_end(pipefd[0]);
   UniqueFd write_end(pipefd[1]);
-  const int out_fd = capture ? write_end.get() : options.output_fd;
-  const int pass_fd = options.pass_fd;
+  // The child's dup2s onto 0-2 (then 3) must not overwrite a source that sits there (esbd
+  // started with closed stdio gets its sockets and logs as fds 0-2), and dup2(fd, fd) would
+  // keep O_CLOEXEC: every source is first copied above 3 (close-on-exec, in the parent).
+  UniqueFd raised[3];
+  auto above_stdio = [&](int fd, UniqueFd* holder) -> int {
+    if (fd < 0 || fd > 3) return fd;
+    holder->reset(::fcntl(fd, F_DUPFD_CLOEXEC, 4));
+    return holder->get();
+  };
+  const int null_fd = above_stdio(devnull.get(), &raised[0]);
+  const int out_fd = above_stdio(capture ? write_end.get() : options.output_fd, &raised[1]);
+  const int pass_fd = above_stdio(options.pass_fd, &raised[2]);
+  if (null_fd < 0 || (out_fd < 0) || (options.pass_fd >= 0 && pass_fd < 0)) {
+    return ErrnoStatus("fcntl F_DUPFD_CLOEXEC");
+  }
 
   pid_t pid = ::fork();
   if (pid < 0) return ErrnoStatus("fork");
@@ -113,17 +126,14 @@ absl::StatusOr<ProcessResult> RunProcess(const std::vector<std::string>& argv,
     }
     // SECURITY: the runtime (and thus a detached container) gets /dev/null and the log fd
     // only, never esbd's stdout/stderr, sockets or database handles.
-    if (::dup2(devnull.get(), 0) < 0 || ::dup2(out_fd, 1) < 0 || ::dup2(out_fd, 2) < 0) {
+    // All sources are > 3 (see above_stdio), so no dup2 overwrites one still to be copied.
+    if (::dup2(null_fd, 0) < 0 || ::dup2(out_fd, 1) < 0 || ::dup2(out_fd, 2) < 0) {
       _exit(126);
     }
     if (pass_fd >= 0) {
       // SECURITY: exactly one extra descriptor (the agent's listening socket) crosses into
       // the runtime and from there into the container, as fd 3.
-      if (pass_fd == 3) {
-        if (::fcntl(3, F_SETFD, 0) != 0) _exit(126);
-      } else if (::dup2(pass_fd, 3) < 0) {
-        _exit(126);
-      }
+      if (::dup2(pass_fd, 3) < 0) _exit(126);
       ::syscall(SYS_close_range, 4, ~0U, 0);
     } else {
       ::syscall(SYS_close_range, 3, ~0U, 0);
