@@ -51,10 +51,10 @@ std::string ErrnoName(int err) {
   return name ? name : "EIO";
 }
 
-std::map<pid_t, pid_t> ReadParentMap(bool skip_zombies) {
-  std::map<pid_t, pid_t> parent;
+std::map<pid_t, ProcInfo> ReadProcessTable() {
+  std::map<pid_t, ProcInfo> table;
   DIR* proc = opendir("/proc");
-  if (!proc) return parent;
+  if (!proc) return table;
   while (dirent* e = readdir(proc)) {
     char* end = nullptr;
     long pid = strtol(e->d_name, &end, 10);
@@ -73,10 +73,18 @@ std::map<pid_t, pid_t> ReadParentMap(bool skip_zombies) {
     char state;
     int ppid;
     if (sscanf(close_paren + 1, " %c %d", &state, &ppid) != 2) continue;
-    if (skip_zombies && (state == 'Z' || state == 'X')) continue;
-    parent[static_cast<pid_t>(pid)] = ppid;
+    table[static_cast<pid_t>(pid)] = {static_cast<pid_t>(ppid), state};
   }
   closedir(proc);
+  return table;
+}
+
+std::map<pid_t, pid_t> ReadParentMap(bool skip_zombies) {
+  std::map<pid_t, pid_t> parent;
+  for (const auto& [pid, info] : ReadProcessTable()) {
+    if (skip_zombies && (info.state == 'Z' || info.state == 'X')) continue;
+    parent[pid] = info.ppid;
+  }
   return parent;
 }
 

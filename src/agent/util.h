@@ -45,6 +45,13 @@ bool WriteAll(int fd, std::string_view data);
 // "ENOENT" for ENOENT; "EIO" if the number has no name.
 std::string ErrnoName(int err);
 
+// One process as /proc/<pid>/stat shows it.
+struct ProcInfo {
+  pid_t ppid = 0;
+  char state = '?';  // R, S, D, T (stopped), t (traced), Z, X, ...
+};
+// Every process in /proc.
+std::map<pid_t, ProcInfo> ReadProcessTable();
 // pid -> parent pid of every process in /proc (zombies too unless `skip_zombies`).
 std::map<pid_t, pid_t> ReadParentMap(bool skip_zombies = false);
 

@@ -458,5 +458,43 @@ TEST_F(SecurityTest, SetsidAndDoubleForkEscapeesDieWithTheTimeout) {
   Run("kill " + kept);
 }
 
+TEST_F(SecurityTest, ForkHoppingProcessesDieWithTheTimeout) {
+  // From the red-team run: processes that fork, let the child setsid() and exit, in a loop,
+  // change pid faster than a scan-then-kill can follow (2 of 5 runs left survivors).
+  daemon_->Call("POST", "/environments/" + env_ + "/files/write",
+                json::object{{"path", ".hop.py"},
+                             {"content", R"(import os, sys, time
+for k in range(int(sys.argv[1])):
+    if os.fork() == 0:
+        while True:
+            try:
+                p = os.fork()
+            except OSError:
+                time.sleep(0.001)
+                continue
+            if p == 0:
+                try:
+                    os.setsid()
+                except OSError:
+                    pass
+                continue
+            os._exit(0)
+time.sleep(100)
+)"}});
+  // A background job of an earlier, completed command must come through the freeze running.
+  std::string kept = Out("nohup sleep 1003 >/dev/null 2>&1 & echo $!");
+  while (!kept.empty() && kept.back() == '\n') kept.pop_back();
+  ASSERT_FALSE(kept.empty());
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    HttpResult r = daemon_->Exec(env_, "python3 .hop.py 12", 2);
+    EXPECT_TRUE(r.flag("timed_out")) << r.body;
+    std::string left = Out("sleep 0.5; ps -eo pid=,args= | grep '[.]hop.py' || true");
+    EXPECT_EQ(left, "") << "attempt " << attempt << ": survivors:\n" << left;
+    if (!left.empty()) Run("pkill -9 -f '[.]hop.py'; true");
+  }
+  EXPECT_EQ(Out("ps -o stat= -p " + kept + " | cut -c1"), "S\n") << "the earlier job is not running";
+  Run("kill " + kept);
+}
+
 }  // namespace
 }  // namespace esb::testing
