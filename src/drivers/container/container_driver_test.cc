@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <boost/json.hpp>
+#include <cinttypes>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -788,6 +789,50 @@ TEST_F(ContainerDriverTest, PidsAboveDaemonCapAreRefusedAndParentIsLimited) {
   int64_t expect = std::min(std::stoll(pid_max), std::stoll(threads_max)) / 2;
   std::printf("[ pids     ] %s/pids.max = %s", dir.c_str(), max.c_str());
   EXPECT_EQ(std::stoll(max), expect);
+}
+
+// The parent of all sandboxes had no memory limit: 200 environments x memory_mb 16384 with a
+// 64 GiB /workspace tmpfs each were accepted on a 24 GiB host (global OOM, tmpfs pages stay).
+TEST_F(ContainerDriverTest, MemoryAboveDaemonCapIsRefusedAndParentIsLimited) {
+  // Host RAM minus max(2 GiB, 25%) for the host, minus the nano tier's eighth (<= 16 GiB).
+  std::string meminfo;
+  ASSERT_TRUE(ReadFileToString("/proc/meminfo", &meminfo).ok());
+  int64_t host_kb = 0;
+  ASSERT_EQ(std::sscanf(meminfo.c_str(), "MemTotal: %" SCNd64 " kB", &host_kb), 1);
+  const int64_t host_mb = host_kb / 1024;
+  const int64_t all = host_mb - std::max<int64_t>(2048, host_mb / 4);
+  const int64_t expect_mb = all - std::min<int64_t>(all / 8, 16384);
+  const int64_t cap_mb = expect_mb / 2;
+  for (auto [memory, disk] : {std::pair<int64_t, int64_t>{cap_mb + 1, 64}, {256, cap_mb + 1},
+                              {16384, 65536}}) {
+    EnvSpec spec;
+    spec.memory_mb = memory;
+    spec.disk_mb = disk;
+    absl::StatusOr<InstanceRef> r = driver_->Create("memcap" + RandomHex(2), spec);
+    EXPECT_TRUE(absl::IsInvalidArgument(r.status())) << memory << "/" << disk << ": " << r.status();
+    EXPECT_TRUE(absl::StrContains(r.status().message(), "max_memory_mb")) << r.status();
+  }
+  auto layout = container::DetectCgroups();
+  ASSERT_TRUE(layout.ok());
+  const bool v2 = layout->mode == container::CgroupMode::kV2;
+  std::string dir = v2 ? layout->v2_mount + options_.cgroup_parent
+                       : layout->v1_mounts.at("memory") + options_.cgroup_parent;
+  std::string max;
+  ASSERT_TRUE(ReadFileToString(dir + (v2 ? "/memory.max" : "/memory.limit_in_bytes"), &max).ok());
+  std::printf("[ memory   ] host %" PRId64 " MiB; %s limit = %s", host_mb, dir.c_str(),
+              max.c_str());
+  EXPECT_EQ(std::stoll(max), expect_mb << 20);
+  EXPECT_LT(std::stoll(max), host_mb << 20);
+  std::string swap;
+  if (!v2 && ReadFileToString(dir + "/memory.memsw.limit_in_bytes", &swap).ok()) {
+    std::printf("[ memory   ] memsw limit = %s", swap.c_str());
+    EXPECT_EQ(std::stoll(swap), expect_mb << 20);
+  }
+  if (!v2) {
+    std::string hierarchy;
+    ASSERT_TRUE(ReadFileToString(dir + "/memory.use_hierarchy", &hierarchy).ok());
+    EXPECT_EQ(hierarchy.substr(0, 1), "1");
+  }
 }
 
 // Cold Create latency versus the runtime alone running the same bundle.
