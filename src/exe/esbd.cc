@@ -195,7 +195,8 @@ int main(int argc, char** argv) {
   // esbd first; sandbox memory is also capped below the host's RAM (container driver).
   if (FILE* f = std::fopen("/proc/self/oom_score_adj", "we")) {
     if (std::fputs("-500", f) < 0 || std::fclose(f) != 0) {
-      esb::LogWarn("cannot lower esbd's oom_score_adj to -500");
+      esb::LogWarn(absl::StrCat("cannot lower esbd's oom_score_adj to -500 (needs ",
+                                "CAP_SYS_RESOURCE): ", std::strerror(errno)));
     }
   } else {
     esb::LogWarn(absl::StrCat("cannot open /proc/self/oom_score_adj: ", std::strerror(errno)));

@@ -24,6 +24,7 @@
 #include <sstream>
 #include <thread>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -833,6 +834,73 @@ TEST_F(ContainerDriverTest, MemoryAboveDaemonCapIsRefusedAndParentIsLimited) {
     ASSERT_TRUE(ReadFileToString(dir + "/memory.use_hierarchy", &hierarchy).ok());
     EXPECT_EQ(hierarchy.substr(0, 1), "1");
   }
+}
+
+// With the parent's limit, sandboxes that together fill more tmpfs than it allows fail inside
+// the parent (its own OOM/charge failures), not on the host. A private parent limited to
+// 160 MiB; two environments of 128 MiB each write 100 MiB to /workspace.
+TEST_F(ContainerDriverTest, WorkspaceFillsOfAllSandboxesStayWithinParentLimit) {
+  ContainerDriverOptions o = options_;
+  o.cgroup_parent = "/esb/memtest-" + RandomHex(3);
+  o.total_memory_mb = 160;
+  o.max_memory_mb = 128;
+  o.max_disk_mb = 128;
+  auto driver = NewContainerDriver(o);
+  ASSERT_TRUE(driver.ok()) << driver.status();
+  std::unique_ptr<Driver> own = std::move(driver_);
+  driver_ = std::move(*driver);
+  auto layout = container::DetectCgroups();
+  ASSERT_TRUE(layout.ok());
+  const std::string dir = layout->mode == container::CgroupMode::kV2
+                              ? layout->v2_mount + o.cgroup_parent
+                              : layout->v1_mounts.at("memory") + o.cgroup_parent;
+  EnvSpec spec;
+  spec.disk_mb = 128;
+  spec.memory_mb = 129;
+  EXPECT_TRUE(absl::IsInvalidArgument(driver_->Create("memcap" + RandomHex(2), spec).status()));
+  spec.memory_mb = 128;
+  InstanceRef a = MustCreate(spec), b = MustCreate(spec);
+  const char* fill = "dd if=/dev/zero of=/workspace/fill bs=1M count=100 2>/tmp/dd.err; "
+                     "echo rc=$?; tail -1 /tmp/dd.err";
+  ExecResult ra = MustExec(a, fill);
+  absl::StatusOr<ExecResult> rb = [&] {
+    ExecRequest req;
+    req.command = fill;
+    req.timeout = std::chrono::milliseconds(20000);
+    return driver_->Exec(b, req, nullptr);
+  }();
+  std::string usage, peak, failcnt;
+  if (layout->mode == container::CgroupMode::kV2) {
+    ReadFileToString(dir + "/memory.current", &usage).IgnoreError();
+    ReadFileToString(dir + "/memory.peak", &peak).IgnoreError();
+    ReadFileToString(dir + "/memory.events", &failcnt).IgnoreError();
+  } else {
+    ReadFileToString(dir + "/memory.usage_in_bytes", &usage).IgnoreError();
+    ReadFileToString(dir + "/memory.max_usage_in_bytes", &peak).IgnoreError();
+    ReadFileToString(dir + "/memory.failcnt", &failcnt).IgnoreError();
+  }
+  std::printf("[ memory   ] a: exit %d %s", ra.exit_code, ra.stdout_data.c_str());
+  std::printf("[ memory   ] b: %s\n", rb.ok() ? absl::StrCat("exit ", rb->exit_code, " ",
+                                                                rb->stdout_data).c_str()
+                                               : rb.status().ToString().c_str());
+  std::printf("[ memory   ] %s usage %s peak %s failcnt/events %s\n", dir.c_str(),
+              std::string(absl::StripAsciiWhitespace(usage)).c_str(),
+              std::string(absl::StripAsciiWhitespace(peak)).c_str(),
+              std::string(absl::StripAsciiWhitespace(failcnt)).c_str());
+  // Not both fills succeeded: 200 MiB of tmpfs cannot sit in a 160 MiB parent.
+  const bool a_ok = absl::StrContains(ra.stdout_data, "rc=0") &&
+                    absl::StrContains(ra.stdout_data, "104857600 bytes");
+  const bool b_ok = rb.ok() && absl::StrContains(rb->stdout_data, "rc=0") &&
+                    absl::StrContains(rb->stdout_data, "104857600 bytes");
+  EXPECT_FALSE(a_ok && b_ok);
+  ASSERT_FALSE(peak.empty());
+  EXPECT_LE(std::stoll(peak), 160ll << 20);
+  EXPECT_GT(std::stoll(peak), 100ll << 20);  // the first fill really happened in this parent
+  for (const InstanceRef& ref : live_) driver_->Destroy(ref).IgnoreError();
+  live_.clear();
+  driver_ = std::move(own);
+  for (const auto& [name, mount] : layout->v1_mounts) ::rmdir((mount + o.cgroup_parent).c_str());
+  if (!layout->v2_mount.empty()) ::rmdir((layout->v2_mount + o.cgroup_parent).c_str());
 }
 
 // Cold Create latency versus the runtime alone running the same bundle.
