@@ -435,9 +435,9 @@ Response ApiService::CreateEnvironment(Request& req, const std::string& tenant) 
   std::string runtime = f.OptionalEnum("runtime", "container",
                                        {"auto", "container", "heavy", "gvisor", "nano", "microvm"});
   spec.cpu = f.OptionalDouble("cpu", d.cpu, 0.1, std::max(1, options_.host_cpus));
-  spec.memory_mb = f.OptionalInt("memory_mb", d.memory_mb, 32, 16384);
+  spec.memory_mb = f.OptionalInt("memory_mb", d.memory_mb, 32, options_.max_memory_mb);
   spec.pids = f.OptionalInt("pids", d.pids, 16, options_.max_pids);
-  spec.disk_mb = f.OptionalInt("disk_mb", d.disk_mb, 16, 65536);
+  spec.disk_mb = f.OptionalInt("disk_mb", d.disk_mb, 16, options_.max_disk_mb);
   int64_t ttl = f.OptionalInt("ttl_seconds", 0, 10, 86400);
   spec.env = f.OptionalStringMap("env", 256);
   spec.network = f.OptionalEnum("network", "none", {"none"});

@@ -22,6 +22,8 @@ struct ServiceOptions {
   int64_t max_json_read_bytes = 16ll << 20;
   int host_cpus = 1;
   int64_t max_pids = 4096;  // largest "pids" an environment may ask for (daemon config)
+  int64_t max_memory_mb = 16384;  // largest "memory_mb" (daemon config max_memory_mb)
+  int64_t max_disk_mb = 65536;    // largest "disk_mb" (daemon config max_disk_mb)
   // runtime name → why it is unavailable (shown in 400 answers), for runtimes with no driver.
   std::map<std::string, std::string> unavailable_runtimes;
   std::map<std::string, std::string> driver_descriptions;  // for /healthz

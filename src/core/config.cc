@@ -2,8 +2,12 @@
 
 #include <boost/json.hpp>
 
+#include <algorithm>
+#include <utility>
+
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/host_memory.h"
 #include "common/util.h"
 
 namespace esb {
@@ -154,6 +158,40 @@ absl::Status ValidateHttpLimits(const DaemonConfig& c) {
 
 }  // namespace
 
+namespace {
+
+// Cross-field checks of the memory keys; a 0 key is not checked (derived later).
+absl::Status CheckMemoryCaps(const DaemonConfig& c, const std::string& path) {
+  const std::string where = path.empty() ? "config" : absl::StrCat("config ", path);
+  for (auto [name, v] : {std::pair<const char*, int64_t>{"sandbox_memory_mb", c.sandbox_memory_mb},
+                         {"nano_memory_mb", c.nano_memory_mb},
+                         {"max_memory_mb", c.max_memory_mb},
+                         {"max_disk_mb", c.max_disk_mb}}) {
+    if (v != 0 && !(v >= 64 && v <= (1LL << 24))) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": ", name, " must be 64..16777216 (MiB) or 0 (derive)"));
+    }
+  }
+  if (c.max_memory_mb != 0 && c.sandbox_memory_mb != 0 && c.max_memory_mb > c.sandbox_memory_mb) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ": max_memory_mb (", c.max_memory_mb, ") exceeds sandbox_memory_mb (",
+        c.sandbox_memory_mb, ", the limit of all sandboxes together)"));
+  }
+  if (c.max_memory_mb != 0 && c.defaults.memory_mb > c.max_memory_mb) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ": defaults.memory_mb (", c.defaults.memory_mb, ") exceeds max_memory_mb (",
+        c.max_memory_mb, "); lower defaults.memory_mb or raise max_memory_mb"));
+  }
+  if (c.max_disk_mb != 0 && c.defaults.disk_mb > c.max_disk_mb) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ": defaults.disk_mb (", c.defaults.disk_mb, ") exceeds max_disk_mb (",
+        c.max_disk_mb, "); lower defaults.disk_mb or raise max_disk_mb"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::Status LoadConfigFile(const std::string& path, DaemonConfig* c) {
   std::string text;
   absl::Status st = ReadFileToString(path, &text);
@@ -192,6 +230,10 @@ absl::Status LoadConfigFile(const std::string& path, DaemonConfig* c) {
     else if (key == "max_buffered_body_bytes_per_tenant")
       st = GetInt(v, key, &c->max_buffered_body_bytes_per_tenant);
     else if (key == "max_pids") st = GetInt(v, key, &c->max_pids);
+    else if (key == "sandbox_memory_mb") st = GetInt(v, key, &c->sandbox_memory_mb);
+    else if (key == "nano_memory_mb") st = GetInt(v, key, &c->nano_memory_mb);
+    else if (key == "max_memory_mb") st = GetInt(v, key, &c->max_memory_mb);
+    else if (key == "max_disk_mb") st = GetInt(v, key, &c->max_disk_mb);
     else if (key == "defaults") st = ParseDefaults(v, &c->defaults);
     else if (key == "packages") st = ParsePackages(v, &c->packages);
     else if (key == "artifacts") st = ParseArtifacts(v, &c->artifacts);
@@ -235,9 +277,27 @@ absl::Status LoadConfigFile(const std::string& path, DaemonConfig* c) {
         "config ", path, ": defaults.pids (", c->defaults.pids, ") exceeds max_pids (",
         c->max_pids, "); lower defaults.pids or raise max_pids"));
   }
+  // Memory caps given in the file (0 = derived later from the host's RAM, checked then).
+  if (absl::Status mem = CheckMemoryCaps(*c, path); !mem.ok()) return mem;
   // HTTP limits (cross-field: checked once every key is in).
   if (absl::Status http = ValidateHttpLimits(*c); !http.ok()) return http;
   return absl::OkStatus();
+}
+
+absl::Status ResolveMemoryLimits(int64_t host_mb, DaemonConfig* c) {
+  const MemoryBudget b = DeriveMemoryBudget(host_mb);
+  const bool derive = c->sandbox_memory_mb == 0 || c->nano_memory_mb == 0 ||
+                      c->max_memory_mb == 0 || c->max_disk_mb == 0;
+  if (derive && host_mb <= 0) {
+    return absl::FailedPreconditionError(
+        "cannot read MemTotal from /proc/meminfo: set sandbox_memory_mb, nano_memory_mb, "
+        "max_memory_mb and max_disk_mb in the config");
+  }
+  if (c->sandbox_memory_mb == 0) c->sandbox_memory_mb = b.sandboxes_mb;
+  if (c->nano_memory_mb == 0) c->nano_memory_mb = b.nano_mb;
+  if (c->max_memory_mb == 0) c->max_memory_mb = std::min(b.max_env_mb, c->sandbox_memory_mb);
+  if (c->max_disk_mb == 0) c->max_disk_mb = c->max_memory_mb;
+  return CheckMemoryCaps(*c, "");
 }
 
 absl::Status ApplyEnvironment(const std::function<const char*(const char*)>& getenv_fn,

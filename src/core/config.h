@@ -78,6 +78,15 @@ struct DaemonConfig {
   // Most processes/threads one environment may have (its pids cgroup limit); requests for
   // more are refused with 400. All sandboxes together are also capped (container driver).
   int64_t max_pids = 4096;
+  // Memory (MiB; 0: derived from the host's RAM by ResolveMemoryLimits, common/host_memory.h).
+  // sandbox_memory_mb: memory limit of the cgroup parent of all container sandboxes;
+  // nano_memory_mb: of the nano tier's cgroup; max_memory_mb / max_disk_mb: the most one
+  // environment may ask for (400 above). /workspace, /tmp and /dev/shm are tmpfs charged to
+  // the environment's memory cgroup, so disk_mb never adds RAM beyond memory_mb.
+  int64_t sandbox_memory_mb = 0;
+  int64_t nano_memory_mb = 0;
+  int64_t max_memory_mb = 0;
+  int64_t max_disk_mb = 0;
   EnvSpec defaults;
   std::vector<KeyConfig> keys;
   PackagesConfig packages;
@@ -88,6 +97,9 @@ struct DaemonConfig {
 
 // Reads a JSON config file. Unknown keys and wrong types are errors naming the key.
 absl::Status LoadConfigFile(const std::string& path, DaemonConfig* config);
+// Fills the memory limits left 0 from the host's RAM (host_mb: MemTotal in MiB, 0 if unknown)
+// and checks them: caps within the sandboxes' limit, defaults.memory_mb/disk_mb within the caps.
+absl::Status ResolveMemoryLimits(int64_t host_mb, DaemonConfig* config);
 // Applies ESBD_LISTEN, ESBD_STATE_DIR, ESBD_CONFIG (ignored here), ESBD_UNIX_SOCKET,
 // ESBD_IMAGE_DEFAULT, ESBD_RUNTIME, ESBD_POOL_SIZE, ESBD_DEFAULT_TTL, ESBD_LOG_LEVEL,
 // ESBD_AGENT_BINARY, ESBD_PYTHON_WASM, ESBD_NANO_WORKER,

@@ -156,5 +156,47 @@ TEST(ConfigTest, ParseListen) {
   EXPECT_FALSE(ParseListen(":80", &h, &p).ok());
 }
 
+// defaults.memory_mb / disk_mb above the per-environment caps: refused at load (explicit caps)
+// and when the caps are derived from the host's RAM.
+TEST(ConfigTest, DefaultMemoryAboveMaxMemoryIsRefused) {
+  for (const char* bad : {R"({"max_memory_mb": 256, "defaults": {"memory_mb": 512}})",
+                          R"({"defaults": {"disk_mb": 2048}, "max_disk_mb": 1024})",
+                          R"({"max_memory_mb": 8192, "sandbox_memory_mb": 4096})",
+                          R"({"max_memory_mb": 16})"}) {
+    DaemonConfig c;
+    std::string path = TempFile(bad);
+    absl::Status st = LoadConfigFile(path, &c);
+    EXPECT_TRUE(absl::IsInvalidArgument(st)) << bad << " → " << st;
+    EXPECT_NE(st.message().find("_mb"), std::string::npos) << st;
+    std::remove(path.c_str());
+  }
+  // A 1 GiB host: derived caps are too small for a 1024 MiB default.
+  DaemonConfig small;
+  small.defaults.memory_mb = 1024;
+  absl::Status st = ResolveMemoryLimits(1024, &small);
+  EXPECT_TRUE(absl::IsInvalidArgument(st)) << st;
+  EXPECT_NE(st.message().find("defaults.memory_mb"), std::string::npos) << st;
+  // Unknown RAM and nothing configured: refuse rather than run unlimited.
+  DaemonConfig unknown;
+  EXPECT_FALSE(ResolveMemoryLimits(0, &unknown).ok());
+}
+
+// A 24 GiB host (the red-team host): 6 GiB stay for the host, sandboxes + nano share the rest.
+TEST(ConfigTest, MemoryLimitsAreDerivedFromHostRam) {
+  DaemonConfig c;
+  ASSERT_TRUE(ResolveMemoryLimits(24576, &c).ok());
+  EXPECT_EQ(c.nano_memory_mb, 18432 / 8);
+  EXPECT_EQ(c.sandbox_memory_mb, 18432 - 18432 / 8);
+  EXPECT_EQ(c.max_memory_mb, c.sandbox_memory_mb / 2);
+  EXPECT_EQ(c.max_disk_mb, c.max_memory_mb);
+  EXPECT_LE(c.sandbox_memory_mb + c.nano_memory_mb, 24576 - 2048);
+  // Explicit values are kept.
+  DaemonConfig e;
+  e.max_memory_mb = 1024;
+  ASSERT_TRUE(ResolveMemoryLimits(24576, &e).ok());
+  EXPECT_EQ(e.max_memory_mb, 1024);
+  EXPECT_EQ(e.max_disk_mb, 1024);
+}
+
 }  // namespace
 }  // namespace esb

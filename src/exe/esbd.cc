@@ -21,6 +21,7 @@
 #include "api/http_server.h"
 #include "api/run_service.h"
 #include "api/service.h"
+#include "common/host_memory.h"
 #include "common/util.h"
 #include "core/config.h"
 #include "core/environment_manager.h"
@@ -188,6 +189,18 @@ int main(int argc, char** argv) {
   if (config.log_level == "debug") esb::SetLogLevel(esb::LogLevel::kDebug);
   else if (config.log_level == "warn") esb::SetLogLevel(esb::LogLevel::kWarn);
   else if (config.log_level == "error") esb::SetLogLevel(esb::LogLevel::kError);
+  if (absl::Status st = esb::ResolveMemoryLimits(esb::HostMemoryMb(), &config); !st.ok())
+    return Fail(std::string(st.message()));
+  // SECURITY: the kernel's OOM killer picks sandboxes (oom_score_adj 500, oci_spec) and never
+  // esbd first; sandbox memory is also capped below the host's RAM (container driver).
+  if (FILE* f = std::fopen("/proc/self/oom_score_adj", "we")) {
+    if (std::fputs("-500", f) < 0 || std::fclose(f) != 0) {
+      esb::LogWarn(absl::StrCat("cannot lower esbd's oom_score_adj to -500 (needs ",
+                                "CAP_SYS_RESOURCE): ", std::strerror(errno)));
+    }
+  } else {
+    esb::LogWarn(absl::StrCat("cannot open /proc/self/oom_score_adj: ", std::strerror(errno)));
+  }
 
   std::error_code ec;
   std::filesystem::create_directories(config.state_dir, ec);
@@ -236,6 +249,8 @@ int main(int argc, char** argv) {
   service_options.max_upload_bytes = config.max_upload_bytes;
   service_options.host_cpus = static_cast<int>(std::thread::hardware_concurrency());
   service_options.max_pids = config.max_pids;
+  service_options.max_memory_mb = config.max_memory_mb;
+  service_options.max_disk_mb = config.max_disk_mb;
   std::vector<std::unique_ptr<esb::Driver>> owned;
   std::map<std::string, esb::Driver*> drivers;
   esb::ContainerDriverOptions copts;
@@ -245,6 +260,9 @@ int main(int argc, char** argv) {
   copts.images = config.images;
   copts.runtime = config.container_runtime;
   copts.max_pids = config.max_pids;
+  copts.max_memory_mb = config.max_memory_mb;
+  copts.max_disk_mb = config.max_disk_mb;
+  copts.total_memory_mb = config.sandbox_memory_mb;
   if (config.images.empty()) {
     service_options.unavailable_runtimes["container"] =
         "no image configured (build one with `make images`, then pass --image "
@@ -286,6 +304,10 @@ int main(int argc, char** argv) {
     } else if (auto nopts = esb::PythonNanoOptions(worker, config.python_wasm); !nopts.ok()) {
       service_options.unavailable_runtimes["nano"] = std::string(nopts.status().message());
     } else {
+      // The nano tier's cgroup gets its own share of the host's sandbox memory budget.
+      nopts->cgroup_memory_mb = config.nano_memory_mb;
+      esb::LogInfo(absl::StrCat("nano tier: memory limit of its cgroup ", nopts->cgroup_name,
+                                " = ", config.nano_memory_mb, " MiB"));
       nano = esb::NewNanoDriver(*nopts);
       drivers["nano"] = nano.get();
       service_options.driver_descriptions["nano"] = nano->Describe();

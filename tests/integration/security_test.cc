@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -13,6 +14,8 @@
 
 #include <gtest/gtest.h>
 
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "integration/daemon.h"
 
 namespace esb::testing {
@@ -402,6 +405,109 @@ TEST_F(SecurityTest, PidsAboveTheDaemonCapAreRefused) {
   ASSERT_FALSE(max.empty());
   ASSERT_NE(max, "max");
   EXPECT_LT(std::atoll(max.c_str()), pid_max);
+}
+
+// A /proc/meminfo field in kB (-1 if absent).
+int64_t MeminfoKb(const std::string& field) {
+  std::ifstream in("/proc/meminfo");
+  std::string name;
+  int64_t kb = 0;
+  std::string unit;
+  while (in >> name >> kb) {
+    std::getline(in, unit);
+    if (name == field + ":") return kb;
+  }
+  return -1;
+}
+
+// Red team (HIGH): {"memory_mb": 16384, "disk_mb": 65536} was accepted on a 24 GiB host, the
+// parent of all sandboxes had no memory limit and esbd's oom_score_adj was 0.
+TEST_F(SecurityTest, MemoryAndDiskAboveTheDaemonCapAreRefused) {
+  const int64_t host_mb = MeminfoKb("MemTotal") / 1024;
+  const int64_t all = host_mb - std::max<int64_t>(2048, host_mb / 4);
+  const int64_t cap = (all - std::min<int64_t>(all / 8, 16384)) / 2;  // derived max_memory_mb
+  for (auto [memory, disk] : {std::pair<int64_t, int64_t>{16384, 1024}, {256, 65536},
+                              {cap + 1, 64}, {256, cap + 1}}) {
+    HttpResult r = daemon_->Call("POST", "/environments",
+                                 json::object{{"memory_mb", memory}, {"disk_mb", disk}});
+    EXPECT_EQ(r.status, 400) << memory << "/" << disk << " " << r.body;
+    EXPECT_NE(r.body.find(memory > 256 ? "memory_mb" : "disk_mb"), std::string::npos) << r.body;
+    std::printf("[ attack   ] memory_mb %lld disk_mb %lld: %d %s\n", (long long)memory,
+                (long long)disk, r.status, r.str("message").c_str());
+    if (r.status == 201 || r.status == 200) daemon_->Call("DELETE", "/environments/" + r.str("id"));
+  }
+  // All sandboxes together are capped below the host's RAM.
+  std::string max;
+  for (const char* file : {"/sys/fs/cgroup/memory/esb/memory.limit_in_bytes",
+                           "/sys/fs/cgroup/esb/memory.max"}) {
+    std::ifstream in(file);
+    if (in >> max) break;
+  }
+  std::printf("[ memory   ] parent limit %s bytes, host %lld MiB, cap per env %lld MiB\n",
+              max.c_str(), (long long)host_mb, (long long)cap);
+  ASSERT_FALSE(max.empty());
+  ASSERT_NE(max, "max");
+  EXPECT_LT(std::atoll(max.c_str()), (host_mb - 2048) << 20);
+  // esbd ranks below the sandboxes (500) for the kernel's OOM killer. Lowering it needs
+  // CAP_SYS_RESOURCE; without it (some container hosts) esbd must say so in its log.
+  std::ifstream adj(absl::StrCat("/proc/", daemon_->pid(), "/oom_score_adj"));
+  int score = 0;
+  ASSERT_TRUE(adj >> score);
+  std::ifstream status(absl::StrCat("/proc/", daemon_->pid(), "/status"));
+  std::string line;
+  uint64_t cap_eff = 0;
+  while (std::getline(status, line)) {
+    if (line.rfind("CapEff:", 0) == 0) cap_eff = std::stoull(line.substr(7), nullptr, 16);
+  }
+  const bool sys_resource = (cap_eff >> 24) & 1;  // CAP_SYS_RESOURCE
+  std::printf("[ memory   ] esbd oom_score_adj %d (CAP_SYS_RESOURCE %s)\n", score,
+              sys_resource ? "yes" : "no");
+  if (sys_resource) {
+    EXPECT_LE(score, -500);
+  } else {
+    std::printf("[ note     ] this host withholds CAP_SYS_RESOURCE: -500 is refused; checking "
+                "that esbd logs it\n");
+    EXPECT_TRUE(absl::StrContains(daemon_->Log(), "cannot lower esbd's oom_score_adj"));
+  }
+}
+
+// Red team (HIGH): 2 GB written to /workspace raised the host's shared memory by 2.1 GB; tmpfs
+// pages cannot be reclaimed by killing processes. An environment with memory_mb 64 writes
+// 200 MB to its 512 MB /workspace: the write fails inside its own memory cgroup.
+TEST_F(SecurityTest, WorkspaceFillCannotExceedEnvironmentMemory) {
+  std::string id = daemon_->CreateEnv(json::object{{"memory_mb", 64}, {"disk_mb", 512}});
+  ASSERT_FALSE(id.empty());
+  const int64_t shmem_before = MeminfoKb("Shmem"), avail_before = MeminfoKb("MemAvailable");
+  HttpResult r = daemon_->Exec(id,
+                               "dd if=/dev/zero of=/workspace/fill bs=1M count=200 2>&1; "
+                               "echo rc=$?; du -m /workspace/fill",
+                               60);
+  const int64_t shmem_peak = MeminfoKb("Shmem"), avail_after = MeminfoKb("MemAvailable");
+  std::string out = r.str("stdout");
+  std::printf("[ attack   ] exec %d exit %lld: %s\n", r.status, (long long)r.num("exit_code"),
+              out.c_str());
+  std::printf("[ memory   ] host Shmem %+lld kB, MemAvailable %+lld kB during the fill\n",
+              (long long)(shmem_peak - shmem_before), (long long)(avail_after - avail_before));
+  // Either dd failed (ENOMEM/ENOSPC), or the cgroup's OOM killer ended it (or the whole
+  // sandbox): never 200 MB written.
+  EXPECT_EQ(out.find("rc=0"), std::string::npos) << out;
+  std::string sub;
+  for (const char* root : {"/sys/fs/cgroup/memory/esb", "/sys/fs/cgroup/esb"}) {
+    std::error_code ec;
+    for (const auto& e : std::filesystem::directory_iterator(root, ec)) {
+      if (absl::EndsWith(e.path().filename().string(), "-" + id)) sub = e.path().string();
+    }
+    if (!sub.empty()) break;
+  }
+  std::ifstream peak(sub + "/memory.max_usage_in_bytes");
+  int64_t peak_bytes = 0;
+  if (peak >> peak_bytes) {
+    std::printf("[ memory   ] %s peak %lld bytes\n", sub.c_str(), (long long)peak_bytes);
+    EXPECT_LE(peak_bytes, 64ll << 20);
+  }
+  // The host's shared memory rose by at most the environment's limit (plus noise from others).
+  EXPECT_LT(shmem_peak - shmem_before, (64 + 32) * 1024);
+  daemon_->Call("DELETE", "/environments/" + id);
 }
 
 // "Also seen": files/read of a socket or /dev/tty answered 500 although the API promises 400.

@@ -25,6 +25,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
+#include "common/host_memory.h"
 #include "common/util.h"
 #include "drivers/agent_client.h"
 #include "drivers/container/cgroups.h"
@@ -493,7 +494,8 @@ absl::Status ContainerDriver::WriteBundle(const std::string& id, const EnvSpec& 
   p.pids = spec.pids;
   p.cpu = spec.cpu;
   p.workspace_bytes = spec.disk_mb << 20;
-  p.tmp_bytes = std::min<int64_t>(spec.disk_mb, 256) << 20;
+  // All tmpfs below are charged to the sandbox's memory cgroup; none is larger than memory_mb.
+  p.tmp_bytes = std::min<int64_t>({spec.disk_mb, spec.memory_mb, 256}) << 20;
   p.shm_bytes = std::min<int64_t>(spec.memory_mb / 4, 64) << 20;
   p.cgroups_path = paths.cgroup_path;
   p.agent_binary = options_.agent_binary;
@@ -537,6 +539,12 @@ absl::StatusOr<InstanceRef> ContainerDriver::Create(const std::string& id, const
   if (spec.pids > options_.max_pids) {
     return absl::InvalidArgumentError(absl::StrCat("pids ", spec.pids, " exceeds this daemon's ",
                                                    "limit of ", options_.max_pids, " (max_pids)"));
+  }
+  if (spec.memory_mb > options_.max_memory_mb || spec.disk_mb > options_.max_disk_mb) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "memory_mb ", spec.memory_mb, " / disk_mb ", spec.disk_mb, " exceed this daemon's limits ",
+        "of ", options_.max_memory_mb, " (max_memory_mb) / ", options_.max_disk_mb,
+        " (max_disk_mb)"));
   }
   if (!(spec.memory_mb >= 16 && spec.memory_mb <= (1LL << 24)) ||
       !(spec.pids >= 8 && spec.pids <= (1LL << 22)) || !(spec.cpu > 0 && spec.cpu <= 1024) ||
@@ -786,6 +794,15 @@ int64_t ReadSysctl(const char* path) {
   return absl::SimpleAtoi(absl::StripAsciiWhitespace(text), &v) ? v : 0;
 }
 
+// Writes `value` to a cgroup file (one write, as the kernel wants it).
+absl::Status WriteCgroupFile(const std::string& file, const std::string& value) {
+  UniqueFd fd(::open(file.c_str(), O_WRONLY | O_CLOEXEC));
+  if (!fd || ::write(fd.get(), value.data(), value.size()) != static_cast<ssize_t>(value.size())) {
+    return ErrnoStatus("write " + file);
+  }
+  return absl::OkStatus();
+}
+
 // Puts a pids limit on the parent cgroup of all sandboxes, so that together they can never use
 // up the host's pids (each sandbox's own limit alone allows max_pids * environments).
 absl::StatusOr<int64_t> LimitParentPids(const CgroupLayout& layout, const std::string& parent,
@@ -822,11 +839,60 @@ absl::StatusOr<int64_t> LimitParentPids(const CgroupLayout& layout, const std::s
   const std::string file = dir + "/pids.max";
   std::string value = absl::StrCat(limit);
   // SECURITY: caps every sandbox together below the host's pid space.
-  UniqueFd fd(::open(file.c_str(), O_WRONLY | O_CLOEXEC));
-  if (!fd || ::write(fd.get(), value.data(), value.size()) != static_cast<ssize_t>(value.size())) {
-    return ErrnoStatus("write " + file);
-  }
+  ESB_RETURN_IF_ERROR(WriteCgroupFile(file, value));
   return limit;
+}
+
+// Puts a memory limit on the parent cgroup of all sandboxes: each sandbox's own limit alone
+// allows max_memory_mb * environments, and tmpfs pages (/workspace) cannot be freed by killing
+// processes, so without it a few full workspaces push the host into a global OOM. With it,
+// memory pressure from sandboxes ends in OOM kills inside `parent`. Swap too (v1 memsw, v2
+// memory.swap.max = 0, like each sandbox) where the kernel accounts it.
+absl::StatusOr<int64_t> LimitParentMemory(const CgroupLayout& layout, const std::string& parent,
+                                          int64_t limit_mb) {
+  if (limit_mb <= 0) limit_mb = DeriveMemoryBudget(HostMemoryMb()).sandboxes_mb;
+  if (limit_mb <= 0) return absl::UnavailableError("cannot read MemTotal from /proc/meminfo");
+  const std::string bytes = absl::StrCat(limit_mb << 20);
+  if (layout.mode == CgroupMode::kV2) {
+    const std::string dir = layout.v2_mount + parent;
+    // The memory controller must be enabled from the root down to the parent's children.
+    std::string path = layout.v2_mount;
+    for (absl::string_view part : absl::StrSplit(parent, '/', absl::SkipEmpty())) {
+      UniqueFd ctl(::open((path + "/cgroup.subtree_control").c_str(), O_WRONLY | O_CLOEXEC));
+      if (ctl) (void)!::write(ctl.get(), "+memory", 7);
+      path = absl::StrCat(path, "/", part);
+      ESB_RETURN_IF_ERROR(MakeDir(path, 0755));
+    }
+    UniqueFd ctl(::open((dir + "/cgroup.subtree_control").c_str(), O_WRONLY | O_CLOEXEC));
+    if (ctl) (void)!::write(ctl.get(), "+memory", 7);
+    // SECURITY: caps every sandbox together (tmpfs included) below the host's RAM.
+    ESB_RETURN_IF_ERROR(WriteCgroupFile(dir + "/memory.max", bytes));
+    if (Exists(dir + "/memory.swap.max")) {
+      ESB_RETURN_IF_ERROR(WriteCgroupFile(dir + "/memory.swap.max", "0"));
+    }
+    return limit_mb;
+  }
+  auto it = layout.v1_mounts.find("memory");
+  if (it == layout.v1_mounts.end()) {
+    return absl::UnavailableError("no memory cgroup hierarchy is mounted");
+  }
+  const std::string dir = it->second + parent;
+  ESB_RETURN_IF_ERROR(MakeDirs(dir, 0755));
+  std::string hierarchy;
+  if (ReadFileToString(dir + "/memory.use_hierarchy", &hierarchy).ok() &&
+      absl::StripAsciiWhitespace(hierarchy) != "1") {
+    // Without it a v1 parent's limit does not cover its children.
+    ESB_RETURN_IF_ERROR(WriteCgroupFile(dir + "/memory.use_hierarchy", "1"));
+  }
+  // memsw.limit must stay >= limit: lowering goes limit first, raising memsw first; so try
+  // limit, memsw, limit again.
+  // SECURITY: caps every sandbox together (tmpfs included) below the host's RAM.
+  absl::Status first = WriteCgroupFile(dir + "/memory.limit_in_bytes", bytes);
+  if (Exists(dir + "/memory.memsw.limit_in_bytes")) {
+    ESB_RETURN_IF_ERROR(WriteCgroupFile(dir + "/memory.memsw.limit_in_bytes", bytes));
+  }
+  if (!first.ok()) ESB_RETURN_IF_ERROR(WriteCgroupFile(dir + "/memory.limit_in_bytes", bytes));
+  return limit_mb;
 }
 
 // ---------------------------------------------------------------------------------------
@@ -933,6 +999,27 @@ absl::StatusOr<std::unique_ptr<Driver>> NewContainerDriver(ContainerDriverOption
   options.total_pids = *total_pids;
   LogInfo(absl::StrCat("container driver: pids.max of ", options.cgroup_parent, " = ", *total_pids,
                        " (all sandboxes), per environment <= ", options.max_pids));
+  absl::StatusOr<int64_t> total_memory =
+      LimitParentMemory(*layout, options.cgroup_parent, options.total_memory_mb);
+  if (!total_memory.ok()) {
+    return absl::UnavailableError(absl::StrCat("container driver: cannot limit the memory of ",
+                                               options.cgroup_parent, ": ",
+                                               total_memory.status().message()));
+  }
+  options.total_memory_mb = *total_memory;
+  if (options.max_memory_mb <= 0) {
+    options.max_memory_mb = DeriveMemoryBudget(HostMemoryMb()).max_env_mb;
+  }
+  if (options.max_disk_mb <= 0) options.max_disk_mb = options.max_memory_mb;
+  if (options.max_memory_mb < 16 || options.max_memory_mb > options.total_memory_mb) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "container driver: max_memory_mb must be 16..", options.total_memory_mb,
+        " (the memory limit of all sandboxes), not ", options.max_memory_mb));
+  }
+  LogInfo(absl::StrCat("container driver: memory limit of ", options.cgroup_parent, " = ",
+                       *total_memory, " MiB of ", HostMemoryMb(), " MiB RAM (all sandboxes, swap ",
+                       "included), per environment memory_mb <= ", options.max_memory_mb,
+                       ", disk_mb <= ", options.max_disk_mb));
 
   std::vector<RuntimeKind> candidates;
   if (options.runtime == "auto") {

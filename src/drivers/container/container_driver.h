@@ -44,6 +44,14 @@ struct ContainerDriverOptions {
   // pids.max of cgroup_parent, over all sandboxes together. 0: half of min(kernel.pid_max,
   // kernel.threads-max), so sandboxes can never take the host's last pids.
   int64_t total_pids = 0;
+  // Largest memory_mb / disk_mb of one environment (Create answers InvalidArgument above).
+  // 0: DeriveMemoryBudget(host RAM).max_env_mb (common/host_memory.h).
+  int64_t max_memory_mb = 0;
+  int64_t max_disk_mb = 0;
+  // Memory limit (MiB) of cgroup_parent, over all sandboxes together (their /workspace, /tmp
+  // and /dev/shm tmpfs pages included), so that their memory pressure ends in an OOM inside
+  // cgroup_parent, never a host-wide one. 0: DeriveMemoryBudget(host RAM).sandboxes_mb.
+  int64_t total_memory_mb = 0;
 };
 
 // Probes the host (starts a trivial container under a deadline) and returns a driver for the

@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <boost/json.hpp>
+#include <cinttypes>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -24,6 +25,7 @@
 #include <sstream>
 #include <thread>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -870,6 +872,117 @@ TEST_F(ContainerDriverTest, PidsAboveDaemonCapAreRefusedAndParentIsLimited) {
   int64_t expect = std::min(std::stoll(pid_max), std::stoll(threads_max)) / 2;
   std::printf("[ pids     ] %s/pids.max = %s", dir.c_str(), max.c_str());
   EXPECT_EQ(std::stoll(max), expect);
+}
+
+// The parent of all sandboxes had no memory limit: 200 environments x memory_mb 16384 with a
+// 64 GiB /workspace tmpfs each were accepted on a 24 GiB host (global OOM, tmpfs pages stay).
+TEST_F(ContainerDriverTest, MemoryAboveDaemonCapIsRefusedAndParentIsLimited) {
+  // Host RAM minus max(2 GiB, 25%) for the host, minus the nano tier's eighth (<= 16 GiB).
+  std::string meminfo;
+  ASSERT_TRUE(ReadFileToString("/proc/meminfo", &meminfo).ok());
+  int64_t host_kb = 0;
+  ASSERT_EQ(std::sscanf(meminfo.c_str(), "MemTotal: %" SCNd64 " kB", &host_kb), 1);
+  const int64_t host_mb = host_kb / 1024;
+  const int64_t all = host_mb - std::max<int64_t>(2048, host_mb / 4);
+  const int64_t expect_mb = all - std::min<int64_t>(all / 8, 16384);
+  const int64_t cap_mb = expect_mb / 2;
+  for (auto [memory, disk] : {std::pair<int64_t, int64_t>{cap_mb + 1, 64}, {256, cap_mb + 1},
+                              {16384, 65536}}) {
+    EnvSpec spec;
+    spec.memory_mb = memory;
+    spec.disk_mb = disk;
+    absl::StatusOr<InstanceRef> r = driver_->Create("memcap" + RandomHex(2), spec);
+    EXPECT_TRUE(absl::IsInvalidArgument(r.status())) << memory << "/" << disk << ": " << r.status();
+    EXPECT_TRUE(absl::StrContains(r.status().message(), "max_memory_mb")) << r.status();
+  }
+  auto layout = container::DetectCgroups();
+  ASSERT_TRUE(layout.ok());
+  const bool v2 = layout->mode == container::CgroupMode::kV2;
+  std::string dir = v2 ? layout->v2_mount + options_.cgroup_parent
+                       : layout->v1_mounts.at("memory") + options_.cgroup_parent;
+  std::string max;
+  ASSERT_TRUE(ReadFileToString(dir + (v2 ? "/memory.max" : "/memory.limit_in_bytes"), &max).ok());
+  std::printf("[ memory   ] host %" PRId64 " MiB; %s limit = %s", host_mb, dir.c_str(),
+              max.c_str());
+  EXPECT_EQ(std::stoll(max), expect_mb << 20);
+  EXPECT_LT(std::stoll(max), host_mb << 20);
+  std::string swap;
+  if (!v2 && ReadFileToString(dir + "/memory.memsw.limit_in_bytes", &swap).ok()) {
+    std::printf("[ memory   ] memsw limit = %s", swap.c_str());
+    EXPECT_EQ(std::stoll(swap), expect_mb << 20);
+  }
+  if (!v2) {
+    std::string hierarchy;
+    ASSERT_TRUE(ReadFileToString(dir + "/memory.use_hierarchy", &hierarchy).ok());
+    EXPECT_EQ(hierarchy.substr(0, 1), "1");
+  }
+}
+
+// With the parent's limit, sandboxes that together fill more tmpfs than it allows fail inside
+// the parent (its own OOM/charge failures), not on the host. A private parent limited to
+// 160 MiB; two environments of 128 MiB each write 100 MiB to /workspace.
+TEST_F(ContainerDriverTest, WorkspaceFillsOfAllSandboxesStayWithinParentLimit) {
+  ContainerDriverOptions o = options_;
+  o.cgroup_parent = "/esb/memtest-" + RandomHex(3);
+  o.total_memory_mb = 160;
+  o.max_memory_mb = 128;
+  o.max_disk_mb = 128;
+  auto driver = NewContainerDriver(o);
+  ASSERT_TRUE(driver.ok()) << driver.status();
+  std::unique_ptr<Driver> own = std::move(driver_);
+  driver_ = std::move(*driver);
+  auto layout = container::DetectCgroups();
+  ASSERT_TRUE(layout.ok());
+  const std::string dir = layout->mode == container::CgroupMode::kV2
+                              ? layout->v2_mount + o.cgroup_parent
+                              : layout->v1_mounts.at("memory") + o.cgroup_parent;
+  EnvSpec spec;
+  spec.disk_mb = 128;
+  spec.memory_mb = 129;
+  EXPECT_TRUE(absl::IsInvalidArgument(driver_->Create("memcap" + RandomHex(2), spec).status()));
+  spec.memory_mb = 128;
+  InstanceRef a = MustCreate(spec), b = MustCreate(spec);
+  const char* fill = "dd if=/dev/zero of=/workspace/fill bs=1M count=100 2>/tmp/dd.err; "
+                     "echo rc=$?; tail -1 /tmp/dd.err";
+  ExecResult ra = MustExec(a, fill);
+  absl::StatusOr<ExecResult> rb = [&] {
+    ExecRequest req;
+    req.command = fill;
+    req.timeout = std::chrono::milliseconds(20000);
+    return driver_->Exec(b, req, nullptr);
+  }();
+  std::string usage, peak, failcnt;
+  if (layout->mode == container::CgroupMode::kV2) {
+    ReadFileToString(dir + "/memory.current", &usage).IgnoreError();
+    ReadFileToString(dir + "/memory.peak", &peak).IgnoreError();
+    ReadFileToString(dir + "/memory.events", &failcnt).IgnoreError();
+  } else {
+    ReadFileToString(dir + "/memory.usage_in_bytes", &usage).IgnoreError();
+    ReadFileToString(dir + "/memory.max_usage_in_bytes", &peak).IgnoreError();
+    ReadFileToString(dir + "/memory.failcnt", &failcnt).IgnoreError();
+  }
+  std::printf("[ memory   ] a: exit %d %s", ra.exit_code, ra.stdout_data.c_str());
+  std::printf("[ memory   ] b: %s\n", rb.ok() ? absl::StrCat("exit ", rb->exit_code, " ",
+                                                                rb->stdout_data).c_str()
+                                               : rb.status().ToString().c_str());
+  std::printf("[ memory   ] %s usage %s peak %s failcnt/events %s\n", dir.c_str(),
+              std::string(absl::StripAsciiWhitespace(usage)).c_str(),
+              std::string(absl::StripAsciiWhitespace(peak)).c_str(),
+              std::string(absl::StripAsciiWhitespace(failcnt)).c_str());
+  // Not both fills succeeded: 200 MiB of tmpfs cannot sit in a 160 MiB parent.
+  const bool a_ok = absl::StrContains(ra.stdout_data, "rc=0") &&
+                    absl::StrContains(ra.stdout_data, "104857600 bytes");
+  const bool b_ok = rb.ok() && absl::StrContains(rb->stdout_data, "rc=0") &&
+                    absl::StrContains(rb->stdout_data, "104857600 bytes");
+  EXPECT_FALSE(a_ok && b_ok);
+  ASSERT_FALSE(peak.empty());
+  EXPECT_LE(std::stoll(peak), 160ll << 20);
+  EXPECT_GT(std::stoll(peak), 100ll << 20);  // the first fill really happened in this parent
+  for (const InstanceRef& ref : live_) driver_->Destroy(ref).IgnoreError();
+  live_.clear();
+  driver_ = std::move(own);
+  for (const auto& [name, mount] : layout->v1_mounts) ::rmdir((mount + o.cgroup_parent).c_str());
+  if (!layout->v2_mount.empty()) ::rmdir((layout->v2_mount + o.cgroup_parent).c_str());
 }
 
 // Cold Create latency versus the runtime alone running the same bundle.

@@ -181,8 +181,9 @@ std::vector<std::string> NanoDriver::JoinCgroup(int pid) {
   if (access("/sys/fs/cgroup/cgroup.controllers", F_OK) == 0) {  // pure v2
     std::string dir = "/sys/fs/cgroup/" + options_.cgroup_name;
     mkdir(dir.c_str(), 0755);
-    in_place(dir + "/memory.max", mem);
-    in_place(dir + "/pids.max", pids);
+    if (!in_place(dir + "/memory.max", mem) || !in_place(dir + "/pids.max", pids)) {
+      LogWarn(absl::StrCat("nano: cannot set the limits of ", dir, ": ", strerror(errno)));
+    }
     if (in_place(dir + "/cgroup.procs", std::to_string(pid))) joined.push_back(dir);
     return joined;
   }
@@ -192,7 +193,9 @@ std::vector<std::string> NanoDriver::JoinCgroup(int pid) {
     std::string dir = "/sys/fs/cgroup/" + ctl + "/" + options_.cgroup_name;
     if (access(("/sys/fs/cgroup/" + ctl).c_str(), F_OK) != 0) continue;
     mkdir(dir.c_str(), 0755);
-    in_place(dir + "/" + file, value);
+    if (!in_place(dir + "/" + file, value)) {
+      LogWarn(absl::StrCat("nano: cannot set ", dir, "/", file, ": ", strerror(errno)));
+    }
     if (in_place(dir + "/cgroup.procs", std::to_string(pid))) joined.push_back(dir);
   }
   return joined;
