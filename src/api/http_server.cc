@@ -118,6 +118,38 @@ bool ParseQuery(std::string_view q, std::vector<std::pair<std::string, std::stri
 bool HasCrLf(std::string_view s) { return s.find_first_of("\r\n") != std::string_view::npos; }
 
 // ---------------------------------------------------------------------------------------------
+// RateWindow: a minimum transfer rate, enforced over consecutive windows of `len_ms` each
+// (the first one is the grace period): by the end of each window at least `rate` bytes/s of
+// it must have gone through. Consecutive windows rather than one average since the start, so
+// that a burst (or a client's large receive buffer absorbing the first megabytes) does not buy
+// minutes of trickling afterwards.
+class RateWindow {
+ public:
+  RateWindow(uint64_t rate, int64_t len_ms, int64_t now, uint64_t total)
+      : rate_(rate), len_ms_(std::max<int64_t>(len_ms, 1)), start_(now), base_(total) {}
+  // False if the window that just ended (now ≥ NextCheck()) fell short; otherwise a new window
+  // starts when the old one has ended.
+  bool Check(int64_t now, uint64_t total) {
+    if (rate_ == 0 || now < start_ + len_ms_) return true;
+    uint64_t need = rate_ * static_cast<uint64_t>(now - start_) / 1000;
+    if (total - std::min(total, base_) < need) return false;
+    start_ = now;
+    base_ = total;
+    return true;
+  }
+  // When the current window ends (far in the future without a minimum).
+  int64_t NextCheck() const {
+    return rate_ == 0 ? std::numeric_limits<int64_t>::max() : start_ + len_ms_;
+  }
+
+ private:
+  uint64_t rate_;
+  int64_t len_ms_;
+  int64_t start_;
+  uint64_t base_;
+};
+
+// ---------------------------------------------------------------------------------------------
 // FdStream: a Beast/Asio SyncReadStream + SyncWriteStream over a connected socket fd, where
 // every operation waits with poll() against a deadline. Reads can also be made interruptible by
 // the server's stop eventfd (for idle keep-alive waits).
@@ -149,21 +181,16 @@ class FdStream {
     uint64_t q = static_cast<uint64_t>(std::max(queued, 0));
     return written_ > q ? written_ - q : 0;
   }
-  // Starts (rate > 0) or ends (0) a minimum-rate window: from now on, after the grace period,
-  // the peer must have taken at least min_write_rate bytes/s on average since the window
-  // started, or writes fail (and the connection is reset). See WriteBudget.
+  // Starts (on) or ends a minimum-rate check: from now on the peer must take at least
+  // min_write_rate bytes/s over every rate_grace_ms window, or writes fail (and the connection
+  // is reset). See WriteBudget.
   void StartRateWindow(bool on) {
     rate_on_ = on && min_write_rate_ > 0;
-    rate_start_ms_ = MonotonicMs();
-    rate_base_ = rate_on_ ? Delivered() : 0;
+    if (rate_on_) rate_.emplace(min_write_rate_, rate_grace_ms_, MonotonicMs(), Delivered());
   }
-  // True if the window's average rate is below the minimum (after the grace period).
-  bool TooSlow(int64_t now) const {
-    if (!rate_on_) return false;
-    int64_t over = now - rate_start_ms_ - rate_grace_ms_;
-    if (over <= 0) return false;
-    uint64_t got = Delivered() - std::min(Delivered(), rate_base_);
-    return got * 1000 < min_write_rate_ * static_cast<uint64_t>(over);
+  // True if the client took less than the minimum rate over a whole window (RateWindow).
+  bool TooSlow(int64_t now) {
+    return rate_on_ && now >= rate_->NextCheck() && !rate_->Check(now, Delivered());
   }
 
   // Waits until the socket is readable (data or EOF). False on timeout, stop or error.
@@ -310,14 +337,13 @@ class FdStream {
   int64_t read_deadline_ms_ = 0;
   uint64_t written_ = 0;  // bytes handed to the kernel
   bool rate_on_ = false;
-  int64_t rate_start_ms_ = 0;
-  uint64_t rate_base_ = 0;  // Delivered() when the window started
+  std::optional<RateWindow> rate_;
 };
 
 // One write of a response (a whole buffered answer, or one chunk of a streamed one) must be
-// taken by the client at Options::min_write_bytes_per_second on average once
-// min_rate_grace has passed, measured on bytes that actually left the socket (not those a large
-// kernel send buffer absorbed). Without it a client that reads a trickle, just enough to make
+// taken by the client at Options::min_write_bytes_per_second over every min_rate_grace window
+// (RateWindow), measured on bytes that actually left the socket (not those a large kernel send
+// buffer absorbed). Without it a client that reads a trickle, just enough to make
 // progress, would hold the thread and the response's memory for as long as it likes.
 class WriteBudget {
  public:
@@ -356,19 +382,9 @@ constexpr int64_t kAcceptBackoffMs = 100;
 // ---------------------------------------------------------------------------------------------
 // Streaming request body
 
-// When a request body that started at `start_ms` and has delivered `bytes` falls below
-// `min_rate` bytes/s on average (counted after `grace_ms`) unless more arrives: the deadline of
-// the next read. Far in the future without a minimum.
-int64_t RateDue(int64_t start_ms, int64_t grace_ms, uint64_t min_rate, uint64_t bytes) {
-  if (min_rate == 0) return std::numeric_limits<int64_t>::max();
-  uint64_t ms = std::min<uint64_t>(bytes / min_rate * 1000 + bytes % min_rate * 1000 / min_rate,
-                                   uint64_t{1} << 40);
-  return start_ms + grace_ms + static_cast<int64_t>(ms);
-}
-
 std::string SlowBodyMessage(uint64_t min_rate, int64_t grace_ms) {
-  return Cat("request body arrives too slowly (it must average at least ", min_rate,
-             " bytes/s after the first ", grace_ms / 1000.0, " s)");
+  return Cat("request body arrives too slowly (it must arrive at least ", min_rate,
+             " bytes/s over every ", grace_ms / 1000.0, " s)");
 }
 
 class StreamBodyReader : public BodyReader {
@@ -384,7 +400,7 @@ class StreamBodyReader : public BodyReader {
         send_continue_(send_continue),
         min_rate_(min_rate),
         grace_ms_(grace_ms),
-        start_ms_(MonotonicMs()) {
+        rate_(min_rate, grace_ms, MonotonicMs(), 0) {
     parser_.body_limit(cap);
     content_length_ = parser_.content_length() ? std::optional<uint64_t>(*parser_.content_length())
                                                : std::nullopt;
@@ -409,12 +425,16 @@ class StreamBodyReader : public BodyReader {
       parser_.get().body().data = buf;
       parser_.get().body().size = max;
       parser_.get().body().more = true;
+      if (!rate_.Check(MonotonicMs(), bytes_read_)) {
+        return Fail(absl::DeadlineExceededError(SlowBodyMessage(min_rate_, grace_ms_)));
+      }
       int64_t deadline = MonotonicMs() + timeout_ms_;
-      const int64_t due = RateDue(start_ms_, grace_ms_, min_rate_, bytes_read_);
+      const int64_t due = rate_.NextCheck();
       const bool rate_bound = due < deadline;
       stream_.set_read_deadline(std::min(deadline, due));
       error_code ec;
       http::read_some(stream_, buffer_, parser_, ec);
+      if (ec == beast::error::timeout && rate_bound) continue;  // the window ended: check it
       if (ec == http::error::need_buffer) ec = {};
       size_t n = max - parser_.get().body().size;
       if (ec) {
@@ -423,9 +443,7 @@ class StreamBodyReader : public BodyReader {
               Cat("request body exceeds the limit of ", cap_, " bytes")));
         }
         if (ec == beast::error::timeout) {
-          return Fail(absl::DeadlineExceededError(
-              rate_bound ? SlowBodyMessage(min_rate_, grace_ms_)
-                         : std::string("timed out reading the request body")));
+          return Fail(absl::DeadlineExceededError("timed out reading the request body"));
         }
         if (ec == http::error::end_of_stream || ec == http::error::partial_message ||
             ec == net::error::eof) {
@@ -458,7 +476,7 @@ class StreamBodyReader : public BodyReader {
   bool send_continue_;
   uint64_t min_rate_;
   int64_t grace_ms_;
-  int64_t start_ms_;
+  RateWindow rate_;
   std::optional<uint64_t> content_length_;
   uint64_t bytes_read_ = 0;
   bool done_ = false;
@@ -969,6 +987,15 @@ struct HttpServer::Impl : std::enable_shared_from_this<HttpServer::Impl> {
   // Set when a large body or response was freed; the poller then returns freed memory to the
   // system (malloc_trim) once things are quiet, at most every kTrimIntervalMs.
   std::atomic<bool> trim_wanted{false};
+  // Asks the poller for a malloc_trim, waking it (it may be asleep with no deadline to keep).
+  void WantTrim() {
+    if (trim_wanted.exchange(true)) return;
+    Wake();
+  }
+  void Wake() {
+    uint64_t one = 1;
+    if (wake_fd >= 0) (void)!write(wake_fd, &one, sizeof(one));
+  }
 
   std::mutex log_mu;  // the access log's token bucket
   double log_tokens = 0;
@@ -1498,6 +1525,7 @@ bool HttpServer::Impl::AccessLogAdmit(int status, int64_t now) {
       log_tokens -= 1;
       admit = true;
     } else if (status >= 0) {
+      if (log_dropped == 0) Wake();  // the poller's timer writes the summary
       ++log_dropped;
       if (status >= 400 && status < 500) ++log_dropped_4xx;
     }
@@ -1577,7 +1605,7 @@ class Connection {
     }
     void Release() {
       srv.ReleaseBody(principal, bytes);
-      if (bytes >= kTrimWorthyBytes) srv.trim_wanted = true;
+      if (bytes >= kTrimWorthyBytes) srv.WantTrim();
       bytes = 0;
     }
     ~BodyBudget() { Release(); }
@@ -1590,7 +1618,7 @@ class Connection {
     uint64_t bytes = 0;
     ~ResponseBudget() {
       srv.ReleaseResponse(principal, bytes);
-      if (bytes >= kTrimWorthyBytes) srv.trim_wanted = true;
+      if (bytes >= kTrimWorthyBytes) srv.WantTrim();
     }
   };
 
@@ -1826,17 +1854,25 @@ class Connection {
     bp.body_limit(opts_.max_body_bytes);
     const int64_t start = MonotonicMs();
     const int64_t deadline = start + opts_.body_timeout.count();
+    RateWindow rate(opts_.min_read_bytes_per_second, opts_.min_rate_grace.count(), start, 0);
     error_code ec;
-    bool rate_bound = false;
+    bool too_slow = false;
     while (!bp.is_done()) {
       // The reservation is held only while the body keeps coming: a stall or a trickle (below
-      // min_read_bytes_per_second on average) loses it.
+      // min_read_bytes_per_second over a window) loses it.
+      if (!rate.Check(MonotonicMs(), bp.get().body().size())) {
+        too_slow = true;
+        ec = beast::error::timeout;
+        break;
+      }
       const int64_t stall = std::min(deadline, MonotonicMs() + opts_.body_stall_timeout.count());
-      const int64_t due = RateDue(start, opts_.min_rate_grace.count(),
-                                  opts_.min_read_bytes_per_second, bp.get().body().size());
-      rate_bound = due < stall;
+      const int64_t due = rate.NextCheck();
       stream_.set_read_deadline(std::min(stall, due));
       http::read_some(stream_, buffer_, bp, ec);
+      if (ec == beast::error::timeout && due < stall && MonotonicMs() < stall) {
+        ec = {};
+        continue;  // the rate window ended: check it
+      }
       if (ec) break;
       uint64_t held = bp.get().body().capacity();
       if (held > budget.bytes) {
@@ -1852,9 +1888,9 @@ class Connection {
     if (ec == http::error::body_limit) return TooLarge(opts_.max_body_bytes);
     if (ec == beast::error::timeout) {
       return ErrorResponse(408, "bad_request",
-                           rate_bound ? SlowBodyMessage(opts_.min_read_bytes_per_second,
-                                                        opts_.min_rate_grace.count())
-                                      : std::string("timed out reading the request body"));
+                           too_slow ? SlowBodyMessage(opts_.min_read_bytes_per_second,
+                                                      opts_.min_rate_grace.count())
+                                    : std::string("timed out reading the request body"));
     }
     if (ec == http::error::partial_message || ec == net::error::eof ||
         ec == http::error::end_of_stream || ec.category() == boost::system::system_category()) {
@@ -1960,7 +1996,7 @@ class Connection {
                         "); answering ", resp.body.size(), " bytes with an error (", n,
                         " times so far)"));
           }
-          srv_.trim_wanted = true;
+          srv_.WantTrim();
           resp = r == HttpServer::Impl::Reserved::kOverShare
                      ? OverShare("this client is being sent too many large answers at once; "
                                  "retry shortly")

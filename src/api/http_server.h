@@ -332,15 +332,16 @@ class HttpServer {
     std::chrono::milliseconds idle_timeout{60'000};    // keep-alive wait for the next request
     std::chrono::milliseconds write_timeout{60'000};   // no write progress for this long → drop
     // A response (or one chunk of a streamed one) must be taken by the client at least this
-    // fast on average once min_rate_grace has passed, on top of write_timeout, counted in bytes
-    // that left the socket (the kernel's send buffer does not count); a slower reader is reset.
-    // So a client reading a trickle cannot hold a thread (and the response's memory). 0: none.
+    // fast over every min_rate_grace window, on top of write_timeout, counted in bytes that
+    // left the socket (the kernel's send buffer does not count); a slower reader is reset. So a
+    // client reading a trickle cannot hold a thread (and the response's memory). 0: none.
     uint64_t min_write_bytes_per_second = 16 << 10;
-    // A request body (buffered or streamed) must arrive at least this fast on average, counted
-    // from the end of its header, once min_rate_grace has passed; a trickle is answered 408 and
-    // loses its thread and its body budget. 0: no minimum.
+    // A request body (buffered or streamed) must arrive at least this fast over every
+    // min_rate_grace window, from the end of its header; a trickle is answered 408 and loses
+    // its thread and its body budget. 0: no minimum.
     uint64_t min_read_bytes_per_second = 16 << 10;
-    // How long a body or a response may take before its average rate is held to the minimum.
+    // The window over which the minimum rates are checked (consecutive windows, so an early
+    // burst does not buy a long trickle afterwards).
     std::chrono::milliseconds min_rate_grace{10'000};
     // Memory for buffered (non-streamed) responses waiting to be taken by their clients, across
     // all connections, and the part of it one principal may hold (0: a quarter). Answers of at

@@ -350,6 +350,11 @@ int main(int argc, char** argv) {
           ? config.max_buffered_body_bytes_per_tenant
           : std::min(config.max_buffered_body_bytes,
                      std::max(config.max_buffered_body_bytes / 4, config.max_json_body_bytes)));
+  hopts.min_write_bytes_per_second = static_cast<uint64_t>(config.min_transfer_bytes_per_second);
+  hopts.min_read_bytes_per_second = static_cast<uint64_t>(config.min_transfer_bytes_per_second);
+  hopts.min_rate_grace = std::chrono::milliseconds(config.min_transfer_grace_ms);
+  hopts.max_buffered_response_bytes = static_cast<uint64_t>(config.max_buffered_response_bytes);
+  hopts.access_log_lines_per_second = static_cast<int>(config.access_log_lines_per_second);
   hopts.on_response = [&metrics](const esb::api::Request&, int status, int64_t) {
     metrics.CountHttp(status);
   };
