@@ -1836,9 +1836,10 @@ class Connection {
       return ErrorResponse(400, "bad_request", "HTTP/1.1 request without a Host header");
     }
     if (!codings.empty() && !(codings.size() == 1 && codings[0] == "chunked")) {
-      return ErrorResponse(501, "bad_request",
-                           Cat("unsupported Transfer-Encoding '", LogSafe(JoinStrings(codings, ", ")),
-                               "': only 'chunked' is supported"));
+      std::string what = LogSafe(JoinStrings(codings, ", "));
+      return ErrorResponse(
+          501, "bad_request",
+          Cat("unsupported Transfer-Encoding '", what, "': only 'chunked' is supported"));
     }
     return std::nullopt;
   }

@@ -437,9 +437,10 @@ TEST_F(HttpAttackTest, SlowReadersOfLargeAnswersAreResetAndDaemonMemoryStaysBoun
   d.api_key = kKeyA;
   std::string id = d.CreateEnv();
   ASSERT_FALSE(id.empty());
-  HttpResult mk = d.Exec(id,
-                         "head -c 3145728 /dev/zero | tr '\\000' '\\001' > /workspace/ctl.txt && "
-                         "head -c 15000000 /dev/zero | tr '\\000' a > /workspace/big.txt && echo ok");
+  HttpResult mk =
+      d.Exec(id,
+             "head -c 3145728 /dev/zero | tr '\\000' '\\001' > /workspace/ctl.txt && "
+             "head -c 15000000 /dev/zero | tr '\\000' a > /workspace/big.txt && echo ok");
   ASSERT_EQ(mk.str("stdout"), "ok\n") << mk.body;
   // 3 MiB of control characters: 18 MiB of JSON, over the 16 MiB limit.
   HttpResult ctl = d.Call("GET", "/environments/" + id + "/files/read?path=/workspace/ctl.txt");
