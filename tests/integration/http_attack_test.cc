@@ -512,6 +512,74 @@ TEST_F(HttpAttackTest, SlowReadersOfLargeAnswersAreResetAndDaemonMemoryStaysBoun
   EXPECT_EQ(d.Call("GET", "/healthz").status, 200);
 }
 
+// Red-team R2 (artifacts): 20 slow `GET .../artifacts/{aid}` of a 30 MiB artifact added
+// ~700 MB to esbd: each download read the whole artifact into memory and kept it there for its
+// reader. Downloads are now streamed from the file in small chunks and slow readers are reset.
+TEST_F(HttpAttackTest, SlowReadersOfALargeArtifactHoldLittleMemory) {
+  Daemon d;
+  std::string config = kKeysConfig;
+  config.pop_back();
+  config += R"(, "min_transfer_grace_ms": 2000})";
+  ASSERT_TRUE(d.Start({.config_json = config}));
+  d.api_key = kKeyA;
+  std::string id = d.CreateEnv(boost::json::object{{"runtime", "container"}});
+  ASSERT_FALSE(id.empty());
+  HttpResult run = d.Call("POST", "/environments/" + id + "/run",
+                          boost::json::object{{"code",
+                                               "import os\n"
+                                               "os.makedirs('/workspace/artifacts', exist_ok=True)\n"
+                                               "open('/workspace/artifacts/big.bin', 'wb')"
+                                               ".write(os.urandom(30 << 20))"},
+                                              {"timeout_ms", 60000}});
+  ASSERT_EQ(run.status, 200) << run.body.substr(0, 500);
+  const boost::json::array& arts = run.obj().at("artifacts").as_array();
+  ASSERT_EQ(arts.size(), 1u) << run.body.substr(0, 500);
+  ASSERT_EQ(arts[0].at("size").as_int64(), 30 << 20);
+  const std::string url(arts[0].at("url").as_string());
+  int64_t before = RssKiB(d.pid());
+  constexpr int kReaders = 20;
+  std::vector<Conn> readers;
+  for (int i = 0; i < kReaders; ++i) {
+    readers.emplace_back(d.port(), 4096);
+    readers.back().Send("GET " + url + " HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " +
+                        kKeyA + "\r\n\r\n");
+  }
+  int64_t t0 = NowMs();
+  int64_t peak = before;
+  std::vector<int64_t> closed_ms(kReaders, -1);
+  std::vector<std::string> heads(kReaders);
+  while (NowMs() - t0 < 15000) {
+    int open = 0;
+    for (int i = 0; i < kReaders; ++i) {
+      if (closed_ms[i] >= 0) continue;
+      ssize_t n = readers[i].ReadSome(1024, 0, heads[i].size() < 12 ? &heads[i] : nullptr);
+      if (n < 0 || readers[i].PeerClosed()) {
+        closed_ms[i] = NowMs() - t0;
+      } else {
+        ++open;
+      }
+    }
+    peak = std::max(peak, RssKiB(d.pid()));
+    if (open == 0) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1000));
+  }
+  int64_t slowest = 0;
+  int ok = 0;
+  for (int i = 0; i < kReaders; ++i) {
+    EXPECT_GE(closed_ms[i], 0) << "reader " << i << " still open after 15 s";
+    slowest = std::max(slowest, closed_ms[i]);
+    ok += heads[i].starts_with("HTTP/1.1 200");
+  }
+  EXPECT_EQ(ok, kReaders) << "every download started";
+  EXPECT_LT(peak - before, 64 << 10) << "RSS " << before << " -> peak " << peak << " KiB";
+  EXPECT_LT(slowest, 8000);
+  std::printf(
+      "[ measured ] %d readers of a 30 MiB artifact at 1 KiB/s: RSS %lld -> peak %lld KiB "
+      "(%+lld KiB); all reset within %lld ms\n",
+      kReaders, static_cast<long long>(before), static_cast<long long>(peak),
+      static_cast<long long>(peak - before), static_cast<long long>(slowest));
+}
+
 // Red-team R1: 1,100 connections each `PUT files/raw` announcing 200 MB and then sending one
 // byte every 3 s held 1,028 threads and 1.09 GB, and /healthz and other tenants got 503. Now
 // the tenant gets only its share of request threads (429 beyond), and each trickle is cut
