@@ -524,13 +524,12 @@ TEST_F(HttpAttackTest, SlowReadersOfALargeArtifactHoldLittleMemory) {
   d.api_key = kKeyA;
   std::string id = d.CreateEnv(boost::json::object{{"runtime", "container"}});
   ASSERT_FALSE(id.empty());
+  const std::string code =
+      "import os\n"
+      "os.makedirs('/workspace/artifacts', exist_ok=True)\n"
+      "open('/workspace/artifacts/big.bin', 'wb').write(os.urandom(30 << 20))";
   HttpResult run = d.Call("POST", "/environments/" + id + "/run",
-                          boost::json::object{{"code",
-                                               "import os\n"
-                                               "os.makedirs('/workspace/artifacts', exist_ok=True)\n"
-                                               "open('/workspace/artifacts/big.bin', 'wb')"
-                                               ".write(os.urandom(30 << 20))"},
-                                              {"timeout_ms", 60000}});
+                          boost::json::object{{"code", code}, {"timeout_ms", 60000}});
   ASSERT_EQ(run.status, 200) << run.body.substr(0, 500);
   const boost::json::array& arts = run.obj().at("artifacts").as_array();
   ASSERT_EQ(arts.size(), 1u) << run.body.substr(0, 500);
