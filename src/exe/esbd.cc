@@ -1,5 +1,6 @@
 // esbd: wiring only. Reads configuration, opens the store, builds the drivers, the core and the
 // HTTP API, and runs until SIGTERM/SIGINT.
+#include <malloc.h>
 #include <signal.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -173,6 +174,12 @@ int KeysCommand(esb::Store* store, const std::vector<std::string>& args) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Large buffers (request bodies, answers, file chunks) come and go in bursts. glibc's dynamic
+  // thresholds would serve them from per-thread heaps it keeps (up to 64 MiB of free top chunk
+  // each) after they are freed; fixed thresholds map every buffer of 1 MiB or more on its own
+  // and unmap it when freed, so RSS falls back after a burst.
+  mallopt(M_MMAP_THRESHOLD, 1 << 20);
+  mallopt(M_TRIM_THRESHOLD, 8 << 20);
   esb::DaemonConfig config;
   std::string config_path = std::getenv("ESBD_CONFIG") ? std::getenv("ESBD_CONFIG") : "";
   auto rest = ParseFlags(argc, argv, &config, &config_path);

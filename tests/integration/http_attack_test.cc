@@ -498,9 +498,12 @@ TEST_F(HttpAttackTest, SlowReadersOfLargeAnswersAreResetAndDaemonMemoryStaysBoun
   EXPECT_GE(reset, 1) << "some answers were sent, so the rate rule was exercised";
   EXPECT_LT(slowest_cut, 5000) << "16 KiB/s over every 2 s window (+1 s read pacing)";
   EXPECT_LT(slowest, 15000);
-  EXPECT_LT(peak - before, 256 << 10) << "RSS " << before << " -> peak " << peak << " KiB";
-  std::this_thread::sleep_for(std::chrono::milliseconds(3000));  // the poller's malloc_trim
+  EXPECT_LT(peak - before, 128 << 10) << "RSS " << before << " -> peak " << peak << " KiB";
+  // Red-team R8: RSS never fell after a burst (16 → 537 → 683 MB). Large buffers are now
+  // mapped on their own and unmapped when freed, and the poller trims the heap after a burst.
+  std::this_thread::sleep_for(std::chrono::milliseconds(3000));
   int64_t after = RssKiB(d.pid());
+  EXPECT_LT(after - before, 32 << 10) << "RSS " << before << " -> " << after << " KiB after";
   std::printf(
       "[ measured ] %d readers of a 15 MB files/read answer at 1 KiB/s: %d reset (at most "
       "%lld ms after their answer began, %lld ms after the request), %d refused (429/503); RSS "
