@@ -5,16 +5,19 @@
 
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <malloc.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
+#include <sys/ioctl.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
+#include <linux/sockios.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -24,6 +27,7 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <limits>
 #include <list>
 #include <mutex>
 #include <set>
@@ -114,21 +118,80 @@ bool ParseQuery(std::string_view q, std::vector<std::pair<std::string, std::stri
 bool HasCrLf(std::string_view s) { return s.find_first_of("\r\n") != std::string_view::npos; }
 
 // ---------------------------------------------------------------------------------------------
+// RateWindow: a minimum transfer rate, enforced over consecutive windows of `len_ms` each
+// (the first one is the grace period): by the end of each window at least `rate` bytes/s of
+// it must have gone through. Consecutive windows rather than one average since the start, so
+// that a burst (or a client's large receive buffer absorbing the first megabytes) does not buy
+// minutes of trickling afterwards.
+class RateWindow {
+ public:
+  RateWindow(uint64_t rate, int64_t len_ms, int64_t now, uint64_t total)
+      : rate_(rate), len_ms_(std::max<int64_t>(len_ms, 1)), start_(now), base_(total) {}
+  // False if the window that just ended (now ≥ NextCheck()) fell short; otherwise a new window
+  // starts when the old one has ended.
+  bool Check(int64_t now, uint64_t total) {
+    if (rate_ == 0 || now < start_ + len_ms_) return true;
+    uint64_t need = rate_ * static_cast<uint64_t>(now - start_) / 1000;
+    if (total - std::min(total, base_) < need) return false;
+    start_ = now;
+    base_ = total;
+    return true;
+  }
+  // When the current window ends (far in the future without a minimum).
+  int64_t NextCheck() const {
+    return rate_ == 0 ? std::numeric_limits<int64_t>::max() : start_ + len_ms_;
+  }
+
+ private:
+  uint64_t rate_;
+  int64_t len_ms_;
+  int64_t start_;
+  uint64_t base_;
+};
+
+// ---------------------------------------------------------------------------------------------
 // FdStream: a Beast/Asio SyncReadStream + SyncWriteStream over a connected socket fd, where
 // every operation waits with poll() against a deadline. Reads can also be made interruptible by
 // the server's stop eventfd (for idle keep-alive waits).
 
 class FdStream {
  public:
-  FdStream(int fd, int stop_fd, int64_t write_timeout_ms)
-      : fd_(fd), stop_fd_(stop_fd), write_timeout_ms_(write_timeout_ms) {}
+  FdStream(int fd, int stop_fd, int64_t write_timeout_ms, uint64_t min_write_rate,
+           int64_t rate_grace_ms)
+      : fd_(fd),
+        stop_fd_(stop_fd),
+        write_timeout_ms_(write_timeout_ms),
+        min_write_rate_(min_write_rate),
+        rate_grace_ms_(rate_grace_ms) {
+    int domain = 0;
+    socklen_t len = sizeof(domain);
+    is_tcp_ = getsockopt(fd, SOL_SOCKET, SO_DOMAIN, &domain, &len) == 0 && domain != AF_UNIX;
+  }
 
   int fd() const { return fd_; }
   // Absolute MonotonicMs() deadline for reads; 0 = none.
   void set_read_deadline(int64_t deadline_ms) { read_deadline_ms_ = deadline_ms; }
-  // Absolute MonotonicMs() deadline for writes, on top of the per-call no-progress timeout;
-  // 0 = none. See WriteBudget.
-  void set_write_deadline(int64_t deadline_ms) { write_deadline_ms_ = deadline_ms; }
+
+  // Bytes the peer has taken off the connection so far: bytes written minus those still queued
+  // in the kernel (unsent or unacknowledged), so that a large send buffer absorbing a response
+  // does not count as the client having read it.
+  uint64_t Delivered() const {
+    int queued = 0;
+    if (is_tcp_ && ioctl(fd_, SIOCOUTQ, &queued) != 0) queued = 0;
+    uint64_t q = static_cast<uint64_t>(std::max(queued, 0));
+    return written_ > q ? written_ - q : 0;
+  }
+  // Starts (on) or ends a minimum-rate check: from now on the peer must take at least
+  // min_write_rate bytes/s over every rate_grace_ms window, or writes fail (and the connection
+  // is reset). See WriteBudget.
+  void StartRateWindow(bool on) {
+    rate_on_ = on && min_write_rate_ > 0;
+    if (rate_on_) rate_.emplace(min_write_rate_, rate_grace_ms_, MonotonicMs(), Delivered());
+  }
+  // True if the client took less than the minimum rate over a whole window (RateWindow).
+  bool TooSlow(int64_t now) {
+    return rate_on_ && now >= rate_->NextCheck() && !rate_->Check(now, Delivered());
+  }
 
   // Waits until the socket is readable (data or EOF). False on timeout, stop or error.
   bool WaitReadable(int64_t deadline_ms, bool interruptible) {
@@ -227,15 +290,25 @@ class FdStream {
   }
 
   size_t WriteSome(iovec* iov, size_t n, error_code& ec) {
-    int64_t deadline = MonotonicMs() + write_timeout_ms_;
-    if (write_deadline_ms_ > 0) deadline = std::min(deadline, write_deadline_ms_);
+    const int64_t deadline = MonotonicMs() + write_timeout_ms_;
     for (;;) {
+      const int64_t now = MonotonicMs();
+      int64_t left = deadline - now;
+      if (left <= 0 || TooSlow(now)) {
+        // A reader too slow to be served: the close that follows resets the connection, so
+        // the kernel drops the unsent bytes at once instead of trickling them out for minutes.
+        linger abort{1, 0};
+        setsockopt(fd_, SOL_SOCKET, SO_LINGER, &abort, sizeof(abort));
+        ec = beast::error::timeout;
+        return 0;
+      }
       msghdr msg{};
       msg.msg_iov = iov;
       msg.msg_iovlen = n;
       // MSG_NOSIGNAL: a vanished client must give EPIPE, not kill the daemon with SIGPIPE.
       ssize_t w = sendmsg(fd_, &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
       if (w >= 0) {
+        written_ += static_cast<uint64_t>(w);
         ec = {};
         return static_cast<size_t>(w);
       }
@@ -244,15 +317,8 @@ class FdStream {
         ec = error_code(errno, boost::system::system_category());
         return 0;
       }
-      int64_t left = deadline - MonotonicMs();
-      if (left <= 0) {
-        // A reader too slow to be served: the close that follows resets the connection, so
-        // the kernel drops the unsent bytes at once instead of trickling them out for minutes.
-        linger abort{1, 0};
-        setsockopt(fd_, SOL_SOCKET, SO_LINGER, &abort, sizeof(abort));
-        ec = beast::error::timeout;
-        return 0;
-      }
+      // The rate is re-checked at least every 500 ms while the client does not read.
+      if (rate_on_) left = std::min<int64_t>(left, 500);
       pollfd pfd{fd_, POLLOUT, 0};
       int r = poll(&pfd, 1, static_cast<int>(std::min<int64_t>(left, 1 << 30)));
       if (r < 0 && errno != EINTR) {
@@ -265,23 +331,24 @@ class FdStream {
   int fd_;
   int stop_fd_;
   int64_t write_timeout_ms_;
+  uint64_t min_write_rate_;
+  int64_t rate_grace_ms_;
+  bool is_tcp_ = false;
   int64_t read_deadline_ms_ = 0;
-  int64_t write_deadline_ms_ = 0;
+  uint64_t written_ = 0;  // bytes handed to the kernel
+  bool rate_on_ = false;
+  std::optional<RateWindow> rate_;
 };
 
-// Bounds the total time of one write of `bytes` on `stream` (a response, or one streamed
-// chunk): write_timeout plus the time the bytes take at `min_rate` bytes/s. Without it a client
-// that reads a trickle, just enough to make progress, would hold the thread and the response's
-// memory for as long as it likes.
+// One write of a response (a whole buffered answer, or one chunk of a streamed one) must be
+// taken by the client at Options::min_write_bytes_per_second over every min_rate_grace window
+// (RateWindow), measured on bytes that actually left the socket (not those a large kernel send
+// buffer absorbed). Without it a client that reads a trickle, just enough to make
+// progress, would hold the thread and the response's memory for as long as it likes.
 class WriteBudget {
  public:
-  WriteBudget(FdStream& stream, int64_t write_timeout_ms, uint64_t min_rate, uint64_t bytes)
-      : stream_(stream) {
-    int64_t ms = write_timeout_ms;
-    if (min_rate > 0) ms += static_cast<int64_t>(bytes * 1000 / min_rate);
-    stream_.set_write_deadline(MonotonicMs() + ms);
-  }
-  ~WriteBudget() { stream_.set_write_deadline(0); }
+  explicit WriteBudget(FdStream& stream) : stream_(stream) { stream_.StartRateWindow(true); }
+  ~WriteBudget() { stream_.StartRateWindow(false); }
   WriteBudget(const WriteBudget&) = delete;
   WriteBudget& operator=(const WriteBudget&) = delete;
 
@@ -301,6 +368,13 @@ bool PeerHasClosed(int fd) {
 // kernel sends when a socket is closed with unread data.
 constexpr int64_t kLingerMs = 2000;
 
+// Buffered responses up to this size are not counted in the response budget.
+constexpr uint64_t kUncountedResponseBytes = 64 << 10;
+// Freeing a body or response this large asks the poller to return memory to the system.
+constexpr uint64_t kTrimWorthyBytes = 1 << 20;
+// The poller calls malloc_trim at most this often, and only after such a free.
+constexpr int64_t kTrimIntervalMs = 2000;
+
 // How long the poller stops accepting after an accept error it cannot resolve at once (out of
 // file descriptors with nothing to close, out of kernel memory).
 constexpr int64_t kAcceptBackoffMs = 100;
@@ -308,17 +382,25 @@ constexpr int64_t kAcceptBackoffMs = 100;
 // ---------------------------------------------------------------------------------------------
 // Streaming request body
 
+std::string SlowBodyMessage(uint64_t min_rate, int64_t grace_ms) {
+  return Cat("request body arrives too slowly (it must arrive at least ", min_rate,
+             " bytes/s over every ", grace_ms / 1000.0, " s)");
+}
+
 class StreamBodyReader : public BodyReader {
  public:
   StreamBodyReader(FdStream& stream, beast::flat_buffer& buffer,
                    http::request_parser<http::empty_body>&& header_parser, uint64_t cap,
-                   int64_t timeout_ms, bool send_continue)
+                   int64_t timeout_ms, bool send_continue, uint64_t min_rate, int64_t grace_ms)
       : stream_(stream),
         buffer_(buffer),
         parser_(std::move(header_parser)),
         cap_(cap),
         timeout_ms_(timeout_ms),
-        send_continue_(send_continue) {
+        send_continue_(send_continue),
+        min_rate_(min_rate),
+        grace_ms_(grace_ms),
+        rate_(min_rate, grace_ms, MonotonicMs(), 0) {
     parser_.body_limit(cap);
     content_length_ = parser_.content_length() ? std::optional<uint64_t>(*parser_.content_length())
                                                : std::nullopt;
@@ -343,9 +425,16 @@ class StreamBodyReader : public BodyReader {
       parser_.get().body().data = buf;
       parser_.get().body().size = max;
       parser_.get().body().more = true;
-      stream_.set_read_deadline(MonotonicMs() + timeout_ms_);
+      if (!rate_.Check(MonotonicMs(), bytes_read_)) {
+        return Fail(absl::DeadlineExceededError(SlowBodyMessage(min_rate_, grace_ms_)));
+      }
+      int64_t deadline = MonotonicMs() + timeout_ms_;
+      const int64_t due = rate_.NextCheck();
+      const bool rate_bound = due < deadline;
+      stream_.set_read_deadline(std::min(deadline, due));
       error_code ec;
       http::read_some(stream_, buffer_, parser_, ec);
+      if (ec == beast::error::timeout && rate_bound) continue;  // the window ended: check it
       if (ec == http::error::need_buffer) ec = {};
       size_t n = max - parser_.get().body().size;
       if (ec) {
@@ -385,6 +474,9 @@ class StreamBodyReader : public BodyReader {
   uint64_t cap_;
   int64_t timeout_ms_;
   bool send_continue_;
+  uint64_t min_rate_;
+  int64_t grace_ms_;
+  RateWindow rate_;
   std::optional<uint64_t> content_length_;
   uint64_t bytes_read_ = 0;
   bool done_ = false;
@@ -396,18 +488,14 @@ class StreamBodyReader : public BodyReader {
 
 class ChunkedWriter : public ResponseWriter {
  public:
-  ChunkedWriter(FdStream& stream, bool chunked, int64_t write_timeout_ms, uint64_t min_rate)
-      : stream_(stream),
-        chunked_(chunked),
-        write_timeout_ms_(write_timeout_ms),
-        min_rate_(min_rate) {}
+  ChunkedWriter(FdStream& stream, bool chunked) : stream_(stream), chunked_(chunked) {}
 
   bool Write(std::string_view data) override {
     std::lock_guard<std::mutex> lock(mu_);
     if (!ok_ || finished_) return false;
     if (data.empty()) return true;
     if (PeerHasClosed(stream_.fd())) return Broken();
-    WriteBudget budget(stream_, write_timeout_ms_, min_rate_, data.size());
+    WriteBudget budget(stream_);
     error_code ec;
     if (chunked_) {
       char head[24];
@@ -450,8 +538,6 @@ class ChunkedWriter : public ResponseWriter {
 
   FdStream& stream_;
   bool chunked_;
-  int64_t write_timeout_ms_;
-  uint64_t min_rate_;
   std::mutex mu_;  // serialises writes from several threads
   std::atomic<bool> ok_{true};
   std::atomic<uint64_t> bytes_{0};
@@ -786,11 +872,17 @@ struct HttpServer::Impl : std::enable_shared_from_this<HttpServer::Impl> {
   void Park(uint64_t id, int fd, PeerInfo peer, std::string pending, bool draining);
   void Finished(uint64_t id, int fd);
   void Observe(const Request& req, int status, int64_t start_ms, std::string_view extra);
+  // The access log's token bucket (Options::access_log_lines_per_second): true if a line for
+  // a response with `status` may be written now; counts and, once a second, summarises the
+  // lines it refuses. status < 0: only emit a due summary (the poller's timer).
+  bool AccessLogAdmit(int status, int64_t now);
 
   // What one principal (RouteOptions::before_body) holds right now.
   struct Share {
     int requests = 0;
     uint64_t body_bytes = 0;
+    uint64_t response_bytes = 0;
+    bool empty() const { return requests <= 0 && body_bytes == 0 && response_bytes == 0; }
   };
   enum class Reserved { kOk, kOverShare, kOverBudget };
 
@@ -799,7 +891,7 @@ struct HttpServer::Impl : std::enable_shared_from_this<HttpServer::Impl> {
     std::lock_guard<std::mutex> lock(share_mu);
     Share& s = shares[principal];
     if (s.requests >= max_requests_per_principal) {
-      if (s.requests == 0 && s.body_bytes == 0) shares.erase(principal);
+      if (s.empty()) shares.erase(principal);
       return false;
     }
     ++s.requests;
@@ -810,7 +902,7 @@ struct HttpServer::Impl : std::enable_shared_from_this<HttpServer::Impl> {
     auto it = shares.find(principal);
     if (it == shares.end()) return;
     --it->second.requests;
-    if (it->second.requests <= 0 && it->second.body_bytes == 0) shares.erase(it);
+    if (it->second.empty()) shares.erase(it);
   }
   // Body memory for `principal`, within its share and within the server-wide budget.
   Reserved ReserveBody(const std::string& principal, uint64_t bytes) {
@@ -834,7 +926,34 @@ struct HttpServer::Impl : std::enable_shared_from_this<HttpServer::Impl> {
     auto it = shares.find(principal);
     if (it == shares.end()) return;
     it->second.body_bytes -= bytes;
-    if (it->second.requests <= 0 && it->second.body_bytes == 0) shares.erase(it);
+    if (it->second.empty()) shares.erase(it);
+  }
+  // Memory for a buffered response waiting for its client, within the principal's share and
+  // the server-wide budget (Options::max_buffered_response_bytes).
+  Reserved ReserveResponse(const std::string& principal, uint64_t bytes) {
+    std::lock_guard<std::mutex> lock(share_mu);
+    if (bytes > opts.max_buffered_response_bytes ||
+        response_bytes > opts.max_buffered_response_bytes - bytes) {
+      return Reserved::kOverBudget;
+    }
+    Share& s = shares[principal];
+    if (bytes > max_response_per_principal ||
+        s.response_bytes > max_response_per_principal - bytes) {
+      if (s.empty()) shares.erase(principal);
+      return Reserved::kOverShare;
+    }
+    s.response_bytes += bytes;
+    response_bytes += bytes;
+    return Reserved::kOk;
+  }
+  void ReleaseResponse(const std::string& principal, uint64_t bytes) {
+    if (bytes == 0) return;
+    std::lock_guard<std::mutex> lock(share_mu);
+    response_bytes -= bytes;
+    auto it = shares.find(principal);
+    if (it == shares.end()) return;
+    it->second.response_bytes -= bytes;
+    if (it->second.empty()) shares.erase(it);
   }
 
   Options opts;
@@ -863,6 +982,31 @@ struct HttpServer::Impl : std::enable_shared_from_this<HttpServer::Impl> {
   uint64_t body_bytes = 0;              // buffered request bodies, all connections
   int max_requests_per_principal = 0;   // resolved Options (0 → a quarter)
   uint64_t max_body_per_principal = 0;
+  uint64_t response_bytes = 0;  // buffered responses being written, all connections
+  uint64_t max_response_per_principal = 0;
+  // Set when a large body or response was freed; the poller then returns freed memory to the
+  // system (malloc_trim) once things are quiet, at most every kTrimIntervalMs.
+  std::atomic<bool> trim_wanted{false};
+  // Asks the poller for a malloc_trim, waking it (it may be asleep with no deadline to keep).
+  void WantTrim() {
+    if (trim_wanted.exchange(true)) return;
+    Wake();
+  }
+  void Wake() {
+    uint64_t one = 1;
+    if (wake_fd >= 0) (void)!write(wake_fd, &one, sizeof(one));
+  }
+
+  std::mutex log_mu;  // the access log's token bucket
+  double log_tokens = 0;
+  int64_t log_refill_ms = 0;
+  int64_t log_summary_ms = 0;
+  uint64_t log_dropped = 0;
+  uint64_t log_dropped_4xx = 0;
+  bool LogSummaryPending() {
+    std::lock_guard<std::mutex> lock(log_mu);
+    return log_dropped > 0;
+  }
 
   std::mutex lifecycle_mu;
   bool started = false;
@@ -1267,10 +1411,14 @@ void HttpServer::Impl::PollLoop() {
     }
   };
 
+  int64_t last_trim = 0;
   std::vector<epoll_event> events(256);
   while (!stopping.load()) {
     int timeout = -1;
     int64_t next = deadlines.empty() ? 0 : deadlines.begin()->first;
+    // Timers of their own: the access log's overflow summary, returning freed memory.
+    const bool timers = trim_wanted.load() || (opts.access_log && LogSummaryPending());
+    if (timers && (next == 0 || next > MonotonicMs() + 1000)) next = MonotonicMs() + 1000;
     if (accept_paused_until != 0 && (next == 0 || accept_paused_until < next)) {
       next = accept_paused_until;
     }
@@ -1303,6 +1451,14 @@ void HttpServer::Impl::PollLoop() {
     int64_t now = MonotonicMs();
     expire(now);
     resume_accepting(now);
+    if (timers && opts.access_log) AccessLogAdmit(-1, now);
+    if (trim_wanted.load() && now - last_trim >= kTrimIntervalMs) {
+      // Large bodies and answers come and go in bursts; glibc keeps what they freed unless
+      // asked, so after a burst the daemon's RSS would stay at its peak for good.
+      trim_wanted = false;
+      last_trim = now;
+      malloc_trim(0);
+    }
   }
   // Stopping: idle and header-phase connections are dropped at once.
   for (auto& [fd, c] : pc) close(fd);
@@ -1351,10 +1507,46 @@ std::string LogSafe(std::string_view s) {
 }
 }  // namespace
 
+bool HttpServer::Impl::AccessLogAdmit(int status, int64_t now) {
+  if (opts.access_log_lines_per_second <= 0) return true;
+  std::string summary;
+  bool admit = false;
+  {
+    std::lock_guard<std::mutex> lock(log_mu);
+    const double rate = opts.access_log_lines_per_second;
+    if (log_refill_ms == 0) {
+      log_tokens = rate;
+      log_refill_ms = now;
+      log_summary_ms = now;
+    }
+    log_tokens = std::min(rate, log_tokens + (now - log_refill_ms) * rate / 1000.0);
+    log_refill_ms = now;
+    if (status >= 0 && log_tokens >= 1) {
+      log_tokens -= 1;
+      admit = true;
+    } else if (status >= 0) {
+      if (log_dropped == 0) Wake();  // the poller's timer writes the summary
+      ++log_dropped;
+      if (status >= 400 && status < 500) ++log_dropped_4xx;
+    }
+    if (log_dropped > 0 && now - log_summary_ms >= 1000) {
+      summary = Cat("access log: ", log_dropped, " requests not logged (", log_dropped_4xx,
+                    " 4xx) in the last ", now - log_summary_ms, " ms (limit ",
+                    opts.access_log_lines_per_second, " lines/s)");
+      log_dropped = 0;
+      log_dropped_4xx = 0;
+    }
+    if (now - log_summary_ms >= 1000) log_summary_ms = now;
+  }
+  if (!summary.empty()) LogWarn(summary);
+  return admit;
+}
+
 void HttpServer::Impl::Observe(const Request& req, int status, int64_t start_ms,
                                std::string_view extra) {
-  int64_t ms = MonotonicMs() - start_ms;
-  if (opts.access_log) {
+  const int64_t now = MonotonicMs();
+  int64_t ms = now - start_ms;
+  if (opts.access_log && AccessLogAdmit(status, now)) {
     LogInfo(Cat("http ", req.method_.empty() ? "-" : LogSafe(req.method_), " ",
                 LogSafe(req.path_.empty() ? req.target_ : req.path_), " ", status, " ", ms, "ms ",
                 req.peer_.address, extra));
@@ -1378,7 +1570,8 @@ class Connection {
              int64_t header_deadline)
       : srv_(srv),
         opts_(srv.opts),
-        stream_(fd, srv.stop_fd, opts_.write_timeout.count()),
+        stream_(fd, srv.stop_fd, opts_.write_timeout.count(), opts_.min_write_bytes_per_second,
+                opts_.min_rate_grace.count()),
         buffer_(std::max<size_t>(opts_.max_header_bytes + (128 << 10), 1 << 20)),
         peer_(std::move(peer)),
         header_deadline_(header_deadline) {
@@ -1412,9 +1605,21 @@ class Connection {
     }
     void Release() {
       srv.ReleaseBody(principal, bytes);
+      if (bytes >= kTrimWorthyBytes) srv.WantTrim();
       bytes = 0;
     }
     ~BodyBudget() { Release(); }
+  };
+
+  // A buffered response's part of the response budget; released on destruction.
+  struct ResponseBudget {
+    HttpServer::Impl& srv;
+    const std::string& principal;
+    uint64_t bytes = 0;
+    ~ResponseBudget() {
+      srv.ReleaseResponse(principal, bytes);
+      if (bytes >= kTrimWorthyBytes) srv.WantTrim();
+    }
   };
 
   // One of the principal's request threads (Options::max_requests_per_principal).
@@ -1489,6 +1694,12 @@ class Connection {
                     false);
     }
 
+    // Strict framing and identity headers (RFC 9110/9112): ambiguity here is how requests
+    // get smuggled past a proxy or authenticated as someone else.
+    if (std::optional<Response> bad = CheckHeaders(req, version)) {
+      return Finish(req, std::move(*bad), version, false);
+    }
+
     Router::Match match = srv_.router.Find(req.method_, segments);
     if (match.handler == nullptr) {
       if (match.path_known) {
@@ -1550,7 +1761,9 @@ class Connection {
       }
       reader = std::make_unique<StreamBodyReader>(stream_, buffer_, std::move(hp), cap,
                                                   opts_.body_timeout.count(),
-                                                  expect_continue && has_body);
+                                                  expect_continue && has_body,
+                                                  opts_.min_read_bytes_per_second,
+                                                  opts_.min_rate_grace.count());
       req.body_reader_ = reader.get();
     } else if (has_body) {
       if (clen > opts_.max_body_bytes) {
@@ -1597,6 +1810,40 @@ class Connection {
     return Finish(req, std::move(resp), version, keep_alive);
   }
 
+  // Headers the server refuses to guess about: a second Host, Authorization or Content-Type
+  // (which one would count?), an HTTP/1.1 request without Host, and any transfer coding other
+  // than plain "chunked" (a "gzip, chunked" body decoded as plain chunked would be wrong).
+  static std::optional<Response> CheckHeaders(const Request& req, unsigned version) {
+    int host = 0, auth = 0, ctype = 0;
+    std::vector<std::string> codings;
+    for (const auto& [k, v] : req.headers_) {
+      if (EqualsIgnoreCase(k, "host")) ++host;
+      if (EqualsIgnoreCase(k, "authorization")) ++auth;
+      if (EqualsIgnoreCase(k, "content-type")) ++ctype;
+      if (EqualsIgnoreCase(k, "transfer-encoding")) {
+        for (std::string_view c : SplitString(v, ',')) {
+          codings.push_back(ToLowerAscii(TrimAscii(c)));
+        }
+      }
+    }
+    for (auto [count, name] : {std::pair{host, "Host"}, std::pair{auth, "Authorization"},
+                               std::pair{ctype, "Content-Type"}}) {
+      if (count > 1) {
+        return ErrorResponse(400, "bad_request", Cat("more than one ", name, " header"));
+      }
+    }
+    if (version >= 11 && host == 0) {
+      return ErrorResponse(400, "bad_request", "HTTP/1.1 request without a Host header");
+    }
+    if (!codings.empty() && !(codings.size() == 1 && codings[0] == "chunked")) {
+      std::string what = LogSafe(JoinStrings(codings, ", "));
+      return ErrorResponse(
+          501, "bad_request",
+          Cat("unsupported Transfer-Encoding '", what, "': only 'chunked' is supported"));
+    }
+    return std::nullopt;
+  }
+
   // Reads a buffered body into req.body_, its memory counted in the server-wide budget: all of
   // a Content-Length up front (the parser reserves that much), a chunked body as it grows.
   // Returns the answer for a body that cannot be had (too large, over budget, too slow,
@@ -1606,13 +1853,27 @@ class Connection {
     if (std::optional<Response> refused = Refusal(budget.Grow(clen))) return refused;
     http::request_parser<http::string_body> bp(std::move(hp));
     bp.body_limit(opts_.max_body_bytes);
-    const int64_t deadline = MonotonicMs() + opts_.body_timeout.count();
+    const int64_t start = MonotonicMs();
+    const int64_t deadline = start + opts_.body_timeout.count();
+    RateWindow rate(opts_.min_read_bytes_per_second, opts_.min_rate_grace.count(), start, 0);
     error_code ec;
+    bool too_slow = false;
     while (!bp.is_done()) {
-      // The reservation is held only while the body keeps coming: a stall loses it.
-      stream_.set_read_deadline(
-          std::min(deadline, MonotonicMs() + opts_.body_stall_timeout.count()));
+      // The reservation is held only while the body keeps coming: a stall or a trickle (below
+      // min_read_bytes_per_second over a window) loses it.
+      if (!rate.Check(MonotonicMs(), bp.get().body().size())) {
+        too_slow = true;
+        ec = beast::error::timeout;
+        break;
+      }
+      const int64_t stall = std::min(deadline, MonotonicMs() + opts_.body_stall_timeout.count());
+      const int64_t due = rate.NextCheck();
+      stream_.set_read_deadline(std::min(stall, due));
       http::read_some(stream_, buffer_, bp, ec);
+      if (ec == beast::error::timeout && due < stall && MonotonicMs() < stall) {
+        ec = {};
+        continue;  // the rate window ended: check it
+      }
       if (ec) break;
       uint64_t held = bp.get().body().capacity();
       if (held > budget.bytes) {
@@ -1627,7 +1888,10 @@ class Connection {
     }
     if (ec == http::error::body_limit) return TooLarge(opts_.max_body_bytes);
     if (ec == beast::error::timeout) {
-      return ErrorResponse(408, "bad_request", "timed out reading the request body");
+      return ErrorResponse(408, "bad_request",
+                           too_slow ? SlowBodyMessage(opts_.min_read_bytes_per_second,
+                                                      opts_.min_rate_grace.count())
+                                    : std::string("timed out reading the request body"));
     }
     if (ec == http::error::partial_message || ec == net::error::eof ||
         ec == http::error::end_of_stream || ec.category() == boost::system::system_category()) {
@@ -1686,8 +1950,7 @@ class Connection {
     res.prepare_payload();
     error_code ec;
     {
-      WriteBudget wb(stream_, opts_.write_timeout.count(), opts_.min_write_bytes_per_second,
-                     res.body().size());
+      WriteBudget wb(stream_);
       http::write(stream_, res, ec);
     }
     if (!ec) Linger();
@@ -1719,6 +1982,31 @@ class Connection {
     };
     error_code ec;
     if (!resp.stream) {
+      // A large answer is held until the client has taken it: it must fit the response budget.
+      ResponseBudget held{srv_, req.principal_};
+      if (resp.body.size() > kUncountedResponseBytes) {
+        HttpServer::Impl::Reserved r = srv_.ReserveResponse(req.principal_, resp.body.size());
+        if (r == HttpServer::Impl::Reserved::kOk) {
+          held.bytes = resp.body.size();
+        } else {
+          static LogThrottle throttle;
+          if (uint64_t n = throttle.Hit()) {
+            LogWarn(Cat("http: buffered responses at their budget (",
+                        r == HttpServer::Impl::Reserved::kOverShare ? "a principal's share"
+                                                                   : "server-wide",
+                        "); answering ", resp.body.size(), " bytes with an error (", n,
+                        " times so far)"));
+          }
+          srv_.WantTrim();
+          resp = r == HttpServer::Impl::Reserved::kOverShare
+                     ? OverShare("this client is being sent too many large answers at once; "
+                                 "retry shortly")
+                     : ErrorResponse(503, "unavailable",
+                                     "the server is sending too many large answers at once; "
+                                     "retry shortly");
+          if (resp.status == 503) resp.SetHeader("Retry-After", "1");
+        }
+      }
       http::response<http::string_body> res{static_cast<http::status>(resp.status), version};
       add_headers(res);
       res.body() = std::move(resp.body);
@@ -1728,8 +2016,7 @@ class Connection {
       // answer (handy for tests; the write time of a small answer is negligible).
       Observe(req, resp.status, "");
       {
-        WriteBudget wb(stream_, opts_.write_timeout.count(), opts_.min_write_bytes_per_second,
-                       res.body().size());
+        WriteBudget wb(stream_);
         http::write(stream_, res, ec);
       }
       if (ec) return false;
@@ -1746,15 +2033,14 @@ class Connection {
     if (chunked) res.chunked(true);
     http::response_serializer<http::empty_body> sr(res);
     {
-      WriteBudget wb(stream_, opts_.write_timeout.count(), opts_.min_write_bytes_per_second, 0);
+      WriteBudget wb(stream_);
       http::write_header(stream_, sr, ec);
     }
     if (ec) {
       Observe(req, resp.status, " (client gone before the stream)");
       return false;
     }
-    ChunkedWriter writer(stream_, chunked, opts_.write_timeout.count(),
-                         opts_.min_write_bytes_per_second);
+    ChunkedWriter writer(stream_, chunked);
     bool threw = false;
     try {
       resp.stream(writer);
@@ -1862,6 +2148,9 @@ absl::Status HttpServer::Start() {
   s.max_requests_per_principal = s.opts.max_requests_per_principal > 0
                                      ? s.opts.max_requests_per_principal
                                      : std::max(1, s.opts.max_connections / 4);
+  s.max_response_per_principal = s.opts.max_buffered_response_bytes_per_principal > 0
+                                     ? s.opts.max_buffered_response_bytes_per_principal
+                                     : s.opts.max_buffered_response_bytes / 4;
   s.max_body_per_principal = s.opts.max_buffered_body_bytes_per_principal > 0
                                  ? s.opts.max_buffered_body_bytes_per_principal
                                  : s.opts.max_buffered_body_bytes / 4;

@@ -331,10 +331,29 @@ class HttpServer {
     std::chrono::milliseconds body_stall_timeout{10'000};
     std::chrono::milliseconds idle_timeout{60'000};    // keep-alive wait for the next request
     std::chrono::milliseconds write_timeout{60'000};   // no write progress for this long → drop
-    // A response (or one chunk of a streamed one) must go out at least this fast on average,
-    // on top of write_timeout: a client reading a trickle cannot hold a thread (and the
-    // response's memory) indefinitely. 0: no minimum.
+    // A response (or one chunk of a streamed one) must be taken by the client at least this
+    // fast over every min_rate_grace window, on top of write_timeout, counted in bytes that
+    // left the socket (the kernel's send buffer does not count); a slower reader is reset. So a
+    // client reading a trickle cannot hold a thread (and the response's memory). 0: none.
     uint64_t min_write_bytes_per_second = 16 << 10;
+    // A request body (buffered or streamed) must arrive at least this fast over every
+    // min_rate_grace window, from the end of its header; a trickle is answered 408 and loses
+    // its thread and its body budget. 0: no minimum.
+    uint64_t min_read_bytes_per_second = 16 << 10;
+    // The window over which the minimum rates are checked (consecutive windows, so an early
+    // burst does not buy a long trickle afterwards).
+    std::chrono::milliseconds min_rate_grace{10'000};
+    // Memory for buffered (non-streamed) responses waiting to be taken by their clients, across
+    // all connections, and the part of it one principal may hold (0: a quarter). Answers of at
+    // most 64 KiB are not counted. A response that does not fit is replaced with 503 (over the
+    // server-wide budget) or 429 (over the principal's share) before it is written, so slow
+    // readers cannot pile up large answers in memory.
+    uint64_t max_buffered_response_bytes = 256ull << 20;
+    uint64_t max_buffered_response_bytes_per_principal = 0;
+    // Access log lines per second (a token bucket with a burst of as many); lines over it are
+    // dropped and summarised once per second ("access log: N requests not logged (M 4xx)").
+    // 0: no limit. Errors of the server itself are logged separately and not limited by this.
+    int access_log_lines_per_second = 100;
     std::chrono::milliseconds drain_timeout{10'000};   // Stop(): wait for in-flight requests
 
     bool access_log = true;  // one esb::Log line per response

@@ -1,8 +1,13 @@
 #include "api/service.h"
 
 #include <arpa/inet.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <memory>
+#include <stdexcept>
 #include <set>
 
 #include "absl/strings/str_cat.h"
@@ -16,6 +21,25 @@ namespace json = boost::json;
 namespace {
 
 constexpr int64_t kChunk = 4 << 20;  // bytes per agent round trip for file transfers
+// Bytes per write of a download (files/raw, artifacts): what one slow reader holds at a time.
+constexpr int64_t kDownloadChunk = 256 << 10;
+// Bytes of an upload read from the socket at a time (the agent gets up to kChunk per write).
+constexpr size_t kUploadReadChunk = 64 << 10;
+
+// Bytes `s` takes as a JSON string body (without quotes), as boost::json writes it: control
+// characters other than \b \f \n \r \t become \u00XX, six bytes for one.
+uint64_t JsonEscapedSize(std::string_view s) {
+  uint64_t n = 0;
+  for (unsigned char c : s) {
+    if (c == '"' || c == '\\' || c == '\b' || c == '\f' || c == '\n' || c == '\r' || c == '\t')
+      n += 2;
+    else if (c < 0x20)
+      n += 6;
+    else
+      n += 1;
+  }
+  return n;
+}
 
 json::value Time(int64_t ms) { return ms > 0 ? json::value(FormatRfc3339(ms)) : json::value(); }
 
@@ -403,12 +427,24 @@ Response ApiService::GetArtifact(Request& req, const std::string& tenant) {
   const std::string id = req.Param("id"), aid = req.Param("aid");
   auto meta = artifacts_->Get(tenant, id, aid);
   if (!meta.ok()) return StatusResponse(meta.status());
-  auto data = artifacts_->Read(tenant, id, aid);
-  if (!data.ok()) return StatusResponse(data.status());
-  Response resp;
-  resp.status = 200;
-  resp.content_type = meta->mime_type;
-  resp.body = std::move(*data);
+  auto file = artifacts_->Open(tenant, id, aid);
+  if (!file.ok()) return StatusResponse(file.status());
+  // Streamed from disk in small chunks: a slow reader holds one chunk, never the artifact.
+  Response resp = Response::Stream(
+      200, meta->mime_type,
+      [fd = std::make_shared<UniqueFd>(std::move(*file))](ResponseWriter& w) {
+        std::string buf(kDownloadChunk, '\0');
+        for (off_t offset = 0;;) {
+          ssize_t n = pread(fd->get(), buf.data(), buf.size(), offset);
+          if (n < 0 && errno == EINTR) continue;
+          // A read error ends the body without its terminating chunk: the client sees a
+          // failed transfer, not a short artifact.
+          if (n < 0) throw std::runtime_error(absl::StrCat("reading artifact: ", strerror(errno)));
+          if (n == 0 || !w.Write(std::string_view(buf.data(), static_cast<size_t>(n)))) break;
+          offset += n;
+        }
+      });
+  resp.SetHeader("X-File-Size", std::to_string(meta->size));
   // The bytes are whatever the sandboxed code wrote: never let a browser run them (an SVG
   // or HTML artifact could carry script) or guess another type; only raster images inline.
   resp.SetHeader("X-Content-Type-Options", "nosniff");
@@ -578,6 +614,27 @@ Response ApiService::WriteFile(Request& req, const std::string& tenant) {
   return resp;
 }
 
+bool ApiService::ReserveRead(const std::string& tenant, int64_t bytes, bool* over_share) {
+  std::lock_guard<std::mutex> lock(read_mu_);
+  const int64_t total = 4 * options_.max_json_read_bytes, share = 2 * options_.max_json_read_bytes;
+  int64_t& mine = tenant_reads_[tenant];
+  *over_share = mine + bytes > share;
+  if (*over_share || reads_in_flight_ + bytes > total) {
+    if (mine == 0) tenant_reads_.erase(tenant);
+    return false;
+  }
+  mine += bytes;
+  reads_in_flight_ += bytes;
+  return true;
+}
+
+void ApiService::ReleaseRead(const std::string& tenant, int64_t bytes) {
+  std::lock_guard<std::mutex> lock(read_mu_);
+  reads_in_flight_ -= bytes;
+  auto it = tenant_reads_.find(tenant);
+  if (it != tenant_reads_.end() && (it->second -= bytes) <= 0) tenant_reads_.erase(it);
+}
+
 Response ApiService::ReadFile(Request& req, const std::string& tenant) {
   int64_t start = MonotonicMs();
   std::string path = req.Query("path").value_or("");
@@ -586,6 +643,15 @@ Response ApiService::ReadFile(Request& req, const std::string& tenant) {
   std::string data;
   absl::Status st;
   int64_t size = 0;
+  int64_t reserved = 0;  // of the files/read memory bound (ReserveRead)
+  struct Unreserve {
+    ApiService* self;
+    const std::string& tenant;
+    int64_t& bytes;
+    ~Unreserve() {
+      if (bytes > 0) self->ReleaseRead(tenant, bytes);
+    }
+  } unreserve{this, tenant, reserved};
   for (;;) {
     auto chunk = manager_->ReadFile(tenant, id, path, static_cast<int64_t>(data.size()), kChunk);
     if (!chunk.ok()) {
@@ -596,8 +662,21 @@ Response ApiService::ReadFile(Request& req, const std::string& tenant) {
     if (size > options_.max_json_read_bytes) {
       st = absl::OutOfRangeError(absl::StrCat(
           "file is ", size, " bytes, more than files/read returns (", options_.max_json_read_bytes,
-          "); download it with GET files/raw"));
+          "); use files/raw for large or binary files"));
       break;
+    }
+    if (reserved == 0 && size > kChunk) {
+      bool over_share = false;
+      if (!ReserveRead(tenant, size, &over_share)) {
+        Response busy = ErrorResponse(over_share ? 429 : 503,
+                                      over_share ? "too_many_requests" : "unavailable",
+                                      "too many large files are being read at once; retry "
+                                      "shortly, or use files/raw");
+        busy.SetHeader("Retry-After", "1");
+        return busy;
+      }
+      reserved = size;
+      data.reserve(static_cast<size_t>(size));
     }
     data += chunk->data;
     if (chunk->eof || chunk->data.empty()) break;
@@ -607,6 +686,7 @@ Response ApiService::ReadFile(Request& req, const std::string& tenant) {
     }
   }
   Response resp;
+  int64_t read_bytes = static_cast<int64_t>(data.size());
   if (!st.ok()) {
     if (absl::IsOutOfRange(st)) {
       resp = ErrorResponse(413, "payload_too_large", StdView(st.message()));
@@ -618,16 +698,31 @@ Response ApiService::ReadFile(Request& req, const std::string& tenant) {
     json::value body = json::parse(resp.body);
     body.as_object()["content"] = std::string(st.message());
     resp.body = ToJson(body);
+  } else if (IsValidUtf8(data) &&
+             JsonEscapedSize(data) > static_cast<uint64_t>(options_.max_json_read_bytes)) {
+    // Text that escapes to much more than it is (a control character is six bytes in JSON):
+    // the answer would be up to 6× max_json_read_bytes, all of it held in memory.
+    st = absl::OutOfRangeError(absl::StrCat(
+        "file is ", data.size(), " bytes of text whose JSON encoding is ", JsonEscapedSize(data),
+        " bytes, more than files/read returns (", options_.max_json_read_bytes,
+        "); use files/raw for large or binary files"));
+    resp = ErrorResponse(413, "payload_too_large", StdView(st.message()));
+    json::value body = json::parse(resp.body);
+    body.as_object()["content"] = std::string(st.message());
+    resp.body = ToJson(body);
   } else {
     bool text = IsValidUtf8(data);
-    resp = JsonResponse(200, json::object{{"error", false},
-                                          {"content", text ? data : Base64Encode(data)},
-                                          {"encoding", text ? "utf-8" : "base64"},
-                                          {"size", data.size()}});
+    json::object o{{"error", false},
+                   {"content", text ? data : Base64Encode(data)},
+                   {"encoding", text ? "utf-8" : "base64"},
+                   {"size", data.size()}};
+    read_bytes = static_cast<int64_t>(data.size());
+    std::string().swap(data);  // one copy less while the answer is serialised
+    resp = JsonResponse(200, o);
   }
   if (!IsEnvironmentNotFound(st))
     Audit(tenant, id, "files.read", path, std::nullopt, MonotonicMs() - start,
-          static_cast<int64_t>(data.size()), resp.status);
+          read_bytes, resp.status);
   return resp;
 }
 
@@ -640,8 +735,8 @@ Response ApiService::PutRaw(Request& req, const std::string& tenant) {
   if (!info.ok()) return StatusResponse(info.status());
   BodyReader* reader = req.body_reader();
   if (!reader) return ErrorResponse(500, "internal", "upload route without a body reader");
-  std::string buf;
-  std::vector<char> tmp(1 << 20);
+  std::string buf;  // grows as bytes arrive, up to one agent write (kChunk)
+  std::vector<char> tmp(kUploadReadChunk);
   int64_t offset = 0;
   bool first = true;
   absl::Status read_error, write_error;
@@ -668,6 +763,9 @@ Response ApiService::PutRaw(Request& req, const std::string& tenant) {
                ? ErrorResponse(413, "payload_too_large",
                                absl::StrCat("upload exceeds max_upload_bytes (",
                                             options_.max_upload_bytes, " bytes)"))
+           : absl::IsDeadlineExceeded(read_error)
+               ? ErrorResponse(408, "bad_request",
+                               absl::StrCat("reading the upload failed: ", read_error.message()))
                : ErrorResponse(400, "bad_request",
                                absl::StrCat("reading the upload failed: ", read_error.message()));
   } else if (!write_error.ok()) {
@@ -687,7 +785,7 @@ Response ApiService::GetRaw(Request& req, const std::string& tenant) {
   if (absl::Status st = CheckPath(path); !st.ok()) return StatusResponse(st);
   std::string id = req.Param("id");
   // First chunk before answering, so a missing file is a clean 404.
-  auto first = manager_->ReadFile(tenant, id, path, 0, kChunk);
+  auto first = manager_->ReadFile(tenant, id, path, 0, kDownloadChunk);
   if (!first.ok()) return FileStatusResponse(first.status());
   Response resp = Response::Stream(
       200, "application/octet-stream",
@@ -698,7 +796,7 @@ Response ApiService::GetRaw(Request& req, const std::string& tenant) {
           if (!w.Write(chunk.data)) break;
           offset += static_cast<int64_t>(chunk.data.size());
           if (chunk.eof || chunk.data.empty()) break;
-          auto next = manager_->ReadFile(tenant, id, path, offset, kChunk);
+          auto next = manager_->ReadFile(tenant, id, path, offset, kDownloadChunk);
           if (!next.ok()) break;  // headers are gone; the truncated chunked body tells the client
           chunk = std::move(*next);
         }

@@ -4,6 +4,7 @@
 
 #include <functional>
 #include <map>
+#include <mutex>
 #include <string>
 
 #include "api/http_server.h"
@@ -78,6 +79,16 @@ class ApiService {
   ServiceOptions options_;
   RunHandler run_handler_;
   ArtifactStore* artifacts_ = nullptr;
+
+  // files/read builds its whole answer in memory (the file, its JSON string, the serialised
+  // body: about three times the file): the bytes of files being read at once are bounded
+  // server-wide (4 × max_json_read_bytes) and per tenant (2 ×), beyond which a read is
+  // answered 503 / 429 rather than piling up copies of large files.
+  bool ReserveRead(const std::string& tenant, int64_t bytes, bool* over_share);
+  void ReleaseRead(const std::string& tenant, int64_t bytes);
+  std::mutex read_mu_;
+  int64_t reads_in_flight_ = 0;
+  std::map<std::string, int64_t> tenant_reads_;
 };
 
 // An artifact as the API shows it: {id, kind, name, mime_type, size, title, step,

@@ -1,6 +1,7 @@
 #include "core/artifact_store.h"
 
 #include <dirent.h>
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -176,6 +177,20 @@ absl::StatusOr<std::string> ArtifactStore::Read(const std::string& tenant,
     return st;
   }
   return data;
+}
+
+absl::StatusOr<UniqueFd> ArtifactStore::Open(const std::string& tenant,
+                                             const std::string& environment_id,
+                                             const std::string& id) const {
+  auto meta = Get(tenant, environment_id, id);
+  if (!meta.ok()) return meta.status();
+  UniqueFd fd(::open(PathOf(id, "bin").c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
+  if (!fd) {
+    if (errno == ENOENT)  // swept between Get and here
+      return absl::NotFoundError(absl::StrCat("artifact ", id, " has expired"));
+    return ErrnoStatus(absl::StrCat("open artifact ", id));
+  }
+  return fd;
 }
 
 std::vector<ArtifactMeta> ArtifactStore::List(const std::string& tenant,

@@ -22,6 +22,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/util.h"
 
 namespace esb {
 
@@ -59,6 +60,11 @@ class ArtifactStore {
                                    const std::string& id) const;
   absl::StatusOr<std::string> Read(const std::string& tenant, const std::string& environment_id,
                                    const std::string& id) const;
+  // The artifact's bytes, opened for reading in chunks (a download streams them rather than
+  // holding the whole artifact in memory); same checks as Read. The file stays readable through
+  // the fd even if the artifact is swept meanwhile.
+  absl::StatusOr<UniqueFd> Open(const std::string& tenant, const std::string& environment_id,
+                                const std::string& id) const;
   // An environment's artifacts, oldest first.
   std::vector<ArtifactMeta> List(const std::string& tenant,
                                  const std::string& environment_id) const;

@@ -153,6 +153,14 @@ absl::Status ValidateHttpLimits(const DaemonConfig& c) {
     return TypeError("max_buffered_body_bytes_per_tenant",
                      "0 (a quarter of max_buffered_body_bytes) or max_json_body_bytes.."
                      "max_buffered_body_bytes");
+  if (c.min_transfer_bytes_per_second < 0 || c.min_transfer_bytes_per_second > (1ll << 30))
+    return TypeError("min_transfer_bytes_per_second", "0 (no minimum)..1073741824");
+  if (c.min_transfer_grace_ms < 100 || c.min_transfer_grace_ms > 3600000)
+    return TypeError("min_transfer_grace_ms", "100..3600000");
+  if (c.max_buffered_response_bytes < (4ll << 20))
+    return TypeError("max_buffered_response_bytes", "at least 4194304 (4 MiB)");
+  if (c.access_log_lines_per_second < 0 || c.access_log_lines_per_second > 1000000)
+    return TypeError("access_log_lines_per_second", "0 (no limit)..1000000");
   return absl::OkStatus();
 }
 
@@ -229,6 +237,13 @@ absl::Status LoadConfigFile(const std::string& path, DaemonConfig* c) {
     else if (key == "max_requests_per_tenant") st = GetInt(v, key, &c->max_requests_per_tenant);
     else if (key == "max_buffered_body_bytes_per_tenant")
       st = GetInt(v, key, &c->max_buffered_body_bytes_per_tenant);
+    else if (key == "min_transfer_bytes_per_second")
+      st = GetInt(v, key, &c->min_transfer_bytes_per_second);
+    else if (key == "min_transfer_grace_ms") st = GetInt(v, key, &c->min_transfer_grace_ms);
+    else if (key == "max_buffered_response_bytes")
+      st = GetInt(v, key, &c->max_buffered_response_bytes);
+    else if (key == "access_log_lines_per_second")
+      st = GetInt(v, key, &c->access_log_lines_per_second);
     else if (key == "max_pids") st = GetInt(v, key, &c->max_pids);
     else if (key == "sandbox_memory_mb") st = GetInt(v, key, &c->sandbox_memory_mb);
     else if (key == "nano_memory_mb") st = GetInt(v, key, &c->nano_memory_mb);

@@ -75,6 +75,15 @@ struct DaemonConfig {
   int64_t max_buffered_header_bytes = 64ll << 20;
   int max_requests_per_tenant = 0;
   int64_t max_buffered_body_bytes_per_tenant = 0;
+  // Slow clients: request bodies must arrive, and responses be read, at least this fast on
+  // average once the grace has passed (408 / connection reset otherwise). 0: no minimum.
+  int64_t min_transfer_bytes_per_second = 16 << 10;
+  int64_t min_transfer_grace_ms = 10000;
+  // Buffered (non-streamed) answers waiting for their clients, all connections; per tenant a
+  // quarter. Over it, a large answer is replaced with 503 / 429.
+  int64_t max_buffered_response_bytes = 256ll << 20;
+  // Access log lines per second (the rest are summarised once a second); 0: no limit.
+  int64_t access_log_lines_per_second = 100;
   // Most processes/threads one environment may have (its pids cgroup limit); requests for
   // more are refused with 400. All sandboxes together are also capped (container driver).
   int64_t max_pids = 4096;

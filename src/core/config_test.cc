@@ -126,6 +126,29 @@ TEST(ConfigTest, HttpBudgetsAndPerTenantSharesAreSettableAndValidated) {
   }
 }
 
+TEST(ConfigTest, SlowClientRatesResponseBudgetAndAccessLogAreSettableAndValidated) {
+  DaemonConfig c;
+  std::string path = TempFile(
+      R"({"min_transfer_bytes_per_second": 1024, "min_transfer_grace_ms": 2000,
+          "max_buffered_response_bytes": 8388608, "access_log_lines_per_second": 0})");
+  ASSERT_TRUE(LoadConfigFile(path, &c).ok());
+  EXPECT_EQ(c.min_transfer_bytes_per_second, 1024);
+  EXPECT_EQ(c.min_transfer_grace_ms, 2000);
+  EXPECT_EQ(c.max_buffered_response_bytes, 8ll << 20);
+  EXPECT_EQ(c.access_log_lines_per_second, 0);
+  std::remove(path.c_str());
+  for (const char* bad : {R"({"min_transfer_bytes_per_second": -1})",
+                          R"({"min_transfer_grace_ms": 10})",
+                          R"({"max_buffered_response_bytes": 1048576})",
+                          R"({"access_log_lines_per_second": -5})"}) {
+    DaemonConfig d;
+    path = TempFile(bad);
+    absl::Status st = LoadConfigFile(path, &d);
+    EXPECT_TRUE(absl::IsInvalidArgument(st)) << bad << " → " << st;
+    std::remove(path.c_str());
+  }
+}
+
 TEST(ConfigTest, EnvironmentOverrides) {
   std::map<std::string, std::string> env{{"ESBD_LISTEN", "127.0.0.1:1"},
                                          {"ESBD_POOL_SIZE", "0"},

@@ -1,5 +1,6 @@
 // esbd: wiring only. Reads configuration, opens the store, builds the drivers, the core and the
 // HTTP API, and runs until SIGTERM/SIGINT.
+#include <malloc.h>
 #include <signal.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -174,6 +175,12 @@ int KeysCommand(esb::Store* store, const std::vector<std::string>& args) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Large buffers (request bodies, answers, file chunks) come and go in bursts. glibc's dynamic
+  // thresholds would serve them from per-thread heaps it keeps (up to 64 MiB of free top chunk
+  // each) after they are freed; fixed thresholds map every buffer of 1 MiB or more on its own
+  // and unmap it when freed, so RSS falls back after a burst.
+  mallopt(M_MMAP_THRESHOLD, 1 << 20);
+  mallopt(M_TRIM_THRESHOLD, 8 << 20);
   esb::DaemonConfig config;
   std::string config_path = std::getenv("ESBD_CONFIG") ? std::getenv("ESBD_CONFIG") : "";
   auto rest = ParseFlags(argc, argv, &config, &config_path);
@@ -372,6 +379,11 @@ int main(int argc, char** argv) {
           ? config.max_buffered_body_bytes_per_tenant
           : std::min(config.max_buffered_body_bytes,
                      std::max(config.max_buffered_body_bytes / 4, config.max_json_body_bytes)));
+  hopts.min_write_bytes_per_second = static_cast<uint64_t>(config.min_transfer_bytes_per_second);
+  hopts.min_read_bytes_per_second = static_cast<uint64_t>(config.min_transfer_bytes_per_second);
+  hopts.min_rate_grace = std::chrono::milliseconds(config.min_transfer_grace_ms);
+  hopts.max_buffered_response_bytes = static_cast<uint64_t>(config.max_buffered_response_bytes);
+  hopts.access_log_lines_per_second = static_cast<int>(config.access_log_lines_per_second);
   hopts.on_response = [&metrics](const esb::api::Request&, int status, int64_t) {
     metrics.CountHttp(status);
   };
