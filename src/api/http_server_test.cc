@@ -245,6 +245,46 @@ class HttpServerTest : public ::testing::Test {
     EXPECT_TRUE(v.at("message").is_string());
   }
 
+  // A client with a 4 KiB receive window (a slow reader's), connected to the server.
+  Client ConnectSmallWindow() {
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    int small = 4096;
+    setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &small, sizeof(small));
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(static_cast<uint16_t>(server_->tcp_port()));
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    EXPECT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+    return Client(fd);
+  }
+
+  // Sends `request` on a small-window connection and reads `chunk` bytes every `pause` until
+  // the server closes it or `limit_ms` passes.
+  struct SlowRead {
+    bool closed = false;
+    size_t got = 0;
+    int64_t ms = 0;
+  };
+  SlowRead ReadSlowly(const std::string& request, size_t chunk, milliseconds pause,
+                      int64_t limit_ms) {
+    Client c = ConnectSmallWindow();
+    SlowRead r;
+    EXPECT_TRUE(c.Send(request));
+    int64_t t0 = MonotonicMs();
+    std::vector<char> buf(chunk);
+    while (MonotonicMs() - t0 < limit_ms) {
+      ssize_t n = recv(c.fd(), buf.data(), buf.size(), 0);
+      if (n <= 0) {
+        r.closed = true;
+        break;
+      }
+      r.got += static_cast<size_t>(n);
+      std::this_thread::sleep_for(pause);
+    }
+    r.ms = MonotonicMs() - t0;
+    return r;
+  }
+
   std::unique_ptr<HttpServer> server_;
 };
 
@@ -1065,32 +1105,11 @@ TEST_F(HttpServerTest, TrickleReaderOfALargeResponseIsCutOff) {
     r.Add("GET", "/big", [](Request&) { return Response::Text(200, std::string(32 << 20, 'b')); });
     r.Add("GET", "/hello", Hello);
   });
-  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  int small = 4096;
-  setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &small, sizeof(small));
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(static_cast<uint16_t>(server_->tcp_port()));
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
-  Client c(fd);
-  ASSERT_TRUE(c.Send("GET /big HTTP/1.1\r\nHost: t\r\n\r\n"));
-  int64_t t0 = MonotonicMs();
-  size_t got = 0;
-  bool closed = false;
-  while (!closed && MonotonicMs() - t0 < 10000) {
-    char buf[4096];
-    ssize_t n = recv(fd, buf, sizeof(buf), 0);
-    if (n <= 0) {
-      closed = true;
-      break;
-    }
-    got += static_cast<size_t>(n);
-    std::this_thread::sleep_for(milliseconds(20));  // ~200 KiB/s
-  }
-  EXPECT_TRUE(closed);
-  EXPECT_LT(got, size_t{32} << 20);
-  EXPECT_LT(MonotonicMs() - t0, 5000);
+  SlowRead r = ReadSlowly("GET /big HTTP/1.1\r\nHost: t\r\n\r\n", 4096, milliseconds(20),
+                          10000);  // ~200 KiB/s
+  EXPECT_TRUE(r.closed);
+  EXPECT_LT(r.got, size_t{32} << 20);
+  EXPECT_LT(r.ms, 5000);
   EXPECT_TRUE(WaitNoConnections());
 }
 
@@ -1107,31 +1126,11 @@ TEST_F(HttpServerTest, TrickleReaderIsCutByTheRateNotTheResponseSize) {
   Start(o, [](Router& r) {
     r.Add("GET", "/big", [](Request&) { return Response::Text(200, std::string(100 << 20, 'b')); });
   });
-  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  int small = 4096;
-  setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &small, sizeof(small));
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(static_cast<uint16_t>(server_->tcp_port()));
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
-  Client c(fd);
-  ASSERT_TRUE(c.Send("GET /big HTTP/1.1\r\nHost: t\r\n\r\n"));
-  int64_t t0 = MonotonicMs();
-  size_t got = 0;
-  bool closed = false;
-  while (!closed && MonotonicMs() - t0 < 15000) {
-    char buf[1024];
-    ssize_t n = recv(fd, buf, sizeof(buf), 0);
-    if (n <= 0) {
-      closed = true;
-      break;
-    }
-    got += static_cast<size_t>(n);
-    std::this_thread::sleep_for(milliseconds(100));  // ~10 KiB/s
-  }
-  int64_t ms = MonotonicMs() - t0;
-  EXPECT_TRUE(closed);
+  SlowRead r = ReadSlowly("GET /big HTTP/1.1\r\nHost: t\r\n\r\n", 1024, milliseconds(100),
+                          15000);  // ~10 KiB/s
+  const int64_t ms = r.ms;
+  const size_t got = r.got;
+  EXPECT_TRUE(r.closed);
   EXPECT_LT(ms, 4000) << "16 KiB/s over every 1 s window";
   EXPECT_TRUE(WaitNoConnections());
   std::printf("[ measured ] 100 MiB answer read at ~10 KiB/s: cut after %lld ms, %zu bytes read\n",
@@ -1149,15 +1148,7 @@ TEST_F(HttpServerTest, LargeAnswersHeldForSlowReadersAreBoundedByTheResponseBudg
     r.Add("GET", "/big", [](Request&) { return Response::Text(200, std::string(3 << 20, 'b')); });
     r.Add("GET", "/hello", Hello);
   });
-  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  int small = 4096;
-  setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &small, sizeof(small));
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(static_cast<uint16_t>(server_->tcp_port()));
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
-  Client slow(fd);  // never reads: its 3 MiB answer stays held
+  Client slow = ConnectSmallWindow();  // never reads: its 3 MiB answer stays held
   ASSERT_TRUE(slow.Send("GET /big HTTP/1.1\r\nHost: t\r\n\r\n"));
   std::this_thread::sleep_for(milliseconds(300));
   Client c = Connect();

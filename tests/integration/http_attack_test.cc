@@ -422,6 +422,13 @@ TEST_F(HttpAttackTest, IdleAndSlowlorisConnectionFloodDoesNotLockOutHealthzOrTen
       ok, static_cast<long long>(worst));
 }
 
+// The two tenants' keys, with the transfer-rate grace cut to 2 s so a trickle is cut quickly.
+std::string KeysConfigWithShortGrace() {
+  std::string config = kKeysConfig;
+  config.pop_back();  // the closing brace
+  return config + R"(, "min_transfer_grace_ms": 2000})";
+}
+
 // Red-team R2: `files/read` of 16 MiB of byte 0x01 answered 100 MB of JSON (each byte became
 // \u0001), and readers taking 1 KiB/s through a 4 KiB window kept such answers in memory: ten
 // of them took esbd from 84 MB to 1.75 GB, because the promised minimum rate was a deadline of
@@ -430,10 +437,7 @@ TEST_F(HttpAttackTest, IdleAndSlowlorisConnectionFloodDoesNotLockOutHealthzOrTen
 // reader below the minimum rate is reset once the grace has passed.
 TEST_F(HttpAttackTest, SlowReadersOfLargeAnswersAreResetAndDaemonMemoryStaysBounded) {
   Daemon d;
-  std::string config = kKeysConfig;
-  config.pop_back();
-  config += R"(, "min_transfer_grace_ms": 2000})";
-  ASSERT_TRUE(d.Start({.config_json = config}));
+  ASSERT_TRUE(d.Start({.config_json = KeysConfigWithShortGrace()}));
   d.api_key = kKeyA;
   std::string id = d.CreateEnv();
   ASSERT_FALSE(id.empty());
@@ -520,10 +524,7 @@ TEST_F(HttpAttackTest, SlowReadersOfLargeAnswersAreResetAndDaemonMemoryStaysBoun
 // reader. Downloads are now streamed from the file in small chunks and slow readers are reset.
 TEST_F(HttpAttackTest, SlowReadersOfALargeArtifactHoldLittleMemory) {
   Daemon d;
-  std::string config = kKeysConfig;
-  config.pop_back();
-  config += R"(, "min_transfer_grace_ms": 2000})";
-  ASSERT_TRUE(d.Start({.config_json = config}));
+  ASSERT_TRUE(d.Start({.config_json = KeysConfigWithShortGrace()}));
   d.api_key = kKeyA;
   std::string id = d.CreateEnv(boost::json::object{{"runtime", "container"}});
   ASSERT_FALSE(id.empty());
@@ -588,10 +589,7 @@ TEST_F(HttpAttackTest, SlowReadersOfALargeArtifactHoldLittleMemory) {
 // (408) once the grace has passed; /healthz and tenant B are served throughout.
 TEST_F(HttpAttackTest, TrickledUploadsAreCutAndHoldNeitherThreadsNorOtherTenants) {
   Daemon d;
-  std::string config = kKeysConfig;
-  config.pop_back();
-  config += R"(, "min_transfer_grace_ms": 2000})";
-  ASSERT_TRUE(d.Start({.config_json = config}));
+  ASSERT_TRUE(d.Start({.config_json = KeysConfigWithShortGrace()}));
   d.api_key = kKeyA;
   std::string id = d.CreateEnv();
   ASSERT_FALSE(id.empty());
@@ -645,10 +643,7 @@ TEST_F(HttpAttackTest, TrickledUploadsAreCutAndHoldNeitherThreadsNorOtherTenants
 // by the minimum receive rate, and another tenant's POST is served throughout.
 TEST_F(HttpAttackTest, TrickledJsonBodiesAreCutAndOtherTenantsPostThroughout) {
   Daemon d;
-  std::string config = kKeysConfig;
-  config.pop_back();
-  config += R"(, "min_transfer_grace_ms": 2000})";
-  ASSERT_TRUE(d.Start({.config_json = config}));
+  ASSERT_TRUE(d.Start({.config_json = KeysConfigWithShortGrace()}));
   std::vector<Conn> held;
   int64_t t0 = NowMs();
   for (int i = 0; i < 8; ++i) {
