@@ -573,6 +573,11 @@ TEST_F(NanoDriverTest, SessionWorkerIsConfined) {
   std::string status = ss.str();
   EXPECT_NE(status.find("Seccomp:\t2"), std::string::npos) << status;
   EXPECT_NE(status.find("NoNewPrivs:\t1"), std::string::npos);
+  // Guest code is the OOM killer's first choice, whatever esbd's own oom_score_adj is.
+  std::ifstream oom("/proc/" + std::to_string(*pid) + "/oom_score_adj");
+  int oom_score_adj = 0;
+  oom >> oom_score_adj;
+  EXPECT_EQ(oom_score_adj, 500);
   if (geteuid() == 0) {
     EXPECT_NE(status.find("Uid:\t65534\t65534\t65534\t65534"), std::string::npos) << status;
   }

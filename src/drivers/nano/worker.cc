@@ -104,6 +104,16 @@ void SetMemoryCap(Runtime* rt, uint32_t pages) {
   mem->max_pages = pages ? std::min(rt->declared_max_pages, pages) : rt->declared_max_pages;
 }
 
+// Guest code must be the OOM killer's first choice, as container sandboxes are (oci_spec.cc):
+// the worker would otherwise inherit esbd's lowered oom_score_adj. Raising it needs no
+// privilege; done while the fd table still has room and before seccomp.
+void PreferForOomKill() {
+  int fd = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
+  if (fd < 0) return;
+  (void)!write(fd, "500", 3);
+  close(fd);
+}
+
 // Limits that hold for the worker's whole life; set before seccomp.
 void SetWorkerRlimits() {
   auto set = [](int res, rlim_t v) {
@@ -387,6 +397,7 @@ Msg DoStat(Runtime* rt) {
 std::string g_bpf_oneshot, g_bpf_session;  // precompiled by the server
 
 void Confine(int channel, bool seccomp, bool allow_fork) {
+  PreferForOomKill();
   CloseAllExcept(channel);
   DropPrivileges();
   // SECURITY: die with the fork server (set after the uid change, which clears it).
