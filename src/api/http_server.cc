@@ -904,56 +904,46 @@ struct HttpServer::Impl : std::enable_shared_from_this<HttpServer::Impl> {
     --it->second.requests;
     if (it->second.empty()) shares.erase(it);
   }
-  // Body memory for `principal`, within its share and within the server-wide budget.
-  Reserved ReserveBody(const std::string& principal, uint64_t bytes) {
+  // Buffered memory of one kind (request bodies, responses) for `principal`: within the
+  // server-wide `limit` (running total `*total`) and within its share of it (`Share::*part`).
+  Reserved Reserve(const std::string& principal, uint64_t bytes, uint64_t* total, uint64_t limit,
+                   uint64_t per_principal, uint64_t Share::*part) {
     std::lock_guard<std::mutex> lock(share_mu);
-    Share& s = shares[principal];  // exists: the principal holds a request
-    if (bytes > opts.max_buffered_body_bytes ||
-        body_bytes > opts.max_buffered_body_bytes - bytes) {
-      return Reserved::kOverBudget;
-    }
-    if (bytes > max_body_per_principal || s.body_bytes > max_body_per_principal - bytes) {
-      return Reserved::kOverShare;
-    }
-    s.body_bytes += bytes;
-    body_bytes += bytes;
-    return Reserved::kOk;
-  }
-  void ReleaseBody(const std::string& principal, uint64_t bytes) {
-    if (bytes == 0) return;
-    std::lock_guard<std::mutex> lock(share_mu);
-    body_bytes -= bytes;
-    auto it = shares.find(principal);
-    if (it == shares.end()) return;
-    it->second.body_bytes -= bytes;
-    if (it->second.empty()) shares.erase(it);
-  }
-  // Memory for a buffered response waiting for its client, within the principal's share and
-  // the server-wide budget (Options::max_buffered_response_bytes).
-  Reserved ReserveResponse(const std::string& principal, uint64_t bytes) {
-    std::lock_guard<std::mutex> lock(share_mu);
-    if (bytes > opts.max_buffered_response_bytes ||
-        response_bytes > opts.max_buffered_response_bytes - bytes) {
-      return Reserved::kOverBudget;
-    }
+    if (bytes > limit || *total > limit - bytes) return Reserved::kOverBudget;
     Share& s = shares[principal];
-    if (bytes > max_response_per_principal ||
-        s.response_bytes > max_response_per_principal - bytes) {
+    if (bytes > per_principal || s.*part > per_principal - bytes) {
       if (s.empty()) shares.erase(principal);
       return Reserved::kOverShare;
     }
-    s.response_bytes += bytes;
-    response_bytes += bytes;
+    s.*part += bytes;
+    *total += bytes;
     return Reserved::kOk;
   }
-  void ReleaseResponse(const std::string& principal, uint64_t bytes) {
+  void Release(const std::string& principal, uint64_t bytes, uint64_t* total,
+               uint64_t Share::*part) {
     if (bytes == 0) return;
     std::lock_guard<std::mutex> lock(share_mu);
-    response_bytes -= bytes;
+    *total -= bytes;
     auto it = shares.find(principal);
     if (it == shares.end()) return;
-    it->second.response_bytes -= bytes;
+    it->second.*part -= bytes;
     if (it->second.empty()) shares.erase(it);
+  }
+  // Body memory (Options::max_buffered_body_bytes).
+  Reserved ReserveBody(const std::string& principal, uint64_t bytes) {
+    return Reserve(principal, bytes, &body_bytes, opts.max_buffered_body_bytes,
+                   max_body_per_principal, &Share::body_bytes);
+  }
+  void ReleaseBody(const std::string& principal, uint64_t bytes) {
+    Release(principal, bytes, &body_bytes, &Share::body_bytes);
+  }
+  // A buffered response waiting for its client (Options::max_buffered_response_bytes).
+  Reserved ReserveResponse(const std::string& principal, uint64_t bytes) {
+    return Reserve(principal, bytes, &response_bytes, opts.max_buffered_response_bytes,
+                   max_response_per_principal, &Share::response_bytes);
+  }
+  void ReleaseResponse(const std::string& principal, uint64_t bytes) {
+    Release(principal, bytes, &response_bytes, &Share::response_bytes);
   }
 
   Options opts;
