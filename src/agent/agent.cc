@@ -113,8 +113,7 @@ void Agent::Serve() {
       continue;
     }
     if (connections_.load() >= kMaxConnections) {
-      int64_t n = ++refused_busy_;
-      if ((n & (n - 1)) == 0) {
+      if (uint64_t n = refused_busy_.Hit()) {
         Log(LogLevel::kWarn,
             "too many connections; closing a new one (" + std::to_string(n) + " so far)");
       }
@@ -153,8 +152,7 @@ bool Agent::PeerAllowed(int fd) {
   }
   // SECURITY: only esbd (uid 0 on the host) may drive the agent; sandbox code runs as the
   // agent's own unprivileged uid and is refused before a single byte is read.
-  int64_t n = ++refused_peers_;
-  if ((n & (n - 1)) == 0) {  // 1st, 2nd, 4th, 8th, ...: a loop of attempts cannot flood the log
+  if (uint64_t n = refused_peers_.Hit()) {  // a loop of attempts cannot flood the log
     Log(LogLevel::kWarn, "refused connection from uid " + std::to_string(cred.uid) + " pid " +
                              std::to_string(cred.pid) + " (" + std::to_string(n) + " so far)");
   }

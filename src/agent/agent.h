@@ -8,6 +8,7 @@
 
 #include "agent/reaper.h"
 #include "agent/shell.h"
+#include "common/log_throttle.h"
 #include "common/protocol.h"
 
 namespace esb::agent {
@@ -58,8 +59,8 @@ class Agent {
   const int64_t start_ms_;
   int listen_fd_ = -1;
   std::atomic<int> connections_{0};
-  std::atomic<int64_t> refused_peers_{0};
-  std::atomic<int64_t> refused_busy_{0};
+  LogThrottle refused_peers_;
+  LogThrottle refused_busy_;
 };
 
 }  // namespace esb::agent
