@@ -762,7 +762,7 @@ int CmdIdle(const Args& a) {
   double probe_seconds = a.Num("probe-seconds", 5);
   int interval = static_cast<int>(a.Int("probe-interval-ms", 10));
   int max_in_flight = static_cast<int>(a.Int("max-in-flight", 64));
-  RaiseNofile(static_cast<rlim_t>(conns) * 2 + 1024);
+  RaiseNofile(static_cast<rlim_t>(conns) + 1024);
 
   struct Named {
     std::string name;
@@ -818,7 +818,7 @@ int CmdSse(const Args& a) {
   std::string expect = a.Str("expect", "event: result");
   double timeout_s = a.Num("timeout-seconds", 120);
   int max_in_flight_connects = static_cast<int>(a.Int("max-connecting", 256));
-  RaiseNofile(static_cast<rlim_t>(conns) * 2 + 1024);
+  RaiseNofile(static_cast<rlim_t>(conns) + 1024);
 
   Loop loop;
   const std::string req = Post(t, path, body, /*sse=*/true);
