@@ -6,6 +6,9 @@
 //   beast_hello --listen 127.0.0.1:PORT [--threads 2]
 #include <sys/resource.h>
 
+#include <boost/asio.hpp>
+#include <boost/beast/core.hpp>
+#include <boost/beast/http.hpp>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -13,10 +16,6 @@
 #include <string>
 #include <thread>
 #include <vector>
-
-#include <boost/asio.hpp>
-#include <boost/beast/core.hpp>
-#include <boost/beast/http.hpp>
 
 namespace {
 
@@ -31,10 +30,9 @@ class Session : public std::enable_shared_from_this<Session> {
 
   void Read() {
     req_ = {};
-    http::async_read(stream_, buffer_, req_,
-                     [self = shared_from_this()](beast::error_code ec, size_t) {
-                       self->OnRead(ec);
-                     });
+    http::async_read(
+        stream_, buffer_, req_,
+        [self = shared_from_this()](beast::error_code ec, size_t) { self->OnRead(ec); });
   }
 
  private:

@@ -14,7 +14,8 @@ import re
 import statistics
 import sys
 
-LINE = re.compile(r"^\s*([\d.]+) \(\s*[\d.]*\s*(?:ms)?\): (\S+)/(\d+) (\w+)\((.*?)\)\s*(?:= (\S+))?")
+LINE = re.compile(
+    r"^\s*([\d.]+) \(\s*[\d.]*\s*(?:ms)?\): (\S+)/(\d+) (\w+)\((.*?)\)\s*(?:= (\S+))?")
 
 STEPS = [
     ("client sends the HTTP request",
@@ -23,10 +24,12 @@ STEPS = [
     ("esbd request thread connects to the agent",
      lambda c, s, a, r: c == "esbd" and s == "connect" and "addrlen: 110" in a),
     ("agent sends HELLO", lambda c, s, a, r: c == "esb-agent" and s == "sendmsg" and r == "50"),
-    ("esbd sends the exec request", lambda c, s, a, r: c == "esbd" and s == "sendmsg" and r == "97"),
+    ("esbd sends the exec request",
+     lambda c, s, a, r: c == "esbd" and s == "sendmsg" and r == "97"),
     ("agent sends the stdout frame",
      lambda c, s, a, r: c == "esb-agent" and s == "sendmsg" and r == "31"),
-    ("agent sends the response", lambda c, s, a, r: c == "esb-agent" and s == "sendmsg" and r == "86"),
+    ("agent sends the response",
+     lambda c, s, a, r: c == "esb-agent" and s == "sendmsg" and r == "86"),
     ("esbd starts writing SQLite", lambda c, s, a, r: c == "esbd" and s == "pwrite64"),
     ("esbd sends the HTTP response",
      lambda c, s, a, r: c == "esbd" and s == "sendmsg" and r in ("195", "196")),

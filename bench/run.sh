@@ -83,7 +83,8 @@ run_transport() {
   # The per-tenant share of concurrent requests (default: a quarter of max_connections = 256)
   # and max_connections are raised so that 1,000 streams from one (anonymous) client measure
   # the transport, not the fair-share policy. Pool 0: no refills during the measurement.
-  start_esbd 0 "${BENCH_ESBD_CONFIG-{\"max_connections\": 4096, \"max_requests_per_tenant\": 4096\}}"
+  local config='{"max_connections": 4096, "max_requests_per_tenant": 4096}'
+  start_esbd 0 "${BENCH_ESBD_CONFIG-$config}"
   local esbd_port="$PORT" esbd_pid="$PID"
   local hello_port; hello_port="$(free_port)"
   "$BUILD_DIR/beast_hello" --listen "127.0.0.1:$hello_port" --threads "$(nproc)" &

@@ -117,8 +117,7 @@ std::string Get(const Target& t, const std::string& path) {
 std::string Post(const Target& t, const std::string& path, const std::string& body,
                  bool sse = false) {
   return "POST " + path + " HTTP/1.1\r\nHost: " + t.host +
-         "\r\nContent-Type: application/json\r\n" +
-         (sse ? "Accept: text/event-stream\r\n" : "") +
+         "\r\nContent-Type: application/json\r\n" + (sse ? "Accept: text/event-stream\r\n" : "") +
          "Content-Length: " + std::to_string(body.size()) + "\r\n\r\n" + body;
 }
 
@@ -218,7 +217,8 @@ class ResponseParser {
           break;
         }
         case kDone:
-          if (!buf_.empty()) return Fail("bytes after the response (" + std::to_string(buf_.size()) + ")");
+          if (!buf_.empty())
+            return Fail("bytes after the response (" + std::to_string(buf_.size()) + ")");
           return true;
         case kError:
           return false;
@@ -269,7 +269,8 @@ class ResponseParser {
       if (colon == std::string_view::npos) continue;
       std::string_view name = line.substr(0, colon);
       std::string_view value = line.substr(colon + 1);
-      while (!value.empty() && (value.front() == ' ' || value.front() == '\t')) value.remove_prefix(1);
+      while (!value.empty() && (value.front() == ' ' || value.front() == '\t'))
+        value.remove_prefix(1);
       if (IEquals(name, "content-length")) {
         content_length_ = std::atoll(std::string(value).c_str());
       } else if (IEquals(name, "transfer-encoding")) {
@@ -423,8 +424,8 @@ class Loop {
     switch (c->phase) {
       case Conn::Phase::kSending: {
         while (c->out_off < c->out.size()) {
-          ssize_t w = send(c->fd, c->out.data() + c->out_off, c->out.size() - c->out_off,
-                           MSG_NOSIGNAL);
+          ssize_t w =
+              send(c->fd, c->out.data() + c->out_off, c->out.size() - c->out_off, MSG_NOSIGNAL);
           if (w < 0) {
             if (errno == EAGAIN || errno == EINTR) return;
             return Fail(c, std::string("send: ") + std::strerror(errno));
@@ -461,8 +462,8 @@ class Loop {
       }
       if (r == 0) {
         if (!c->resp.Eof()) {
-          return Fail(c, c->resp.headers_done() ? "closed mid-response"
-                                                : "closed before the response");
+          return Fail(
+              c, c->resp.headers_done() ? "closed mid-response" : "closed before the response");
         }
         Close(c);
         return Complete(c);
@@ -625,10 +626,11 @@ int CmdHealthz(const Args& a) {
   Row("GET /healthz, " + std::to_string(conns) + " keep-alive conns (esbd)", e.lat,
       Fmt("%.2fx Beast's req/s", ratio), "reported (ratio)");
   Row("baseline: Beast hello-world (bench/beast_hello)", b.lat);
-  std::printf("\nhealthz throughput: esbd %.0f req/s, Beast hello %.0f req/s → esbd/Beast %.2fx "
-              "(%d conns, %d x %.1f s alternating rounds each); errors: esbd %zu, Beast %zu%s%s\n",
-              e_rps, b_rps, ratio, conns, rounds, seconds, e.errors, b.errors,
-              e.first_error.empty() ? "" : "; first esbd error: ", e.first_error.c_str());
+  std::printf(
+      "\nhealthz throughput: esbd %.0f req/s, Beast hello %.0f req/s → esbd/Beast %.2fx "
+      "(%d conns, %d x %.1f s alternating rounds each); errors: esbd %zu, Beast %zu%s%s\n",
+      e_rps, b_rps, ratio, conns, rounds, seconds, e.errors, b.errors,
+      e.first_error.empty() ? "" : "; first esbd error: ", e.first_error.c_str());
   return 0;
 }
 
@@ -665,25 +667,28 @@ void RunProbe(Loop& loop, const Target& t, double seconds, int interval_ms, Prob
       out->lat.push_back(static_cast<double>(NowNs() - cc->t_sent) / 1e6);
     } else {
       ++out->errors;
-      if (out->first_error.empty()) out->first_error = ok ? "HTTP " + std::to_string(cc->resp.status()) : e;
+      if (out->first_error.empty())
+        out->first_error = ok ? "HTTP " + std::to_string(cc->resp.status()) : e;
     }
   };
-  loop.RunUntil([&] { return !busy && NowNs() >= end; }, end + 30'000'000'000LL, [&] {
-    if (busy || NowNs() < next || NowNs() >= end) return;
-    if (c->phase != Conn::Phase::kIdle && c->phase != Conn::Phase::kConnecting) {
-      std::string e2;
-      c = loop.Connect(t, &e2);
-      if (!c) Die(e2);
-    }
-    busy = true;
-    next = NowNs() + interval_ms * 1'000'000LL;
-    loop.Send(c, req, done);
-  }, 1);
+  loop.RunUntil([&] { return !busy && NowNs() >= end; }, end + 30'000'000'000LL,
+                [&] {
+                  if (busy || NowNs() < next || NowNs() >= end) return;
+                  if (c->phase != Conn::Phase::kIdle && c->phase != Conn::Phase::kConnecting) {
+                    std::string e2;
+                    c = loop.Connect(t, &e2);
+                    if (!c) Die(e2);
+                  }
+                  busy = true;
+                  next = NowNs() + interval_ms * 1'000'000LL;
+                  loop.Send(c, req, done);
+                },
+                1);
   loop.Close(c);
 }
 
-IdleResult MeasureIdle(const Target& t, int pid, int conns, double probe_seconds,
-                       int interval_ms, int max_in_flight) {
+IdleResult MeasureIdle(const Target& t, int pid, int conns, double probe_seconds, int interval_ms,
+                       int max_in_flight) {
   Loop loop;
   IdleResult r;
   RunProbe(loop, t, probe_seconds, interval_ms, &r.before);
@@ -771,11 +776,11 @@ int CmdIdle(const Args& a) {
   std::vector<Named> results;
   if (!a.Str("baseline").empty()) {
     results.push_back({"Beast hello", MeasureIdle(ParseTarget(a.Str("baseline")),
-                                                  static_cast<int>(a.Int("baseline-pid", 0)),
-                                                  conns, probe_seconds, interval, max_in_flight)});
+                                                  static_cast<int>(a.Int("baseline-pid", 0)), conns,
+                                                  probe_seconds, interval, max_in_flight)});
   }
-  results.push_back({"esbd", MeasureIdle(esbd, pid, conns, probe_seconds, interval,
-                                         max_in_flight)});
+  results.push_back(
+      {"esbd", MeasureIdle(esbd, pid, conns, probe_seconds, interval, max_in_flight)});
   Header();
   for (const auto& [name, r] : results) {
     bool is_esbd = name == "esbd";
@@ -789,9 +794,9 @@ int CmdIdle(const Args& a) {
   }
   std::printf("\n");
   for (const auto& [name, r] : results) {
-    double per_conn = r.held > 0 ? static_cast<double>(r.rss_after - r.rss_before) /
-                                       static_cast<double>(r.held)
-                                 : NAN;
+    double per_conn =
+        r.held > 0 ? static_cast<double>(r.rss_after - r.rss_before) / static_cast<double>(r.held)
+                   : NAN;
     std::printf(
         "idle (%s): %zu/%d opened in %.0f ms (%zu open errors%s%s), %zu held to the end "
         "(%zu closed by the server), reuse of every 100th: %zu/%zu ok%s%s; probe errors "
@@ -801,9 +806,9 @@ int CmdIdle(const Args& a) {
         r.first_open_error.empty() ? "" : ", first: ", r.first_open_error.c_str(), r.held,
         r.opened - r.held, r.reuse_ok, r.reuse_tried,
         r.first_reuse_error.empty() ? "" : ", first error: ", r.first_reuse_error.c_str(),
-        r.before.errors, r.during.errors, r.during.first_error.empty() ? "" : ", first: ",
-        r.during.first_error.c_str(), r.rss_before, r.rss_after, per_conn, r.threads_before,
-        r.threads_after);
+        r.before.errors, r.during.errors,
+        r.during.first_error.empty() ? "" : ", first: ", r.during.first_error.c_str(), r.rss_before,
+        r.rss_after, per_conn, r.threads_before, r.threads_after);
   }
   return 0;
 }
@@ -814,7 +819,8 @@ int CmdSse(const Args& a) {
   Target t = ParseTarget(a.Str("target"));
   int conns = static_cast<int>(a.Int("conns", 1000));
   std::string path = a.Str("path", "/run");
-  std::string body = a.Str("body", R"J({"code":"import time\ntime.sleep(5)\nprint('ok')","runtime":"nano"})J");
+  std::string body =
+      a.Str("body", R"J({"code":"import time\ntime.sleep(5)\nprint('ok')","runtime":"nano"})J");
   std::string expect = a.Str("expect", "event: result");
   double timeout_s = a.Num("timeout-seconds", 120);
   int max_in_flight_connects = static_cast<int>(a.Int("max-connecting", 256));
@@ -876,16 +882,18 @@ int CmdSse(const Args& a) {
   bool finished = loop.RunUntil([&] { return started == conns && pending == 0; },
                                 t0 + static_cast<int64_t>(timeout_s * 1e9), tick, 20);
   double wall = MsSince(t0);
-  if (!finished) errors["no end within " + std::to_string(static_cast<int>(timeout_s)) + " s"] += pending;
+  if (!finished)
+    errors["no end within " + std::to_string(static_cast<int>(timeout_s)) + " s"] += pending;
   size_t n_err = 0;
   for (const auto& [k, v] : errors) n_err += v;
   Header();
   Row(std::to_string(conns) + " concurrent SSE streams: each, to the end", total, "",
       std::string("0 errors → ") + (n_err == 0 ? "MET" : "NOT MET"));
   Row(std::to_string(conns) + " concurrent SSE streams: time to first byte", ttfb);
-  std::printf("\nsse: %d streams (POST %s, Accept: text/event-stream), %zu complete, %zu errors, "
-              "wall time %.0f ms, peak concurrently open streams %d (sampled every 20 ms)\n",
-              conns, path.c_str(), total.size(), n_err, wall, peak);
+  std::printf(
+      "\nsse: %d streams (POST %s, Accept: text/event-stream), %zu complete, %zu errors, "
+      "wall time %.0f ms, peak concurrently open streams %d (sampled every 20 ms)\n",
+      conns, path.c_str(), total.size(), n_err, wall, peak);
   for (const auto& [k, v] : errors) std::printf("  error x%zu: %s\n", v, k.c_str());
   return 0;
 }
@@ -930,8 +938,7 @@ int CmdExec(const Args& a) {
   std::string err;
   Conn* c = loop.Connect(t, &err);
   if (!c) Die(err);
-  const std::string req =
-      Post(t, "/environments/" + env + "/execute", R"({"command":"echo hi"})");
+  const std::string req = Post(t, "/environments/" + env + "/execute", R"({"command":"echo hi"})");
   std::vector<double> api, echo, bash, healthz;
   size_t errors = 0;
   const int gap_ms = static_cast<int>(a.Int("gap-ms", 0));
@@ -951,9 +958,9 @@ int CmdExec(const Args& a) {
       if (good) {
         ms = static_cast<double>(NowNs() - cc->t_sent) / 1e6;
       } else if (first_error.empty()) {
-        first_error = ok ? "HTTP " + std::to_string(cc->resp.status()) + ": " +
-                               std::string(b.substr(0, 200))
-                         : e;
+        first_error =
+            ok ? "HTTP " + std::to_string(cc->resp.status()) + ": " + std::string(b.substr(0, 200))
+               : e;
       }
     });
     loop.RunUntil([&] { return finished; }, NowNs() + 120'000'000'000LL);
@@ -966,8 +973,8 @@ int CmdExec(const Args& a) {
     if (gap_ms > 0) loop.RunUntil([] { return false; }, NowNs() + gap_ms * 1'000'000LL);
   };
   const std::vector<const char*> echo_argv = {"/bin/echo", "hi", nullptr};
-  const std::vector<const char*> bash_argv = {"/bin/bash", "--noprofile", "--norc", "-c",
-                                              "echo hi", nullptr};
+  const std::vector<const char*> bash_argv = {"/bin/bash", "--noprofile", "--norc",
+                                              "-c",        "echo hi",     nullptr};
   for (int i = 0; i < warmup; ++i) {
     one_exec();
     one_healthz();
@@ -1000,12 +1007,13 @@ int CmdExec(const Args& a) {
       Fmt("%.2fx fork+exec echo", Pct(bash, 50) / Pct(echo, 50)));
   Row("context: GET /healthz, same connection and pace", healthz,
       Fmt("%.2fx fork+exec echo", Pct(healthz, 50) / Pct(echo, 50)));
-  std::printf("\nexec: %d calls after %d warm-up (%d ms pause between calls), %zu errors%s%s; "
-              "API p10/p50/p90 %.3f/%.3f/%.3f ms = %.2fx fork+exec /bin/echo (p50 %.3f ms), "
-              "%.2fx bash -c (p50 %.3f ms)\n",
-              n, warmup, gap_ms, errors, first_error.empty() ? "" : ", first: ",
-              first_error.c_str(), Pct(api, 10), Pct(api, 50), Pct(api, 90), ratio, Pct(echo, 50),
-              Pct(api, 50) / Pct(bash, 50), Pct(bash, 50));
+  std::printf(
+      "\nexec: %d calls after %d warm-up (%d ms pause between calls), %zu errors%s%s; "
+      "API p10/p50/p90 %.3f/%.3f/%.3f ms = %.2fx fork+exec /bin/echo (p50 %.3f ms), "
+      "%.2fx bash -c (p50 %.3f ms)\n",
+      n, warmup, gap_ms, errors, first_error.empty() ? "" : ", first: ", first_error.c_str(),
+      Pct(api, 10), Pct(api, 50), Pct(api, 90), ratio, Pct(echo, 50), Pct(api, 50) / Pct(bash, 50),
+      Pct(bash, 50));
   return 0;
 }
 
@@ -1014,8 +1022,9 @@ int CmdExec(const Args& a) {
 int main(int argc, char** argv) {
   signal(SIGPIPE, SIG_IGN);
   if (argc < 2) {
-    std::fprintf(stderr, "usage: transport_bench healthz|idle|sse|exec --target HOST:PORT ...\n"
-                         "(see the comment at the top of bench/transport_bench.cc)\n");
+    std::fprintf(stderr,
+                 "usage: transport_bench healthz|idle|sse|exec --target HOST:PORT ...\n"
+                 "(see the comment at the top of bench/transport_bench.cc)\n");
     return 2;
   }
   std::string cmd = argv[1];
