@@ -99,7 +99,7 @@ run_transport() {
   if [[ "$rows" == *" healthz "* ]]; then
     log "/healthz throughput: esbd vs Beast hello-world"
     "$TB" healthz --target "127.0.0.1:$esbd_port" --baseline "127.0.0.1:$hello_port" \
-      --conns 4 --seconds 3 --rounds 2
+      --pid "$esbd_pid" --baseline-pid "$hello_pid" --conns 4 --seconds 2 --rounds 4
   fi
   if [[ "$rows" == *" exec "* ]]; then
     log "exec round trip: echo hi via the API vs fork+exec"

@@ -2,9 +2,11 @@
 // tens of thousands of connections from one thread, and the same-run baselines each row is
 // compared with. bench/run.sh (`bash bench/run.sh transport`) starts the daemons and runs:
 //
-//   transport_bench healthz --target ESBD --baseline BEAST [--conns 4] [--seconds 3] [--rounds 2]
+//   transport_bench healthz --target ESBD --baseline BEAST [--pid P --baseline-pid P]
+//       [--conns 4] [--seconds 2] [--rounds 4]
 //       /healthz requests/s over keep-alive connections, esbd vs a Beast hello-world server
-//       (bench/beast_hello.cc), alternating rounds so both see the same machine load.
+//       (bench/beast_hello.cc), alternating rounds so both see the same machine load; with the
+//       pids, also each server's CPU time per request.
 //   transport_bench idle --target ESBD --pid PID [--conns 10000] [--probe-seconds 5]
 //       [--baseline BEAST --baseline-pid PID]
 //       Opens --conns keep-alive connections (one GET /healthz each, then silent), holds them,
@@ -43,6 +45,7 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <string>
@@ -528,6 +531,26 @@ long RssKiB(int pid) {
   return -1;
 }
 
+// CPU time (user + system) `pid` has used so far, in seconds (-1 if unreadable).
+double CpuSeconds(int pid) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
+  std::string stat((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  size_t paren = stat.rfind(')');
+  if (pid <= 0 || paren == std::string::npos) return -1;
+  // Fields after "(comm)": state is field 3; utime and stime are fields 14 and 15.
+  std::vector<std::string> fields;
+  size_t pos = paren + 2;
+  while (pos < stat.size() && fields.size() < 13) {
+    size_t end = stat.find(' ', pos);
+    if (end == std::string::npos) end = stat.size();
+    fields.push_back(stat.substr(pos, end - pos));
+    pos = end + 1;
+  }
+  if (fields.size() < 13) return -1;
+  return static_cast<double>(std::atoll(fields[11].c_str()) + std::atoll(fields[12].c_str())) /
+         static_cast<double>(sysconf(_SC_CLK_TCK));
+}
+
 int Threads(int pid) {
   std::ifstream f("/proc/" + std::to_string(pid) + "/status");
   std::string line;
@@ -605,15 +628,24 @@ int CmdHealthz(const Args& a) {
   Target esbd = ParseTarget(a.Str("target"));
   Target base = ParseTarget(a.Str("baseline"));
   int conns = static_cast<int>(a.Int("conns", 4));
-  double seconds = a.Num("seconds", 3);
-  int rounds = static_cast<int>(a.Int("rounds", 2));
+  double seconds = a.Num("seconds", 2);
+  int rounds = static_cast<int>(a.Int("rounds", 4));
+  const int pids[2] = {static_cast<int>(a.Int("pid", 0)),
+                       static_cast<int>(a.Int("baseline-pid", 0))};
   Throughput e, b;
   double e_rps = 0, b_rps = 0;
+  // Server CPU seconds spent and requests answered, per server: CPU per request does not
+  // depend on how much of the machine other work leaves to the benchmark, req/s does.
+  double cpu[2] = {0, 0};
+  size_t answered[2] = {0, 0};
   // Alternating rounds, so the machine's load is shared fairly between the two.
   for (int r = 0; r < rounds; ++r) {
     for (int which = 0; which < 2; ++which) {
       bool is_base = (r + which) % 2 == 0;
+      double cpu0 = CpuSeconds(pids[is_base]);
       Throughput x = MeasureRps(is_base ? base : esbd, "/healthz", conns, seconds);
+      cpu[is_base] += CpuSeconds(pids[is_base]) - cpu0;
+      answered[is_base] += x.lat.size();
       Throughput& acc = is_base ? b : e;
       (is_base ? b_rps : e_rps) += x.rps / rounds;
       acc.lat.insert(acc.lat.end(), x.lat.begin(), x.lat.end());
@@ -631,6 +663,14 @@ int CmdHealthz(const Args& a) {
       "(%d conns, %d x %.1f s alternating rounds each); errors: esbd %zu, Beast %zu%s%s\n",
       e_rps, b_rps, ratio, conns, rounds, seconds, e.errors, b.errors,
       e.first_error.empty() ? "" : "; first esbd error: ", e.first_error.c_str());
+  if (pids[0] > 0 && pids[1] > 0 && answered[0] > 0 && answered[1] > 0) {
+    double e_us = cpu[0] * 1e6 / static_cast<double>(answered[0]);
+    double b_us = cpu[1] * 1e6 / static_cast<double>(answered[1]);
+    std::printf(
+        "healthz server CPU per request: esbd %.1f us, Beast hello %.1f us → %.2fx "
+        "(CPU time from /proc/PID/stat, %ld ticks/s)\n",
+        e_us, b_us, e_us / b_us, sysconf(_SC_CLK_TCK));
+  }
   return 0;
 }
 
