@@ -501,7 +501,7 @@ class Loop {
 
 void Header() {
   std::printf("| %-50s | %6s | %9s | %9s | %-24s | %-28s |\n", "transport benchmark (ms)", "n",
-              "p50", "p99", "same-run baseline", "target → verdict");
+              "p50", "p99", "same-run baseline", "target -> verdict");
   std::printf("|%s|%s|%s|%s|%s|%s|\n", std::string(52, '-').c_str(), std::string(8, '-').c_str(),
               std::string(11, '-').c_str(), std::string(11, '-').c_str(),
               std::string(26, '-').c_str(), std::string(30, '-').c_str());
@@ -828,9 +828,9 @@ int CmdIdle(const Args& a) {
     bool met = r.held == static_cast<size_t>(conns) && p99 < 10.0 && r.during.errors == 0 &&
                r.reuse_ok == r.reuse_tried;
     Row("GET /healthz, no idle conns (" + name + ")", r.before.lat);
-    Row("GET /healthz while holding " + std::to_string(conns) + " idle (" + name + ")",
-        r.during.lat, Fmt("p99 %.2fx no-idle p99", p99 / Pct(r.before.lat, 99)),
-        is_esbd ? std::string("held all, p99<10ms → ") + (met ? "MET" : "NOT MET") : "");
+    Row("GET /healthz, " + std::to_string(conns) + " idle held (" + name + ")", r.during.lat,
+        Fmt("p99 %.2fx no-idle p99", p99 / Pct(r.before.lat, 99)),
+        is_esbd ? std::string("all held, p99<10ms -> ") + (met ? "MET" : "NOT MET") : "");
   }
   std::printf("\n");
   for (const auto& [name, r] : results) {
@@ -928,7 +928,7 @@ int CmdSse(const Args& a) {
   for (const auto& [k, v] : errors) n_err += v;
   Header();
   Row(std::to_string(conns) + " concurrent SSE streams: each, to the end", total, "",
-      std::string("0 errors → ") + (n_err == 0 ? "MET" : "NOT MET"));
+      std::string("0 errors -> ") + (n_err == 0 ? "MET" : "NOT MET"));
   Row(std::to_string(conns) + " concurrent SSE streams: time to first byte", ttfb);
   std::printf(
       "\nsse: %d streams (POST %s, Accept: text/event-stream), %zu complete, %zu errors, "
@@ -1041,7 +1041,7 @@ int CmdExec(const Args& a) {
   double ratio = Pct(api, 50) / Pct(echo, 50);
   Header();
   Row("execute `echo hi` (API, keep-alive)", api, Fmt("%.2fx fork+exec echo", ratio),
-      std::string("p50 <= 1.3x → ") + (ratio <= 1.3 && errors == 0 ? "MET" : "NOT MET"));
+      std::string("p50 <= 1.3x -> ") + (ratio <= 1.3 && errors == 0 ? "MET" : "NOT MET"));
   Row("baseline: local fork+exec /bin/echo (pipe)", echo);
   Row("context: local fork+exec bash -c 'echo hi'", bash,
       Fmt("%.2fx fork+exec echo", Pct(bash, 50) / Pct(echo, 50)));
