@@ -6,6 +6,7 @@
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <spawn.h>
 #include <stdlib.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
@@ -698,10 +699,121 @@ TEST_F(ProcessTableTest, ReseedHooksReachAProcessThatCachesEntropy) {
   EXPECT_EQ(exit.exit_code, 0);
 }
 
+// ---- as PID 1 (the production shape) ----
+
+// Runs inside a new PID namespace as its PID 1 (see the test below): the Freezer's kill(-1)
+// sweep and KillTree's freeze-the-sandbox path. Returns 0, or 20 + the number of the failed
+// check (unshare itself exits 1 when it cannot create the namespaces).
+int Pid1Helper(const std::string& workspace) {
+  auto fail = [](int code, const std::string& what) {
+    std::cerr << "pid1 helper: check " << code << " failed: " << what << "\n";
+    return 20 + code;
+  };
+  if (getpid() != 1) return fail(1, "not PID 1");
+  signal(SIGPIPE, SIG_IGN);
+  auto* reaper = new Reaper();  // its thread lives as long as the process
+  reaper->Start();
+  ProcessTableOptions options;
+  options.workspace = workspace;
+  options.shim = ESB_AGENT_BINARY;
+  ProcessTable table(options, reaper);
+  uint64_t counter = 0, stopped = 0, tree = 0;
+  SpawnSpec spec;
+  spec.argv = {"sh", "-c", "i=0; while :; do i=$((i+1)); echo $i > count; sleep 0.01; done"};
+  if (!table.Spawn(spec, &counter).ok) return fail(2, "spawn counter");
+  spec.argv = {"sleep", "100"};
+  if (!table.Spawn(spec, &stopped).ok || !table.Signal(stopped, SIGSTOP).ok) {
+    return fail(3, "spawn and stop sleep");
+  }
+  ProcessInfo info;
+  table.Info(stopped, &info);
+  const pid_t stopped_pid = info.pid;
+  if (!Eventually([&] { return ProcState(stopped_pid) == 'T'; })) return fail(4, "SIGSTOP");
+  auto value = [&] {
+    std::string text = ReadFile(workspace + "/count");
+    return text.empty() || text.back() != '\n' ? -1 : std::stoi(text);
+  };
+  if (!Eventually([&] { return value() > 3; })) return fail(5, "counter never counted");
+
+  Freezer freezer;
+  FreezeResult f = freezer.Freeze(2000, 60000);
+  if (!f.ok) return fail(6, "freeze: " + f.error);
+  if (f.already_stopped < 1) return fail(7, "the stopped sleep was not seen as stopped before");
+  int frozen = value();
+  usleep(300000);
+  if (value() != frozen) return fail(8, "counter ran while frozen");
+  ThawResult t = freezer.Thaw();
+  if (t.resumed < 1) return fail(9, "thaw resumed nothing");
+  if (!Eventually([&] { return value() > frozen; })) return fail(10, "counter did not resume");
+  usleep(100000);
+  if (ProcState(stopped_pid) != 'T') return fail(11, "thaw resumed a process stopped before");
+
+  // KillTree as PID 1: the whole sandbox is frozen for the kill, then everything else resumes.
+  spec.argv = {"sh", "-c", "(setsid sh -c 'echo $$ > gc.pid; exec sleep 1000' &); sleep 1000"};
+  if (!table.Spawn(spec, &tree).ok) return fail(12, "spawn tree");
+  const std::string pid_file = workspace + "/gc.pid";
+  if (!Eventually([&] { return ReadFile(pid_file).find('\n') != std::string::npos; })) {
+    return fail(13, "grandchild never started");
+  }
+  const pid_t gc = std::stoi(ReadFile(pid_file));
+  if (!table.Kill(tree).ok) return fail(14, "kill");
+  ExitInfo exit;
+  if (!table.Wait(tree, 5000, &exit).ok || exit.signal != SIGKILL) return fail(15, "not killed");
+  if (!Eventually([&] {
+        char st = ProcState(gc);
+        return st == 0 || st == 'Z';
+      })) {
+    return fail(16, "grandchild survived");
+  }
+  int after_kill = value();
+  if (!Eventually([&] { return value() > after_kill; })) {
+    return fail(17, "counter stayed frozen after the kill");
+  }
+  if (ProcState(stopped_pid) != 'T') return fail(18, "the kill resumed a process stopped before");
+  table.KillAll();
+  if (!table.Wait(counter, 5000, &exit).ok || !exit.exited) return fail(19, "kill all");
+  return 0;
+}
+
+// The Freezer and KillTree as the agent runs them in a sandbox: PID 1 of a PID namespace, with
+// the namespace's own /proc (a user namespace makes this work without root).
+TEST_F(ProcessTableTest, FreezeThawAndKillTreeAsPid1) {
+  std::vector<std::string> args = {
+      "unshare",      "--user",       "--map-root-user", "--pid",         "--fork",
+      "--mount-proc", "--kill-child", "/proc/self/exe",  "--pid1-helper", workspace_};
+  char self[4096];
+  ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+  ASSERT_GT(n, 0);
+  args[7] = std::string(self, static_cast<size_t>(n));
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  pid_t pid = g_reaper->Spawn(
+      [&]() -> pid_t {
+        pid_t child = -1;
+        return posix_spawnp(&child, "unshare", nullptr, nullptr, argv.data(), environ) == 0 ? child
+                                                                                            : -1;
+      },
+      -1);
+  ASSERT_GT(pid, 0);
+  int status = 0;
+  ASSERT_TRUE(g_reaper->Wait(pid, &status, 60000)) << "helper hung";
+  ASSERT_TRUE(WIFEXITED(status)) << "helper died of signal " << WTERMSIG(status);
+  if (WEXITSTATUS(status) == 1) {
+    // unshare itself failed (exit 1) before the helper ran.
+    GTEST_SKIP() << "cannot create user+PID namespaces here (unshare -U -r -p -f failed); "
+                    "PID 1 behaviour not tested";
+  }
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "see the helper's message above";
+}
+
 }  // namespace
 }  // namespace esb::agent
 
 int main(int argc, char** argv) {
+  if (argc == 3 && std::string(argv[1]) == "--pid1-helper") {
+    return esb::agent::Pid1Helper(argv[2]);
+  }
   ::testing::InitGoogleTest(&argc, argv);
   // As the agent: orphans come back to this process, SIGPIPE is ignored, one Reaper reaps.
   prctl(PR_SET_CHILD_SUBREAPER, 1);
