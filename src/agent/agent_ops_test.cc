@@ -383,6 +383,25 @@ TEST_F(ProcessTableTest, PauseOutputHoldsOutputUntilResume) {
   EXPECT_EQ(sink->Text(OutputStream::kStdout), "hello\n");
 }
 
+// A consumer that never resumes must not hold a process slot forever: kill drops the output.
+TEST_F(ProcessTableTest, KillOfAnExitedProcessDropsHeldOutputAndEndsIt) {
+  Sink* sink;
+  uint64_t id = Spawn(Cmd({"sh", "-c", "echo held"}), &sink);
+  ASSERT_TRUE(table().PauseOutput(id).ok);
+  ExitInfo exit;
+  ASSERT_TRUE(table().Wait(id, 10000, &exit).ok);
+  ASSERT_TRUE(exit.exited);
+  ProcessInfo info;
+  ASSERT_TRUE(table().Info(id, &info).ok);
+  EXPECT_EQ(info.state, "exited");
+  ASSERT_TRUE(table().Kill(id).ok);
+  ASSERT_TRUE(sink->WaitEnded());
+  EXPECT_EQ(sink->Text(OutputStream::kStdout), "");
+  ASSERT_TRUE(table().Info(id, &info).ok);
+  EXPECT_EQ(info.state, "ended");
+  EXPECT_EQ(info.exit.exit_code, 0);
+}
+
 TEST_F(ProcessTableTest, MaxProcessesIsEnforcedWithAClearError) {
   options_.max_processes = 3;
   std::vector<uint64_t> ids;

@@ -243,6 +243,7 @@ OpStatus ProcessTable::Spawn(SpawnSpec spec, uint64_t* id) {
 
   std::unique_lock<std::mutex> lock(mu_);
   if (stopping_) return OpStatus::Error("the process table is shutting down", EAGAIN);
+  if (!wake_fd_ || !exit_fd_) return OpStatus::Error("process table: no eventfd", EMFILE);
   int live = 0;
   for (const auto& [pid, p] : procs_) {
     if (p->state != State::kEnded) ++live;
@@ -554,6 +555,12 @@ OpStatus ProcessTable::Wait(uint64_t id, int64_t timeout_ms, ExitInfo* exit) {
 OpStatus ProcessTable::KillLocked(Proc* p) {
   if (p->state == State::kRunning) {
     reaper_->WhileUnreaped(p->pid, [&] { KillTree(p->pid); });
+  } else if (p->state == State::kExited) {
+    // Exited, its output still held for a consumer that is behind: drop it and end.
+    p->out.reset();
+    p->err.reset();
+    p->master.reset();
+    Wake();
   }
   return OpStatus::Ok();
 }

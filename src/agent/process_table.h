@@ -12,7 +12,8 @@
 // bounded by the credit. Input is written without blocking, with a per-process cap on bytes not
 // yet accepted by the pipe. Exit statuses come from the agent's Reaper (never waitpid here).
 //
-// Thread-safe: every method may be called from any thread, including from the callbacks.
+// Thread-safe: every method may be called from any thread, including from the callbacks
+// (but the table must not be destroyed from one).
 // The callbacks run on the I/O thread, one at a time, and must not block (queue the data and
 // grant credit when it has been consumed): a blocked callback stalls every process's output.
 //
@@ -184,8 +185,9 @@ class ProcessTable {
   OpStatus Wait(uint64_t id, int64_t timeout_ms, ExitInfo* exit);
 
   // Kills the process's whole tree (KillTree: freeze, then SIGKILL every descendant and the
-  // process group) while it is unreaped. ok (nothing done) once it has exited: background
-  // processes it left behind are then, as for exec, not touched.
+  // process group) while it is unreaped. Once it has exited, background processes it left
+  // behind are, as for exec, not touched; output still held for a consumer that is behind is
+  // dropped and the process ends (on_exit), freeing its max_processes slot.
   OpStatus Kill(uint64_t id);
   // Kill() for every running process (environment destroyed, agent shutting down).
   void KillAll();
