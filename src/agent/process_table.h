@@ -119,7 +119,8 @@ struct ProcessInfo {
   pid_t pid = -1;  // pid in the agent's pid namespace (the session and process group id too)
   bool pty = false;
   std::vector<std::string> argv;
-  // "running"; "exited" (reaped, output still being delivered); "ended" (on_exit delivered).
+  // "running"; "exited" (reaped, output still being delivered); "ended" (outputs closed,
+  // on_exit called or about to be).
   std::string state;
   ExitInfo exit;
   int64_t pending_input = 0;  // bytes queued for stdin
