@@ -220,12 +220,15 @@ TEST_F(ProcessTableTest, PtySizeChangesBetweenReads) {
 TEST_F(ProcessTableTest, PtyIsTheControllingTerminal) {
   Sink* sink;
   uint64_t id = Spawn(Cmd({"python3", "-c",
-                           "import os, signal, sys\n"
+                           "import os, select, signal, sys\n"
                            "open('/dev/tty').close()\n"
                            "print('ctty', os.getsid(0) == os.getpid(), os.environ['TERM'])\n"
                            "signal.signal(signal.SIGWINCH, lambda s, f: print('winch', "
                            "os.get_terminal_size(0)))\n"
                            "print('ready', flush=True)\n"
+                           // Python runs a handler at its next check, not inside a blocking
+                           // read() begun after the signal: wait for input in short slices.
+                           "while not select.select([0], [], [], 0.05)[0]: pass\n"
                            "print('read', repr(sys.stdin.read()))\n"},
                           true),
                       &sink);
@@ -386,8 +389,9 @@ TEST_F(ProcessTableTest, PauseOutputHoldsOutputUntilResume) {
 // A consumer that never resumes must not hold a process slot forever: kill drops the output.
 TEST_F(ProcessTableTest, KillOfAnExitedProcessDropsHeldOutputAndEndsIt) {
   Sink* sink;
-  uint64_t id = Spawn(Cmd({"sh", "-c", "echo held"}), &sink);
+  uint64_t id = Spawn(Cmd({"sh", "-c", "read x; echo held"}), &sink);
   ASSERT_TRUE(table().PauseOutput(id).ok);
+  ASSERT_TRUE(table().WriteInput(id, "go\n").ok);  // output only after the pause
   ExitInfo exit;
   ASSERT_TRUE(table().Wait(id, 10000, &exit).ok);
   ASSERT_TRUE(exit.exited);
@@ -683,13 +687,14 @@ TEST(ReseedTest, RefusesTooFewOrTooManyBytes) {
 TEST_F(ProcessTableTest, ReseedHooksReachAProcessThatCachesEntropy) {
   Sink* sink;
   uint64_t id = Spawn(Cmd({"python3", "-c",
-                           "import random, signal, sys\n"
+                           "import random, select, signal, sys\n"
                            "random.seed(1)\n"
                            "def reseed(s, f):\n"
                            "    random.seed()\n"
                            "    print('reseeded', flush=True)\n"
                            "signal.signal(signal.SIGUSR1, reseed)\n"
                            "print('ready', flush=True)\n"
+                           "while not select.select([0], [], [], 0.05)[0]: pass\n"
                            "sys.stdin.read()\n"}),
                       &sink);
   ASSERT_TRUE(sink->WaitText(OutputStream::kStdout, "ready"));
