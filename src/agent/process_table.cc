@@ -78,6 +78,11 @@ ExitInfo ExitFromStatus(int status, int64_t duration_ms) {
   return e;
 }
 
+// Caller-supplied text quoted in an error message, cut to a readable length.
+std::string Clip(const std::string& text) {
+  return text.size() <= 200 ? text : text.substr(0, 200) + "...";
+}
+
 void SetNonBlocking(int fd) { fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK); }
 
 }  // namespace
@@ -212,7 +217,7 @@ OpStatus ProcessTable::Spawn(SpawnSpec spec, uint64_t* id) {
   }
   for (const auto& [k, v] : spec.env) {
     if (!ValidSpawnEnvName(k) || v.find('\0') != std::string::npos) {
-      return OpStatus::Error("invalid environment variable name or value: " + k, EINVAL);
+      return OpStatus::Error("invalid environment variable name or value: " + Clip(k), EINVAL);
     }
     bytes += k.size() + v.size() + 2;
   }
@@ -238,7 +243,21 @@ OpStatus ProcessTable::Spawn(SpawnSpec spec, uint64_t* id) {
   if (!cwd) {
     if (kernel_fs)
       return OpStatus::Error("cwd: refused: /proc and /sys are not sandbox files", EACCES);
-    return OpStatus::Error("cwd " + spec.cwd, errno, true);
+    return OpStatus::Error("cwd " + Clip(spec.cwd), errno, true);
+  }
+
+  std::map<std::string, std::string> env =
+      UserBaseEnv(options_.workspace, options_.user, options_.shell);
+  if (spec.pty) env["TERM"] = "xterm-256color";
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [k, v] : base_env_) env[k] = v;
+  }
+  for (const auto& [k, v] : spec.env) env[k] = v;
+  // Looked up before taking mu_: stat() of PATH entries may be slow.
+  std::string program = spec.argv[0];
+  if (program.find('/') == std::string::npos && !FindInPath(program, env["PATH"], &program)) {
+    return OpStatus::Error(Clip(spec.argv[0]) + ": command not found in PATH", ENOENT);
   }
 
   std::unique_lock<std::mutex> lock(mu_);
@@ -253,16 +272,6 @@ OpStatus ProcessTable::Spawn(SpawnSpec spec, uint64_t* id) {
                                std::to_string(options_.max_processes) +
                                " are running (kill or wait for one)",
                            EAGAIN);
-  }
-
-  std::map<std::string, std::string> env =
-      UserBaseEnv(options_.workspace, options_.user, options_.shell);
-  if (spec.pty) env["TERM"] = "xterm-256color";
-  for (const auto& [k, v] : base_env_) env[k] = v;
-  for (const auto& [k, v] : spec.env) env[k] = v;
-  std::string program = spec.argv[0];
-  if (program.find('/') == std::string::npos && !FindInPath(program, env["PATH"], &program)) {
-    return OpStatus::Error(spec.argv[0] + ": command not found in PATH", ENOENT);
   }
 
   auto p = std::make_shared<Proc>();
@@ -353,7 +362,7 @@ OpStatus ProcessTable::Spawn(SpawnSpec spec, uint64_t* id) {
       exit_fd_.get());
   posix_spawn_file_actions_destroy(&actions);
   posix_spawnattr_destroy(&attr);
-  if (pid < 0) return OpStatus::Error("spawn " + spec.argv[0], spawn_err, true);
+  if (pid < 0) return OpStatus::Error("spawn " + Clip(spec.argv[0]), spawn_err, true);
 
   p->id = next_id_++;
   p->pid = pid;
