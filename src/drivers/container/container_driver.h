@@ -16,6 +16,10 @@
 //                    shows no host path): esb-agent-<hash>-x (0711: PID 1 becomes
 //                    non-dumpable) and the hostname file bound at /etc/hostname
 // cgroups:           <cgroup_parent>/<hash(state_dir)>-<id> in every hierarchy
+// User namespaces:   <userns_registry>/<slot> (host-wide, shared by every esbd on the host):
+//                    one file per allocated uid range, holding the owning environment
+//                    directory; environment <id> runs with sandbox uids 0..65533 mapped to
+//                    host uids userns_uid_base + slot * 65536 + (0..65533).
 // Containers run detached: they are not esbd's children and survive a daemon restart.
 #pragma once
 
@@ -52,7 +56,23 @@ struct ContainerDriverOptions {
   // and /dev/shm tmpfs pages included), so that their memory pressure ends in an OOM inside
   // cgroup_parent, never a host-wide one. 0: DeriveMemoryBudget(host RAM).sandboxes_mb.
   int64_t total_memory_mb = 0;
+  // User namespaces (crun/runc only): every environment gets its own range of 65536 host uids
+  // and gids, slot N = [userns_uid_base + N * 65536, +65534), allocated in userns_registry.
+  // Off, or where the host or runtime cannot do it, sandboxes run with host uids as before
+  // (UsernsStatus says why).
+  bool user_namespaces = true;
+  uint32_t userns_uid_base = 0x70000000;  // 1879048192; slots up to 0x7fffffff by default
+  uint32_t userns_slots = 4096;
+  std::string userns_registry = "/run/entersandbox/userns";
 };
+
+// Whether a container driver puts sandboxes in user namespaces, and why not when it does not.
+struct UsernsStatus {
+  bool enabled = false;
+  std::string reason;  // what was probed / why it is off
+};
+// The status of a driver made by NewContainerDriver (disabled "not a container driver" else).
+UsernsStatus ContainerUsernsStatus(const Driver& driver);
 
 // Probes the host (starts a trivial container under a deadline) and returns a driver for the
 // first runtime that works: "auto" tries crun, then runc. runtime "runsc" gives the gVisor
