@@ -189,7 +189,10 @@ uint32_t SlotHostId(const ContainerDriverOptions& o, int slot) {
 // Writes `owner` to a fresh temporary file of the registry and returns its path.
 absl::StatusOr<std::string> SlotCandidate(const ContainerDriverOptions& o,
                                           const std::string& owner) {
-  ESB_RETURN_IF_ERROR(MakeDirs(o.userns_registry, 0700));
+  // The parent (/run/entersandbox) also holds the share, which must stay searchable.
+  const std::string parent = o.userns_registry.substr(0, o.userns_registry.rfind('/'));
+  if (!parent.empty()) ESB_RETURN_IF_ERROR(MakeDirs(parent, 0755));
+  ESB_RETURN_IF_ERROR(MakeDir(o.userns_registry, 0700));
   std::string tmp = absl::StrCat(o.userns_registry, "/.new-", RandomHex(8));
   ESB_RETURN_IF_ERROR(WriteStringToFile(tmp, owner, 0600));
   return tmp;
@@ -339,8 +342,15 @@ EnvPaths PathsFor(const ContainerDriverOptions& o, const std::string& id) {
   return p;
 }
 
-// Files shared by every sandbox of this driver (agent binary, hostname), on a tmpfs.
-std::string ShareDir(const std::string& state_dir) { return state_dir + "/share"; }
+// Files shared by every sandbox of this driver (agent binary, hostname), on a tmpfs of its own
+// below /run, not below the state directory: the runtime resolves bind sources from inside a
+// sandbox's user namespace, as an "other" user, and esbd's state directory is 0700.
+constexpr char kShareParent[] = "/run/entersandbox";
+std::string ShareDir(const std::string& state_dir) {
+  char hash[9];
+  snprintf(hash, sizeof(hash), "%08x", Fnv1a(state_dir));
+  return absl::StrCat(kShareParent, "/share-", hash);
+}
 
 // The sandbox layout this driver creates, recorded in each instance's state. Layout 2 (issue
 // 9): the agent's socket is handed over as fd 3 (no writable /run/esb bind), its stdio is not
@@ -866,29 +876,32 @@ absl::StatusOr<Usage> ContainerDriver::Stats(const InstanceRef& ref) {
   return usage;
 }
 
-// Makes <state_dir>/share a small tmpfs of its own (once per boot; it stays mounted across
-// daemon restarts, as the containers binding files from it do). Files bound from it appear in
-// a sandbox's /proc/self/mountinfo with their path inside this tmpfs ("/hostname"), not with
-// a host path that would reveal the state directory.
+// Makes /run/entersandbox/share-<hash(state_dir)> a small tmpfs of its own (running containers
+// keep their binds of it when the driver detaches it). Files bound from it appear in a
+// sandbox's /proc/self/mountinfo with their path inside this tmpfs ("/hostname"), not with a
+// host path that would reveal the state directory.
 bool ShareMounted(const std::string& state_dir) {
   struct stat dir_st, parent_st;
   return ::stat(ShareDir(state_dir).c_str(), &dir_st) == 0 &&
-         ::stat(state_dir.c_str(), &parent_st) == 0 && dir_st.st_dev != parent_st.st_dev;
+         ::stat(kShareParent, &parent_st) == 0 && dir_st.st_dev != parent_st.st_dev;
 }
 
 void UnmountShare(const std::string& state_dir) {
-  // SECURITY: detaches only the tmpfs this driver mounted on its own state directory.
+  // SECURITY: detaches only the tmpfs this driver mounted for its own state directory.
   if (ShareMounted(state_dir)) {
     ::umount2(ShareDir(state_dir).c_str(), MNT_DETACH | UMOUNT_NOFOLLOW);
+    ::rmdir(ShareDir(state_dir).c_str());
   }
 }
 
 absl::Status MountShareDir(const std::string& state_dir) {
   const std::string share = ShareDir(state_dir);
+  ESB_RETURN_IF_ERROR(MakeDirs(kShareParent, 0755));
+  ::chmod(kShareParent, 0755);  // esbd's own directory; searchable for user namespaces
   ESB_RETURN_IF_ERROR(MakeDirs(share, 0755));
   if (ShareMounted(state_dir)) return absl::OkStatus();  // already our tmpfs
-  // SECURITY: a root-owned, non-executable-by-mount tmpfs for read-only binds into sandboxes;
-  // it sits on esbd's own state directory.
+  // SECURITY: a root-owned tmpfs for read-only binds into sandboxes, on a directory named
+  // after esbd's own state directory.
   if (::mount("esb-share", share.c_str(), "tmpfs", MS_NOSUID | MS_NODEV,
               "size=65536k,mode=0755,uid=0,gid=0") != 0) {
     return ErrnoStatus("mount tmpfs on " + share);
@@ -1061,7 +1074,8 @@ absl::StatusOr<int64_t> LimitParentMemory(const CgroupLayout& layout, const std:
 // `userns`: run it in a user namespace with a uid range of its own (taken and released here).
 absl::StatusOr<int64_t> Probe(const ContainerDriverOptions& options, const CgroupLayout& layout,
                               const OciRuntime& runtime, bool userns) {
-  const std::string dir = absl::StrCat(options.state_dir, "/probe-", RandomHex(4));
+  // In the share: the rootfs must be reachable from inside a user namespace.
+  const std::string dir = absl::StrCat(ShareDir(options.state_dir), "/probe-", RandomHex(4));
   const std::string rootfs = dir + "/rootfs";
   const std::string id = "esb-probe-" + RandomHex(4);
   ESB_RETURN_IF_ERROR(MakeDirs(rootfs, 0755));
@@ -1124,7 +1138,24 @@ absl::StatusOr<int64_t> Probe(const ContainerDriverOptions& options, const Cgrou
   return elapsed;
 }
 
-// What can be known before a container is started: configuration, runtime, kernel.
+// The first directory on the way to `path` (itself included) that users other than its owner
+// cannot search, with its mode; "" when there is none. The runtime resolves the rootfs and
+// every bind source from inside the user namespace, as an unmapped "other" user.
+std::string UnsearchableAncestor(const std::string& path) {
+  std::string partial;
+  for (absl::string_view part : absl::StrSplit(path, '/', absl::SkipEmpty())) {
+    absl::StrAppend(&partial, "/", part);
+    struct stat st;
+    if (::stat(partial.c_str(), &st) == 0 && S_ISDIR(st.st_mode) && !(st.st_mode & S_IXOTH)) {
+      char mode[8];
+      snprintf(mode, sizeof(mode), "%04o", st.st_mode & 07777);
+      return absl::StrCat(partial, " (mode ", mode, ")");
+    }
+  }
+  return "";
+}
+
+// What can be known before a container is started: configuration, runtime, kernel, paths.
 UsernsStatus UsernsPrecheck(const ContainerDriverOptions& o, RuntimeKind kind) {
   if (!o.user_namespaces) return {false, "off in the configuration (user_namespaces = false)"};
   if (kind == RuntimeKind::kRunsc) {
@@ -1135,6 +1166,14 @@ UsernsStatus UsernsPrecheck(const ContainerDriverOptions& o, RuntimeKind kind) {
   }
   if (ReadSysctl("/proc/sys/user/max_user_namespaces") <= 0) {
     return {false, "the kernel allows no user namespaces (user.max_user_namespaces = 0)"};
+  }
+  std::vector<std::string> paths = {ShareDir(o.state_dir)};
+  for (const auto& [name, rootfs] : o.images) paths.push_back(rootfs);
+  for (const std::string& path : paths) {
+    if (std::string dir = UnsearchableAncestor(path); !dir.empty()) {
+      return {false, absl::StrCat(dir, " is not searchable by others, so the runtime cannot reach ",
+                                  path, " from inside a user namespace (chmod o+x it)")};
+    }
   }
   return {true, absl::StrCat("each sandbox's uids/gids 0..", kUsernsMapSize - 1,
                              " map to its own host range of ", kUsernsRangeSize, " from ",

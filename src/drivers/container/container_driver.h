@@ -12,9 +12,11 @@
 //                                         /runtime.log    the runtime's own diagnostics
 //                                         /container.pid  init pid from the runtime
 // Runtime state:     <state_dir>/runtime/<crun|runc|runsc>/   (--root)
-// Shared files:      <state_dir>/share/ (a tmpfs of its own, so mountinfo inside a sandbox
-//                    shows no host path): esb-agent-<hash>-x (0711: PID 1 becomes
-//                    non-dumpable) and the hostname file bound at /etc/hostname
+// Shared files:      /run/entersandbox/share-<hash(state_dir)>/ (a tmpfs of its own, so
+//                    mountinfo inside a sandbox shows no host path; outside the 0700 state
+//                    directory, so a runtime inside a user namespace can reach it):
+//                    esb-agent-<hash>-x (0711: PID 1 becomes non-dumpable), the hostname file
+//                    bound at /etc/hostname, and the start-up probe's bundle
 // cgroups:           <cgroup_parent>/<hash(state_dir)>-<id> in every hierarchy
 // User namespaces:   <userns_registry>/<slot> (host-wide, shared by every esbd on the host):
 //                    one file per allocated uid range, holding the owning environment
