@@ -700,6 +700,74 @@ TEST_F(ContainerDriverTest, UsernsAttackReadHostUid1000File) {
   DestroyAndCheckClean(ref);
 }
 
+// Attack: sandbox root (uid 0 inside) reads a root-only host file that is bound into the
+// sandbox read-only. Without a user namespace uid 0 is host root and owns the file; with one it
+// is an unmapped "other". Run with the environment's own bundle, as uid 0, under the runtime.
+TEST_F(ContainerDriverTest, UsernsAttackSandboxRootReadsRootOnlyHostFile) {
+  ASSERT_TRUE(ContainerUsernsStatus(*driver_).enabled);
+  InstanceRef ref = MustCreate();
+  const std::string secret_dir = Env().tmp + "/root-secret-" + RandomHex(3);
+  fs::create_directories(secret_dir);
+  chmod(secret_dir.c_str(), 0755);  // the runtime must reach it; the file itself is 0600 root
+  ASSERT_TRUE(WriteStringToFile(secret_dir + "/key", "host root secret\n", 0600).ok());
+  std::string config;
+  ASSERT_TRUE(
+      ReadFileToString(options_.state_dir + "/envs/" + ref.id + "/config.json", &config).ok());
+  boost::json::object state = boost::json::parse(ref.state).as_object();
+  container::RuntimeKind kind;
+  ASSERT_TRUE(container::ParseRuntimeKind(std::string(state["runtime"].as_string()), &kind));
+  auto layout = container::DetectCgroups();
+  ASSERT_TRUE(layout.ok());
+  const std::string hide =
+      kind == container::RuntimeKind::kCrun && layout->mode == container::CgroupMode::kHybrid
+          ? layout->v2_mount
+          : "";
+  auto attempt = [&](bool userns) -> std::string {
+    const std::string bundle = Env().tmp + "/rootattack-" + RandomHex(3);
+    fs::create_directories(bundle);
+    boost::json::object c = boost::json::parse(config).as_object();
+    boost::json::object& process = c["process"].as_object();
+    process["user"] = boost::json::object{{"uid", 0}, {"gid", 0}};
+    process["args"] = boost::json::array{"/usr/bin/cat", "/tmp/secret/key"};
+    c["mounts"].as_array().push_back(boost::json::object{{"destination", "/tmp/secret"},
+                                                         {"type", "bind"},
+                                                         {"source", secret_dir},
+                                                         {"options", {"rbind", "ro"}}});
+    boost::json::object& linux_section = c["linux"].as_object();
+    linux_section["cgroupsPath"] = "/esb/rootattack-" + RandomHex(3);
+    if (!userns) {
+      linux_section.erase("uidMappings");
+      linux_section.erase("gidMappings");
+      boost::json::array kept;
+      for (const auto& ns : linux_section["namespaces"].as_array()) {
+        if (ns.as_object().at("type") != "user") kept.push_back(ns);
+      }
+      linux_section["namespaces"] = kept;
+    }
+    EXPECT_TRUE(WriteStringToFile(bundle + "/config.json", boost::json::serialize(c)).ok());
+    container::OciRuntime rt(kind, container::FindExecutable(container::RuntimeName(kind)),
+                             bundle + "/root", hide);
+    const std::string cid = "rootattack-" + RandomHex(3);
+    absl::StatusOr<container::ProcessResult> r =
+        rt.RunForeground(cid, bundle, bundle + "/log", 30000);
+    rt.Delete(cid).IgnoreError();
+    container::RemoveCgroup(*layout, linux_section["cgroupsPath"].as_string().c_str(), 2000)
+        .IgnoreError();
+    EXPECT_TRUE(r.ok()) << r.status();
+    std::string log;
+    ReadFileToString(bundle + "/log", &log).IgnoreError();
+    return absl::StrCat("exit ", r.ok() ? r->exit_code : -1, ": ", log);
+  };
+  const std::string mapped = attempt(true);
+  const std::string plain = attempt(false);
+  std::printf("[ attack   ] userns: %s[ attack   ] host uids: %s", mapped.c_str(), plain.c_str());
+  EXPECT_TRUE(absl::StartsWith(mapped, "exit 1: ")) << mapped;
+  EXPECT_TRUE(absl::StrContains(mapped, "Permission denied")) << mapped;
+  EXPECT_FALSE(absl::StrContains(mapped, "host root secret")) << mapped;
+  EXPECT_EQ(plain, "exit 0: host root secret\n") << "control: without a user namespace it works";
+  DestroyAndCheckClean(ref);
+}
+
 // Off (or impossible): sandboxes run as today, and the driver says why.
 TEST_F(ContainerDriverTest, UsernsOffRunsWithHostUidsAndSaysWhy) {
   ContainerDriverOptions o = options_;
