@@ -167,8 +167,10 @@ absl::Status ValidateHttpLimits(const DaemonConfig& c) {
     return TypeError("max_buffered_response_bytes", "at least 4194304 (4 MiB)");
   if (c.access_log_lines_per_second < 0 || c.access_log_lines_per_second > 1000000)
     return TypeError("access_log_lines_per_second", "0 (no limit)..1000000");
-  if (c.userns_uid_base < 65536 || c.userns_uid_base > (1LL << 31) - 65536)
-    return TypeError("userns_uid_base", "65536..2147418112 (above host uids, below 2^31)");
+  if (c.userns_uid_base < 65536 || c.userns_uid_base > (1LL << 31) - 65536 ||
+      c.userns_uid_base % 65536 != 0)
+    return TypeError("userns_uid_base",
+                     "a multiple of 65536 in 65536..2147418112 (above host uids, below 2^31)");
   return absl::OkStatus();
 }
 

@@ -152,13 +152,13 @@ TEST(ConfigTest, SlowClientRatesResponseBudgetAndAccessLogAreSettableAndValidate
 TEST(ConfigTest, UserNamespaceKeysAreSettableAndValidated) {
   DaemonConfig c;
   EXPECT_TRUE(c.user_namespaces);
-  std::string path = TempFile(R"({"user_namespaces": false, "userns_uid_base": 200000})");
+  std::string path = TempFile(R"({"user_namespaces": false, "userns_uid_base": 196608})");
   ASSERT_TRUE(LoadConfigFile(path, &c).ok());
   EXPECT_FALSE(c.user_namespaces);
-  EXPECT_EQ(c.userns_uid_base, 200000);
+  EXPECT_EQ(c.userns_uid_base, 196608);
   std::remove(path.c_str());
   for (const char* bad : {R"({"user_namespaces": "yes"})", R"({"userns_uid_base": 1000})",
-                          R"({"userns_uid_base": 2147483648})"}) {
+                          R"({"userns_uid_base": 2147483648})", R"({"userns_uid_base": 200000})"}) {
     DaemonConfig d;
     path = TempFile(bad);
     absl::Status st = LoadConfigFile(path, &d);

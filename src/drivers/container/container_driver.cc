@@ -168,27 +168,30 @@ absl::StatusOr<UniqueFd> BindAgentSocket(const std::string& run_dir) {
 
 // ---------------------------------------------------------------------------------------
 // User-namespace uid ranges. One host-wide registry directory (every esbd on the host draws
-// from the same ranges, so two daemons never hand out the same host uids): file <slot> exists
-// while slot's range is in use and holds its owner, the environment directory. Entries appear
-// atomically (link() of a complete temporary file), so a reader never sees a half-written one.
+// from it, so two daemons never hand out the same host ids): file <first host id> exists while
+// that range is in use and holds its owner, the environment directory. Ranges are aligned to
+// 65536, so entries named by their first id cannot overlap, whatever base each daemon has.
+// Entries appear atomically (link() of a complete temporary file), so a reader never sees a
+// half-written one.
 
-std::string SlotPath(const ContainerDriverOptions& o, int slot) {
-  return absl::StrCat(o.userns_registry, "/", slot);
+std::string RangePath(const ContainerDriverOptions& o, uint32_t host_id) {
+  return absl::StrCat(o.userns_registry, "/", host_id);
 }
 
-std::string SlotOwner(const std::string& path) {
+std::string RangeOwner(const std::string& path) {
   std::string owner;
   if (!ReadFileToString(path, &owner).ok()) return "";
   return owner;
 }
 
-uint32_t SlotHostId(const ContainerDriverOptions& o, int slot) {
-  return o.userns_uid_base + static_cast<uint32_t>(slot) * kUsernsRangeSize;
+bool ValidRangeStart(int64_t host_id) {
+  return host_id >= kUsernsRangeSize && host_id + kUsernsRangeSize <= (int64_t{1} << 31) &&
+         host_id % kUsernsRangeSize == 0;
 }
 
 // Writes `owner` to a fresh temporary file of the registry and returns its path.
-absl::StatusOr<std::string> SlotCandidate(const ContainerDriverOptions& o,
-                                          const std::string& owner) {
+absl::StatusOr<std::string> RangeCandidate(const ContainerDriverOptions& o,
+                                           const std::string& owner) {
   // The parent (/run/entersandbox) also holds the share, which must stay searchable.
   const std::string parent = o.userns_registry.substr(0, o.userns_registry.rfind('/'));
   if (!parent.empty()) ESB_RETURN_IF_ERROR(MakeDirs(parent, 0755));
@@ -198,17 +201,19 @@ absl::StatusOr<std::string> SlotCandidate(const ContainerDriverOptions& o,
   return tmp;
 }
 
-// Takes the first free slot for `owner`.
-absl::StatusOr<int> AllocateSlot(const ContainerDriverOptions& o, const std::string& owner) {
-  absl::StatusOr<std::string> tmp = SlotCandidate(o, owner);
+// Takes the first free range of this daemon's (userns_uid_base, userns_slots) for `owner`;
+// returns its first host id.
+absl::StatusOr<uint32_t> AllocateRange(const ContainerDriverOptions& o, const std::string& owner) {
+  absl::StatusOr<std::string> tmp = RangeCandidate(o, owner);
   if (!tmp.ok()) return tmp.status();
   for (uint32_t slot = 0; slot < o.userns_slots; ++slot) {
-    if (::link(tmp->c_str(), SlotPath(o, slot).c_str()) == 0) {
+    const uint32_t host_id = o.userns_uid_base + slot * kUsernsRangeSize;
+    if (::link(tmp->c_str(), RangePath(o, host_id).c_str()) == 0) {
       ::unlink(tmp->c_str());
-      return static_cast<int>(slot);
+      return host_id;
     }
     if (errno != EEXIST) {
-      absl::Status st = ErrnoStatus("link " + SlotPath(o, slot));
+      absl::Status st = ErrnoStatus("link " + RangePath(o, host_id));
       ::unlink(tmp->c_str());
       return st;
     }
@@ -218,48 +223,49 @@ absl::StatusOr<int> AllocateSlot(const ContainerDriverOptions& o, const std::str
                                                    "ranges in ", o.userns_registry, " are in use"));
 }
 
-// Re-registers a slot recorded in an instance's state (re-attach): OK when it is (or now is)
+// Re-registers a range recorded in an instance's state (re-attach): OK when it is (or now is)
 // owned by `owner`, FailedPrecondition when another environment holds it.
-absl::Status ClaimSlot(const ContainerDriverOptions& o, int slot, const std::string& owner) {
-  if (SlotOwner(SlotPath(o, slot)) == owner) return absl::OkStatus();
-  absl::StatusOr<std::string> tmp = SlotCandidate(o, owner);
+absl::Status ClaimRange(const ContainerDriverOptions& o, uint32_t host_id,
+                        const std::string& owner) {
+  if (RangeOwner(RangePath(o, host_id)) == owner) return absl::OkStatus();
+  absl::StatusOr<std::string> tmp = RangeCandidate(o, owner);
   if (!tmp.ok()) return tmp.status();
-  const bool linked = ::link(tmp->c_str(), SlotPath(o, slot).c_str()) == 0;
+  const bool linked = ::link(tmp->c_str(), RangePath(o, host_id).c_str()) == 0;
   ::unlink(tmp->c_str());
-  if (linked || SlotOwner(SlotPath(o, slot)) == owner) return absl::OkStatus();
+  if (linked || RangeOwner(RangePath(o, host_id)) == owner) return absl::OkStatus();
   return absl::FailedPreconditionError(
-      absl::StrCat("user-namespace uid range ", slot, " of ", owner, " is registered to ",
-                   SlotOwner(SlotPath(o, slot)), " in ", o.userns_registry));
+      absl::StrCat("user-namespace uid range ", host_id, " of ", owner, " is registered to ",
+                   RangeOwner(RangePath(o, host_id)), " in ", o.userns_registry));
 }
 
-// Every registry entry: slot number -> owner.
-std::map<int, std::string> ListSlots(const ContainerDriverOptions& o) {
-  std::map<int, std::string> slots;
+// Every registry entry: first host id -> owner.
+std::map<uint32_t, std::string> ListRanges(const ContainerDriverOptions& o) {
+  std::map<uint32_t, std::string> ranges;
   std::error_code ec;
   for (const auto& entry : std::filesystem::directory_iterator(o.userns_registry, ec)) {
-    int slot = -1;
-    if (absl::SimpleAtoi(entry.path().filename().string(), &slot) && slot >= 0) {
-      slots[slot] = SlotOwner(entry.path().string());
+    uint32_t host_id = 0;
+    if (absl::SimpleAtoi(entry.path().filename().string(), &host_id) && ValidRangeStart(host_id)) {
+      ranges[host_id] = RangeOwner(entry.path().string());
     }
   }
-  return slots;
+  return ranges;
 }
 
-// Frees every slot owned by `owner` (call only once no process of the owner can be alive).
-void ReleaseSlots(const ContainerDriverOptions& o, const std::string& owner) {
-  for (const auto& [slot, slot_owner] : ListSlots(o)) {
-    if (slot_owner == owner) ::unlink(SlotPath(o, slot).c_str());
+// Frees every range owned by `owner` (call only once no process of the owner can be alive).
+void ReleaseRanges(const ContainerDriverOptions& o, const std::string& owner) {
+  for (const auto& [host_id, range_owner] : ListRanges(o)) {
+    if (range_owner == owner) ::unlink(RangePath(o, host_id).c_str());
   }
 }
 
-// Frees slots whose owner directory no longer exists (a daemon or host crash between destroy
+// Frees ranges whose owner directory no longer exists (a daemon or host crash between destroy
 // and release), and stale temporary files. Owners create their directory before they allocate
 // and remove it only after releasing, so an entry whose owner is gone is free.
-void ReclaimSlots(const ContainerDriverOptions& o) {
+void ReclaimRanges(const ContainerDriverOptions& o) {
   int freed = 0;
-  for (const auto& [slot, owner] : ListSlots(o)) {
+  for (const auto& [host_id, owner] : ListRanges(o)) {
     if (owner.empty() || owner[0] != '/' || !Exists(owner)) {
-      freed += ::unlink(SlotPath(o, slot).c_str()) == 0 ? 1 : 0;
+      freed += ::unlink(RangePath(o, host_id).c_str()) == 0 ? 1 : 0;
     }
   }
   std::error_code ec;
@@ -365,7 +371,7 @@ struct InstanceState {
   int pid = 0;
   uint64_t pid_start = 0;
   std::string cgroup_path;
-  int userns_slot = -1;  // -1: no user namespace (host uids)
+  uint32_t userns_host_id = 0;  // first host id of its range; 0: no user namespace (host uids)
 };
 
 std::string SerializeState(const InstanceState& s, const EnvPaths& p, const CgroupLayout& layout) {
@@ -382,7 +388,7 @@ std::string SerializeState(const InstanceState& s, const EnvPaths& p, const Cgro
       {"cgroup_path", s.cgroup_path},
       {"cgroup_dirs", dirs},
   };
-  if (s.userns_slot >= 0) o["userns_slot"] = s.userns_slot;
+  if (s.userns_host_id != 0) o["userns_host_id"] = s.userns_host_id;
   return boost::json::serialize(o);
 }
 
@@ -409,9 +415,9 @@ InstanceState ParseState(const std::string& json, const std::string& default_run
     if (p->is_uint64()) s.pid_start = p->as_uint64();
     if (p->is_int64()) s.pid_start = static_cast<uint64_t>(p->as_int64());
   }
-  if (auto* u = o.if_contains("userns_slot");
-      u && u->is_int64() && u->as_int64() >= 0 && u->as_int64() < (1 << 20)) {
-    s.userns_slot = static_cast<int>(u->as_int64());
+  if (auto* u = o.if_contains("userns_host_id");
+      u && u->is_int64() && u->as_int64() > 0 && ValidRangeStart(u->as_int64())) {
+    s.userns_host_id = static_cast<uint32_t>(u->as_int64());
   }
   // The cgroup path is recomputed, not trusted from storage, unless it is under our parent.
   if (auto* c = o.if_contains("cgroup_path"); c && c->is_string()) {
@@ -492,7 +498,7 @@ class ContainerDriver : public Driver {
   const OciRuntime& Runtime(const std::string& name);
   absl::Status PrepareImage(const std::string& rootfs, const BundleParams& params);
   absl::Status WriteBundle(const std::string& id, const EnvSpec& spec, const EnvPaths& paths,
-                           const std::string& rootfs, int userns_slot);
+                           const std::string& rootfs, uint32_t userns_host_id);
   absl::Status WaitForAgent(const EnvPaths& paths, const InstanceState& state);
   absl::Status DestroyById(const std::string& id, const InstanceState& state);
 
@@ -597,22 +603,22 @@ absl::Status ContainerDriver::PrepareImage(const std::string& rootfs, const Bund
   return absl::OkStatus();
 }
 
-// Sandbox ids 0..kUsernsMapSize-1 -> the slot's host range. uid/gid 1000 and the tmpfs
+// Sandbox ids 0..kUsernsMapSize-1 -> the range from host_id. uid/gid 1000 and the tmpfs
 // uid=/gid= options stay in-namespace ids: the runtime mounts from inside the namespace.
-std::vector<IdMapping> SlotMappings(const ContainerDriverOptions& o, int slot) {
-  if (slot < 0) return {};
-  return {IdMapping{0, SlotHostId(o, slot), kUsernsMapSize}};
+std::vector<IdMapping> RangeMappings(uint32_t host_id) {
+  if (host_id == 0) return {};
+  return {IdMapping{0, host_id, kUsernsMapSize}};
 }
 
 absl::Status ContainerDriver::WriteBundle(const std::string& id, const EnvSpec& spec,
                                           const EnvPaths& paths, const std::string& rootfs,
-                                          int userns_slot) {
+                                          uint32_t userns_host_id) {
   ESB_RETURN_IF_ERROR(MakeDir(paths.env_dir, 0700));
   ESB_RETURN_IF_ERROR(MakeDir(paths.run_dir, 0700));
   BundleParams p = BaseParams(rootfs, layout_, kind_);
-  // SECURITY: with a slot, no sandbox uid (root included) is a uid of the host or of another
+  // SECURITY: with a range, no sandbox uid (root included) is a uid of the host or of another
   // sandbox; the runtime writes the maps before the container's init runs any image code.
-  p.id_mappings = SlotMappings(options_, userns_slot);
+  p.id_mappings = RangeMappings(userns_host_id);
   p.env = {"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME=/workspace",
            "LANG=C.UTF-8", "ESB_ENV_ID=" + id};
   if (kind_ == RuntimeKind::kRunsc) {
@@ -730,14 +736,14 @@ absl::StatusOr<InstanceRef> ContainerDriver::Create(const std::string& id, const
 
   ESB_RETURN_IF_ERROR(MakeDirs(options_.state_dir + "/envs", 0700));
   // The environment directory exists before its uid range is taken (and goes only after the
-  // range is released): ReclaimSlots frees exactly the ranges whose owner directory is gone.
+  // range is released): ReclaimRanges frees exactly the ranges whose owner directory is gone.
   if (absl::Status s = MakeDir(paths.env_dir, 0700); !s.ok()) return fail(s);
   if (userns_.enabled) {
-    absl::StatusOr<int> slot = AllocateSlot(options_, paths.env_dir);
-    if (!slot.ok()) return fail(slot.status());
-    state.userns_slot = *slot;
+    absl::StatusOr<uint32_t> range = AllocateRange(options_, paths.env_dir);
+    if (!range.ok()) return fail(range.status());
+    state.userns_host_id = *range;
   }
-  if (absl::Status s = WriteBundle(id, spec, paths, image->second, state.userns_slot); !s.ok()) {
+  if (absl::Status s = WriteBundle(id, spec, paths, image->second, state.userns_host_id); !s.ok()) {
     return fail(s);
   }
   // SECURITY: the listening socket is the only descriptor of esbd that enters the container
@@ -798,7 +804,7 @@ absl::Status ContainerDriver::DestroyById(const std::string& id, const InstanceS
     problems.push_back(absl::StrCat("pid ", state.pid, " still alive"));
   } else if (problems.empty()) {
     // SECURITY: a uid range is reused only once nothing of its environment runs any more.
-    ReleaseSlots(options_, paths.env_dir);
+    ReleaseRanges(options_, paths.env_dir);
   }
   // 3. The environment directory (bundle, socket dir, logs). run/ is a tmpfs mount.
   // SECURITY: unmounts only the tmpfs this driver mounted on the env's own run/ directory.
@@ -846,9 +852,9 @@ absl::Status ContainerDriver::Attach(const InstanceRef& ref) {
     return absl::FailedPreconditionError(
         absl::StrCat("container of ", ref.id, " has pid ", cs->pid, ", expected ", state.pid));
   }
-  if (state.userns_slot >= 0) {
+  if (state.userns_host_id != 0) {
     // The range stays this environment's (registered again if the registry was lost).
-    ESB_RETURN_IF_ERROR(ClaimSlot(options_, state.userns_slot, paths.env_dir));
+    ESB_RETURN_IF_ERROR(ClaimRange(options_, state.userns_host_id, paths.env_dir));
   } else if (userns_.enabled) {
     // SECURITY: a sandbox whose uids are host uids is not adopted by a daemon that maps them.
     return SandboxOutdatedError(absl::StrCat("environment ", ref.id,
@@ -1083,16 +1089,16 @@ absl::StatusOr<int64_t> Probe(const ContainerDriverOptions& options, const Cgrou
     const ContainerDriverOptions& options;
     std::string dir;
     ~Cleanup() {
-      ReleaseSlots(options, dir);
+      ReleaseRanges(options, dir);
       RemoveTree(dir).IgnoreError();
     }
   } cleanup{options, dir};
 
   BundleParams p = BaseParams(rootfs, layout, runtime.kind());
   if (userns) {
-    absl::StatusOr<int> slot = AllocateSlot(options, dir);
-    if (!slot.ok()) return slot.status();
-    p.id_mappings = SlotMappings(options, *slot);
+    absl::StatusOr<uint32_t> range = AllocateRange(options, dir);
+    if (!range.ok()) return range.status();
+    p.id_mappings = RangeMappings(*range);
   }
   p.args = {"/usr/bin/true"};
   p.env = {"PATH=/usr/bin:/bin"};
@@ -1210,15 +1216,15 @@ absl::StatusOr<std::unique_ptr<Driver>> NewContainerDriver(ContainerDriverOption
     // Ranges must lie above every ordinary host uid and below 2^31 (tools treat uids as signed).
     const uint64_t end = uint64_t{options.userns_uid_base} +
                          uint64_t{options.userns_slots} * container::kUsernsRangeSize;
-    if (options.userns_uid_base < container::kUsernsRangeSize || options.userns_slots == 0 ||
+    if (!container::ValidRangeStart(options.userns_uid_base) || options.userns_slots == 0 ||
         end > (uint64_t{1} << 31) || options.userns_registry.empty() ||
         options.userns_registry[0] != '/') {
       return absl::InvalidArgumentError(absl::StrCat(
-          "container driver: user-namespace ranges must lie within [65536, 2^31) and the "
-          "registry be an absolute path (userns_uid_base ",
+          "container driver: user-namespace ranges must lie within [65536, 2^31), start at a "
+          "multiple of 65536, and the registry be an absolute path (userns_uid_base ",
           options.userns_uid_base, ", userns_slots ", options.userns_slots, ")"));
     }
-    container::ReclaimSlots(options);
+    container::ReclaimRanges(options);
   }
   struct stat st;
   if (options.agent_binary.empty() || ::stat(options.agent_binary.c_str(), &st) != 0 ||
@@ -1360,8 +1366,10 @@ std::vector<std::string> FindContainerLeaks(const ContainerDriverOptions& option
     }
   }
   if (Exists(paths.env_dir)) leaks.push_back("directory " + paths.env_dir);
-  for (const auto& [slot, owner] : ListSlots(o)) {
-    if (owner == paths.env_dir) leaks.push_back(absl::StrCat("user-namespace uid range ", slot));
+  for (const auto& [host_id, owner] : ListRanges(o)) {
+    if (owner == paths.env_dir) {
+      leaks.push_back(absl::StrCat("user-namespace uid range ", host_id));
+    }
   }
   for (const char* rt : {"crun", "runc", "runsc"}) {
     std::string runtime_state = absl::StrCat(o.state_dir, "/runtime/", rt, "/", paths.container_id);

@@ -18,10 +18,11 @@
 //                    esb-agent-<hash>-x (0711: PID 1 becomes non-dumpable), the hostname file
 //                    bound at /etc/hostname, and the start-up probe's bundle
 // cgroups:           <cgroup_parent>/<hash(state_dir)>-<id> in every hierarchy
-// User namespaces:   <userns_registry>/<slot> (host-wide, shared by every esbd on the host):
-//                    one file per allocated uid range, holding the owning environment
-//                    directory; environment <id> runs with sandbox uids 0..65533 mapped to
-//                    host uids userns_uid_base + slot * 65536 + (0..65533).
+// User namespaces:   <userns_registry>/<first host id> (host-wide, shared by every esbd on
+//                    the host): one file per allocated uid range, holding the owning
+//                    environment directory; the environment runs with sandbox uids 0..65533
+//                    mapped to host ids <first host id> + (0..65533), where first host id =
+//                    userns_uid_base + slot * 65536 (recorded as "userns_host_id").
 // Containers run detached: they are not esbd's children and survive a daemon restart.
 #pragma once
 
@@ -60,6 +61,7 @@ struct ContainerDriverOptions {
   int64_t total_memory_mb = 0;
   // User namespaces (crun/runc only): every environment gets its own range of 65536 host uids
   // and gids, slot N = [userns_uid_base + N * 65536, +65534), allocated in userns_registry.
+  // userns_uid_base must be a multiple of 65536 (ranges of all daemons stay aligned).
   // Off, or where the host or runtime cannot do it, sandboxes run with host uids as before
   // (UsernsStatus says why).
   bool user_namespaces = true;

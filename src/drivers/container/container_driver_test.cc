@@ -639,9 +639,10 @@ TEST_F(ContainerDriverTest, UsernsMapsEachSandboxToItsOwnHostRange) {
     EXPECT_EQ(r.exit_code, 0) << r.stderr_data;
     std::printf("[ userns   ] %s: %s", ref.id.c_str(), r.stdout_data.c_str());
     boost::json::object state = boost::json::parse(ref.state).as_object();
-    ASSERT_TRUE(state.contains("userns_slot")) << ref.state;
-    const uint32_t base =
-        options_.userns_uid_base + static_cast<uint32_t>(state["userns_slot"].as_int64()) * 65536;
+    ASSERT_TRUE(state.contains("userns_host_id")) << ref.state;
+    const uint32_t base = static_cast<uint32_t>(state["userns_host_id"].as_int64());
+    EXPECT_GE(base, options_.userns_uid_base);
+    EXPECT_EQ((base - options_.userns_uid_base) % 65536, 0u);
     // Inside: uid 1000 owns /workspace and what it creates; the map is 0..65533 -> base.
     std::vector<std::string> lines = absl::StrSplit(r.stdout_data, '\n', absl::SkipEmpty());
     ASSERT_EQ(lines.size(), 4u) << r.stdout_data;
@@ -781,7 +782,7 @@ TEST_F(ContainerDriverTest, UsernsOffRunsWithHostUidsAndSaysWhy) {
   EXPECT_TRUE(absl::StrContains((*plain)->Describe(), "no user namespaces"));
   absl::StatusOr<InstanceRef> p = (*plain)->Create("p" + RandomHex(3), EnvSpec());
   ASSERT_TRUE(p.ok()) << p.status();
-  EXPECT_FALSE(boost::json::parse(p->state).as_object().contains("userns_slot")) << p->state;
+  EXPECT_FALSE(boost::json::parse(p->state).as_object().contains("userns_host_id")) << p->state;
   // A daemon that maps uids does not adopt it after a restart (the core replaces it).
   ContainerDriverOptions mapping = o;
   mapping.user_namespaces = true;
@@ -799,9 +800,8 @@ TEST_F(ContainerDriverTest, UsernsOffRunsWithHostUidsAndSaysWhy) {
 // if the registry was lost, and a range held by another environment is never adopted.
 TEST_F(ContainerDriverTest, UsernsRangeSurvivesRestartAndIsFreedOnDestroy) {
   InstanceRef ref = MustCreate();
-  const int slot =
-      static_cast<int>(boost::json::parse(ref.state).as_object()["userns_slot"].as_int64());
-  const std::string entry = absl::StrCat(options_.userns_registry, "/", slot);
+  const int64_t host_id = boost::json::parse(ref.state).as_object()["userns_host_id"].as_int64();
+  const std::string entry = absl::StrCat(options_.userns_registry, "/", host_id);
   const std::string owner = options_.state_dir + "/envs/" + ref.id;
   std::string text;
   ASSERT_TRUE(ReadFileToString(entry, &text).ok());
@@ -852,14 +852,15 @@ TEST_F(ContainerDriverTest, UsernsRangesAreExhaustedNotShared) {
   EXPECT_TRUE((*d)->Destroy(*two).ok());
   EXPECT_TRUE((*d)->Destroy(*again).ok());
   // A range whose environment vanished without a destroy (crash) is reclaimed at start.
-  ASSERT_TRUE(WriteStringToFile(o.userns_registry + "/1", o.state_dir + "/envs/gone", 0600).ok());
+  const std::string gone = absl::StrCat(o.userns_registry, "/", 0x7fff0000u);
+  ASSERT_TRUE(WriteStringToFile(gone, o.state_dir + "/envs/gone", 0600).ok());
   ASSERT_TRUE(NewContainerDriver(o).ok());
-  EXPECT_FALSE(fs::exists(o.userns_registry + "/1"));
-  // Ranges past 2^31 or over host uids are refused.
-  o.userns_uid_base = 0x7fff0000;
-  EXPECT_TRUE(absl::IsInvalidArgument(NewContainerDriver(o).status()));
-  o.userns_uid_base = 1000;
-  EXPECT_TRUE(absl::IsInvalidArgument(NewContainerDriver(o).status()));
+  EXPECT_FALSE(fs::exists(gone));
+  // Ranges past 2^31, over host uids or not aligned to 65536 are refused.
+  for (uint32_t bad : {0x7fff0000u, 1000u, 0x70000100u}) {
+    o.userns_uid_base = bad;
+    EXPECT_TRUE(absl::IsInvalidArgument(NewContainerDriver(o).status())) << bad;
+  }
 }
 
 // Issue 9 review: environments created by an esbd before the fd-3 hand-over layout (host log
