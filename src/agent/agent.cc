@@ -14,6 +14,7 @@
 #include <utility>
 
 #include "agent/handlers.h"
+#include "agent/peer_cred.h"
 #include "agent/util.h"
 
 namespace esb::agent {
@@ -145,7 +146,7 @@ bool Agent::PeerAllowed(int fd) {
   ucred cred{};
   socklen_t len = sizeof cred;
   if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0 && len == sizeof cred &&
-      (cred.uid == 0 ||
+      (cred.uid == 0 || IsUnmappedOutsidePeer(cred) ||  // uid 0 on the host, seen via a userns
        (options_.allow_peer_uid >= 0 && cred.uid == static_cast<uid_t>(options_.allow_peer_uid)) ||
        (options_.host_uds_peers && cred.pid == 1 && getpid() == 1 && cred.uid == getuid()))) {
     return true;
