@@ -4,7 +4,6 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
-#include <linux/magic.h>
 #include <linux/openat2.h>
 #include <stdlib.h>
 #include <string.h>
@@ -95,9 +94,6 @@ int MakeParents(const std::string& path) {
   }
   return 0;
 }
-
-// A path that reaches kernel state rather than sandbox files.
-bool OnKernelFs(long f_type) { return f_type == PROC_SUPER_MAGIC || f_type == SYSFS_MAGIC; }
 
 // True if any prefix of the absolute `path` ("/a", "/a/b", ...) is on procfs or sysfs
 // (statfs follows symlinks). Only the fallback for kernels without openat2 uses this.
