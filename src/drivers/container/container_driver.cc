@@ -345,6 +345,23 @@ class ContainerDriver : public Driver {
     ESB_RETURN_IF_ERROR(ValidateId(ref.id));
     return Agent(ref).List(path);
   }
+  absl::StatusOr<FileEntry> Stat(const InstanceRef& ref, const std::string& path) override {
+    ESB_RETURN_IF_ERROR(ValidateId(ref.id));
+    return Agent(ref).Stat(path);
+  }
+  absl::StatusOr<bool> MakeDir(const InstanceRef& ref, const std::string& path) override {
+    ESB_RETURN_IF_ERROR(ValidateId(ref.id));
+    return Agent(ref).MakeDir(path);
+  }
+  absl::Status Remove(const InstanceRef& ref, const std::string& path, bool recursive) override {
+    ESB_RETURN_IF_ERROR(ValidateId(ref.id));
+    return Agent(ref).Remove(path, recursive);
+  }
+  absl::Status Rename(const InstanceRef& ref, const std::string& source,
+                      const std::string& destination, bool overwrite) override {
+    ESB_RETURN_IF_ERROR(ValidateId(ref.id));
+    return Agent(ref).Rename(source, destination, overwrite);
+  }
   absl::StatusOr<Usage> Stats(const InstanceRef& ref) override;
   absl::Status Configure(const InstanceRef& ref,
                          const std::map<std::string, std::string>& env) override {
@@ -465,8 +482,8 @@ absl::Status ContainerDriver::PrepareImage(const std::string& rootfs, const Bund
 
 absl::Status ContainerDriver::WriteBundle(const std::string& id, const EnvSpec& spec,
                                           const EnvPaths& paths, const std::string& rootfs) {
-  ESB_RETURN_IF_ERROR(MakeDir(paths.env_dir, 0700));
-  ESB_RETURN_IF_ERROR(MakeDir(paths.run_dir, 0700));
+  ESB_RETURN_IF_ERROR(container::MakeDir(paths.env_dir, 0700));
+  ESB_RETURN_IF_ERROR(container::MakeDir(paths.run_dir, 0700));
   BundleParams p = BaseParams(rootfs, layout_, kind_);
   p.env = {"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME=/workspace",
            "LANG=C.UTF-8", "ESB_ENV_ID=" + id};
