@@ -10,7 +10,9 @@
 #include <sys/statfs.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <string_view>
 
 #include "agent/util.h"
 
@@ -150,31 +152,38 @@ FsResult WorkspaceComponents(const std::string& workspace, const std::string& pa
   if (path.empty()) return Fail(EINVAL, "path must not be empty");
   if (path.find('\0') != std::string::npos) return Fail(EINVAL, "path must not contain NUL bytes");
   if (path.size() >= PATH_MAX) return Fail(ENAMETOOLONG, "path is longer than PATH_MAX");
-  std::string_view rest = path;
-  if (path[0] == '/') {
-    std::string_view ws = workspace;
-    if (!(rest.substr(0, ws.size()) == ws &&
-          (rest.size() == ws.size() || rest[ws.size()] == '/'))) {
-      return Fail(EINVAL, path + ": refused: outside " + workspace +
-                              " (files/mkdir, remove and rename act only inside the workspace)");
-    }
-    rest.remove_prefix(ws.size());
-  }
+  // The path from the root (relative ones are under the workspace), normalised on the text.
+  std::string full = path[0] == '/' ? path : workspace + "/" + path;
+  std::vector<std::string> comps;
+  std::string_view rest = full;
   while (!rest.empty()) {
     size_t slash = rest.find('/');
     std::string_view c = rest.substr(0, slash);
     rest = slash == std::string_view::npos ? std::string_view() : rest.substr(slash + 1);
     if (c.empty() || c == ".") continue;
     if (c == "..") {
-      // SECURITY: `..` is resolved on the text, never by the kernel; above the root it is an
-      // escape attempt, refused rather than clamped.
-      if (components->empty()) return Fail(EINVAL, path + ": refused: '..' leaves " + workspace);
-      components->pop_back();
+      // SECURITY: `..` is resolved on the text, never by the kernel (which would follow
+      // symlinks on the way); above the root it is an escape attempt, refused, not clamped.
+      if (comps.empty()) return Fail(EINVAL, path + ": refused: '..' above the root");
+      comps.pop_back();
       continue;
     }
     if (c.size() > NAME_MAX) return Fail(ENAMETOOLONG, path + ": a name is longer than NAME_MAX");
-    components->emplace_back(c);
+    comps.emplace_back(c);
   }
+  // The workspace's own components (it is configured absolute and normalised).
+  std::vector<std::string> base;
+  for (size_t pos = 0; pos < workspace.size();) {
+    size_t slash = workspace.find('/', pos);
+    if (slash == std::string::npos) slash = workspace.size();
+    if (slash > pos) base.push_back(workspace.substr(pos, slash - pos));
+    pos = slash + 1;
+  }
+  if (comps.size() < base.size() || !std::equal(base.begin(), base.end(), comps.begin())) {
+    return Fail(EINVAL, path + ": refused: outside " + workspace +
+                            " (files/mkdir, remove and rename act only inside the workspace)");
+  }
+  components->assign(comps.begin() + static_cast<std::ptrdiff_t>(base.size()), comps.end());
   return {};
 }
 
@@ -242,9 +251,7 @@ FsResult Remove(const std::string& workspace, const std::string& path, bool recu
     return {};
   }
   RemoveWalk walk(limits, path, removed);
-  FsResult r = walk.Entry(parent.get(), name, 0);
-  // A concurrent remover may have won: the path is gone either way.
-  return r;
+  return walk.Entry(parent.get(), name, 0);
 }
 
 FsResult Rename(const std::string& workspace, const std::string& source,

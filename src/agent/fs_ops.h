@@ -35,9 +35,11 @@ struct RemoveLimits {
   int64_t time_budget_ms = 20000;
 };
 
-// The components of `path` below `workspace` (an absolute, normalised directory). Empty for
-// the workspace itself. EINVAL for an empty path, a NUL byte, an absolute path outside the
-// workspace or a `..` that climbs above it; ENAMETOOLONG past PATH_MAX / NAME_MAX.
+// The components of `path` below `workspace` (an absolute, normalised directory): relative
+// paths are joined to the workspace, and the path is normalised on the text (`..` never
+// reaches the kernel). Empty for the workspace itself. EINVAL for an empty path, a NUL byte,
+// a `..` above the root or a result outside the workspace; ENAMETOOLONG past PATH_MAX /
+// NAME_MAX.
 FsResult WorkspaceComponents(const std::string& workspace, const std::string& path,
                              std::vector<std::string>* components);
 

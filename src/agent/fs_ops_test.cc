@@ -61,6 +61,11 @@ TEST_F(FsOpsTest, WorkspaceComponentsNormalisesInsideTheWorkspace) {
   EXPECT_EQ(c, (std::vector<std::string>{"x", "y"}));
   ASSERT_TRUE(WorkspaceComponents(ws_, ws_, &c).ok());
   EXPECT_TRUE(c.empty());
+  // `..` that leaves and re-enters the workspace is the same path on the text.
+  ASSERT_TRUE(WorkspaceComponents(ws_, "../workspace/x", &c).ok());
+  EXPECT_EQ(c, (std::vector<std::string>{"x"}));
+  EXPECT_EQ(WorkspaceComponents(ws_, "../outside/x", &c).err, EINVAL);
+  EXPECT_EQ(WorkspaceComponents(ws_, "/../../..", &c).err, EINVAL);
   EXPECT_EQ(WorkspaceComponents(ws_, "", &c).err, EINVAL);
   EXPECT_EQ(WorkspaceComponents(ws_, std::string(NAME_MAX + 1, 'a'), &c).err, ENAMETOOLONG);
 }
