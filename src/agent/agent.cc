@@ -206,6 +206,12 @@ bool Agent::HandleRequest(int fd, const proto::Frame& request) {
     response = HandleList(options_.workspace, request.header);
   } else if (op == "stat") {
     response = HandleStat(options_.workspace, request.header);
+  } else if (op == "mkdir") {
+    response = HandleMkdir(options_.workspace, request.header);
+  } else if (op == "remove") {
+    response = HandleRemove(options_.workspace, request.header);
+  } else if (op == "rename") {
+    response = HandleRename(options_.workspace, request.header);
   } else if (op == "stats") {
     response = HandleStats(options_.workspace, start_ms_);
     // The idle standby shell is agent machinery, not a user process.

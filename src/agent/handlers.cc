@@ -4,7 +4,6 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
-#include <linux/magic.h>
 #include <linux/openat2.h>
 #include <stdlib.h>
 #include <string.h>
@@ -20,6 +19,7 @@
 #include <utility>
 #include <vector>
 
+#include "agent/fs_ops.h"
 #include "agent/util.h"
 
 namespace esb::agent {
@@ -95,9 +95,6 @@ int MakeParents(const std::string& path) {
   }
   return 0;
 }
-
-// A path that reaches kernel state rather than sandbox files.
-bool OnKernelFs(long f_type) { return f_type == PROC_SUPER_MAGIC || f_type == SYSFS_MAGIC; }
 
 // True if any prefix of the absolute `path` ("/a", "/a/b", ...) is on procfs or sysfs
 // (statfs follows symlinks). Only the fallback for kernels without openat2 uses this.
@@ -489,6 +486,49 @@ proto::Frame HandleStat(const std::string& workspace, const json::object& header
   proto::Frame resp = OkResponse();
   for (auto& kv : StatObject(st)) resp.header[kv.key()] = kv.value();
   return resp;
+}
+
+namespace {
+proto::Frame FsErrorResponse(const FsResult& r) {
+  return ErrorResponse(r.message, ErrnoName(r.err));
+}
+}  // namespace
+
+proto::Frame HandleMkdir(const std::string& workspace, const json::object& header) {
+  Fields f(header);
+  std::string path = f.String("path", "", true);
+  if (!f.ok()) return ErrorResponse(f.error(), "EINVAL");
+  bool created = false;
+  if (FsResult r = MakeDirs(workspace, path, &created); !r.ok()) return FsErrorResponse(r);
+  proto::Frame resp = OkResponse();
+  resp.header["created"] = created;
+  return resp;
+}
+
+proto::Frame HandleRemove(const std::string& workspace, const json::object& header) {
+  Fields f(header);
+  std::string path = f.String("path", "", true);
+  bool recursive = f.Bool("recursive", false);
+  if (!f.ok()) return ErrorResponse(f.error(), "EINVAL");
+  int64_t removed = 0;
+  if (FsResult r = Remove(workspace, path, recursive, RemoveLimits{}, &removed); !r.ok()) {
+    return FsErrorResponse(r);
+  }
+  proto::Frame resp = OkResponse();
+  resp.header["removed"] = removed;
+  return resp;
+}
+
+proto::Frame HandleRename(const std::string& workspace, const json::object& header) {
+  Fields f(header);
+  std::string source = f.String("source", "", true);
+  std::string destination = f.String("destination", "", true);
+  bool overwrite = f.Bool("overwrite", false);
+  if (!f.ok()) return ErrorResponse(f.error(), "EINVAL");
+  if (FsResult r = Rename(workspace, source, destination, overwrite); !r.ok()) {
+    return FsErrorResponse(r);
+  }
+  return OkResponse();
 }
 
 int64_t CountProcesses() {

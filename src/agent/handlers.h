@@ -50,6 +50,11 @@ proto::Frame HandleWrite(const std::string& workspace, const boost::json::object
 proto::Frame HandleRead(const std::string& workspace, const boost::json::object& header);
 proto::Frame HandleList(const std::string& workspace, const boost::json::object& header);
 proto::Frame HandleStat(const std::string& workspace, const boost::json::object& header);
+// The files API's mutating ops (agent/fs_ops.h): confined to the workspace, never following a
+// symlink.
+proto::Frame HandleMkdir(const std::string& workspace, const boost::json::object& header);
+proto::Frame HandleRemove(const std::string& workspace, const boost::json::object& header);
+proto::Frame HandleRename(const std::string& workspace, const boost::json::object& header);
 proto::Frame HandleStats(const std::string& workspace, int64_t start_ms);
 
 // Counts processes: every pid in /proc when the agent is PID 1, else the agent and its

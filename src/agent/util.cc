@@ -3,6 +3,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <linux/magic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -50,6 +51,8 @@ std::string ErrnoName(int err) {
   const char* name = strerrorname_np(err);
   return name ? name : "EIO";
 }
+
+bool OnKernelFs(long f_type) { return f_type == PROC_SUPER_MAGIC || f_type == SYSFS_MAGIC; }
 
 std::map<pid_t, ProcInfo> ReadProcessTable() {
   std::map<pid_t, ProcInfo> table;

@@ -45,6 +45,10 @@ bool WriteAll(int fd, std::string_view data);
 // "ENOENT" for ENOENT; "EIO" if the number has no name.
 std::string ErrnoName(int err);
 
+// A statfs f_type of a file system that holds kernel state rather than sandbox files (procfs,
+// sysfs).
+bool OnKernelFs(long f_type);
+
 // One process as /proc/<pid>/stat shows it.
 struct ProcInfo {
   pid_t ppid = 0;

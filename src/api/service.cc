@@ -82,6 +82,43 @@ std::string SanitizeUtf8Impl(std::string_view in) {
   return out;
 }
 
+// A path the files API creates or moves something to (mkdir, remove, rename): CheckPath's rules,
+// and no control characters (names an agent could not show or type back).
+absl::Status CheckNewPath(std::string_view field, const std::string& path) {
+  absl::Status st = CheckPath(path);
+  if (st.ok()) {
+    for (unsigned char c : path) {
+      if (c < 0x20 || c == 0x7f) {
+        st = absl::InvalidArgumentError("'path' must not contain control characters");
+        break;
+      }
+    }
+  }
+  std::string_view message = StdView(st.message());
+  if (st.ok() || field == "path" || !message.starts_with("'path'")) return st;
+  // CheckPath names the field 'path'; say which one it was.
+  return absl::InvalidArgumentError(
+      absl::StrCat("'", AbslView(field), "'", AbslView(message.substr(6))));
+}
+
+// A directory entry as files/list and files/stat show it.
+json::object RenderEntry(const FileEntry& e) {
+  char mode[8];
+  std::snprintf(mode, sizeof mode, "%04o", e.mode & 07777);
+  return json::object{{"name", SanitizeUtf8Impl(e.name)},
+                      {"type", e.type},
+                      {"size", e.size},
+                      {"mode", mode},
+                      {"mtime", FormatRfc3339(e.mtime_ms)}};
+}
+
+// The error answer of files/stat, mkdir, remove and rename: a non-empty directory (ENOTEMPTY,
+// FailedPrecondition) is a conflict like an existing destination.
+Response FileOpResponse(const absl::Status& st) {
+  if (absl::IsFailedPrecondition(st)) return ErrorResponse(409, "conflict", StdView(st.message()));
+  return FileStatusResponse(st);
+}
+
 json::object ResultJson(const ExecResult& r) {
   return json::object{{"error", r.exit_code != 0},
                       {"stdout", SanitizeUtf8Impl(r.stdout_data)},
@@ -382,6 +419,14 @@ void ApiService::Register(Router& router) {
       [this](Request& req, const std::string& t) { return GetRaw(req, t); });
   add("GET", "/environments/{id}/files/list",
       [this](Request& req, const std::string& t) { return ListFiles(req, t); });
+  add("GET", "/environments/{id}/files/stat",
+      [this](Request& req, const std::string& t) { return StatFile(req, t); });
+  add("POST", "/environments/{id}/files/mkdir",
+      [this](Request& req, const std::string& t) { return MakeDir(req, t); });
+  add("POST", "/environments/{id}/files/remove",
+      [this](Request& req, const std::string& t) { return RemoveFile(req, t); });
+  add("POST", "/environments/{id}/files/rename",
+      [this](Request& req, const std::string& t) { return RenameFile(req, t); });
   add("GET", "/environments/{id}/artifacts",
       [this](Request& req, const std::string& t) { return ListArtifacts(req, t); });
   add("GET", "/environments/{id}/artifacts/{aid}",
@@ -818,18 +863,83 @@ Response ApiService::ListFiles(Request& req, const std::string& tenant) {
   auto entries = manager_->ListDir(tenant, req.Param("id"), path);
   if (!entries.ok()) return FileStatusResponse(entries.status());
   json::array arr;
-  for (const FileEntry& e : entries->entries) {
-    char mode[8];
-    std::snprintf(mode, sizeof mode, "%04o", e.mode & 07777);
-    arr.push_back(json::object{{"name", SanitizeUtf8(e.name)},
-                               {"type", e.type},
-                               {"size", e.size},
-                               {"mode", mode},
-                               {"mtime", FormatRfc3339(e.mtime_ms)}});
-  }
+  for (const FileEntry& e : entries->entries) arr.push_back(RenderEntry(e));
   json::object out{{"error", false}, {"path", path}, {"entries", std::move(arr)}};
   if (entries->truncated) out["truncated"] = true;
   return JsonResponse(200, std::move(out));
+}
+
+Response ApiService::StatFile(Request& req, const std::string& tenant) {
+  std::string path = req.Query("path").value_or("");
+  if (absl::Status st = CheckPath(path); !st.ok()) return StatusResponse(st);
+  auto entry = manager_->StatFile(tenant, req.Param("id"), path);
+  if (!entry.ok()) return FileOpResponse(entry.status());
+  json::object out = RenderEntry(*entry);
+  out["error"] = false;
+  out["path"] = path;
+  return JsonResponse(200, std::move(out));
+}
+
+Response ApiService::MakeDir(Request& req, const std::string& tenant) {
+  int64_t start = MonotonicMs();
+  auto body = ParseJsonObjectBody(req, /*allow_empty=*/false);
+  if (!body.ok()) return body.error();
+  JsonFields f(body.value());
+  std::string path = f.RequiredString("path");
+  if (!f.ok()) return f.ErrorResponse();
+  if (absl::Status st = CheckNewPath("path", path); !st.ok()) return StatusResponse(st);
+  std::string id = req.Param("id");
+  auto created = manager_->MakeDir(tenant, id, path);
+  Response resp =
+      created.ok()
+          ? JsonResponse(200, json::object{{"error", false}, {"path", path}, {"created", *created}})
+          : FileOpResponse(created.status());
+  if (!IsEnvironmentNotFound(created.status()))
+    Audit(tenant, id, "files.mkdir", path, std::nullopt, MonotonicMs() - start, 0, resp.status);
+  return resp;
+}
+
+Response ApiService::RemoveFile(Request& req, const std::string& tenant) {
+  int64_t start = MonotonicMs();
+  auto body = ParseJsonObjectBody(req, /*allow_empty=*/false);
+  if (!body.ok()) return body.error();
+  JsonFields f(body.value());
+  std::string path = f.RequiredString("path");
+  bool recursive = f.OptionalBool("recursive", false);
+  if (!f.ok()) return f.ErrorResponse();
+  if (absl::Status st = CheckNewPath("path", path); !st.ok()) return StatusResponse(st);
+  std::string id = req.Param("id");
+  absl::Status st = manager_->RemoveFile(tenant, id, path, recursive);
+  Response resp = st.ok() ? JsonResponse(200, json::object{{"error", false}, {"path", path}})
+                          : FileOpResponse(st);
+  if (!IsEnvironmentNotFound(st))
+    Audit(tenant, id, "files.remove", path, std::nullopt, MonotonicMs() - start, 0, resp.status);
+  return resp;
+}
+
+Response ApiService::RenameFile(Request& req, const std::string& tenant) {
+  int64_t start = MonotonicMs();
+  auto body = ParseJsonObjectBody(req, /*allow_empty=*/false);
+  if (!body.ok()) return body.error();
+  JsonFields f(body.value());
+  std::string source = f.RequiredString("source");
+  std::string destination = f.RequiredString("destination");
+  bool overwrite = f.OptionalBool("overwrite", false);
+  if (!f.ok()) return f.ErrorResponse();
+  for (const auto& [field, value] : {std::pair<const char*, const std::string&>{"source", source},
+                                     {"destination", destination}}) {
+    if (absl::Status st = CheckNewPath(field, value); !st.ok()) return StatusResponse(st);
+  }
+  std::string id = req.Param("id");
+  absl::Status st = manager_->RenameFile(tenant, id, source, destination, overwrite);
+  Response resp = st.ok() ? JsonResponse(200, json::object{{"error", false},
+                                                           {"source", source},
+                                                           {"destination", destination}})
+                          : FileOpResponse(st);
+  if (!IsEnvironmentNotFound(st))
+    Audit(tenant, id, "files.rename", absl::StrCat(source, " -> ", destination), std::nullopt,
+          MonotonicMs() - start, 0, resp.status);
+  return resp;
 }
 
 Response ApiService::QueryAudit(Request& req, const std::string& tenant) {

@@ -71,6 +71,10 @@ class ApiService {
   Response PutRaw(Request& req, const std::string& tenant);
   Response GetRaw(Request& req, const std::string& tenant);
   Response ListFiles(Request& req, const std::string& tenant);
+  Response StatFile(Request& req, const std::string& tenant);
+  Response MakeDir(Request& req, const std::string& tenant);
+  Response RemoveFile(Request& req, const std::string& tenant);
+  Response RenameFile(Request& req, const std::string& tenant);
   Response QueryAudit(Request& req, const std::string& tenant);
   Response ListArtifacts(Request& req, const std::string& tenant);
   Response GetArtifact(Request& req, const std::string& tenant);

@@ -569,6 +569,40 @@ absl::StatusOr<DirListing> EnvironmentManager::ListDir(const std::string& tenant
   return (*env)->driver->ListDir((*env)->ref, path);
 }
 
+absl::StatusOr<FileEntry> EnvironmentManager::StatFile(const std::string& tenant,
+                                                       const std::string& id,
+                                                       const std::string& path) {
+  auto env = Lookup(tenant, id);
+  if (!env.ok()) return env.status();
+  Touch(**env);
+  return (*env)->driver->Stat((*env)->ref, path);
+}
+
+absl::StatusOr<bool> EnvironmentManager::MakeDir(const std::string& tenant, const std::string& id,
+                                                 const std::string& path) {
+  auto env = Lookup(tenant, id);
+  if (!env.ok()) return env.status();
+  Touch(**env);
+  return (*env)->driver->MakeDir((*env)->ref, path);
+}
+
+absl::Status EnvironmentManager::RemoveFile(const std::string& tenant, const std::string& id,
+                                            const std::string& path, bool recursive) {
+  auto env = Lookup(tenant, id);
+  if (!env.ok()) return env.status();
+  Touch(**env);
+  return (*env)->driver->Remove((*env)->ref, path, recursive);
+}
+
+absl::Status EnvironmentManager::RenameFile(const std::string& tenant, const std::string& id,
+                                            const std::string& source,
+                                            const std::string& destination, bool overwrite) {
+  auto env = Lookup(tenant, id);
+  if (!env.ok()) return env.status();
+  Touch(**env);
+  return (*env)->driver->Rename((*env)->ref, source, destination, overwrite);
+}
+
 absl::StatusOr<Usage> EnvironmentManager::Stats(const std::string& tenant,
                                                 const std::string& id) {
   auto env = Lookup(tenant, id);

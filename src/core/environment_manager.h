@@ -85,6 +85,16 @@ class EnvironmentManager {
                                      const std::string& path, int64_t offset, int64_t length);
   absl::StatusOr<DirListing> ListDir(const std::string& tenant, const std::string& id,
                                      const std::string& path);
+  // The files API's other operations (Driver::Stat, MakeDir, Remove, Rename).
+  absl::StatusOr<FileEntry> StatFile(const std::string& tenant, const std::string& id,
+                                     const std::string& path);
+  absl::StatusOr<bool> MakeDir(const std::string& tenant, const std::string& id,
+                               const std::string& path);
+  absl::Status RemoveFile(const std::string& tenant, const std::string& id, const std::string& path,
+                          bool recursive);
+  absl::Status RenameFile(const std::string& tenant, const std::string& id,
+                          const std::string& source, const std::string& destination,
+                          bool overwrite);
   absl::StatusOr<Usage> Stats(const std::string& tenant, const std::string& id);
   // Returns the driver and instance of a live environment, for driver-specific calls
   // (e.g. nano's Run). Marks the environment used.

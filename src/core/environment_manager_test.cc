@@ -60,6 +60,16 @@ class FakeDriver : public Driver {
   absl::StatusOr<DirListing> ListDir(const InstanceRef&, const std::string&) override {
     return DirListing{};
   }
+  absl::StatusOr<FileEntry> Stat(const InstanceRef&, const std::string&) override {
+    return absl::NotFoundError("no such file");
+  }
+  absl::StatusOr<bool> MakeDir(const InstanceRef&, const std::string&) override { return true; }
+  absl::Status Remove(const InstanceRef&, const std::string&, bool) override {
+    return absl::NotFoundError("no such file");
+  }
+  absl::Status Rename(const InstanceRef&, const std::string&, const std::string&, bool) override {
+    return absl::NotFoundError("no such file");
+  }
   absl::StatusOr<Usage> Stats(const InstanceRef& ref) override {
     std::lock_guard<std::mutex> lock(mu);
     Usage u;

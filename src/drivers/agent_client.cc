@@ -414,6 +414,49 @@ absl::StatusOr<FileEntry> AgentClient::Stat(const std::string& path) {
   return entry;
 }
 
+absl::StatusOr<bool> AgentClient::MakeDir(const std::string& path) {
+  int64_t deadline = proto::MonotonicMs() + kShortOpTimeoutMs;
+  absl::StatusOr<int> fd = connect_();
+  if (!fd.ok()) return fd.status();
+  Call call(*fd);
+  if (absl::Status s = call.Start(deadline); !s.ok()) return s;
+  if (absl::Status s = call.Send({{"op", "mkdir"}, {"path", path}}); !s.ok()) return s;
+  absl::StatusOr<proto::Frame> response = call.Receive(deadline, 0);
+  if (!response.ok()) return response.status();
+  return BoolField(response->header, "created");
+}
+
+absl::Status AgentClient::Remove(const std::string& path, bool recursive) {
+  // The agent stops a recursive remove after 20 s (agent/fs_ops.h); this deadline is longer.
+  int64_t deadline = proto::MonotonicMs() + kShortOpTimeoutMs;
+  absl::StatusOr<int> fd = connect_();
+  if (!fd.ok()) return fd.status();
+  Call call(*fd);
+  if (absl::Status s = call.Start(deadline); !s.ok()) return s;
+  if (absl::Status s = call.Send({{"op", "remove"}, {"path", path}, {"recursive", recursive}});
+      !s.ok()) {
+    return s;
+  }
+  return call.Receive(deadline, 0).status();
+}
+
+absl::Status AgentClient::Rename(const std::string& source, const std::string& destination,
+                                 bool overwrite) {
+  int64_t deadline = proto::MonotonicMs() + kShortOpTimeoutMs;
+  absl::StatusOr<int> fd = connect_();
+  if (!fd.ok()) return fd.status();
+  Call call(*fd);
+  if (absl::Status s = call.Start(deadline); !s.ok()) return s;
+  if (absl::Status s = call.Send({{"op", "rename"},
+                                  {"source", source},
+                                  {"destination", destination},
+                                  {"overwrite", overwrite}});
+      !s.ok()) {
+    return s;
+  }
+  return call.Receive(deadline, 0).status();
+}
+
 absl::Status AgentClient::Configure(const std::map<std::string, std::string>& env) {
   int64_t deadline = proto::MonotonicMs() + kShortOpTimeoutMs;
   absl::StatusOr<int> fd = connect_();

@@ -31,6 +31,10 @@ class AgentClient {
   absl::StatusOr<FileChunk> Read(const std::string& path, int64_t offset, int64_t length);
   absl::StatusOr<DirListing> List(const std::string& path);
   absl::StatusOr<FileEntry> Stat(const std::string& path);
+  // mkdir -p; true when the directory was created (false: it already was one).
+  absl::StatusOr<bool> MakeDir(const std::string& path);
+  absl::Status Remove(const std::string& path, bool recursive);
+  absl::Status Rename(const std::string& source, const std::string& destination, bool overwrite);
   absl::Status Configure(const std::map<std::string, std::string>& env);
 
  private:

@@ -130,6 +130,17 @@ class Driver {
   virtual absl::StatusOr<FileChunk> ReadFile(const InstanceRef& ref, const std::string& path,
                                              int64_t offset, int64_t length) = 0;
   virtual absl::StatusOr<DirListing> ListDir(const InstanceRef& ref, const std::string& path) = 0;
+  // The files API's other operations (docs/api.md "Files"). Stat follows read's path rules;
+  // MakeDir, Remove and Rename act only inside /workspace and never follow a symlink.
+  // Stat: the entry at `path` (its `name` is the last component). NotFound when absent.
+  virtual absl::StatusOr<FileEntry> Stat(const InstanceRef& ref, const std::string& path) = 0;
+  // mkdir -p: true when created, false when `path` already was a directory.
+  virtual absl::StatusOr<bool> MakeDir(const InstanceRef& ref, const std::string& path) = 0;
+  // A file, symlink or empty directory; with `recursive` a whole tree.
+  virtual absl::Status Remove(const InstanceRef& ref, const std::string& path, bool recursive) = 0;
+  // Without `overwrite` an existing destination is AlreadyExists.
+  virtual absl::Status Rename(const InstanceRef& ref, const std::string& source,
+                              const std::string& destination, bool overwrite) = 0;
   virtual absl::StatusOr<Usage> Stats(const InstanceRef& ref) = 0;
   // Sets the base environment variables of an instance (used when a pooled instance is
   // handed to a request with its own `env`).

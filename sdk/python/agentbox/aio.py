@@ -110,17 +110,21 @@ class AsyncFiles:
         """List a directory."""
         return await asyncio.to_thread(self._sync.list, path)
 
-    async def make_dir(self, path: str) -> None:
-        """Create a directory and its parents."""
-        await asyncio.to_thread(self._sync.make_dir, path)
+    async def stat(self, path: str) -> EntryInfo:
+        """Metadata of ``path`` (see :meth:`Files.stat`)."""
+        return await asyncio.to_thread(self._sync.stat, path)
 
-    async def remove(self, path: str) -> None:
-        """Delete a file or a directory tree."""
-        await asyncio.to_thread(self._sync.remove, path)
+    async def make_dir(self, path: str) -> bool:
+        """Create ``path`` and its parents; True if created (see :meth:`Files.make_dir`)."""
+        return await asyncio.to_thread(self._sync.make_dir, path)
 
-    async def rename(self, old_path: str, new_path: str) -> None:
-        """Move a file or directory."""
-        await asyncio.to_thread(self._sync.rename, old_path, new_path)
+    async def remove(self, path: str, *, recursive: bool = True) -> None:
+        """Delete a file, symlink or directory tree (see :meth:`Files.remove`)."""
+        await asyncio.to_thread(self._sync.remove, path, recursive=recursive)
+
+    async def rename(self, old_path: str, new_path: str, *, overwrite: bool = False) -> None:
+        """Move ``old_path`` to ``new_path`` (see :meth:`Files.rename`)."""
+        await asyncio.to_thread(self._sync.rename, old_path, new_path, overwrite=overwrite)
 
     async def exists(self, path: str) -> bool:
         """True if ``path`` exists in the environment."""

@@ -19,7 +19,7 @@ from typing import (Any, BinaryIO, Callable, Generic, Iterable, Literal, Mapping
 
 from ._http import DEFAULT_URL, CancelToken, SseEvent, Transport, quote_id
 from .errors import (CommandExitError, CommandTimeout, InvalidArgument, PayloadTooLarge,
-                     PermissionDenied, SandboxError, SandboxNotFound, error_from_response)
+                     SandboxError, SandboxNotFound, error_from_response)
 from .models import (Artifact, CommandResult, EntryInfo, SandboxConfig, SandboxResult,
                      WriteInfo, check_figure_formats, parse_artifacts, parse_traceback)
 
@@ -457,46 +457,45 @@ class Files:
                                      mtime=str(e.get("mtime", ""))))
         return entries
 
-    def _shell(self, what: str, argv: list[str]) -> None:
-        """Run a small file command in the session (the REST API has no endpoint for it)."""
-        cmd = " ".join(shlex.quote(a) for a in argv)
-        res = self._env.commands.run(cmd, timeout=60)
-        if res.exit_code != 0:
-            msg = f"files.{what} failed: {res.stderr.strip() or res.stdout.strip()}"
-            if "No such file" in res.stderr:
-                raise SandboxNotFound(msg, code="not_found")
-            if "Permission denied" in res.stderr or "Read-only" in res.stderr:
-                raise PermissionDenied(msg, code="forbidden")
-            raise SandboxError(msg)
-
-    @staticmethod
-    def _abs(path: str) -> str:
-        return path if path.startswith("/") else posixpath.join("/workspace", path)
-
-    def make_dir(self, path: str) -> None:
-        """Create directory ``path`` and its parents (like ``mkdir -p``; E2B's name).
-        Runs ``mkdir`` in the environment's shell as the sandbox user."""
-        self._shell("make_dir", ["mkdir", "-p", "--", self._abs(path)])
-
-    def remove(self, path: str) -> None:
-        """Delete a file or a directory tree (``rm -rf``; E2B's name). Runs in the
-        environment's shell as the sandbox user."""
-        self._shell("remove", ["rm", "-rf", "--", self._abs(path)])
-
-    def rename(self, old_path: str, new_path: str) -> None:
-        """Move ``old_path`` to ``new_path`` (``mv``; E2B's name). Runs in the environment's
-        shell as the sandbox user."""
-        self._shell("rename", ["mv", "-f", "--", self._abs(old_path), self._abs(new_path)])
+    def stat(self, path: str) -> EntryInfo:
+        """Metadata of ``path`` (``GET files/stat``; symlinks are followed, a dangling one is
+        shown as ``type == "symlink"``). A missing path raises :class:`SandboxNotFound`."""
+        e = self._env._transport.json("GET", self._path("stat"), query={"path": path})
+        return EntryInfo(name=str(e.get("name", "")), path=path,
+                         type=str(e.get("type", "other")), size=int(e.get("size", 0) or 0),
+                         mode=str(e.get("mode", "")), mtime=str(e.get("mtime", "")))
 
     def exists(self, path: str) -> bool:
         """True if ``path`` names an entry (file, directory, ...) in the environment."""
-        parent, name = posixpath.split(posixpath.normpath(path))
-        if not name or name in (".", ".."):
-            return True
         try:
-            return any(e.name == name for e in self.list(parent or "."))
-        except (SandboxNotFound, InvalidArgument):
+            self.stat(path)
+            return True
+        except SandboxNotFound:
             return False
+
+    def make_dir(self, path: str) -> bool:
+        """Create directory ``path`` and its parents (like ``mkdir -p``; E2B's name).
+
+        Returns True if it was created, False if it already was a directory; an existing
+        file there raises :class:`Conflict`. Only inside ``/workspace``; a symlink among the
+        parents raises :class:`InvalidArgument`."""
+        answer = self._env._transport.json("POST", self._path("mkdir"), {"path": path})
+        return bool(answer.get("created", False))
+
+    def remove(self, path: str, *, recursive: bool = True) -> None:
+        """Delete a file, a symlink (the link, never its target) or a directory tree (E2B's
+        name). With ``recursive=False`` a non-empty directory raises :class:`Conflict`.
+        A missing path raises :class:`SandboxNotFound`. Only inside ``/workspace``."""
+        self._env._transport.json("POST", self._path("remove"),
+                                  {"path": path, "recursive": bool(recursive)})
+
+    def rename(self, old_path: str, new_path: str, *, overwrite: bool = False) -> None:
+        """Move ``old_path`` to ``new_path`` (E2B's name). An existing ``new_path`` raises
+        :class:`Conflict` unless ``overwrite``; the destination's directory must exist.
+        Both paths must lie inside ``/workspace``."""
+        self._env._transport.json("POST", self._path("rename"),
+                                  {"source": old_path, "destination": new_path,
+                                   "overwrite": bool(overwrite)})
 
 
 def _remaining_size(f: Any) -> Optional[int]:

@@ -422,6 +422,14 @@ class _Handler(BaseHTTPRequestHandler):
                 return None
             if rest == ["files", "list"] and method == "GET":
                 return self.list_dir(env, query.get("path", "."))
+            if rest == ["files", "stat"] and method == "GET":
+                return self.stat_path(env, query.get("path"))
+            if rest == ["files", "mkdir"] and method == "POST":
+                return self.make_dir(env, self.json_body())
+            if rest == ["files", "remove"] and method == "POST":
+                return self.remove(env, self.json_body())
+            if rest == ["files", "rename"] and method == "POST":
+                return self.rename(env, self.json_body())
         raise ApiError(404, "not_found", f"No route for {method} /{'/'.join(parts)}.")
 
     def artifacts(self, tenant: str, env_id: str, aid: Optional[str]) -> None:
@@ -706,6 +714,66 @@ class _Handler(BaseHTTPRequestHandler):
         except UnicodeDecodeError:
             body = {"content": base64.b64encode(data).decode(), "encoding": "base64"}
         self.send_json(200, {"error": False, **body, "size": len(data)})
+
+    @staticmethod
+    def _fields(body: dict[str, Any], allowed: set[str]) -> None:
+        unknown = sorted(set(body) - allowed)
+        if unknown:
+            raise ApiError(400, "bad_request", f"unknown field '{unknown[0]}'")
+
+    @staticmethod
+    def _entry(full: str, st: os.stat_result) -> dict[str, Any]:
+        kind = ("dir" if stat.S_ISDIR(st.st_mode) else "file" if stat.S_ISREG(st.st_mode)
+                else "symlink" if stat.S_ISLNK(st.st_mode) else "other")
+        return {"name": os.path.basename(full), "type": kind, "size": st.st_size,
+                "mode": f"{stat.S_IMODE(st.st_mode):04o}",
+                "mtime": datetime.fromtimestamp(st.st_mtime, timezone.utc)
+                .isoformat(timespec="milliseconds").replace("+00:00", "Z")}
+
+    def stat_path(self, env: FakeEnv, path: Optional[str]) -> None:
+        full = self.esbd.resolve(env, path)
+        if not os.path.lexists(full):
+            raise ApiError(404, "not_found", f"stat {path}: No such file or directory (ENOENT)")
+        self.send_json(200, {"error": False, "path": path, **self._entry(full, os.stat(full))})
+
+    def make_dir(self, env: FakeEnv, body: dict[str, Any]) -> None:
+        self._fields(body, {"path"})
+        full = self.esbd.resolve(env, body.get("path"))
+        if os.path.lexists(full) and not os.path.isdir(full):
+            raise ApiError(409, "conflict", f"mkdir {body['path']}: exists and is not a directory")
+        created = not os.path.isdir(full)
+        os.makedirs(full, exist_ok=True)
+        self.send_json(200, {"error": False, "path": body["path"], "created": created})
+
+    def remove(self, env: FakeEnv, body: dict[str, Any]) -> None:
+        self._fields(body, {"path", "recursive"})
+        full = self.esbd.resolve(env, body.get("path"))
+        if full == env.workspace:
+            raise ApiError(400, "bad_request", "remove: refused: the workspace itself")
+        if not os.path.lexists(full):
+            raise ApiError(404, "not_found", f"remove {body['path']}: No such file (ENOENT)")
+        if os.path.isdir(full) and not os.path.islink(full):
+            if body.get("recursive"):
+                shutil.rmtree(full)
+            elif os.listdir(full):
+                raise ApiError(409, "conflict", f"remove {body['path']}: directory not empty")
+            else:
+                os.rmdir(full)
+        else:
+            os.unlink(full)
+        self.send_json(200, {"error": False, "path": body["path"]})
+
+    def rename(self, env: FakeEnv, body: dict[str, Any]) -> None:
+        self._fields(body, {"source", "destination", "overwrite"})
+        src = self.esbd.resolve(env, body.get("source"))
+        dst = self.esbd.resolve(env, body.get("destination"))
+        if not os.path.lexists(src):
+            raise ApiError(404, "not_found", f"rename {body['source']}: No such file (ENOENT)")
+        if os.path.lexists(dst) and not body.get("overwrite"):
+            raise ApiError(409, "conflict", f"rename: {body['destination']} exists")
+        os.replace(src, dst)
+        self.send_json(200, {"error": False, "source": body["source"],
+                             "destination": body["destination"]})
 
     def list_dir(self, env: FakeEnv, path: str) -> None:
         full = self.esbd.resolve(env, path)

@@ -19,7 +19,7 @@ import time
 import pytest
 
 from conftest import E2E_SKIP_REASON, E2E_URL
-from agentbox import (AsyncSandbox, AuthError, CommandExitError, DaemonUnreachable,
+from agentbox import (AsyncSandbox, AuthError, CommandExitError, Conflict, DaemonUnreachable,
                       InvalidArgument, Sandbox, SandboxConfig, SandboxError, SandboxNotFound,
                       tools)
 from agentbox.workflow import ScriptedPlanner, run_workflow
@@ -306,6 +306,43 @@ def test_files_make_dir_rename_remove(env):
     env.files.remove("x")
     assert not env.files.exists("x")
     assert env.commands.run("pwd").stdout == "/workspace/elsewhere\n"
+
+
+def test_files_stat_conflicts_and_typed_errors(env):
+    assert env.files.make_dir("m/n") is True and env.files.make_dir("m/n") is False
+    env.files.write("m/f.txt", "abc")
+    info = env.files.stat("m/f.txt")
+    assert (info.type, info.size, info.name) == ("file", 3, "f.txt")
+    assert env.files.stat("m/n").type == "dir"
+    with pytest.raises(SandboxNotFound):
+        env.files.stat("m/none")
+    with pytest.raises(Conflict):
+        env.files.make_dir("m/f.txt")
+    env.files.write("m/g.txt", "g")
+    with pytest.raises(Conflict):
+        env.files.rename("m/f.txt", "m/g.txt")
+    env.files.rename("m/f.txt", "m/g.txt", overwrite=True)
+    assert env.files.read("m/g.txt") == "abc"
+    with pytest.raises(Conflict):
+        env.files.remove("m", recursive=False)
+    with pytest.raises(InvalidArgument):
+        env.files.make_dir("../escape")
+    with pytest.raises(InvalidArgument):
+        env.files.rename("m/g.txt", "/etc/g.txt")
+    env.files.remove("m")
+    with pytest.raises(SandboxNotFound):
+        env.files.remove("m")
+
+
+def test_files_symlink_to_etc_is_removed_and_renamed_as_a_link(env):
+    env.commands.run("ln -sfn /etc etclink")
+    with pytest.raises(InvalidArgument):
+        env.files.make_dir("etclink/esb-sdk-test")  # a symlinked parent is never followed
+    env.files.rename("etclink", "moved")
+    assert env.commands.run("readlink moved").stdout == "/etc\n"
+    env.files.remove("moved")
+    assert env.commands.run("test -L moved || echo gone; test -f /etc/passwd && echo kept"
+                            ).stdout == "gone\nkept\n"
 
 
 def test_files_missing(env):

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from agentbox import (AuthError, CommandExitError, CommandTimeout, DaemonUnreachable,
+from agentbox import (AuthError, CommandExitError, CommandTimeout, Conflict, DaemonUnreachable,
                       InvalidArgument, Sandbox, SandboxConfig, SandboxError, SandboxNotFound,
                       SandboxTimeout)
 from agentbox._http import parse_sse
@@ -420,7 +420,8 @@ def test_cancel_token_kills_the_command(fake):
 def test_make_dir_rename_remove(fake):
     with Sandbox.create(url=fake.url) as env:
         env.commands.run("mkdir elsewhere && cd elsewhere")  # relative paths ignore the cwd
-        env.files.make_dir("x/y")
+        assert env.files.make_dir("x/y") is True
+        assert env.files.make_dir("x/y") is False  # mkdir -p: already a directory
         env.files.write("x/y/f.txt", "1")
         env.files.rename("x/y/f.txt", "x/g.txt")
         assert env.files.read("x/g.txt") == "1" and not env.files.exists("x/y/f.txt")
@@ -428,3 +429,49 @@ def test_make_dir_rename_remove(fake):
         assert not env.files.exists("x")
         with pytest.raises(SandboxNotFound):
             env.files.rename("nope", "other")
+
+
+def test_file_operations_use_the_rest_endpoints_not_the_shell(fake):
+    with Sandbox.create(url=fake.url) as env:
+        env.files.make_dir("d")
+        env.files.write("d/a.txt", "a")
+        env.files.stat("d/a.txt")
+        env.files.rename("d/a.txt", "d/b.txt")
+        env.files.remove("d")
+        base = f"/environments/{env.id}"
+        for route in ("files/mkdir", "files/rename", "files/remove"):
+            assert ("POST", f"{base}/{route}") in fake.requests
+        assert ("GET", f"{base}/files/stat") in fake.requests
+        assert ("POST", f"{base}/execute") not in fake.requests
+
+
+def test_files_stat(fake):
+    with Sandbox.create(url=fake.url) as env:
+        env.files.write("s/a.txt", "abc")
+        info = env.files.stat("s/a.txt")
+        assert (info.name, info.type, info.size, info.path) == ("a.txt", "file", 3, "s/a.txt")
+        assert info.mode == "0644" and info.mtime.endswith("Z")
+        assert env.files.stat("s").type == "dir"
+        with pytest.raises(SandboxNotFound):
+            env.files.stat("s/none")
+
+
+def test_files_errors_are_typed_by_the_servers_code(fake):
+    with Sandbox.create(url=fake.url) as env:
+        env.files.write("f.txt", "1")
+        env.files.write("g.txt", "2")
+        env.files.write("d/inner.txt", "3")
+        with pytest.raises(Conflict):
+            env.files.make_dir("f.txt")  # a file is there
+        with pytest.raises(Conflict):
+            env.files.rename("f.txt", "g.txt")  # no overwrite by default
+        env.files.rename("f.txt", "g.txt", overwrite=True)
+        assert env.files.read("g.txt") == "1" and not env.files.exists("f.txt")
+        with pytest.raises(Conflict):
+            env.files.remove("d", recursive=False)  # not empty
+        with pytest.raises(SandboxNotFound):
+            env.files.remove("none")
+        with pytest.raises(InvalidArgument):
+            env.files.make_dir("../escape")
+        env.files.remove("d")
+        assert not env.files.exists("d")

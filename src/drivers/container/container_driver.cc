@@ -484,6 +484,23 @@ class ContainerDriver : public Driver {
     ESB_RETURN_IF_ERROR(ValidateId(ref.id));
     return Agent(ref).List(path);
   }
+  absl::StatusOr<FileEntry> Stat(const InstanceRef& ref, const std::string& path) override {
+    ESB_RETURN_IF_ERROR(ValidateId(ref.id));
+    return Agent(ref).Stat(path);
+  }
+  absl::StatusOr<bool> MakeDir(const InstanceRef& ref, const std::string& path) override {
+    ESB_RETURN_IF_ERROR(ValidateId(ref.id));
+    return Agent(ref).MakeDir(path);
+  }
+  absl::Status Remove(const InstanceRef& ref, const std::string& path, bool recursive) override {
+    ESB_RETURN_IF_ERROR(ValidateId(ref.id));
+    return Agent(ref).Remove(path, recursive);
+  }
+  absl::Status Rename(const InstanceRef& ref, const std::string& source,
+                      const std::string& destination, bool overwrite) override {
+    ESB_RETURN_IF_ERROR(ValidateId(ref.id));
+    return Agent(ref).Rename(source, destination, overwrite);
+  }
   absl::StatusOr<Usage> Stats(const InstanceRef& ref) override;
   absl::Status Configure(const InstanceRef& ref,
                          const std::map<std::string, std::string>& env) override {
@@ -613,8 +630,8 @@ std::vector<IdMapping> RangeMappings(uint32_t host_id) {
 absl::Status ContainerDriver::WriteBundle(const std::string& id, const EnvSpec& spec,
                                           const EnvPaths& paths, const std::string& rootfs,
                                           uint32_t userns_host_id) {
-  ESB_RETURN_IF_ERROR(MakeDir(paths.env_dir, 0700));
-  ESB_RETURN_IF_ERROR(MakeDir(paths.run_dir, 0700));
+  ESB_RETURN_IF_ERROR(container::MakeDir(paths.env_dir, 0700));
+  ESB_RETURN_IF_ERROR(container::MakeDir(paths.run_dir, 0700));
   BundleParams p = BaseParams(rootfs, layout_, kind_);
   // SECURITY: with a range, no sandbox uid (root included) is a uid of the host or of another
   // sandbox; the runtime writes the maps before the container's init runs any image code.
@@ -737,7 +754,7 @@ absl::StatusOr<InstanceRef> ContainerDriver::Create(const std::string& id, const
   ESB_RETURN_IF_ERROR(MakeDirs(options_.state_dir + "/envs", 0700));
   // The environment directory exists before its uid range is taken (and goes only after the
   // range is released): ReclaimRanges frees exactly the ranges whose owner directory is gone.
-  if (absl::Status s = MakeDir(paths.env_dir, 0700); !s.ok()) return fail(s);
+  if (absl::Status s = container::MakeDir(paths.env_dir, 0700); !s.ok()) return fail(s);
   if (userns_.enabled) {
     absl::StatusOr<uint32_t> range = AllocateRange(options_, paths.env_dir);
     if (!range.ok()) return fail(range.status());

@@ -353,4 +353,38 @@ WasiErrno MemFs::Rename(const std::vector<std::string>& from, const std::vector<
   return kOk;
 }
 
+WasiErrno MemFs::MakeDirs(const std::vector<std::string>& comps, bool* created) {
+  *created = false;
+  std::shared_ptr<Node> cur = root_;
+  for (size_t i = 0; i < comps.size(); i++) {
+    auto it = cur->children.find(comps[i]);
+    if (it == cur->children.end()) {
+      std::vector<std::string> up(comps.begin(), comps.begin() + i + 1);
+      if (WasiErrno e = Mkdir(up); e != kOk) return e;
+      it = cur->children.find(comps[i]);
+      *created = true;
+    } else if (!it->second->is_dir()) {
+      return i + 1 == comps.size() ? kExist : kNotdir;
+    } else {
+      *created = false;
+    }
+    cur = it->second;
+  }
+  return kOk;
+}
+
+WasiErrno MemFs::Remove(const std::vector<std::string>& comps, bool recursive) {
+  if (comps.empty()) return kPerm;
+  std::shared_ptr<Node> parent;
+  if (WasiErrno e = LookupParent(comps, &parent); e != kOk) return e;
+  auto it = parent->children.find(comps.back());
+  if (it == parent->children.end()) return kNoent;
+  if (!it->second->is_dir()) return Unlink(comps);
+  if (!recursive) return Rmdir(comps);
+  if (!IsWritableDir(*parent) || it->second->readonly) return kRofs;
+  parent->children.erase(it);  // the subtree's nodes release their quota when freed
+  parent->mtime_ns = NowNs();
+  return kOk;
+}
+
 }  // namespace esb::nano

@@ -111,6 +111,12 @@ class MemFs {
   WasiErrno Unlink(const std::vector<std::string>& comps);
   WasiErrno Rmdir(const std::vector<std::string>& comps);
   WasiErrno Rename(const std::vector<std::string>& from, const std::vector<std::string>& to);
+  // mkdir -p: creates the missing directories of `comps`; `*created` is false when it already
+  // was a directory (kExist when it is a file).
+  WasiErrno MakeDirs(const std::vector<std::string>& comps, bool* created);
+  // A file or empty directory; with `recursive` a directory and everything in it (its nodes
+  // give their quota back as they go). The tree is bounded by the quota's file count.
+  WasiErrno Remove(const std::vector<std::string>& comps, bool recursive);
 
   static int64_t NowNs();
 

@@ -616,6 +616,58 @@ absl::StatusOr<DirListing> NanoDriver::ListDir(const InstanceRef& ref, const std
   return out;
 }
 
+// One files-API request on a session's worker (the memfs lives there).
+absl::StatusOr<Msg> NanoDriver::FileCall(const InstanceRef& ref, const Msg& request,
+                                         const std::string& what) {
+  absl::StatusOr<std::shared_ptr<Session>> s = GetSession(ref);
+  if (!s.ok()) return s.status();
+  std::lock_guard<std::mutex> lock((*s)->mu);
+  if ((*s)->dead) return absl::UnavailableError("nano: session worker is not running");
+  absl::StatusOr<Msg> rep = Call((*s)->fd.get(), request, kControlTimeoutMs);
+  if (!rep.ok()) return rep.status();
+  if (absl::Status st = ReplyStatus(*rep, what); !st.ok()) return st;
+  return rep;
+}
+
+absl::StatusOr<FileEntry> NanoDriver::Stat(const InstanceRef& ref, const std::string& path) {
+  absl::StatusOr<Msg> rep =
+      FileCall(ref, {{"op", "pathstat"}, {"path", path}}, absl::StrCat("stat ", path));
+  if (!rep.ok()) return rep.status();
+  FileEntry e;
+  size_t slash = path.find_last_of('/');
+  e.name = slash == std::string::npos ? path : path.substr(slash + 1);
+  e.type = GetStr(*rep, "type") == "dir" ? "dir" : "file";
+  e.size = std::max<int64_t>(GetInt(*rep, "size"), 0);
+  e.mtime_ms = GetInt(*rep, "mtime_ms");
+  bool writable = GetStr(*rep, "access") == "w";
+  e.mode = e.type == "dir" ? (writable ? 0755 : 0555) : (writable ? 0644 : 0444);
+  return e;
+}
+
+absl::StatusOr<bool> NanoDriver::MakeDir(const InstanceRef& ref, const std::string& path) {
+  absl::StatusOr<Msg> rep =
+      FileCall(ref, {{"op", "mkdir"}, {"path", path}}, absl::StrCat("mkdir ", path));
+  if (!rep.ok()) return rep.status();
+  return GetStr(*rep, "created") == "1";
+}
+
+absl::Status NanoDriver::Remove(const InstanceRef& ref, const std::string& path, bool recursive) {
+  return FileCall(ref, {{"op", "remove"}, {"path", path}, {"recursive", recursive ? "1" : "0"}},
+                  absl::StrCat("remove ", path))
+      .status();
+}
+
+absl::Status NanoDriver::Rename(const InstanceRef& ref, const std::string& source,
+                                const std::string& destination, bool overwrite) {
+  return FileCall(ref,
+                  {{"op", "rename"},
+                   {"source", source},
+                   {"destination", destination},
+                   {"overwrite", overwrite ? "1" : "0"}},
+                  absl::StrCat("rename ", source, " -> ", destination))
+      .status();
+}
+
 absl::StatusOr<Usage> NanoDriver::Stats(const InstanceRef& ref) {
   absl::StatusOr<std::shared_ptr<Session>> s = GetSession(ref);
   if (!s.ok()) return s.status();

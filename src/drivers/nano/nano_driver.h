@@ -104,6 +104,11 @@ class NanoDriver : public Driver {
   absl::StatusOr<FileChunk> ReadFile(const InstanceRef& ref, const std::string& path,
                                      int64_t offset, int64_t length) override;
   absl::StatusOr<DirListing> ListDir(const InstanceRef& ref, const std::string& path) override;
+  absl::StatusOr<FileEntry> Stat(const InstanceRef& ref, const std::string& path) override;
+  absl::StatusOr<bool> MakeDir(const InstanceRef& ref, const std::string& path) override;
+  absl::Status Remove(const InstanceRef& ref, const std::string& path, bool recursive) override;
+  absl::Status Rename(const InstanceRef& ref, const std::string& source,
+                      const std::string& destination, bool overwrite) override;
   absl::StatusOr<Usage> Stats(const InstanceRef& ref) override;
   absl::Status Configure(const InstanceRef& ref,
                          const std::map<std::string, std::string>& env) override;
@@ -137,6 +142,10 @@ class NanoDriver : public Driver {
                      const std::map<std::string, std::string>& env, int* fd, int* pid);
   absl::Status Kill(int pid);
   absl::StatusOr<std::shared_ptr<Session>> GetSession(const InstanceRef& ref);
+  // One files-API request (a wire message) on a session's worker; its reply when ok.
+  absl::StatusOr<std::map<std::string, std::string>> FileCall(
+      const InstanceRef& ref, const std::map<std::string, std::string>& request,
+      const std::string& what);
   absl::StatusOr<RunResult> RunOn(int fd, int pid, const RunRequest& request, bool* worker_dead,
                                   bool oneshot);
 

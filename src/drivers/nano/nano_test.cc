@@ -59,6 +59,52 @@ TEST(MemFsTest, WorkspaceQuotaCapsBytesAndFiles) {
   EXPECT_EQ(b->Write(0, std::string(1000, 'y')), kOk);
 }
 
+TEST(MemFsTest, MakeDirsIsMkdirP) {
+  MemFs fs;
+  ASSERT_TRUE(fs.AddDir("/workspace", false).ok());
+  bool created = false;
+  ASSERT_EQ(fs.MakeDirs({"workspace", "a", "b"}, &created), kOk);
+  EXPECT_TRUE(created);
+  ASSERT_EQ(fs.MakeDirs({"workspace", "a", "b"}, &created), kOk);
+  EXPECT_FALSE(created);
+  std::shared_ptr<Node> f;
+  ASSERT_EQ(fs.CreateFile({"workspace", "f"}, false, false, &f), kOk);
+  EXPECT_EQ(fs.MakeDirs({"workspace", "f"}, &created), kExist);
+  EXPECT_EQ(fs.MakeDirs({"workspace", "f", "g"}, &created), kNotdir);
+}
+
+TEST(MemFsTest, MakeDirsOverTheFileCapIsNospc) {
+  MemFs fs(FsQuota{1000, 3});
+  ASSERT_TRUE(fs.AddDir("/workspace", false).ok());
+  bool created = false;
+  EXPECT_EQ(fs.MakeDirs({"workspace", "a", "b", "c"}, &created), kNospc);
+}
+
+TEST(MemFsTest, RecursiveRemoveGivesTheQuotaBack) {
+  MemFs fs(FsQuota{10000, 100});
+  ASSERT_TRUE(fs.AddDir("/workspace", false).ok());
+  bool created = false;
+  ASSERT_EQ(fs.MakeDirs({"workspace", "t", "u"}, &created), kOk);
+  std::shared_ptr<Node> f;
+  ASSERT_EQ(fs.CreateFile({"workspace", "t", "u", "f"}, false, false, &f), kOk);
+  ASSERT_EQ(f->Write(0, std::string(500, 'x')), kOk);
+  f.reset();
+  EXPECT_EQ(fs.Remove({"workspace", "t"}, false), kNotempty);
+  EXPECT_EQ(fs.Remove({"workspace", "missing"}, true), kNoent);
+  ASSERT_EQ(fs.Remove({"workspace", "t"}, true), kOk);
+  EXPECT_EQ(fs.quota().used_files, 1);  // the workspace itself
+  EXPECT_EQ(fs.quota().used_bytes, 0);
+  EXPECT_EQ(fs.Remove({}, true), kPerm);
+}
+
+TEST(MemFsTest, RecursiveRemoveOfTheReadOnlyTreeIsRefused) {
+  MemFs fs;
+  ASSERT_TRUE(fs.LoadHostDir(NANO_TESTDATA_DIR "/rotree", "/lib").ok());
+  EXPECT_EQ(fs.Remove({"lib"}, true), kRofs);
+  std::shared_ptr<Node> n;
+  EXPECT_EQ(fs.Lookup({"lib", "hello.txt"}, &n), kOk);
+}
+
 TEST(MemFsTest, ReadOnlyTreeRefusesChanges) {
   MemFs fs;
   ASSERT_TRUE(fs.LoadHostDir(NANO_TESTDATA_DIR "/rotree", "/lib").ok());

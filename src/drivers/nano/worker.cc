@@ -180,6 +180,12 @@ Msg FsError(WasiErrno e, const std::string& path) {
   return m;
 }
 
+Msg FsInvalid(const std::string& message) {
+  Msg m = Error(message);
+  m["errno"] = "EINVAL";
+  return m;
+}
+
 // Host-side paths: relative ones are under /workspace.
 WasiErrno HostPath(const std::string& path, std::vector<std::string>* comps) {
   std::string full = !path.empty() && path[0] == '/' ? path : "/workspace/" + path;
@@ -360,6 +366,74 @@ Msg DoRead(Runtime* rt, const Msg& req) {
           {"eof", start + n >= size ? "1" : "0"}};
 }
 
+// The files API's mkdir/remove/rename act only inside /workspace: `path` normalised (relative
+// ones are under /workspace) must stay below it; a `..` above the root or a path elsewhere is
+// EINVAL (the memfs has no symlinks, so normalising the text is the whole resolution).
+Msg WorkspacePath(const std::string& path, bool allow_root, std::vector<std::string>* comps) {
+  if (path.empty()) return FsInvalid("path must not be empty");
+  WasiErrno e = HostPath(path, comps);
+  if (e == kNotcapable) return FsInvalid(absl::StrCat(path, ": refused: '..' leaves /workspace"));
+  if (e != kOk) return FsError(e, path);
+  if (comps->empty() || (*comps)[0] != "workspace") {
+    return FsInvalid(absl::StrCat(path,
+                                  ": refused: outside /workspace (files/mkdir, remove "
+                                  "and rename act only inside the workspace)"));
+  }
+  if (!allow_root && comps->size() == 1) {
+    return FsInvalid(absl::StrCat(path, ": refused: the workspace itself"));
+  }
+  return {{"ok", "1"}};
+}
+
+Msg DoMakeDir(Runtime* rt, const Msg& req) {
+  std::string path = GetStr(req, "path");
+  std::vector<std::string> comps;
+  if (Msg m = WorkspacePath(path, true, &comps); GetStr(m, "ok") != "1") return m;
+  bool created = false;
+  if (WasiErrno e = rt->fs.MakeDirs(comps, &created); e != kOk) return FsError(e, path);
+  return {{"ok", "1"}, {"created", created ? "1" : "0"}};
+}
+
+Msg DoRemove(Runtime* rt, const Msg& req) {
+  std::string path = GetStr(req, "path");
+  std::vector<std::string> comps;
+  if (Msg m = WorkspacePath(path, false, &comps); GetStr(m, "ok") != "1") return m;
+  if (WasiErrno e = rt->fs.Remove(comps, GetInt(req, "recursive", 0) != 0); e != kOk) {
+    return FsError(e, path);
+  }
+  return {{"ok", "1"}};
+}
+
+Msg DoRename(Runtime* rt, const Msg& req) {
+  std::string source = GetStr(req, "source"), destination = GetStr(req, "destination");
+  std::vector<std::string> from, to;
+  if (Msg m = WorkspacePath(source, false, &from); GetStr(m, "ok") != "1") return m;
+  if (Msg m = WorkspacePath(destination, false, &to); GetStr(m, "ok") != "1") return m;
+  std::shared_ptr<Node> node;
+  if (WasiErrno e = rt->fs.Lookup(from, &node); e != kOk) return FsError(e, source);
+  if (GetInt(req, "overwrite", 0) == 0 && from != to && rt->fs.Lookup(to, &node) == kOk) {
+    return FsError(kExist, destination);
+  }
+  if (WasiErrno e = rt->fs.Rename(from, to); e != kOk) {
+    return FsError(e, absl::StrCat(source, " -> ", destination));
+  }
+  return {{"ok", "1"}};
+}
+
+// Metadata of one path (read's path rules: anywhere in the memfs).
+Msg DoPathStat(Runtime* rt, const Msg& req) {
+  std::string path = GetStr(req, "path");
+  std::vector<std::string> comps;
+  std::shared_ptr<Node> node;
+  if (WasiErrno e = HostPath(path, &comps); e != kOk) return FsError(e, path);
+  if (WasiErrno e = rt->fs.Lookup(comps, &node); e != kOk) return FsError(e, path);
+  return {{"ok", "1"},
+          {"type", node->is_dir() ? "dir" : "file"},
+          {"size", std::to_string(node->is_dir() ? 0 : node->data.size())},
+          {"mtime_ms", std::to_string(node->mtime_ns / 1000000)},
+          {"access", node->readonly ? "r" : "w"}};
+}
+
 Msg DoList(Runtime* rt, const Msg& req) {
   std::string path = GetStr(req, "path");
   std::vector<std::string> comps;
@@ -445,6 +519,14 @@ void WorkerLoop(Runtime* rt, int channel, bool oneshot, bool seccomp) {
       rep = DoList(rt, req);
     } else if (op == "stat") {
       rep = DoStat(rt);
+    } else if (op == "mkdir") {
+      rep = DoMakeDir(rt, req);
+    } else if (op == "remove") {
+      rep = DoRemove(rt, req);
+    } else if (op == "rename") {
+      rep = DoRename(rt, req);
+    } else if (op == "pathstat") {
+      rep = DoPathStat(rt, req);
     } else if (op == "env") {
       rt->host->set_env(SplitNul(GetStr(req, "env")));
       rep = {{"ok", "1"}};
