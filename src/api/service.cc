@@ -294,9 +294,15 @@ void ApiService::Register(Router& router) {
 
   router.Add("GET", "/healthz", [this](Request&) {
     json::object drivers;
-    for (const auto& [name, desc] : options_.driver_descriptions) drivers[name] = desc;
     json::object unavailable;
-    for (const auto& [name, why] : options_.unavailable_runtimes) unavailable[name] = why;
+    if (options_.drivers) {
+      for (const DriverRegistry::Entry& e : options_.drivers->entries()) {
+        if (e.driver)
+          drivers[e.name] = e.description;
+        else
+          unavailable[e.name] = e.unavailable;
+      }
+    }
     return JsonResponse(200, json::object{{"status", "ok"},
                                           {"version", ESB_VERSION},
                                           {"drivers", std::move(drivers)},
@@ -490,15 +496,17 @@ Response ApiService::CreateEnvironment(Request& req, const std::string& tenant) 
   }
   if (runtime == "auto") runtime = "container";  // the adaptive router arrives with the nano tier
   spec.runtime = std::string(RuntimeAlias(runtime));
-  if (!manager_->HasDriver(spec.runtime)) {
-    auto why = options_.unavailable_runtimes.find(spec.runtime);
-    return ErrorResponse(400, "bad_request",
-                         absl::StrCat("runtime '", runtime, "' is not available on this host",
-                                      why != options_.unavailable_runtimes.end()
-                                          ? absl::StrCat(": ", why->second)
-                                          : ""));
+  const DriverRegistry::Entry* driver =
+      options_.drivers ? options_.drivers->Lookup(spec.runtime) : nullptr;
+  if (!driver || !driver->driver || !manager_->HasDriver(spec.runtime)) {
+    return ErrorResponse(
+        400, "bad_request",
+        absl::StrCat(
+            "runtime '", runtime, "' is not available on this host",
+            driver && !driver->unavailable.empty() ? absl::StrCat(": ", driver->unavailable) : ""));
   }
-  if (spec.runtime != "nano" && !options_.images.count(spec.image))
+  // Heavy tiers boot a rootfs image; the nano tier has its interpreter built in.
+  if (driver->tier == DriverRegistry::Tier::kHeavy && !options_.images.count(spec.image))
     return ErrorResponse(400, "bad_request", absl::StrCat("unknown image '", spec.image, "'"));
   auto info = manager_->Create(tenant, spec, ttl);
   Response resp;

@@ -10,6 +10,7 @@
 #include "api/http_server.h"
 #include "core/artifact_store.h"
 #include "core/config.h"
+#include "core/driver_registry.h"
 #include "core/environment_manager.h"
 #include "core/metrics.h"
 #include "storage/store.h"
@@ -25,9 +26,9 @@ struct ServiceOptions {
   int64_t max_pids = 4096;  // largest "pids" an environment may ask for (daemon config)
   int64_t max_memory_mb = 16384;  // largest "memory_mb" (daemon config max_memory_mb)
   int64_t max_disk_mb = 65536;    // largest "disk_mb" (daemon config max_disk_mb)
-  // runtime name → why it is unavailable (shown in 400 answers), for runtimes with no driver.
-  std::map<std::string, std::string> unavailable_runtimes;
-  std::map<std::string, std::string> driver_descriptions;  // for /healthz
+  // Which runtimes this esbd has, their tiers, descriptions (/healthz) and why the others are
+  // unavailable (shown in 400 answers). Not owned; null: none.
+  const DriverRegistry* drivers = nullptr;
 };
 
 // Handler for POST /run and POST /environments/{id}/run (api/run_service.h builds it);

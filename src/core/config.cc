@@ -220,6 +220,8 @@ absl::Status LoadConfigFile(const std::string& path, DaemonConfig* c) {
     else if (key == "python_wasm") st = GetString(v, key, &c->python_wasm);
     else if (key == "nano_worker") st = GetString(v, key, &c->nano_worker);
     else if (key == "router_rules") st = GetString(v, key, &c->router_rules);
+    else if (key == "image_cache")
+      st = GetString(v, key, &c->image_cache);
     else if (key == "log_level") st = GetString(v, key, &c->log_level);
     else if (key == "default_ttl_seconds") st = GetInt(v, key, &c->default_ttl_s);
     else if (key == "max_ttl_seconds") st = GetInt(v, key, &c->max_ttl_s);
@@ -330,6 +332,7 @@ absl::Status ApplyEnvironment(const std::function<const char*(const char*)>& get
   str("ESBD_NANO_WORKER", &c->nano_worker);
   str("ESBD_ROUTER_RULES", &c->router_rules);
   str("ESBD_PACKAGE_INDEX", &c->packages.index_url);
+  str("ESB_CACHE_DIR", &c->image_cache);
   if (const char* v = getenv_fn("ESBD_IMAGE_DEFAULT"); v && *v) c->images["default"] = v;
   if (const char* v = getenv_fn("ESBD_POOL_SIZE"); v && *v) {
     if (!absl::SimpleAtoi(v, &c->pool_size) || c->pool_size < 0)
