@@ -7,14 +7,15 @@
 #include <cerrno>
 #include <cstring>
 #include <memory>
-#include <stdexcept>
 #include <set>
+#include <stdexcept>
 
 #include "absl/strings/str_cat.h"
 #include "api/json_util.h"
 #include "api/sse_output.h"
 #include "api/tools_catalog.h"
 #include "common/util.h"
+#include "drivers/env_limits.h"
 
 namespace esb::api {
 namespace json = boost::json;
@@ -58,34 +59,10 @@ std::string_view RuntimeAlias(std::string_view runtime) {
   return runtime;
 }
 
-// Output may contain arbitrary bytes; JSON strings must be UTF-8. Replace invalid sequences
-// with U+FFFD so the text stays readable (exact bytes are available through files/raw).
-std::string SanitizeUtf8Impl(std::string_view in) {
-  if (IsValidUtf8(in)) return std::string(in);
-  std::string out;
-  out.reserve(in.size());
-  size_t i = 0;
-  while (i < in.size()) {
-    size_t len = 1;
-    unsigned char c = in[i];
-    if (c >= 0xC0 && c < 0xE0) len = 2;
-    else if (c >= 0xE0 && c < 0xF0) len = 3;
-    else if (c >= 0xF0 && c < 0xF8) len = 4;
-    if (i + len <= in.size() && IsValidUtf8(in.substr(i, len))) {
-      out.append(in.substr(i, len));
-      i += len;
-    } else {
-      out.append("\xEF\xBF\xBD");
-      i += 1;
-    }
-  }
-  return out;
-}
-
 json::object ResultJson(const ExecResult& r) {
   return json::object{{"error", r.exit_code != 0},
-                      {"stdout", SanitizeUtf8Impl(r.stdout_data)},
-                      {"stderr", SanitizeUtf8Impl(r.stderr_data)},
+                      {"stdout", SanitizeUtf8(r.stdout_data)},
+                      {"stderr", SanitizeUtf8(r.stderr_data)},
                       {"exit_code", r.exit_code},
                       {"duration_ms", r.duration_ms},
                       {"timed_out", r.timed_out},
@@ -161,8 +138,6 @@ absl::Status CheckDevModeBrowserRequest(const Request& req) {
 }
 
 }  // namespace
-
-std::string SanitizeUtf8(std::string_view in) { return SanitizeUtf8Impl(in); }
 
 Response FileStatusResponse(const absl::Status& st) {
   switch (st.code()) {
@@ -476,10 +451,20 @@ Response ApiService::CreateEnvironment(Request& req, const std::string& tenant) 
   spec.image = f.OptionalString("image", d.image);
   std::string runtime = f.OptionalEnum("runtime", "container",
                                        {"auto", "container", "heavy", "gvisor", "nano", "microvm"});
-  spec.cpu = f.OptionalDouble("cpu", d.cpu, 0.1, std::max(1, options_.host_cpus));
-  spec.memory_mb = f.OptionalInt("memory_mb", d.memory_mb, 32, options_.max_memory_mb);
-  spec.pids = f.OptionalInt("pids", d.pids, 16, options_.max_pids);
-  spec.disk_mb = f.OptionalInt("disk_mb", d.disk_mb, 16, options_.max_disk_mb);
+  // The one limit table (drivers/env_limits.h): the driver refuses the same ranges.
+  EnvLimitCaps caps;
+  caps.cpus = options_.host_cpus;
+  caps.max_memory_mb = options_.max_memory_mb;
+  caps.max_pids = options_.max_pids;
+  caps.max_disk_mb = options_.max_disk_mb;
+  const EnvLimitTable limits = EnvLimits(caps);
+  auto int_limit = [&](const LimitRange& r, int64_t dflt) {
+    return f.OptionalInt(r.field, dflt, static_cast<int64_t>(r.min), static_cast<int64_t>(r.max));
+  };
+  spec.cpu = f.OptionalDouble("cpu", d.cpu, limits.cpu.min, limits.cpu.max);
+  spec.memory_mb = int_limit(limits.memory_mb, d.memory_mb);
+  spec.pids = int_limit(limits.pids, d.pids);
+  spec.disk_mb = int_limit(limits.disk_mb, d.disk_mb);
   int64_t ttl = f.OptionalInt("ttl_seconds", 0, 10, 86400);
   spec.env = f.OptionalStringMap("env", 256);
   spec.network = f.OptionalEnum("network", "none", {"none"});

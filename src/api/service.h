@@ -8,6 +8,7 @@
 #include <string>
 
 #include "api/http_server.h"
+#include "common/utf8.h"  // SanitizeUtf8 for the routes
 #include "core/artifact_store.h"
 #include "core/config.h"
 #include "core/driver_registry.h"
@@ -95,10 +96,6 @@ class ApiService {
 // An artifact as the API shows it: {id, kind, name, mime_type, size, title, step,
 // environment_id, created_at, url}.
 boost::json::object RenderArtifact(const ArtifactMeta& meta);
-
-// Replaces invalid UTF-8 sequences with U+FFFD (JSON strings must be UTF-8; exact bytes are
-// available through files/raw).
-std::string SanitizeUtf8(std::string_view in);
 
 // Status → HTTP answer for file operations, where PermissionDenied means "the sandbox user may
 // not do that" (403), not tenant isolation.
