@@ -452,12 +452,7 @@ Response ApiService::CreateEnvironment(Request& req, const std::string& tenant) 
   std::string runtime = f.OptionalEnum("runtime", "container",
                                        {"auto", "container", "heavy", "gvisor", "nano", "microvm"});
   // The one limit table (drivers/env_limits.h): the driver refuses the same ranges.
-  EnvLimitCaps caps;
-  caps.cpus = options_.host_cpus;
-  caps.max_memory_mb = options_.max_memory_mb;
-  caps.max_pids = options_.max_pids;
-  caps.max_disk_mb = options_.max_disk_mb;
-  const EnvLimitTable limits = EnvLimits(caps);
+  const EnvLimitTable limits = EnvLimits(options_.limits);
   auto int_limit = [&](const LimitRange& r, int64_t dflt) {
     return f.OptionalInt(r.field, dflt, static_cast<int64_t>(r.min), static_cast<int64_t>(r.max));
   };

@@ -14,6 +14,7 @@
 #include "core/driver_registry.h"
 #include "core/environment_manager.h"
 #include "core/metrics.h"
+#include "drivers/env_limits.h"
 #include "storage/store.h"
 
 namespace esb::api {
@@ -23,10 +24,9 @@ struct ServiceOptions {
   int64_t max_output_bytes = 1 << 20;
   int64_t max_upload_bytes = 256ll << 20;
   int64_t max_json_read_bytes = 16ll << 20;
-  int host_cpus = 1;
-  int64_t max_pids = 4096;  // largest "pids" an environment may ask for (daemon config)
-  int64_t max_memory_mb = 16384;  // largest "memory_mb" (daemon config max_memory_mb)
-  int64_t max_disk_mb = 65536;    // largest "disk_mb" (daemon config max_disk_mb)
+  // The caps of the one limit table (drivers/env_limits.h): host CPUs, max_memory_mb,
+  // max_pids, max_disk_mb of the daemon config.
+  EnvLimitCaps limits;
   // Which runtimes this esbd has, their tiers, descriptions (/healthz) and why the others are
   // unavailable (shown in 400 answers). Not owned; null: none.
   const DriverRegistry* drivers = nullptr;

@@ -241,10 +241,8 @@ int main(int argc, char** argv) {
   service_options.drivers = &registry;
   service_options.max_output_bytes = config.max_output_bytes;
   service_options.max_upload_bytes = config.max_upload_bytes;
-  service_options.host_cpus = static_cast<int>(std::thread::hardware_concurrency());
-  service_options.max_pids = config.max_pids;
-  service_options.max_memory_mb = config.max_memory_mb;
-  service_options.max_disk_mb = config.max_disk_mb;
+  service_options.limits =
+      esb::HostEnvLimitCaps(config.max_memory_mb, config.max_pids, config.max_disk_mb);
 
   esb::Metrics metrics;
   esb::ManagerOptions mopts;
