@@ -895,7 +895,7 @@ TEST_F(ContainerDriverTest, MemoryAboveDaemonCapIsRefusedAndParentIsLimited) {
     EXPECT_TRUE(absl::IsInvalidArgument(r.status())) << memory << "/" << disk << ": " << r.status();
     // The answer names the cap that refused it (the one limit table, drivers/env_limits.h).
     EXPECT_TRUE(absl::StrContains(
-        r.status().message(), memory > options_.max_memory_mb ? "max_memory_mb" : "max_disk_mb"))
+        r.status().message(), memory > cap_mb ? "max_memory_mb" : "max_disk_mb"))
         << r.status();
   }
   auto layout = container::DetectCgroups();
