@@ -894,8 +894,8 @@ TEST_F(ContainerDriverTest, MemoryAboveDaemonCapIsRefusedAndParentIsLimited) {
     absl::StatusOr<InstanceRef> r = driver_->Create("memcap" + RandomHex(2), spec);
     EXPECT_TRUE(absl::IsInvalidArgument(r.status())) << memory << "/" << disk << ": " << r.status();
     // The answer names the cap that refused it (the one limit table, drivers/env_limits.h).
-    EXPECT_TRUE(absl::StrContains(
-        r.status().message(), memory > cap_mb ? "max_memory_mb" : "max_disk_mb"))
+    EXPECT_TRUE(
+        absl::StrContains(r.status().message(), memory > cap_mb ? "max_memory_mb" : "max_disk_mb"))
         << r.status();
   }
   auto layout = container::DetectCgroups();
