@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Builds EnterSandBox's slow artefacts once, cached by content hash, and writes build/images.env
-# (KEY=VALUE lines that esbd and the tests read). Idempotent: an artefact whose recipe did not
+# (KEY=VALUE lines that the tests read) and a manifest of the build into
+# $ESB_CACHE_DIR/builds/ (what esbd reads when started with no image configured: the newest
+# complete build, core/image_discovery.h). Idempotent: an artefact whose recipe did not
 # change is reused at once. Prints one line per artefact: "cached" or "built in N s".
 #
 #   ESB_CACHE_DIR   where images live (default /var/cache/entersandbox)
@@ -59,6 +61,44 @@ build_artefact() {
   env_lines+=("$var=$path")
 }
 
+# Value of VAR in env_lines ("" when absent).
+env_value() {
+  local line
+  for line in "${env_lines[@]}"; do
+    if [[ "$line" == "$1="* ]]; then echo "${line#*=}"; fi
+  done
+}
+
+# Writes $CACHE_DIR/builds/<time>-<pid>.json (atomically: tmp + rename), naming this build's
+# artefacts; "complete" only when both exist. esbd picks the newest complete manifest.
+write_manifest() {
+  local dir="${ESB_CACHE_DIR:-/var/cache/entersandbox}/builds" rootfs wasm complete=false
+  rootfs="$(env_value ESBD_IMAGE_DEFAULT)"
+  wasm="$(env_value ESBD_PYTHON_WASM)"
+  if [[ -n "$rootfs" && -d "$rootfs" && -n "$wasm" && -d "$wasm" ]]; then complete=true; fi
+  mkdir -p "$dir"
+  local now name tmp
+  now="$(date +%s%3N)"
+  name="$(date -u +%Y%m%dT%H%M%S%3NZ)-$$.json"
+  tmp="$(mktemp "$dir/.manifest.XXXXXX")"
+  # Paths are the build scripts' own (hex hashes under the cache): no JSON escaping needed,
+  # but refuse anything that would need it rather than write a broken manifest.
+  if [[ "$rootfs$wasm" == *[\"\\]* ]]; then
+    rm -f "$tmp"
+    echo "[images] manifest: artefact path contains a quote or backslash" >&2
+    exit 1
+  fi
+  printf '{"format": 1, "created_unix_ms": %s, "complete": %s,\n "artefacts": {"rootfs": "%s", "python_wasm": "%s"}}\n' \
+    "$now" "$complete" "$rootfs" "$wasm" >"$tmp"
+  chmod 0644 "$tmp"
+  mv -f "$tmp" "$dir/$name"
+  echo "[images] manifest $dir/$name (complete: $complete)"
+  # Keep the newest 20 manifests (names sort by time); the artefacts themselves stay.
+  local old
+  while IFS= read -r old; do rm -f -- "$old"; done < <(
+    find "$dir" -maxdepth 1 -name '*.json' -type f | sort -r | tail -n +21)
+}
+
 main() {
   # --- rootfs (container driver's default image) ------------------------------------------------
   if [[ "$SELECTED" == *" rootfs "* ]]; then
@@ -83,6 +123,8 @@ main() {
     echo "[images] python.wasm: skipped ($PYWASM not present or not executable)"
   fi
   # --- end of HOOK ------------------------------------------------------------------------------
+
+  write_manifest
 
   mkdir -p "$REPO/build"
   local tmp

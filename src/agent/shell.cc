@@ -19,6 +19,7 @@
 #include "agent/process_tree.h"
 #include "agent/util.h"
 #include "common/protocol.h"
+#include "common/shell_quote.h"
 
 namespace esb::agent {
 namespace {
@@ -86,19 +87,6 @@ else IFS= builtin read -r -d "" __esb_s <&3; builtin eval -- "$__esb_s"; fi)SH";
 constexpr char kScriptHead[] = R"SH(builtin exec 3<&-
 \builtin shopt -s expand_aliases
 )SH";
-
-std::string SingleQuote(std::string_view s) {
-  std::string out = "'";
-  for (char c : s) {
-    if (c == '\'') {
-      out += "'\\''";
-    } else {
-      out += c;
-    }
-  }
-  out += "'";
-  return out;
-}
 
 std::string ReplaceAll(std::string s, std::string_view from, std::string_view to) {
   size_t pos = 0;
@@ -224,7 +212,7 @@ std::string ShellSession::BuildScript(const ExecParams& params,
   int i = 0;
   for (const auto& [name, value] : params.env) {
     std::string idx = std::to_string(i++);
-    capture += "__esb_p" + idx + "=${" + name + "@A} __esb_e" + idx + "=" + SingleQuote(value) +
+    capture += "__esb_p" + idx + "=${" + name + "@A} __esb_e" + idx + "=" + ShellQuote(value) +
                "\nbuiltin export " + name + "=\"$__esb_e" + idx + "\"\n";
     restore += "[[ ${" + name + "-} == \"$__esb_e" + idx + "\" ]] && { builtin unset -v " + name +
                "; [[ -n $__esb_p" + idx + " ]] && builtin eval -- \"${__esb_p" + idx +
@@ -232,17 +220,17 @@ std::string ShellSession::BuildScript(const ExecParams& params,
   }
   std::string script = kScriptHead;
   // Readonly: a command that clobbers it must not make the trap write somewhere else.
-  script += "builtin declare -r __esb_out=" + SingleQuote(dump_fifo_) + "\n";
-  script += "__esb_c=" + SingleQuote(params.command) + "\n";
+  script += "builtin declare -r __esb_out=" + ShellQuote(dump_fifo_) + "\n";
+  script += "__esb_c=" + ShellQuote(params.command) + "\n";
   const std::string save = ReplaceAll(kSave, "%RESTORE%", restore);
-  script += "builtin trap " + SingleQuote(save) + " EXIT\n";
+  script += "builtin trap " + ShellQuote(save) + " EXIT\n";
   // The saved state runs through eval so that a broken line cannot abort the whole script.
   if (!state_.empty()) {
-    script += "__esb_state=" + SingleQuote(state_) + "\n";
+    script += "__esb_state=" + ShellQuote(state_) + "\n";
     script += "builtin eval -- \"$__esb_state\" >/dev/null 2>&1; builtin unset -v __esb_state\n";
   }
   for (const auto& [name, value] : pending) {
-    script += "builtin export " + name + "=" + SingleQuote(value) + "\n";
+    script += "builtin export " + name + "=" + ShellQuote(value) + "\n";
   }
   script += capture;
   script += "builtin eval -- \"$__esb_c\"\n";

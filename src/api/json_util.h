@@ -23,6 +23,7 @@
 #include "absl/status/statusor.h"
 #include "api/http_server.h"
 #include "boost/json.hpp"
+#include "common/utf8.h"  // IsValidUtf8, SanitizeUtf8 for the routes
 
 namespace esb::api {
 
@@ -150,13 +151,5 @@ std::string_view TrimAscii(std::string_view s);
 std::string ToLowerAscii(std::string_view s);
 bool EqualsIgnoreCase(std::string_view a, std::string_view b);
 bool StartsWithIgnoreCase(std::string_view s, std::string_view prefix);
-
-// --- UTF-8 ---
-// Strict validation: no overlong forms, no surrogates, nothing above U+10FFFF.
-bool IsValidUtf8(std::string_view data);
-// For splitting a byte stream into UTF-8 chunks: the length of the longest prefix of `data`
-// that does not end inside an incomplete (but so far valid) multi-byte sequence. The remaining
-// 1–3 bytes should be held back and prepended to the next chunk. Invalid bytes are not held back.
-size_t Utf8CompletePrefix(std::string_view data);
 
 }  // namespace esb::api

@@ -226,44 +226,5 @@ TEST(Base64Test, RejectsInvalidInput) {
   EXPECT_FALSE(Base64Decode("Zm9-").ok());      // URL-safe alphabet is not base64
 }
 
-TEST(Utf8Test, Validation) {
-  EXPECT_TRUE(IsValidUtf8(""));
-  EXPECT_TRUE(IsValidUtf8("hello"));
-  EXPECT_TRUE(IsValidUtf8("h\xc3\xa9llo"));          // é
-  EXPECT_TRUE(IsValidUtf8("\xe2\x82\xac"));          // €
-  EXPECT_TRUE(IsValidUtf8("\xf0\x9f\x98\x80"));      // 😀
-  EXPECT_TRUE(IsValidUtf8("\xf4\x8f\xbf\xbf"));      // U+10FFFF
-  EXPECT_TRUE(IsValidUtf8(std::string("a\0b", 3)));  // NUL is valid UTF-8
-  EXPECT_FALSE(IsValidUtf8("\xff"));
-  EXPECT_FALSE(IsValidUtf8("\x80"));              // lone continuation
-  EXPECT_FALSE(IsValidUtf8("\xc0\xaf"));          // overlong '/'
-  EXPECT_FALSE(IsValidUtf8("\xe0\x80\xaf"));      // overlong
-  EXPECT_FALSE(IsValidUtf8("\xed\xa0\x80"));      // surrogate U+D800
-  EXPECT_FALSE(IsValidUtf8("\xf4\x90\x80\x80"));  // > U+10FFFF
-  EXPECT_FALSE(IsValidUtf8("\xf5\x80\x80\x80"));
-  EXPECT_FALSE(IsValidUtf8("\xc3"));  // truncated
-  EXPECT_FALSE(IsValidUtf8("\xe2\x82"));
-  EXPECT_FALSE(IsValidUtf8("\xc3\x28"));
-}
-
-TEST(Utf8Test, CompletePrefixHoldsBackTruncatedSequence) {
-  EXPECT_EQ(Utf8CompletePrefix("abc"), 3u);
-  EXPECT_EQ(Utf8CompletePrefix(""), 0u);
-  EXPECT_EQ(Utf8CompletePrefix("ab\xc3"), 2u);
-  EXPECT_EQ(Utf8CompletePrefix("ab\xe2\x82"), 2u);
-  EXPECT_EQ(Utf8CompletePrefix("ab\xf0\x9f\x98"), 2u);
-  EXPECT_EQ(Utf8CompletePrefix("ab\xf0\x9f\x98\x80"), 6u);
-  EXPECT_EQ(Utf8CompletePrefix("ab\xff"), 3u);      // invalid: not held back
-  EXPECT_EQ(Utf8CompletePrefix("ab\xe0\x80"), 4u);  // overlong start: invalid, not held back
-  // Splitting a valid string at every point and holding back the tail yields valid chunks.
-  std::string s = "x\xc3\xa9\xe2\x82\xac\xf0\x9f\x98\x80y";
-  for (size_t cut = 0; cut <= s.size(); ++cut) {
-    std::string head = s.substr(0, cut);
-    size_t keep = Utf8CompletePrefix(head);
-    EXPECT_TRUE(IsValidUtf8(head.substr(0, keep))) << cut;
-    EXPECT_TRUE(IsValidUtf8(head.substr(keep) + s.substr(cut))) << cut;
-  }
-}
-
 }  // namespace
 }  // namespace esb::api

@@ -7,14 +7,15 @@
 #include <cerrno>
 #include <cstring>
 #include <memory>
-#include <stdexcept>
 #include <set>
+#include <stdexcept>
 
 #include "absl/strings/str_cat.h"
 #include "api/json_util.h"
 #include "api/sse_output.h"
 #include "api/tools_catalog.h"
 #include "common/util.h"
+#include "drivers/env_limits.h"
 
 namespace esb::api {
 namespace json = boost::json;
@@ -58,30 +59,6 @@ std::string_view RuntimeAlias(std::string_view runtime) {
   return runtime;
 }
 
-// Output may contain arbitrary bytes; JSON strings must be UTF-8. Replace invalid sequences
-// with U+FFFD so the text stays readable (exact bytes are available through files/raw).
-std::string SanitizeUtf8Impl(std::string_view in) {
-  if (IsValidUtf8(in)) return std::string(in);
-  std::string out;
-  out.reserve(in.size());
-  size_t i = 0;
-  while (i < in.size()) {
-    size_t len = 1;
-    unsigned char c = in[i];
-    if (c >= 0xC0 && c < 0xE0) len = 2;
-    else if (c >= 0xE0 && c < 0xF0) len = 3;
-    else if (c >= 0xF0 && c < 0xF8) len = 4;
-    if (i + len <= in.size() && IsValidUtf8(in.substr(i, len))) {
-      out.append(in.substr(i, len));
-      i += len;
-    } else {
-      out.append("\xEF\xBF\xBD");
-      i += 1;
-    }
-  }
-  return out;
-}
-
 // A path the files API creates or moves something to (mkdir, remove, rename): CheckPath's rules,
 // and no control characters (names an agent could not show or type back).
 absl::Status CheckNewPath(std::string_view field, const std::string& path) {
@@ -105,7 +82,7 @@ absl::Status CheckNewPath(std::string_view field, const std::string& path) {
 json::object RenderEntry(const FileEntry& e) {
   char mode[8];
   std::snprintf(mode, sizeof mode, "%04o", e.mode & 07777);
-  return json::object{{"name", SanitizeUtf8Impl(e.name)},
+  return json::object{{"name", SanitizeUtf8(e.name)},
                       {"type", e.type},
                       {"size", e.size},
                       {"mode", mode},
@@ -121,8 +98,8 @@ Response FileOpResponse(const absl::Status& st) {
 
 json::object ResultJson(const ExecResult& r) {
   return json::object{{"error", r.exit_code != 0},
-                      {"stdout", SanitizeUtf8Impl(r.stdout_data)},
-                      {"stderr", SanitizeUtf8Impl(r.stderr_data)},
+                      {"stdout", SanitizeUtf8(r.stdout_data)},
+                      {"stderr", SanitizeUtf8(r.stderr_data)},
                       {"exit_code", r.exit_code},
                       {"duration_ms", r.duration_ms},
                       {"timed_out", r.timed_out},
@@ -198,8 +175,6 @@ absl::Status CheckDevModeBrowserRequest(const Request& req) {
 }
 
 }  // namespace
-
-std::string SanitizeUtf8(std::string_view in) { return SanitizeUtf8Impl(in); }
 
 Response FileStatusResponse(const absl::Status& st) {
   switch (st.code()) {
@@ -331,9 +306,15 @@ void ApiService::Register(Router& router) {
 
   router.Add("GET", "/healthz", [this](Request&) {
     json::object drivers;
-    for (const auto& [name, desc] : options_.driver_descriptions) drivers[name] = desc;
     json::object unavailable;
-    for (const auto& [name, why] : options_.unavailable_runtimes) unavailable[name] = why;
+    if (options_.drivers) {
+      for (const DriverRegistry::Entry& e : options_.drivers->entries()) {
+        if (e.driver)
+          drivers[e.name] = e.description;
+        else
+          unavailable[e.name] = e.unavailable;
+      }
+    }
     json::object userns;
     for (const auto& [name, st] : options_.userns) {
       userns[name] = json::object{{"enabled", st.first}, {"reason", st.second}};
@@ -520,10 +501,15 @@ Response ApiService::CreateEnvironment(Request& req, const std::string& tenant) 
   spec.image = f.OptionalString("image", d.image);
   std::string runtime = f.OptionalEnum("runtime", "container",
                                        {"auto", "container", "heavy", "gvisor", "nano", "microvm"});
-  spec.cpu = f.OptionalDouble("cpu", d.cpu, 0.1, std::max(1, options_.host_cpus));
-  spec.memory_mb = f.OptionalInt("memory_mb", d.memory_mb, 32, options_.max_memory_mb);
-  spec.pids = f.OptionalInt("pids", d.pids, 16, options_.max_pids);
-  spec.disk_mb = f.OptionalInt("disk_mb", d.disk_mb, 16, options_.max_disk_mb);
+  // The one limit table (drivers/env_limits.h): the driver refuses the same ranges.
+  const EnvLimitTable limits = EnvLimits(options_.limits);
+  auto int_limit = [&](const LimitRange& r, int64_t dflt) {
+    return f.OptionalInt(r.field, dflt, static_cast<int64_t>(r.min), static_cast<int64_t>(r.max));
+  };
+  spec.cpu = f.OptionalDouble("cpu", d.cpu, limits.cpu.min, limits.cpu.max);
+  spec.memory_mb = int_limit(limits.memory_mb, d.memory_mb);
+  spec.pids = int_limit(limits.pids, d.pids);
+  spec.disk_mb = int_limit(limits.disk_mb, d.disk_mb);
   int64_t ttl = f.OptionalInt("ttl_seconds", 0, 10, 86400);
   spec.env = f.OptionalStringMap("env", 256);
   spec.network = f.OptionalEnum("network", "none", {"none"});
@@ -540,15 +526,17 @@ Response ApiService::CreateEnvironment(Request& req, const std::string& tenant) 
   }
   if (runtime == "auto") runtime = "container";  // the adaptive router arrives with the nano tier
   spec.runtime = std::string(RuntimeAlias(runtime));
-  if (!manager_->HasDriver(spec.runtime)) {
-    auto why = options_.unavailable_runtimes.find(spec.runtime);
-    return ErrorResponse(400, "bad_request",
-                         absl::StrCat("runtime '", runtime, "' is not available on this host",
-                                      why != options_.unavailable_runtimes.end()
-                                          ? absl::StrCat(": ", why->second)
-                                          : ""));
+  const DriverRegistry::Entry* driver =
+      options_.drivers ? options_.drivers->Lookup(spec.runtime) : nullptr;
+  if (!driver || !driver->driver || !manager_->HasDriver(spec.runtime)) {
+    return ErrorResponse(
+        400, "bad_request",
+        absl::StrCat(
+            "runtime '", runtime, "' is not available on this host",
+            driver && !driver->unavailable.empty() ? absl::StrCat(": ", driver->unavailable) : ""));
   }
-  if (spec.runtime != "nano" && !options_.images.count(spec.image))
+  // Heavy tiers boot a rootfs image; the nano tier has its interpreter built in.
+  if (driver->tier == DriverRegistry::Tier::kHeavy && !options_.images.count(spec.image))
     return ErrorResponse(400, "bad_request", absl::StrCat("unknown image '", spec.image, "'"));
   auto info = manager_->Create(tenant, spec, ttl);
   Response resp;

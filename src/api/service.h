@@ -9,10 +9,13 @@
 #include <utility>
 
 #include "api/http_server.h"
+#include "common/utf8.h"  // SanitizeUtf8 for the routes
 #include "core/artifact_store.h"
 #include "core/config.h"
+#include "core/driver_registry.h"
 #include "core/environment_manager.h"
 #include "core/metrics.h"
+#include "drivers/env_limits.h"
 #include "storage/store.h"
 
 namespace esb::api {
@@ -22,13 +25,12 @@ struct ServiceOptions {
   int64_t max_output_bytes = 1 << 20;
   int64_t max_upload_bytes = 256ll << 20;
   int64_t max_json_read_bytes = 16ll << 20;
-  int host_cpus = 1;
-  int64_t max_pids = 4096;  // largest "pids" an environment may ask for (daemon config)
-  int64_t max_memory_mb = 16384;  // largest "memory_mb" (daemon config max_memory_mb)
-  int64_t max_disk_mb = 65536;    // largest "disk_mb" (daemon config max_disk_mb)
-  // runtime name → why it is unavailable (shown in 400 answers), for runtimes with no driver.
-  std::map<std::string, std::string> unavailable_runtimes;
-  std::map<std::string, std::string> driver_descriptions;  // for /healthz
+  // The caps of the one limit table (drivers/env_limits.h): host CPUs, max_memory_mb,
+  // max_pids, max_disk_mb of the daemon config.
+  EnvLimitCaps limits;
+  // Which runtimes this esbd has, their tiers, descriptions (/healthz) and why the others are
+  // unavailable (shown in 400 answers). Not owned; null: none.
+  const DriverRegistry* drivers = nullptr;
   // /healthz "userns": per container driver, whether sandboxes get user namespaces, and why.
   std::map<std::string, std::pair<bool, std::string>> userns;
 };
@@ -101,10 +103,6 @@ class ApiService {
 // An artifact as the API shows it: {id, kind, name, mime_type, size, title, step,
 // environment_id, created_at, url}.
 boost::json::object RenderArtifact(const ArtifactMeta& meta);
-
-// Replaces invalid UTF-8 sequences with U+FFFD (JSON strings must be UTF-8; exact bytes are
-// available through files/raw).
-std::string SanitizeUtf8(std::string_view in);
 
 // Status → HTTP answer for file operations, where PermissionDenied means "the sandbox user may
 // not do that" (403), not tenant isolation.

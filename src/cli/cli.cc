@@ -20,6 +20,7 @@
 
 #include "cli/format.h"
 #include "cli/sse.h"
+#include "common/shell_quote.h"
 #include "common/util.h"
 
 namespace esb::cli {
@@ -939,29 +940,6 @@ absl::StatusOr<Invocation> ParseCommandLine(const std::vector<std::string>& args
         "no command to run: esb exec ENV -- COMMAND... (e.g. esb exec env_1 -- ls -la)");
   }
   return inv;
-}
-
-std::string ShellQuote(const std::string& word) {
-  if (word.empty()) return "''";
-  bool plain = true;
-  for (unsigned char c : word) {
-    if (!(std::isalnum(c) || c == '-' || c == '_' || c == '.' || c == '/' || c == ':' || c == ',' ||
-          c == '=' || c == '+' || c == '@' || c == '%')) {
-      plain = false;
-      break;
-    }
-  }
-  if (plain) return word;
-  std::string out = "'";
-  for (char c : word) {
-    if (c == '\'') {
-      out += "'\\''";
-    } else {
-      out += c;
-    }
-  }
-  out += "'";
-  return out;
 }
 
 std::string JoinCommand(const std::vector<std::string>& words) {

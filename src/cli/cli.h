@@ -49,7 +49,6 @@ absl::StatusOr<Invocation> ParseCommandLine(const std::vector<std::string>& args
 // verbatim (so `esb exec E -- 'ls | wc -l'` keeps its pipe); several words are each
 // shell-quoted when needed and joined with spaces (argv semantics, like `docker exec`).
 std::string JoinCommand(const std::vector<std::string>& words);
-std::string ShellQuote(const std::string& word);
 
 // cp arguments: "ENV:PATH" is remote when the part before the first ':' is non-empty and
 // has no '/' (so "./a:b" and "/tmp/a:b" stay local).

@@ -16,6 +16,7 @@
 #include "cli/format.h"
 #include "cli/http_client.h"
 #include "cli/sse.h"
+#include "common/shell_quote.h"
 #include "common/util.h"
 #include "gtest/gtest.h"
 

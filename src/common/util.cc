@@ -277,14 +277,4 @@ absl::Status WriteStringToFile(const std::string& path, std::string_view data, i
   return absl::OkStatus();
 }
 
-std::string ShellQuote(std::string_view s) {
-  std::string out = "'";
-  for (char c : s) {
-    if (c == '\'') out += "'\\''";
-    else out += c;
-  }
-  out += "'";
-  return out;
-}
-
 }  // namespace esb

@@ -8,6 +8,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "common/log_throttle.h"
+#include "common/shell_quote.h"  // ShellQuote, for the callers of these helpers
 
 namespace esb {
 
@@ -68,9 +69,6 @@ class UniqueFd {
  private:
   int fd_ = -1;
 };
-
-// Quotes `s` as one POSIX shell word ('...' with embedded ' as '\'').
-std::string ShellQuote(std::string_view s);
 
 // Reads a whole (small) file; writes a file atomically (tmp + rename).
 absl::Status ReadFileToString(const std::string& path, std::string* out);

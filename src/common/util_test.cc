@@ -7,13 +7,6 @@
 namespace esb {
 namespace {
 
-TEST(UtilTest, ShellQuoteMakesOneWord) {
-  EXPECT_EQ(ShellQuote("abc"), "'abc'");
-  EXPECT_EQ(ShellQuote(""), "''");
-  EXPECT_EQ(ShellQuote("it's"), "'it'\\''s'");
-  EXPECT_EQ(ShellQuote("$(rm -rf /) `x` \"y\""), "'$(rm -rf /) `x` \"y\"'");
-}
-
 TEST(UtilTest, Rfc3339RoundTrips) {
   int64_t ms = 1795321800123;  // 2026-11-22T04:30:00.123Z
   std::string s = FormatRfc3339(ms);
@@ -47,6 +40,48 @@ TEST(UtilTest, ErrnoStatusMapsCodes) {
   }
   EXPECT_TRUE(absl::IsInvalidArgument(ErrnoStatus("open /dev/tty", ENXIO)));
   EXPECT_TRUE(absl::IsFailedPrecondition(ErrnoNameStatus("ENOTEMPTY", "x")));
+}
+
+// The one errno → Status table (the API turns codes into HTTP: NotFound 404, PermissionDenied
+// 403, ResourceExhausted 507, InvalidArgument 400, ...). Both tiers report errno names (the
+// agent and the nano worker), so the same error answers the same HTTP code on both; the nano
+// driver used to answer EPERM and ENOMEM with 400.
+TEST(UtilTest, OneErrnoTableForNumbersAndNames) {
+  const struct {
+    const char* name;
+    int err;
+    absl::StatusCode code;
+  } kTable[] = {
+      {"ENOENT", ENOENT, absl::StatusCode::kNotFound},
+      {"EACCES", EACCES, absl::StatusCode::kPermissionDenied},
+      {"EPERM", EPERM, absl::StatusCode::kPermissionDenied},
+      {"EROFS", EROFS, absl::StatusCode::kPermissionDenied},
+      {"EEXIST", EEXIST, absl::StatusCode::kAlreadyExists},
+      {"ENOSPC", ENOSPC, absl::StatusCode::kResourceExhausted},
+      {"EDQUOT", EDQUOT, absl::StatusCode::kResourceExhausted},
+      {"EFBIG", EFBIG, absl::StatusCode::kResourceExhausted},
+      {"ENOMEM", ENOMEM, absl::StatusCode::kResourceExhausted},
+      {"EINVAL", EINVAL, absl::StatusCode::kInvalidArgument},
+      {"EISDIR", EISDIR, absl::StatusCode::kInvalidArgument},
+      {"ENOTDIR", ENOTDIR, absl::StatusCode::kInvalidArgument},
+      {"ENAMETOOLONG", ENAMETOOLONG, absl::StatusCode::kInvalidArgument},
+      {"ENOTEMPTY", ENOTEMPTY, absl::StatusCode::kFailedPrecondition},
+      {"ETIMEDOUT", ETIMEDOUT, absl::StatusCode::kDeadlineExceeded},
+      {"EAGAIN", EAGAIN, absl::StatusCode::kUnavailable},
+      {"EBUSY", EBUSY, absl::StatusCode::kUnavailable},
+  };
+  for (const auto& row : kTable) {
+    absl::Status by_name = ErrnoNameStatus(row.name, "msg");
+    EXPECT_EQ(by_name.code(), row.code) << row.name;
+    EXPECT_EQ(by_name.message(), "msg") << row.name;
+    absl::Status by_number = ErrnoStatus("op", row.err);
+    EXPECT_EQ(by_number.code(), row.code) << row.name;
+    EXPECT_NE(by_number.message().find(row.name), absl::string_view::npos) << by_number;
+  }
+  // A name nobody knows (a guest's WASI code, a newer agent's) is the server's fault to
+  // explain, not the caller's: 500 with the peer's message.
+  EXPECT_TRUE(absl::IsInternal(ErrnoNameStatus("WASI_ERRNO_8", "badf")));
+  EXPECT_TRUE(absl::IsInternal(ErrnoNameStatus("", "no errno")));
 }
 
 TEST(UtilTest, RandomHexIsHexAndDiffers) {

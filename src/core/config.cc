@@ -1,14 +1,14 @@
 #include "core/config.h"
 
-#include <boost/json.hpp>
-
 #include <algorithm>
+#include <boost/json.hpp>
 #include <utility>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/host_memory.h"
 #include "common/util.h"
+#include "drivers/env_limits.h"
 
 namespace esb {
 namespace json = boost::json;
@@ -195,15 +195,14 @@ absl::Status CheckMemoryCaps(const DaemonConfig& c, const std::string& path) {
         where, ": max_memory_mb (", c.max_memory_mb, ") exceeds sandbox_memory_mb (",
         c.sandbox_memory_mb, ", the limit of all sandboxes together)"));
   }
-  if (c.max_memory_mb != 0 && c.defaults.memory_mb > c.max_memory_mb) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        where, ": defaults.memory_mb (", c.defaults.memory_mb, ") exceeds max_memory_mb (",
-        c.max_memory_mb, "); lower defaults.memory_mb or raise max_memory_mb"));
-  }
-  if (c.max_disk_mb != 0 && c.defaults.disk_mb > c.max_disk_mb) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        where, ": defaults.disk_mb (", c.defaults.disk_mb, ") exceeds max_disk_mb (",
-        c.max_disk_mb, "); lower defaults.disk_mb or raise max_disk_mb"));
+  // `defaults` must be something an environment may ask for: the one limit table
+  // (drivers/env_limits.h). A cap still 0 is derived later and checked then.
+  EnvLimitCaps caps =
+      HostEnvLimitCaps(c.max_memory_mb != 0 ? c.max_memory_mb : (1LL << 24), c.max_pids,
+                       c.max_disk_mb != 0 ? c.max_disk_mb : (1LL << 24));
+  if (absl::Status st = CheckEnvLimits(c.defaults, caps); !st.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": defaults.", st.message(), "; change the default or the limit"));
   }
   return absl::OkStatus();
 }
@@ -232,6 +231,8 @@ absl::Status LoadConfigFile(const std::string& path, DaemonConfig* c) {
     else if (key == "python_wasm") st = GetString(v, key, &c->python_wasm);
     else if (key == "nano_worker") st = GetString(v, key, &c->nano_worker);
     else if (key == "router_rules") st = GetString(v, key, &c->router_rules);
+    else if (key == "image_cache")
+      st = GetString(v, key, &c->image_cache);
     else if (key == "log_level") st = GetString(v, key, &c->log_level);
     else if (key == "default_ttl_seconds") st = GetInt(v, key, &c->default_ttl_s);
     else if (key == "max_ttl_seconds") st = GetInt(v, key, &c->max_ttl_s);
@@ -297,13 +298,8 @@ absl::Status LoadConfigFile(const std::string& path, DaemonConfig* c) {
     }
     if (!st.ok()) return st;
   }
-  // Checked after all keys (either may come first): a default above the cap would make every
-  // create without 'pids' fail in the driver (400) and the warm pool never fill.
-  if (c->defaults.pids > c->max_pids) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "config ", path, ": defaults.pids (", c->defaults.pids, ") exceeds max_pids (",
-        c->max_pids, "); lower defaults.pids or raise max_pids"));
-  }
+  // Checked after all keys (either may come first): a default outside the limits would make
+  // every create that leaves it out fail in the driver (400) and the warm pool never fill.
   // Memory caps given in the file (0 = derived later from the host's RAM, checked then).
   if (absl::Status mem = CheckMemoryCaps(*c, path); !mem.ok()) return mem;
   // HTTP limits (cross-field: checked once every key is in).
@@ -342,6 +338,7 @@ absl::Status ApplyEnvironment(const std::function<const char*(const char*)>& get
   str("ESBD_NANO_WORKER", &c->nano_worker);
   str("ESBD_ROUTER_RULES", &c->router_rules);
   str("ESBD_PACKAGE_INDEX", &c->packages.index_url);
+  str("ESB_CACHE_DIR", &c->image_cache);
   if (const char* v = getenv_fn("ESBD_IMAGE_DEFAULT"); v && *v) c->images["default"] = v;
   if (const char* v = getenv_fn("ESBD_POOL_SIZE"); v && *v) {
     if (!absl::SimpleAtoi(v, &c->pool_size) || c->pool_size < 0)

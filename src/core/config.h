@@ -62,6 +62,9 @@ struct DaemonConfig {
   std::string python_wasm;                    // nano tier artefact dir (images/python-wasm)
   std::string nano_worker;                    // empty: esb-nano-worker next to esbd
   std::string router_rules;                   // routing rules (JSON); empty: built-in path
+  // Where `make images` keeps its builds: with no image or python_wasm configured, esbd runs
+  // the newest complete one (core/image_discovery.h).
+  std::string image_cache = "/var/cache/entersandbox";
   int64_t default_ttl_s = 900;
   int64_t max_ttl_s = 86400;
   int pool_size = 2;
@@ -116,7 +119,8 @@ absl::Status ResolveMemoryLimits(int64_t host_mb, DaemonConfig* config);
 // Applies ESBD_LISTEN, ESBD_STATE_DIR, ESBD_CONFIG (ignored here), ESBD_UNIX_SOCKET,
 // ESBD_IMAGE_DEFAULT, ESBD_RUNTIME, ESBD_POOL_SIZE, ESBD_DEFAULT_TTL, ESBD_LOG_LEVEL,
 // ESBD_AGENT_BINARY, ESBD_PYTHON_WASM, ESBD_NANO_WORKER,
-// ESBD_ROUTER_RULES, ESBD_PACKAGE_INDEX (packages.index_url).
+// ESBD_ROUTER_RULES, ESBD_PACKAGE_INDEX (packages.index_url), ESB_CACHE_DIR (image_cache, the
+// variable the image build scripts read).
 absl::Status ApplyEnvironment(const std::function<const char*(const char*)>& getenv_fn,
                               DaemonConfig* config);
 // Splits "HOST:PORT" ("[::1]:8080" too). Port must be 0..65535.

@@ -1,12 +1,12 @@
 #include "core/environment_manager.h"
 
 #include <algorithm>
-
 #include <boost/json.hpp>
 
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "common/util.h"
+#include "core/recovery.h"
 
 namespace esb {
 
@@ -105,48 +105,28 @@ void EnvironmentManager::PersistLive(LiveEnv& env) {
 }
 
 absl::Status EnvironmentManager::Start() {
-  auto live = store_->ListLiveEnvironments();
-  if (!live.ok()) return live.status();
-  int attached = 0, cleaned = 0;
-  for (EnvironmentRecord& rec : *live) {
-    auto it = drivers_.find(rec.runtime);
-    InstanceRef ref{rec.id, rec.runtime, rec.driver_state};
-    std::string reason;
-    if (it == drivers_.end()) {
-      reason = "driver_unavailable_after_restart";
-    } else if (rec.state == "running") {
-      absl::Status st = it->second->Attach(ref);
-      if (st.ok()) {
-        auto env = std::make_shared<LiveEnv>();
-        env->record = rec;
-        env->ref = ref;
-        env->driver = it->second;
-        std::lock_guard<std::mutex> lock(mu_);
-        envs_[rec.id] = env;
-        ++attached;
-        continue;
-      }
-      // SECURITY: an environment created by an older esbd keeps that esbd's sandbox layout
-      // (and its weaknesses); it is destroyed rather than adopted.
-      reason = IsSandboxOutdated(st) ? "sandbox_outdated" : "died_while_daemon_down";
-      LogWarn(absl::StrCat("environment ", rec.id, " could not be re-attached (", reason,
-                           "): ", st.ToString()));
-    } else if (rec.state == "pooled") {
-      reason = "pool_discarded_on_restart";
-    } else if (rec.state == "creating") {
-      reason = "create_interrupted";
-    } else {
-      reason = rec.destroy_reason.empty() ? "destroy_interrupted" : rec.destroy_reason;
+  auto recovered = RecoverEnvironments(store_, drivers_, RecoveryMode::kReattach, Now());
+  if (!recovered.ok()) return recovered.status();
+  size_t attached = recovered->attached.size();
+  size_t cleaned = recovered->destroyed.size() + recovered->destroy_failed.size();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (RecoveredEnvironment& r : recovered->attached) {
+      auto env = std::make_shared<LiveEnv>();
+      env->record = std::move(r.record);
+      env->ref = std::move(r.ref);
+      env->driver = r.driver;
+      envs_[env->record.id] = env;
     }
-    if (it != drivers_.end()) {
-      absl::Status st = it->second->Destroy(ref);
-      if (!st.ok()) LogWarn(absl::StrCat("cleanup of ", rec.id, ": ", st.ToString()));
+    // The reaper retries the destroys the driver refused (they stay "destroying" meanwhile).
+    for (RecoveredEnvironment& r : recovered->destroy_failed) {
+      auto env = std::make_shared<LiveEnv>();
+      env->record = std::move(r.record);
+      env->ref = std::move(r.ref);
+      env->driver = r.driver;
+      env->tenant = env->record.tenant;
+      destroy_retry_.push_back(env);
     }
-    rec.state = "destroyed";
-    rec.destroyed_ms = Now();
-    rec.destroy_reason = reason;
-    Persist(rec);
-    ++cleaned;
   }
   if (attached || cleaned) {
     LogInfo(absl::StrCat("recovered state: ", attached, " environment(s) re-attached, ", cleaned,

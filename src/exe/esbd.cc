@@ -1,5 +1,7 @@
-// esbd: wiring only. Reads configuration, opens the store, builds the drivers, the core and the
-// HTTP API, and runs until SIGTERM/SIGINT.
+// esbd: wiring only. Reads the command line and configuration (exe/flags.h), opens the store,
+// registers the drivers (core/driver_registry.h), builds the core and the HTTP API, and runs
+// until SIGTERM/SIGINT. `esbd keys` (exe/keys_command.h) and `esbd cleanup` (core/recovery.h)
+// run against the same state dir.
 #include <malloc.h>
 #include <signal.h>
 #include <sys/resource.h>
@@ -7,9 +9,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
-#include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <iostream>
@@ -25,33 +27,19 @@
 #include "common/host_memory.h"
 #include "common/util.h"
 #include "core/config.h"
+#include "core/driver_registry.h"
 #include "core/environment_manager.h"
+#include "core/image_discovery.h"
 #include "core/metrics.h"
+#include "core/recovery.h"
 #include "drivers/container/container_driver.h"
 #include "drivers/nano/nano_driver.h"
+#include "exe/flags.h"
+#include "exe/keys_command.h"
 #include "router/rules.h"
 #include "storage/store.h"
 
 namespace {
-
-constexpr char kUsage[] = R"(esbd — the EnterSandBox daemon
-
-Usage:
-  esbd [--listen HOST:PORT] [--state-dir DIR] [--config FILE] [--unix-socket PATH|none]
-       [--image NAME=ROOTFS_DIR]... [--runtime auto|crun|runc] [--pool-size N]
-       [--default-ttl SECONDS] [--log-level debug|info|warn|error]
-       [--python-wasm DIR] [--nano-worker PATH] [--router-rules FILE]
-  esbd keys add --tenant TENANT [--name NAME]     create an API key (printed once)
-  esbd keys list                                  list API keys (ids, tenants; never secrets)
-  esbd keys revoke KEY_ID                         revoke a key
-  esbd cleanup                                    destroy every environment recorded in the
-                                                  state dir (the daemon must not be running)
-
-Environment: ESBD_LISTEN, ESBD_STATE_DIR, ESBD_CONFIG, ESBD_UNIX_SOCKET, ESBD_IMAGE_DEFAULT,
-ESBD_RUNTIME, ESBD_POOL_SIZE, ESBD_DEFAULT_TTL, ESBD_LOG_LEVEL, ESBD_AGENT_BINARY,
-ESBD_PYTHON_WASM (nano tier artefact dir), ESBD_NANO_WORKER, ESBD_ROUTER_RULES.
-Flags win over the environment, which wins over the config file.
-)";
 
 int Fail(const std::string& message) {
   std::cerr << "esbd: " << message << "\n";
@@ -64,112 +52,106 @@ std::string SelfDir() {
   return ec ? "." : p.parent_path().string();
 }
 
-// Parses flags into `c`; returns the remaining positional args.
-absl::StatusOr<std::vector<std::string>> ParseFlags(int argc, char** argv, esb::DaemonConfig* c,
-                                                    std::string* config_path) {
-  std::vector<std::string> rest;
-  // Two passes: --config first (file < env < flags), then everything else.
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    if (a == "--config" && i + 1 < argc) *config_path = argv[i + 1];
-    else if (a.rfind("--config=", 0) == 0) *config_path = a.substr(9);
+// Fills the artefacts the configuration leaves unset (no --image default / --python-wasm or
+// their variables) from the newest complete `make images` build, and says which one it uses.
+void UseImageBuild(esb::DaemonConfig* config) {
+  if (config->images.count("default") && !config->python_wasm.empty()) return;
+  auto build = esb::FindNewestImageBuild(config->image_cache);
+  if (!build.ok()) {
+    esb::LogWarn(absl::StrCat("images: ", build.status().message()));
+    return;
   }
-  if (!config_path->empty()) {
-    if (absl::Status st = esb::LoadConfigFile(*config_path, c); !st.ok()) return st;
+  esb::LogInfo(absl::StrCat("images: using build ", build->manifest, " (",
+                            esb::FormatRfc3339(build->created_unix_ms), ")"));
+  if (!config->images.count("default")) {
+    config->images["default"] = build->rootfs;
+    esb::LogInfo(absl::StrCat("images: default rootfs ", build->rootfs));
   }
-  if (absl::Status st = esb::ApplyEnvironment([](const char* n) { return std::getenv(n); }, c);
-      !st.ok())
-    return st;
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    std::string value;
-    auto take = [&](const char* name) -> bool {
-      std::string flag = absl::StrCat("--", name);
-      if (a == flag) {
-        if (i + 1 >= argc) return false;
-        value = argv[++i];
-        return true;
-      }
-      if (a.rfind(flag + "=", 0) == 0) {
-        value = a.substr(flag.size() + 1);
-        return true;
-      }
-      return false;
-    };
-    auto to_int = [&](const std::string& v, const char* name, auto* out) -> absl::Status {
-      char* end = nullptr;
-      long long n = std::strtoll(v.c_str(), &end, 10);
-      if (v.empty() || *end || n < 0)
-        return absl::InvalidArgumentError(absl::StrCat("--", name, " needs a number"));
-      *out = static_cast<std::remove_pointer_t<decltype(out)>>(n);
-      return absl::OkStatus();
-    };
-    if (take("config")) continue;
-    if (take("listen")) c->listen = value;
-    else if (take("state-dir")) c->state_dir = value;
-    else if (take("unix-socket")) c->unix_socket = value;
-    else if (take("runtime")) c->container_runtime = value;
-    else if (take("log-level")) c->log_level = value;
-    else if (take("agent-binary")) c->agent_binary = value;
-    else if (take("python-wasm")) c->python_wasm = value;
-    else if (take("nano-worker")) c->nano_worker = value;
-    else if (take("router-rules")) c->router_rules = value;
-    else if (take("image")) {
-      size_t eq = value.find('=');
-      if (eq == std::string::npos || eq == 0)
-        return absl::InvalidArgumentError("--image needs NAME=ROOTFS_DIR");
-      c->images[value.substr(0, eq)] = value.substr(eq + 1);
-    } else if (take("pool-size")) {
-      if (auto st = to_int(value, "pool-size", &c->pool_size); !st.ok()) return st;
-    } else if (take("default-ttl")) {
-      if (auto st = to_int(value, "default-ttl", &c->default_ttl_s); !st.ok()) return st;
-    } else if (a == "-h" || a == "--help") {
-      rest.push_back("help");
-    } else if (a == "--version") {
-      rest.push_back("version");
-    } else if (a.rfind("--", 0) == 0 && rest.empty()) {
-      return absl::InvalidArgumentError(absl::StrCat("unknown flag '", a, "' (see --help)"));
-    } else {
-      rest.push_back(a);
-    }
+  if (config->python_wasm.empty()) {
+    config->python_wasm = build->python_wasm;
+    esb::LogInfo(absl::StrCat("images: python.wasm ", build->python_wasm));
   }
-  return rest;
 }
 
-int KeysCommand(esb::Store* store, const std::vector<std::string>& args) {
-  if (args.size() < 2) return Fail("usage: esbd keys add|list|revoke ...");
-  const std::string& cmd = args[1];
-  if (cmd == "add") {
-    std::string tenant, name;
-    for (size_t i = 2; i + 1 < args.size(); i += 2) {
-      if (args[i] == "--tenant") tenant = args[i + 1];
-      else if (args[i] == "--name") name = args[i + 1];
-      else return Fail(absl::StrCat("keys add: unknown argument '", args[i], "'"));
+// Registers every driver esbd knows, each probed on this host (container and gVisor share the
+// container driver with different OCI runtimes; nano runs CPython on wasm; microvm is not built).
+void RegisterDrivers(const esb::DaemonConfig& config, const std::string& state_dir,
+                     esb::DriverRegistry* registry, esb::NanoDriver** nano) {
+  using Tier = esb::DriverRegistry::Tier;
+  esb::ContainerDriverOptions copts;
+  copts.state_dir = state_dir + "/container";
+  copts.agent_binary = config.agent_binary.empty() ? SelfDir() + "/esb-agent" : config.agent_binary;
+  copts.images = config.images;
+  copts.runtime = config.container_runtime;
+  copts.max_pids = config.max_pids;
+  copts.max_memory_mb = config.max_memory_mb;
+  copts.max_disk_mb = config.max_disk_mb;
+  copts.total_memory_mb = config.sandbox_memory_mb;
+  copts.user_namespaces = config.user_namespaces;
+  copts.userns_uid_base = static_cast<uint32_t>(config.userns_uid_base);
+  // Ranges above the base up to 2^31 (tools treat uids as signed 32-bit numbers).
+  copts.userns_slots = static_cast<uint32_t>(
+      std::min<int64_t>(4096, ((1LL << 31) - config.userns_uid_base) / 65536));
+  esb::ContainerDriverOptions gopts = copts;
+  gopts.runtime = "runsc";
+  gopts.state_dir = state_dir + "/gvisor";
+  if (config.images.empty()) {
+    const char* why =
+        "no image configured (build one with `make images`, or pass --image default=DIR or "
+        "ESBD_IMAGE_DEFAULT)";
+    registry->RegisterUnavailable("container", Tier::kHeavy, why);
+    registry->RegisterUnavailable("gvisor", Tier::kHeavy, why);
+  } else {
+    registry->Register("container", Tier::kHeavy, [&] { return esb::NewContainerDriver(copts); });
+    registry->Register("gvisor", Tier::kHeavy, [&] { return esb::NewContainerDriver(gopts); });
+  }
+  // Nano tier: CPython on wasm in seccomp-confined workers forked by a fork server.
+  registry->Register("nano", Tier::kNano, [&]() -> absl::StatusOr<std::unique_ptr<esb::Driver>> {
+    std::string worker =
+        config.nano_worker.empty() ? SelfDir() + "/esb-nano-worker" : config.nano_worker;
+    std::error_code ec;
+    if (config.python_wasm.empty()) {
+      return absl::UnavailableError(
+          "no python.wasm artefact configured (make images; --python-wasm DIR or "
+          "ESBD_PYTHON_WASM)");
     }
-    if (tenant.empty()) return Fail("keys add: --tenant is required");
-    std::string secret;
-    auto rec = store->CreateApiKey(tenant, name, &secret);
-    if (!rec.ok()) return Fail(rec.status().ToString());
-    std::cout << "key_id: " << rec->key_id << "\ntenant: " << rec->tenant << "\napi_key: "
-              << secret << "\n(the api_key is shown only once; esbd stores only its hash)\n";
-    return 0;
+    if (!std::filesystem::exists(worker, ec)) {
+      return absl::UnavailableError(
+          absl::StrCat("nano worker binary ", worker, " is missing (rebuild after make images)"));
+    }
+    auto nopts = esb::PythonNanoOptions(worker, config.python_wasm);
+    if (!nopts.ok()) return nopts.status();
+    // The nano tier's cgroup gets its own share of the host's sandbox memory budget.
+    nopts->cgroup_memory_mb = config.nano_memory_mb;
+    esb::LogInfo(absl::StrCat("nano tier: memory limit of its cgroup ", nopts->cgroup_name, " = ",
+                              config.nano_memory_mb, " MiB"));
+    std::unique_ptr<esb::NanoDriver> d = esb::NewNanoDriver(*nopts);
+    *nano = d.get();
+    return std::unique_ptr<esb::Driver>(std::move(d));
+  });
+  registry->RegisterUnavailable(
+      "microvm", Tier::kHeavy,
+      "the microvm driver is not built yet: KVM on this host cannot boot guests (see "
+      "docs/design.md)");
+  for (const auto& e : registry->entries()) {
+    if (e.driver) {
+      esb::LogInfo(
+          absl::StrCat("driver ", e.name, " (", esb::DriverTierName(e.tier), "): ", e.description));
+    } else {
+      esb::LogInfo(absl::StrCat("runtime ", e.name, " unavailable: ", e.unavailable));
+    }
   }
-  if (cmd == "list") {
-    auto keys = store->ListApiKeys();
-    if (!keys.ok()) return Fail(keys.status().ToString());
-    std::printf("%-28s %-20s %-16s %-25s %s\n", "KEY_ID", "TENANT", "NAME", "CREATED", "STATE");
-    for (const auto& k : *keys)
-      std::printf("%-28s %-20s %-16s %-25s %s\n", k.key_id.c_str(), k.tenant.c_str(),
-                  k.name.c_str(), esb::FormatRfc3339(k.created_ms).c_str(),
-                  k.revoked ? "revoked" : "active");
-    return 0;
-  }
-  if (cmd == "revoke" && args.size() == 3) {
-    if (absl::Status st = store->RevokeApiKey(args[2]); !st.ok()) return Fail(st.ToString());
-    std::cout << "revoked " << args[2] << "\n";
-    return 0;
-  }
-  return Fail("usage: esbd keys add --tenant T [--name N] | keys list | keys revoke KEY_ID");
+}
+
+// `esbd cleanup`: the restart-cleanup policy with every environment destroyed.
+int CleanupCommand(esb::Store* store, const esb::DriverRegistry& registry) {
+  auto outcome = esb::RecoverEnvironments(store, registry.Available(),
+                                          esb::RecoveryMode::kDestroyAll, esb::NowUnixMs());
+  if (!outcome.ok()) return Fail(outcome.status().ToString());
+  for (const std::string& id : outcome->destroyed) std::cout << "destroyed " << id << "\n";
+  for (const auto& r : outcome->destroy_failed)
+    std::cerr << "esbd: destroying " << r.record.id << " failed; run cleanup again\n";
+  return outcome->destroy_failed.empty() ? 0 : 1;
 }
 
 }  // namespace
@@ -182,17 +164,19 @@ int main(int argc, char** argv) {
   mallopt(M_MMAP_THRESHOLD, 1 << 20);
   mallopt(M_TRIM_THRESHOLD, 8 << 20);
   esb::DaemonConfig config;
-  std::string config_path = std::getenv("ESBD_CONFIG") ? std::getenv("ESBD_CONFIG") : "";
-  auto rest = ParseFlags(argc, argv, &config, &config_path);
-  if (!rest.ok()) return Fail(std::string(rest.status().message()));
-  if (!rest->empty() && (*rest)[0] == "help") {
-    std::cout << kUsage;
+  auto cmdline = esb::ParseCommandLine(
+      std::vector<std::string>(argv + 1, argv + argc), [](const char* n) { return std::getenv(n); },
+      &config);
+  if (!cmdline.ok()) return Fail(std::string(cmdline.status().message()));
+  if (cmdline->help) {
+    std::cout << esb::kEsbdUsage;
     return 0;
   }
-  if (!rest->empty() && (*rest)[0] == "version") {
+  if (cmdline->version) {
     std::cout << "esbd " << ESB_VERSION << "\n";
     return 0;
   }
+  const std::vector<std::string>& command = cmdline->command;
   if (config.log_level == "debug") esb::SetLogLevel(esb::LogLevel::kDebug);
   else if (config.log_level == "warn") esb::SetLogLevel(esb::LogLevel::kWarn);
   else if (config.log_level == "error") esb::SetLogLevel(esb::LogLevel::kError);
@@ -225,10 +209,11 @@ int main(int argc, char** argv) {
   auto store = esb::Store::Open(state_dir + "/esbd.db", sopts);
   if (!store.ok()) return Fail(absl::StrCat("opening the state database: ", store.status().ToString()));
 
-  if (!rest->empty()) {
-    if ((*rest)[0] == "keys") return KeysCommand(store->get(), *rest);
-    if ((*rest)[0] != "cleanup")
-      return Fail(absl::StrCat("unknown command '", (*rest)[0], "' (see --help)"));
+  if (!command.empty()) {
+    if (command[0] == "keys")
+      return esb::RunKeysCommand(store->get(), command, std::cout, std::cerr);
+    if (command[0] != "cleanup")
+      return Fail(absl::StrCat("unknown command '", command[0], "' (see --help)"));
   }
 
   for (const auto& k : config.keys) {
@@ -249,112 +234,26 @@ int main(int argc, char** argv) {
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
   signal(SIGPIPE, SIG_IGN);
 
-  // Drivers.
+  // Drivers: the images `make images` built unless configured, then every driver probed.
+  UseImageBuild(&config);
+  esb::DriverRegistry registry;
+  esb::NanoDriver* nano = nullptr;  // the run pipeline still calls nano's Run directly
+  RegisterDrivers(config, state_dir, &registry, &nano);
+  if (!command.empty() && command[0] == "cleanup") return CleanupCommand(store->get(), registry);
+
   esb::api::ServiceOptions service_options;
   service_options.images = config.images;
+  service_options.drivers = &registry;
+  for (const char* name : {"container", "gvisor"}) {
+    if (esb::Driver* d = registry.Find(name)) {
+      esb::UsernsStatus userns = esb::ContainerUsernsStatus(*d);
+      service_options.userns[name] = {userns.enabled, userns.reason};
+    }
+  }
   service_options.max_output_bytes = config.max_output_bytes;
   service_options.max_upload_bytes = config.max_upload_bytes;
-  service_options.host_cpus = static_cast<int>(std::thread::hardware_concurrency());
-  service_options.max_pids = config.max_pids;
-  service_options.max_memory_mb = config.max_memory_mb;
-  service_options.max_disk_mb = config.max_disk_mb;
-  std::vector<std::unique_ptr<esb::Driver>> owned;
-  std::map<std::string, esb::Driver*> drivers;
-  esb::ContainerDriverOptions copts;
-  copts.state_dir = state_dir + "/container";
-  copts.agent_binary =
-      config.agent_binary.empty() ? SelfDir() + "/esb-agent" : config.agent_binary;
-  copts.images = config.images;
-  copts.runtime = config.container_runtime;
-  copts.max_pids = config.max_pids;
-  copts.max_memory_mb = config.max_memory_mb;
-  copts.max_disk_mb = config.max_disk_mb;
-  copts.total_memory_mb = config.sandbox_memory_mb;
-  copts.user_namespaces = config.user_namespaces;
-  copts.userns_uid_base = static_cast<uint32_t>(config.userns_uid_base);
-  // Ranges above the base up to 2^31 (tools treat uids as signed 32-bit numbers).
-  copts.userns_slots = static_cast<uint32_t>(
-      std::min<int64_t>(4096, ((1LL << 31) - config.userns_uid_base) / 65536));
-  if (config.images.empty()) {
-    service_options.unavailable_runtimes["container"] =
-        "no image configured (build one with `make images`, then pass --image "
-        "default=DIR or ESBD_IMAGE_DEFAULT)";
-  } else if (auto d = esb::NewContainerDriver(copts); d.ok()) {
-    drivers["container"] = d->get();
-    service_options.driver_descriptions["container"] = (*d)->Describe();
-    esb::UsernsStatus userns = esb::ContainerUsernsStatus(**d);
-    service_options.userns["container"] = {userns.enabled, userns.reason};
-    owned.push_back(std::move(*d));
-  } else {
-    service_options.unavailable_runtimes["container"] = std::string(d.status().message());
-    esb::LogError(absl::StrCat("container driver unavailable: ", d.status().ToString()));
-  }
-  if (!config.images.empty()) {
-    esb::ContainerDriverOptions gopts = copts;
-    gopts.runtime = "runsc";
-    gopts.state_dir = state_dir + "/gvisor";
-    if (auto d = esb::NewContainerDriver(gopts); d.ok()) {
-      drivers["gvisor"] = d->get();
-      service_options.driver_descriptions["gvisor"] = (*d)->Describe();
-      esb::UsernsStatus userns = esb::ContainerUsernsStatus(**d);
-      service_options.userns["gvisor"] = {userns.enabled, userns.reason};
-      owned.push_back(std::move(*d));
-    } else {
-      service_options.unavailable_runtimes["gvisor"] = std::string(d.status().message());
-      esb::LogInfo(absl::StrCat("gvisor runtime unavailable: ", d.status().message()));
-    }
-  }
-  // Nano tier: CPython on wasm in seccomp-confined workers forked by a fork server.
-  std::unique_ptr<esb::NanoDriver> nano;
-  {
-    std::string worker =
-        config.nano_worker.empty() ? SelfDir() + "/esb-nano-worker" : config.nano_worker;
-    std::error_code exists_ec;
-    if (config.python_wasm.empty()) {
-      service_options.unavailable_runtimes["nano"] =
-          "no python.wasm artefact configured (make images; --python-wasm DIR or "
-          "ESBD_PYTHON_WASM)";
-    } else if (!std::filesystem::exists(worker, exists_ec)) {
-      service_options.unavailable_runtimes["nano"] =
-          absl::StrCat("nano worker binary ", worker, " is missing (rebuild after make images)");
-    } else if (auto nopts = esb::PythonNanoOptions(worker, config.python_wasm); !nopts.ok()) {
-      service_options.unavailable_runtimes["nano"] = std::string(nopts.status().message());
-    } else {
-      // The nano tier's cgroup gets its own share of the host's sandbox memory budget.
-      nopts->cgroup_memory_mb = config.nano_memory_mb;
-      esb::LogInfo(absl::StrCat("nano tier: memory limit of its cgroup ", nopts->cgroup_name,
-                                " = ", config.nano_memory_mb, " MiB"));
-      nano = esb::NewNanoDriver(*nopts);
-      drivers["nano"] = nano.get();
-      service_options.driver_descriptions["nano"] = nano->Describe();
-    }
-  }
-  service_options.unavailable_runtimes["microvm"] =
-      "the microvm driver is not built yet: KVM on this host cannot boot guests (see "
-      "docs/design.md)";
-
-  if (!rest->empty() && (*rest)[0] == "cleanup") {
-    auto live = (*store)->ListLiveEnvironments();
-    if (!live.ok()) return Fail(live.status().ToString());
-    int failed = 0;
-    for (esb::EnvironmentRecord rec : *live) {
-      auto it = drivers.find(rec.runtime);
-      if (it != drivers.end()) {
-        absl::Status st = it->second->Destroy({rec.id, rec.runtime, rec.driver_state});
-        if (!st.ok()) {
-          ++failed;
-          std::cerr << "esbd: destroying " << rec.id << ": " << st << "\n";
-          continue;
-        }
-      }
-      rec.state = "destroyed";
-      rec.destroyed_ms = esb::NowUnixMs();
-      if (rec.destroy_reason.empty()) rec.destroy_reason = "cleanup";
-      (*store)->PutEnvironment(rec).IgnoreError();
-      std::cout << "destroyed " << rec.id << "\n";
-    }
-    return failed ? 1 : 0;
-  }
+  service_options.limits =
+      esb::HostEnvLimitCaps(config.max_memory_mb, config.max_pids, config.max_disk_mb);
 
   esb::Metrics metrics;
   esb::ManagerOptions mopts;
@@ -364,7 +263,7 @@ int main(int argc, char** argv) {
   mopts.max_environments = config.max_environments;
   mopts.max_environments_per_tenant = config.max_environments_per_tenant;
   mopts.default_spec = config.defaults;
-  esb::EnvironmentManager manager(store->get(), drivers, &metrics, mopts);
+  esb::EnvironmentManager manager(store->get(), registry.Available(), &metrics, mopts);
   if (absl::Status st = manager.Start(); !st.ok())
     return Fail(absl::StrCat("starting the environment manager: ", st.ToString()));
 
@@ -467,7 +366,7 @@ int main(int argc, char** argv) {
   esb::api::RunDeps run_deps;
   run_deps.manager = &manager;
   run_deps.service = &service;
-  run_deps.nano = nano.get();
+  run_deps.nano = nano;
   run_deps.rules = rules.get();
   run_deps.artifacts = artifacts->get();
   run_deps.installer = &installer;
@@ -482,13 +381,15 @@ int main(int argc, char** argv) {
   // user's run does not pay for it.
   std::thread nano_warmup;
   if (nano) {
-    nano_warmup = std::thread([&nano] {
+    nano_warmup = std::thread([nano] {
       int64_t t0 = esb::MonotonicMs();
       esb::RunRequest warm;
       warm.code = "pass";
       auto r = nano->Run(nullptr, warm);
-      if (r.ok()) esb::LogInfo(absl::StrCat("nano tier warm in ", esb::MonotonicMs() - t0, " ms"));
-      else esb::LogWarn(absl::StrCat("nano warm-up failed: ", r.status().ToString()));
+      if (r.ok())
+        esb::LogInfo(absl::StrCat("nano tier warm in ", esb::MonotonicMs() - t0, " ms"));
+      else
+        esb::LogWarn(absl::StrCat("nano warm-up failed: ", r.status().ToString()));
     });
   }
 
@@ -501,15 +402,10 @@ int main(int argc, char** argv) {
     esb::LogWarn("==================================================================");
   }
   if (!loopback) esb::LogWarn(absl::StrCat("listening on a non-loopback address: ", host));
-  esb::LogInfo(absl::StrCat("esbd ", ESB_VERSION, " listening on http://", host, ":",
-                            server.tcp_port(),
-                            hopts.unix_socket_path.empty() ? ""
-                                                           : " and unix:" + hopts.unix_socket_path,
-                            " (state: ", state_dir, ")"));
-  for (const auto& [name, desc] : service_options.driver_descriptions)
-    esb::LogInfo(absl::StrCat("driver ", name, ": ", desc));
-  for (const auto& [name, why] : service_options.unavailable_runtimes)
-    esb::LogInfo(absl::StrCat("runtime ", name, " unavailable: ", why));
+  esb::LogInfo(
+      absl::StrCat("esbd ", ESB_VERSION, " listening on http://", host, ":", server.tcp_port(),
+                   hopts.unix_socket_path.empty() ? "" : " and unix:" + hopts.unix_socket_path,
+                   " (state: ", state_dir, ")"));
 
   int sig = 0;
   sigwait(&signals, &sig);

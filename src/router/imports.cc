@@ -8,6 +8,8 @@
 #include <unordered_set>
 #include <utility>
 
+#include "common/utf8.h"
+
 namespace esb::router {
 namespace {
 
@@ -44,43 +46,6 @@ bool IsStringPrefix(std::string_view name) {
     if (p == ok) return true;
   }
   return false;
-}
-
-bool IsValidUtf8(std::string_view s) {
-  size_t i = 0;
-  while (i < s.size()) {
-    unsigned char c = s[i];
-    int extra;
-    unsigned min;
-    unsigned cp;
-    if (c < 0x80) {
-      ++i;
-      continue;
-    }
-    if ((c & 0xE0) == 0xC0) {
-      extra = 1;
-      min = 0x80;
-      cp = c & 0x1F;
-    } else if ((c & 0xF0) == 0xE0) {
-      extra = 2;
-      min = 0x800;
-      cp = c & 0x0F;
-    } else if ((c & 0xF8) == 0xF0) {
-      extra = 3;
-      min = 0x10000;
-      cp = c & 0x07;
-    } else
-      return false;
-    if (i + extra >= s.size()) return false;
-    for (int k = 1; k <= extra; ++k) {
-      unsigned char cc = s[i + k];
-      if ((cc & 0xC0) != 0x80) return false;
-      cp = (cp << 6) | (cc & 0x3F);
-    }
-    if (cp < min || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return false;
-    i += extra + 1;
-  }
-  return true;
 }
 
 // "a.b.c" (identifier segments separated by single dots), optionally with leading dots.

@@ -262,7 +262,11 @@ bool Daemon::Start(const Options& options, const std::string& reuse_state_dir) {
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
-    execv(argv[0], argv.data());
+    char* no_env[] = {nullptr};
+    if (options.empty_environment)
+      execve(argv[0], argv.data(), no_env);
+    else
+      execv(argv[0], argv.data());
     _exit(127);
   }
   for (int i = 0; i < 600; ++i) {

@@ -45,6 +45,9 @@ class Daemon {
     int pool_size = 0;
     std::string config_json;  // written to a file and passed with --config when set
     std::vector<std::string> extra_args;
+    // Start esbd with no environment variables at all (as `env -i` would), as a user or a
+    // service unit starts it.
+    bool empty_environment = false;
   };
   Daemon() = default;
   ~Daemon();

@@ -50,7 +50,9 @@ def _package_files() -> list[tuple[str, str]]:
     for dirpath, dirnames, filenames in os.walk(PACKAGE_DIR):
         dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
         for fn in sorted(filenames):
-            if fn.endswith((".py", ".typed")):
+            # tools.json is a link to the repository's one catalogue (sdk/tools.json): open()
+            # and the sdist's dereference=True package its content, not the link.
+            if fn.endswith((".py", ".typed", ".json")):
                 full = os.path.join(dirpath, fn)
                 out.append((full, os.path.relpath(full, ROOT).replace(os.sep, "/")))
     return out
@@ -121,7 +123,7 @@ def build_sdist(sdist_directory: str, config_settings: Optional[dict[str, Any]] 
     base = f"{NAME}-{version}"
     name = f"{base}.tar.gz"
     extra = ["pyproject.toml", "README.md", "_build_backend/agentbox_build.py"]
-    with tarfile.open(os.path.join(sdist_directory, name), "w:gz") as tf:
+    with tarfile.open(os.path.join(sdist_directory, name), "w:gz", dereference=True) as tf:
         for rel in extra:
             if os.path.exists(os.path.join(ROOT, rel)):
                 tf.add(os.path.join(ROOT, rel), f"{base}/{rel}")

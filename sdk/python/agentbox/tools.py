@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from typing import Any, Mapping, Optional, Union
 
 from .errors import AuthError, DaemonUnreachable, SandboxError, ServerError
@@ -40,72 +41,18 @@ _EXECUTE = "environment.execute_command"
 _WRITE = "environment.write_file"
 _READ = "environment.read_file"
 
+
+def _load_catalogue() -> list[dict[str, Any]]:
+    # The one catalogue (sdk/tools.json, packaged as agentbox/tools.json): esbd embeds the same
+    # file at build time, so the daemon's GET /tools and this module cannot drift apart.
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "tools.json"),
+              encoding="utf-8") as f:
+        return json.load(f)["tools"]
+
+
 #: The meta-tools in a neutral form: name, description and JSON schema of the inputs.
 #: Descriptions are seed 004's words.
-TOOLS: list[dict[str, Any]] = [
-    {
-        "name": _EXECUTE,
-        "description": (
-            "Executes any shell command within the secure, stateful environment. This is the "
-            "primary tool for all actions like listing files, running scripts, using git, etc. "
-            "Maintains a persistent working directory and state for the lifetime of the "
-            "environment."),
-        "input_schema": {
-            "type": "object",
-            "properties": {
-                "command": {"type": "string",
-                            "description": "The full shell command to execute."},
-                "timeout_seconds": {"type": "integer", "default": 60,
-                                    "minimum": 1, "maximum": 3600,
-                                    "description": "Seconds before the command is killed "
-                                                   "(default 60)."},
-            },
-            "required": ["command"],
-            "additionalProperties": False,
-        },
-        "output_description": (
-            "Returns {'error': bool, 'stdout': str, 'stderr': str, 'exit_code': int}. "
-            "`error` is true if the exit code is not 0."),
-    },
-    {
-        "name": _WRITE,
-        "description": (
-            "Creates or overwrites a file with the provided content. Useful for creating "
-            "Python scripts, shell scripts, or configuration files that will be executed "
-            "later."),
-        "input_schema": {
-            "type": "object",
-            "properties": {
-                "path": {"type": "string",
-                         "description": "The relative path within the workspace "
-                                        "(e.g., 'src/main.py')."},
-                "content": {"type": "string", "description": "The full content of the file."},
-            },
-            "required": ["path", "content"],
-            "additionalProperties": False,
-        },
-        "output_description": (
-            "Returns {'error': bool, 'message': 'File saved successfully.' or "
-            "'Error message'}."),
-    },
-    {
-        "name": _READ,
-        "description": (
-            "Reads the entire content of a file from the workspace. Use this to inspect code, "
-            "view logs, or get the output of a script that writes to a file."),
-        "input_schema": {
-            "type": "object",
-            "properties": {
-                "path": {"type": "string",
-                         "description": "The relative path of the file to read."},
-            },
-            "required": ["path"],
-            "additionalProperties": False,
-        },
-        "output_description": (
-            "Returns {'error': bool, 'content': 'The file content' or 'Error message'}."),
-    },
-]
+TOOLS: list[dict[str, Any]] = _load_catalogue()
 
 #: Canonical (seed 004) tool names.
 TOOL_NAMES: tuple[str, ...] = tuple(t["name"] for t in TOOLS)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -96,3 +97,47 @@ def test_result_message_helpers():
     block = tools.anthropic_tool_result("toolu_1", out)
     assert block["type"] == "tool_result" and block["is_error"] is True
     assert json.loads(block["content"]) == out
+
+
+# -- the one catalogue file ------------------------------------------------------------------
+_REPO_CATALOGUE = os.path.join(os.path.dirname(__file__), "..", "..", "tools.json")
+
+
+def test_tools_come_from_the_one_catalogue_file():
+    # esbd embeds sdk/tools.json at build time (src/api/tools_catalog_test.cc checks that
+    # side); the SDK must read the very same file, not a copy.
+    packaged = os.path.join(os.path.dirname(tools.__file__), "tools.json")
+    assert os.path.samefile(os.path.realpath(packaged), _REPO_CATALOGUE)
+    with open(_REPO_CATALOGUE, encoding="utf-8") as f:
+        assert tools.TOOLS == json.load(f)["tools"]
+
+
+def test_vendor_descriptions_follow_the_catalogue_rule():
+    with open(_REPO_CATALOGUE, encoding="utf-8") as f:
+        neutral = json.load(f)["tools"]
+    for t, o, a in zip(neutral, tools.openai_tools(), tools.anthropic_tools()):
+        want = t["description"] + " " + t["output_description"]
+        assert o["function"]["description"] == want
+        assert a["description"] == want
+        assert o["function"]["name"] == a["name"] == t["name"].replace(".", "_")
+
+
+def test_wheel_and_sdist_carry_the_catalogue_content(tmp_path):
+    import importlib.util
+    import tarfile
+    import zipfile
+    backend_path = os.path.join(os.path.dirname(__file__), "..", "_build_backend",
+                                "agentbox_build.py")
+    spec = importlib.util.spec_from_file_location("agentbox_build_under_test", backend_path)
+    backend = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(backend)
+    with open(_REPO_CATALOGUE, "rb") as f:
+        want = f.read()
+    wheel = backend.build_wheel(str(tmp_path))
+    with zipfile.ZipFile(tmp_path / wheel) as zf:
+        assert zf.read("agentbox/tools.json") == want
+    sdist = backend.build_sdist(str(tmp_path))
+    with tarfile.open(tmp_path / sdist) as tf:
+        member = next(m for m in tf.getmembers() if m.name.endswith("agentbox/tools.json"))
+        assert member.isfile(), "the sdist must hold the catalogue, not a link out of it"
+        assert tf.extractfile(member).read() == want

@@ -31,6 +31,7 @@
 #include "drivers/container/cgroups.h"
 #include "drivers/container/oci_spec.h"
 #include "drivers/container/runtime.h"
+#include "drivers/env_limits.h"
 
 namespace esb {
 namespace container {
@@ -703,24 +704,9 @@ absl::Status ContainerDriver::WaitForAgent(const EnvPaths& paths, const Instance
 
 absl::StatusOr<InstanceRef> ContainerDriver::Create(const std::string& id, const EnvSpec& spec) {
   ESB_RETURN_IF_ERROR(ValidateId(id));
-  // (NaN fails every comparison, so the checks are written to reject it.)
-  if (spec.pids > options_.max_pids) {
-    return absl::InvalidArgumentError(absl::StrCat("pids ", spec.pids, " exceeds this daemon's ",
-                                                   "limit of ", options_.max_pids, " (max_pids)"));
-  }
-  if (spec.memory_mb > options_.max_memory_mb || spec.disk_mb > options_.max_disk_mb) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "memory_mb ", spec.memory_mb, " / disk_mb ", spec.disk_mb, " exceed this daemon's limits ",
-        "of ", options_.max_memory_mb, " (max_memory_mb) / ", options_.max_disk_mb,
-        " (max_disk_mb)"));
-  }
-  if (!(spec.memory_mb >= 16 && spec.memory_mb <= (1LL << 24)) ||
-      !(spec.pids >= 8 && spec.pids <= (1LL << 22)) || !(spec.cpu > 0 && spec.cpu <= 1024) ||
-      !(spec.disk_mb >= 1 && spec.disk_mb <= (1LL << 24))) {
-    return absl::InvalidArgumentError(
-        "limits out of range: memory_mb 16..16777216, pids 8..4194304, cpu (0, 1024], "
-        "disk_mb 1..16777216");
-  }
+  // The one limit table (drivers/env_limits.h), whoever calls: the API checked it too.
+  ESB_RETURN_IF_ERROR(CheckEnvLimits(
+      spec, HostEnvLimitCaps(options_.max_memory_mb, options_.max_pids, options_.max_disk_mb)));
   auto image = options_.images.find(spec.image);
   if (image == options_.images.end()) {
     return absl::InvalidArgumentError(absl::StrCat("unknown image '", spec.image, "'"));

@@ -69,15 +69,8 @@ std::string EnvBlock(const std::map<std::string, std::string>& env) {
 
 absl::Status ReplyStatus(const Msg& rep, const std::string& what) {
   if (GetStr(rep, "ok") == "1") return absl::OkStatus();
-  std::string errno_name = GetStr(rep, "errno");
-  std::string msg = absl::StrCat(what, ": ", GetStr(rep, "error"));
-  if (errno_name == "ENOENT") return absl::NotFoundError(msg);
-  if (errno_name == "EROFS" || errno_name == "EACCES") return absl::PermissionDeniedError(msg);
-  if (errno_name == "ENOSPC") return absl::ResourceExhaustedError(msg);
-  if (errno_name == "EEXIST") return absl::AlreadyExistsError(msg);
-  if (errno_name == "ENOTEMPTY") return absl::FailedPreconditionError(msg);
-  if (!errno_name.empty()) return absl::InvalidArgumentError(msg);
-  return absl::InternalError(msg);
+  // The same errno → Status (→ HTTP) mapping as the container tier's agent (common/util.h).
+  return ErrnoNameStatus(GetStr(rep, "errno"), absl::StrCat(what, ": ", GetStr(rep, "error")));
 }
 
 // Round trip on a worker/server channel with a deadline. `got_fd`: accept an fd in the reply.

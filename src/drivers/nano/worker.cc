@@ -170,6 +170,20 @@ std::string ErrnoName(WasiErrno e) {
     case kNotcapable: return "EACCES";
     case kNametoolong: return "ENAMETOOLONG";
     case kNotempty: return "ENOTEMPTY";
+    case kAcces:
+      return "EACCES";
+    case kPerm:
+      return "EPERM";
+    case kInval:
+      return "EINVAL";
+    case kLoop:
+      return "ELOOP";
+    case kFbig:
+      return "EFBIG";
+    case kNomem:
+      return "ENOMEM";
+    case kNotsup:
+      return "EOPNOTSUPP";
     default: return absl::StrCat("WASI_ERRNO_", static_cast<int>(e));
   }
 }
