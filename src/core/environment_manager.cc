@@ -32,7 +32,7 @@ std::string SpecToJson(const EnvSpec& spec, int64_t ttl_s) {
   json::object o{{"image", spec.image},       {"runtime", spec.runtime},
                  {"cpu", spec.cpu},           {"memory_mb", spec.memory_mb},
                  {"pids", spec.pids},         {"disk_mb", spec.disk_mb},
-                 {"network", spec.network},   {"ttl_seconds", ttl_s},
+                 {"network", NetworkPolicyName(spec.network)}, {"ttl_seconds", ttl_s},
                  {"env", std::move(env)}};
   return json::serialize(o);
 }
@@ -50,7 +50,11 @@ absl::StatusOr<EnvSpec> SpecFromJson(const std::string& text, int64_t* ttl_s) {
     if (auto* p = o.if_contains("memory_mb")) spec.memory_mb = p->to_number<int64_t>();
     if (auto* p = o.if_contains("pids")) spec.pids = p->to_number<int64_t>();
     if (auto* p = o.if_contains("disk_mb")) spec.disk_mb = p->to_number<int64_t>();
-    if (auto* p = o.if_contains("network")) spec.network = json::value_to<std::string>(*p);
+    if (auto* p = o.if_contains("network")) {
+      auto policy = ParseNetworkPolicy(json::value_to<std::string>(*p));
+      if (!policy) return absl::InvalidArgumentError("bad spec json: unknown network policy");
+      spec.network = *policy;
+    }
     if (auto* p = o.if_contains("ttl_seconds"); p && ttl_s) *ttl_s = p->to_number<int64_t>();
     if (auto* p = o.if_contains("env"); p && p->is_object()) {
       for (const auto& kv : p->as_object())
@@ -78,7 +82,7 @@ constexpr char kPoolTenant[] = "";
 EnvironmentManager::EnvironmentManager(Store* store, std::map<std::string, Driver*> drivers,
                                        Metrics* metrics, ManagerOptions options)
     : store_(store), drivers_(std::move(drivers)), metrics_(metrics),
-      options_(std::move(options)) {
+      options_(std::move(options)), audit_(store, metrics) {
   if (!options_.now_ms) options_.now_ms = NowUnixMs;
 }
 
@@ -248,8 +252,21 @@ std::shared_ptr<EnvironmentManager::LiveEnv> EnvironmentManager::TakePooled(
   return env;
 }
 
-absl::StatusOr<EnvironmentInfo> EnvironmentManager::Create(const std::string& tenant,
+absl::StatusOr<EnvironmentInfo> EnvironmentManager::Create(const Caller& caller,
                                                            const EnvSpec& spec, int64_t ttl_s) {
+  const int64_t t0 = MonotonicMs();
+  absl::StatusOr<EnvironmentInfo> info = CreateEnvironment(caller.tenant, spec, ttl_s);
+  audit_.Record(caller, {.environment_id = info.ok() ? info->record.id : "",
+                         .action = "environment.create",
+                         .detail = absl::StrCat("runtime=", spec.runtime, " image=", spec.image),
+                         .duration_ms = MonotonicMs() - t0,
+                         .outcome = info.status()});
+  return info;
+}
+
+absl::StatusOr<EnvironmentInfo> EnvironmentManager::CreateEnvironment(const std::string& tenant,
+                                                                      const EnvSpec& spec,
+                                                                      int64_t ttl_s) {
   if (ttl_s <= 0) ttl_s = options_.default_ttl_s;
   ttl_s = std::min(ttl_s, options_.max_ttl_s);
   if (!drivers_.count(spec.runtime))
@@ -401,8 +418,10 @@ void EnvironmentManager::DestroyLive(const std::shared_ptr<LiveEnv>& env,
   PersistLive(*env);
 }
 
-absl::Status EnvironmentManager::Destroy(const std::string& tenant, const std::string& id,
+absl::Status EnvironmentManager::Destroy(const Caller& caller, const std::string& id,
                                          const std::string& reason) {
+  const std::string& tenant = caller.tenant;
+  const int64_t t0 = MonotonicMs();
   std::shared_ptr<LiveEnv> env;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -422,11 +441,26 @@ absl::Status EnvironmentManager::Destroy(const std::string& tenant, const std::s
     return EnvironmentNotFoundError(absl::StrCat("environment ", id, " not found"));
   }
   DestroyLive(env, reason);
+  audit_.Record(caller, {.environment_id = id,
+                         .action = "environment.delete",
+                         .detail = reason,
+                         .duration_ms = MonotonicMs() - t0});
   return absl::OkStatus();
 }
 
-absl::StatusOr<EnvironmentInfo> EnvironmentManager::Get(const std::string& tenant,
+void EnvironmentManager::Reap(const std::shared_ptr<LiveEnv>& env, const std::string& reason) {
+  const int64_t t0 = MonotonicMs();
+  DestroyLive(env, reason);
+  audit_.Record(Caller::System(env->tenant),
+                {.environment_id = env->record.id,  // id is immutable
+                 .action = reason == "ttl_expired" ? "environment.expire" : "environment.reap",
+                 .detail = reason,
+                 .duration_ms = MonotonicMs() - t0});
+}
+
+absl::StatusOr<EnvironmentInfo> EnvironmentManager::Get(const Caller& caller,
                                                         const std::string& id) {
+  const std::string& tenant = caller.tenant;
   std::shared_ptr<LiveEnv> env;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -447,8 +481,9 @@ absl::StatusOr<EnvironmentInfo> EnvironmentManager::Get(const std::string& tenan
   return InfoOf(*rec, false);
 }
 
-absl::StatusOr<std::vector<EnvironmentInfo>> EnvironmentManager::List(const std::string& tenant,
+absl::StatusOr<std::vector<EnvironmentInfo>> EnvironmentManager::List(const Caller& caller,
                                                                       bool include_destroyed) {
+  const std::string& tenant = caller.tenant;
   std::vector<EnvironmentInfo> out;
   std::map<std::string, EnvironmentRecord> live;
   std::vector<std::shared_ptr<LiveEnv>> mine;
@@ -481,9 +516,9 @@ absl::StatusOr<std::vector<EnvironmentInfo>> EnvironmentManager::List(const std:
   return out;
 }
 
-absl::StatusOr<int64_t> EnvironmentManager::Heartbeat(const std::string& tenant,
+absl::StatusOr<int64_t> EnvironmentManager::Heartbeat(const Caller& caller,
                                                       const std::string& id, int64_t ttl_s) {
-  auto env = Lookup(tenant, id);
+  auto env = Lookup(caller.tenant, id);
   if (!env.ok()) return env.status();
   int64_t expires_ms;
   {
@@ -505,27 +540,34 @@ absl::StatusOr<int64_t> EnvironmentManager::Heartbeat(const std::string& tenant,
   return expires_ms;
 }
 
-absl::StatusOr<std::pair<Driver*, InstanceRef>> EnvironmentManager::Resolve(
-    const std::string& tenant, const std::string& id) {
-  auto env = Lookup(tenant, id);
+absl::StatusOr<std::shared_ptr<EnvironmentManager::LiveEnv>> EnvironmentManager::LookupFor(
+    const Caller& caller, const std::string& id, Capability needed) {
+  auto env = Lookup(caller.tenant, id);
   if (!env.ok()) return env.status();
+  if (!(*env)->driver->Capabilities().Has(needed))
+    return MissingCapabilityError((*env)->driver->name(), needed);
   Touch(**env);
-  return std::make_pair((*env)->driver, (*env)->ref);
+  return env;
 }
 
-absl::StatusOr<ExecResult> EnvironmentManager::Exec(const std::string& tenant,
-                                                    const std::string& id,
+absl::StatusOr<ExecResult> EnvironmentManager::Exec(const Caller& caller, const std::string& id,
                                                     const ExecRequest& request,
                                                     const OutputSink& sink) {
-  auto env = Lookup(tenant, id);
-  if (!env.ok()) return env.status();
-  Touch(**env);
+  auto env = LookupFor(caller, id, Capability::kExec);
+  if (!env.ok()) {
+    if (!IsEnvironmentNotFound(env.status()))
+      audit_.Record(caller, {.environment_id = id, .action = "execute", .detail = request.command,
+                             .outcome = env.status()});
+    return env.status();
+  }
   int64_t start = MonotonicMs();
   auto result = (*env)->driver->Exec((*env)->ref, request, sink);
   metrics_->exec_total++;
   metrics_->exec_duration.Observe((MonotonicMs() - start) / 1000.0);
   if (!result.ok()) {
     metrics_->CountError("exec");
+    audit_.Record(caller, {.environment_id = id, .action = "execute", .detail = request.command,
+                           .duration_ms = MonotonicMs() - start, .outcome = result.status()});
     return result.status();
   }
   if (result->timed_out) metrics_->exec_timeouts++;
@@ -538,42 +580,179 @@ absl::StatusOr<ExecResult> EnvironmentManager::Exec(const std::string& tenant,
   }
   // Destroyed while the command ran: its final row is already written; keep it.
   if (running) PersistLive(**env);
+  audit_.Record(caller,
+                {.environment_id = id,
+                 .action = "execute",
+                 .detail = request.command,
+                 .exit_code = result->exit_code,
+                 .duration_ms = result->duration_ms,
+                 .bytes = static_cast<int64_t>(result->stdout_data.size() +
+                                               result->stderr_data.size())});
   return result;
 }
 
-absl::Status EnvironmentManager::WriteFile(const std::string& tenant, const std::string& id,
-                                           const std::string& path, std::string_view data,
-                                           int64_t offset, bool truncate) {
-  auto env = Lookup(tenant, id);
+absl::StatusOr<std::unique_ptr<EnvironmentManager::FileTransfer>>
+EnvironmentManager::OpenTransfer(const Caller& caller, const std::string& id,
+                                 const std::string& path, const std::string& action) {
+  auto env = Lookup(caller.tenant, id);
   if (!env.ok()) return env.status();
-  Touch(**env);
-  return (*env)->driver->WriteFile((*env)->ref, path, data, offset, truncate);
+  std::unique_ptr<FileTransfer> t(new FileTransfer());
+  t->manager_ = this;
+  t->caller_ = caller;
+  t->id_ = id;
+  t->path_ = path;
+  t->action_ = action;
+  t->start_ms_ = MonotonicMs();
+  if (!(*env)->driver->Capabilities().Has(Capability::kFiles)) {
+    // Refused, and still one audited action (the transfer records the refusal).
+    t->outcome_ = MissingCapabilityError((*env)->driver->name(), Capability::kFiles);
+    return t->outcome_;
+  }
+  t->env_ = *env;
+  return t;
 }
 
-absl::StatusOr<FileChunk> EnvironmentManager::ReadFile(const std::string& tenant,
+EnvironmentManager::FileTransfer::~FileTransfer() {
+  if (manager_ == nullptr) return;
+  manager_->audit_.Record(caller_, {.environment_id = id_,
+                                    .action = action_,
+                                    .detail = path_,
+                                    .duration_ms = MonotonicMs() - start_ms_,
+                                    .bytes = bytes_,
+                                    .outcome = outcome_});
+}
+
+absl::Status EnvironmentManager::FileTransfer::Write(std::string_view data, int64_t offset,
+                                                     bool truncate) {
+  if (!env_) return outcome_;
+  manager_->Touch(*env_);
+  absl::Status st = env_->driver->WriteFile(env_->ref, path_, data, offset, truncate);
+  if (st.ok()) bytes_ += static_cast<int64_t>(data.size());
+  else outcome_ = st;
+  return st;
+}
+
+absl::StatusOr<FileChunk> EnvironmentManager::FileTransfer::Read(int64_t offset,
+                                                                 int64_t length) {
+  if (!env_) return outcome_;
+  manager_->Touch(*env_);
+  absl::StatusOr<FileChunk> chunk = env_->driver->ReadFile(env_->ref, path_, offset, length);
+  if (chunk.ok()) bytes_ += static_cast<int64_t>(chunk->data.size());
+  else outcome_ = chunk.status();
+  return chunk;
+}
+
+absl::Status EnvironmentManager::WriteFile(const Caller& caller, const std::string& id,
+                                           const std::string& path, std::string_view data,
+                                           int64_t offset, bool truncate) {
+  auto t = OpenTransfer(caller, id, path, "files.write");
+  if (!t.ok()) return t.status();
+  return (*t)->Write(data, offset, truncate);
+}
+
+absl::StatusOr<FileChunk> EnvironmentManager::ReadFile(const Caller& caller,
                                                        const std::string& id,
                                                        const std::string& path, int64_t offset,
                                                        int64_t length) {
-  auto env = Lookup(tenant, id);
-  if (!env.ok()) return env.status();
-  Touch(**env);
-  return (*env)->driver->ReadFile((*env)->ref, path, offset, length);
+  auto t = OpenTransfer(caller, id, path, "files.read");
+  if (!t.ok()) return t.status();
+  return (*t)->Read(offset, length);
 }
 
-absl::StatusOr<DirListing> EnvironmentManager::ListDir(const std::string& tenant,
+absl::StatusOr<DirListing> EnvironmentManager::ListDir(const Caller& caller,
                                                       const std::string& id,
                                                       const std::string& path) {
-  auto env = Lookup(tenant, id);
-  if (!env.ok()) return env.status();
-  Touch(**env);
-  return (*env)->driver->ListDir((*env)->ref, path);
+  const int64_t t0 = MonotonicMs();
+  auto env = LookupFor(caller, id, Capability::kFiles);
+  absl::StatusOr<DirListing> out =
+      env.ok() ? (*env)->driver->ListDir((*env)->ref, path) : env.status();
+  if (!IsEnvironmentNotFound(out.status()))
+    audit_.Record(caller, {.environment_id = id,
+                           .action = "files.list",
+                           .detail = path,
+                           .duration_ms = MonotonicMs() - t0,
+                           .bytes = out.ok() ? static_cast<int64_t>(out->entries.size()) : 0,
+                           .outcome = out.status()});
+  return out;
 }
 
-absl::StatusOr<Usage> EnvironmentManager::Stats(const std::string& tenant,
-                                                const std::string& id) {
-  auto env = Lookup(tenant, id);
+absl::StatusOr<Usage> EnvironmentManager::Stats(const Caller& caller, const std::string& id) {
+  auto env = Lookup(caller.tenant, id);
   if (!env.ok()) return env.status();
   return (*env)->driver->Stats((*env)->ref);
+}
+
+namespace {
+std::string RunDetail(const std::string& runtime, const RunRequest& request) {
+  return absl::StrCat("[", runtime, "] ", request.code);
+}
+}  // namespace
+
+absl::StatusOr<RunResult> EnvironmentManager::RunCode(const Caller& caller,
+                                                      const std::string& id,
+                                                      const RunRequest& request,
+                                                      const OutputSink& sink) {
+  const int64_t t0 = MonotonicMs();
+  auto env = LookupFor(caller, id, Capability::kPythonSession);
+  if (!env.ok()) {
+    if (!IsEnvironmentNotFound(env.status()))
+      audit_.Record(caller, {.environment_id = id, .action = "run", .detail = request.code,
+                             .outcome = env.status()});
+    return env.status();
+  }
+  InstanceRef ref = (*env)->ref;
+  absl::StatusOr<RunResult> r = (*env)->driver->RunCode(&ref, request, sink);
+  if (r.ok()) {
+    std::lock_guard<std::mutex> elock((*env)->mu);
+    (*env)->record.exec_count++;
+    (*env)->record.last_used_ms = Now();
+  }
+  audit_.Record(caller, {.environment_id = id,
+                         .action = "run",
+                         .detail = RunDetail((*env)->driver->name(), request),
+                         .exit_code = r.ok() ? std::optional<int64_t>(r->exit_code)
+                                             : std::nullopt,
+                         .duration_ms = MonotonicMs() - t0,
+                         .bytes = static_cast<int64_t>(request.code.size()),
+                         .outcome = r.status()});
+  return r;
+}
+
+absl::StatusOr<RunResult> EnvironmentManager::RunOneShot(const Caller& caller,
+                                                         const std::string& runtime,
+                                                         const RunRequest& request,
+                                                         const OutputSink& sink) {
+  const int64_t t0 = MonotonicMs();
+  absl::StatusOr<RunResult> r;
+  auto it = drivers_.find(runtime);
+  if (it == drivers_.end()) {
+    r = absl::InvalidArgumentError(
+        absl::StrCat("runtime '", runtime, "' is not available on this host"));
+  } else if (!it->second->Capabilities().Has(Capability::kPythonOneShot)) {
+    r = MissingCapabilityError(runtime, Capability::kPythonOneShot);
+  } else {
+    r = it->second->RunCode(nullptr, request, sink);
+  }
+  audit_.Record(caller, {.action = "run",
+                         .detail = RunDetail(runtime, request),
+                         .exit_code = r.ok() ? std::optional<int64_t>(r->exit_code)
+                                             : std::nullopt,
+                         .duration_ms = MonotonicMs() - t0,
+                         .bytes = static_cast<int64_t>(request.code.size()),
+                         .outcome = r.status()});
+  return r;
+}
+
+absl::StatusOr<std::string> EnvironmentManager::RuntimeOf(const Caller& caller,
+                                                          const std::string& id) {
+  auto env = Lookup(caller.tenant, id);
+  if (!env.ok()) return env.status();
+  return (*env)->driver->name();
+}
+
+CapabilitySet EnvironmentManager::CapabilitiesOf(const std::string& runtime) const {
+  auto it = drivers_.find(runtime);
+  return it == drivers_.end() ? CapabilitySet() : it->second->Capabilities();
 }
 
 std::map<std::string, int64_t> EnvironmentManager::StateCounts() {
@@ -660,7 +839,7 @@ void EnvironmentManager::ReaperLoop() {
     for (auto& [env, reason] : doomed) {
       LogInfo(absl::StrCat("reaping ", env->record.id, ": ", reason));
       metrics_->reaped_total++;
-      DestroyLive(env, reason);
+      Reap(env, reason);
     }
     for (auto& env : retry) {
       std::string reason;

@@ -21,6 +21,7 @@ class FakeDriver : public Driver {
  public:
   std::string name() const override { return "container"; }
   std::string Describe() const override { return "fake"; }
+  CapabilitySet Capabilities() const override { return capabilities; }
   absl::StatusOr<InstanceRef> Create(const std::string& id, const EnvSpec& spec) override {
     if (int d = create_delay_ms.load(); d > 0)  // a slow driver widens any check-then-act gap
       std::this_thread::sleep_for(std::chrono::milliseconds(d));
@@ -73,6 +74,7 @@ class FakeDriver : public Driver {
     return alive.count(ref.id) ? absl::OkStatus() : absl::NotFoundError("gone");
   }
 
+  CapabilitySet capabilities{Capability::kExec, Capability::kFiles};
   std::mutex mu;
   std::set<std::string> alive;
   std::set<std::string> outdated;  // Attach answers SandboxOutdatedError

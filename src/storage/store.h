@@ -50,7 +50,10 @@ struct AuditEntry {
   std::optional<int64_t> exit_code;
   int64_t duration_ms = 0;
   int64_t bytes = 0;
-  int status = 0;  // HTTP status of the call
+  int status = 0;  // HTTP status of the call (the core's outcome mapped the API's way)
+  // Who: an API key's public id ("key_..."), "dev" (no keys configured), "system" (the
+  // daemon itself: expiry, restart cleanup).
+  std::string principal;
 };
 
 struct AuditQuery {

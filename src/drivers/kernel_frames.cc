@@ -1,8 +1,8 @@
-#include "api/kernel_frames.h"
+#include "drivers/kernel_frames.h"
 
 #include <cstdint>
 
-namespace esb::api {
+namespace esb {
 namespace {
 
 constexpr size_t kHeader = 9;          // tag + 8 hex digits
@@ -46,4 +46,4 @@ bool KernelFrameDecoder::Feed(std::string_view data) {
   return ok;
 }
 
-}  // namespace esb::api
+}  // namespace esb

@@ -1,4 +1,4 @@
-#include "api/kernel_frames.h"
+#include "drivers/kernel_frames.h"
 
 #include <gtest/gtest.h>
 
@@ -6,7 +6,7 @@
 #include <utility>
 #include <vector>
 
-namespace esb::api {
+namespace esb {
 namespace {
 
 using Events = std::vector<std::pair<Stream, std::string>>;
@@ -84,4 +84,4 @@ TEST(KernelFrameDecoderTest, StopsWhenTheSinkSaysSo) {
 }
 
 }  // namespace
-}  // namespace esb::api
+}  // namespace esb

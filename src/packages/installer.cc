@@ -1,4 +1,4 @@
-#include "api/package_installer.h"
+#include "packages/installer.h"
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -13,8 +13,7 @@
 #include "common/util.h"
 #include "packages/requirement.h"
 
-namespace esb::api {
-namespace json = boost::json;
+namespace esb::packages {
 namespace {
 
 // Wheels are copied into a directory of their own per install (concurrent installs in one
@@ -27,7 +26,7 @@ constexpr size_t kMaxQuotedOutput = 4000;
 // Which requirements the sandbox's Python already satisfies (the image's Debian packages, an
 // earlier install). Uses pip's vendored `packaging`, so specifiers and markers are judged
 // exactly as pip would. Prints one JSON array with one entry per argument, in order (the
-// format packages::ParseProbeAnswer reads): {"skip": true} when the marker is false here,
+// format ParseProbeAnswer reads): {"skip": true} when the marker is false here,
 // {"installed": version-or-null, "ok": bool}, or {"error": why} for a requirement `packaging`
 // rejects — per entry, so one bad entry is reported as such instead of failing the whole probe.
 // Extras are not checked here: the host sends a requirement with extras through pip.
@@ -89,7 +88,7 @@ absl::Status PackageInstaller::Validate(const std::vector<std::string>& requirem
                                                    " requirements; the limit is ",
                                                    options_.max_packages));
   for (size_t i = 0; i < requirements.size(); ++i) {
-    auto r = packages::ParseRequirement(requirements[i]);
+    auto r = ParseRequirement(requirements[i]);
     if (!r.ok())
       return absl::InvalidArgumentError(
           absl::StrCat("packages[", i, "]: ", r.status().message()));
@@ -97,20 +96,22 @@ absl::Status PackageInstaller::Validate(const std::vector<std::string>& requirem
   return absl::OkStatus();
 }
 
-absl::StatusOr<json::array> PackageInstaller::Install(const std::string& tenant,
-                                                      const std::string& env_id,
-                                                      const std::vector<std::string>& requirements,
-                                                      const OutputSink& progress) {
+absl::StatusOr<std::vector<InstalledPackage>> PackageInstaller::Install(
+    const Caller& caller, const std::string& env_id, const std::vector<std::string>& requirements,
+    const OutputSink& progress) {
+  // pip's probes, copies and runs are steps of the one audited action that asked for the
+  // packages (a run); each wheel fetched over the network is audited on its own.
+  const Caller step = caller.Step();
   if (absl::Status st = Validate(requirements); !st.ok()) return st;
-  std::vector<packages::Requirement> parsed;
+  std::vector<Requirement> parsed;
   for (const std::string& text : requirements) {
-    auto r = packages::ParseRequirement(text);
+    auto r = ParseRequirement(text);
     if (!r.ok()) return r.status();  // Validate said it was fine
     parsed.push_back(std::move(*r));
   }
   const int64_t deadline = MonotonicMs() + options_.timeout_ms;
   // The same deadline for the host-side fetches (each also capped by the cache's http_timeout).
-  const auto fetch_deadline = packages::WheelCache::Clock::now() +
+  const auto fetch_deadline = WheelCache::Clock::now() +
                               std::chrono::milliseconds(options_.timeout_ms);
   auto remaining = [&]() { return std::max<int64_t>(1000, deadline - MonotonicMs()); };
   auto out_of_time = [&]() -> absl::Status {
@@ -131,37 +132,37 @@ absl::StatusOr<json::array> PackageInstaller::Install(const std::string& tenant,
   probe.command =
       absl::StrCat("python3 -c ", ShellQuote(kProbe), " ", absl::StrJoin(quoted, " "));
   probe.timeout = std::chrono::milliseconds(std::min<int64_t>(remaining(), 60'000));
-  auto pr = manager_->Exec(tenant, env_id, probe, nullptr);
+  auto pr = manager_->Exec(step, env_id, probe, nullptr);
   if (!pr.ok()) return pr.status();
   if (pr->exit_code != 0 || pr->timed_out)
     return absl::FailedPreconditionError(absl::StrCat(
         "cannot check the sandbox's installed packages (is python3-pip in the image?): ",
         pr->timed_out ? "timed out; " : "", Tail(pr->stderr_data, 5)));
-  auto probed = packages::ParseProbeAnswer(pr->stdout_data, requirements.size());
+  auto probed = ParseProbeAnswer(pr->stdout_data, requirements.size());
   if (!probed.ok())
     return absl::FailedPreconditionError(
         absl::StrCat(probed.status().message(), "; stderr: ", Tail(pr->stderr_data, 5)));
-  json::array result;
+  std::vector<InstalledPackage> result;
   std::vector<size_t> to_fetch;  // indices into `parsed` whose distribution is missing
   bool need_pip = false;
   for (size_t i = 0; i < parsed.size(); ++i) {
-    const packages::ProbeEntry& e = (*probed)[i];
-    const packages::Requirement& req = parsed[i];
+    const ProbeEntry& e = (*probed)[i];
+    const Requirement& req = parsed[i];
     switch (e.kind) {
-      case packages::ProbeEntry::Kind::kInvalid:
+      case ProbeEntry::Kind::kInvalid:
         return absl::InvalidArgumentError(absl::StrCat(
-            "packages[", i, "] '", packages::Printable(req.display, 100),
+            "packages[", i, "] '", Printable(req.display, 100),
             "': the sandbox's Python rejects the requirement: ", e.error));
-      case packages::ProbeEntry::Kind::kSkip:
+      case ProbeEntry::Kind::kSkip:
         break;
-      case packages::ProbeEntry::Kind::kSatisfied:
-        result.push_back(json::object{
-            {"name", req.name}, {"version", e.installed}, {"preinstalled", true}});
+      case ProbeEntry::Kind::kSatisfied:
+        result.push_back(InstalledPackage{
+            .name = req.name, .version = e.installed, .preinstalled = true});
         // The base distribution is there, but its extras' dependencies may not be: pip
         // decides, asking for what it lacks like for any dependency.
         if (!req.extras.empty()) need_pip = true;
         break;
-      case packages::ProbeEntry::Kind::kMissing:
+      case ProbeEntry::Kind::kMissing:
         to_fetch.push_back(i);
         need_pip = true;
         break;
@@ -186,13 +187,13 @@ absl::StatusOr<json::array> PackageInstaller::Install(const std::string& tenant,
     ExecRequest rm;
     rm.command = absl::StrCat("rm -rf ", wheel_dir);
     rm.timeout = std::chrono::milliseconds(10'000);
-    manager_->Exec(tenant, env_id, rm, nullptr).IgnoreError();
+    manager_->Exec(step, env_id, rm, nullptr).IgnoreError();
   });
   std::set<std::string> copied;  // file names already in wheel_dir
-  auto provide = [&](const packages::Requirement& req) -> absl::StatusOr<bool> {
+  auto provide = [&](const Requirement& req) -> absl::StatusOr<bool> {
     if (cache_ == nullptr)
       return absl::FailedPreconditionError(absl::StrCat(
-          "pip needs '", packages::Printable(req.display, 200),
+          "pip needs '", Printable(req.display, 200),
           "', which is not in the sandbox image; installing packages needs a package index, "
           "and this daemon has none configured (set packages.index_url in the esbd config)"));
     if (absl::Status st = out_of_time(); !st.ok()) return st;
@@ -200,7 +201,13 @@ absl::StatusOr<json::array> PackageInstaller::Install(const std::string& tenant,
     auto wheel = cache_->Fetch(req, fetch_deadline);
     if (!wheel.ok()) return wheel.status();
     if (copied.count(wheel->filename)) return false;  // no progress: pip already had it
-    if (!wheel->from_cache && audit_) audit_(tenant, env_id, *wheel);
+    if (!wheel->from_cache) {
+      manager_->audit().Record(
+          caller, {.environment_id = env_id,
+                   .action = "package.fetch",
+                   .detail = absl::StrCat(wheel->name, "==", wheel->version, " ", wheel->filename),
+                   .bytes = wheel->size});
+    }
     say(absl::StrCat("esb: ", wheel->name, " ", wheel->version,
                      wheel->from_cache ? (wheel->offline ? " (host cache; index unreachable)"
                                                          : " (host cache)")
@@ -216,7 +223,7 @@ absl::StatusOr<json::array> PackageInstaller::Install(const std::string& tenant,
       if (n < 0) return ErrnoStatus(absl::StrCat("read cached wheel ", wheel->path));
       if (n == 0 && offset > 0) break;
       wrote = true;
-      if (absl::Status st = manager_->WriteFile(tenant, env_id, dest,
+      if (absl::Status st = manager_->WriteFile(step, env_id, dest,
                                                 std::string_view(buf.data(), n), offset,
                                                 offset == 0);
           !st.ok())
@@ -225,9 +232,8 @@ absl::StatusOr<json::array> PackageInstaller::Install(const std::string& tenant,
       if (n == 0) break;
     }
     copied.insert(wheel->filename);
-    result.push_back(json::object{{"name", wheel->name},
-                                  {"version", wheel->version},
-                                  {"from_cache", wheel->from_cache}});
+    result.push_back(InstalledPackage{
+        .name = wheel->name, .version = wheel->version, .from_cache = wheel->from_cache});
     return true;
   };
   for (size_t i : to_fetch) {
@@ -248,36 +254,36 @@ absl::StatusOr<json::array> PackageInstaller::Install(const std::string& tenant,
         absl::StrJoin(quoted, " "));
     pip.timeout = std::chrono::milliseconds(remaining());
     pip.max_output_bytes = 1 << 20;
-    auto r = manager_->Exec(tenant, env_id, pip, progress);
+    auto r = manager_->Exec(step, env_id, pip, progress);
     if (!r.ok()) return r.status();
     if (r->exit_code == 0) break;
     const std::string output = r->stdout_data + r->stderr_data;
     // Plain string search: pip's output is the sandbox's, a megabyte on one line if it likes
     // (std::regex recursed once per character there and overflowed the stack).
     std::optional<std::string_view> dep =
-        r->timed_out ? std::nullopt : packages::FindMissingDistribution(output);
+        r->timed_out ? std::nullopt : FindMissingDistribution(output);
     if (!dep)
       return absl::FailedPreconditionError(
           absl::StrCat("pip install failed (exit ", r->exit_code, r->timed_out ? ", timed out" : "",
                        "):\n", Tail(output, 15)));
-    if (dep->size() > packages::kMaxRequirementLength)
+    if (dep->size() > kMaxRequirementLength)
       return absl::FailedPreconditionError(absl::StrCat(
           "pip reported a missing dependency of ", dep->size(), " characters ('",
-          packages::Printable(*dep, 100), "'); esbd fetches requirements of at most ",
-          packages::kMaxRequirementLength));
-    auto req = packages::ParseRequirement(*dep);
+          Printable(*dep, 100), "'); esbd fetches requirements of at most ",
+          kMaxRequirementLength));
+    auto req = ParseRequirement(*dep);
     if (!req.ok())
       return absl::FailedPreconditionError(absl::StrCat(
-          "pip needs '", packages::Printable(*dep, 200), "', which esbd cannot fetch: ",
+          "pip needs '", Printable(*dep, 200), "', which esbd cannot fetch: ",
           req.status().message()));
     auto progressed = provide(*req);
     if (!progressed.ok()) return progressed.status();
     if (!*progressed)
       return absl::FailedPreconditionError(
-          absl::StrCat("pip cannot satisfy '", packages::Printable(*dep, 200),
+          absl::StrCat("pip cannot satisfy '", Printable(*dep, 200),
                        "' with the wheels the index offers:\n", Tail(output, 15)));
   }
   return result;
 }
 
-}  // namespace esb::api
+}  // namespace esb::packages
