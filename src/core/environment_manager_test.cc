@@ -513,5 +513,115 @@ TEST_F(ManagerTest, SlowStoreWriteOfOneEnvironmentDoesNotStallLookupsOfOthers) {
   m.Stop();
 }
 
+// Issue 11: the core is the one audit path. Every action on an environment writes exactly
+// one row, with the caller's tenant and principal and the outcome; reads of state do not.
+TEST_F(ManagerTest, EveryManagerOperationWritesExactlyOneAuditRow) {
+  std::atomic<int64_t> clock{1000000};
+  auto m = Make(0, &clock);
+  ASSERT_TRUE(m->Start().ok());
+  const Caller who("acme", "key_abc", "rest");
+  auto count = [&] { return *store->CountAudit("acme"); };
+  auto last = [&]() -> AuditEntry {
+    AuditQuery q;
+    q.tenant = "acme";
+    q.limit = 1;
+    auto rows = store->QueryAudit(q);
+    return rows.ok() && !rows->empty() ? (*rows)[0] : AuditEntry{};
+  };
+  int64_t n = count();
+  auto expect_one = [&](const std::string& action, int status) {
+    EXPECT_EQ(count(), n + 1) << action;
+    n = count();
+    AuditEntry e = last();
+    EXPECT_EQ(e.action, action);
+    EXPECT_EQ(e.status, status) << action;
+    EXPECT_EQ(e.tenant, "acme");
+    EXPECT_EQ(e.principal, "key_abc") << action;
+  };
+  auto info = m->Create(who, EnvSpec{}, 0);
+  ASSERT_TRUE(info.ok());
+  const std::string id = info->record.id;
+  expect_one("environment.create", 200);
+  ASSERT_TRUE(m->Exec(who, id, ExecRequest{"true"}, nullptr).ok());
+  expect_one("execute", 200);
+  ASSERT_TRUE(m->WriteFile(who, id, "a.txt", "x", 0, true).ok());
+  expect_one("files.write", 200);
+  EXPECT_FALSE(m->ReadFile(who, id, "a.txt", 0, 10).ok());  // the fake has no files
+  expect_one("files.read", 404);
+  ASSERT_TRUE(m->ListDir(who, id, ".").ok());
+  expect_one("files.list", 200);
+  {
+    auto t = m->OpenTransfer(who, id, "big.bin", "files.upload");
+    ASSERT_TRUE(t.ok());
+    for (int i = 0; i < 5; ++i) ASSERT_TRUE((*t)->Write("chunk", i * 5, i == 0).ok());
+    EXPECT_EQ(count(), n) << "written when the transfer ends";
+  }
+  expect_one("files.upload", 200);
+  EXPECT_EQ(last().bytes, 25);
+  EXPECT_TRUE(IsMissingCapability(m->RunCode(who, id, RunRequest{}, nullptr).status()));
+  expect_one("run", 400);
+  EXPECT_TRUE(IsMissingCapability(m->RunOneShot(who, "container", RunRequest{}, nullptr).status()));
+  expect_one("run", 400);
+  // Reads of state and heartbeats are not environment actions.
+  ASSERT_TRUE(m->Get(who, id).ok());
+  ASSERT_TRUE(m->List(who, false).ok());
+  ASSERT_TRUE(m->Heartbeat(who, id, 0).ok());
+  ASSERT_TRUE(m->Stats(who, id).ok());
+  EXPECT_EQ(count(), n);
+  // Steps of a composite operation (Caller::Step) are audited by that operation, not here.
+  ASSERT_TRUE(m->Exec(who.Step(), id, ExecRequest{"true"}, nullptr).ok());
+  EXPECT_EQ(count(), n);
+  // Nothing happens to an environment that is not there for this tenant: no row.
+  EXPECT_FALSE(m->Exec(who, "env_nope", ExecRequest{"true"}, nullptr).ok());
+  EXPECT_FALSE(m->Exec(Caller("evil"), id, ExecRequest{"true"}, nullptr).ok());
+  EXPECT_EQ(count(), n);
+  EXPECT_EQ(*store->CountAudit("evil"), 0);
+  ASSERT_TRUE(m->Destroy(who, id).ok());
+  expect_one("environment.delete", 200);
+  // Expiry is the daemon's own action, recorded for the environment's tenant.
+  auto doomed = m->Create(who, EnvSpec{}, 10);
+  ASSERT_TRUE(doomed.ok());
+  expect_one("environment.create", 200);
+  clock += 11000;
+  for (int i = 0; i < 200 && count() == n; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  EXPECT_EQ(count(), n + 1);
+  AuditEntry expired = last();
+  EXPECT_EQ(expired.action, "environment.expire");
+  EXPECT_EQ(expired.principal, "system");
+  EXPECT_EQ(expired.environment_id, doomed->record.id);
+  m->Stop();
+}
+
+// Issue 11: a driver that lacks a capability is refused by the core with a 4xx naming it
+// (Unimplemented → 400), before the driver is called; never a 500 or a silent no-op.
+TEST_F(ManagerTest, MissingCapabilityIsRefusedNamingIt) {
+  driver.capabilities = CapabilitySet{Capability::kFiles};  // no shell, like nano
+  auto m = Make(0, nullptr);
+  ASSERT_TRUE(m->Start().ok());
+  auto info = m->Create("acme", EnvSpec{}, 0);
+  ASSERT_TRUE(info.ok());
+  auto r = m->Exec("acme", info->record.id, ExecRequest{"echo hi"}, nullptr);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_TRUE(IsMissingCapability(r.status()));
+  EXPECT_NE(r.status().message().find("'exec'"), std::string::npos) << r.status();
+  EXPECT_NE(r.status().message().find("'container'"), std::string::npos) << r.status();
+  driver.capabilities = CapabilitySet{};
+  auto w = m->WriteFile("acme", info->record.id, "f", "x", 0, true);
+  EXPECT_TRUE(IsMissingCapability(w)) << w;
+  EXPECT_NE(w.message().find("'files'"), std::string::npos) << w;
+  // The Driver defaults answer the same refusal for everything a driver does not implement.
+  InstanceRef ref{info->record.id, "container", "{}"};
+  EXPECT_TRUE(IsMissingCapability(driver.Fork(ref, "x").status()));
+  EXPECT_TRUE(IsMissingCapability(driver.Snapshot(ref, SnapshotContent::kMemory).status()));
+  EXPECT_TRUE(IsMissingCapability(driver.Restore(SnapshotRef{}, "x").status()));
+  EXPECT_TRUE(IsMissingCapability(driver.Pause(ref)));
+  EXPECT_TRUE(IsMissingCapability(driver.Resume(ref)));
+  EXPECT_TRUE(IsMissingCapability(driver.RunCode(&ref, RunRequest{}, nullptr).status()));
+  EXPECT_NE(driver.Pause(ref).message().find("'pause'"), std::string::npos);
+  m->Stop();
+}
+
 }  // namespace
 }  // namespace esb
