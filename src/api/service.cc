@@ -209,7 +209,7 @@ json::object ApiService::RenderEnvironment(const EnvironmentInfo& info, bool wit
   const EnvironmentRecord& r = info.record;
   json::object o{
       {"environment_id", r.id},
-      {"state", r.state},
+      {"state", std::string(ToString(r.state))},
       {"runtime", r.runtime},
       {"image", r.image},
       {"limits", json::object{{"cpu", info.spec.cpu},
@@ -220,7 +220,7 @@ json::object ApiService::RenderEnvironment(const EnvironmentInfo& info, bool wit
       {"ttl_seconds", info.ttl_s},
       {"created_at", Time(r.created_ms)},
       {"last_used_at", Time(r.last_used_ms)},
-      {"expires_at", r.state == "running" ? Time(r.expires_ms) : json::value()},
+      {"expires_at", r.state == EnvState::kRunning ? Time(r.expires_ms) : json::value()},
       {"destroyed_at", Time(r.destroyed_ms)},
       {"destroy_reason", r.destroy_reason.empty() ? json::value() : json::value(r.destroy_reason)},
   };
@@ -229,7 +229,7 @@ json::object ApiService::RenderEnvironment(const EnvironmentInfo& info, bool wit
   o["env_keys"] = std::move(env_keys);
   if (with_usage) {
     json::object usage{{"exec_count", r.exec_count}};
-    if (r.state == "running") {
+    if (r.state == EnvState::kRunning) {
       auto u = manager_->Stats(Caller(r.tenant), r.id);
       if (u.ok()) {
         usage["memory_bytes"] = u->memory_bytes;
@@ -470,16 +470,17 @@ Response ApiService::CreateEnvironment(Request& req, const Caller& caller) {
                            absl::StrCat("env: value of '", k, "' is too long or contains NUL"));
   }
   if (runtime == "auto") runtime = "container";  // the adaptive router arrives with the nano tier
-  spec.runtime = std::string(RuntimeAlias(runtime));
+  // Every name the enum above accepts (after the alias) is a DriverKind.
+  spec.runtime = *ParseDriverKind(RuntimeAlias(runtime));
   if (!manager_->HasDriver(spec.runtime)) {
-    auto why = options_.unavailable_runtimes.find(spec.runtime);
+    auto why = options_.unavailable_runtimes.find(std::string(ToString(spec.runtime)));
     return ErrorResponse(400, "bad_request",
                          absl::StrCat("runtime '", runtime, "' is not available on this host",
                                       why != options_.unavailable_runtimes.end()
                                           ? absl::StrCat(": ", why->second)
                                           : ""));
   }
-  if (spec.runtime != "nano" && !options_.images.count(spec.image))
+  if (spec.runtime != DriverKind::kNano && !options_.images.count(spec.image))
     return ErrorResponse(400, "bad_request", absl::StrCat("unknown image '", spec.image, "'"));
   auto info = manager_->Create(caller, spec, ttl);
   if (!info.ok()) return StatusResponse(info.status());
@@ -508,9 +509,9 @@ Response ApiService::Execute(Request& req, const Caller& caller) {
   if (req.Accepts("text/event-stream")) {
     // Check existence first so a bad id is a plain 404, not a stream with an error event.
     auto info = manager_->Get(caller, id);
-    if (!info.ok() || info->record.state != "running")
+    if (!info.ok() || info->record.state != EnvState::kRunning)
       return StatusResponse(info.ok() ? absl::NotFoundError(absl::StrCat(
-                                            "environment ", id, " is ", info->record.state))
+                                            "environment ", id, " is ", AbslView(ToString(info->record.state))))
                                       : info.status());
     return Response::Sse([this, caller, id, exec](ResponseWriter& w) {
       SseOutput out(w);

@@ -29,7 +29,7 @@ namespace json = boost::json;
 std::string SpecToJson(const EnvSpec& spec, int64_t ttl_s) {
   json::object env;
   for (const auto& [k, v] : spec.env) env[k] = v;
-  json::object o{{"image", spec.image},       {"runtime", spec.runtime},
+  json::object o{{"image", spec.image},       {"runtime", ToString(spec.runtime)},
                  {"cpu", spec.cpu},           {"memory_mb", spec.memory_mb},
                  {"pids", spec.pids},         {"disk_mb", spec.disk_mb},
                  {"network", NetworkPolicyName(spec.network)}, {"ttl_seconds", ttl_s},
@@ -45,7 +45,11 @@ absl::StatusOr<EnvSpec> SpecFromJson(const std::string& text, int64_t* ttl_s) {
   EnvSpec spec;
   try {
     if (auto* p = o.if_contains("image")) spec.image = json::value_to<std::string>(*p);
-    if (auto* p = o.if_contains("runtime")) spec.runtime = json::value_to<std::string>(*p);
+    if (auto* p = o.if_contains("runtime")) {
+      auto kind = ParseDriverKind(json::value_to<std::string>(*p));
+      if (!kind) return absl::InvalidArgumentError("bad spec json: unknown runtime");
+      spec.runtime = *kind;
+    }
     if (auto* p = o.if_contains("cpu")) spec.cpu = p->to_number<double>();
     if (auto* p = o.if_contains("memory_mb")) spec.memory_mb = p->to_number<int64_t>();
     if (auto* p = o.if_contains("pids")) spec.pids = p->to_number<int64_t>();
@@ -81,9 +85,13 @@ constexpr char kPoolTenant[] = "";
 
 EnvironmentManager::EnvironmentManager(Store* store, std::map<std::string, Driver*> drivers,
                                        Metrics* metrics, ManagerOptions options)
-    : store_(store), drivers_(std::move(drivers)), metrics_(metrics),
-      options_(std::move(options)), audit_(store, metrics) {
+    : store_(store), metrics_(metrics), options_(std::move(options)), audit_(store, metrics) {
   if (!options_.now_ms) options_.now_ms = NowUnixMs;
+  for (const auto& [name, driver] : drivers) {
+    std::optional<DriverKind> kind = ParseDriverKind(name);
+    if (kind) drivers_[*kind] = driver;
+    else LogError(absl::StrCat("environment manager: unknown driver kind '", name, "' ignored"));
+  }
 }
 
 EnvironmentManager::~EnvironmentManager() { Stop(); }
@@ -113,18 +121,20 @@ absl::Status EnvironmentManager::Start() {
   if (!live.ok()) return live.status();
   int attached = 0, cleaned = 0;
   for (EnvironmentRecord& rec : *live) {
-    auto it = drivers_.find(rec.runtime);
+    std::optional<DriverKind> kind = ParseDriverKind(rec.runtime);
+    auto it = kind ? drivers_.find(*kind) : drivers_.end();
     InstanceRef ref{rec.id, rec.runtime, rec.driver_state};
     std::string reason;
     if (it == drivers_.end()) {
       reason = "driver_unavailable_after_restart";
-    } else if (rec.state == "running") {
+    } else if (rec.state == EnvState::kRunning) {
       absl::Status st = it->second->Attach(ref);
       if (st.ok()) {
         auto env = std::make_shared<LiveEnv>();
         env->record = rec;
         env->ref = ref;
         env->driver = it->second;
+        env->kind = *kind;
         std::lock_guard<std::mutex> lock(mu_);
         envs_[rec.id] = env;
         ++attached;
@@ -135,9 +145,9 @@ absl::Status EnvironmentManager::Start() {
       reason = IsSandboxOutdated(st) ? "sandbox_outdated" : "died_while_daemon_down";
       LogWarn(absl::StrCat("environment ", rec.id, " could not be re-attached (", reason,
                            "): ", st.ToString()));
-    } else if (rec.state == "pooled") {
+    } else if (rec.state == EnvState::kPooled) {
       reason = "pool_discarded_on_restart";
-    } else if (rec.state == "creating") {
+    } else if (rec.state == EnvState::kCreating) {
       reason = "create_interrupted";
     } else {
       reason = rec.destroy_reason.empty() ? "destroy_interrupted" : rec.destroy_reason;
@@ -146,7 +156,7 @@ absl::Status EnvironmentManager::Start() {
       absl::Status st = it->second->Destroy(ref);
       if (!st.ok()) LogWarn(absl::StrCat("cleanup of ", rec.id, ": ", st.ToString()));
     }
-    rec.state = "destroyed";
+    rec.state = EnvState::kDestroyed;
     rec.destroyed_ms = Now();
     rec.destroy_reason = reason;
     Persist(rec);
@@ -205,18 +215,20 @@ EnvironmentInfo EnvironmentManager::InfoOf(const EnvironmentRecord& record, bool
 }
 
 absl::StatusOr<std::shared_ptr<EnvironmentManager::LiveEnv>> EnvironmentManager::CreateInstance(
-    const EnvSpec& spec, const std::string& tenant, const std::string& state, int64_t ttl_s) {
+    const EnvSpec& spec, const std::string& tenant, EnvState state, int64_t ttl_s) {
   auto it = drivers_.find(spec.runtime);
   if (it == drivers_.end())
     return absl::InvalidArgumentError(
-        absl::StrCat("runtime '", spec.runtime, "' is not available on this host"));
+        absl::StrCat("runtime '", AbslView(ToString(spec.runtime)),
+                     "' is not available on this host"));
   auto env = std::make_shared<LiveEnv>();
   env->driver = it->second;
+  env->kind = spec.runtime;
   EnvironmentRecord& rec = env->record;
   rec.id = absl::StrCat("env_", RandomHex(12));
   rec.tenant = tenant;
-  rec.state = "creating";
-  rec.runtime = spec.runtime;
+  rec.state = EnvState::kCreating;
+  rec.runtime = std::string(ToString(spec.runtime));
   rec.image = spec.image;
   rec.spec_json = SpecToJson(spec, ttl_s);
   rec.created_ms = rec.last_used_ms = Now();
@@ -224,7 +236,7 @@ absl::StatusOr<std::shared_ptr<EnvironmentManager::LiveEnv>> EnvironmentManager:
   Persist(rec);
   auto ref = env->driver->Create(rec.id, spec);
   if (!ref.ok()) {
-    rec.state = "destroyed";
+    rec.state = EnvState::kDestroyed;
     rec.destroyed_ms = Now();
     rec.destroy_reason = absl::StrCat("create_failed: ", ref.status().message());
     Persist(rec);
@@ -258,7 +270,8 @@ absl::StatusOr<EnvironmentInfo> EnvironmentManager::Create(const Caller& caller,
   absl::StatusOr<EnvironmentInfo> info = CreateEnvironment(caller.tenant, spec, ttl_s);
   audit_.Record(caller, {.environment_id = info.ok() ? info->record.id : "",
                          .action = "environment.create",
-                         .detail = absl::StrCat("runtime=", spec.runtime, " image=", spec.image),
+                         .detail = absl::StrCat("runtime=", AbslView(ToString(spec.runtime)),
+                                                " image=", spec.image),
                          .duration_ms = MonotonicMs() - t0,
                          .outcome = info.status()});
   return info;
@@ -270,8 +283,8 @@ absl::StatusOr<EnvironmentInfo> EnvironmentManager::CreateEnvironment(const std:
   if (ttl_s <= 0) ttl_s = options_.default_ttl_s;
   ttl_s = std::min(ttl_s, options_.max_ttl_s);
   if (!drivers_.count(spec.runtime))
-    return absl::InvalidArgumentError(
-        absl::StrCat("runtime '", spec.runtime, "' is not available on this host"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "runtime '", AbslView(ToString(spec.runtime)), "' is not available on this host"));
   // The quota check takes a reservation in the same critical section, so concurrent creates
   // cannot all pass the check before any of them is counted. The reservation turns into the
   // environment (under mu_ again) or is released on failure.
@@ -333,7 +346,7 @@ absl::StatusOr<EnvironmentInfo> EnvironmentManager::CreateEnvironment(const std:
       std::lock_guard<std::mutex> elock(env->mu);
       EnvironmentRecord& rec = env->record;
       rec.tenant = tenant;
-      rec.state = "running";
+      rec.state = EnvState::kRunning;
       rec.spec_json = SpecToJson(spec, ttl_s);
       rec.created_ms = rec.last_used_ms = Now();
       rec.expires_ms = rec.created_ms + ttl_s * 1000;
@@ -341,7 +354,7 @@ absl::StatusOr<EnvironmentInfo> EnvironmentManager::CreateEnvironment(const std:
     PersistLive(*env);
     metrics_->creates_pooled++;
   } else {
-    auto created = CreateInstance(spec, tenant, "running", ttl_s);
+    auto created = CreateInstance(spec, tenant, EnvState::kRunning, ttl_s);
     if (!created.ok()) return created.status();
     env = *created;
     metrics_->creates_cold++;
@@ -372,7 +385,7 @@ absl::StatusOr<std::shared_ptr<EnvironmentManager::LiveEnv>> EnvironmentManager:
     }
   }
   auto rec = store_->GetEnvironment(id);
-  if (rec.ok() && rec->tenant == tenant && rec->state == "destroyed") {
+  if (rec.ok() && rec->tenant == tenant && rec->state == EnvState::kDestroyed) {
     return EnvironmentNotFoundError(absl::StrCat("environment ", id, " was destroyed at ",
                                             FormatRfc3339(rec->destroyed_ms), " (",
                                             rec->destroy_reason, ")"));
@@ -395,7 +408,7 @@ void EnvironmentManager::DestroyLive(const std::shared_ptr<LiveEnv>& env,
   EnvironmentRecord rec;
   {
     std::lock_guard<std::mutex> elock(env->mu);
-    env->record.state = "destroying";
+    env->record.state = EnvState::kDestroying;
     env->record.destroy_reason = reason;
     rec = env->record;
   }
@@ -412,7 +425,7 @@ void EnvironmentManager::DestroyLive(const std::shared_ptr<LiveEnv>& env,
   }
   {
     std::lock_guard<std::mutex> elock(env->mu);
-    env->record.state = "destroyed";
+    env->record.state = EnvState::kDestroyed;
     env->record.destroyed_ms = Now();
   }
   PersistLive(*env);
@@ -436,7 +449,7 @@ absl::Status EnvironmentManager::Destroy(const Caller& caller, const std::string
   if (!env) {
     auto rec = store_->GetEnvironment(id);
     if (rec.ok() && rec->tenant == tenant &&
-        (rec->state == "destroyed" || rec->state == "destroying"))
+        (rec->state == EnvState::kDestroyed || rec->state == EnvState::kDestroying))
       return absl::OkStatus();  // idempotent
     return EnvironmentNotFoundError(absl::StrCat("environment ", id, " not found"));
   }
@@ -504,8 +517,8 @@ absl::StatusOr<std::vector<EnvironmentInfo>> EnvironmentManager::List(const Call
     if (it != live.end()) {
       out.push_back(InfoOf(it->second, false));
       live.erase(it);
-    } else if (include_destroyed || rec.state != "destroyed") {
-      if (rec.state == "running") continue;  // stale row of an env being destroyed right now
+    } else if (include_destroyed || rec.state != EnvState::kDestroyed) {
+      if (rec.state == EnvState::kRunning) continue;  // stale row of an env being destroyed right now
       out.push_back(InfoOf(rec, false));
     }
   }
@@ -526,7 +539,7 @@ absl::StatusOr<int64_t> EnvironmentManager::Heartbeat(const Caller& caller,
     // The reaper may have taken it (expired) between Lookup and here: a heartbeat never
     // revives an environment that is being destroyed, nor rewrites its stored state (the
     // write below is a snapshot: it carries the destroy if one comes first).
-    if ((*env)->record.state != "running")
+    if ((*env)->record.state != EnvState::kRunning)
       return EnvironmentNotFoundError(absl::StrCat("environment ", id, " is being destroyed (",
                                                    (*env)->record.destroy_reason, ")"));
     int64_t ttl = options_.default_ttl_s;
@@ -576,7 +589,7 @@ absl::StatusOr<ExecResult> EnvironmentManager::Exec(const Caller& caller, const 
     std::lock_guard<std::mutex> elock((*env)->mu);
     (*env)->record.exec_count++;
     (*env)->record.last_used_ms = Now();
-    running = (*env)->record.state == "running";
+    running = (*env)->record.state == EnvState::kRunning;
   }
   // Destroyed while the command ran: its final row is already written; keep it.
   if (running) PersistLive(**env);
@@ -701,12 +714,19 @@ absl::StatusOr<RunResult> EnvironmentManager::RunCode(const Caller& caller,
     return env.status();
   }
   InstanceRef ref = (*env)->ref;
-  absl::StatusOr<RunResult> r = (*env)->driver->RunCode(&ref, request, sink);
-  if (r.ok()) {
+  {
+    // Counted as it starts: artifacts captured during the run carry its sequence number.
     std::lock_guard<std::mutex> elock((*env)->mu);
     (*env)->record.exec_count++;
-    (*env)->record.last_used_ms = Now();
   }
+  absl::StatusOr<RunResult> r = (*env)->driver->RunCode(&ref, request, sink);
+  bool running;
+  {
+    std::lock_guard<std::mutex> elock((*env)->mu);
+    (*env)->record.last_used_ms = Now();
+    running = (*env)->record.state == EnvState::kRunning;
+  }
+  if (running) PersistLive(**env);
   audit_.Record(caller, {.environment_id = id,
                          .action = "run",
                          .detail = RunDetail((*env)->driver->name(), request),
@@ -719,22 +739,22 @@ absl::StatusOr<RunResult> EnvironmentManager::RunCode(const Caller& caller,
 }
 
 absl::StatusOr<RunResult> EnvironmentManager::RunOneShot(const Caller& caller,
-                                                         const std::string& runtime,
+                                                         DriverKind runtime,
                                                          const RunRequest& request,
                                                          const OutputSink& sink) {
   const int64_t t0 = MonotonicMs();
   absl::StatusOr<RunResult> r;
   auto it = drivers_.find(runtime);
   if (it == drivers_.end()) {
-    r = absl::InvalidArgumentError(
-        absl::StrCat("runtime '", runtime, "' is not available on this host"));
+    r = absl::InvalidArgumentError(absl::StrCat(
+        "runtime '", AbslView(ToString(runtime)), "' is not available on this host"));
   } else if (!it->second->Capabilities().Has(Capability::kPythonOneShot)) {
-    r = MissingCapabilityError(runtime, Capability::kPythonOneShot);
+    r = MissingCapabilityError(ToString(runtime), Capability::kPythonOneShot);
   } else {
     r = it->second->RunCode(nullptr, request, sink);
   }
   audit_.Record(caller, {.action = "run",
-                         .detail = RunDetail(runtime, request),
+                         .detail = RunDetail(std::string(ToString(runtime)), request),
                          .exit_code = r.ok() ? std::optional<int64_t>(r->exit_code)
                                              : std::nullopt,
                          .duration_ms = MonotonicMs() - t0,
@@ -743,23 +763,24 @@ absl::StatusOr<RunResult> EnvironmentManager::RunOneShot(const Caller& caller,
   return r;
 }
 
-absl::StatusOr<std::string> EnvironmentManager::RuntimeOf(const Caller& caller,
-                                                          const std::string& id) {
+absl::StatusOr<DriverKind> EnvironmentManager::RuntimeOf(const Caller& caller,
+                                                         const std::string& id) {
   auto env = Lookup(caller.tenant, id);
   if (!env.ok()) return env.status();
-  return (*env)->driver->name();
+  return (*env)->kind;
 }
 
-CapabilitySet EnvironmentManager::CapabilitiesOf(const std::string& runtime) const {
+CapabilitySet EnvironmentManager::CapabilitiesOf(DriverKind runtime) const {
   auto it = drivers_.find(runtime);
   return it == drivers_.end() ? CapabilitySet() : it->second->Capabilities();
 }
 
 std::map<std::string, int64_t> EnvironmentManager::StateCounts() {
-  std::map<std::string, int64_t> counts{{"running", 0}, {"pooled", 0}};
+  const std::string running(ToString(EnvState::kRunning)), pooled(ToString(EnvState::kPooled));
+  std::map<std::string, int64_t> counts{{running, 0}, {pooled, 0}};
   std::lock_guard<std::mutex> lock(mu_);
-  counts["running"] = static_cast<int64_t>(envs_.size());
-  for (const auto& [rt, q] : pool_) counts["pooled"] += static_cast<int64_t>(q.size());
+  counts[running] = static_cast<int64_t>(envs_.size());
+  for (const auto& [rt, q] : pool_) counts[pooled] += static_cast<int64_t>(q.size());
   return counts;
 }
 
@@ -795,10 +816,10 @@ void EnvironmentManager::ReaperLoop() {
     std::vector<std::shared_ptr<LiveEnv>> expired;
     for (auto& env : live) {
       std::lock_guard<std::mutex> elock(env->mu);
-      if (env->record.state != "running") continue;  // a Destroy has it
+      if (env->record.state != EnvState::kRunning) continue;  // a Destroy has it
       if (env->record.expires_ms <= now) {
         // Decided under env->mu: a heartbeat from here on sees it going (NotFound).
-        env->record.state = "destroying";
+        env->record.state = EnvState::kDestroying;
         env->record.destroy_reason = "ttl_expired";
         expired.push_back(env);
       } else if (health) {
@@ -829,7 +850,7 @@ void EnvironmentManager::ReaperLoop() {
       if (erased) {
         {
           std::lock_guard<std::mutex> elock(env->mu);
-          env->record.state = "destroying";
+          env->record.state = EnvState::kDestroying;
           env->record.destroy_reason = "died";
         }
         LogWarn(absl::StrCat("environment ", env->record.id, " died; cleaning up"));
@@ -864,7 +885,7 @@ void EnvironmentManager::PoolLoop() {
       if (stopping_) return;
     }
     bool made = false, failed = false;
-    for (const std::string& runtime : options_.pooled_runtimes) {
+    for (DriverKind runtime : options_.pooled_runtimes) {
       if (!drivers_.count(runtime) || options_.pool_size <= 0) continue;
       size_t have;
       {
@@ -874,9 +895,10 @@ void EnvironmentManager::PoolLoop() {
       if (have >= static_cast<size_t>(options_.pool_size)) continue;
       EnvSpec spec = options_.default_spec;
       spec.runtime = runtime;
-      auto env = CreateInstance(spec, kPoolTenant, "pooled", options_.default_ttl_s);
+      auto env = CreateInstance(spec, kPoolTenant, EnvState::kPooled, options_.default_ttl_s);
       if (!env.ok()) {
-        LogWarn(absl::StrCat("warm pool (", runtime, "): ", env.status().ToString()));
+        LogWarn(absl::StrCat("warm pool (", AbslView(ToString(runtime)), "): ",
+                             env.status().ToString()));
         failed = true;
         continue;
       }

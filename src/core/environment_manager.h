@@ -43,7 +43,7 @@ struct ManagerOptions {
   int64_t max_ttl_s = 86400;
   // Warm pool: this many pre-started environments per pooled runtime, with `default_spec`.
   int pool_size = 2;
-  std::vector<std::string> pooled_runtimes = {"container"};
+  std::vector<DriverKind> pooled_runtimes = {DriverKind::kContainer};
   int64_t reaper_interval_ms = 1000;
   int64_t health_interval_ms = 10000;
   int max_environments = 500;
@@ -64,7 +64,7 @@ class EnvironmentManager {
   struct LiveEnv;
 
  public:
-  // `drivers`: name → driver ("container", "gvisor", "nano", ...). Not owned.
+  // `drivers`: name → driver ("container", "gvisor", "nano", ...; ParseDriverKind). Not owned.
   EnvironmentManager(Store* store, std::map<std::string, Driver*> drivers, Metrics* metrics,
                      ManagerOptions options);
   ~EnvironmentManager();
@@ -134,20 +134,20 @@ class EnvironmentManager {
                                     const RunRequest& request, const OutputSink& sink);
   // Python in a fresh interpreter of runtime `runtime`, no environment (capability
   // python_oneshot), audited as "run".
-  absl::StatusOr<RunResult> RunOneShot(const Caller& caller, const std::string& runtime,
+  absl::StatusOr<RunResult> RunOneShot(const Caller& caller, DriverKind runtime,
                                        const RunRequest& request, const OutputSink& sink);
 
-  // The runtime (driver name) of a live environment of the caller's tenant.
-  absl::StatusOr<std::string> RuntimeOf(const Caller& caller, const std::string& id);
+  // The runtime of a live environment of the caller's tenant.
+  absl::StatusOr<DriverKind> RuntimeOf(const Caller& caller, const std::string& id);
   // What runtime `runtime` can do (empty set: no such driver).
-  CapabilitySet CapabilitiesOf(const std::string& runtime) const;
+  CapabilitySet CapabilitiesOf(DriverKind runtime) const;
 
   // The core's audit log, for the core's own composite operations (core/run, packages).
   AuditLog& audit() { return audit_; }
 
   std::map<std::string, int64_t> StateCounts();
   int64_t PoolReady();
-  bool HasDriver(const std::string& name) const { return drivers_.count(name) > 0; }
+  bool HasDriver(DriverKind kind) const { return drivers_.count(kind) > 0; }
   const ManagerOptions& options() const { return options_; }
 
  private:
@@ -163,6 +163,7 @@ class EnvironmentManager {
     std::string tenant;
     EnvironmentRecord record;
     InstanceRef ref;
+    DriverKind kind = DriverKind::kContainer;
     Driver* driver = nullptr;
   };
 
@@ -178,8 +179,7 @@ class EnvironmentManager {
                                                     const EnvSpec& spec, int64_t ttl_s);
   absl::StatusOr<std::shared_ptr<LiveEnv>> CreateInstance(const EnvSpec& spec,
                                                           const std::string& tenant,
-                                                          const std::string& state,
-                                                          int64_t ttl_s);
+                                                          EnvState state, int64_t ttl_s);
   std::shared_ptr<LiveEnv> TakePooled(const EnvSpec& spec);
   void DestroyLive(const std::shared_ptr<LiveEnv>& env, const std::string& reason);
   // The reaper's destroy of an expired or dead environment, audited as the daemon's action.
@@ -192,14 +192,14 @@ class EnvironmentManager {
   void PoolLoop();
 
   Store* store_;
-  std::map<std::string, Driver*> drivers_;
+  std::map<DriverKind, Driver*> drivers_;
   Metrics* metrics_;
   ManagerOptions options_;
   AuditLog audit_;
 
   std::mutex mu_;
   std::map<std::string, std::shared_ptr<LiveEnv>> envs_;              // running, by id
-  std::map<std::string, std::deque<std::shared_ptr<LiveEnv>>> pool_;  // runtime → ready
+  std::map<DriverKind, std::deque<std::shared_ptr<LiveEnv>>> pool_;  // runtime → ready
   std::vector<std::shared_ptr<LiveEnv>> destroy_retry_;
   int pool_creating_ = 0;
   // Creates that passed the quota check and are not in envs_ yet (they count against it).

@@ -116,7 +116,7 @@ TEST_F(ManagerTest, CreateExecDestroyLifecycle) {
   ASSERT_TRUE(m->Start().ok());
   auto info = m->Create("acme", EnvSpec{}, 0);
   ASSERT_TRUE(info.ok()) << info.status();
-  EXPECT_EQ(info->record.state, "running");
+  EXPECT_EQ(info->record.state, EnvState::kRunning);
   EXPECT_FALSE(info->pooled);
   auto r = m->Exec("acme", info->record.id, ExecRequest{"echo hi"}, nullptr);
   ASSERT_TRUE(r.ok());
@@ -128,7 +128,7 @@ TEST_F(ManagerTest, CreateExecDestroyLifecycle) {
   EXPECT_NE(after.status().message().find("destroyed"), std::string::npos);
   auto rec = store->GetEnvironment(info->record.id);
   ASSERT_TRUE(rec.ok());
-  EXPECT_EQ(rec->state, "destroyed");
+  EXPECT_EQ(rec->state, EnvState::kDestroyed);
   EXPECT_EQ(rec->destroy_reason, "deleted");
   m->Stop();
 }
@@ -165,11 +165,11 @@ TEST_F(ManagerTest, ReaperDestroysExpiredLeaseAndHeartbeatExtends) {
   clock += 8'000;
   ASSERT_TRUE(m->Heartbeat("t", b->record.id, 10).ok());
   clock += 5'000;  // a is 13 s old (expired); b's lease runs to +18 s
-  for (int i = 0; i < 100 && m->Get("t", a->record.id)->record.state != "destroyed"; ++i)
+  for (int i = 0; i < 100 && m->Get("t", a->record.id)->record.state != EnvState::kDestroyed; ++i)
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  EXPECT_EQ(m->Get("t", a->record.id)->record.state, "destroyed");
+  EXPECT_EQ(m->Get("t", a->record.id)->record.state, EnvState::kDestroyed);
   EXPECT_EQ(m->Get("t", a->record.id)->record.destroy_reason, "ttl_expired");
-  EXPECT_EQ(m->Get("t", b->record.id)->record.state, "running");
+  EXPECT_EQ(m->Get("t", b->record.id)->record.state, EnvState::kRunning);
   m->Stop();
 }
 
@@ -217,7 +217,7 @@ TEST_F(ManagerTest, RestartReattachesLiveAndCleansUpDead) {
   EXPECT_TRUE(m2->Exec("t", alive_id, ExecRequest{"true"}, nullptr).ok());
   auto dead = m2->Get("t", dead_id);
   ASSERT_TRUE(dead.ok());
-  EXPECT_EQ(dead->record.state, "destroyed");
+  EXPECT_EQ(dead->record.state, EnvState::kDestroyed);
   EXPECT_EQ(dead->record.destroy_reason, "died_while_daemon_down");
   m2->Stop();
 }
@@ -242,7 +242,7 @@ TEST_F(ManagerTest, RestartDestroysEnvironmentsOfAnOutdatedSandboxLayout) {
   EXPECT_TRUE(m2->Exec("t", new_id, ExecRequest{"true"}, nullptr).ok());
   auto old = m2->Get("t", old_id);
   ASSERT_TRUE(old.ok());
-  EXPECT_EQ(old->record.state, "destroyed");
+  EXPECT_EQ(old->record.state, EnvState::kDestroyed);
   EXPECT_EQ(old->record.destroy_reason, "sandbox_outdated");
   EXPECT_FALSE(m2->Exec("t", old_id, ExecRequest{"true"}, nullptr).ok());
   {
@@ -261,7 +261,7 @@ TEST_F(ManagerTest, DeadEnvironmentIsNoticedAndCleanedUp) {
     std::lock_guard<std::mutex> lock(driver.mu);
     driver.alive.erase(a->record.id);
   }
-  for (int i = 0; i < 200 && m->Get("t", a->record.id)->record.state != "destroyed"; ++i)
+  for (int i = 0; i < 200 && m->Get("t", a->record.id)->record.state != EnvState::kDestroyed; ++i)
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   EXPECT_EQ(m->Get("t", a->record.id)->record.destroy_reason, "died");
   m->Stop();
@@ -276,7 +276,7 @@ TEST_F(ManagerTest, CreateFailureIsRecordedAndReported) {
   auto list = m->List("t", true);
   ASSERT_TRUE(list.ok());
   ASSERT_EQ(list->size(), 1u);
-  EXPECT_EQ((*list)[0].record.state, "destroyed");
+  EXPECT_EQ((*list)[0].record.state, EnvState::kDestroyed);
   EXPECT_NE((*list)[0].record.destroy_reason.find("create_failed"), std::string::npos);
   m->Stop();
 }
@@ -288,7 +288,7 @@ TEST_F(ManagerTest, UnknownRuntimeAndLimitsAreRefused) {
   EnvironmentManager m(store.get(), {{"container", &driver}}, &metrics, opts);
   ASSERT_TRUE(m.Start().ok());
   EnvSpec nano;
-  nano.runtime = "nano";
+  nano.runtime = DriverKind::kNano;
   EXPECT_TRUE(absl::IsInvalidArgument(m.Create("t", nano, 0).status()));
   ASSERT_TRUE(m.Create("t", EnvSpec{}, 0).ok());
   EXPECT_TRUE(absl::IsResourceExhausted(m.Create("t", EnvSpec{}, 0).status()));
@@ -560,7 +560,7 @@ TEST_F(ManagerTest, EveryManagerOperationWritesExactlyOneAuditRow) {
   EXPECT_EQ(last().bytes, 25);
   EXPECT_TRUE(IsMissingCapability(m->RunCode(who, id, RunRequest{}, nullptr).status()));
   expect_one("run", 400);
-  EXPECT_TRUE(IsMissingCapability(m->RunOneShot(who, "container", RunRequest{}, nullptr).status()));
+  EXPECT_TRUE(IsMissingCapability(m->RunOneShot(who, DriverKind::kContainer, RunRequest{}, nullptr).status()));
   expect_one("run", 400);
   // Reads of state and heartbeats are not environment actions.
   ASSERT_TRUE(m->Get(who, id).ok());

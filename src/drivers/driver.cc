@@ -52,10 +52,23 @@ std::vector<std::string> CapabilitySet::Names() const {
   return out;
 }
 
+// What lacking a capability means for the user, after the capability's name.
+std::string_view CapabilityHint(Capability capability) {
+  switch (capability) {
+    case Capability::kExec:
+      return " (its environments have no shell; run Python with POST /environments/{id}/run)";
+    case Capability::kPythonSession:
+      return " (its environments run no Python cells; use /execute)";
+    default:
+      return "";
+  }
+}
+
 absl::Status MissingCapabilityError(std::string_view driver, Capability capability) {
   absl::Status st = absl::UnimplementedError(
       absl::StrCat("the '", std::string(driver), "' runtime lacks the capability '",
-                   std::string(CapabilityName(capability)), "'"));
+                   std::string(CapabilityName(capability)), "'",
+                   std::string(CapabilityHint(capability))));
   st.SetPayload(kMissingCapabilityUrl, absl::Cord(std::string(CapabilityName(capability))));
   return st;
 }

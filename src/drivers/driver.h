@@ -16,6 +16,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/cord.h"
 #include "absl/status/statusor.h"
+#include "common/env_types.h"
 
 namespace esb {
 
@@ -34,7 +35,7 @@ std::optional<NetworkPolicy> ParseNetworkPolicy(std::string_view name);
 // What an environment is asked to be. Validated by the API layer before it gets here.
 struct EnvSpec {
   std::string image = "default";
-  std::string runtime = "container";  // driver name ("container", "gvisor", "nano", ...)
+  DriverKind runtime = DriverKind::kContainer;
   double cpu = 1.0;                   // CPU cores (CFS quota)
   int64_t memory_mb = 512;
   int64_t pids = 256;

@@ -338,7 +338,7 @@ int main(int argc, char** argv) {
           continue;
         }
       }
-      rec.state = "destroyed";
+      rec.state = esb::EnvState::kDestroyed;
       rec.destroyed_ms = esb::NowUnixMs();
       if (rec.destroy_reason.empty()) rec.destroy_reason = "cleanup";
       (*store)->PutEnvironment(rec).IgnoreError();

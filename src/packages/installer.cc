@@ -202,8 +202,11 @@ absl::StatusOr<std::vector<InstalledPackage>> PackageInstaller::Install(
     if (!wheel.ok()) return wheel.status();
     if (copied.count(wheel->filename)) return false;  // no progress: pip already had it
     if (!wheel->from_cache) {
+      // Egress on the sandbox's behalf: its own row, even inside an operation audited whole.
+      Caller fetcher = caller;
+      fetcher.audited = true;
       manager_->audit().Record(
-          caller, {.environment_id = env_id,
+          fetcher, {.environment_id = env_id,
                    .action = "package.fetch",
                    .detail = absl::StrCat(wheel->name, "==", wheel->version, " ", wheel->filename),
                    .bytes = wheel->size});

@@ -290,7 +290,9 @@ EnvironmentRecord EnvFromRow(const Stmt& s) {
   EnvironmentRecord r;
   r.id = s.Text(0);
   r.tenant = s.Text(1);
-  r.state = s.Text(2);
+  // A state this esbd does not know (an older or newer esbd's): treated as an interrupted
+  // destroy, so the restart cleanup finishes it instead of serving it.
+  r.state = ParseEnvState(s.Text(2)).value_or(EnvState::kDestroying);
   r.runtime = s.Text(3);
   r.image = s.Text(4);
   r.spec_json = s.Text(5);
@@ -472,7 +474,7 @@ class SqliteStore final : public Store {
     if (!stmt.ok()) return stmt.status();
     stmt->Bind(1, rec.id)
         .Bind(2, rec.tenant)
-        .Bind(3, rec.state)
+        .Bind(3, ToString(rec.state))
         .Bind(4, rec.runtime)
         .Bind(5, rec.image)
         .Bind(6, rec.spec_json)

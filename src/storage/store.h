@@ -14,13 +14,17 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 
+#include "common/env_types.h"
+
 namespace esb {
 
 struct EnvironmentRecord {
   std::string id;
   std::string tenant;
-  std::string state;    // "creating" | "running" | "destroying" | "destroyed" | "failed"
-  std::string runtime;  // driver name
+  EnvState state = EnvState::kCreating;  // stored as its name (ToString / ParseEnvState)
+  // The driver's name as stored (ToString(DriverKind)); the core parses it (ParseDriverKind) so
+  // that a row naming a driver this esbd lacks is cleaned up, not misread.
+  std::string runtime;
   std::string image;
   std::string spec_json;     // the EnvSpec as JSON (limits, env, network)
   std::string driver_state;  // InstanceRef::state

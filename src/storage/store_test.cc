@@ -76,7 +76,7 @@ EnvironmentRecord MakeEnv(const std::string& id, const std::string& tenant,
   EnvironmentRecord r;
   r.id = id;
   r.tenant = tenant;
-  r.state = state;
+  r.state = ParseEnvState(state).value();
   r.runtime = "container";
   r.image = "default";
   r.spec_json = R"({"memory_mb":512})";
@@ -125,19 +125,19 @@ TEST(StoreTest, EnvironmentRoundTripAndUpsert) {
   absl::StatusOr<EnvironmentRecord> got = store->GetEnvironment("env_1");
   ASSERT_TRUE(got.ok()) << got.status();
   EXPECT_EQ(got->tenant, "acme");
-  EXPECT_EQ(got->state, "running");
+  EXPECT_EQ(got->state, EnvState::kRunning);
   EXPECT_EQ(got->spec_json, R"({"memory_mb":512})");
   EXPECT_EQ(got->driver_state, "bundle=/run/esb/env_1");
   EXPECT_EQ(got->expires_ms, 901000);
   EXPECT_EQ(got->exec_count, 3);
 
-  env.state = "destroyed";
+  env.state = EnvState::kDestroyed;
   env.destroyed_ms = 5000;
   env.destroy_reason = "ttl_expired";
   ASSERT_TRUE(store->PutEnvironment(env).ok());
   got = store->GetEnvironment("env_1");
   ASSERT_TRUE(got.ok());
-  EXPECT_EQ(got->state, "destroyed");
+  EXPECT_EQ(got->state, EnvState::kDestroyed);
   EXPECT_EQ(got->destroyed_ms, 5000);
   EXPECT_EQ(got->destroy_reason, "ttl_expired");
 
@@ -501,7 +501,7 @@ TEST(StoreFileTest, DurableAcrossReopenInWalMode) {
   ASSERT_NE(store, nullptr);
   auto env = store->GetEnvironment("env_1");
   ASSERT_TRUE(env.ok()) << env.status();
-  EXPECT_EQ(env->state, "running");
+  EXPECT_EQ(env->state, EnvState::kRunning);
   EXPECT_EQ(*store->TenantForKey(secret), "acme");
   auto audit = store->QueryAudit(Q("acme", 100, "make"));
   ASSERT_TRUE(audit.ok()) << audit.status();

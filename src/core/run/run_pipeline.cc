@@ -136,10 +136,10 @@ absl::StatusOr<RunPlan> RunPipeline::Prepare(const Caller& caller, RunSpec spec)
   RunPlan plan;
   if (!one_shot) {
     // Stateful run in an existing environment: its driver must have a Python session.
-    absl::StatusOr<std::string> runtime = manager->RuntimeOf(caller, spec.environment_id);
+    absl::StatusOr<DriverKind> runtime = manager->RuntimeOf(caller, spec.environment_id);
     if (!runtime.ok()) return runtime.status();
     if (!manager->CapabilitiesOf(*runtime).Has(Capability::kPythonSession))
-      return MissingCapabilityError(*runtime, Capability::kPythonSession);
+      return MissingCapabilityError(ToString(*runtime), Capability::kPythonSession);
     if (*runtime == kNanoRuntime && !spec.packages.empty())
       return absl::InvalidArgumentError(
           "'packages' cannot be installed in a nano environment (create the environment with "
@@ -147,7 +147,8 @@ absl::StatusOr<RunPlan> RunPipeline::Prepare(const Caller& caller, RunSpec spec)
     plan.kind = RunPlan::Kind::kEnvironment;
     plan.env_runtime = *runtime;
     plan.reason = *runtime == kNanoRuntime ? "stateful nano session"
-                                           : absl::StrCat("stateful ", *runtime, " kernel");
+                                           : absl::StrCat("stateful ", AbslView(ToString(*runtime)),
+                                                          " kernel");
     plan.spec = std::move(spec);
     return plan;
   }

@@ -38,9 +38,9 @@
 
 namespace esb::run {
 
-// The driver names of the two tiers.
-inline constexpr char kNanoRuntime[] = "nano";
-inline constexpr char kHeavyRuntime[] = "container";
+// The drivers of the two tiers.
+inline constexpr DriverKind kNanoRuntime = DriverKind::kNano;
+inline constexpr DriverKind kHeavyRuntime = DriverKind::kContainer;
 
 struct RunSpec {
   std::string environment_id;  // empty: a one-shot run
@@ -78,7 +78,7 @@ struct RunOutcome {
 struct RunPlan {
   RunSpec spec;
   enum class Kind { kEnvironment, kNanoOnce, kHeavyOnce } kind = Kind::kNanoOnce;
-  std::string env_runtime;  // kEnvironment: the environment's runtime
+  DriverKind env_runtime = kNanoRuntime;  // kEnvironment: the environment's runtime
   bool may_fall_back = false;
   std::string reason;
 };

@@ -301,7 +301,7 @@ TEST_F(RunPipelineTest, AllowedModulesRefuseOtherImportsAndDynamicOnes) {
 
 TEST_F(RunPipelineTest, EnvironmentRunsUseTheEnvironmentsTier) {
   EnvSpec spec;
-  spec.runtime = "nano";
+  spec.runtime = DriverKind::kNano;
   auto env = manager->Create("acme", spec, 0);
   ASSERT_TRUE(env.ok()) << env.status();
   RunSpec s = Code("x = 1");
@@ -322,7 +322,7 @@ TEST_F(RunPipelineTest, EnvironmentRunsUseTheEnvironmentsTier) {
 
 TEST_F(RunPipelineTest, EnvironmentWithoutAPythonSessionIsRefusedNamingTheCapability) {
   EnvSpec spec;
-  spec.runtime = "gvisor";
+  spec.runtime = DriverKind::kGvisor;
   auto env = manager->Create("acme", spec, 0);
   ASSERT_TRUE(env.ok()) << env.status();
   RunSpec s = Code("x = 1");
@@ -355,6 +355,7 @@ TEST_F(RunPipelineTest, HeavyArtifactsAreCopiedIntoTheStoreBeforeCleanup) {
   EXPECT_EQ(o->artifacts[0].name, "figure-1.png");
   EXPECT_EQ(o->artifacts[0].size, 7);
   EXPECT_EQ(o->artifacts[0].tenant, "acme");
+  EXPECT_EQ(o->artifacts[0].step, 1) << "the run that produced it";
   ASSERT_EQ(o->artifact_errors.size(), 1u);
   EXPECT_EQ(o->artifact_errors[0], "figure 2 could not be saved");
   std::filesystem::remove_all(dir);

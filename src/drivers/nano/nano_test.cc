@@ -498,7 +498,7 @@ TEST_F(NanoDriverTest, RejectsBadLimits) {
 // Sessions: the workspace persists between runs; the driver's file API sees it.
 TEST_F(NanoDriverTest, SessionFilesAndLifecycle) {
   EnvSpec spec;
-  spec.runtime = "nano";
+  spec.runtime = DriverKind::kNano;
   spec.memory_mb = 64;
   spec.env = {{"FOO", "bar"}};
   absl::StatusOr<InstanceRef> ref = driver_->Create("env_files", spec);
@@ -957,7 +957,7 @@ TEST_F(NanoPythonTest, EscapesAndLimits) {
 
 TEST_F(NanoPythonTest, SessionKeepsStateAndFiles) {
   EnvSpec spec;
-  spec.runtime = "nano";
+  spec.runtime = DriverKind::kNano;
   absl::StatusOr<InstanceRef> ref = driver_->Create("py_sess", spec);
   ASSERT_TRUE(ref.ok()) << ref.status();
   EXPECT_EQ(Py("x = 41\nimport json\n", &*ref).exit_code, 0);
