@@ -50,8 +50,10 @@ json::object Render(const run::RunOutcome& o) {
     json::array packages;
     for (const packages::InstalledPackage& p : o.packages) {
       json::object e{{"name", p.name}, {"version", p.version}};
-      if (p.preinstalled) e["preinstalled"] = true;
-      else e["from_cache"] = p.from_cache;
+      if (p.preinstalled)
+        e["preinstalled"] = true;
+      else
+        e["from_cache"] = p.from_cache;
       packages.push_back(std::move(e));
     }
     out["packages"] = std::move(packages);
@@ -85,9 +87,7 @@ std::string RequirementLine(absl::string_view line, std::vector<std::string>* ou
   return "";
 }
 
-Response RunErrorResponse(const absl::Status& status) {
-  return StatusResponse(status);
-}
+Response RunErrorResponse(const absl::Status& status) { return StatusResponse(status); }
 
 }  // namespace
 

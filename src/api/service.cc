@@ -7,14 +7,15 @@
 #include <cerrno>
 #include <cstring>
 #include <memory>
-#include <stdexcept>
 #include <set>
+#include <stdexcept>
 
 #include "absl/strings/str_cat.h"
 #include "api/json_util.h"
 #include "api/sse_output.h"
 #include "api/tools_catalog.h"
 #include "common/util.h"
+#include "storage/sqlite_store.h"
 
 namespace esb::api {
 namespace json = boost::json;
@@ -195,14 +196,32 @@ absl::StatusOr<std::string> ApiService::Authenticate(const Request& req) {
   }
   auto token = BearerToken(req);
   if (!token) return absl::UnauthenticatedError("missing 'Authorization: Bearer <api-key>'");
-  auto tenant = store_->TenantForKey(*token);
-  if (!tenant.ok()) return absl::UnauthenticatedError("invalid or revoked API key");
-  return *tenant;
+  auto key = store_->KeyForSecret(*token);
+  if (!key.ok()) return absl::UnauthenticatedError("invalid or revoked API key");
+  {
+    // The key's public id, for CallerOf (the audit's principal). Bounded: a flood of distinct
+    // valid keys only empties it.
+    std::lock_guard<std::mutex> lock(key_ids_mu_);
+    if (key_ids_.size() >= 4096) key_ids_.clear();
+    key_ids_[Sha256Hex(*token)] = key->key_id;
+  }
+  return key->tenant;
 }
 
-Caller ApiService::CallerOf(const Request& req) const {
-  // TODO(issue 11 follow-up): the key's public id once the store answers it with the tenant.
-  return Caller(req.principal(), BearerToken(req) ? "api_key" : "dev", "rest");
+Caller ApiService::CallerOf(const Request& req) {
+  std::optional<std::string> token = BearerToken(req);
+  std::string principal = "dev";  // no keys configured: loopback / unix socket only
+  if (token) {
+    bool found = false;
+    {
+      std::lock_guard<std::mutex> lock(key_ids_mu_);
+      auto it = key_ids_.find(Sha256Hex(*token));
+      if (it != key_ids_.end()) principal = it->second, found = true;
+    }
+    // Not cached: dev mode ignores tokens; else the cache was just emptied.
+    if (!found && store_->CountActiveApiKeys().value_or(1) > 0) principal = "api_key";
+  }
+  return Caller(req.principal(), std::move(principal), "rest");
 }
 
 json::object ApiService::RenderEnvironment(const EnvironmentInfo& info, bool with_usage) {
@@ -323,8 +342,8 @@ void ApiService::Register(Router& router) {
 
   add("DELETE", "/environments/{id}", [this](Request& req, const Caller& t) {
     absl::Status st = manager_->Destroy(t, req.Param("id"), "deleted");
-    return st.ok() ? JsonResponse(200, json::object{{"error", false},
-                                                    {"message", "Environment destroyed."}})
+    return st.ok() ? JsonResponse(
+                         200, json::object{{"error", false}, {"message", "Environment destroyed."}})
                    : StatusResponse(st);
   });
 
@@ -510,15 +529,17 @@ Response ApiService::Execute(Request& req, const Caller& caller) {
     // Check existence first so a bad id is a plain 404, not a stream with an error event.
     auto info = manager_->Get(caller, id);
     if (!info.ok() || info->record.state != EnvState::kRunning)
-      return StatusResponse(info.ok() ? absl::NotFoundError(absl::StrCat(
-                                            "environment ", id, " is ", AbslView(ToString(info->record.state))))
-                                      : info.status());
+      return StatusResponse(
+          info.ok() ? absl::NotFoundError(absl::StrCat("environment ", id, " is ",
+                                                       AbslView(ToString(info->record.state))))
+                    : info.status());
     return Response::Sse([this, caller, id, exec](ResponseWriter& w) {
       SseOutput out(w);
       auto result = manager_->Exec(caller, id, exec, out.Sink());
       if (!result.ok()) {
         Response err = StatusResponse(result.status());
-        w.WriteEvent("error", ErrorBody(ErrorCodeForStatus(err.status), StdView(result.status().message())));
+        w.WriteEvent("error",
+                     ErrorBody(ErrorCodeForStatus(err.status), StdView(result.status().message())));
         return;
       }
       out.Flush();
@@ -813,13 +834,15 @@ Response ApiService::QueryAudit(Request& req, const Caller& caller) {
         {"id", e.id},
         {"time", FormatRfc3339(e.time_ms)},
         {"tenant", e.tenant},
-        {"environment_id", e.environment_id.empty() ? json::value() : json::value(e.environment_id)},
+        {"environment_id",
+         e.environment_id.empty() ? json::value() : json::value(e.environment_id)},
         {"action", e.action},
         {"detail", SanitizeUtf8(e.detail)},
         {"exit_code", e.exit_code ? json::value(*e.exit_code) : json::value()},
         {"duration_ms", e.duration_ms},
         {"bytes", e.bytes},
-        {"status", e.status}});
+        {"status", e.status},
+        {"principal", e.principal.empty() ? json::value() : json::value(e.principal)}});
   }
   return JsonResponse(200, json::object{{"entries", std::move(arr)}});
 }

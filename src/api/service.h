@@ -33,8 +33,8 @@ struct ServiceOptions {
 
 // Handler for POST /run and POST /environments/{id}/run (api/run_service.h builds it);
 // `env_id` is empty for one-shot runs.
-using RunHandler = std::function<Response(const Caller& caller, const std::string& env_id,
-                                          Request& req)>;
+using RunHandler =
+    std::function<Response(const Caller& caller, const std::string& env_id, Request& req)>;
 
 class ApiService {
  public:
@@ -58,7 +58,7 @@ class ApiService {
   // nullopt when admitted.
   std::optional<Response> Admit(Request& req, bool json_body);
   // Who an admitted request is, for the core (which audits every environment action).
-  Caller CallerOf(const Request& req) const;
+  Caller CallerOf(const Request& req);
 
  private:
   Response CreateEnvironment(Request& req, const Caller& caller);
@@ -86,6 +86,9 @@ class ApiService {
   // answered 503 / 429 rather than piling up copies of large files.
   bool ReserveRead(const std::string& tenant, int64_t bytes, bool* over_share);
   void ReleaseRead(const std::string& tenant, int64_t bytes);
+  // Sha256Hex(API key secret) → the key's public id, filled by Authenticate.
+  std::mutex key_ids_mu_;
+  std::map<std::string, std::string> key_ids_;
   std::mutex read_mu_;
   int64_t reads_in_flight_ = 0;
   std::map<std::string, int64_t> tenant_reads_;

@@ -19,7 +19,7 @@ namespace esb {
 struct Caller {
   // Implicit from a tenant name: tests and internal callers that only know the tenant.
   Caller(std::string tenant_name) : tenant(std::move(tenant_name)) {}  // NOLINT
-  Caller(const char* tenant_name) : tenant(tenant_name) {}               // NOLINT
+  Caller(const char* tenant_name) : tenant(tenant_name) {}             // NOLINT
   Caller(std::string tenant_name, std::string principal_name, std::string channel_name)
       : tenant(std::move(tenant_name)),
         principal(std::move(principal_name)),

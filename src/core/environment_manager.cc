@@ -29,10 +29,14 @@ namespace json = boost::json;
 std::string SpecToJson(const EnvSpec& spec, int64_t ttl_s) {
   json::object env;
   for (const auto& [k, v] : spec.env) env[k] = v;
-  json::object o{{"image", spec.image},       {"runtime", ToString(spec.runtime)},
-                 {"cpu", spec.cpu},           {"memory_mb", spec.memory_mb},
-                 {"pids", spec.pids},         {"disk_mb", spec.disk_mb},
-                 {"network", NetworkPolicyName(spec.network)}, {"ttl_seconds", ttl_s},
+  json::object o{{"image", spec.image},
+                 {"runtime", ToString(spec.runtime)},
+                 {"cpu", spec.cpu},
+                 {"memory_mb", spec.memory_mb},
+                 {"pids", spec.pids},
+                 {"disk_mb", spec.disk_mb},
+                 {"network", NetworkPolicyName(spec.network)},
+                 {"ttl_seconds", ttl_s},
                  {"env", std::move(env)}};
   return json::serialize(o);
 }
@@ -89,8 +93,10 @@ EnvironmentManager::EnvironmentManager(Store* store, std::map<std::string, Drive
   if (!options_.now_ms) options_.now_ms = NowUnixMs;
   for (const auto& [name, driver] : drivers) {
     std::optional<DriverKind> kind = ParseDriverKind(name);
-    if (kind) drivers_[*kind] = driver;
-    else LogError(absl::StrCat("environment manager: unknown driver kind '", name, "' ignored"));
+    if (kind)
+      drivers_[*kind] = driver;
+    else
+      LogError(absl::StrCat("environment manager: unknown driver kind '", name, "' ignored"));
   }
 }
 
@@ -218,9 +224,8 @@ absl::StatusOr<std::shared_ptr<EnvironmentManager::LiveEnv>> EnvironmentManager:
     const EnvSpec& spec, const std::string& tenant, EnvState state, int64_t ttl_s) {
   auto it = drivers_.find(spec.runtime);
   if (it == drivers_.end())
-    return absl::InvalidArgumentError(
-        absl::StrCat("runtime '", AbslView(ToString(spec.runtime)),
-                     "' is not available on this host"));
+    return absl::InvalidArgumentError(absl::StrCat("runtime '", AbslView(ToString(spec.runtime)),
+                                                   "' is not available on this host"));
   auto env = std::make_shared<LiveEnv>();
   env->driver = it->second;
   env->kind = spec.runtime;
@@ -283,8 +288,8 @@ absl::StatusOr<EnvironmentInfo> EnvironmentManager::CreateEnvironment(const std:
   if (ttl_s <= 0) ttl_s = options_.default_ttl_s;
   ttl_s = std::min(ttl_s, options_.max_ttl_s);
   if (!drivers_.count(spec.runtime))
-    return absl::InvalidArgumentError(absl::StrCat(
-        "runtime '", AbslView(ToString(spec.runtime)), "' is not available on this host"));
+    return absl::InvalidArgumentError(absl::StrCat("runtime '", AbslView(ToString(spec.runtime)),
+                                                   "' is not available on this host"));
   // The quota check takes a reservation in the same critical section, so concurrent creates
   // cannot all pass the check before any of them is counted. The reservation turns into the
   // environment (under mu_ again) or is released on failure.
@@ -518,7 +523,8 @@ absl::StatusOr<std::vector<EnvironmentInfo>> EnvironmentManager::List(const Call
       out.push_back(InfoOf(it->second, false));
       live.erase(it);
     } else if (include_destroyed || rec.state != EnvState::kDestroyed) {
-      if (rec.state == EnvState::kRunning) continue;  // stale row of an env being destroyed right now
+      if (rec.state == EnvState::kRunning)
+        continue;  // stale row of an env being destroyed right now
       out.push_back(InfoOf(rec, false));
     }
   }
@@ -529,8 +535,8 @@ absl::StatusOr<std::vector<EnvironmentInfo>> EnvironmentManager::List(const Call
   return out;
 }
 
-absl::StatusOr<int64_t> EnvironmentManager::Heartbeat(const Caller& caller,
-                                                      const std::string& id, int64_t ttl_s) {
+absl::StatusOr<int64_t> EnvironmentManager::Heartbeat(const Caller& caller, const std::string& id,
+                                                      int64_t ttl_s) {
   auto env = Lookup(caller.tenant, id);
   if (!env.ok()) return env.status();
   int64_t expires_ms;
@@ -569,7 +575,9 @@ absl::StatusOr<ExecResult> EnvironmentManager::Exec(const Caller& caller, const 
   auto env = LookupFor(caller, id, Capability::kExec);
   if (!env.ok()) {
     if (!IsEnvironmentNotFound(env.status()))
-      audit_.Record(caller, {.environment_id = id, .action = "execute", .detail = request.command,
+      audit_.Record(caller, {.environment_id = id,
+                             .action = "execute",
+                             .detail = request.command,
                              .outcome = env.status()});
     return env.status();
   }
@@ -579,8 +587,11 @@ absl::StatusOr<ExecResult> EnvironmentManager::Exec(const Caller& caller, const 
   metrics_->exec_duration.Observe((MonotonicMs() - start) / 1000.0);
   if (!result.ok()) {
     metrics_->CountError("exec");
-    audit_.Record(caller, {.environment_id = id, .action = "execute", .detail = request.command,
-                           .duration_ms = MonotonicMs() - start, .outcome = result.status()});
+    audit_.Record(caller, {.environment_id = id,
+                           .action = "execute",
+                           .detail = request.command,
+                           .duration_ms = MonotonicMs() - start,
+                           .outcome = result.status()});
     return result.status();
   }
   if (result->timed_out) metrics_->exec_timeouts++;
@@ -593,20 +604,19 @@ absl::StatusOr<ExecResult> EnvironmentManager::Exec(const Caller& caller, const 
   }
   // Destroyed while the command ran: its final row is already written; keep it.
   if (running) PersistLive(**env);
-  audit_.Record(caller,
-                {.environment_id = id,
-                 .action = "execute",
-                 .detail = request.command,
-                 .exit_code = result->exit_code,
-                 .duration_ms = result->duration_ms,
-                 .bytes = static_cast<int64_t>(result->stdout_data.size() +
-                                               result->stderr_data.size())});
+  audit_.Record(caller, {.environment_id = id,
+                         .action = "execute",
+                         .detail = request.command,
+                         .exit_code = result->exit_code,
+                         .duration_ms = result->duration_ms,
+                         .bytes = static_cast<int64_t>(result->stdout_data.size() +
+                                                       result->stderr_data.size())});
   return result;
 }
 
-absl::StatusOr<std::unique_ptr<EnvironmentManager::FileTransfer>>
-EnvironmentManager::OpenTransfer(const Caller& caller, const std::string& id,
-                                 const std::string& path, const std::string& action) {
+absl::StatusOr<std::unique_ptr<EnvironmentManager::FileTransfer>> EnvironmentManager::OpenTransfer(
+    const Caller& caller, const std::string& id, const std::string& path,
+    const std::string& action) {
   auto env = Lookup(caller.tenant, id);
   if (!env.ok()) return env.status();
   std::unique_ptr<FileTransfer> t(new FileTransfer());
@@ -640,18 +650,21 @@ absl::Status EnvironmentManager::FileTransfer::Write(std::string_view data, int6
   if (!env_) return outcome_;
   manager_->Touch(*env_);
   absl::Status st = env_->driver->WriteFile(env_->ref, path_, data, offset, truncate);
-  if (st.ok()) bytes_ += static_cast<int64_t>(data.size());
-  else outcome_ = st;
+  if (st.ok())
+    bytes_ += static_cast<int64_t>(data.size());
+  else
+    outcome_ = st;
   return st;
 }
 
-absl::StatusOr<FileChunk> EnvironmentManager::FileTransfer::Read(int64_t offset,
-                                                                 int64_t length) {
+absl::StatusOr<FileChunk> EnvironmentManager::FileTransfer::Read(int64_t offset, int64_t length) {
   if (!env_) return outcome_;
   manager_->Touch(*env_);
   absl::StatusOr<FileChunk> chunk = env_->driver->ReadFile(env_->ref, path_, offset, length);
-  if (chunk.ok()) bytes_ += static_cast<int64_t>(chunk->data.size());
-  else outcome_ = chunk.status();
+  if (chunk.ok())
+    bytes_ += static_cast<int64_t>(chunk->data.size());
+  else
+    outcome_ = chunk.status();
   return chunk;
 }
 
@@ -663,8 +676,7 @@ absl::Status EnvironmentManager::WriteFile(const Caller& caller, const std::stri
   return (*t)->Write(data, offset, truncate);
 }
 
-absl::StatusOr<FileChunk> EnvironmentManager::ReadFile(const Caller& caller,
-                                                       const std::string& id,
+absl::StatusOr<FileChunk> EnvironmentManager::ReadFile(const Caller& caller, const std::string& id,
                                                        const std::string& path, int64_t offset,
                                                        int64_t length) {
   auto t = OpenTransfer(caller, id, path, "files.read");
@@ -672,9 +684,8 @@ absl::StatusOr<FileChunk> EnvironmentManager::ReadFile(const Caller& caller,
   return (*t)->Read(offset, length);
 }
 
-absl::StatusOr<DirListing> EnvironmentManager::ListDir(const Caller& caller,
-                                                      const std::string& id,
-                                                      const std::string& path) {
+absl::StatusOr<DirListing> EnvironmentManager::ListDir(const Caller& caller, const std::string& id,
+                                                       const std::string& path) {
   const int64_t t0 = MonotonicMs();
   auto env = LookupFor(caller, id, Capability::kFiles);
   absl::StatusOr<DirListing> out =
@@ -701,16 +712,16 @@ std::string RunDetail(const std::string& runtime, const RunRequest& request) {
 }
 }  // namespace
 
-absl::StatusOr<RunResult> EnvironmentManager::RunCode(const Caller& caller,
-                                                      const std::string& id,
+absl::StatusOr<RunResult> EnvironmentManager::RunCode(const Caller& caller, const std::string& id,
                                                       const RunRequest& request,
                                                       const OutputSink& sink) {
   const int64_t t0 = MonotonicMs();
   auto env = LookupFor(caller, id, Capability::kPythonSession);
   if (!env.ok()) {
     if (!IsEnvironmentNotFound(env.status()))
-      audit_.Record(caller, {.environment_id = id, .action = "run", .detail = request.code,
-                             .outcome = env.status()});
+      audit_.Record(
+          caller,
+          {.environment_id = id, .action = "run", .detail = request.code, .outcome = env.status()});
     return env.status();
   }
   InstanceRef ref = (*env)->ref;
@@ -730,24 +741,22 @@ absl::StatusOr<RunResult> EnvironmentManager::RunCode(const Caller& caller,
   audit_.Record(caller, {.environment_id = id,
                          .action = "run",
                          .detail = RunDetail((*env)->driver->name(), request),
-                         .exit_code = r.ok() ? std::optional<int64_t>(r->exit_code)
-                                             : std::nullopt,
+                         .exit_code = r.ok() ? std::optional<int64_t>(r->exit_code) : std::nullopt,
                          .duration_ms = MonotonicMs() - t0,
                          .bytes = static_cast<int64_t>(request.code.size()),
                          .outcome = r.status()});
   return r;
 }
 
-absl::StatusOr<RunResult> EnvironmentManager::RunOneShot(const Caller& caller,
-                                                         DriverKind runtime,
+absl::StatusOr<RunResult> EnvironmentManager::RunOneShot(const Caller& caller, DriverKind runtime,
                                                          const RunRequest& request,
                                                          const OutputSink& sink) {
   const int64_t t0 = MonotonicMs();
   absl::StatusOr<RunResult> r;
   auto it = drivers_.find(runtime);
   if (it == drivers_.end()) {
-    r = absl::InvalidArgumentError(absl::StrCat(
-        "runtime '", AbslView(ToString(runtime)), "' is not available on this host"));
+    r = absl::InvalidArgumentError(
+        absl::StrCat("runtime '", AbslView(ToString(runtime)), "' is not available on this host"));
   } else if (!it->second->Capabilities().Has(Capability::kPythonOneShot)) {
     r = MissingCapabilityError(ToString(runtime), Capability::kPythonOneShot);
   } else {
@@ -755,8 +764,7 @@ absl::StatusOr<RunResult> EnvironmentManager::RunOneShot(const Caller& caller,
   }
   audit_.Record(caller, {.action = "run",
                          .detail = RunDetail(std::string(ToString(runtime)), request),
-                         .exit_code = r.ok() ? std::optional<int64_t>(r->exit_code)
-                                             : std::nullopt,
+                         .exit_code = r.ok() ? std::optional<int64_t>(r->exit_code) : std::nullopt,
                          .duration_ms = MonotonicMs() - t0,
                          .bytes = static_cast<int64_t>(request.code.size()),
                          .outcome = r.status()});
@@ -897,8 +905,8 @@ void EnvironmentManager::PoolLoop() {
       spec.runtime = runtime;
       auto env = CreateInstance(spec, kPoolTenant, EnvState::kPooled, options_.default_ttl_s);
       if (!env.ok()) {
-        LogWarn(absl::StrCat("warm pool (", AbslView(ToString(runtime)), "): ",
-                             env.status().ToString()));
+        LogWarn(absl::StrCat("warm pool (", AbslView(ToString(runtime)),
+                             "): ", env.status().ToString()));
         failed = true;
         continue;
       }

@@ -76,16 +76,13 @@ class EnvironmentManager {
   // running (they survive a daemon restart).
   void Stop();
 
-  absl::StatusOr<EnvironmentInfo> Create(const Caller& caller, const EnvSpec& spec,
-                                         int64_t ttl_s);
+  absl::StatusOr<EnvironmentInfo> Create(const Caller& caller, const EnvSpec& spec, int64_t ttl_s);
   absl::Status Destroy(const Caller& caller, const std::string& id,
                        const std::string& reason = "deleted");
   absl::StatusOr<EnvironmentInfo> Get(const Caller& caller, const std::string& id);
-  absl::StatusOr<std::vector<EnvironmentInfo>> List(const Caller& caller,
-                                                    bool include_destroyed);
+  absl::StatusOr<std::vector<EnvironmentInfo>> List(const Caller& caller, bool include_destroyed);
   // Extends the lease to now + ttl (ttl_s <= 0: the environment's own ttl). Returns expiry.
-  absl::StatusOr<int64_t> Heartbeat(const Caller& caller, const std::string& id,
-                                    int64_t ttl_s);
+  absl::StatusOr<int64_t> Heartbeat(const Caller& caller, const std::string& id, int64_t ttl_s);
 
   absl::StatusOr<ExecResult> Exec(const Caller& caller, const std::string& id,
                                   const ExecRequest& request, const OutputSink& sink);
@@ -175,11 +172,11 @@ class EnvironmentManager {
                                                      Capability needed);
   void Touch(LiveEnv& env);
   // Create without its audit row (Create writes it, whatever happens here).
-  absl::StatusOr<EnvironmentInfo> CreateEnvironment(const std::string& tenant,
-                                                    const EnvSpec& spec, int64_t ttl_s);
+  absl::StatusOr<EnvironmentInfo> CreateEnvironment(const std::string& tenant, const EnvSpec& spec,
+                                                    int64_t ttl_s);
   absl::StatusOr<std::shared_ptr<LiveEnv>> CreateInstance(const EnvSpec& spec,
-                                                          const std::string& tenant,
-                                                          EnvState state, int64_t ttl_s);
+                                                          const std::string& tenant, EnvState state,
+                                                          int64_t ttl_s);
   std::shared_ptr<LiveEnv> TakePooled(const EnvSpec& spec);
   void DestroyLive(const std::shared_ptr<LiveEnv>& env, const std::string& reason);
   // The reaper's destroy of an expired or dead environment, audited as the daemon's action.
@@ -199,7 +196,7 @@ class EnvironmentManager {
 
   std::mutex mu_;
   std::map<std::string, std::shared_ptr<LiveEnv>> envs_;              // running, by id
-  std::map<DriverKind, std::deque<std::shared_ptr<LiveEnv>>> pool_;  // runtime → ready
+  std::map<DriverKind, std::deque<std::shared_ptr<LiveEnv>>> pool_;   // runtime → ready
   std::vector<std::shared_ptr<LiveEnv>> destroy_retry_;
   int pool_creating_ = 0;
   // Creates that passed the quota check and are not in envs_ yet (they count against it).

@@ -444,8 +444,8 @@ class BlockingStore : public Store {
                             const std::string& name) override {
     return inner_->ImportApiKey(tenant, secret, name);
   }
-  absl::StatusOr<std::string> TenantForKey(const std::string& secret) override {
-    return inner_->TenantForKey(secret);
+  absl::StatusOr<ApiKeyRecord> KeyForSecret(const std::string& secret) override {
+    return inner_->KeyForSecret(secret);
   }
   absl::StatusOr<std::vector<ApiKeyRecord>> ListApiKeys() override {
     return inner_->ListApiKeys();
@@ -560,7 +560,8 @@ TEST_F(ManagerTest, EveryManagerOperationWritesExactlyOneAuditRow) {
   EXPECT_EQ(last().bytes, 25);
   EXPECT_TRUE(IsMissingCapability(m->RunCode(who, id, RunRequest{}, nullptr).status()));
   expect_one("run", 400);
-  EXPECT_TRUE(IsMissingCapability(m->RunOneShot(who, DriverKind::kContainer, RunRequest{}, nullptr).status()));
+  EXPECT_TRUE(IsMissingCapability(
+      m->RunOneShot(who, DriverKind::kContainer, RunRequest{}, nullptr).status()));
   expect_one("run", 400);
   // Reads of state and heartbeats are not environment actions.
   ASSERT_TRUE(m->Get(who, id).ok());

@@ -65,10 +65,9 @@ std::string_view CapabilityHint(Capability capability) {
 }
 
 absl::Status MissingCapabilityError(std::string_view driver, Capability capability) {
-  absl::Status st = absl::UnimplementedError(
-      absl::StrCat("the '", std::string(driver), "' runtime lacks the capability '",
-                   std::string(CapabilityName(capability)), "'",
-                   std::string(CapabilityHint(capability))));
+  absl::Status st = absl::UnimplementedError(absl::StrCat(
+      "the '", std::string(driver), "' runtime lacks the capability '",
+      std::string(CapabilityName(capability)), "'", std::string(CapabilityHint(capability))));
   st.SetPayload(kMissingCapabilityUrl, absl::Cord(std::string(CapabilityName(capability))));
   return st;
 }
@@ -91,8 +90,8 @@ std::string_view SnapshotContentName(SnapshotContent content) {
 
 absl::StatusOr<RunResult> Driver::RunCode(const InstanceRef* ref, const RunRequest&,
                                           const OutputSink&) {
-  return MissingCapabilityError(
-      name(), ref ? Capability::kPythonSession : Capability::kPythonOneShot);
+  return MissingCapabilityError(name(),
+                                ref ? Capability::kPythonSession : Capability::kPythonOneShot);
 }
 
 absl::StatusOr<SnapshotRef> Driver::Snapshot(const InstanceRef&, SnapshotContent) {

@@ -14,8 +14,8 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "absl/strings/cord.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/cord.h"
 #include "common/env_types.h"
 
 namespace esb {
@@ -135,7 +135,7 @@ struct RunRequest {
 };
 
 struct RunError {
-  std::string type;       // e.g. "ZeroDivisionError"
+  std::string type;  // e.g. "ZeroDivisionError"
   std::string message;
   std::string traceback;
 };
@@ -181,9 +181,9 @@ enum class Capability {
   kTerminal,       // interactive PTY sessions
 };
 inline constexpr Capability kAllCapabilities[] = {
-    Capability::kExec,     Capability::kFiles, Capability::kPythonSession,
+    Capability::kExec,          Capability::kFiles,    Capability::kPythonSession,
     Capability::kPythonOneShot, Capability::kSnapshot, Capability::kFork,
-    Capability::kPause,    Capability::kEgress, Capability::kTerminal};
+    Capability::kPause,         Capability::kEgress,   Capability::kTerminal};
 std::string_view CapabilityName(Capability capability);  // "exec", "python_session", ...
 
 class CapabilitySet {

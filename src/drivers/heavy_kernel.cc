@@ -1,9 +1,8 @@
 #include "drivers/heavy_kernel.h"
 
 #include <algorithm>
-#include <string>
-
 #include <boost/json.hpp>
+#include <string>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"

@@ -77,8 +77,7 @@ absl::StatusOr<RunResult> RunHeavyKernel(Driver& driver, const InstanceRef& ref,
 
 // A whole file from inside a sandbox, at most `cap` bytes (else ResourceExhausted): every
 // size and length the sandbox reports is checked against what was really received.
-using ChunkReader =
-    std::function<absl::StatusOr<FileChunk>(int64_t offset, int64_t length)>;
+using ChunkReader = std::function<absl::StatusOr<FileChunk>(int64_t offset, int64_t length)>;
 absl::StatusOr<std::string> ReadWholeSandboxFile(const ChunkReader& read, int64_t cap);
 
 }  // namespace esb

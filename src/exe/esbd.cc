@@ -448,9 +448,10 @@ int main(int argc, char** argv) {
   esb::packages::PackageInstaller::Options iopts;
   iopts.timeout_ms = config.packages.timeout_s * 1000;
   esb::packages::PackageInstaller installer(&manager, wheels.get(), iopts);
-  esb::run::RunPipeline run_pipeline(
-      {.manager = &manager, .rules = rules.get(), .artifacts = artifacts->get(),
-       .installer = &installer});
+  esb::run::RunPipeline run_pipeline({.manager = &manager,
+                                      .rules = rules.get(),
+                                      .artifacts = artifacts->get(),
+                                      .installer = &installer});
   service.SetRunHandler(esb::api::MakeRunHandler(&run_pipeline));
   service.Register(server.router());
   if (absl::Status st = server.Start(); !st.ok()) {

@@ -90,8 +90,7 @@ absl::Status PackageInstaller::Validate(const std::vector<std::string>& requirem
   for (size_t i = 0; i < requirements.size(); ++i) {
     auto r = ParseRequirement(requirements[i]);
     if (!r.ok())
-      return absl::InvalidArgumentError(
-          absl::StrCat("packages[", i, "]: ", r.status().message()));
+      return absl::InvalidArgumentError(absl::StrCat("packages[", i, "]: ", r.status().message()));
   }
   return absl::OkStatus();
 }
@@ -111,13 +110,13 @@ absl::StatusOr<std::vector<InstalledPackage>> PackageInstaller::Install(
   }
   const int64_t deadline = MonotonicMs() + options_.timeout_ms;
   // The same deadline for the host-side fetches (each also capped by the cache's http_timeout).
-  const auto fetch_deadline = WheelCache::Clock::now() +
-                              std::chrono::milliseconds(options_.timeout_ms);
+  const auto fetch_deadline =
+      WheelCache::Clock::now() + std::chrono::milliseconds(options_.timeout_ms);
   auto remaining = [&]() { return std::max<int64_t>(1000, deadline - MonotonicMs()); };
   auto out_of_time = [&]() -> absl::Status {
     if (MonotonicMs() < deadline) return absl::OkStatus();
-    return absl::DeadlineExceededError(absl::StrCat(
-        "installing packages took longer than ", options_.timeout_ms / 1000, " s"));
+    return absl::DeadlineExceededError(
+        absl::StrCat("installing packages took longer than ", options_.timeout_ms / 1000, " s"));
   };
   auto say = [&](std::string_view line) {
     if (progress) progress(Stream::kStderr, absl::StrCat(AbslView(line), "\n"));
@@ -129,8 +128,7 @@ absl::StatusOr<std::vector<InstalledPackage>> PackageInstaller::Install(
   //    its entries are matched to our own requirements by position and only tell, for each,
   //    whether pip needs to act; names, counts and requirement texts stay ours.
   ExecRequest probe;
-  probe.command =
-      absl::StrCat("python3 -c ", ShellQuote(kProbe), " ", absl::StrJoin(quoted, " "));
+  probe.command = absl::StrCat("python3 -c ", ShellQuote(kProbe), " ", absl::StrJoin(quoted, " "));
   probe.timeout = std::chrono::milliseconds(std::min<int64_t>(remaining(), 60'000));
   auto pr = manager_->Exec(step, env_id, probe, nullptr);
   if (!pr.ok()) return pr.status();
@@ -150,14 +148,14 @@ absl::StatusOr<std::vector<InstalledPackage>> PackageInstaller::Install(
     const Requirement& req = parsed[i];
     switch (e.kind) {
       case ProbeEntry::Kind::kInvalid:
-        return absl::InvalidArgumentError(absl::StrCat(
-            "packages[", i, "] '", Printable(req.display, 100),
-            "': the sandbox's Python rejects the requirement: ", e.error));
+        return absl::InvalidArgumentError(
+            absl::StrCat("packages[", i, "] '", Printable(req.display, 100),
+                         "': the sandbox's Python rejects the requirement: ", e.error));
       case ProbeEntry::Kind::kSkip:
         break;
       case ProbeEntry::Kind::kSatisfied:
-        result.push_back(InstalledPackage{
-            .name = req.name, .version = e.installed, .preinstalled = true});
+        result.push_back(
+            InstalledPackage{.name = req.name, .version = e.installed, .preinstalled = true});
         // The base distribution is there, but its extras' dependencies may not be: pip
         // decides, asking for what it lacks like for any dependency.
         if (!req.extras.empty()) need_pip = true;
@@ -207,14 +205,14 @@ absl::StatusOr<std::vector<InstalledPackage>> PackageInstaller::Install(
       fetcher.audited = true;
       manager_->audit().Record(
           fetcher, {.environment_id = env_id,
-                   .action = "package.fetch",
-                   .detail = absl::StrCat(wheel->name, "==", wheel->version, " ", wheel->filename),
-                   .bytes = wheel->size});
+                    .action = "package.fetch",
+                    .detail = absl::StrCat(wheel->name, "==", wheel->version, " ", wheel->filename),
+                    .bytes = wheel->size});
     }
     say(absl::StrCat("esb: ", wheel->name, " ", wheel->version,
-                     wheel->from_cache ? (wheel->offline ? " (host cache; index unreachable)"
-                                                         : " (host cache)")
-                                       : " (downloaded from the package index)"));
+                     wheel->from_cache
+                         ? (wheel->offline ? " (host cache; index unreachable)" : " (host cache)")
+                         : " (downloaded from the package index)"));
     UniqueFd fd(::open(wheel->path.c_str(), O_RDONLY | O_CLOEXEC));
     if (!fd) return ErrnoStatus(absl::StrCat("open cached wheel ", wheel->path));
     const std::string dest = absl::StrCat(wheel_dir, "/", wheel->filename);
@@ -226,9 +224,8 @@ absl::StatusOr<std::vector<InstalledPackage>> PackageInstaller::Install(
       if (n < 0) return ErrnoStatus(absl::StrCat("read cached wheel ", wheel->path));
       if (n == 0 && offset > 0) break;
       wrote = true;
-      if (absl::Status st = manager_->WriteFile(step, env_id, dest,
-                                                std::string_view(buf.data(), n), offset,
-                                                offset == 0);
+      if (absl::Status st = manager_->WriteFile(step, env_id, dest, std::string_view(buf.data(), n),
+                                                offset, offset == 0);
           !st.ok())
         return st;
       offset += n;
@@ -246,8 +243,7 @@ absl::StatusOr<std::vector<InstalledPackage>> PackageInstaller::Install(
     if (round >= options_.max_rounds)
       return absl::FailedPreconditionError(absl::StrCat(
           "pip still reported missing dependencies after ", options_.max_rounds,
-          " rounds (one dependency is fetched per round; the limit is ", options_.max_rounds,
-          ")"));
+          " rounds (one dependency is fetched per round; the limit is ", options_.max_rounds, ")"));
     if (absl::Status st = out_of_time(); !st.ok()) return st;
     ExecRequest pip;
     pip.command = absl::StrCat(
@@ -266,19 +262,19 @@ absl::StatusOr<std::vector<InstalledPackage>> PackageInstaller::Install(
     std::optional<std::string_view> dep =
         r->timed_out ? std::nullopt : FindMissingDistribution(output);
     if (!dep)
-      return absl::FailedPreconditionError(
-          absl::StrCat("pip install failed (exit ", r->exit_code, r->timed_out ? ", timed out" : "",
-                       "):\n", Tail(output, 15)));
+      return absl::FailedPreconditionError(absl::StrCat("pip install failed (exit ", r->exit_code,
+                                                        r->timed_out ? ", timed out" : "", "):\n",
+                                                        Tail(output, 15)));
     if (dep->size() > kMaxRequirementLength)
-      return absl::FailedPreconditionError(absl::StrCat(
-          "pip reported a missing dependency of ", dep->size(), " characters ('",
-          Printable(*dep, 100), "'); esbd fetches requirements of at most ",
-          kMaxRequirementLength));
+      return absl::FailedPreconditionError(
+          absl::StrCat("pip reported a missing dependency of ", dep->size(), " characters ('",
+                       Printable(*dep, 100), "'); esbd fetches requirements of at most ",
+                       kMaxRequirementLength));
     auto req = ParseRequirement(*dep);
     if (!req.ok())
-      return absl::FailedPreconditionError(absl::StrCat(
-          "pip needs '", Printable(*dep, 200), "', which esbd cannot fetch: ",
-          req.status().message()));
+      return absl::FailedPreconditionError(
+          absl::StrCat("pip needs '", Printable(*dep, 200),
+                       "', which esbd cannot fetch: ", req.status().message()));
     auto progressed = provide(*req);
     if (!progressed.ok()) return progressed.status();
     if (!*progressed)

@@ -38,8 +38,8 @@ struct InstalledPackage {
 class PackageInstaller {
  public:
   struct Options {
-    int max_packages = 32;      // requirements per request
-    int max_rounds = 40;        // pip runs per install (one per missing dependency)
+    int max_packages = 32;  // requirements per request
+    int max_rounds = 40;    // pip runs per install (one per missing dependency)
     // The whole install, host-side fetches included (each passed the remaining time).
     int64_t timeout_ms = 600'000;
   };
@@ -56,8 +56,8 @@ class PackageInstaller {
   // Installs into environment `env_id` for `caller` (its steps are not audited one by one);
   // pip's output goes to `progress` as it runs. Answers one entry per distribution.
   absl::StatusOr<std::vector<InstalledPackage>> Install(
-      const Caller& caller, const std::string& env_id,
-      const std::vector<std::string>& requirements, const OutputSink& progress);
+      const Caller& caller, const std::string& env_id, const std::vector<std::string>& requirements,
+      const OutputSink& progress);
 
  private:
   EnvironmentManager* manager_;

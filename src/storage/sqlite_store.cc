@@ -567,17 +567,24 @@ class SqliteStore final : public Store {
     return InsertKey(rec, hash);
   }
 
-  absl::StatusOr<std::string> TenantForKey(const std::string& secret) override {
+  absl::StatusOr<ApiKeyRecord> KeyForSecret(const std::string& secret) override {
     if (secret.empty()) return absl::NotFoundError("no API key given");
     const std::string hash = Sha256Hex(secret);
     std::lock_guard<std::mutex> lock(mu_);
-    auto stmt = Prepare("SELECT tenant FROM api_keys WHERE secret_sha256 = ?1 AND revoked_ms = 0");
+    auto stmt = Prepare(
+        "SELECT key_id, tenant, name, created_ms FROM api_keys "
+        "WHERE secret_sha256 = ?1 AND revoked_ms = 0");
     if (!stmt.ok()) return stmt.status();
     stmt->Bind(1, hash);
     absl::StatusOr<bool> row = stmt->Step();
     if (!row.ok()) return row.status();
     if (!*row) return absl::NotFoundError("unknown or revoked API key");
-    return stmt->Text(0);
+    ApiKeyRecord rec;
+    rec.key_id = stmt->Text(0);
+    rec.tenant = stmt->Text(1);
+    rec.name = stmt->Text(2);
+    rec.created_ms = stmt->Int(3);
+    return rec;
   }
 
   absl::StatusOr<std::vector<ApiKeyRecord>> ListApiKeys() override {

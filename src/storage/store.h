@@ -13,7 +13,6 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-
 #include "common/env_types.h"
 
 namespace esb {
@@ -121,8 +120,8 @@ class Store {
   // Imports a key given in plain text (from the config file); idempotent.
   virtual absl::Status ImportApiKey(const std::string& tenant, const std::string& secret,
                                     const std::string& name) = 0;
-  // Returns the tenant of a valid, unrevoked key; NotFound otherwise.
-  virtual absl::StatusOr<std::string> TenantForKey(const std::string& secret) = 0;
+  // The record (public key_id, tenant, ...) of a valid, unrevoked key; NotFound otherwise.
+  virtual absl::StatusOr<ApiKeyRecord> KeyForSecret(const std::string& secret) = 0;
   virtual absl::StatusOr<std::vector<ApiKeyRecord>> ListApiKeys() = 0;
   virtual absl::Status RevokeApiKey(const std::string& key_id) = 0;
   virtual absl::StatusOr<int64_t> CountActiveApiKeys() = 0;

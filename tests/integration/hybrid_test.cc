@@ -275,8 +275,9 @@ open('/tmp/.esb-kernel/kernel.py', 'w').write('print("planted kernel ran")\n')
   HttpResult next = Cell("1 + 1");
   EXPECT_EQ(next.str("value"), "2") << next.body;
   EXPECT_EQ(next.str("stdout").find("planted"), std::string::npos) << next.body;
-  HttpResult ls = daemon_->Call("POST", "/environments/" + Env() + "/execute",
-                                json::object{{"command", "stat -c '%U %a' /usr/lib/esb/kernel.py"}});
+  HttpResult ls =
+      daemon_->Call("POST", "/environments/" + Env() + "/execute",
+                    json::object{{"command", "stat -c '%U %a' /usr/lib/esb/kernel.py"}});
   EXPECT_EQ(ls.str("stdout"), "root 644\n") << ls.body;
 }
 

@@ -25,10 +25,10 @@ std::string SafeMimeType(const std::string& mime) {
 
 std::string MimeTypeForName(std::string_view name) {
   static const std::map<std::string, std::string> kTypes = {
-      {"png", "image/png"},      {"jpg", "image/jpeg"},     {"jpeg", "image/jpeg"},
-      {"gif", "image/gif"},      {"webp", "image/webp"},    {"svg", "image/svg+xml"},
-      {"csv", "text/csv"},       {"txt", "text/plain"},     {"md", "text/markdown"},
-      {"json", "application/json"}, {"html", "text/html"}, {"pdf", "application/pdf"}};
+      {"png", "image/png"},         {"jpg", "image/jpeg"},  {"jpeg", "image/jpeg"},
+      {"gif", "image/gif"},         {"webp", "image/webp"}, {"svg", "image/svg+xml"},
+      {"csv", "text/csv"},          {"txt", "text/plain"},  {"md", "text/markdown"},
+      {"json", "application/json"}, {"html", "text/html"},  {"pdf", "application/pdf"}};
   size_t dot = name.rfind('.');
   if (dot == std::string_view::npos) return "application/octet-stream";
   std::string ext(name.substr(dot + 1));
@@ -51,8 +51,10 @@ FileStamps ScanArtifactFiles(EnvironmentManager* manager, const Caller& step,
     for (const FileEntry& e : entries->entries) {
       if (++seen > 500) return;
       const std::string path = absl::StrCat(dir, "/", e.name);
-      if (e.type == "file") out[path] = {e.mtime_ms, e.size};
-      else if (e.type == "dir" && depth < 3) walk(path, depth + 1);
+      if (e.type == "file")
+        out[path] = {e.mtime_ms, e.size};
+      else if (e.type == "dir" && depth < 3)
+        walk(path, depth + 1);
     }
   };
   walk(std::string(kArtifactsDir), 1);
@@ -146,9 +148,9 @@ absl::StatusOr<RunPlan> RunPipeline::Prepare(const Caller& caller, RunSpec spec)
           "runtime \"container\")");
     plan.kind = RunPlan::Kind::kEnvironment;
     plan.env_runtime = *runtime;
-    plan.reason = *runtime == kNanoRuntime ? "stateful nano session"
-                                           : absl::StrCat("stateful ", AbslView(ToString(*runtime)),
-                                                          " kernel");
+    plan.reason = *runtime == kNanoRuntime
+                      ? "stateful nano session"
+                      : absl::StrCat("stateful ", AbslView(ToString(*runtime)), " kernel");
     plan.spec = std::move(spec);
     return plan;
   }
@@ -167,8 +169,8 @@ absl::StatusOr<RunPlan> RunPipeline::Prepare(const Caller& caller, RunSpec spec)
   } else if (!nano) {
     plan.reason = "auto: nano tier not available on this daemon";
   } else if (deps_.rules) {
-    router::RouteDecision d = deps_.rules->Current()->Decide(
-        scan, router::RouteRequest{"auto", spec.packages, ""});
+    router::RouteDecision d =
+        deps_.rules->Current()->Decide(scan, router::RouteRequest{"auto", spec.packages, ""});
     use_nano = d.tier == router::Tier::kNano;
     plan.may_fall_back = true;
     plan.reason = d.reason;
@@ -194,10 +196,9 @@ absl::StatusOr<RunOutcome> RunPipeline::Execute(const Caller& caller, const RunP
       caller,
       {.environment_id = plan.spec.environment_id,
        .action = "run",
-       .detail = outcome.ok() ? absl::StrCat("[", outcome->tier, "] ", plan.spec.code)
-                              : plan.spec.code,
-       .exit_code = outcome.ok() ? std::optional<int64_t>(outcome->result.exit_code)
-                                 : std::nullopt,
+       .detail =
+           outcome.ok() ? absl::StrCat("[", outcome->tier, "] ", plan.spec.code) : plan.spec.code,
+       .exit_code = outcome.ok() ? std::optional<int64_t>(outcome->result.exit_code) : std::nullopt,
        .duration_ms = MonotonicMs() - t0,
        .bytes = static_cast<int64_t>(plan.spec.code.size()),
        .outcome = outcome.status()});
@@ -216,18 +217,18 @@ absl::StatusOr<RunOutcome> RunPipeline::ExecutePlan(const Caller& step, const Ru
       // A nano session cannot report artifacts itself: what changed under
       // /workspace/artifacts during the run is one.
       const FileStamps before = ScanArtifactFiles(manager, step, spec.environment_id);
-      auto r = manager->RunCode(step, spec.environment_id, ToRunRequest(spec, false),
-                                streams.output);
+      auto r =
+          manager->RunCode(step, spec.environment_id, ToRunRequest(spec, false), streams.output);
       if (!r.ok()) return r.status();
       RunOutcome o;
       o.result = std::move(*r);
       o.tier = "nano";
       o.reason = plan.reason;
       if (!o.result.instance_reset)
-        CollectArtifacts(step, spec.environment_id,
-                         ChangedArtifactFiles(
-                             before, ScanArtifactFiles(manager, step, spec.environment_id)),
-                         &o);
+        CollectArtifacts(
+            step, spec.environment_id,
+            ChangedArtifactFiles(before, ScanArtifactFiles(manager, step, spec.environment_id)),
+            &o);
       return o;
     }
     case RunPlan::Kind::kNanoOnce: {
@@ -273,8 +274,7 @@ absl::StatusOr<RunOutcome> RunPipeline::RunHeavyOnce(const Caller& step, const R
   return RunInEnvironment(step, id, plan, /*once=*/true, streams, reason);
 }
 
-absl::StatusOr<RunOutcome> RunPipeline::RunInEnvironment(const Caller& step,
-                                                         const std::string& id,
+absl::StatusOr<RunOutcome> RunPipeline::RunInEnvironment(const Caller& step, const std::string& id,
                                                          const RunPlan& plan, bool once,
                                                          const RunStreams& streams,
                                                          const std::string& reason) const {

@@ -64,9 +64,9 @@ struct RunStreams {
 };
 
 struct RunOutcome {
-  RunResult result;    // stdout/stderr, exit code, error, value, table, ...
-  std::string tier;    // "nano" | "heavy"
-  std::string reason;  // why that tier
+  RunResult result;                          // stdout/stderr, exit code, error, value, table, ...
+  std::string tier;                          // "nano" | "heavy"
+  std::string reason;                        // why that tier
   std::vector<ArtifactMeta> artifacts;       // kept in the host's ArtifactStore
   std::vector<std::string> artifact_errors;  // why some were not kept
   std::vector<packages::InstalledPackage> packages;
@@ -85,8 +85,8 @@ struct RunPlan {
 
 struct RunDeps {
   EnvironmentManager* manager = nullptr;
-  router::RulesHolder* rules = nullptr;          // null: auto tries nano first, falls back
-  ArtifactStore* artifacts = nullptr;            // null: artifacts are reported as not kept
+  router::RulesHolder* rules = nullptr;             // null: auto tries nano first, falls back
+  ArtifactStore* artifacts = nullptr;               // null: artifacts are reported as not kept
   packages::PackageInstaller* installer = nullptr;  // null: `packages` is refused
 };
 

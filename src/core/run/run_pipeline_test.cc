@@ -150,10 +150,9 @@ class RunPipelineTest : public ::testing::Test {
 
   std::unique_ptr<Store> store;
   Metrics metrics;
-  FakeTier nano{"nano", {Capability::kFiles, Capability::kPythonSession,
-                         Capability::kPythonOneShot}};
-  FakeTier heavy{"container", {Capability::kExec, Capability::kFiles,
-                               Capability::kPythonSession}};
+  FakeTier nano{"nano",
+                {Capability::kFiles, Capability::kPythonSession, Capability::kPythonOneShot}};
+  FakeTier heavy{"container", {Capability::kExec, Capability::kFiles, Capability::kPythonSession}};
   FakeTier shell_only{"gvisor", {Capability::kExec, Capability::kFiles}};
   std::map<std::string, Driver*> drivers;
   std::unique_ptr<EnvironmentManager> manager;

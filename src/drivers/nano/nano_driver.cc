@@ -380,8 +380,8 @@ CapabilitySet NanoDriver::Capabilities() const {
           Capability::kFork, Capability::kSnapshot};
 }
 
-absl::StatusOr<RunResult> NanoDriver::RunCode(const InstanceRef* session,
-                                              const RunRequest& request, const OutputSink&) {
+absl::StatusOr<RunResult> NanoDriver::RunCode(const InstanceRef* session, const RunRequest& request,
+                                              const OutputSink&) {
   if (request.memory_limit_mb < 0 || request.memory_limit_mb > options_.max_memory_mb) {
     return absl::InvalidArgumentError(
         absl::StrCat("memory_limit_mb must be 1..", options_.max_memory_mb));
@@ -455,8 +455,7 @@ absl::StatusOr<InstanceRef> NanoDriver::Create(const std::string& id, const EnvS
   return InstanceRef{id, "nano", boost::json::serialize(state)};
 }
 
-absl::StatusOr<InstanceRef> NanoDriver::Fork(const InstanceRef& source,
-                                             const std::string& new_id) {
+absl::StatusOr<InstanceRef> NanoDriver::Fork(const InstanceRef& source, const std::string& new_id) {
   absl::StatusOr<std::shared_ptr<Session>> src = GetSession(source);
   if (!src.ok()) return src.status();
   auto copy = std::make_shared<Session>();
@@ -499,13 +498,12 @@ absl::StatusOr<InstanceRef> NanoDriver::Fork(const InstanceRef& source,
   return InstanceRef{new_id, "nano", boost::json::serialize(state)};
 }
 
-absl::StatusOr<SnapshotRef> NanoDriver::Snapshot(const InstanceRef& ref,
-                                                 SnapshotContent content) {
+absl::StatusOr<SnapshotRef> NanoDriver::Snapshot(const InstanceRef& ref, SnapshotContent content) {
   if (content != SnapshotContent::kMemoryAndDisk) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "nano snapshots hold the interpreter and its in-memory /workspace together (",
-        AbslView(SnapshotContentName(SnapshotContent::kMemoryAndDisk)), "), not ",
-        AbslView(SnapshotContentName(content)), " alone"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("nano snapshots hold the interpreter and its in-memory /workspace together (",
+                     AbslView(SnapshotContentName(SnapshotContent::kMemoryAndDisk)), "), not ",
+                     AbslView(SnapshotContentName(content)), " alone"));
   }
   const std::string id = absl::StrCat("snap_", RandomHex(12));
   absl::StatusOr<InstanceRef> held = Fork(ref, id);

@@ -489,10 +489,12 @@ TEST_F(NanoDriverTest, TrapsAreContained) {
 TEST_F(NanoDriverTest, RejectsBadLimits) {
   RunRequest r;
   r.memory_limit_mb = 1 << 20;
-  EXPECT_EQ(driver_->RunCode(nullptr, r, nullptr).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(driver_->RunCode(nullptr, r, nullptr).status().code(),
+            absl::StatusCode::kInvalidArgument);
   r.memory_limit_mb = 0;
   r.timeout_ms = -5;
-  EXPECT_EQ(driver_->RunCode(nullptr, r, nullptr).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(driver_->RunCode(nullptr, r, nullptr).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 // Sessions: the workspace persists between runs; the driver's file API sees it.
