@@ -16,6 +16,7 @@
 #include "api/tools_catalog.h"
 #include "common/util.h"
 #include "drivers/env_limits.h"
+#include "storage/sqlite_store.h"
 
 namespace esb::api {
 namespace json = boost::json;
@@ -207,48 +208,50 @@ absl::StatusOr<std::string> ApiService::Authenticate(const Request& req) {
   }
   auto token = BearerToken(req);
   if (!token) return absl::UnauthenticatedError("missing 'Authorization: Bearer <api-key>'");
-  auto tenant = store_->TenantForKey(*token);
-  if (!tenant.ok()) return absl::UnauthenticatedError("invalid or revoked API key");
-  return *tenant;
+  auto key = store_->KeyForSecret(*token);
+  if (!key.ok()) return absl::UnauthenticatedError("invalid or revoked API key");
+  {
+    // The key's public id, for CallerOf (the audit's principal). Bounded: a flood of distinct
+    // valid keys only empties it.
+    std::lock_guard<std::mutex> lock(key_ids_mu_);
+    if (key_ids_.size() >= 4096) key_ids_.clear();
+    key_ids_[Sha256Hex(*token)] = key->key_id;
+  }
+  return key->tenant;
 }
 
-void ApiService::Audit(const std::string& tenant, const std::string& env_id,
-                       const std::string& action, const std::string& detail,
-                       std::optional<int64_t> exit_code, int64_t duration_ms, int64_t bytes,
-                       int status) {
-  AuditEntry e;
-  e.time_ms = NowUnixMs();
-  e.tenant = tenant;
-  e.environment_id = env_id;
-  e.action = action;
-  e.detail = detail;  // the store caps stored fields (and marks the cut): one place
-  e.exit_code = exit_code;
-  e.duration_ms = duration_ms;
-  e.bytes = bytes;
-  e.status = status;
-  absl::Status st = store_->AppendAudit(e);
-  if (!st.ok()) {
-    metrics_->CountError("audit");
-    LogError(absl::StrCat("audit append failed: ", st.ToString()));
+Caller ApiService::CallerOf(const Request& req) {
+  std::optional<std::string> token = BearerToken(req);
+  std::string principal = "dev";  // no keys configured: loopback / unix socket only
+  if (token) {
+    bool found = false;
+    {
+      std::lock_guard<std::mutex> lock(key_ids_mu_);
+      auto it = key_ids_.find(Sha256Hex(*token));
+      if (it != key_ids_.end()) principal = it->second, found = true;
+    }
+    // Not cached: dev mode ignores tokens; else the cache was just emptied.
+    if (!found && store_->CountActiveApiKeys().value_or(1) > 0) principal = "api_key";
   }
+  return Caller(req.principal(), std::move(principal), "rest");
 }
 
 json::object ApiService::RenderEnvironment(const EnvironmentInfo& info, bool with_usage) {
   const EnvironmentRecord& r = info.record;
   json::object o{
       {"environment_id", r.id},
-      {"state", r.state},
+      {"state", std::string(ToString(r.state))},
       {"runtime", r.runtime},
       {"image", r.image},
       {"limits", json::object{{"cpu", info.spec.cpu},
                               {"memory_mb", info.spec.memory_mb},
                               {"pids", info.spec.pids},
                               {"disk_mb", info.spec.disk_mb}}},
-      {"network", info.spec.network},
+      {"network", std::string(NetworkPolicyName(info.spec.network))},
       {"ttl_seconds", info.ttl_s},
       {"created_at", Time(r.created_ms)},
       {"last_used_at", Time(r.last_used_ms)},
-      {"expires_at", r.state == "running" ? Time(r.expires_ms) : json::value()},
+      {"expires_at", r.state == EnvState::kRunning ? Time(r.expires_ms) : json::value()},
       {"destroyed_at", Time(r.destroyed_ms)},
       {"destroy_reason", r.destroy_reason.empty() ? json::value() : json::value(r.destroy_reason)},
   };
@@ -257,8 +260,8 @@ json::object ApiService::RenderEnvironment(const EnvironmentInfo& info, bool wit
   o["env_keys"] = std::move(env_keys);
   if (with_usage) {
     json::object usage{{"exec_count", r.exec_count}};
-    if (r.state == "running") {
-      auto u = manager_->Stats(r.tenant, r.id);
+    if (r.state == EnvState::kRunning) {
+      auto u = manager_->Stats(Caller(r.tenant), r.id);
       if (u.ok()) {
         usage["memory_bytes"] = u->memory_bytes;
         usage["cpu_ms"] = u->cpu_ms;
@@ -299,7 +302,7 @@ void ApiService::Register(Router& router) {
           if (req.principal().empty()) {  // called without the server's admission step
             if (std::optional<Response> refused = Admit(req, json_body)) return *refused;
           }
-          return fn(req, req.principal());
+          return fn(req, CallerOf(req));
         },
         std::move(opts));
   };
@@ -343,9 +346,9 @@ void ApiService::Register(Router& router) {
   router.Add("GET", "/tools", [](Request&) { return JsonResponse(200, ToolsCatalog()); });
 
   add("POST", "/environments",
-      [this](Request& req, const std::string& t) { return CreateEnvironment(req, t); });
+      [this](Request& req, const Caller& t) { return CreateEnvironment(req, t); });
 
-  add("GET", "/environments", [this](Request& req, const std::string& t) {
+  add("GET", "/environments", [this](Request& req, const Caller& t) {
     std::string all = req.Query("all").value_or("0");
     auto list = manager_->List(t, all == "1" || all == "true");
     if (!list.ok()) return StatusResponse(list.status());
@@ -354,25 +357,20 @@ void ApiService::Register(Router& router) {
     return JsonResponse(200, json::object{{"environments", std::move(arr)}});
   });
 
-  add("GET", "/environments/{id}", [this](Request& req, const std::string& t) {
+  add("GET", "/environments/{id}", [this](Request& req, const Caller& t) {
     auto info = manager_->Get(t, req.Param("id"));
     if (!info.ok()) return StatusResponse(info.status());
     return JsonResponse(200, RenderEnvironment(*info, true));
   });
 
-  add("DELETE", "/environments/{id}", [this](Request& req, const std::string& t) {
-    int64_t start = MonotonicMs();
-    std::string id = req.Param("id");
-    absl::Status st = manager_->Destroy(t, id, "deleted");
-    Response resp = st.ok() ? JsonResponse(200, json::object{{"error", false},
-                                                             {"message", "Environment destroyed."}})
-                            : StatusResponse(st);
-    if (!absl::IsNotFound(st))
-      Audit(t, id, "environment.delete", "", std::nullopt, MonotonicMs() - start, 0, resp.status);
-    return resp;
+  add("DELETE", "/environments/{id}", [this](Request& req, const Caller& t) {
+    absl::Status st = manager_->Destroy(t, req.Param("id"), "deleted");
+    return st.ok() ? JsonResponse(
+                         200, json::object{{"error", false}, {"message", "Environment destroyed."}})
+                   : StatusResponse(st);
   });
 
-  add("POST", "/environments/{id}/heartbeat", [this](Request& req, const std::string& t) {
+  add("POST", "/environments/{id}/heartbeat", [this](Request& req, const Caller& t) {
     auto body = ParseJsonObjectBody(req);
     if (!body.ok()) return body.error();
     JsonFields f(body.value());
@@ -385,36 +383,36 @@ void ApiService::Register(Router& router) {
   });
 
   add("POST", "/environments/{id}/execute",
-      [this](Request& req, const std::string& t) { return Execute(req, t); });
+      [this](Request& req, const Caller& t) { return Execute(req, t); });
   add("POST", "/environments/{id}/files/write",
-      [this](Request& req, const std::string& t) { return WriteFile(req, t); });
+      [this](Request& req, const Caller& t) { return WriteFile(req, t); });
   add("GET", "/environments/{id}/files/read",
-      [this](Request& req, const std::string& t) { return ReadFile(req, t); });
+      [this](Request& req, const Caller& t) { return ReadFile(req, t); });
   RouteOptions upload;
   upload.stream_body = true;
   upload.max_stream_body_bytes = static_cast<uint64_t>(options_.max_upload_bytes);
   add(
       "PUT", "/environments/{id}/files/raw",
-      [this](Request& req, const std::string& t) { return PutRaw(req, t); }, upload);
+      [this](Request& req, const Caller& t) { return PutRaw(req, t); }, upload);
   add("GET", "/environments/{id}/files/raw",
-      [this](Request& req, const std::string& t) { return GetRaw(req, t); });
+      [this](Request& req, const Caller& t) { return GetRaw(req, t); });
   add("GET", "/environments/{id}/files/list",
-      [this](Request& req, const std::string& t) { return ListFiles(req, t); });
+      [this](Request& req, const Caller& t) { return ListFiles(req, t); });
   add("GET", "/environments/{id}/files/stat",
-      [this](Request& req, const std::string& t) { return StatFile(req, t); });
+      [this](Request& req, const Caller& t) { return StatFile(req, t); });
   add("POST", "/environments/{id}/files/mkdir",
-      [this](Request& req, const std::string& t) { return MakeDir(req, t); });
+      [this](Request& req, const Caller& t) { return MakeDir(req, t); });
   add("POST", "/environments/{id}/files/remove",
-      [this](Request& req, const std::string& t) { return RemoveFile(req, t); });
+      [this](Request& req, const Caller& t) { return RemoveFile(req, t); });
   add("POST", "/environments/{id}/files/rename",
-      [this](Request& req, const std::string& t) { return RenameFile(req, t); });
+      [this](Request& req, const Caller& t) { return RenameFile(req, t); });
   add("GET", "/environments/{id}/artifacts",
-      [this](Request& req, const std::string& t) { return ListArtifacts(req, t); });
+      [this](Request& req, const Caller& t) { return ListArtifacts(req, t); });
   add("GET", "/environments/{id}/artifacts/{aid}",
-      [this](Request& req, const std::string& t) { return GetArtifact(req, t); });
-  add("GET", "/audit", [this](Request& req, const std::string& t) { return QueryAudit(req, t); });
+      [this](Request& req, const Caller& t) { return GetArtifact(req, t); });
+  add("GET", "/audit", [this](Request& req, const Caller& t) { return QueryAudit(req, t); });
 
-  auto run = [this](Request& req, const std::string& t) -> Response {
+  auto run = [this](Request& req, const Caller& t) -> Response {
     if (!run_handler_)
       return ErrorResponse(400, "bad_request",
                            "POST /run needs the nano tier, which is not available on this "
@@ -441,7 +439,8 @@ json::object RenderArtifact(const ArtifactMeta& m) {
 
 // Artifacts outlive their environment (one-shot runs destroy theirs at once), so these two
 // look only at the store, which is scoped by tenant like everything else.
-Response ApiService::ListArtifacts(Request& req, const std::string& tenant) {
+Response ApiService::ListArtifacts(Request& req, const Caller& caller) {
+  const std::string& tenant = caller.tenant;
   const std::string id = req.Param("id");
   if (!artifacts_) return ErrorResponse(404, "not_found", "this daemon keeps no artifacts");
   artifacts_->MaybeSweep();
@@ -452,7 +451,8 @@ Response ApiService::ListArtifacts(Request& req, const std::string& tenant) {
   return JsonResponse(200, json::object{{"artifacts", std::move(arr)}});
 }
 
-Response ApiService::GetArtifact(Request& req, const std::string& tenant) {
+Response ApiService::GetArtifact(Request& req, const Caller& caller) {
+  const std::string& tenant = caller.tenant;
   if (!artifacts_) return ErrorResponse(404, "not_found", "this daemon keeps no artifacts");
   artifacts_->MaybeSweep();
   const std::string id = req.Param("id"), aid = req.Param("aid");
@@ -491,8 +491,7 @@ Response ApiService::GetArtifact(Request& req, const std::string& tenant) {
   return resp;
 }
 
-Response ApiService::CreateEnvironment(Request& req, const std::string& tenant) {
-  int64_t start = MonotonicMs();
+Response ApiService::CreateEnvironment(Request& req, const Caller& caller) {
   auto body = ParseJsonObjectBody(req);
   if (!body.ok()) return body.error();
   JsonFields f(body.value());
@@ -512,7 +511,8 @@ Response ApiService::CreateEnvironment(Request& req, const std::string& tenant) 
   spec.disk_mb = int_limit(limits.disk_mb, d.disk_mb);
   int64_t ttl = f.OptionalInt("ttl_seconds", 0, 10, 86400);
   spec.env = f.OptionalStringMap("env", 256);
-  spec.network = f.OptionalEnum("network", "none", {"none"});
+  // Every name the API accepts is a policy the core knows (ParseNetworkPolicy).
+  spec.network = *ParseNetworkPolicy(f.OptionalEnum("network", "none", {"none"}));
   if (!f.ok()) return f.ErrorResponse();
   for (const auto& [k, v] : spec.env) {
     bool valid = !k.empty() && k.size() <= 256 && !(k[0] >= '0' && k[0] <= '9');
@@ -525,9 +525,10 @@ Response ApiService::CreateEnvironment(Request& req, const std::string& tenant) 
                            absl::StrCat("env: value of '", k, "' is too long or contains NUL"));
   }
   if (runtime == "auto") runtime = "container";  // the adaptive router arrives with the nano tier
-  spec.runtime = std::string(RuntimeAlias(runtime));
+  // Every name the enum above accepts (after the alias) is a DriverKind.
+  spec.runtime = *ParseDriverKind(RuntimeAlias(runtime));
   const DriverRegistry::Entry* driver =
-      options_.drivers ? options_.drivers->Lookup(spec.runtime) : nullptr;
+      options_.drivers ? options_.drivers->Lookup(ToString(spec.runtime)) : nullptr;
   if (!driver || !driver->driver || !manager_->HasDriver(spec.runtime)) {
     return ErrorResponse(
         400, "bad_request",
@@ -538,22 +539,14 @@ Response ApiService::CreateEnvironment(Request& req, const std::string& tenant) 
   // Heavy tiers boot a rootfs image; the nano tier has its interpreter built in.
   if (driver->tier == DriverRegistry::Tier::kHeavy && !options_.images.count(spec.image))
     return ErrorResponse(400, "bad_request", absl::StrCat("unknown image '", spec.image, "'"));
-  auto info = manager_->Create(tenant, spec, ttl);
-  Response resp;
-  if (!info.ok()) {
-    resp = StatusResponse(info.status());
-  } else {
-    json::object o = RenderEnvironment(*info, false);
-    o["pooled"] = info->pooled;
-    resp = JsonResponse(201, o);
-  }
-  Audit(tenant, info.ok() ? info->record.id : "", "environment.create",
-        absl::StrCat("runtime=", spec.runtime, " image=", spec.image), std::nullopt,
-        MonotonicMs() - start, 0, resp.status);
-  return resp;
+  auto info = manager_->Create(caller, spec, ttl);
+  if (!info.ok()) return StatusResponse(info.status());
+  json::object o = RenderEnvironment(*info, false);
+  o["pooled"] = info->pooled;
+  return JsonResponse(201, o);
 }
 
-Response ApiService::Execute(Request& req, const std::string& tenant) {
+Response ApiService::Execute(Request& req, const Caller& caller) {
   auto body = ParseJsonObjectBody(req, /*allow_empty=*/false);
   if (!body.ok()) return body.error();
   JsonFields f(body.value());
@@ -572,49 +565,34 @@ Response ApiService::Execute(Request& req, const std::string& tenant) {
 
   if (req.Accepts("text/event-stream")) {
     // Check existence first so a bad id is a plain 404, not a stream with an error event.
-    auto info = manager_->Get(tenant, id);
-    if (!info.ok() || info->record.state != "running")
-      return StatusResponse(info.ok() ? absl::NotFoundError(absl::StrCat(
-                                            "environment ", id, " is ", info->record.state))
-                                      : info.status());
-    return Response::Sse([this, tenant, id, exec](ResponseWriter& w) {
-      int64_t start = MonotonicMs();
+    auto info = manager_->Get(caller, id);
+    if (!info.ok() || info->record.state != EnvState::kRunning)
+      return StatusResponse(
+          info.ok() ? absl::NotFoundError(absl::StrCat("environment ", id, " is ",
+                                                       AbslView(ToString(info->record.state))))
+                    : info.status());
+    return Response::Sse([this, caller, id, exec](ResponseWriter& w) {
       SseOutput out(w);
-      auto result = manager_->Exec(tenant, id, exec, out.Sink());
+      auto result = manager_->Exec(caller, id, exec, out.Sink());
       if (!result.ok()) {
         Response err = StatusResponse(result.status());
-        w.WriteEvent("error", ErrorBody(ErrorCodeForStatus(err.status), StdView(result.status().message())));
-        Audit(tenant, id, "execute", exec.command, std::nullopt, MonotonicMs() - start, 0,
-              err.status);
+        w.WriteEvent("error",
+                     ErrorBody(ErrorCodeForStatus(err.status), StdView(result.status().message())));
         return;
       }
       out.Flush();
       w.WriteEvent("result", ResultJson(*result));
-      Audit(tenant, id, "execute", exec.command, result->exit_code, result->duration_ms,
-            static_cast<int64_t>(result->stdout_data.size() + result->stderr_data.size()),
-            w.ok() ? 200 : 499);
     });
   }
 
   // Non-streaming: still notice a client that went away, and kill its command.
   auto sink = [&req](Stream, std::string_view) { return !req.ClientGone(); };
-  int64_t start = MonotonicMs();
-  auto result = manager_->Exec(tenant, id, exec, sink);
-  if (!result.ok()) {
-    Response resp = StatusResponse(result.status());
-    if (!absl::IsNotFound(result.status()))
-      Audit(tenant, id, "execute", exec.command, std::nullopt, MonotonicMs() - start, 0,
-            resp.status);
-    return resp;
-  }
-  json::object out = ResultJson(*result);
-  Audit(tenant, id, "execute", exec.command, result->exit_code, result->duration_ms,
-        static_cast<int64_t>(result->stdout_data.size() + result->stderr_data.size()), 200);
-  return JsonResponse(200, out);
+  auto result = manager_->Exec(caller, id, exec, sink);
+  if (!result.ok()) return StatusResponse(result.status());
+  return JsonResponse(200, ResultJson(*result));
 }
 
-Response ApiService::WriteFile(Request& req, const std::string& tenant) {
-  int64_t start = MonotonicMs();
+Response ApiService::WriteFile(Request& req, const Caller& caller) {
   auto body = ParseJsonObjectBody(req, /*allow_empty=*/false);
   if (!body.ok()) return body.error();
   JsonFields f(body.value());
@@ -634,22 +612,20 @@ Response ApiService::WriteFile(Request& req, const std::string& tenant) {
   } else {
     data = std::move(content);
   }
-  std::string id = req.Param("id");
+  // One audited write, however many agent round trips it takes.
+  auto transfer = manager_->OpenTransfer(caller, req.Param("id"), path, "files.write");
+  if (!transfer.ok()) return FileStatusResponse(transfer.status());
   absl::Status st;
   int64_t offset = 0;
   do {
     std::string_view part = std::string_view(data).substr(offset, kChunk);
-    st = manager_->WriteFile(tenant, id, path, part, offset, offset == 0);
+    st = (*transfer)->Write(part, offset, offset == 0);
     offset += static_cast<int64_t>(part.size());
   } while (st.ok() && offset < static_cast<int64_t>(data.size()));
-  Response resp = st.ok() ? JsonResponse(200, json::object{{"error", false},
-                                                           {"message", "File saved successfully."},
-                                                           {"bytes", data.size()}})
-                          : FileStatusResponse(st);
-  if (!IsEnvironmentNotFound(st))
-    Audit(tenant, id, "files.write", path, std::nullopt, MonotonicMs() - start,
-          static_cast<int64_t>(data.size()), resp.status);
-  return resp;
+  return st.ok() ? JsonResponse(200, json::object{{"error", false},
+                                                  {"message", "File saved successfully."},
+                                                  {"bytes", data.size()}})
+                 : FileStatusResponse(st);
 }
 
 bool ApiService::ReserveRead(const std::string& tenant, int64_t bytes, bool* over_share) {
@@ -673,8 +649,8 @@ void ApiService::ReleaseRead(const std::string& tenant, int64_t bytes) {
   if (it != tenant_reads_.end() && (it->second -= bytes) <= 0) tenant_reads_.erase(it);
 }
 
-Response ApiService::ReadFile(Request& req, const std::string& tenant) {
-  int64_t start = MonotonicMs();
+Response ApiService::ReadFile(Request& req, const Caller& caller) {
+  const std::string& tenant = caller.tenant;
   std::string path = req.Query("path").value_or("");
   if (absl::Status st = CheckPath(path); !st.ok()) return StatusResponse(st);
   std::string id = req.Param("id");
@@ -690,8 +666,12 @@ Response ApiService::ReadFile(Request& req, const std::string& tenant) {
       if (bytes > 0) self->ReleaseRead(tenant, bytes);
     }
   } unreserve{this, tenant, reserved};
-  for (;;) {
-    auto chunk = manager_->ReadFile(tenant, id, path, static_cast<int64_t>(data.size()), kChunk);
+  // One audited read, however many agent round trips it takes (the row is written when
+  // `transfer` goes, after the answer is built).
+  auto transfer = manager_->OpenTransfer(caller, id, path, "files.read");
+  if (!transfer.ok()) st = transfer.status();
+  for (; transfer.ok();) {
+    auto chunk = (*transfer)->Read(static_cast<int64_t>(data.size()), kChunk);
     if (!chunk.ok()) {
       st = chunk.status();
       break;
@@ -711,6 +691,7 @@ Response ApiService::ReadFile(Request& req, const std::string& tenant) {
                                       "too many large files are being read at once; retry "
                                       "shortly, or use files/raw");
         busy.SetHeader("Retry-After", "1");
+        (*transfer)->Finish(absl::ResourceExhaustedError("too many large files read at once"));
         return busy;
       }
       reserved = size;
@@ -724,7 +705,6 @@ Response ApiService::ReadFile(Request& req, const std::string& tenant) {
     }
   }
   Response resp;
-  int64_t read_bytes = static_cast<int64_t>(data.size());
   if (!st.ok()) {
     if (absl::IsOutOfRange(st)) {
       resp = ErrorResponse(413, "payload_too_large", StdView(st.message()));
@@ -754,23 +734,19 @@ Response ApiService::ReadFile(Request& req, const std::string& tenant) {
                    {"content", text ? data : Base64Encode(data)},
                    {"encoding", text ? "utf-8" : "base64"},
                    {"size", data.size()}};
-    read_bytes = static_cast<int64_t>(data.size());
     std::string().swap(data);  // one copy less while the answer is serialised
     resp = JsonResponse(200, o);
   }
-  if (!IsEnvironmentNotFound(st))
-    Audit(tenant, id, "files.read", path, std::nullopt, MonotonicMs() - start,
-          read_bytes, resp.status);
+  if (transfer.ok() && !st.ok()) (*transfer)->Finish(st);  // a limit of files/read's own
   return resp;
 }
 
-Response ApiService::PutRaw(Request& req, const std::string& tenant) {
-  int64_t start = MonotonicMs();
+Response ApiService::PutRaw(Request& req, const Caller& caller) {
   std::string path = req.Query("path").value_or("");
   if (absl::Status st = CheckPath(path); !st.ok()) return StatusResponse(st);
-  std::string id = req.Param("id");
-  auto info = manager_->Get(tenant, id);
-  if (!info.ok()) return StatusResponse(info.status());
+  // One audited upload, however many agent writes it takes.
+  auto transfer = manager_->OpenTransfer(caller, req.Param("id"), path, "files.upload");
+  if (!transfer.ok()) return FileStatusResponse(transfer.status());
   BodyReader* reader = req.body_reader();
   if (!reader) return ErrorResponse(500, "internal", "upload route without a body reader");
   std::string buf;  // grows as bytes arrive, up to one agent write (kChunk)
@@ -787,7 +763,7 @@ Response ApiService::PutRaw(Request& req, const std::string& tenant) {
     buf.append(tmp.data(), *n);
     bool done = *n == 0;
     if (buf.size() >= static_cast<size_t>(kChunk) || (done && (first || !buf.empty()))) {
-      write_error = manager_->WriteFile(tenant, id, path, buf, offset, first);
+      write_error = (*transfer)->Write(buf, offset, first);
       if (!write_error.ok()) break;
       offset += static_cast<int64_t>(buf.size());
       buf.clear();
@@ -797,6 +773,7 @@ Response ApiService::PutRaw(Request& req, const std::string& tenant) {
   }
   Response resp;
   if (!read_error.ok()) {
+    (*transfer)->Finish(read_error);
     resp = absl::IsResourceExhausted(read_error)
                ? ErrorResponse(413, "payload_too_large",
                                absl::StrCat("upload exceeds max_upload_bytes (",
@@ -813,42 +790,43 @@ Response ApiService::PutRaw(Request& req, const std::string& tenant) {
                                           {"message", "File saved successfully."},
                                           {"bytes", offset}});
   }
-  Audit(tenant, id, "files.upload", path, std::nullopt, MonotonicMs() - start, offset,
-        resp.status);
   return resp;
 }
 
-Response ApiService::GetRaw(Request& req, const std::string& tenant) {
+Response ApiService::GetRaw(Request& req, const Caller& caller) {
   std::string path = req.Query("path").value_or("");
   if (absl::Status st = CheckPath(path); !st.ok()) return StatusResponse(st);
-  std::string id = req.Param("id");
+  // One audited download (written when the last chunk went, or the client did).
+  auto opened = manager_->OpenTransfer(caller, req.Param("id"), path, "files.download");
+  if (!opened.ok()) return FileStatusResponse(opened.status());
+  std::shared_ptr<EnvironmentManager::FileTransfer> transfer = std::move(*opened);
   // First chunk before answering, so a missing file is a clean 404.
-  auto first = manager_->ReadFile(tenant, id, path, 0, kDownloadChunk);
+  auto first = transfer->Read(0, kDownloadChunk);
   if (!first.ok()) return FileStatusResponse(first.status());
   Response resp = Response::Stream(
       200, "application/octet-stream",
-      [this, tenant, id, path, chunk = std::move(*first)](ResponseWriter& w) mutable {
-        int64_t start = MonotonicMs();
+      [transfer, chunk = std::move(*first)](ResponseWriter& w) mutable {
         int64_t offset = 0;
         for (;;) {
-          if (!w.Write(chunk.data)) break;
+          if (!w.Write(chunk.data)) {
+            transfer->Finish(absl::CancelledError("the client went away"));
+            break;
+          }
           offset += static_cast<int64_t>(chunk.data.size());
           if (chunk.eof || chunk.data.empty()) break;
-          auto next = manager_->ReadFile(tenant, id, path, offset, kDownloadChunk);
+          auto next = transfer->Read(offset, kDownloadChunk);
           if (!next.ok()) break;  // headers are gone; the truncated chunked body tells the client
           chunk = std::move(*next);
         }
-        Audit(tenant, id, "files.download", path, std::nullopt, MonotonicMs() - start, offset,
-              w.ok() ? 200 : 499);
       });
   resp.SetHeader("X-File-Size", std::to_string(first->file_size));
   return resp;
 }
 
-Response ApiService::ListFiles(Request& req, const std::string& tenant) {
+Response ApiService::ListFiles(Request& req, const Caller& caller) {
   std::string path = req.Query("path").value_or(".");
   if (absl::Status st = CheckPath(path); !st.ok()) return StatusResponse(st);
-  auto entries = manager_->ListDir(tenant, req.Param("id"), path);
+  auto entries = manager_->ListDir(caller, req.Param("id"), path);
   if (!entries.ok()) return FileStatusResponse(entries.status());
   json::array arr;
   for (const FileEntry& e : entries->entries) arr.push_back(RenderEntry(e));
@@ -857,10 +835,10 @@ Response ApiService::ListFiles(Request& req, const std::string& tenant) {
   return JsonResponse(200, std::move(out));
 }
 
-Response ApiService::StatFile(Request& req, const std::string& tenant) {
+Response ApiService::StatFile(Request& req, const Caller& caller) {
   std::string path = req.Query("path").value_or("");
   if (absl::Status st = CheckPath(path); !st.ok()) return StatusResponse(st);
-  auto entry = manager_->StatFile(tenant, req.Param("id"), path);
+  auto entry = manager_->StatFile(caller, req.Param("id"), path);
   if (!entry.ok()) return FileOpResponse(entry.status());
   json::object out = RenderEntry(*entry);
   out["error"] = false;
@@ -868,8 +846,7 @@ Response ApiService::StatFile(Request& req, const std::string& tenant) {
   return JsonResponse(200, std::move(out));
 }
 
-Response ApiService::MakeDir(Request& req, const std::string& tenant) {
-  int64_t start = MonotonicMs();
+Response ApiService::MakeDir(Request& req, const Caller& caller) {
   auto body = ParseJsonObjectBody(req, /*allow_empty=*/false);
   if (!body.ok()) return body.error();
   JsonFields f(body.value());
@@ -877,18 +854,15 @@ Response ApiService::MakeDir(Request& req, const std::string& tenant) {
   if (!f.ok()) return f.ErrorResponse();
   if (absl::Status st = CheckNewPath("path", path); !st.ok()) return StatusResponse(st);
   std::string id = req.Param("id");
-  auto created = manager_->MakeDir(tenant, id, path);
+  auto created = manager_->MakeDir(caller, id, path);
   Response resp =
       created.ok()
           ? JsonResponse(200, json::object{{"error", false}, {"path", path}, {"created", *created}})
           : FileOpResponse(created.status());
-  if (!IsEnvironmentNotFound(created.status()))
-    Audit(tenant, id, "files.mkdir", path, std::nullopt, MonotonicMs() - start, 0, resp.status);
   return resp;
 }
 
-Response ApiService::RemoveFile(Request& req, const std::string& tenant) {
-  int64_t start = MonotonicMs();
+Response ApiService::RemoveFile(Request& req, const Caller& caller) {
   auto body = ParseJsonObjectBody(req, /*allow_empty=*/false);
   if (!body.ok()) return body.error();
   JsonFields f(body.value());
@@ -897,16 +871,13 @@ Response ApiService::RemoveFile(Request& req, const std::string& tenant) {
   if (!f.ok()) return f.ErrorResponse();
   if (absl::Status st = CheckNewPath("path", path); !st.ok()) return StatusResponse(st);
   std::string id = req.Param("id");
-  absl::Status st = manager_->RemoveFile(tenant, id, path, recursive);
+  absl::Status st = manager_->RemoveFile(caller, id, path, recursive);
   Response resp = st.ok() ? JsonResponse(200, json::object{{"error", false}, {"path", path}})
                           : FileOpResponse(st);
-  if (!IsEnvironmentNotFound(st))
-    Audit(tenant, id, "files.remove", path, std::nullopt, MonotonicMs() - start, 0, resp.status);
   return resp;
 }
 
-Response ApiService::RenameFile(Request& req, const std::string& tenant) {
-  int64_t start = MonotonicMs();
+Response ApiService::RenameFile(Request& req, const Caller& caller) {
   auto body = ParseJsonObjectBody(req, /*allow_empty=*/false);
   if (!body.ok()) return body.error();
   JsonFields f(body.value());
@@ -919,18 +890,16 @@ Response ApiService::RenameFile(Request& req, const std::string& tenant) {
     if (absl::Status st = CheckNewPath(field, value); !st.ok()) return StatusResponse(st);
   }
   std::string id = req.Param("id");
-  absl::Status st = manager_->RenameFile(tenant, id, source, destination, overwrite);
+  absl::Status st = manager_->RenameFile(caller, id, source, destination, overwrite);
   Response resp = st.ok() ? JsonResponse(200, json::object{{"error", false},
                                                            {"source", source},
                                                            {"destination", destination}})
                           : FileOpResponse(st);
-  if (!IsEnvironmentNotFound(st))
-    Audit(tenant, id, "files.rename", absl::StrCat(source, " -> ", destination), std::nullopt,
-          MonotonicMs() - start, 0, resp.status);
   return resp;
 }
 
-Response ApiService::QueryAudit(Request& req, const std::string& tenant) {
+Response ApiService::QueryAudit(Request& req, const Caller& caller) {
+  const std::string& tenant = caller.tenant;
   AuditQuery q;
   q.tenant = tenant;
   auto time_param = [&](const char* name, int64_t* out) -> bool {
@@ -958,13 +927,15 @@ Response ApiService::QueryAudit(Request& req, const std::string& tenant) {
         {"id", e.id},
         {"time", FormatRfc3339(e.time_ms)},
         {"tenant", e.tenant},
-        {"environment_id", e.environment_id.empty() ? json::value() : json::value(e.environment_id)},
+        {"environment_id",
+         e.environment_id.empty() ? json::value() : json::value(e.environment_id)},
         {"action", e.action},
         {"detail", SanitizeUtf8(e.detail)},
         {"exit_code", e.exit_code ? json::value(*e.exit_code) : json::value()},
         {"duration_ms", e.duration_ms},
         {"bytes", e.bytes},
-        {"status", e.status}});
+        {"status", e.status},
+        {"principal", e.principal.empty() ? json::value() : json::value(e.principal)}});
   }
   return JsonResponse(200, json::object{{"entries", std::move(arr)}});
 }

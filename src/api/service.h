@@ -1,5 +1,6 @@
 // The Environment API (docs/api.md) on top of HttpServer: parses and validates requests,
-// authenticates them to a tenant, calls the core, writes audit rows, renders answers.
+// authenticates them to a tenant, calls the core with who is calling (a Caller: the core writes
+// the audit rows), renders answers.
 #pragma once
 
 #include <functional>
@@ -37,8 +38,8 @@ struct ServiceOptions {
 
 // Handler for POST /run and POST /environments/{id}/run (api/run_service.h builds it);
 // `env_id` is empty for one-shot runs.
-using RunHandler = std::function<Response(const std::string& tenant, const std::string& env_id,
-                                          Request& req)>;
+using RunHandler =
+    std::function<Response(const Caller& caller, const std::string& env_id, Request& req)>;
 
 class ApiService {
  public:
@@ -61,25 +62,24 @@ class ApiService {
   // that a JSON route's body is application/json (415), and sets req.principal_ to the tenant.
   // nullopt when admitted.
   std::optional<Response> Admit(Request& req, bool json_body);
-  void Audit(const std::string& tenant, const std::string& env_id, const std::string& action,
-             const std::string& detail, std::optional<int64_t> exit_code, int64_t duration_ms,
-             int64_t bytes, int status);
+  // Who an admitted request is, for the core (which audits every environment action).
+  Caller CallerOf(const Request& req);
 
  private:
-  Response CreateEnvironment(Request& req, const std::string& tenant);
-  Response Execute(Request& req, const std::string& tenant);
-  Response WriteFile(Request& req, const std::string& tenant);
-  Response ReadFile(Request& req, const std::string& tenant);
-  Response PutRaw(Request& req, const std::string& tenant);
-  Response GetRaw(Request& req, const std::string& tenant);
-  Response ListFiles(Request& req, const std::string& tenant);
-  Response StatFile(Request& req, const std::string& tenant);
-  Response MakeDir(Request& req, const std::string& tenant);
-  Response RemoveFile(Request& req, const std::string& tenant);
-  Response RenameFile(Request& req, const std::string& tenant);
-  Response QueryAudit(Request& req, const std::string& tenant);
-  Response ListArtifacts(Request& req, const std::string& tenant);
-  Response GetArtifact(Request& req, const std::string& tenant);
+  Response CreateEnvironment(Request& req, const Caller& caller);
+  Response Execute(Request& req, const Caller& caller);
+  Response WriteFile(Request& req, const Caller& caller);
+  Response ReadFile(Request& req, const Caller& caller);
+  Response PutRaw(Request& req, const Caller& caller);
+  Response GetRaw(Request& req, const Caller& caller);
+  Response ListFiles(Request& req, const Caller& caller);
+  Response QueryAudit(Request& req, const Caller& caller);
+  Response ListArtifacts(Request& req, const Caller& caller);
+  Response GetArtifact(Request& req, const Caller& caller);
+  Response StatFile(Request& req, const Caller& caller);
+  Response MakeDir(Request& req, const Caller& caller);
+  Response RemoveFile(Request& req, const Caller& caller);
+  Response RenameFile(Request& req, const Caller& caller);
   boost::json::object RenderEnvironment(const EnvironmentInfo& info, bool with_usage);
 
   EnvironmentManager* manager_;
@@ -95,6 +95,9 @@ class ApiService {
   // answered 503 / 429 rather than piling up copies of large files.
   bool ReserveRead(const std::string& tenant, int64_t bytes, bool* over_share);
   void ReleaseRead(const std::string& tenant, int64_t bytes);
+  // Sha256Hex(API key secret) → the key's public id, filled by Authenticate.
+  std::mutex key_ids_mu_;
+  std::map<std::string, std::string> key_ids_;
   std::mutex read_mu_;
   int64_t reads_in_flight_ = 0;
   std::map<std::string, int64_t> tenant_reads_;

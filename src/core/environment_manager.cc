@@ -29,10 +29,14 @@ namespace json = boost::json;
 std::string SpecToJson(const EnvSpec& spec, int64_t ttl_s) {
   json::object env;
   for (const auto& [k, v] : spec.env) env[k] = v;
-  json::object o{{"image", spec.image},       {"runtime", spec.runtime},
-                 {"cpu", spec.cpu},           {"memory_mb", spec.memory_mb},
-                 {"pids", spec.pids},         {"disk_mb", spec.disk_mb},
-                 {"network", spec.network},   {"ttl_seconds", ttl_s},
+  json::object o{{"image", spec.image},
+                 {"runtime", ToString(spec.runtime)},
+                 {"cpu", spec.cpu},
+                 {"memory_mb", spec.memory_mb},
+                 {"pids", spec.pids},
+                 {"disk_mb", spec.disk_mb},
+                 {"network", NetworkPolicyName(spec.network)},
+                 {"ttl_seconds", ttl_s},
                  {"env", std::move(env)}};
   return json::serialize(o);
 }
@@ -45,12 +49,20 @@ absl::StatusOr<EnvSpec> SpecFromJson(const std::string& text, int64_t* ttl_s) {
   EnvSpec spec;
   try {
     if (auto* p = o.if_contains("image")) spec.image = json::value_to<std::string>(*p);
-    if (auto* p = o.if_contains("runtime")) spec.runtime = json::value_to<std::string>(*p);
+    if (auto* p = o.if_contains("runtime")) {
+      auto kind = ParseDriverKind(json::value_to<std::string>(*p));
+      if (!kind) return absl::InvalidArgumentError("bad spec json: unknown runtime");
+      spec.runtime = *kind;
+    }
     if (auto* p = o.if_contains("cpu")) spec.cpu = p->to_number<double>();
     if (auto* p = o.if_contains("memory_mb")) spec.memory_mb = p->to_number<int64_t>();
     if (auto* p = o.if_contains("pids")) spec.pids = p->to_number<int64_t>();
     if (auto* p = o.if_contains("disk_mb")) spec.disk_mb = p->to_number<int64_t>();
-    if (auto* p = o.if_contains("network")) spec.network = json::value_to<std::string>(*p);
+    if (auto* p = o.if_contains("network")) {
+      auto policy = ParseNetworkPolicy(json::value_to<std::string>(*p));
+      if (!policy) return absl::InvalidArgumentError("bad spec json: unknown network policy");
+      spec.network = *policy;
+    }
     if (auto* p = o.if_contains("ttl_seconds"); p && ttl_s) *ttl_s = p->to_number<int64_t>();
     if (auto* p = o.if_contains("env"); p && p->is_object()) {
       for (const auto& kv : p->as_object())
@@ -77,9 +89,15 @@ constexpr char kPoolTenant[] = "";
 
 EnvironmentManager::EnvironmentManager(Store* store, std::map<std::string, Driver*> drivers,
                                        Metrics* metrics, ManagerOptions options)
-    : store_(store), drivers_(std::move(drivers)), metrics_(metrics),
-      options_(std::move(options)) {
+    : store_(store), metrics_(metrics), options_(std::move(options)), audit_(store, metrics) {
   if (!options_.now_ms) options_.now_ms = NowUnixMs;
+  for (const auto& [name, driver] : drivers) {
+    std::optional<DriverKind> kind = ParseDriverKind(name);
+    if (kind)
+      drivers_[*kind] = driver;
+    else
+      LogError(absl::StrCat("environment manager: unknown driver kind '", name, "' ignored"));
+  }
 }
 
 EnvironmentManager::~EnvironmentManager() { Stop(); }
@@ -105,7 +123,9 @@ void EnvironmentManager::PersistLive(LiveEnv& env) {
 }
 
 absl::Status EnvironmentManager::Start() {
-  auto recovered = RecoverEnvironments(store_, drivers_, RecoveryMode::kReattach, Now());
+  std::map<std::string, Driver*> by_name;
+  for (const auto& [kind, driver] : drivers_) by_name[std::string(ToString(kind))] = driver;
+  auto recovered = RecoverEnvironments(store_, by_name, RecoveryMode::kReattach, Now());
   if (!recovered.ok()) return recovered.status();
   size_t attached = recovered->attached.size();
   size_t cleaned = recovered->destroyed.size() + recovered->destroy_failed.size();
@@ -116,6 +136,7 @@ absl::Status EnvironmentManager::Start() {
       env->record = std::move(r.record);
       env->ref = std::move(r.ref);
       env->driver = r.driver;
+      env->kind = *ParseDriverKind(env->record.runtime);  // recovery found its driver by name
       envs_[env->record.id] = env;
     }
     // The reaper retries the destroys the driver refused (they stay "destroying" meanwhile).
@@ -124,6 +145,7 @@ absl::Status EnvironmentManager::Start() {
       env->record = std::move(r.record);
       env->ref = std::move(r.ref);
       env->driver = r.driver;
+      env->kind = *ParseDriverKind(env->record.runtime);
       env->tenant = env->record.tenant;
       destroy_retry_.push_back(env);
     }
@@ -181,18 +203,19 @@ EnvironmentInfo EnvironmentManager::InfoOf(const EnvironmentRecord& record, bool
 }
 
 absl::StatusOr<std::shared_ptr<EnvironmentManager::LiveEnv>> EnvironmentManager::CreateInstance(
-    const EnvSpec& spec, const std::string& tenant, const std::string& state, int64_t ttl_s) {
+    const EnvSpec& spec, const std::string& tenant, EnvState state, int64_t ttl_s) {
   auto it = drivers_.find(spec.runtime);
   if (it == drivers_.end())
-    return absl::InvalidArgumentError(
-        absl::StrCat("runtime '", spec.runtime, "' is not available on this host"));
+    return absl::InvalidArgumentError(absl::StrCat("runtime '", AbslView(ToString(spec.runtime)),
+                                                   "' is not available on this host"));
   auto env = std::make_shared<LiveEnv>();
   env->driver = it->second;
+  env->kind = spec.runtime;
   EnvironmentRecord& rec = env->record;
   rec.id = absl::StrCat("env_", RandomHex(12));
   rec.tenant = tenant;
-  rec.state = "creating";
-  rec.runtime = spec.runtime;
+  rec.state = EnvState::kCreating;
+  rec.runtime = std::string(ToString(spec.runtime));
   rec.image = spec.image;
   rec.spec_json = SpecToJson(spec, ttl_s);
   rec.created_ms = rec.last_used_ms = Now();
@@ -200,7 +223,7 @@ absl::StatusOr<std::shared_ptr<EnvironmentManager::LiveEnv>> EnvironmentManager:
   Persist(rec);
   auto ref = env->driver->Create(rec.id, spec);
   if (!ref.ok()) {
-    rec.state = "destroyed";
+    rec.state = EnvState::kDestroyed;
     rec.destroyed_ms = Now();
     rec.destroy_reason = absl::StrCat("create_failed: ", ref.status().message());
     Persist(rec);
@@ -228,13 +251,27 @@ std::shared_ptr<EnvironmentManager::LiveEnv> EnvironmentManager::TakePooled(
   return env;
 }
 
-absl::StatusOr<EnvironmentInfo> EnvironmentManager::Create(const std::string& tenant,
+absl::StatusOr<EnvironmentInfo> EnvironmentManager::Create(const Caller& caller,
                                                            const EnvSpec& spec, int64_t ttl_s) {
+  const int64_t t0 = MonotonicMs();
+  absl::StatusOr<EnvironmentInfo> info = CreateEnvironment(caller.tenant, spec, ttl_s);
+  audit_.Record(caller, {.environment_id = info.ok() ? info->record.id : "",
+                         .action = "environment.create",
+                         .detail = absl::StrCat("runtime=", AbslView(ToString(spec.runtime)),
+                                                " image=", spec.image),
+                         .duration_ms = MonotonicMs() - t0,
+                         .outcome = info.status()});
+  return info;
+}
+
+absl::StatusOr<EnvironmentInfo> EnvironmentManager::CreateEnvironment(const std::string& tenant,
+                                                                      const EnvSpec& spec,
+                                                                      int64_t ttl_s) {
   if (ttl_s <= 0) ttl_s = options_.default_ttl_s;
   ttl_s = std::min(ttl_s, options_.max_ttl_s);
   if (!drivers_.count(spec.runtime))
-    return absl::InvalidArgumentError(
-        absl::StrCat("runtime '", spec.runtime, "' is not available on this host"));
+    return absl::InvalidArgumentError(absl::StrCat("runtime '", AbslView(ToString(spec.runtime)),
+                                                   "' is not available on this host"));
   // The quota check takes a reservation in the same critical section, so concurrent creates
   // cannot all pass the check before any of them is counted. The reservation turns into the
   // environment (under mu_ again) or is released on failure.
@@ -296,7 +333,7 @@ absl::StatusOr<EnvironmentInfo> EnvironmentManager::Create(const std::string& te
       std::lock_guard<std::mutex> elock(env->mu);
       EnvironmentRecord& rec = env->record;
       rec.tenant = tenant;
-      rec.state = "running";
+      rec.state = EnvState::kRunning;
       rec.spec_json = SpecToJson(spec, ttl_s);
       rec.created_ms = rec.last_used_ms = Now();
       rec.expires_ms = rec.created_ms + ttl_s * 1000;
@@ -304,7 +341,7 @@ absl::StatusOr<EnvironmentInfo> EnvironmentManager::Create(const std::string& te
     PersistLive(*env);
     metrics_->creates_pooled++;
   } else {
-    auto created = CreateInstance(spec, tenant, "running", ttl_s);
+    auto created = CreateInstance(spec, tenant, EnvState::kRunning, ttl_s);
     if (!created.ok()) return created.status();
     env = *created;
     metrics_->creates_cold++;
@@ -335,7 +372,7 @@ absl::StatusOr<std::shared_ptr<EnvironmentManager::LiveEnv>> EnvironmentManager:
     }
   }
   auto rec = store_->GetEnvironment(id);
-  if (rec.ok() && rec->tenant == tenant && rec->state == "destroyed") {
+  if (rec.ok() && rec->tenant == tenant && rec->state == EnvState::kDestroyed) {
     return EnvironmentNotFoundError(absl::StrCat("environment ", id, " was destroyed at ",
                                             FormatRfc3339(rec->destroyed_ms), " (",
                                             rec->destroy_reason, ")"));
@@ -358,7 +395,7 @@ void EnvironmentManager::DestroyLive(const std::shared_ptr<LiveEnv>& env,
   EnvironmentRecord rec;
   {
     std::lock_guard<std::mutex> elock(env->mu);
-    env->record.state = "destroying";
+    env->record.state = EnvState::kDestroying;
     env->record.destroy_reason = reason;
     rec = env->record;
   }
@@ -375,14 +412,16 @@ void EnvironmentManager::DestroyLive(const std::shared_ptr<LiveEnv>& env,
   }
   {
     std::lock_guard<std::mutex> elock(env->mu);
-    env->record.state = "destroyed";
+    env->record.state = EnvState::kDestroyed;
     env->record.destroyed_ms = Now();
   }
   PersistLive(*env);
 }
 
-absl::Status EnvironmentManager::Destroy(const std::string& tenant, const std::string& id,
+absl::Status EnvironmentManager::Destroy(const Caller& caller, const std::string& id,
                                          const std::string& reason) {
+  const std::string& tenant = caller.tenant;
+  const int64_t t0 = MonotonicMs();
   std::shared_ptr<LiveEnv> env;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -397,16 +436,31 @@ absl::Status EnvironmentManager::Destroy(const std::string& tenant, const std::s
   if (!env) {
     auto rec = store_->GetEnvironment(id);
     if (rec.ok() && rec->tenant == tenant &&
-        (rec->state == "destroyed" || rec->state == "destroying"))
+        (rec->state == EnvState::kDestroyed || rec->state == EnvState::kDestroying))
       return absl::OkStatus();  // idempotent
     return EnvironmentNotFoundError(absl::StrCat("environment ", id, " not found"));
   }
   DestroyLive(env, reason);
+  audit_.Record(caller, {.environment_id = id,
+                         .action = "environment.delete",
+                         .detail = reason,
+                         .duration_ms = MonotonicMs() - t0});
   return absl::OkStatus();
 }
 
-absl::StatusOr<EnvironmentInfo> EnvironmentManager::Get(const std::string& tenant,
+void EnvironmentManager::Reap(const std::shared_ptr<LiveEnv>& env, const std::string& reason) {
+  const int64_t t0 = MonotonicMs();
+  DestroyLive(env, reason);
+  audit_.Record(Caller::System(env->tenant),
+                {.environment_id = env->record.id,  // id is immutable
+                 .action = reason == "ttl_expired" ? "environment.expire" : "environment.reap",
+                 .detail = reason,
+                 .duration_ms = MonotonicMs() - t0});
+}
+
+absl::StatusOr<EnvironmentInfo> EnvironmentManager::Get(const Caller& caller,
                                                         const std::string& id) {
+  const std::string& tenant = caller.tenant;
   std::shared_ptr<LiveEnv> env;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -427,8 +481,9 @@ absl::StatusOr<EnvironmentInfo> EnvironmentManager::Get(const std::string& tenan
   return InfoOf(*rec, false);
 }
 
-absl::StatusOr<std::vector<EnvironmentInfo>> EnvironmentManager::List(const std::string& tenant,
+absl::StatusOr<std::vector<EnvironmentInfo>> EnvironmentManager::List(const Caller& caller,
                                                                       bool include_destroyed) {
+  const std::string& tenant = caller.tenant;
   std::vector<EnvironmentInfo> out;
   std::map<std::string, EnvironmentRecord> live;
   std::vector<std::shared_ptr<LiveEnv>> mine;
@@ -449,8 +504,9 @@ absl::StatusOr<std::vector<EnvironmentInfo>> EnvironmentManager::List(const std:
     if (it != live.end()) {
       out.push_back(InfoOf(it->second, false));
       live.erase(it);
-    } else if (include_destroyed || rec.state != "destroyed") {
-      if (rec.state == "running") continue;  // stale row of an env being destroyed right now
+    } else if (include_destroyed || rec.state != EnvState::kDestroyed) {
+      if (rec.state == EnvState::kRunning)
+        continue;  // stale row of an env being destroyed right now
       out.push_back(InfoOf(rec, false));
     }
   }
@@ -461,9 +517,9 @@ absl::StatusOr<std::vector<EnvironmentInfo>> EnvironmentManager::List(const std:
   return out;
 }
 
-absl::StatusOr<int64_t> EnvironmentManager::Heartbeat(const std::string& tenant,
-                                                      const std::string& id, int64_t ttl_s) {
-  auto env = Lookup(tenant, id);
+absl::StatusOr<int64_t> EnvironmentManager::Heartbeat(const Caller& caller, const std::string& id,
+                                                      int64_t ttl_s) {
+  auto env = Lookup(caller.tenant, id);
   if (!env.ok()) return env.status();
   int64_t expires_ms;
   {
@@ -471,7 +527,7 @@ absl::StatusOr<int64_t> EnvironmentManager::Heartbeat(const std::string& tenant,
     // The reaper may have taken it (expired) between Lookup and here: a heartbeat never
     // revives an environment that is being destroyed, nor rewrites its stored state (the
     // write below is a snapshot: it carries the destroy if one comes first).
-    if ((*env)->record.state != "running")
+    if ((*env)->record.state != EnvState::kRunning)
       return EnvironmentNotFoundError(absl::StrCat("environment ", id, " is being destroyed (",
                                                    (*env)->record.destroy_reason, ")"));
     int64_t ttl = options_.default_ttl_s;
@@ -485,27 +541,39 @@ absl::StatusOr<int64_t> EnvironmentManager::Heartbeat(const std::string& tenant,
   return expires_ms;
 }
 
-absl::StatusOr<std::pair<Driver*, InstanceRef>> EnvironmentManager::Resolve(
-    const std::string& tenant, const std::string& id) {
-  auto env = Lookup(tenant, id);
+absl::StatusOr<std::shared_ptr<EnvironmentManager::LiveEnv>> EnvironmentManager::LookupFor(
+    const Caller& caller, const std::string& id, Capability needed) {
+  auto env = Lookup(caller.tenant, id);
   if (!env.ok()) return env.status();
+  if (!(*env)->driver->Capabilities().Has(needed))
+    return MissingCapabilityError((*env)->driver->name(), needed);
   Touch(**env);
-  return std::make_pair((*env)->driver, (*env)->ref);
+  return env;
 }
 
-absl::StatusOr<ExecResult> EnvironmentManager::Exec(const std::string& tenant,
-                                                    const std::string& id,
+absl::StatusOr<ExecResult> EnvironmentManager::Exec(const Caller& caller, const std::string& id,
                                                     const ExecRequest& request,
                                                     const OutputSink& sink) {
-  auto env = Lookup(tenant, id);
-  if (!env.ok()) return env.status();
-  Touch(**env);
+  auto env = LookupFor(caller, id, Capability::kExec);
+  if (!env.ok()) {
+    if (!IsEnvironmentNotFound(env.status()))
+      audit_.Record(caller, {.environment_id = id,
+                             .action = "execute",
+                             .detail = request.command,
+                             .outcome = env.status()});
+    return env.status();
+  }
   int64_t start = MonotonicMs();
   auto result = (*env)->driver->Exec((*env)->ref, request, sink);
   metrics_->exec_total++;
   metrics_->exec_duration.Observe((MonotonicMs() - start) / 1000.0);
   if (!result.ok()) {
     metrics_->CountError("exec");
+    audit_.Record(caller, {.environment_id = id,
+                           .action = "execute",
+                           .detail = request.command,
+                           .duration_ms = MonotonicMs() - start,
+                           .outcome = result.status()});
     return result.status();
   }
   if (result->timed_out) metrics_->exec_timeouts++;
@@ -514,87 +582,248 @@ absl::StatusOr<ExecResult> EnvironmentManager::Exec(const std::string& tenant,
     std::lock_guard<std::mutex> elock((*env)->mu);
     (*env)->record.exec_count++;
     (*env)->record.last_used_ms = Now();
-    running = (*env)->record.state == "running";
+    running = (*env)->record.state == EnvState::kRunning;
   }
   // Destroyed while the command ran: its final row is already written; keep it.
   if (running) PersistLive(**env);
+  audit_.Record(caller, {.environment_id = id,
+                         .action = "execute",
+                         .detail = request.command,
+                         .exit_code = result->exit_code,
+                         .duration_ms = result->duration_ms,
+                         .bytes = static_cast<int64_t>(result->stdout_data.size() +
+                                                       result->stderr_data.size())});
   return result;
 }
 
-absl::Status EnvironmentManager::WriteFile(const std::string& tenant, const std::string& id,
+absl::StatusOr<std::unique_ptr<EnvironmentManager::FileTransfer>> EnvironmentManager::OpenTransfer(
+    const Caller& caller, const std::string& id, const std::string& path,
+    const std::string& action) {
+  auto env = Lookup(caller.tenant, id);
+  if (!env.ok()) return env.status();
+  std::unique_ptr<FileTransfer> t(new FileTransfer());
+  t->manager_ = this;
+  t->caller_ = caller;
+  t->id_ = id;
+  t->path_ = path;
+  t->action_ = action;
+  t->start_ms_ = MonotonicMs();
+  if (!(*env)->driver->Capabilities().Has(Capability::kFiles)) {
+    // Refused, and still one audited action (the transfer records the refusal).
+    t->outcome_ = MissingCapabilityError((*env)->driver->name(), Capability::kFiles);
+    return t->outcome_;
+  }
+  t->env_ = *env;
+  return t;
+}
+
+EnvironmentManager::FileTransfer::~FileTransfer() {
+  if (manager_ == nullptr) return;
+  manager_->audit_.Record(caller_, {.environment_id = id_,
+                                    .action = action_,
+                                    .detail = path_,
+                                    .duration_ms = MonotonicMs() - start_ms_,
+                                    .bytes = bytes_,
+                                    .outcome = outcome_});
+}
+
+absl::Status EnvironmentManager::FileTransfer::Write(std::string_view data, int64_t offset,
+                                                     bool truncate) {
+  if (!env_) return outcome_;
+  manager_->Touch(*env_);
+  absl::Status st = env_->driver->WriteFile(env_->ref, path_, data, offset, truncate);
+  if (st.ok())
+    bytes_ += static_cast<int64_t>(data.size());
+  else
+    outcome_ = st;
+  return st;
+}
+
+absl::StatusOr<FileChunk> EnvironmentManager::FileTransfer::Read(int64_t offset, int64_t length) {
+  if (!env_) return outcome_;
+  manager_->Touch(*env_);
+  absl::StatusOr<FileChunk> chunk = env_->driver->ReadFile(env_->ref, path_, offset, length);
+  if (chunk.ok())
+    bytes_ += static_cast<int64_t>(chunk->data.size());
+  else
+    outcome_ = chunk.status();
+  return chunk;
+}
+
+absl::Status EnvironmentManager::WriteFile(const Caller& caller, const std::string& id,
                                            const std::string& path, std::string_view data,
                                            int64_t offset, bool truncate) {
-  auto env = Lookup(tenant, id);
-  if (!env.ok()) return env.status();
-  Touch(**env);
-  return (*env)->driver->WriteFile((*env)->ref, path, data, offset, truncate);
+  auto t = OpenTransfer(caller, id, path, "files.write");
+  if (!t.ok()) return t.status();
+  return (*t)->Write(data, offset, truncate);
 }
 
-absl::StatusOr<FileChunk> EnvironmentManager::ReadFile(const std::string& tenant,
-                                                       const std::string& id,
+absl::StatusOr<FileChunk> EnvironmentManager::ReadFile(const Caller& caller, const std::string& id,
                                                        const std::string& path, int64_t offset,
                                                        int64_t length) {
-  auto env = Lookup(tenant, id);
-  if (!env.ok()) return env.status();
-  Touch(**env);
-  return (*env)->driver->ReadFile((*env)->ref, path, offset, length);
+  auto t = OpenTransfer(caller, id, path, "files.read");
+  if (!t.ok()) return t.status();
+  return (*t)->Read(offset, length);
 }
 
-absl::StatusOr<DirListing> EnvironmentManager::ListDir(const std::string& tenant,
-                                                      const std::string& id,
-                                                      const std::string& path) {
-  auto env = Lookup(tenant, id);
-  if (!env.ok()) return env.status();
-  Touch(**env);
-  return (*env)->driver->ListDir((*env)->ref, path);
+absl::StatusOr<DirListing> EnvironmentManager::ListDir(const Caller& caller, const std::string& id,
+                                                       const std::string& path) {
+  const int64_t t0 = MonotonicMs();
+  auto env = LookupFor(caller, id, Capability::kFiles);
+  absl::StatusOr<DirListing> out =
+      env.ok() ? (*env)->driver->ListDir((*env)->ref, path) : env.status();
+  if (!IsEnvironmentNotFound(out.status()))
+    audit_.Record(caller, {.environment_id = id,
+                           .action = "files.list",
+                           .detail = path,
+                           .duration_ms = MonotonicMs() - t0,
+                           .bytes = out.ok() ? static_cast<int64_t>(out->entries.size()) : 0,
+                           .outcome = out.status()});
+  return out;
 }
 
-absl::StatusOr<FileEntry> EnvironmentManager::StatFile(const std::string& tenant,
+absl::StatusOr<FileEntry> EnvironmentManager::StatFile(const Caller& caller,
                                                        const std::string& id,
                                                        const std::string& path) {
-  auto env = Lookup(tenant, id);
+  auto env = LookupFor(caller, id, Capability::kFiles);
   if (!env.ok()) return env.status();
-  Touch(**env);
   return (*env)->driver->Stat((*env)->ref, path);
 }
 
-absl::StatusOr<bool> EnvironmentManager::MakeDir(const std::string& tenant, const std::string& id,
+template <typename Fn>
+auto EnvironmentManager::AuditedFileOp(const Caller& caller, const std::string& id,
+                                       std::string_view action, std::string_view detail, Fn op)
+    -> decltype(op(std::declval<LiveEnv&>())) {
+  const int64_t t0 = MonotonicMs();
+  auto env = LookupFor(caller, id, Capability::kFiles);
+  decltype(op(std::declval<LiveEnv&>())) out = env.ok() ? op(**env) : env.status();
+  absl::Status st;
+  if constexpr (std::is_same_v<decltype(out), absl::Status>) {
+    st = out;
+  } else {
+    st = out.status();
+  }
+  if (!IsEnvironmentNotFound(st))
+    audit_.Record(caller, {.environment_id = id,
+                           .action = std::string(action),
+                           .detail = std::string(detail),
+                           .duration_ms = MonotonicMs() - t0,
+                           .outcome = st});
+  return out;
+}
+
+absl::StatusOr<bool> EnvironmentManager::MakeDir(const Caller& caller, const std::string& id,
                                                  const std::string& path) {
-  auto env = Lookup(tenant, id);
-  if (!env.ok()) return env.status();
-  Touch(**env);
-  return (*env)->driver->MakeDir((*env)->ref, path);
+  return AuditedFileOp(caller, id, "files.mkdir", path, [&](LiveEnv& env) {
+    return env.driver->MakeDir(env.ref, path);
+  });
 }
 
-absl::Status EnvironmentManager::RemoveFile(const std::string& tenant, const std::string& id,
+absl::Status EnvironmentManager::RemoveFile(const Caller& caller, const std::string& id,
                                             const std::string& path, bool recursive) {
-  auto env = Lookup(tenant, id);
-  if (!env.ok()) return env.status();
-  Touch(**env);
-  return (*env)->driver->Remove((*env)->ref, path, recursive);
+  return AuditedFileOp(caller, id, "files.remove", path, [&](LiveEnv& env) {
+    return env.driver->Remove(env.ref, path, recursive);
+  });
 }
 
-absl::Status EnvironmentManager::RenameFile(const std::string& tenant, const std::string& id,
+absl::Status EnvironmentManager::RenameFile(const Caller& caller, const std::string& id,
                                             const std::string& source,
                                             const std::string& destination, bool overwrite) {
-  auto env = Lookup(tenant, id);
-  if (!env.ok()) return env.status();
-  Touch(**env);
-  return (*env)->driver->Rename((*env)->ref, source, destination, overwrite);
+  return AuditedFileOp(caller, id, "files.rename", absl::StrCat(source, " -> ", destination),
+                       [&](LiveEnv& env) {
+                         return env.driver->Rename(env.ref, source, destination, overwrite);
+                       });
 }
 
-absl::StatusOr<Usage> EnvironmentManager::Stats(const std::string& tenant,
-                                                const std::string& id) {
-  auto env = Lookup(tenant, id);
+absl::StatusOr<Usage> EnvironmentManager::Stats(const Caller& caller, const std::string& id) {
+  auto env = Lookup(caller.tenant, id);
   if (!env.ok()) return env.status();
   return (*env)->driver->Stats((*env)->ref);
 }
 
+namespace {
+std::string RunDetail(const std::string& runtime, const RunRequest& request) {
+  return absl::StrCat("[", runtime, "] ", request.code);
+}
+}  // namespace
+
+absl::StatusOr<RunResult> EnvironmentManager::RunCode(const Caller& caller, const std::string& id,
+                                                      const RunRequest& request,
+                                                      const OutputSink& sink) {
+  const int64_t t0 = MonotonicMs();
+  auto env = LookupFor(caller, id, Capability::kPythonSession);
+  if (!env.ok()) {
+    if (!IsEnvironmentNotFound(env.status()))
+      audit_.Record(
+          caller,
+          {.environment_id = id, .action = "run", .detail = request.code, .outcome = env.status()});
+    return env.status();
+  }
+  InstanceRef ref = (*env)->ref;
+  {
+    // Counted as it starts: artifacts captured during the run carry its sequence number.
+    std::lock_guard<std::mutex> elock((*env)->mu);
+    (*env)->record.exec_count++;
+  }
+  absl::StatusOr<RunResult> r = (*env)->driver->RunCode(&ref, request, sink);
+  bool running;
+  {
+    std::lock_guard<std::mutex> elock((*env)->mu);
+    (*env)->record.last_used_ms = Now();
+    running = (*env)->record.state == EnvState::kRunning;
+  }
+  if (running) PersistLive(**env);
+  audit_.Record(caller, {.environment_id = id,
+                         .action = "run",
+                         .detail = RunDetail((*env)->driver->name(), request),
+                         .exit_code = r.ok() ? std::optional<int64_t>(r->exit_code) : std::nullopt,
+                         .duration_ms = MonotonicMs() - t0,
+                         .bytes = static_cast<int64_t>(request.code.size()),
+                         .outcome = r.status()});
+  return r;
+}
+
+absl::StatusOr<RunResult> EnvironmentManager::RunOneShot(const Caller& caller, DriverKind runtime,
+                                                         const RunRequest& request,
+                                                         const OutputSink& sink) {
+  const int64_t t0 = MonotonicMs();
+  absl::StatusOr<RunResult> r;
+  auto it = drivers_.find(runtime);
+  if (it == drivers_.end()) {
+    r = absl::InvalidArgumentError(
+        absl::StrCat("runtime '", AbslView(ToString(runtime)), "' is not available on this host"));
+  } else if (!it->second->Capabilities().Has(Capability::kPythonOneShot)) {
+    r = MissingCapabilityError(ToString(runtime), Capability::kPythonOneShot);
+  } else {
+    r = it->second->RunCode(nullptr, request, sink);
+  }
+  audit_.Record(caller, {.action = "run",
+                         .detail = RunDetail(std::string(ToString(runtime)), request),
+                         .exit_code = r.ok() ? std::optional<int64_t>(r->exit_code) : std::nullopt,
+                         .duration_ms = MonotonicMs() - t0,
+                         .bytes = static_cast<int64_t>(request.code.size()),
+                         .outcome = r.status()});
+  return r;
+}
+
+absl::StatusOr<DriverKind> EnvironmentManager::RuntimeOf(const Caller& caller,
+                                                         const std::string& id) {
+  auto env = Lookup(caller.tenant, id);
+  if (!env.ok()) return env.status();
+  return (*env)->kind;
+}
+
+CapabilitySet EnvironmentManager::CapabilitiesOf(DriverKind runtime) const {
+  auto it = drivers_.find(runtime);
+  return it == drivers_.end() ? CapabilitySet() : it->second->Capabilities();
+}
+
 std::map<std::string, int64_t> EnvironmentManager::StateCounts() {
-  std::map<std::string, int64_t> counts{{"running", 0}, {"pooled", 0}};
+  const std::string running(ToString(EnvState::kRunning)), pooled(ToString(EnvState::kPooled));
+  std::map<std::string, int64_t> counts{{running, 0}, {pooled, 0}};
   std::lock_guard<std::mutex> lock(mu_);
-  counts["running"] = static_cast<int64_t>(envs_.size());
-  for (const auto& [rt, q] : pool_) counts["pooled"] += static_cast<int64_t>(q.size());
+  counts[running] = static_cast<int64_t>(envs_.size());
+  for (const auto& [rt, q] : pool_) counts[pooled] += static_cast<int64_t>(q.size());
   return counts;
 }
 
@@ -630,10 +859,10 @@ void EnvironmentManager::ReaperLoop() {
     std::vector<std::shared_ptr<LiveEnv>> expired;
     for (auto& env : live) {
       std::lock_guard<std::mutex> elock(env->mu);
-      if (env->record.state != "running") continue;  // a Destroy has it
+      if (env->record.state != EnvState::kRunning) continue;  // a Destroy has it
       if (env->record.expires_ms <= now) {
         // Decided under env->mu: a heartbeat from here on sees it going (NotFound).
-        env->record.state = "destroying";
+        env->record.state = EnvState::kDestroying;
         env->record.destroy_reason = "ttl_expired";
         expired.push_back(env);
       } else if (health) {
@@ -664,7 +893,7 @@ void EnvironmentManager::ReaperLoop() {
       if (erased) {
         {
           std::lock_guard<std::mutex> elock(env->mu);
-          env->record.state = "destroying";
+          env->record.state = EnvState::kDestroying;
           env->record.destroy_reason = "died";
         }
         LogWarn(absl::StrCat("environment ", env->record.id, " died; cleaning up"));
@@ -674,7 +903,7 @@ void EnvironmentManager::ReaperLoop() {
     for (auto& [env, reason] : doomed) {
       LogInfo(absl::StrCat("reaping ", env->record.id, ": ", reason));
       metrics_->reaped_total++;
-      DestroyLive(env, reason);
+      Reap(env, reason);
     }
     for (auto& env : retry) {
       std::string reason;
@@ -699,7 +928,7 @@ void EnvironmentManager::PoolLoop() {
       if (stopping_) return;
     }
     bool made = false, failed = false;
-    for (const std::string& runtime : options_.pooled_runtimes) {
+    for (DriverKind runtime : options_.pooled_runtimes) {
       if (!drivers_.count(runtime) || options_.pool_size <= 0) continue;
       size_t have;
       {
@@ -709,9 +938,10 @@ void EnvironmentManager::PoolLoop() {
       if (have >= static_cast<size_t>(options_.pool_size)) continue;
       EnvSpec spec = options_.default_spec;
       spec.runtime = runtime;
-      auto env = CreateInstance(spec, kPoolTenant, "pooled", options_.default_ttl_s);
+      auto env = CreateInstance(spec, kPoolTenant, EnvState::kPooled, options_.default_ttl_s);
       if (!env.ok()) {
-        LogWarn(absl::StrCat("warm pool (", runtime, "): ", env.status().ToString()));
+        LogWarn(absl::StrCat("warm pool (", AbslView(ToString(runtime)),
+                             "): ", env.status().ToString()));
         failed = true;
         continue;
       }

@@ -2,6 +2,14 @@
 // re-attach after restart, destroy) and routes interaction calls to the right driver.
 // The API layer parses and authenticates; this class decides. Tenant scoping is enforced here:
 // an environment of another tenant is indistinguishable from a missing one (NotFound).
+//
+// Every action on an environment (create, delete, exec, files, run, expiry) writes exactly one
+// audit row through the core's AuditLog, with the Caller's tenant and principal and the
+// outcome: entry points pass who is calling, never audit rows. Reads of state (Get, List,
+// Stats) and heartbeats are not audited; neither is a call naming an environment that does
+// not exist for the caller's tenant (nothing happened to an environment).
+// Before calling a driver for anything beyond the lifecycle, the manager checks the driver's
+// Capabilities() and refuses a missing one with MissingCapabilityError (400 naming it).
 #pragma once
 
 #include <atomic>
@@ -18,6 +26,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "core/audit.h"
 #include "core/metrics.h"
 #include "drivers/driver.h"
 #include "storage/store.h"
@@ -34,7 +43,7 @@ struct ManagerOptions {
   int64_t max_ttl_s = 86400;
   // Warm pool: this many pre-started environments per pooled runtime, with `default_spec`.
   int pool_size = 2;
-  std::vector<std::string> pooled_runtimes = {"container"};
+  std::vector<DriverKind> pooled_runtimes = {DriverKind::kContainer};
   int64_t reaper_interval_ms = 1000;
   int64_t health_interval_ms = 10000;
   int max_environments = 500;
@@ -52,8 +61,10 @@ struct EnvironmentInfo {
 };
 
 class EnvironmentManager {
+  struct LiveEnv;
+
  public:
-  // `drivers`: name → driver ("container", "gvisor", "nano", ...). Not owned.
+  // `drivers`: name → driver ("container", "gvisor", "nano", ...; ParseDriverKind). Not owned.
   EnvironmentManager(Store* store, std::map<std::string, Driver*> drivers, Metrics* metrics,
                      ManagerOptions options);
   ~EnvironmentManager();
@@ -65,45 +76,85 @@ class EnvironmentManager {
   // running (they survive a daemon restart).
   void Stop();
 
-  absl::StatusOr<EnvironmentInfo> Create(const std::string& tenant, const EnvSpec& spec,
-                                         int64_t ttl_s);
-  absl::Status Destroy(const std::string& tenant, const std::string& id,
+  absl::StatusOr<EnvironmentInfo> Create(const Caller& caller, const EnvSpec& spec, int64_t ttl_s);
+  absl::Status Destroy(const Caller& caller, const std::string& id,
                        const std::string& reason = "deleted");
-  absl::StatusOr<EnvironmentInfo> Get(const std::string& tenant, const std::string& id);
-  absl::StatusOr<std::vector<EnvironmentInfo>> List(const std::string& tenant,
-                                                    bool include_destroyed);
+  absl::StatusOr<EnvironmentInfo> Get(const Caller& caller, const std::string& id);
+  absl::StatusOr<std::vector<EnvironmentInfo>> List(const Caller& caller, bool include_destroyed);
   // Extends the lease to now + ttl (ttl_s <= 0: the environment's own ttl). Returns expiry.
-  absl::StatusOr<int64_t> Heartbeat(const std::string& tenant, const std::string& id,
-                                    int64_t ttl_s);
+  absl::StatusOr<int64_t> Heartbeat(const Caller& caller, const std::string& id, int64_t ttl_s);
 
-  absl::StatusOr<ExecResult> Exec(const std::string& tenant, const std::string& id,
+  absl::StatusOr<ExecResult> Exec(const Caller& caller, const std::string& id,
                                   const ExecRequest& request, const OutputSink& sink);
-  absl::Status WriteFile(const std::string& tenant, const std::string& id,
-                         const std::string& path, std::string_view data, int64_t offset,
-                         bool truncate);
-  absl::StatusOr<FileChunk> ReadFile(const std::string& tenant, const std::string& id,
+  absl::Status WriteFile(const Caller& caller, const std::string& id, const std::string& path,
+                         std::string_view data, int64_t offset, bool truncate);
+  absl::StatusOr<FileChunk> ReadFile(const Caller& caller, const std::string& id,
                                      const std::string& path, int64_t offset, int64_t length);
-  absl::StatusOr<DirListing> ListDir(const std::string& tenant, const std::string& id,
+  absl::StatusOr<DirListing> ListDir(const Caller& caller, const std::string& id,
                                      const std::string& path);
-  // The files API's other operations (Driver::Stat, MakeDir, Remove, Rename).
-  absl::StatusOr<FileEntry> StatFile(const std::string& tenant, const std::string& id,
+  // The files API's other operations (Driver::Stat, MakeDir, Remove, Rename). mkdir, remove and
+  // rename are audited actions (files.mkdir, files.remove, files.rename); stat is not.
+  absl::StatusOr<FileEntry> StatFile(const Caller& caller, const std::string& id,
                                      const std::string& path);
-  absl::StatusOr<bool> MakeDir(const std::string& tenant, const std::string& id,
+  absl::StatusOr<bool> MakeDir(const Caller& caller, const std::string& id,
                                const std::string& path);
-  absl::Status RemoveFile(const std::string& tenant, const std::string& id, const std::string& path,
+  absl::Status RemoveFile(const Caller& caller, const std::string& id, const std::string& path,
                           bool recursive);
-  absl::Status RenameFile(const std::string& tenant, const std::string& id,
-                          const std::string& source, const std::string& destination,
-                          bool overwrite);
-  absl::StatusOr<Usage> Stats(const std::string& tenant, const std::string& id);
-  // Returns the driver and instance of a live environment, for driver-specific calls
-  // (e.g. nano's Run). Marks the environment used.
-  absl::StatusOr<std::pair<Driver*, InstanceRef>> Resolve(const std::string& tenant,
-                                                          const std::string& id);
+  absl::Status RenameFile(const Caller& caller, const std::string& id, const std::string& source,
+                          const std::string& destination, bool overwrite);
+  absl::StatusOr<Usage> Stats(const Caller& caller, const std::string& id);
+
+  // A file transfer that takes several driver calls (a large read, an upload, a download)
+  // and is ONE audited action: the row is written when the transfer is destroyed, with the
+  // bytes moved and the outcome (the last failed call's, or what Finish set).
+  class FileTransfer {
+   public:
+    ~FileTransfer();
+    FileTransfer(const FileTransfer&) = delete;
+    FileTransfer& operator=(const FileTransfer&) = delete;
+    absl::Status Write(std::string_view data, int64_t offset, bool truncate);
+    absl::StatusOr<FileChunk> Read(int64_t offset, int64_t length);
+    // The outcome as the caller saw it (a limit it enforced, a client that went away:
+    // absl::CancelledError): it replaces the driver calls' own.
+    void Finish(absl::Status outcome) { outcome_ = std::move(outcome); }
+
+   private:
+    friend class EnvironmentManager;
+    FileTransfer() = default;
+    EnvironmentManager* manager_ = nullptr;
+    Caller caller_{""};
+    std::shared_ptr<LiveEnv> env_;  // kept alive for the transfer
+    std::string id_, path_, action_;
+    int64_t start_ms_ = 0;
+    int64_t bytes_ = 0;
+    absl::Status outcome_;
+  };
+  // `action` names the audit row: "files.read", "files.write", "files.upload",
+  // "files.download". NotFound (unaudited) when the environment does not exist.
+  absl::StatusOr<std::unique_ptr<FileTransfer>> OpenTransfer(const Caller& caller,
+                                                             const std::string& id,
+                                                             const std::string& path,
+                                                             const std::string& action);
+
+  // Python in environment `id` (capability python_session), audited as "run".
+  absl::StatusOr<RunResult> RunCode(const Caller& caller, const std::string& id,
+                                    const RunRequest& request, const OutputSink& sink);
+  // Python in a fresh interpreter of runtime `runtime`, no environment (capability
+  // python_oneshot), audited as "run".
+  absl::StatusOr<RunResult> RunOneShot(const Caller& caller, DriverKind runtime,
+                                       const RunRequest& request, const OutputSink& sink);
+
+  // The runtime of a live environment of the caller's tenant.
+  absl::StatusOr<DriverKind> RuntimeOf(const Caller& caller, const std::string& id);
+  // What runtime `runtime` can do (empty set: no such driver).
+  CapabilitySet CapabilitiesOf(DriverKind runtime) const;
+
+  // The core's audit log, for the core's own composite operations (core/run, packages).
+  AuditLog& audit() { return audit_; }
 
   std::map<std::string, int64_t> StateCounts();
   int64_t PoolReady();
-  bool HasDriver(const std::string& name) const { return drivers_.count(name) > 0; }
+  bool HasDriver(DriverKind kind) const { return drivers_.count(kind) > 0; }
   const ManagerOptions& options() const { return options_; }
 
  private:
@@ -119,19 +170,32 @@ class EnvironmentManager {
     std::string tenant;
     EnvironmentRecord record;
     InstanceRef ref;
+    DriverKind kind = DriverKind::kContainer;
     Driver* driver = nullptr;
   };
 
   int64_t Now() const { return options_.now_ms(); }
   absl::StatusOr<std::shared_ptr<LiveEnv>> Lookup(const std::string& tenant,
                                                   const std::string& id);
+  // Lookup + Touch + the capability check of an interaction call.
+  // One audited files operation (mkdir, remove, rename): capability check, the driver call,
+  // one audit row unless the environment does not exist for the caller.
+  template <typename Fn>
+  auto AuditedFileOp(const Caller& caller, const std::string& id, std::string_view action,
+                     std::string_view detail, Fn op) -> decltype(op(std::declval<LiveEnv&>()));
+  absl::StatusOr<std::shared_ptr<LiveEnv>> LookupFor(const Caller& caller, const std::string& id,
+                                                     Capability needed);
   void Touch(LiveEnv& env);
+  // Create without its audit row (Create writes it, whatever happens here).
+  absl::StatusOr<EnvironmentInfo> CreateEnvironment(const std::string& tenant, const EnvSpec& spec,
+                                                    int64_t ttl_s);
   absl::StatusOr<std::shared_ptr<LiveEnv>> CreateInstance(const EnvSpec& spec,
-                                                          const std::string& tenant,
-                                                          const std::string& state,
+                                                          const std::string& tenant, EnvState state,
                                                           int64_t ttl_s);
   std::shared_ptr<LiveEnv> TakePooled(const EnvSpec& spec);
   void DestroyLive(const std::shared_ptr<LiveEnv>& env, const std::string& reason);
+  // The reaper's destroy of an expired or dead environment, audited as the daemon's action.
+  void Reap(const std::shared_ptr<LiveEnv>& env, const std::string& reason);
   void Persist(const EnvironmentRecord& record);
   // Writes the current record of `env` (a snapshot) to the store, off env.mu and mu_.
   void PersistLive(LiveEnv& env);
@@ -140,13 +204,14 @@ class EnvironmentManager {
   void PoolLoop();
 
   Store* store_;
-  std::map<std::string, Driver*> drivers_;
+  std::map<DriverKind, Driver*> drivers_;
   Metrics* metrics_;
   ManagerOptions options_;
+  AuditLog audit_;
 
   std::mutex mu_;
   std::map<std::string, std::shared_ptr<LiveEnv>> envs_;              // running, by id
-  std::map<std::string, std::deque<std::shared_ptr<LiveEnv>>> pool_;  // runtime → ready
+  std::map<DriverKind, std::deque<std::shared_ptr<LiveEnv>>> pool_;   // runtime → ready
   std::vector<std::shared_ptr<LiveEnv>> destroy_retry_;
   int pool_creating_ = 0;
   // Creates that passed the quota check and are not in envs_ yet (they count against it).

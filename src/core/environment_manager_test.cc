@@ -21,6 +21,7 @@ class FakeDriver : public Driver {
  public:
   std::string name() const override { return "container"; }
   std::string Describe() const override { return "fake"; }
+  CapabilitySet Capabilities() const override { return capabilities; }
   absl::StatusOr<InstanceRef> Create(const std::string& id, const EnvSpec& spec) override {
     if (int d = create_delay_ms.load(); d > 0)  // a slow driver widens any check-then-act gap
       std::this_thread::sleep_for(std::chrono::milliseconds(d));
@@ -83,6 +84,7 @@ class FakeDriver : public Driver {
     return alive.count(ref.id) ? absl::OkStatus() : absl::NotFoundError("gone");
   }
 
+  CapabilitySet capabilities{Capability::kExec, Capability::kFiles};
   std::mutex mu;
   std::set<std::string> alive;
   std::set<std::string> outdated;  // Attach answers SandboxOutdatedError
@@ -124,7 +126,7 @@ TEST_F(ManagerTest, CreateExecDestroyLifecycle) {
   ASSERT_TRUE(m->Start().ok());
   auto info = m->Create("acme", EnvSpec{}, 0);
   ASSERT_TRUE(info.ok()) << info.status();
-  EXPECT_EQ(info->record.state, "running");
+  EXPECT_EQ(info->record.state, EnvState::kRunning);
   EXPECT_FALSE(info->pooled);
   auto r = m->Exec("acme", info->record.id, ExecRequest{"echo hi"}, nullptr);
   ASSERT_TRUE(r.ok());
@@ -136,7 +138,7 @@ TEST_F(ManagerTest, CreateExecDestroyLifecycle) {
   EXPECT_NE(after.status().message().find("destroyed"), std::string::npos);
   auto rec = store->GetEnvironment(info->record.id);
   ASSERT_TRUE(rec.ok());
-  EXPECT_EQ(rec->state, "destroyed");
+  EXPECT_EQ(rec->state, EnvState::kDestroyed);
   EXPECT_EQ(rec->destroy_reason, "deleted");
   m->Stop();
 }
@@ -173,11 +175,11 @@ TEST_F(ManagerTest, ReaperDestroysExpiredLeaseAndHeartbeatExtends) {
   clock += 8'000;
   ASSERT_TRUE(m->Heartbeat("t", b->record.id, 10).ok());
   clock += 5'000;  // a is 13 s old (expired); b's lease runs to +18 s
-  for (int i = 0; i < 100 && m->Get("t", a->record.id)->record.state != "destroyed"; ++i)
+  for (int i = 0; i < 100 && m->Get("t", a->record.id)->record.state != EnvState::kDestroyed; ++i)
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  EXPECT_EQ(m->Get("t", a->record.id)->record.state, "destroyed");
+  EXPECT_EQ(m->Get("t", a->record.id)->record.state, EnvState::kDestroyed);
   EXPECT_EQ(m->Get("t", a->record.id)->record.destroy_reason, "ttl_expired");
-  EXPECT_EQ(m->Get("t", b->record.id)->record.state, "running");
+  EXPECT_EQ(m->Get("t", b->record.id)->record.state, EnvState::kRunning);
   m->Stop();
 }
 
@@ -225,7 +227,7 @@ TEST_F(ManagerTest, RestartReattachesLiveAndCleansUpDead) {
   EXPECT_TRUE(m2->Exec("t", alive_id, ExecRequest{"true"}, nullptr).ok());
   auto dead = m2->Get("t", dead_id);
   ASSERT_TRUE(dead.ok());
-  EXPECT_EQ(dead->record.state, "destroyed");
+  EXPECT_EQ(dead->record.state, EnvState::kDestroyed);
   EXPECT_EQ(dead->record.destroy_reason, "died_while_daemon_down");
   m2->Stop();
 }
@@ -250,7 +252,7 @@ TEST_F(ManagerTest, RestartDestroysEnvironmentsOfAnOutdatedSandboxLayout) {
   EXPECT_TRUE(m2->Exec("t", new_id, ExecRequest{"true"}, nullptr).ok());
   auto old = m2->Get("t", old_id);
   ASSERT_TRUE(old.ok());
-  EXPECT_EQ(old->record.state, "destroyed");
+  EXPECT_EQ(old->record.state, EnvState::kDestroyed);
   EXPECT_EQ(old->record.destroy_reason, "sandbox_outdated");
   EXPECT_FALSE(m2->Exec("t", old_id, ExecRequest{"true"}, nullptr).ok());
   {
@@ -269,7 +271,7 @@ TEST_F(ManagerTest, DeadEnvironmentIsNoticedAndCleanedUp) {
     std::lock_guard<std::mutex> lock(driver.mu);
     driver.alive.erase(a->record.id);
   }
-  for (int i = 0; i < 200 && m->Get("t", a->record.id)->record.state != "destroyed"; ++i)
+  for (int i = 0; i < 200 && m->Get("t", a->record.id)->record.state != EnvState::kDestroyed; ++i)
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   EXPECT_EQ(m->Get("t", a->record.id)->record.destroy_reason, "died");
   m->Stop();
@@ -284,7 +286,7 @@ TEST_F(ManagerTest, CreateFailureIsRecordedAndReported) {
   auto list = m->List("t", true);
   ASSERT_TRUE(list.ok());
   ASSERT_EQ(list->size(), 1u);
-  EXPECT_EQ((*list)[0].record.state, "destroyed");
+  EXPECT_EQ((*list)[0].record.state, EnvState::kDestroyed);
   EXPECT_NE((*list)[0].record.destroy_reason.find("create_failed"), std::string::npos);
   m->Stop();
 }
@@ -296,7 +298,7 @@ TEST_F(ManagerTest, UnknownRuntimeAndLimitsAreRefused) {
   EnvironmentManager m(store.get(), {{"container", &driver}}, &metrics, opts);
   ASSERT_TRUE(m.Start().ok());
   EnvSpec nano;
-  nano.runtime = "nano";
+  nano.runtime = DriverKind::kNano;
   EXPECT_TRUE(absl::IsInvalidArgument(m.Create("t", nano, 0).status()));
   ASSERT_TRUE(m.Create("t", EnvSpec{}, 0).ok());
   EXPECT_TRUE(absl::IsResourceExhausted(m.Create("t", EnvSpec{}, 0).status()));
@@ -452,8 +454,8 @@ class BlockingStore : public Store {
                             const std::string& name) override {
     return inner_->ImportApiKey(tenant, secret, name);
   }
-  absl::StatusOr<std::string> TenantForKey(const std::string& secret) override {
-    return inner_->TenantForKey(secret);
+  absl::StatusOr<ApiKeyRecord> KeyForSecret(const std::string& secret) override {
+    return inner_->KeyForSecret(secret);
   }
   absl::StatusOr<std::vector<ApiKeyRecord>> ListApiKeys() override {
     return inner_->ListApiKeys();
@@ -519,6 +521,117 @@ TEST_F(ManagerTest, SlowStoreWriteOfOneEnvironmentDoesNotStallLookupsOfOthers) {
   heartbeat.join();
   create.join();
   m.Stop();
+}
+
+// Issue 11: the core is the one audit path. Every action on an environment writes exactly
+// one row, with the caller's tenant and principal and the outcome; reads of state do not.
+TEST_F(ManagerTest, EveryManagerOperationWritesExactlyOneAuditRow) {
+  std::atomic<int64_t> clock{1000000};
+  auto m = Make(0, &clock);
+  ASSERT_TRUE(m->Start().ok());
+  const Caller who("acme", "key_abc", "rest");
+  auto count = [&] { return *store->CountAudit("acme"); };
+  auto last = [&]() -> AuditEntry {
+    AuditQuery q;
+    q.tenant = "acme";
+    q.limit = 1;
+    auto rows = store->QueryAudit(q);
+    return rows.ok() && !rows->empty() ? (*rows)[0] : AuditEntry{};
+  };
+  int64_t n = count();
+  auto expect_one = [&](const std::string& action, int status) {
+    EXPECT_EQ(count(), n + 1) << action;
+    n = count();
+    AuditEntry e = last();
+    EXPECT_EQ(e.action, action);
+    EXPECT_EQ(e.status, status) << action;
+    EXPECT_EQ(e.tenant, "acme");
+    EXPECT_EQ(e.principal, "key_abc") << action;
+  };
+  auto info = m->Create(who, EnvSpec{}, 0);
+  ASSERT_TRUE(info.ok());
+  const std::string id = info->record.id;
+  expect_one("environment.create", 200);
+  ASSERT_TRUE(m->Exec(who, id, ExecRequest{"true"}, nullptr).ok());
+  expect_one("execute", 200);
+  ASSERT_TRUE(m->WriteFile(who, id, "a.txt", "x", 0, true).ok());
+  expect_one("files.write", 200);
+  EXPECT_FALSE(m->ReadFile(who, id, "a.txt", 0, 10).ok());  // the fake has no files
+  expect_one("files.read", 404);
+  ASSERT_TRUE(m->ListDir(who, id, ".").ok());
+  expect_one("files.list", 200);
+  {
+    auto t = m->OpenTransfer(who, id, "big.bin", "files.upload");
+    ASSERT_TRUE(t.ok());
+    for (int i = 0; i < 5; ++i) ASSERT_TRUE((*t)->Write("chunk", i * 5, i == 0).ok());
+    EXPECT_EQ(count(), n) << "written when the transfer ends";
+  }
+  expect_one("files.upload", 200);
+  EXPECT_EQ(last().bytes, 25);
+  EXPECT_TRUE(IsMissingCapability(m->RunCode(who, id, RunRequest{}, nullptr).status()));
+  expect_one("run", 400);
+  EXPECT_TRUE(IsMissingCapability(
+      m->RunOneShot(who, DriverKind::kContainer, RunRequest{}, nullptr).status()));
+  expect_one("run", 400);
+  // Reads of state and heartbeats are not environment actions.
+  ASSERT_TRUE(m->Get(who, id).ok());
+  ASSERT_TRUE(m->List(who, false).ok());
+  ASSERT_TRUE(m->Heartbeat(who, id, 0).ok());
+  ASSERT_TRUE(m->Stats(who, id).ok());
+  EXPECT_EQ(count(), n);
+  // Steps of a composite operation (Caller::Step) are audited by that operation, not here.
+  ASSERT_TRUE(m->Exec(who.Step(), id, ExecRequest{"true"}, nullptr).ok());
+  EXPECT_EQ(count(), n);
+  // Nothing happens to an environment that is not there for this tenant: no row.
+  EXPECT_FALSE(m->Exec(who, "env_nope", ExecRequest{"true"}, nullptr).ok());
+  EXPECT_FALSE(m->Exec(Caller("evil"), id, ExecRequest{"true"}, nullptr).ok());
+  EXPECT_EQ(count(), n);
+  EXPECT_EQ(*store->CountAudit("evil"), 0);
+  ASSERT_TRUE(m->Destroy(who, id).ok());
+  expect_one("environment.delete", 200);
+  // Expiry is the daemon's own action, recorded for the environment's tenant.
+  auto doomed = m->Create(who, EnvSpec{}, 10);
+  ASSERT_TRUE(doomed.ok());
+  expect_one("environment.create", 200);
+  clock += 11000;
+  for (int i = 0; i < 200 && count() == n; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  EXPECT_EQ(count(), n + 1);
+  AuditEntry expired = last();
+  EXPECT_EQ(expired.action, "environment.expire");
+  EXPECT_EQ(expired.principal, "system");
+  EXPECT_EQ(expired.environment_id, doomed->record.id);
+  m->Stop();
+}
+
+// Issue 11: a driver that lacks a capability is refused by the core with a 4xx naming it
+// (Unimplemented → 400), before the driver is called; never a 500 or a silent no-op.
+TEST_F(ManagerTest, MissingCapabilityIsRefusedNamingIt) {
+  driver.capabilities = CapabilitySet{Capability::kFiles};  // no shell, like nano
+  auto m = Make(0, nullptr);
+  ASSERT_TRUE(m->Start().ok());
+  auto info = m->Create("acme", EnvSpec{}, 0);
+  ASSERT_TRUE(info.ok());
+  auto r = m->Exec("acme", info->record.id, ExecRequest{"echo hi"}, nullptr);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_TRUE(IsMissingCapability(r.status()));
+  EXPECT_NE(r.status().message().find("'exec'"), std::string::npos) << r.status();
+  EXPECT_NE(r.status().message().find("'container'"), std::string::npos) << r.status();
+  driver.capabilities = CapabilitySet{};
+  auto w = m->WriteFile("acme", info->record.id, "f", "x", 0, true);
+  EXPECT_TRUE(IsMissingCapability(w)) << w;
+  EXPECT_NE(w.message().find("'files'"), std::string::npos) << w;
+  // The Driver defaults answer the same refusal for everything a driver does not implement.
+  InstanceRef ref{info->record.id, "container", "{}"};
+  EXPECT_TRUE(IsMissingCapability(driver.Fork(ref, "x").status()));
+  EXPECT_TRUE(IsMissingCapability(driver.Snapshot(ref, SnapshotContent::kMemory).status()));
+  EXPECT_TRUE(IsMissingCapability(driver.Restore(SnapshotRef{}, "x").status()));
+  EXPECT_TRUE(IsMissingCapability(driver.Pause(ref)));
+  EXPECT_TRUE(IsMissingCapability(driver.Resume(ref)));
+  EXPECT_TRUE(IsMissingCapability(driver.RunCode(&ref, RunRequest{}, nullptr).status()));
+  EXPECT_NE(driver.Pause(ref).message().find("'pause'"), std::string::npos);
+  m->Stop();
 }
 
 }  // namespace

@@ -8,15 +8,15 @@ namespace esb {
 std::string RestartCleanupReason(const EnvironmentRecord& record, bool has_driver,
                                  RecoveryMode mode, const absl::Status& attach) {
   if (!has_driver) return "driver_unavailable_after_restart";
-  if (record.state == "running") {
+  if (record.state == EnvState::kRunning) {
     if (mode == RecoveryMode::kDestroyAll) return "cleanup";
     if (attach.ok()) return "";
     // SECURITY: an environment created by an older esbd keeps that esbd's sandbox layout (and
     // its weaknesses); it is destroyed rather than adopted.
     return IsSandboxOutdated(attach) ? "sandbox_outdated" : "died_while_daemon_down";
   }
-  if (record.state == "pooled") return "pool_discarded_on_restart";
-  if (record.state == "creating") return "create_interrupted";
+  if (record.state == EnvState::kPooled) return "pool_discarded_on_restart";
+  if (record.state == EnvState::kCreating) return "create_interrupted";
   return record.destroy_reason.empty() ? "destroy_interrupted" : record.destroy_reason;
 }
 
@@ -35,7 +35,7 @@ absl::StatusOr<RecoveryOutcome> RecoverEnvironments(Store* store,
     Driver* driver = it == drivers.end() ? nullptr : it->second;
     InstanceRef ref{rec.id, rec.runtime, rec.driver_state};
     absl::Status attach = absl::OkStatus();
-    if (driver && rec.state == "running" && mode == RecoveryMode::kReattach) {
+    if (driver && rec.state == EnvState::kRunning && mode == RecoveryMode::kReattach) {
       attach = driver->Attach(ref);
     }
     std::string reason = RestartCleanupReason(rec, driver != nullptr, mode, attach);
@@ -50,14 +50,14 @@ absl::StatusOr<RecoveryOutcome> RecoverEnvironments(Store* store,
     if (driver) {
       if (absl::Status st = driver->Destroy(ref); !st.ok()) {
         LogWarn(absl::StrCat("cleanup of ", rec.id, " failed (will retry): ", st.ToString()));
-        rec.state = "destroying";
+        rec.state = EnvState::kDestroying;
         rec.destroy_reason = reason;
         persist(rec);
         out.destroy_failed.push_back({rec, ref, driver});
         continue;
       }
     }
-    rec.state = "destroyed";
+    rec.state = EnvState::kDestroyed;
     rec.destroyed_ms = now_ms;
     rec.destroy_reason = reason;
     persist(rec);

@@ -39,7 +39,7 @@ class RecoveryTest : public ::testing::Test {
     EnvironmentRecord r;
     r.id = id;
     r.tenant = "t";
-    r.state = state;
+    r.state = *ParseEnvState(state);
     r.runtime = runtime;
     r.destroy_reason = reason;
     r.created_ms = 1;
@@ -58,7 +58,7 @@ class RecoveryTest : public ::testing::Test {
 TEST(RestartCleanupReasonTest, OneReasonPerStateAndMode) {
   EnvironmentRecord r;
   absl::Status ok = absl::OkStatus();
-  r.state = "running";
+  r.state = EnvState::kRunning;
   EXPECT_EQ(RestartCleanupReason(r, true, RecoveryMode::kReattach, ok), "");
   EXPECT_EQ(RestartCleanupReason(r, true, RecoveryMode::kDestroyAll, ok), "cleanup");
   EXPECT_EQ(RestartCleanupReason(r, true, RecoveryMode::kReattach, absl::NotFoundError("x")),
@@ -67,12 +67,12 @@ TEST(RestartCleanupReasonTest, OneReasonPerStateAndMode) {
             "sandbox_outdated");
   EXPECT_EQ(RestartCleanupReason(r, false, RecoveryMode::kReattach, ok),
             "driver_unavailable_after_restart");
-  r.state = "pooled";
+  r.state = EnvState::kPooled;
   EXPECT_EQ(RestartCleanupReason(r, true, RecoveryMode::kDestroyAll, ok),
             "pool_discarded_on_restart");
-  r.state = "creating";
+  r.state = EnvState::kCreating;
   EXPECT_EQ(RestartCleanupReason(r, true, RecoveryMode::kReattach, ok), "create_interrupted");
-  r.state = "destroying";
+  r.state = EnvState::kDestroying;
   EXPECT_EQ(RestartCleanupReason(r, true, RecoveryMode::kReattach, ok), "destroy_interrupted");
   r.destroy_reason = "ttl_expired";
   EXPECT_EQ(RestartCleanupReason(r, true, RecoveryMode::kDestroyAll, ok), "ttl_expired");
@@ -91,12 +91,12 @@ TEST_F(RecoveryTest, StartReattachesTheLiveAndCleansUpTheRest) {
   ASSERT_EQ(out->attached.size(), 1u);
   EXPECT_EQ(out->attached[0].record.id, "alive");
   EXPECT_EQ(out->attached[0].driver, &driver);
-  EXPECT_EQ(Get("alive").state, "running");
+  EXPECT_EQ(Get("alive").state, EnvState::kRunning);
   EXPECT_EQ(Get("dead").destroy_reason, "died_while_daemon_down");
   EXPECT_EQ(Get("old").destroy_reason, "sandbox_outdated");
   EXPECT_EQ(Get("pool").destroy_reason, "pool_discarded_on_restart");
   EXPECT_EQ(Get("orphan").destroy_reason, "driver_unavailable_after_restart");
-  EXPECT_EQ(Get("dead").state, "destroyed");
+  EXPECT_EQ(Get("dead").state, EnvState::kDestroyed);
   EXPECT_EQ(Get("dead").destroyed_ms, 42);
   EXPECT_EQ(driver.destroyed, (std::set<std::string>{"dead", "old", "pool"}));
 }
@@ -108,7 +108,7 @@ TEST_F(RecoveryTest, CleanupDestroysEvenTheLiveOnes) {
   ASSERT_TRUE(out.ok()) << out.status();
   EXPECT_TRUE(out->attached.empty());
   EXPECT_EQ(out->destroyed, std::vector<std::string>{"alive"});
-  EXPECT_EQ(Get("alive").state, "destroyed");
+  EXPECT_EQ(Get("alive").state, EnvState::kDestroyed);
   EXPECT_EQ(Get("alive").destroy_reason, "cleanup");
   EXPECT_EQ(driver.destroyed.count("alive"), 1u);
 }
@@ -123,7 +123,7 @@ TEST_F(RecoveryTest, FailedDestroyKeepsTheRecordForARetry) {
     ASSERT_TRUE(out.ok()) << out.status();
     ASSERT_EQ(out->destroy_failed.size(), 1u);
     EXPECT_TRUE(out->destroyed.empty());
-    EXPECT_EQ(Get("stuck").state, "destroying");
+    EXPECT_EQ(Get("stuck").state, EnvState::kDestroying);
   }
   auto live = store->ListLiveEnvironments();
   ASSERT_TRUE(live.ok());
@@ -132,7 +132,7 @@ TEST_F(RecoveryTest, FailedDestroyKeepsTheRecordForARetry) {
   auto out = RecoverEnvironments(store.get(), drivers, RecoveryMode::kReattach, 10);
   ASSERT_TRUE(out.ok());
   EXPECT_EQ(out->destroyed, std::vector<std::string>{"stuck"});
-  EXPECT_EQ(Get("stuck").state, "destroyed");
+  EXPECT_EQ(Get("stuck").state, EnvState::kDestroyed);
   EXPECT_EQ(Get("stuck").destroy_reason, "died_while_daemon_down");
 }
 

@@ -8,26 +8,40 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
-#include "absl/strings/cord.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/cord.h"
+#include "common/env_types.h"
 
 namespace esb {
+
+// What an environment may reach over the network. Today only kNone (no network namespace
+// route at all); the egress-governance work adds the governed kinds and their rules here.
+struct NetworkPolicy {
+  enum class Kind { kNone };
+  Kind kind = Kind::kNone;
+
+  bool operator==(const NetworkPolicy&) const = default;
+};
+// "none" <-> NetworkPolicy, at the API and storage edges.
+std::string_view NetworkPolicyName(const NetworkPolicy& policy);
+std::optional<NetworkPolicy> ParseNetworkPolicy(std::string_view name);
 
 // What an environment is asked to be. Validated by the API layer before it gets here.
 struct EnvSpec {
   std::string image = "default";
-  std::string runtime = "container";  // driver name ("container", "gvisor", "nano", ...)
+  DriverKind runtime = DriverKind::kContainer;
   double cpu = 1.0;                   // CPU cores (CFS quota)
   int64_t memory_mb = 512;
   int64_t pids = 256;
   int64_t disk_mb = 1024;             // size cap of /workspace
   std::map<std::string, std::string> env;
-  std::string network = "none";
+  NetworkPolicy network;
 };
 
 // A live environment as the driver knows it. `state` is the driver's own serialised data
@@ -88,6 +102,126 @@ struct Usage {
   bool alive = false;
 };
 
+// A file the run produced inside the sandbox (a figure, a file under /workspace/artifacts),
+// as the guest reported it: sandbox-controlled text, bounded but not trusted.
+struct ReportedArtifact {
+  std::string path;  // inside the sandbox
+  std::string name;
+  std::string kind;  // image | file
+  std::string mime_type;
+  std::string title;
+  std::string error;  // non-empty: the guest could not capture it (and says why)
+};
+
+// One Python run (POST /run, POST /environments/{id}/run), whatever tier serves it: a nano
+// session or one-shot interpreter, or the heavy tier's Python kernel (kernel.py) in a sandbox.
+struct RunRequest {
+  std::string code;
+  int64_t timeout_ms = 0;        // 0: driver default
+  int64_t memory_limit_mb = 0;   // 0: driver default (sessions: fixed at Create)
+  int64_t max_output_bytes = 0;  // per stream; 0: driver default
+  // Heavy kernel: run the cell in a fresh process (one-shot) instead of the environment's
+  // persistent kernel, and the formats figures are saved in.
+  bool once = false;
+  std::vector<std::string> figure_formats{"png"};
+  // Called with the artifacts a run reported, before the driver removes its staging files,
+  // so the caller can copy them out of the sandbox.
+  std::function<void(const std::vector<ReportedArtifact>&)> on_artifacts;
+  // Test programs only: argv for this run (empty: the driver's argv).
+  std::vector<std::string> argv;
+  // Tests only (honoured by test worker binaries): the guest is never interrupted, so only the
+  // driver's SIGKILL backstop can stop it.
+  bool test_no_interrupt = false;
+};
+
+struct RunError {
+  std::string type;  // e.g. "ZeroDivisionError"
+  std::string message;
+  std::string traceback;
+};
+
+struct RunResult {
+  std::string stdout_data;
+  std::string stderr_data;
+  int exit_code = -1;
+  int64_t duration_ms = 0;
+  double duration_exact_ms = 0;  // guest run time measured in the worker (nano)
+  bool timed_out = false;
+  bool truncated = false;
+  std::optional<RunError> error;
+  // Non-empty when the run failed on something nano cannot provide: a module name ("numpy")
+  // for an import, or a feature ("socket", "subprocess", "threads", "signal", "ctypes").
+  std::string unsupported_module;
+  // The guest instance was discarded (timeout, trap, exit): a session lost its globals.
+  bool instance_reset = false;
+  // Heavy kernel only: the repr of the final expression, whether the kernel had to be killed
+  // (its state is gone), a final DataFrame/Series as a table (JSON object text, empty: none),
+  // and the artifacts the cell reported.
+  bool kernel = false;
+  std::optional<std::string> value;
+  bool kernel_restarted = false;
+  std::string table_json;
+  std::vector<ReportedArtifact> artifacts;
+  // The output already went to the caller's sink as it was produced.
+  bool streamed = false;
+};
+
+// What a driver can do beyond the basic lifecycle. The core checks these before calling
+// and refuses a missing one with MissingCapabilityError (a 4xx naming it); the default
+// implementations below answer the same error, so nothing is ever silently a no-op.
+enum class Capability {
+  kExec,           // shell commands (Exec)
+  kFiles,          // WriteFile / ReadFile / ListDir
+  kPythonSession,  // RunCode on an environment (state persists between runs)
+  kPythonOneShot,  // RunCode without an environment (a fresh interpreter, thrown away)
+  kSnapshot,       // Snapshot + Restore
+  kFork,           // Fork a live environment into a second one
+  kPause,          // Pause + Resume
+  kEgress,         // a governed network (NetworkPolicy other than none)
+  kTerminal,       // interactive PTY sessions
+};
+inline constexpr Capability kAllCapabilities[] = {
+    Capability::kExec,          Capability::kFiles,    Capability::kPythonSession,
+    Capability::kPythonOneShot, Capability::kSnapshot, Capability::kFork,
+    Capability::kPause,         Capability::kEgress,   Capability::kTerminal};
+std::string_view CapabilityName(Capability capability);  // "exec", "python_session", ...
+
+class CapabilitySet {
+ public:
+  CapabilitySet() = default;
+  CapabilitySet(std::initializer_list<Capability> caps) {
+    for (Capability c : caps) Add(c);
+  }
+  CapabilitySet& Add(Capability c) {
+    bits_ |= Bit(c);
+    return *this;
+  }
+  bool Has(Capability c) const { return (bits_ & Bit(c)) != 0; }
+  std::vector<std::string> Names() const;  // for /healthz and messages
+
+ private:
+  static uint32_t Bit(Capability c) { return 1u << static_cast<int>(c); }
+  uint32_t bits_ = 0;
+};
+
+// The refusal of an operation the environment's driver cannot do: Unimplemented (a 400 at the
+// API) whose message names the driver and the capability; marked so callers can tell it.
+absl::Status MissingCapabilityError(std::string_view driver, Capability capability);
+bool IsMissingCapability(const absl::Status& status);
+
+// What a snapshot holds.
+enum class SnapshotContent { kMemory, kDisk, kMemoryAndDisk };
+std::string_view SnapshotContentName(SnapshotContent content);  // memory | disk | memory+disk
+
+// A snapshot as the driver made it: `state` is driver-private (like InstanceRef::state).
+struct SnapshotRef {
+  std::string id;
+  std::string driver;
+  SnapshotContent content = SnapshotContent::kMemoryAndDisk;
+  std::string source_id;  // the environment it was taken from
+  std::string state;
+};
+
 // Errors use absl canonical codes, which the API maps to HTTP:
 // NotFound → 404, InvalidArgument → 400, PermissionDenied → 400 (inside-sandbox EACCES),
 // ResourceExhausted → 413/429, FailedPrecondition → 409, Unavailable → 503,
@@ -110,6 +244,8 @@ class Driver {
   virtual ~Driver() = default;
 
   virtual std::string name() const = 0;
+  // What this driver can do (see Capability); the core refuses the rest.
+  virtual CapabilitySet Capabilities() const = 0;
   // Human-readable description of the backend in use (e.g. "crun 1.8.1 (cgroup v1)").
   virtual std::string Describe() const = 0;
 
@@ -146,6 +282,23 @@ class Driver {
   // handed to a request with its own `env`).
   virtual absl::Status Configure(const InstanceRef& ref,
                                  const std::map<std::string, std::string>& env) = 0;
+
+  // Runs Python: in environment `ref` (kPythonSession), or with `ref` == nullptr in a fresh
+  // interpreter thrown away afterwards (kPythonOneShot). Output goes to `sink` as it comes
+  // when the driver can stream it (RunResult::streamed), else it is only in the result.
+  virtual absl::StatusOr<RunResult> RunCode(const InstanceRef* ref, const RunRequest& request,
+                                            const OutputSink& sink);
+  // kSnapshot: captures `ref` (what `content` asks for) / starts a new instance `new_id` from
+  // a snapshot / discards one.
+  virtual absl::StatusOr<SnapshotRef> Snapshot(const InstanceRef& ref, SnapshotContent content);
+  virtual absl::StatusOr<InstanceRef> Restore(const SnapshotRef& snapshot,
+                                              const std::string& new_id);
+  virtual absl::Status DeleteSnapshot(const SnapshotRef& snapshot);
+  // kFork: a live copy of `source` as a new, independent instance `new_id`.
+  virtual absl::StatusOr<InstanceRef> Fork(const InstanceRef& source, const std::string& new_id);
+  // kPause: stops / restarts the instance's processes without losing their state.
+  virtual absl::Status Pause(const InstanceRef& ref);
+  virtual absl::Status Resume(const InstanceRef& ref);
 };
 
 }  // namespace esb

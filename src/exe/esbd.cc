@@ -353,24 +353,14 @@ int main(int argc, char** argv) {
     esb::LogInfo(absl::StrCat("packages: index ", config.packages.index_url, ", wheel cache ",
                               wopts.cache_dir));
   }
-  esb::api::PackageInstaller::Options iopts;
+  esb::packages::PackageInstaller::Options iopts;
   iopts.timeout_ms = config.packages.timeout_s * 1000;
-  esb::api::PackageInstaller installer(
-      &manager, wheels.get(), iopts,
-      [&service](const std::string& tenant, const std::string& env_id,
-                 const esb::packages::Wheel& w) {
-        service.Audit(tenant, env_id, "package.fetch",
-                      absl::StrCat(w.name, "==", w.version, " ", w.filename), std::nullopt, 0,
-                      w.size, 200);
-      });
-  esb::api::RunDeps run_deps;
-  run_deps.manager = &manager;
-  run_deps.service = &service;
-  run_deps.nano = nano;
-  run_deps.rules = rules.get();
-  run_deps.artifacts = artifacts->get();
-  run_deps.installer = &installer;
-  service.SetRunHandler(esb::api::MakeRunHandler(run_deps));
+  esb::packages::PackageInstaller installer(&manager, wheels.get(), iopts);
+  esb::run::RunPipeline run_pipeline({.manager = &manager,
+                                      .rules = rules.get(),
+                                      .artifacts = artifacts->get(),
+                                      .installer = &installer});
+  service.SetRunHandler(esb::api::MakeRunHandler(&run_pipeline));
   service.Register(server.router());
   if (absl::Status st = server.Start(); !st.ok()) {
     manager.Stop();
@@ -385,11 +375,9 @@ int main(int argc, char** argv) {
       int64_t t0 = esb::MonotonicMs();
       esb::RunRequest warm;
       warm.code = "pass";
-      auto r = nano->Run(nullptr, warm);
-      if (r.ok())
-        esb::LogInfo(absl::StrCat("nano tier warm in ", esb::MonotonicMs() - t0, " ms"));
-      else
-        esb::LogWarn(absl::StrCat("nano warm-up failed: ", r.status().ToString()));
+      auto r = nano->RunCode(nullptr, warm, nullptr);
+      if (r.ok()) esb::LogInfo(absl::StrCat("nano tier warm in ", esb::MonotonicMs() - t0, " ms"));
+      else esb::LogWarn(absl::StrCat("nano warm-up failed: ", r.status().ToString()));
     });
   }
 

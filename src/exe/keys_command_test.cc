@@ -36,9 +36,10 @@ TEST_F(KeysCommandTest, AddPrintsTheSecretOnceAndItAuthenticates) {
   std::string secret = Field(out.str(), "api_key");
   std::string id = Field(out.str(), "key_id");
   ASSERT_FALSE(secret.empty());
-  auto tenant = store->TenantForKey(secret);
-  ASSERT_TRUE(tenant.ok()) << tenant.status();
-  EXPECT_EQ(*tenant, "acme");
+  auto key = store->KeyForSecret(secret);
+  ASSERT_TRUE(key.ok()) << key.status();
+  EXPECT_EQ(key->tenant, "acme");
+  EXPECT_EQ(key->key_id, id);
 
   ASSERT_EQ(Run({"keys", "list"}), 0) << err.str();
   EXPECT_NE(out.str().find(id), std::string::npos);
@@ -47,7 +48,7 @@ TEST_F(KeysCommandTest, AddPrintsTheSecretOnceAndItAuthenticates) {
   EXPECT_EQ(out.str().find(secret), std::string::npos) << "list must never show a secret";
 
   ASSERT_EQ(Run({"keys", "revoke", id}), 0) << err.str();
-  EXPECT_FALSE(store->TenantForKey(secret).ok());
+  EXPECT_FALSE(store->KeyForSecret(secret).ok());
   ASSERT_EQ(Run({"keys", "list"}), 0);
   EXPECT_NE(out.str().find("revoked"), std::string::npos);
 }

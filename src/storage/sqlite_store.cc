@@ -130,6 +130,11 @@ CREATE TRIGGER audit_fts_update AFTER UPDATE ON audit BEGIN
     VALUES (new.id, new.scope, new.action, new.detail);
 END;
 )sql",
+    // v3: who made each audited call (issue 11: the core's one audit path records the
+    // principal — the API key's public id, "dev" for dev mode, "system" for the daemon).
+    R"sql(
+ALTER TABLE audit ADD COLUMN principal TEXT NOT NULL DEFAULT '';
+)sql",
 };
 constexpr int kLatestVersion = static_cast<int>(sizeof(kMigrations) / sizeof(kMigrations[0]));
 
@@ -285,7 +290,9 @@ EnvironmentRecord EnvFromRow(const Stmt& s) {
   EnvironmentRecord r;
   r.id = s.Text(0);
   r.tenant = s.Text(1);
-  r.state = s.Text(2);
+  // A state this esbd does not know (an older or newer esbd's): treated as an interrupted
+  // destroy, so the restart cleanup finishes it instead of serving it.
+  r.state = ParseEnvState(s.Text(2)).value_or(EnvState::kDestroying);
   r.runtime = s.Text(3);
   r.image = s.Text(4);
   r.spec_json = s.Text(5);
@@ -467,7 +474,7 @@ class SqliteStore final : public Store {
     if (!stmt.ok()) return stmt.status();
     stmt->Bind(1, rec.id)
         .Bind(2, rec.tenant)
-        .Bind(3, rec.state)
+        .Bind(3, ToString(rec.state))
         .Bind(4, rec.runtime)
         .Bind(5, rec.image)
         .Bind(6, rec.spec_json)
@@ -560,17 +567,24 @@ class SqliteStore final : public Store {
     return InsertKey(rec, hash);
   }
 
-  absl::StatusOr<std::string> TenantForKey(const std::string& secret) override {
+  absl::StatusOr<ApiKeyRecord> KeyForSecret(const std::string& secret) override {
     if (secret.empty()) return absl::NotFoundError("no API key given");
     const std::string hash = Sha256Hex(secret);
     std::lock_guard<std::mutex> lock(mu_);
-    auto stmt = Prepare("SELECT tenant FROM api_keys WHERE secret_sha256 = ?1 AND revoked_ms = 0");
+    auto stmt = Prepare(
+        "SELECT key_id, tenant, name, created_ms FROM api_keys "
+        "WHERE secret_sha256 = ?1 AND revoked_ms = 0");
     if (!stmt.ok()) return stmt.status();
     stmt->Bind(1, hash);
     absl::StatusOr<bool> row = stmt->Step();
     if (!row.ok()) return row.status();
     if (!*row) return absl::NotFoundError("unknown or revoked API key");
-    return stmt->Text(0);
+    ApiKeyRecord rec;
+    rec.key_id = stmt->Text(0);
+    rec.tenant = stmt->Text(1);
+    rec.name = stmt->Text(2);
+    rec.created_ms = stmt->Int(3);
+    return rec;
   }
 
   absl::StatusOr<std::vector<ApiKeyRecord>> ListApiKeys() override {
@@ -623,6 +637,7 @@ class SqliteStore final : public Store {
     row.action = CapField(e.action, kMaxActionBytes);
     row.environment_id = CapField(e.environment_id, kMaxEnvironmentIdBytes);
     row.detail = CapField(e.detail, options_.max_detail_bytes);
+    row.principal = CapField(e.principal, kMaxActionBytes);
     std::lock_guard<std::mutex> lock(mu_);
     TenantAudit& t = tenants_[row.tenant];
     // Token bucket, refilled by the time since the tenant's last row.
@@ -666,7 +681,7 @@ class SqliteStore final : public Store {
     }
     std::string sql =
         "SELECT id, time_ms, tenant, environment_id, action, detail, exit_code, duration_ms, "
-        "bytes, status FROM audit WHERE tenant = ?1 AND (?2 = 0 OR time_ms >= ?2) "
+        "bytes, status, principal FROM audit WHERE tenant = ?1 AND (?2 = 0 OR time_ms >= ?2) "
         "AND (?3 = 0 OR time_ms <= ?3) AND (?4 = '' OR environment_id = ?4) ";
     if (!fts.empty()) sql += "AND id IN (SELECT rowid FROM audit_fts WHERE audit_fts MATCH ?6) ";
     sql += "ORDER BY time_ms DESC, id DESC LIMIT ?5";
@@ -769,6 +784,7 @@ class SqliteStore final : public Store {
       e.duration_ms = stmt->Int(7);
       e.bytes = stmt->Int(8);
       e.status = static_cast<int>(stmt->Int(9));
+      e.principal = stmt->Text(10);
       out.push_back(std::move(e));
     }
     return out;
@@ -873,7 +889,8 @@ class SqliteStore final : public Store {
     // The FTS row is written by the trigger inside this same statement (atomic).
     auto stmt = Prepare(
         "INSERT INTO audit (time_ms, tenant, environment_id, action, detail, exit_code, "
-        "duration_ms, bytes, status) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)");
+        "duration_ms, bytes, status, principal) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, "
+        "?10)");
     if (!stmt.ok()) return stmt.status();
     stmt->Bind(1, e.time_ms)
         .Bind(2, e.tenant)
@@ -883,7 +900,8 @@ class SqliteStore final : public Store {
         .Bind(6, e.exit_code)
         .Bind(7, e.duration_ms)
         .Bind(8, e.bytes)
-        .Bind(9, e.status);
+        .Bind(9, e.status)
+        .Bind(10, e.principal);
     if (absl::Status s = stmt->Run(); !s.ok()) return s;
     if (t.rows < 0) {
       auto count = Prepare("SELECT count(*) FROM audit WHERE tenant = ?1");

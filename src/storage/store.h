@@ -13,14 +13,17 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/env_types.h"
 
 namespace esb {
 
 struct EnvironmentRecord {
   std::string id;
   std::string tenant;
-  std::string state;    // "creating" | "running" | "destroying" | "destroyed" | "failed"
-  std::string runtime;  // driver name
+  EnvState state = EnvState::kCreating;  // stored as its name (ToString / ParseEnvState)
+  // The driver's name as stored (ToString(DriverKind)); the core parses it (ParseDriverKind) so
+  // that a row naming a driver this esbd lacks is cleaned up, not misread.
+  std::string runtime;
   std::string image;
   std::string spec_json;     // the EnvSpec as JSON (limits, env, network)
   std::string driver_state;  // InstanceRef::state
@@ -50,7 +53,10 @@ struct AuditEntry {
   std::optional<int64_t> exit_code;
   int64_t duration_ms = 0;
   int64_t bytes = 0;
-  int status = 0;  // HTTP status of the call
+  int status = 0;  // HTTP status of the call (the core's outcome mapped the API's way)
+  // Who: an API key's public id ("key_..."), "dev" (no keys configured), "system" (the
+  // daemon itself: expiry, restart cleanup).
+  std::string principal;
 };
 
 struct AuditQuery {
@@ -114,8 +120,8 @@ class Store {
   // Imports a key given in plain text (from the config file); idempotent.
   virtual absl::Status ImportApiKey(const std::string& tenant, const std::string& secret,
                                     const std::string& name) = 0;
-  // Returns the tenant of a valid, unrevoked key; NotFound otherwise.
-  virtual absl::StatusOr<std::string> TenantForKey(const std::string& secret) = 0;
+  // The record (public key_id, tenant, ...) of a valid, unrevoked key; NotFound otherwise.
+  virtual absl::StatusOr<ApiKeyRecord> KeyForSecret(const std::string& secret) = 0;
   virtual absl::StatusOr<std::vector<ApiKeyRecord>> ListApiKeys() = 0;
   virtual absl::Status RevokeApiKey(const std::string& key_id) = 0;
   virtual absl::StatusOr<int64_t> CountActiveApiKeys() = 0;

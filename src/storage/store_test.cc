@@ -76,7 +76,7 @@ EnvironmentRecord MakeEnv(const std::string& id, const std::string& tenant,
   EnvironmentRecord r;
   r.id = id;
   r.tenant = tenant;
-  r.state = state;
+  r.state = ParseEnvState(state).value();
   r.runtime = "container";
   r.image = "default";
   r.spec_json = R"({"memory_mb":512})";
@@ -125,19 +125,19 @@ TEST(StoreTest, EnvironmentRoundTripAndUpsert) {
   absl::StatusOr<EnvironmentRecord> got = store->GetEnvironment("env_1");
   ASSERT_TRUE(got.ok()) << got.status();
   EXPECT_EQ(got->tenant, "acme");
-  EXPECT_EQ(got->state, "running");
+  EXPECT_EQ(got->state, EnvState::kRunning);
   EXPECT_EQ(got->spec_json, R"({"memory_mb":512})");
   EXPECT_EQ(got->driver_state, "bundle=/run/esb/env_1");
   EXPECT_EQ(got->expires_ms, 901000);
   EXPECT_EQ(got->exec_count, 3);
 
-  env.state = "destroyed";
+  env.state = EnvState::kDestroyed;
   env.destroyed_ms = 5000;
   env.destroy_reason = "ttl_expired";
   ASSERT_TRUE(store->PutEnvironment(env).ok());
   got = store->GetEnvironment("env_1");
   ASSERT_TRUE(got.ok());
-  EXPECT_EQ(got->state, "destroyed");
+  EXPECT_EQ(got->state, EnvState::kDestroyed);
   EXPECT_EQ(got->destroyed_ms, 5000);
   EXPECT_EQ(got->destroy_reason, "ttl_expired");
 
@@ -191,9 +191,10 @@ TEST(StoreTest, CreateApiKeyStoresOnlyHashAndResolvesTenant) {
   EXPECT_EQ(key->tenant, "acme");
   EXPECT_FALSE(key->revoked);
 
-  absl::StatusOr<std::string> tenant = store->TenantForKey(secret);
-  ASSERT_TRUE(tenant.ok()) << tenant.status();
-  EXPECT_EQ(*tenant, "acme");
+  absl::StatusOr<ApiKeyRecord> found = store->KeyForSecret(secret);
+  ASSERT_TRUE(found.ok()) << found.status();
+  EXPECT_EQ(found->tenant, "acme");
+  EXPECT_EQ(found->key_id, key->key_id) << "the public id, for the audit's principal";
 
   // The secret itself is nowhere in the table; its SHA-256 is.
   EXPECT_EQ(RawQuery(path,
@@ -207,9 +208,9 @@ TEST(StoreTest, CreateApiKeyStoresOnlyHashAndResolvesTenant) {
   std::string other;
   ASSERT_TRUE(store->CreateApiKey("acme", "second", &other).ok());
   EXPECT_NE(other, secret);
-  EXPECT_EQ(store->TenantForKey("esb_" + std::string(40, '0')).status().code(),
+  EXPECT_EQ(store->KeyForSecret("esb_" + std::string(40, '0')).status().code(),
             absl::StatusCode::kNotFound);
-  EXPECT_EQ(store->TenantForKey("").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(store->KeyForSecret("").status().code(), absl::StatusCode::kNotFound);
 }
 
 TEST(StoreTest, RevokedKeyNoLongerResolves) {
@@ -222,8 +223,8 @@ TEST(StoreTest, RevokedKeyNoLongerResolves) {
   EXPECT_EQ(*store->CountActiveApiKeys(), 2);
 
   ASSERT_TRUE(store->RevokeApiKey(k1->key_id).ok());
-  EXPECT_EQ(store->TenantForKey(s1).status().code(), absl::StatusCode::kNotFound);
-  EXPECT_EQ(*store->TenantForKey(s2), "globex");
+  EXPECT_EQ(store->KeyForSecret(s1).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(store->KeyForSecret(s2)->tenant, "globex");
   EXPECT_EQ(*store->CountActiveApiKeys(), 1);
   EXPECT_TRUE(store->RevokeApiKey(k1->key_id).ok());  // idempotent
   EXPECT_EQ(store->RevokeApiKey("key_nope").code(), absl::StatusCode::kNotFound);
@@ -240,18 +241,18 @@ TEST(StoreTest, ImportApiKeyIsIdempotentAndNeverResurrects) {
   ASSERT_TRUE(store->ImportApiKey("acme", "config-secret-1", "from config").ok());
   ASSERT_TRUE(store->ImportApiKey("acme", "config-secret-1", "from config").ok());
   EXPECT_EQ(store->ListApiKeys()->size(), 1u);
-  EXPECT_EQ(*store->TenantForKey("config-secret-1"), "acme");
+  EXPECT_EQ(store->KeyForSecret("config-secret-1")->tenant, "acme");
 
   // The same secret cannot silently move to another tenant.
   EXPECT_EQ(store->ImportApiKey("globex", "config-secret-1", "x").code(),
             absl::StatusCode::kAlreadyExists);
-  EXPECT_EQ(*store->TenantForKey("config-secret-1"), "acme");
+  EXPECT_EQ(store->KeyForSecret("config-secret-1")->tenant, "acme");
 
   // Revoked stays revoked when the config file is read again.
   const std::string key_id = (*store->ListApiKeys())[0].key_id;
   ASSERT_TRUE(store->RevokeApiKey(key_id).ok());
   ASSERT_TRUE(store->ImportApiKey("acme", "config-secret-1", "from config").ok());
-  EXPECT_EQ(store->TenantForKey("config-secret-1").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(store->KeyForSecret("config-secret-1").status().code(), absl::StatusCode::kNotFound);
 
   EXPECT_EQ(store->ImportApiKey("acme", "", "empty").code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(store->ImportApiKey("acme", "has space", "x").code(),
@@ -501,8 +502,8 @@ TEST(StoreFileTest, DurableAcrossReopenInWalMode) {
   ASSERT_NE(store, nullptr);
   auto env = store->GetEnvironment("env_1");
   ASSERT_TRUE(env.ok()) << env.status();
-  EXPECT_EQ(env->state, "running");
-  EXPECT_EQ(*store->TenantForKey(secret), "acme");
+  EXPECT_EQ(env->state, EnvState::kRunning);
+  EXPECT_EQ(store->KeyForSecret(secret)->tenant, "acme");
   auto audit = store->QueryAudit(Q("acme", 100, "make"));
   ASSERT_TRUE(audit.ok()) << audit.status();
   ASSERT_EQ(audit->size(), 1u);

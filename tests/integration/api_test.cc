@@ -308,6 +308,14 @@ TEST_F(ApiTest, ApiKeysScopeTenantsAndCrossTenantAccessIsNotFound) {
   EXPECT_TRUE(d.Call("GET", "/audit").obj().at("entries").as_array().empty());
   d.api_key = "esb_tenant_a_secret_0001";
   EXPECT_EQ(d.Exec(id, "cat s.txt").str("stdout"), "secret\n") << "owner unaffected";
+  // The core's audit rows name the key that acted (its public id), never the secret.
+  HttpResult rows = d.Call("GET", "/audit?environment_id=" + id);
+  ASSERT_FALSE(rows.obj().at("entries").as_array().empty()) << rows.body;
+  for (const auto& e : rows.obj().at("entries").as_array()) {
+    const std::string principal(e.as_object().at("principal").as_string());
+    EXPECT_TRUE(principal.rfind("key_", 0) == 0) << rows.body;
+  }
+  EXPECT_EQ(rows.body.find("secret_0001"), std::string::npos) << rows.body;
   EXPECT_EQ(d.Call("GET", "/environments").obj().at("environments").as_array().size(), 1u);
 }
 
@@ -336,6 +344,7 @@ TEST_F(ApiTest, AuditRecordsEveryActionAndFilters) {
   EXPECT_EQ(entries[0].as_object().at("environment_id").as_string(), a);
   EXPECT_EQ(entries[0].as_object().at("exit_code").as_int64(), 4);
   EXPECT_EQ(entries[0].as_object().at("action").as_string(), "execute");
+  EXPECT_EQ(entries[0].as_object().at("principal").as_string(), "dev") << "no keys: dev mode";
   HttpResult env_a = d.Call("GET", "/audit?environment_id=" + a);
   std::set<std::string> actions;
   for (const auto& e : env_a.obj().at("entries").as_array())

@@ -248,6 +248,39 @@ TEST_F(HybridTest, ArtifactsOfOneShotRunsOutliveTheirEnvironment) {
   EXPECT_EQ(img.width, 100);
 }
 
+// Attack (issue 11): sandbox code replaces the Python kernel so that the next cell, or esbd
+// reading its result, runs the attacker's code. The kernel is a read-only bind from the
+// driver's share (/usr/lib/esb/kernel.py); a copy planted where esbd used to write it
+// (/tmp/.esb-kernel/kernel.py) is never run.
+TEST_F(HybridTest, KernelReplacedFromInsideTheSandboxIsNeverRun) {
+  HttpResult r = Cell(R"PY(
+import os
+try:
+    open('/usr/lib/esb/kernel.py', 'a').write('\nraise SystemExit("pwned")\n')
+    print('kernel writable')
+except OSError as e:
+    print('refused', e.errno)
+try:
+    os.remove('/usr/lib/esb/kernel.py')
+    print('kernel removed')
+except OSError as e:
+    print('refused', e.errno)
+os.makedirs('/tmp/.esb-kernel', exist_ok=True)
+open('/tmp/.esb-kernel/kernel.py', 'w').write('print("planted kernel ran")\n')
+)PY");
+  EXPECT_EQ(r.str("stdout").find("kernel writable"), std::string::npos) << r.body;
+  EXPECT_EQ(r.str("stdout").find("kernel removed"), std::string::npos) << r.body;
+  EXPECT_NE(r.str("stdout").find("refused"), std::string::npos) << r.body;
+  // The next cell still runs in the real kernel, with the first cell's state.
+  HttpResult next = Cell("1 + 1");
+  EXPECT_EQ(next.str("value"), "2") << next.body;
+  EXPECT_EQ(next.str("stdout").find("planted"), std::string::npos) << next.body;
+  HttpResult ls =
+      daemon_->Call("POST", "/environments/" + Env() + "/execute",
+                    json::object{{"command", "stat -c '%U %a' /usr/lib/esb/kernel.py"}});
+  EXPECT_EQ(ls.str("stdout"), "root 644\n") << ls.body;
+}
+
 TEST_F(HybridTest, UnknownArtifactsGet404) {
   HttpResult r = Cell("open('/workspace/artifacts/secret.txt', 'w').write('s3cret')");
   ASSERT_EQ(Artifacts(r).size(), 1u) << r.body;

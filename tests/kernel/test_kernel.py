@@ -1,6 +1,7 @@
-"""kernel.py (src/api/kernel.py, the heavy tier's Python kernel) run on the host, the way esbd
-runs it in a sandbox: `python3 kernel.py run|once CELL RESULT TIMEOUT_MS FORMATS` with stdout
-and stderr read from pipes. Each test gets its own kernel directory (and so its own kernel).
+"""kernel.py (src/agent/python/kernel.py, the heavy tier's Python kernel) run on the host from
+its home in the tree, the way esbd runs it in a sandbox (read-only code, state in the writable
+ESB_KERNEL_DIR): `python3 kernel.py run|once CELL RESULT TIMEOUT_MS FORMATS` with stdout and
+stderr read from pipes. Each test gets its own kernel directory (and so its own kernel).
 The end-to-end tests through esbd and a real container are in tests/integration."""
 import importlib.util
 import json
@@ -15,7 +16,7 @@ import uuid
 
 import pytest
 
-KERNEL = pathlib.Path(__file__).resolve().parents[2] / "src" / "api" / "kernel.py"
+KERNEL = pathlib.Path(__file__).resolve().parents[2] / "src" / "agent" / "python" / "kernel.py"
 
 
 def decode_frames(raw):
@@ -35,16 +36,16 @@ class Kernel:
     def __init__(self, root: pathlib.Path):
         self.dir = root / "kernel"
         self.dir.mkdir()
-        shutil.copy(KERNEL, self.dir / "kernel.py")
         self.artifacts = root / "artifacts"
-        self.env = dict(os.environ, ESB_KERNEL_ARTIFACTS=str(self.artifacts))
+        self.env = dict(os.environ, ESB_KERNEL_ARTIFACTS=str(self.artifacts),
+                        ESB_KERNEL_DIR=str(self.dir))
 
     def start(self, code, mode="run", timeout_ms=10000):
         tag = uuid.uuid4().hex[:8]
         cell, result = self.dir / f"cell-{tag}.py", self.dir / f"result-{tag}.json"
         cell.write_text(code)
         proc = subprocess.Popen(
-            [sys.executable, str(self.dir / "kernel.py"), mode, str(cell), str(result),
+            [sys.executable, str(KERNEL), mode, str(cell), str(result),
              str(timeout_ms), "png"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=self.env,
             start_new_session=True)  # like the agent: its own process group
@@ -63,7 +64,7 @@ class Kernel:
         return res
 
     def server_pids(self):
-        out = subprocess.run(["pgrep", "-f", f"{self.dir}/kernel.py serve"],
+        out = subprocess.run(["pgrep", "-f", f"{KERNEL} serve {self.dir}$"],
                              capture_output=True, text=True).stdout
         return sorted(int(p) for p in out.split())
 
@@ -222,7 +223,9 @@ def test_a_kernel_lost_between_cells_is_reported_by_the_next_cell(kernel):
 def test_kernel_directory_removed_between_cells_does_not_leave_two_kernels(kernel):
     kernel.run("x = 1")
     for f in kernel.dir.iterdir():  # what `rm -rf /tmp/*` in the sandbox would do
-        if f.name != "kernel.py":
+        if f.is_dir():
+            shutil.rmtree(f)
+        else:
             f.unlink()
     r = kernel.run("x")
     assert r["value"] == "1", r
@@ -290,7 +293,7 @@ def test_a_failure_of_the_kernel_itself_reaches_its_own_stderr(kernel, tmp_path)
     cell = kernel.dir / "cell-x.py"
     cell.write_text("print('hi')")
     proc = subprocess.run(
-        [sys.executable, str(kernel.dir / "kernel.py"), "once", str(cell),
+        [sys.executable, str(KERNEL), "once", str(cell),
          str(tmp_path / "no-such-dir" / "result-x.json"), "5000", "png"],
         capture_output=True, env=kernel.env, timeout=30)
     assert proc.returncode == 1

@@ -32,6 +32,7 @@
 #include "drivers/container/oci_spec.h"
 #include "drivers/container/runtime.h"
 #include "drivers/env_limits.h"
+#include "drivers/heavy_kernel.h"
 
 namespace esb {
 namespace container {
@@ -362,8 +363,10 @@ std::string ShareDir(const std::string& state_dir) {
 // The sandbox layout this driver creates, recorded in each instance's state. Layout 2 (issue
 // 9): the agent's socket is handed over as fd 3 (no writable /run/esb bind), its stdio is not
 // the host log, it checks SO_PEERCRED, and it runs from the share tmpfs. Instances of an older
-// layout (no "layout" field) are refused on re-attach (SandboxOutdatedError).
-constexpr int kSandboxLayout = 2;
+// layout (no "layout" field) are refused on re-attach (SandboxOutdatedError). Layout 3 (issue
+// 11): the heavy tier's Python kernel is bound read-only from the share tmpfs at
+// /usr/lib/esb/kernel.py (older instances have no kernel there: RunCode could not work).
+constexpr int kSandboxLayout = 3;
 
 // What InstanceRef.state holds.
 struct InstanceState {
@@ -439,6 +442,7 @@ bool ProcessAlive(const InstanceState& s) {
 
 absl::StatusOr<std::string> InstallAgent(const std::string& source, const std::string& state_dir,
                                          RuntimeKind kind);
+std::string PythonKernelFile(const std::string& state_dir);
 bool ShareMounted(const std::string& state_dir);
 void UnmountShare(const std::string& state_dir);
 
@@ -459,6 +463,17 @@ class ContainerDriver : public Driver {
 
   std::string name() const override {
     return kind_ == RuntimeKind::kRunsc ? "gvisor" : "container";
+  }
+  // Shell, files, and a persistent Python kernel per environment (heavy_kernel.h). One-shot
+  // Python needs an environment (the core makes a throw-away one); no snapshots yet.
+  CapabilitySet Capabilities() const override {
+    return {Capability::kExec, Capability::kFiles, Capability::kPythonSession};
+  }
+  absl::StatusOr<RunResult> RunCode(const InstanceRef* ref, const RunRequest& request,
+                                    const OutputSink& sink) override {
+    if (ref == nullptr) return Driver::RunCode(ref, request, sink);
+    ESB_RETURN_IF_ERROR(ValidateId(ref->id));
+    return RunHeavyKernel(*this, *ref, request, sink);
   }
   std::string Describe() const override { return describe_; }
   const UsernsStatus& userns() const { return userns_; }
@@ -669,8 +684,9 @@ absl::Status ContainerDriver::WriteBundle(const std::string& id, const EnvSpec& 
   p.cgroups_path = paths.cgroup_path;
   p.agent_binary = options_.agent_binary;
   p.hostname_file = ShareDir(options_.state_dir) + "/hostname";
+  p.python_kernel_file = PythonKernelFile(options_.state_dir);
   if (!ShareMounted(options_.state_dir) || !Exists(options_.agent_binary) ||
-      !Exists(p.hostname_file)) {
+      !Exists(p.hostname_file) || !Exists(p.python_kernel_file)) {
     // Another driver on this state dir (tests) unmounted the share: mount and fill it again.
     absl::StatusOr<std::string> agent = InstallAgent(agent_source_, options_.state_dir, kind_);
     if (!agent.ok()) return agent.status();
@@ -934,6 +950,16 @@ absl::StatusOr<std::string> InstallAgent(const std::string& source, const std::s
   if (!Exists(share + "/hostname")) {
     ESB_RETURN_IF_ERROR(WriteStringToFile(share + "/hostname", "sandbox\n", 0644));
   }
+  // The heavy tier's Python kernel, read by the sandbox user's python3 (root-owned, 0644, on
+  // a read-only bind: sandbox code can run it but never replace it).
+  const std::string kernel = PythonKernelFile(state_dir);
+  if (!Exists(kernel)) {
+    ESB_RETURN_IF_ERROR(WriteStringToFile(kernel, std::string(HeavyKernelSource()), 0644));
+    // SECURITY: root-owned and not writable by the sandbox user, like the agent copy.
+    if (::chown(kernel.c_str(), 0, 0) != 0 || ::chmod(kernel.c_str(), 0644) != 0) {
+      return ErrnoStatus("chmod " + kernel);
+    }
+  }
   const mode_t mode = kind == RuntimeKind::kRunsc ? 0755 : 0711;
   std::string dest = absl::StrCat(share, "/esb-agent-", absl::Hex(Fnv1a(data), absl::kZeroPad8),
                                   kind == RuntimeKind::kRunsc ? "-r" : "-x");
@@ -944,6 +970,13 @@ absl::StatusOr<std::string> InstallAgent(const std::string& source, const std::s
     return ErrnoStatus("chmod " + dest);
   }
   return dest;
+}
+
+// The share's copy of kernel.py, named after its content (a rebuilt esbd with another kernel
+// gets a new file; running sandboxes keep the one they were created with).
+std::string PythonKernelFile(const std::string& state_dir) {
+  return absl::StrCat(ShareDir(state_dir), "/esb-kernel-",
+                      absl::Hex(Fnv1a(AbslView(HeavyKernelSource())), absl::kZeroPad8), ".py");
 }
 
 // Sandbox layout 1 ran the agent from <state_dir>/bin/esb-agent-*. No instance of the current

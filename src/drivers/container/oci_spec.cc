@@ -36,6 +36,7 @@ std::vector<std::string> RequiredMountpoints(const BundleParams& p) {
   std::vector<std::string> v = {"proc/", "dev/", "sys/", "tmp/", "run/", "workspace/"};
   if (!p.agent_binary.empty()) v.push_back("sbin/esb-agent");
   if (!p.hostname_file.empty()) v.push_back("etc/hostname");
+  if (!p.python_kernel_file.empty()) v.push_back("usr/lib/esb/kernel.py");
   for (const BindMount& b : p.extra_binds) {
     if (b.destination.size() > 1) v.push_back(b.destination.substr(1) + "/");
   }
@@ -103,6 +104,10 @@ object BuildOciConfig(const BundleParams& p) {
   }
   if (!p.hostname_file.empty()) {
     mounts.push_back(Mount("/etc/hostname", "bind", p.hostname_file,
+                           {"bind", "ro", "nosuid", "nodev", "noexec"}));
+  }
+  if (!p.python_kernel_file.empty()) {
+    mounts.push_back(Mount("/usr/lib/esb/kernel.py", "bind", p.python_kernel_file,
                            {"bind", "ro", "nosuid", "nodev", "noexec"}));
   }
   for (const BindMount& b : p.extra_binds) {

@@ -50,6 +50,9 @@ struct BundleParams {
   int64_t run_tmpfs_bytes = 0;  // else: a tmpfs of this size (uid/gid, 0700) at /run/esb
   std::string agent_binary;     // host file bound read-only at /sbin/esb-agent ("" = none)
   std::string hostname_file;    // host file bound read-only at /etc/hostname ("" = none)
+  // Host file bound read-only at /usr/lib/esb/kernel.py: the heavy tier's Python kernel
+  // (drivers/heavy_kernel.h), code the sandbox runs but cannot change ("" = none).
+  std::string python_kernel_file;
   std::vector<BindMount> extra_binds;
   bool seccomp = true;
   bool seccomp_explicit_denies = true;

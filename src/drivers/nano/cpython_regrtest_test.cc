@@ -212,7 +212,7 @@ TEST_P(CpythonRegrtest, Module) {
   req.memory_limit_mb = 2048;
   req.max_output_bytes = 16 << 20;
   auto start = std::chrono::steady_clock::now();
-  absl::StatusOr<RunResult> r = driver_->Run(nullptr, req);
+  absl::StatusOr<RunResult> r = driver_->RunCode(nullptr, req, nullptr);
   double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_FALSE(r->timed_out) << mod << " timed out after " << req.timeout_ms << " ms";

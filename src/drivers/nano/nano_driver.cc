@@ -368,8 +368,13 @@ absl::StatusOr<RunResult> NanoDriver::RunOn(int fd, int pid, const RunRequest& r
   return result;
 }
 
-absl::StatusOr<RunResult> NanoDriver::Run(const InstanceRef* session,
-                                          const RunRequest& request) {
+CapabilitySet NanoDriver::Capabilities() const {
+  return {Capability::kFiles, Capability::kPythonSession, Capability::kPythonOneShot,
+          Capability::kFork, Capability::kSnapshot};
+}
+
+absl::StatusOr<RunResult> NanoDriver::RunCode(const InstanceRef* session, const RunRequest& request,
+                                              const OutputSink&) {
   if (request.memory_limit_mb < 0 || request.memory_limit_mb > options_.max_memory_mb) {
     return absl::InvalidArgumentError(
         absl::StrCat("memory_limit_mb must be 1..", options_.max_memory_mb));
@@ -443,8 +448,7 @@ absl::StatusOr<InstanceRef> NanoDriver::Create(const std::string& id, const EnvS
   return InstanceRef{id, "nano", boost::json::serialize(state)};
 }
 
-absl::StatusOr<InstanceRef> NanoDriver::ForkSession(const InstanceRef& source,
-                                                    const std::string& new_id) {
+absl::StatusOr<InstanceRef> NanoDriver::Fork(const InstanceRef& source, const std::string& new_id) {
   absl::StatusOr<std::shared_ptr<Session>> src = GetSession(source);
   if (!src.ok()) return src.status();
   auto copy = std::make_shared<Session>();
@@ -485,6 +489,28 @@ absl::StatusOr<InstanceRef> NanoDriver::ForkSession(const InstanceRef& source,
   boost::json::object state{{"pid", copy->pid}, {"memory_mb", copy->memory_mb},
                             {"forked_from", source.id}};
   return InstanceRef{new_id, "nano", boost::json::serialize(state)};
+}
+
+absl::StatusOr<SnapshotRef> NanoDriver::Snapshot(const InstanceRef& ref, SnapshotContent content) {
+  if (content != SnapshotContent::kMemoryAndDisk) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("nano snapshots hold the interpreter and its in-memory /workspace together (",
+                     AbslView(SnapshotContentName(SnapshotContent::kMemoryAndDisk)), "), not ",
+                     AbslView(SnapshotContentName(content)), " alone"));
+  }
+  const std::string id = absl::StrCat("snap_", RandomHex(12));
+  absl::StatusOr<InstanceRef> held = Fork(ref, id);
+  if (!held.ok()) return held.status();
+  return SnapshotRef{id, "nano", content, ref.id, held->state};
+}
+
+absl::StatusOr<InstanceRef> NanoDriver::Restore(const SnapshotRef& snapshot,
+                                                const std::string& new_id) {
+  return Fork(InstanceRef{snapshot.id, "nano", snapshot.state}, new_id);
+}
+
+absl::Status NanoDriver::DeleteSnapshot(const SnapshotRef& snapshot) {
+  return Destroy(InstanceRef{snapshot.id, "nano", snapshot.state});
 }
 
 absl::StatusOr<int> NanoDriver::SessionPid(const InstanceRef& ref) {

@@ -9,9 +9,11 @@
 //        server forks a worker that confines itself and serves exactly one "run".
 //     └─ session (environment with runtime "nano"): same, but the worker stays alive between
 //        runs, so interpreter globals and the in-memory /workspace persist.
-//     └─ session snapshot (ForkSession): the session worker clones itself with CLONE_PARENT:
-//        the copy-on-write child has the same interpreter memory and workspace and becomes a
-//        sibling that the fork server reaps and can kill. That is how nano memory is copied.
+//     └─ Fork / Snapshot (Driver interface): the session worker clones itself with
+//        CLONE_PARENT: the copy-on-write child has the same interpreter memory and workspace
+//        and becomes a sibling that the fork server reaps and can kill. That is how nano
+//        memory is copied. A snapshot (memory+disk: interpreter and in-memory /workspace) is
+//        such a clone that is never run, held by the driver; Restore forks it again.
 #pragma once
 
 #include <cstdint>
@@ -52,46 +54,14 @@ struct NanoDriverOptions {
   std::vector<std::string> argv;
 };
 
-struct RunRequest {
-  std::string code;
-  int64_t timeout_ms = 0;        // 0: driver default
-  int64_t memory_limit_mb = 0;   // 0: driver default (sessions: fixed at Create)
-  int64_t max_output_bytes = 0;  // per stream; 0: driver default
-  // Test programs only: argv for this run (empty: the driver's argv).
-  std::vector<std::string> argv;
-  // Tests only (honoured by test worker binaries): the guest is never interrupted, so only the
-  // driver's SIGKILL backstop can stop it.
-  bool test_no_interrupt = false;
-};
-
-struct RunError {
-  std::string type;       // e.g. "ZeroDivisionError"
-  std::string message;
-  std::string traceback;
-};
-
-struct RunResult {
-  std::string stdout_data;
-  std::string stderr_data;
-  int exit_code = -1;
-  int64_t duration_ms = 0;
-  double duration_exact_ms = 0;  // guest run time measured in the worker
-  bool timed_out = false;
-  bool truncated = false;
-  std::optional<RunError> error;
-  // Non-empty when the run failed on something nano cannot provide: a module name ("numpy")
-  // for an import, or a feature ("socket", "subprocess", "threads", "signal", "ctypes").
-  std::string unsupported_module;
-  // The guest instance was discarded (timeout, trap, exit): a session lost its globals.
-  bool instance_reset = false;
-};
-
 class NanoDriver : public Driver {
  public:
   explicit NanoDriver(NanoDriverOptions options);
   ~NanoDriver() override;
 
   std::string name() const override { return "nano"; }
+  // Python sessions and one-shot runs, files, fork and snapshots; no shell (Exec), no pause.
+  CapabilitySet Capabilities() const override;
   std::string Describe() const override;
 
   absl::StatusOr<InstanceRef> Create(const std::string& id, const EnvSpec& spec) override;
@@ -114,12 +84,20 @@ class NanoDriver : public Driver {
                          const std::map<std::string, std::string>& env) override;
 
   // `POST /run` (session == nullptr: one-shot, fresh interpreter from the snapshot) and
-  // `POST /environments/{id}/run` (session: the environment's persistent interpreter).
-  absl::StatusOr<RunResult> Run(const InstanceRef* session, const RunRequest& request);
+  // `POST /environments/{id}/run` (session: the environment's persistent interpreter). The
+  // output is only in the result (nano answers at the end; `sink` is not called).
+  absl::StatusOr<RunResult> RunCode(const InstanceRef* session, const RunRequest& request,
+                                    const OutputSink& sink) override;
 
   // Copies a live session (interpreter memory + workspace, copy-on-write) into a new session
   // `new_id`. The copy is independent from then on.
-  absl::StatusOr<InstanceRef> ForkSession(const InstanceRef& source, const std::string& new_id);
+  absl::StatusOr<InstanceRef> Fork(const InstanceRef& source, const std::string& new_id) override;
+  // A snapshot is a fork that never runs (memory+disk only: a nano session has nothing else);
+  // Restore forks it into a new session; DeleteSnapshot kills it.
+  absl::StatusOr<SnapshotRef> Snapshot(const InstanceRef& ref, SnapshotContent content) override;
+  absl::StatusOr<InstanceRef> Restore(const SnapshotRef& snapshot,
+                                      const std::string& new_id) override;
+  absl::Status DeleteSnapshot(const SnapshotRef& snapshot) override;
 
   // Test/diagnostic hooks: the worker pid of a session, and how a worker pid ended
   // ("running", "signal 31", "exit 0").

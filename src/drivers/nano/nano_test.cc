@@ -341,7 +341,7 @@ class NanoDriverTest : public ::testing::Test {
     r.memory_limit_mb = memory_mb;
     r.max_output_bytes = max_out;
     r.code = std::move(stdin_data);
-    absl::StatusOr<RunResult> res = driver_->Run(nullptr, r);
+    absl::StatusOr<RunResult> res = driver_->RunCode(nullptr, r, nullptr);
     EXPECT_TRUE(res.ok()) << res.status();
     return res.ok() ? *res : RunResult{};
   }
@@ -467,7 +467,7 @@ TEST_F(NanoDriverTest, SigkillBackstop) {
   loop.timeout_ms = 200;
   loop.test_no_interrupt = true;
   int64_t t0 = nano::NowMonoMs();
-  absl::StatusOr<RunResult> r = driver_->Run(&*ref, loop);
+  absl::StatusOr<RunResult> r = driver_->RunCode(&*ref, loop, nullptr);
   int64_t took = nano::NowMonoMs() - t0;
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_TRUE(r->timed_out);
@@ -480,7 +480,7 @@ TEST_F(NanoDriverTest, SigkillBackstop) {
   EXPECT_EQ(*how, "signal 9");
   RunRequest ok;
   ok.argv = {"testguest", "exit", "4"};
-  r = driver_->Run(&*ref, ok);
+  r = driver_->RunCode(&*ref, ok, nullptr);
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->exit_code, 4);
   ASSERT_TRUE(driver_->Destroy(*ref).ok());
@@ -495,7 +495,7 @@ TEST_F(NanoDriverTest, ConcurrentRuns) {
       for (int i = 0; i < 10; i++) {
         RunRequest r;
         r.argv = {"testguest", "exit", std::to_string(t * 10 + i)};
-        absl::StatusOr<RunResult> res = driver_->Run(nullptr, r);
+        absl::StatusOr<RunResult> res = driver_->RunCode(nullptr, r, nullptr);
         if (res.ok() && res->exit_code == t * 10 + i) {
           good++;
         } else {
@@ -535,16 +535,18 @@ TEST_F(NanoDriverTest, TrapsAreContained) {
 TEST_F(NanoDriverTest, RejectsBadLimits) {
   RunRequest r;
   r.memory_limit_mb = 1 << 20;
-  EXPECT_EQ(driver_->Run(nullptr, r).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(driver_->RunCode(nullptr, r, nullptr).status().code(),
+            absl::StatusCode::kInvalidArgument);
   r.memory_limit_mb = 0;
   r.timeout_ms = -5;
-  EXPECT_EQ(driver_->Run(nullptr, r).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(driver_->RunCode(nullptr, r, nullptr).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 // Sessions: the workspace persists between runs; the driver's file API sees it.
 TEST_F(NanoDriverTest, SessionFilesAndLifecycle) {
   EnvSpec spec;
-  spec.runtime = "nano";
+  spec.runtime = DriverKind::kNano;
   spec.memory_mb = 64;
   spec.env = {{"FOO", "bar"}};
   absl::StatusOr<InstanceRef> ref = driver_->Create("env_files", spec);
@@ -553,23 +555,23 @@ TEST_F(NanoDriverTest, SessionFilesAndLifecycle) {
   ASSERT_TRUE(driver_->WriteFile(*ref, "/workspace/dir/in.txt", "from host", 0, true).ok());
   RunRequest cat;
   cat.argv = {"testguest", "cat", "/workspace/dir/in.txt"};
-  absl::StatusOr<RunResult> r = driver_->Run(&*ref, cat);
+  absl::StatusOr<RunResult> r = driver_->RunCode(&*ref, cat, nullptr);
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->stdout_data, "from host");
   RunRequest env;
   env.argv = {"testguest", "env"};
-  r = driver_->Run(&*ref, env);
+  r = driver_->RunCode(&*ref, env, nullptr);
   ASSERT_TRUE(r.ok());
   EXPECT_NE(r->stdout_data.find("FOO=bar"), std::string::npos)
       << r->stdout_data << r->stderr_data << r->exit_code;
   RunRequest write;
   write.argv = {"testguest", "write", "out.txt", "guest data"};
-  r = driver_->Run(&*ref, write);
+  r = driver_->RunCode(&*ref, write, nullptr);
   ASSERT_TRUE(r.ok());
   // cwd is / (read-only) for a plain program.
   EXPECT_EQ(r->stdout_data, "write out.txt: errno 69\n") << r->stderr_data << r->exit_code;
   write.argv = {"testguest", "write", "/workspace/out.txt", "guest data"};
-  ASSERT_TRUE(driver_->Run(&*ref, write).ok());
+  ASSERT_TRUE(driver_->RunCode(&*ref, write, nullptr).ok());
   absl::StatusOr<FileChunk> chunk = driver_->ReadFile(*ref, "out.txt", 6, 100);
   ASSERT_TRUE(chunk.ok()) << chunk.status();
   EXPECT_EQ(chunk->data, "data");
@@ -600,7 +602,7 @@ TEST_F(NanoDriverTest, SessionFilesAndLifecycle) {
   ASSERT_TRUE(pid.ok());
   ASSERT_TRUE(driver_->Destroy(*ref).ok());
   EXPECT_TRUE(driver_->Destroy(*ref).ok());  // idempotent
-  EXPECT_EQ(driver_->Run(&*ref, cat).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(driver_->RunCode(&*ref, cat, nullptr).status().code(), absl::StatusCode::kNotFound);
   EXPECT_FALSE(driver_->Attach(*ref).ok());
   absl::StatusOr<std::string> how = driver_->WorkerStatus(*pid);
   ASSERT_TRUE(how.ok()) << how.status();
@@ -686,24 +688,24 @@ TEST_F(NanoDriverTest, SessionTimeoutKeepsWorkspace) {
   RunRequest loop;
   loop.argv = {"testguest", "loop"};
   loop.timeout_ms = 200;
-  absl::StatusOr<RunResult> r = driver_->Run(&*ref, loop);
+  absl::StatusOr<RunResult> r = driver_->RunCode(&*ref, loop, nullptr);
   ASSERT_TRUE(r.ok());
   EXPECT_EQ(r->exit_code, 124);
   EXPECT_TRUE(r->instance_reset);
   RunRequest cat;
   cat.argv = {"testguest", "cat", "/workspace/keep.txt"};
-  r = driver_->Run(&*ref, cat);
+  r = driver_->RunCode(&*ref, cat, nullptr);
   ASSERT_TRUE(r.ok());
   EXPECT_EQ(r->stdout_data, "kept");
   ASSERT_TRUE(driver_->Destroy(*ref).ok());
 }
 
 // Snapshot = copy-on-write clone of the session worker; the copy is independent.
-TEST_F(NanoDriverTest, ForkSessionCopiesTheWorkspace) {
+TEST_F(NanoDriverTest, ForkCopiesTheWorkspace) {
   absl::StatusOr<InstanceRef> a = driver_->Create("env_a", EnvSpec{});
   ASSERT_TRUE(a.ok()) << a.status();
   ASSERT_TRUE(driver_->WriteFile(*a, "f.txt", "v1", 0, true).ok());
-  absl::StatusOr<InstanceRef> b = driver_->ForkSession(*a, "env_b");
+  absl::StatusOr<InstanceRef> b = driver_->Fork(*a, "env_b");
   ASSERT_TRUE(b.ok()) << b.status();
   ASSERT_TRUE(driver_->WriteFile(*a, "f.txt", "v2-a", 0, true).ok());
   absl::StatusOr<FileChunk> fb = driver_->ReadFile(*b, "f.txt", 0, -1);
@@ -711,20 +713,49 @@ TEST_F(NanoDriverTest, ForkSessionCopiesTheWorkspace) {
   EXPECT_EQ(fb->data, "v1");
   RunRequest cat;
   cat.argv = {"testguest", "cat", "/workspace/f.txt"};
-  absl::StatusOr<RunResult> rb = driver_->Run(&*b, cat);
+  absl::StatusOr<RunResult> rb = driver_->RunCode(&*b, cat, nullptr);
   ASSERT_TRUE(rb.ok());
   EXPECT_EQ(rb->stdout_data, "v1");
   absl::StatusOr<int> pb = driver_->SessionPid(*b);
   ASSERT_TRUE(pb.ok());
   ASSERT_TRUE(driver_->Destroy(*a).ok());
   // The copy survives its source.
-  rb = driver_->Run(&*b, cat);
+  rb = driver_->RunCode(&*b, cat, nullptr);
   ASSERT_TRUE(rb.ok());
   EXPECT_EQ(rb->stdout_data, "v1");
   ASSERT_TRUE(driver_->Destroy(*b).ok());
   absl::StatusOr<std::string> how = driver_->WorkerStatus(*pb);
   ASSERT_TRUE(how.ok()) << how.status();
   EXPECT_NE(*how, "running");
+}
+
+// Snapshot holds the session as it was; Restore starts independent sessions from it, any
+// number of times, and later changes to the source do not reach them.
+TEST_F(NanoDriverTest, SnapshotThenRestoreGivesTheStateAtTheSnapshot) {
+  ASSERT_TRUE(driver_->Capabilities().Has(Capability::kSnapshot));
+  EXPECT_FALSE(driver_->Capabilities().Has(Capability::kExec));
+  absl::StatusOr<InstanceRef> a = driver_->Create("env_snap", EnvSpec{});
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(driver_->WriteFile(*a, "f.txt", "at-snapshot", 0, true).ok());
+  EXPECT_EQ(driver_->Snapshot(*a, SnapshotContent::kDisk).status().code(),
+            absl::StatusCode::kInvalidArgument)
+      << "nano cannot split memory from disk";
+  absl::StatusOr<SnapshotRef> snap = driver_->Snapshot(*a, SnapshotContent::kMemoryAndDisk);
+  ASSERT_TRUE(snap.ok()) << snap.status();
+  EXPECT_EQ(snap->content, SnapshotContent::kMemoryAndDisk);
+  EXPECT_EQ(snap->source_id, "env_snap");
+  ASSERT_TRUE(driver_->WriteFile(*a, "f.txt", "later", 0, true).ok());
+  for (const char* id : {"env_r1", "env_r2"}) {
+    absl::StatusOr<InstanceRef> r = driver_->Restore(*snap, id);
+    ASSERT_TRUE(r.ok()) << r.status();
+    absl::StatusOr<FileChunk> f = driver_->ReadFile(*r, "f.txt", 0, -1);
+    ASSERT_TRUE(f.ok()) << f.status();
+    EXPECT_EQ(f->data, "at-snapshot") << id;
+    ASSERT_TRUE(driver_->Destroy(*r).ok());
+  }
+  ASSERT_TRUE(driver_->DeleteSnapshot(*snap).ok());
+  EXPECT_FALSE(driver_->Restore(*snap, "env_r3").ok()) << "a deleted snapshot is gone";
+  ASSERT_TRUE(driver_->Destroy(*a).ok());
 }
 
 TEST_F(NanoDriverTest, OneShotLatency) {
@@ -769,7 +800,7 @@ class NanoAbiTest : public ::testing::Test {
     RunRequest r;
     r.code = code;
     r.timeout_ms = timeout_ms;
-    absl::StatusOr<RunResult> res = driver_->Run(session, r);
+    absl::StatusOr<RunResult> res = driver_->RunCode(session, r, nullptr);
     EXPECT_TRUE(res.ok()) << res.status();
     return res.ok() ? *res : RunResult{};
   }
@@ -812,7 +843,7 @@ TEST_F(NanoAbiTest, SessionKeepsStateAcrossRuns) {
   EXPECT_EQ(Toy("raise KeyError k", &*ref).exit_code, 1);
   EXPECT_EQ(Toy("get", &*ref).stdout_data, "value 41 reseeds 1 runs 4\n");
   // Snapshot by fork: the copy continues from the same memory, independently.
-  absl::StatusOr<InstanceRef> copy = driver_->ForkSession(*ref, "abi_copy");
+  absl::StatusOr<InstanceRef> copy = driver_->Fork(*ref, "abi_copy");
   ASSERT_TRUE(copy.ok()) << copy.status();
   EXPECT_EQ(Toy("set 7", &*copy).exit_code, 0);
   EXPECT_EQ(Toy("get", &*copy).stdout_data, "value 7 reseeds 1 runs 6\n");
@@ -880,7 +911,7 @@ class NanoPythonTest : public ::testing::Test {
     r.timeout_ms = timeout_ms;
     r.memory_limit_mb = memory_mb;
     r.max_output_bytes = max_out;
-    absl::StatusOr<RunResult> res = driver_->Run(session, r);
+    absl::StatusOr<RunResult> res = driver_->RunCode(session, r, nullptr);
     EXPECT_TRUE(res.ok()) << res.status();
     return res.ok() ? *res : RunResult{};
   }
@@ -974,7 +1005,7 @@ TEST_F(NanoPythonTest, EscapesAndLimits) {
 
 TEST_F(NanoPythonTest, SessionKeepsStateAndFiles) {
   EnvSpec spec;
-  spec.runtime = "nano";
+  spec.runtime = DriverKind::kNano;
   absl::StatusOr<InstanceRef> ref = driver_->Create("py_sess", spec);
   ASSERT_TRUE(ref.ok()) << ref.status();
   EXPECT_EQ(Py("x = 41\nimport json\n", &*ref).exit_code, 0);
@@ -988,7 +1019,7 @@ TEST_F(NanoPythonTest, SessionKeepsStateAndFiles) {
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_EQ(c->data, "from python");
   // Snapshot: fork the session; the copy has x and evolves independently.
-  absl::StatusOr<InstanceRef> copy = driver_->ForkSession(*ref, "py_copy");
+  absl::StatusOr<InstanceRef> copy = driver_->Fork(*ref, "py_copy");
   ASSERT_TRUE(copy.ok()) << copy.status();
   EXPECT_EQ(Py("x = 100", &*copy).exit_code, 0);
   EXPECT_EQ(Py("print(x)", &*copy).stdout_data, "100\n");

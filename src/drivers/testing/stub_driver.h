@@ -12,6 +12,7 @@ class StubDriver : public Driver {
  public:
   explicit StubDriver(std::string name = "stub") : name_(std::move(name)) {}
   std::string name() const override { return name_; }
+  CapabilitySet Capabilities() const override { return {}; }
   std::string Describe() const override { return "stub " + name_; }
   absl::StatusOr<InstanceRef> Create(const std::string&, const EnvSpec&) override {
     return Unimplemented();

@@ -1,4 +1,4 @@
-#include "api/package_installer.h"
+#include "packages/installer.h"
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -13,8 +13,7 @@
 #include "common/util.h"
 #include "packages/requirement.h"
 
-namespace esb::api {
-namespace json = boost::json;
+namespace esb::packages {
 namespace {
 
 // Wheels are copied into a directory of their own per install (concurrent installs in one
@@ -27,7 +26,7 @@ constexpr size_t kMaxQuotedOutput = 4000;
 // Which requirements the sandbox's Python already satisfies (the image's Debian packages, an
 // earlier install). Uses pip's vendored `packaging`, so specifiers and markers are judged
 // exactly as pip would. Prints one JSON array with one entry per argument, in order (the
-// format packages::ParseProbeAnswer reads): {"skip": true} when the marker is false here,
+// format ParseProbeAnswer reads): {"skip": true} when the marker is false here,
 // {"installed": version-or-null, "ok": bool}, or {"error": why} for a requirement `packaging`
 // rejects — per entry, so one bad entry is reported as such instead of failing the whole probe.
 // Extras are not checked here: the host sends a requirement with extras through pip.
@@ -89,34 +88,35 @@ absl::Status PackageInstaller::Validate(const std::vector<std::string>& requirem
                                                    " requirements; the limit is ",
                                                    options_.max_packages));
   for (size_t i = 0; i < requirements.size(); ++i) {
-    auto r = packages::ParseRequirement(requirements[i]);
+    auto r = ParseRequirement(requirements[i]);
     if (!r.ok())
-      return absl::InvalidArgumentError(
-          absl::StrCat("packages[", i, "]: ", r.status().message()));
+      return absl::InvalidArgumentError(absl::StrCat("packages[", i, "]: ", r.status().message()));
   }
   return absl::OkStatus();
 }
 
-absl::StatusOr<json::array> PackageInstaller::Install(const std::string& tenant,
-                                                      const std::string& env_id,
-                                                      const std::vector<std::string>& requirements,
-                                                      const OutputSink& progress) {
+absl::StatusOr<std::vector<InstalledPackage>> PackageInstaller::Install(
+    const Caller& caller, const std::string& env_id, const std::vector<std::string>& requirements,
+    const OutputSink& progress) {
+  // pip's probes, copies and runs are steps of the one audited action that asked for the
+  // packages (a run); each wheel fetched over the network is audited on its own.
+  const Caller step = caller.Step();
   if (absl::Status st = Validate(requirements); !st.ok()) return st;
-  std::vector<packages::Requirement> parsed;
+  std::vector<Requirement> parsed;
   for (const std::string& text : requirements) {
-    auto r = packages::ParseRequirement(text);
+    auto r = ParseRequirement(text);
     if (!r.ok()) return r.status();  // Validate said it was fine
     parsed.push_back(std::move(*r));
   }
   const int64_t deadline = MonotonicMs() + options_.timeout_ms;
   // The same deadline for the host-side fetches (each also capped by the cache's http_timeout).
-  const auto fetch_deadline = packages::WheelCache::Clock::now() +
-                              std::chrono::milliseconds(options_.timeout_ms);
+  const auto fetch_deadline =
+      WheelCache::Clock::now() + std::chrono::milliseconds(options_.timeout_ms);
   auto remaining = [&]() { return std::max<int64_t>(1000, deadline - MonotonicMs()); };
   auto out_of_time = [&]() -> absl::Status {
     if (MonotonicMs() < deadline) return absl::OkStatus();
-    return absl::DeadlineExceededError(absl::StrCat(
-        "installing packages took longer than ", options_.timeout_ms / 1000, " s"));
+    return absl::DeadlineExceededError(
+        absl::StrCat("installing packages took longer than ", options_.timeout_ms / 1000, " s"));
   };
   auto say = [&](std::string_view line) {
     if (progress) progress(Stream::kStderr, absl::StrCat(AbslView(line), "\n"));
@@ -128,40 +128,39 @@ absl::StatusOr<json::array> PackageInstaller::Install(const std::string& tenant,
   //    its entries are matched to our own requirements by position and only tell, for each,
   //    whether pip needs to act; names, counts and requirement texts stay ours.
   ExecRequest probe;
-  probe.command =
-      absl::StrCat("python3 -c ", ShellQuote(kProbe), " ", absl::StrJoin(quoted, " "));
+  probe.command = absl::StrCat("python3 -c ", ShellQuote(kProbe), " ", absl::StrJoin(quoted, " "));
   probe.timeout = std::chrono::milliseconds(std::min<int64_t>(remaining(), 60'000));
-  auto pr = manager_->Exec(tenant, env_id, probe, nullptr);
+  auto pr = manager_->Exec(step, env_id, probe, nullptr);
   if (!pr.ok()) return pr.status();
   if (pr->exit_code != 0 || pr->timed_out)
     return absl::FailedPreconditionError(absl::StrCat(
         "cannot check the sandbox's installed packages (is python3-pip in the image?): ",
         pr->timed_out ? "timed out; " : "", Tail(pr->stderr_data, 5)));
-  auto probed = packages::ParseProbeAnswer(pr->stdout_data, requirements.size());
+  auto probed = ParseProbeAnswer(pr->stdout_data, requirements.size());
   if (!probed.ok())
     return absl::FailedPreconditionError(
         absl::StrCat(probed.status().message(), "; stderr: ", Tail(pr->stderr_data, 5)));
-  json::array result;
+  std::vector<InstalledPackage> result;
   std::vector<size_t> to_fetch;  // indices into `parsed` whose distribution is missing
   bool need_pip = false;
   for (size_t i = 0; i < parsed.size(); ++i) {
-    const packages::ProbeEntry& e = (*probed)[i];
-    const packages::Requirement& req = parsed[i];
+    const ProbeEntry& e = (*probed)[i];
+    const Requirement& req = parsed[i];
     switch (e.kind) {
-      case packages::ProbeEntry::Kind::kInvalid:
-        return absl::InvalidArgumentError(absl::StrCat(
-            "packages[", i, "] '", packages::Printable(req.display, 100),
-            "': the sandbox's Python rejects the requirement: ", e.error));
-      case packages::ProbeEntry::Kind::kSkip:
+      case ProbeEntry::Kind::kInvalid:
+        return absl::InvalidArgumentError(
+            absl::StrCat("packages[", i, "] '", Printable(req.display, 100),
+                         "': the sandbox's Python rejects the requirement: ", e.error));
+      case ProbeEntry::Kind::kSkip:
         break;
-      case packages::ProbeEntry::Kind::kSatisfied:
-        result.push_back(json::object{
-            {"name", req.name}, {"version", e.installed}, {"preinstalled", true}});
+      case ProbeEntry::Kind::kSatisfied:
+        result.push_back(
+            InstalledPackage{.name = req.name, .version = e.installed, .preinstalled = true});
         // The base distribution is there, but its extras' dependencies may not be: pip
         // decides, asking for what it lacks like for any dependency.
         if (!req.extras.empty()) need_pip = true;
         break;
-      case packages::ProbeEntry::Kind::kMissing:
+      case ProbeEntry::Kind::kMissing:
         to_fetch.push_back(i);
         need_pip = true;
         break;
@@ -186,13 +185,13 @@ absl::StatusOr<json::array> PackageInstaller::Install(const std::string& tenant,
     ExecRequest rm;
     rm.command = absl::StrCat("rm -rf ", wheel_dir);
     rm.timeout = std::chrono::milliseconds(10'000);
-    manager_->Exec(tenant, env_id, rm, nullptr).IgnoreError();
+    manager_->Exec(step, env_id, rm, nullptr).IgnoreError();
   });
   std::set<std::string> copied;  // file names already in wheel_dir
-  auto provide = [&](const packages::Requirement& req) -> absl::StatusOr<bool> {
+  auto provide = [&](const Requirement& req) -> absl::StatusOr<bool> {
     if (cache_ == nullptr)
       return absl::FailedPreconditionError(absl::StrCat(
-          "pip needs '", packages::Printable(req.display, 200),
+          "pip needs '", Printable(req.display, 200),
           "', which is not in the sandbox image; installing packages needs a package index, "
           "and this daemon has none configured (set packages.index_url in the esbd config)"));
     if (absl::Status st = out_of_time(); !st.ok()) return st;
@@ -200,11 +199,20 @@ absl::StatusOr<json::array> PackageInstaller::Install(const std::string& tenant,
     auto wheel = cache_->Fetch(req, fetch_deadline);
     if (!wheel.ok()) return wheel.status();
     if (copied.count(wheel->filename)) return false;  // no progress: pip already had it
-    if (!wheel->from_cache && audit_) audit_(tenant, env_id, *wheel);
+    if (!wheel->from_cache) {
+      // Egress on the sandbox's behalf: its own row, even inside an operation audited whole.
+      Caller fetcher = caller;
+      fetcher.audited = true;
+      manager_->audit().Record(
+          fetcher, {.environment_id = env_id,
+                    .action = "package.fetch",
+                    .detail = absl::StrCat(wheel->name, "==", wheel->version, " ", wheel->filename),
+                    .bytes = wheel->size});
+    }
     say(absl::StrCat("esb: ", wheel->name, " ", wheel->version,
-                     wheel->from_cache ? (wheel->offline ? " (host cache; index unreachable)"
-                                                         : " (host cache)")
-                                       : " (downloaded from the package index)"));
+                     wheel->from_cache
+                         ? (wheel->offline ? " (host cache; index unreachable)" : " (host cache)")
+                         : " (downloaded from the package index)"));
     UniqueFd fd(::open(wheel->path.c_str(), O_RDONLY | O_CLOEXEC));
     if (!fd) return ErrnoStatus(absl::StrCat("open cached wheel ", wheel->path));
     const std::string dest = absl::StrCat(wheel_dir, "/", wheel->filename);
@@ -216,18 +224,16 @@ absl::StatusOr<json::array> PackageInstaller::Install(const std::string& tenant,
       if (n < 0) return ErrnoStatus(absl::StrCat("read cached wheel ", wheel->path));
       if (n == 0 && offset > 0) break;
       wrote = true;
-      if (absl::Status st = manager_->WriteFile(tenant, env_id, dest,
-                                                std::string_view(buf.data(), n), offset,
-                                                offset == 0);
+      if (absl::Status st = manager_->WriteFile(step, env_id, dest, std::string_view(buf.data(), n),
+                                                offset, offset == 0);
           !st.ok())
         return st;
       offset += n;
       if (n == 0) break;
     }
     copied.insert(wheel->filename);
-    result.push_back(json::object{{"name", wheel->name},
-                                  {"version", wheel->version},
-                                  {"from_cache", wheel->from_cache}});
+    result.push_back(InstalledPackage{
+        .name = wheel->name, .version = wheel->version, .from_cache = wheel->from_cache});
     return true;
   };
   for (size_t i : to_fetch) {
@@ -237,8 +243,7 @@ absl::StatusOr<json::array> PackageInstaller::Install(const std::string& tenant,
     if (round >= options_.max_rounds)
       return absl::FailedPreconditionError(absl::StrCat(
           "pip still reported missing dependencies after ", options_.max_rounds,
-          " rounds (one dependency is fetched per round; the limit is ", options_.max_rounds,
-          ")"));
+          " rounds (one dependency is fetched per round; the limit is ", options_.max_rounds, ")"));
     if (absl::Status st = out_of_time(); !st.ok()) return st;
     ExecRequest pip;
     pip.command = absl::StrCat(
@@ -248,36 +253,36 @@ absl::StatusOr<json::array> PackageInstaller::Install(const std::string& tenant,
         absl::StrJoin(quoted, " "));
     pip.timeout = std::chrono::milliseconds(remaining());
     pip.max_output_bytes = 1 << 20;
-    auto r = manager_->Exec(tenant, env_id, pip, progress);
+    auto r = manager_->Exec(step, env_id, pip, progress);
     if (!r.ok()) return r.status();
     if (r->exit_code == 0) break;
     const std::string output = r->stdout_data + r->stderr_data;
     // Plain string search: pip's output is the sandbox's, a megabyte on one line if it likes
     // (std::regex recursed once per character there and overflowed the stack).
     std::optional<std::string_view> dep =
-        r->timed_out ? std::nullopt : packages::FindMissingDistribution(output);
+        r->timed_out ? std::nullopt : FindMissingDistribution(output);
     if (!dep)
+      return absl::FailedPreconditionError(absl::StrCat("pip install failed (exit ", r->exit_code,
+                                                        r->timed_out ? ", timed out" : "", "):\n",
+                                                        Tail(output, 15)));
+    if (dep->size() > kMaxRequirementLength)
       return absl::FailedPreconditionError(
-          absl::StrCat("pip install failed (exit ", r->exit_code, r->timed_out ? ", timed out" : "",
-                       "):\n", Tail(output, 15)));
-    if (dep->size() > packages::kMaxRequirementLength)
-      return absl::FailedPreconditionError(absl::StrCat(
-          "pip reported a missing dependency of ", dep->size(), " characters ('",
-          packages::Printable(*dep, 100), "'); esbd fetches requirements of at most ",
-          packages::kMaxRequirementLength));
-    auto req = packages::ParseRequirement(*dep);
+          absl::StrCat("pip reported a missing dependency of ", dep->size(), " characters ('",
+                       Printable(*dep, 100), "'); esbd fetches requirements of at most ",
+                       kMaxRequirementLength));
+    auto req = ParseRequirement(*dep);
     if (!req.ok())
-      return absl::FailedPreconditionError(absl::StrCat(
-          "pip needs '", packages::Printable(*dep, 200), "', which esbd cannot fetch: ",
-          req.status().message()));
+      return absl::FailedPreconditionError(
+          absl::StrCat("pip needs '", Printable(*dep, 200),
+                       "', which esbd cannot fetch: ", req.status().message()));
     auto progressed = provide(*req);
     if (!progressed.ok()) return progressed.status();
     if (!*progressed)
       return absl::FailedPreconditionError(
-          absl::StrCat("pip cannot satisfy '", packages::Printable(*dep, 200),
+          absl::StrCat("pip cannot satisfy '", Printable(*dep, 200),
                        "' with the wheels the index offers:\n", Tail(output, 15)));
   }
   return result;
 }
 
-}  // namespace esb::api
+}  // namespace esb::packages

@@ -1,4 +1,4 @@
-#include "api/kernel_frames.h"
+#include "drivers/kernel_frames.h"
 
 #include <gtest/gtest.h>
 
@@ -6,7 +6,7 @@
 #include <utility>
 #include <vector>
 
-namespace esb::api {
+namespace esb {
 namespace {
 
 using Events = std::vector<std::pair<Stream, std::string>>;
@@ -32,14 +32,15 @@ TEST(KernelFrameDecoderTest, KeepsTheOrderAcrossStreams) {
   KernelFrameDecoder d(rec.Sink());
   const std::string raw = Frame('E', "e1\n") + Frame('O', "o1\n") + Frame('E', "e2\n");
   ASSERT_TRUE(d.Feed(raw));
-  EXPECT_EQ(rec.events, (Events{{Stream::kStderr, "e1\n"}, {Stream::kStdout, "o1\n"},
-                                {Stream::kStderr, "e2\n"}}));
+  EXPECT_EQ(
+      rec.events,
+      (Events{{Stream::kStderr, "e1\n"}, {Stream::kStdout, "o1\n"}, {Stream::kStderr, "e2\n"}}));
   EXPECT_EQ(d.pending(), 0u);
 }
 
 TEST(KernelFrameDecoderTest, AnySplitOfTheBytesGivesTheSameFrames) {
-  const std::string raw = Frame('O', "héllo\n") + Frame('E', "") + Frame('E', std::string(300, 'x')) +
-                          Frame('O', "end");
+  const std::string raw = Frame('O', "héllo\n") + Frame('E', "") +
+                          Frame('E', std::string(300, 'x')) + Frame('O', "end");
   Recorder whole;
   KernelFrameDecoder(whole.Sink()).Feed(raw);
   for (size_t step : {1u, 2u, 7u, 9u, 10u, 64u}) {
@@ -84,4 +85,4 @@ TEST(KernelFrameDecoderTest, StopsWhenTheSinkSaysSo) {
 }
 
 }  // namespace
-}  // namespace esb::api
+}  // namespace esb

@@ -1,16 +1,20 @@
-# esb heavy-tier Python kernel (written into the environment by esbd; stdlib only).
-#   python3 kernel.py serve                                         -> the persistent kernel
+# esb heavy-tier Python kernel (guest side: runs inside the sandbox; stdlib only).
+#   python3 kernel.py serve [DIR]                                   -> the persistent kernel
 #   python3 kernel.py run|once CELLFILE RESULTFILE TIMEOUT_MS FMTS  -> one cell
 #
-# This file is compiled into esbd (src/api/CMakeLists.txt embeds it at build time); esbd writes
-# it to /tmp/.esb-kernel/kernel.py in a container environment and runs cells through the
-# ordinary Exec call, so the agent and the drivers know nothing of Python. The protocol and
-# the guarantees are described in heavy_kernel.h. tests/kernel/test_kernel.py runs it on the
-# host.
+# This file is compiled into esbd (src/drivers/CMakeLists.txt embeds it at build time); the
+# container driver puts it on its share tmpfs and binds it READ-ONLY at /usr/lib/esb/kernel.py
+# in every sandbox (like esb-agent), and cells run through the ordinary Exec call. The kernel's
+# working state (cells, results, lock, restart counter) lives in the writable directory
+# ESB_KERNEL_DIR (default /tmp/.esb-kernel), never next to the code. The protocol and the
+# guarantees are described in src/drivers/heavy_kernel.h. tests/kernel/test_kernel.py runs it
+# on the host, from this file.
 import ast, builtins, fcntl, glob, importlib, importlib.machinery, io, json, linecache
 import os, select, signal, socket, stat, struct, sys, threading, time, traceback, types
 
-DIR = os.path.dirname(os.path.abspath(__file__))
+DIR = os.path.abspath(
+    (sys.argv[2] if len(sys.argv) == 3 and sys.argv[1] == "serve" else None)
+    or os.environ.get("ESB_KERNEL_DIR") or "/tmp/.esb-kernel")
 # An abstract unix socket: no file that `rm -rf /tmp/*` could delete while the kernel lives
 # on, and the name is free again the moment the kernel dies. One per kernel directory.
 SOCK = "\0esb-kernel:" + DIR
@@ -731,7 +735,7 @@ def start_server():
         fd = os.open(os.devnull, os.O_RDWR)
         for i in (0, 1, 2):
             os.dup2(fd, i)
-        os.execv(sys.executable, [sys.executable, os.path.abspath(__file__), "serve"])
+        os.execv(sys.executable, [sys.executable, os.path.abspath(__file__), "serve", DIR])
     finally:
         os._exit(1)
 
@@ -939,7 +943,7 @@ def finish(resultfile, out):
 
 
 def main():
-    if len(sys.argv) >= 2 and sys.argv[1] == "serve":
+    if len(sys.argv) in (2, 3) and sys.argv[1] == "serve":
         serve()
     elif len(sys.argv) == 6 and sys.argv[1] in ("run", "once"):
         mode = run if sys.argv[1] == "run" else once
@@ -952,7 +956,7 @@ def main():
             os.write(own_stderr, traceback.format_exc().encode("utf-8", "replace"))
             os._exit(1)
     else:
-        sys.stderr.write("usage: kernel.py serve | run|once CELLFILE RESULTFILE TIMEOUT_MS "
+        sys.stderr.write("usage: kernel.py serve [DIR] | run|once CELLFILE RESULTFILE TIMEOUT_MS "
                          "FORMATS\n")
         sys.exit(2)
 

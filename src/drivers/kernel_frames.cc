@@ -1,11 +1,11 @@
-#include "api/kernel_frames.h"
+#include "drivers/kernel_frames.h"
 
 #include <cstdint>
 
-namespace esb::api {
+namespace esb {
 namespace {
 
-constexpr size_t kHeader = 9;          // tag + 8 hex digits
+constexpr size_t kHeader = 9;            // tag + 8 hex digits
 constexpr uint64_t kMaxFrame = 1 << 20;  // kernel.py's FRAME_MAX
 
 // The length in a header, or -1 if the 8 bytes are not lowercase hex or exceed kMaxFrame.
@@ -46,4 +46,4 @@ bool KernelFrameDecoder::Feed(std::string_view data) {
   return ok;
 }
 
-}  // namespace esb::api
+}  // namespace esb

@@ -9,7 +9,7 @@
 
 #include "drivers/driver.h"
 
-namespace esb::api {
+namespace esb {
 
 class KernelFrameDecoder {
  public:
@@ -30,4 +30,4 @@ class KernelFrameDecoder {
   bool raw_ = false;
 };
 
-}  // namespace esb::api
+}  // namespace esb

@@ -19,50 +19,50 @@
 #include <string>
 #include <vector>
 
-#include <boost/json.hpp>
-
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "core/environment_manager.h"
 #include "packages/wheel_cache.h"
 
-namespace esb::api {
+namespace esb::packages {
+
+// One distribution a run asked for: provided by esbd (`from_cache`: from the host's wheel
+// cache rather than the index) or already in the image (`preinstalled`).
+struct InstalledPackage {
+  std::string name;
+  std::string version;
+  bool from_cache = false;
+  bool preinstalled = false;
+};
 
 class PackageInstaller {
  public:
   struct Options {
-    int max_packages = 32;      // requirements per request
-    int max_rounds = 40;        // pip runs per install (one per missing dependency)
+    int max_packages = 32;  // requirements per request
+    int max_rounds = 40;    // pip runs per install (one per missing dependency)
     // The whole install, host-side fetches included (each passed the remaining time).
     int64_t timeout_ms = 600'000;
   };
-  // Called for each wheel fetched over the network (the audit trail of egress).
-  using FetchAudit = std::function<void(const std::string& tenant, const std::string& env_id,
-                                        const packages::Wheel& wheel)>;
-
   // `cache` may be null (no package index configured): then only requirements the image
-  // already satisfies are accepted.
-  PackageInstaller(EnvironmentManager* manager, packages::WheelCache* cache, Options options,
-                   FetchAudit audit = nullptr)
-      : manager_(manager), cache_(cache), options_(options), audit_(std::move(audit)) {}
+  // already satisfies are accepted. Each wheel fetched over the network is audited
+  // ("package.fetch", the audit trail of egress) through the manager's AuditLog.
+  PackageInstaller(EnvironmentManager* manager, WheelCache* cache, Options options)
+      : manager_(manager), cache_(cache), options_(options) {}
 
   // Checks the requirement strings without installing anything (InvalidArgument naming the
   // bad one).
   absl::Status Validate(const std::vector<std::string>& requirements) const;
 
-  // Installs into environment `env_id`; pip's output goes to `progress` as it runs. Answers
-  // one entry per distribution: {name, version, from_cache} for wheels esbd provided, or
-  // {name, version, preinstalled: true} for ones the image already had.
-  absl::StatusOr<boost::json::array> Install(const std::string& tenant,
-                                             const std::string& env_id,
-                                             const std::vector<std::string>& requirements,
-                                             const OutputSink& progress);
+  // Installs into environment `env_id` for `caller` (its steps are not audited one by one);
+  // pip's output goes to `progress` as it runs. Answers one entry per distribution.
+  absl::StatusOr<std::vector<InstalledPackage>> Install(
+      const Caller& caller, const std::string& env_id, const std::vector<std::string>& requirements,
+      const OutputSink& progress);
 
  private:
   EnvironmentManager* manager_;
-  packages::WheelCache* cache_;
+  WheelCache* cache_;
   Options options_;
-  FetchAudit audit_;
 };
 
-}  // namespace esb::api
+}  // namespace esb::packages

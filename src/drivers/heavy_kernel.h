@@ -1,8 +1,13 @@
-// The stateful Python kernel of the heavy (container) tier: src/api/kernel.py, compiled into
-// esbd (CMake embeds the file), written into the environment and run through the ordinary
-// Exec call (no agent or driver changes; the same code serves a future microVM driver):
+// The stateful Python kernel of the heavy (container) tier: src/agent/python/kernel.py, a
+// guest-side program compiled into esbd (CMake embeds the file), shipped READ-ONLY into every
+// sandbox by its driver (the container driver binds it from its share tmpfs, like esb-agent,
+// at kHeavyKernelPath) and run through the driver's ordinary Exec call (RunHeavyKernel below
+// is RunCode for any agent-based driver: container today, microVM later):
 //
-//   python3 /tmp/.esb-kernel/kernel.py run|once CELLFILE RESULTFILE TIMEOUT_MS FORMATS
+//   python3 /usr/lib/esb/kernel.py run|once CELLFILE RESULTFILE TIMEOUT_MS FORMATS
+//
+// Its working state (cells, results, the lock, the restart counter) lives in the
+// sandbox-writable kHeavyKernelDir; the code itself cannot be replaced from inside.
 //
 // `run` = a cell of the environment's persistent kernel; `once` = a one-shot run in this
 // process (POST /run on heavy). Every cell (both modes) reports `value` (repr of the final
@@ -11,8 +16,8 @@
 // figures saved as FORMATS (png,svg) into RESULTFILE's "-art" directory — on plt.show()
 // through an in-memory matplotlib backend module, and for figures left open at the end (32
 // per cell; the rest are closed and reported as dropped) — plus files created or changed under
-// /workspace/artifacts during the cell. esbd copies the reported files out
-// (run_service.cc) and removes the staging directory.
+// /workspace/artifacts during the cell. RunHeavyKernel reports them; the core's run pipeline
+// (core/run) copies them out and RunHeavyKernel removes the staging directory.
 //
 // Server (`serve`, started on demand by the client, double-forked + setsid so it outlives the
 // exec's process group): listens on an abstract unix socket named after its directory (no
@@ -51,13 +56,28 @@
 
 #include <string_view>
 
-namespace esb::api {
+#include "absl/status/statusor.h"
+#include "drivers/driver.h"
 
-// Where the kernel lives inside a container environment.
+namespace esb {
+
+// Where the kernel's code is (read-only) and where it keeps its state (writable) inside a
+// sandbox. kernel.py reads the state directory from ESB_KERNEL_DIR (default: this one).
+inline constexpr std::string_view kHeavyKernelPath = "/usr/lib/esb/kernel.py";
 inline constexpr std::string_view kHeavyKernelDir = "/tmp/.esb-kernel";
-inline constexpr std::string_view kHeavyKernelPath = "/tmp/.esb-kernel/kernel.py";
 
-// The source of kernel.py (Python 3.11+, stdlib only).
+// The source of kernel.py (Python 3.11+, stdlib only), for drivers to ship into sandboxes.
 std::string_view HeavyKernelSource();
 
-}  // namespace esb::api
+// Runs `request` through kernel.py in instance `ref` of `driver`, using only the driver's
+// WriteFile / Exec / ReadFile: `request.once` = a one-shot run in a fresh process, else a cell
+// of the instance's persistent kernel. Output goes to `sink` as it is produced.
+absl::StatusOr<RunResult> RunHeavyKernel(Driver& driver, const InstanceRef& ref,
+                                         const RunRequest& request, const OutputSink& sink);
+
+// A whole file from inside a sandbox, at most `cap` bytes (else ResourceExhausted): every
+// size and length the sandbox reports is checked against what was really received.
+using ChunkReader = std::function<absl::StatusOr<FileChunk>(int64_t offset, int64_t length)>;
+absl::StatusOr<std::string> ReadWholeSandboxFile(const ChunkReader& read, int64_t cap);
+
+}  // namespace esb
