@@ -1,23 +1,28 @@
 // A small, generic HTTP/1.1 server for esbd: routing with path parameters, JSON helpers,
-// streamed (chunked) responses for SSE and downloads, streamed request bodies for uploads, and
-// hard limits and timeouts everywhere.
+// streamed (chunked) responses for SSE and downloads, streamed request bodies for uploads,
+// WebSocket upgrades, and hard limits and timeouts everywhere. Built on Boost.Beast/Asio
+// (implementation in src/api/http/).
 //
-// Threading model: one poller thread (epoll) accepts connections on every listener (TCP and/or
-// unix socket) and owns them while they are idle or still sending their request header: it reads
-// without blocking into a per-connection buffer capped at `max_header_bytes`, under the header
-// deadline. Only a connection whose header block is complete gets a thread, which handles that
-// one request with synchronous I/O (so a handler may block for minutes, e.g. exec, without
-// stalling anybody) and hands a keep-alive connection back to the poller. So idle and slow
-// (slowloris) clients hold no thread: the number of request threads is bounded by
-// `max_connections` (excess requests get a 503), each principal's share of them by
-// `max_requests_per_principal` (429), and open connections by a much larger cap
-// derived from RLIMIT_NOFILE, beyond which the oldest idle or header-phase connection is closed
-// to admit a new one. A route's `before_body` hook (authentication) runs on the header alone, so
-// nobody sends a body before being admitted, and a route that declares no body never reads
-// one; buffered bodies share a server-wide memory budget, of which each principal may hold only
-// its share.
-// Every socket read and write has a deadline (poll-based), so a slow or silent client cannot
-// hold a thread forever.
+// Threading model: a small pool of I/O threads (Options::io_threads, each running its own
+// io_context) accepts connections on every listener (TCP and/or unix socket) and owns every
+// connection while it is idle, sending its request header, lingering after an answer, or
+// carrying a WebSocket: all of that is asynchronous, so an idle or slow (slowloris) client costs
+// a socket, a timer and a small buffer, never a thread. Once a header is complete and routed,
+// the request is handed to a bounded worker pool (threads created on demand up to
+// `max_connections`, small stacks, idle ones exit), which runs the route's `before_body` hook,
+// reads the body, runs the handler (which may block for minutes, e.g. exec) and writes the
+// answer with synchronous, deadline-bounded I/O on the connection's socket; a keep-alive
+// connection then goes back to its I/O thread. So a blocking handler never stalls accepting or
+// /healthz: the number of requests in progress is bounded by `max_connections` (excess requests
+// get a 503), each principal's share of them by `max_requests_per_principal` (429), streams
+// (SSE, downloads, WebSockets) by `max_streams` (503), and open connections by a cap derived
+// from RLIMIT_NOFILE (beyond which the oldest idle or header-phase connection is closed to admit
+// a new one) and a per-peer cap (per IP for TCP, per uid for the unix socket). A
+// route's `before_body` hook (authentication) runs on the header alone, so nobody sends a body
+// (or upgrades to a WebSocket) before being admitted, and a route that declares no body never
+// reads one; buffered bodies share a server-wide memory budget, of which each principal may hold
+// only its share. Every socket read and write has a deadline, so a slow or silent client cannot
+// hold a worker forever.
 //
 // Typical use:
 //
@@ -189,8 +194,41 @@ class ResponseWriter {
   virtual uint64_t bytes_written() const = 0;
 };
 
+// The server side of an upgraded WebSocket connection, for a handler running on a worker thread
+// (Response::WebSocket). Every call waits for the I/O thread that owns the connection, with a
+// deadline. The server answers pings and sends its own (Options::websocket_idle_timeout: a
+// client that answers nothing for that long is dropped). Thread-safe.
+class WebSocket {
+ public:
+  // RFC 6455 close codes the server uses.
+  static constexpr int kNormal = 1000;
+  static constexpr int kPolicy = 1008;  // e.g. not allowed
+  static constexpr int kTooBig = 1009;  // a message over Options::websocket_max_message_bytes
+  static constexpr int kError = 1011;   // the handler failed (threw)
+
+  struct Message {
+    std::string data;
+    bool binary = false;
+  };
+  virtual ~WebSocket() = default;
+  // Sends one message; waits until it was handed to the kernel (backpressure) or
+  // Options::write_timeout passed. False once the connection is closed or failed.
+  virtual bool Send(std::string_view data, bool binary = false) = 0;
+  // The next message from the client, waiting up to `timeout`. DeadlineExceeded when none came
+  // in time (the connection stays open); Unavailable once the connection is closed (the message
+  // says by whom, with the close code), e.g. after a message over the size limit (1009).
+  virtual absl::StatusOr<Message> Receive(std::chrono::milliseconds timeout) = 0;
+  // Starts the closing handshake with `code` and `reason` (≤ 123 bytes) and waits for it (up to
+  // write_timeout). Idempotent. If the handler returns without closing, the server closes with
+  // 1000; if it throws, with 1011.
+  virtual void Close(int code = kNormal, std::string_view reason = "") = 0;
+  // True once the connection is closed (by either side) or failed.
+  virtual bool ClientGone() = 0;
+};
+
 struct Response {
   using StreamFn = std::function<void(ResponseWriter&)>;
+  using WebSocketFn = std::function<void(esb::api::WebSocket&)>;
 
   int status = 200;
   std::string content_type = "application/json";
@@ -204,6 +242,10 @@ struct Response {
   // without the terminating chunk, so the client sees a failed (not a short) transfer.
   // 204 and 304 answers never carry a body.
   StreamFn stream;
+  // If set, the request is upgraded to a WebSocket (it must be a valid upgrade request, else
+  // 426): the server answers 101 and calls `websocket` on a worker thread; the connection ends
+  // when it returns. Counts as a stream (Options::max_streams). `status`, `body` are ignored.
+  WebSocketFn websocket;
 
   void SetHeader(std::string_view name, std::string_view value);
 
@@ -212,6 +254,8 @@ struct Response {
   // A Server-Sent Events stream (200, text/event-stream, no caching, no proxy buffering).
   static Response Sse(StreamFn fn);
   static Response Text(int status, std::string body, std::string content_type = "text/plain");
+  // An upgrade to a WebSocket served by `fn` (see WebSocket).
+  static Response WebSocket(WebSocketFn fn);
 };
 
 // 200-style JSON answer; the body is `value` serialised.
@@ -304,12 +348,28 @@ class HttpServer {
     std::string unix_socket_path;
     int unix_socket_mode = 0660;
 
-    // Requests handled at once, each on its own thread; more → 503 (idle keep-alive connections
-    // and connections still sending their header hold no thread and do not count).
-    int max_connections = 256;
+    // I/O threads (each with its own io_context): accepting, idle and header waits, lingering,
+    // WebSocket I/O. They never run a handler.
+    int io_threads = 2;
+    // Requests in progress at once (from admission to the end of the answer), each on a worker
+    // thread; more → 503 (idle keep-alive connections and connections still sending their
+    // header hold no worker and do not count). Also the worker pool's size cap.
+    int max_connections = 1024;
+    // Of those, streamed answers (SSE, downloads) and WebSockets at once; more → 503.
+    // 0: max_connections.
+    int max_streams = 0;
+    // Worker threads' stack size (they run handlers only). Up to 8 idle workers wait
+    // worker_idle_timeout for work; more than that (after a burst) exit after 250 ms.
+    size_t worker_stack_bytes = 256 << 10;
+    std::chrono::milliseconds worker_idle_timeout{30'000};
     // Open connections in all (each costs one fd); at the cap the oldest idle or header-phase
-    // connection is closed to admit a new one. 0: half of RLIMIT_NOFILE's soft limit.
+    // connection is closed to admit a new one. 0: three quarters of RLIMIT_NOFILE's soft limit.
     int max_open_connections = 0;
+    // Open connections from one peer (one IP address over TCP, one uid over the unix socket);
+    // beyond it the peer's own oldest idle connection is closed to admit the new one, or, with
+    // none idle, the new one is refused with 503. 0: seven eighths of the open-connection cap
+    // (one peer can never take the last eighth from the others).
+    int max_open_connections_per_peer = 0;
     size_t max_header_bytes = 64 * 1024;               // request line + headers → 400 beyond
     uint64_t max_body_bytes = 16ull << 20;             // buffered bodies → 413 beyond
     // Memory for buffered request bodies across all connections; a body that does not fit is
@@ -355,6 +415,11 @@ class HttpServer {
     // 0: no limit. Errors of the server itself are logged separately and not limited by this.
     int access_log_lines_per_second = 100;
     std::chrono::milliseconds drain_timeout{10'000};   // Stop(): wait for in-flight requests
+    // WebSockets: the largest message accepted from a client (larger: closed with 1009), and
+    // how long a connection may stay silent: the server pings at half of it, and a client that
+    // answers nothing for all of it is dropped.
+    size_t websocket_max_message_bytes = 1 << 20;
+    std::chrono::milliseconds websocket_idle_timeout{60'000};
 
     bool access_log = true;  // one esb::Log line per response
     std::string server_name = "esbd";
@@ -371,21 +436,21 @@ class HttpServer {
   // Add routes here before Start().
   Router& router();
 
-  // Binds the listeners and starts the poller thread. Fails if a listener cannot be bound.
+  // Binds the listeners and starts the I/O threads. Fails if a listener cannot be bound.
   absl::Status Start();
   // Stops accepting, closes idle keep-alive connections, and waits up to drain_timeout for
   // in-flight requests (they are answered with "Connection: close"). Connections still busy
-  // after that get their sockets shut down, so streaming writers return false and body readers
-  // fail; Stop() then waits up to 2 more seconds for their threads. Returns false if some handler
-  // threads were still running when Stop() returned (they keep the server's internals alive and
-  // finish on their own, but must not touch objects the caller destroys). Idempotent.
+  // after that get their sockets shut down, so streaming writers return false, body readers and
+  // WebSockets fail; Stop() then waits up to 2 more seconds for their workers. Returns false if
+  // some handlers were still running when Stop() returned (they keep the server's internals
+  // alive and finish on their own, but must not touch objects the caller destroys). Idempotent.
   bool Stop();
 
   // The bound TCP port (after Start()), or -1.
   int tcp_port() const;
-  // Requests currently being handled (each holds a thread).
+  // Requests currently being handled (each holds a worker thread).
   int active_connections() const;
-  // Connections open in all: idle, sending a header, or being handled.
+  // Connections open in all: idle, sending a header, being handled, or WebSockets.
   int open_connections() const;
 
   struct Impl;

@@ -25,7 +25,13 @@
 
 #include "api/json_util.h"
 #include "boost/asio/buffer.hpp"
+#include "boost/asio/connect.hpp"
+#include "boost/asio/io_context.hpp"
+#include "boost/asio/ip/tcp.hpp"
+#include "boost/beast/core/buffers_to_string.hpp"
+#include "boost/beast/core/flat_buffer.hpp"
 #include "boost/beast/http.hpp"
+#include "boost/beast/websocket.hpp"
 #include "common/util.h"
 #include "gtest/gtest.h"
 
@@ -1752,6 +1758,495 @@ TEST_F(HttpServerTest, ObserverSeesEveryResponse) {
   ASSERT_EQ(seen.size(), 2u);
   EXPECT_EQ(seen[0], (std::pair<std::string, int>("GET /hello", 200)));
   EXPECT_EQ(seen[1], (std::pair<std::string, int>("GET /missing", 404)));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Beast server (issue 10): pipelining, chunked both ways, smuggling, caps, WebSockets
+
+// Hostile JSON through the whole request path: invalid UTF-8 and absurd nesting are 400s with a
+// message, and the server keeps serving.
+TEST_F(HttpServerTest, InvalidUtf8AndDeepNestingInJsonBodiesGet400) {
+  Start([](Router& r) {
+    r.Add(
+        "POST", "/json",
+        [](Request& req) {
+          JsonBody b = ParseJsonObjectBody(req);
+          if (!b.ok()) return b.error();
+          return JsonResponse(200, b.value());
+        },
+        WithBody());
+  });
+  const std::string bodies[] = {
+      "{\"a\": \"\xff\xfe\"}",      // not UTF-8 at all
+      "{\"a\": \"\xc0\xaf\"}",      // overlong encoding of '/'
+      "{\"a\": \"\xed\xa0\x80\"}",  // a UTF-16 surrogate
+      "{\"a\":" + std::string(kMaxJsonDepth + 1, '[') + std::string(kMaxJsonDepth + 1, ']') + "}",
+      "{\"a\":" + std::string(1 << 20, '[') + "}",  // a nesting bomb
+  };
+  for (const std::string& body : bodies) {
+    Client c = Connect();
+    std::optional<Resp> r = c.Request("POST", "/json", body, "Content-Type: application/json\r\n");
+    ASSERT_TRUE(r) << body.substr(0, 20);
+    ExpectErrorBody(*r, 400, "bad_request");
+    EXPECT_NE(r->body.find("malformed JSON body"), std::string::npos) << r->body;
+  }
+  // Nesting up to the limit is fine.
+  Client c = Connect();
+  std::string ok =
+      "{\"a\":" + std::string(kMaxJsonDepth - 1, '[') + std::string(kMaxJsonDepth - 1, ']') + "}";
+  std::optional<Resp> r = c.Request("POST", "/json", ok, "Content-Type: application/json\r\n");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 200) << r->body;
+}
+
+TEST_F(HttpServerTest, FiftyPipelinedRequestsAreAnsweredInOrder) {
+  std::atomic<int> calls{0};
+  Start([&](Router& r) {
+    r.Add("GET", "/n/{i}", [&](Request& req) {
+      ++calls;
+      return JsonResponse(200, boost::json::object{{"i", req.Param("i")}});
+    });
+  });
+  Client c = Connect();
+  std::string all;
+  for (int i = 0; i < 50; ++i) all += Cat("GET /n/", i, " HTTP/1.1\r\nHost: t\r\n\r\n");
+  ASSERT_TRUE(c.Send(all));
+  for (int i = 0; i < 50; ++i) {
+    std::optional<Resp> r = c.Read();
+    ASSERT_TRUE(r) << i;
+    EXPECT_EQ(r->Json().at("i"), boost::json::value(std::to_string(i)));
+    EXPECT_TRUE(r->keep_alive);
+  }
+  EXPECT_EQ(calls.load(), 50);
+}
+
+TEST_F(HttpServerTest, ChunkedRequestIsEchoedAsAChunkedResponse) {
+  RouteOptions ro;
+  ro.stream_body = true;
+  Start([&](Router& r) {
+    r.Add(
+        "PUT", "/echo",
+        [](Request& req) {
+          std::string all;
+          char buf[7];  // small reads: many chunks
+          for (;;) {
+            absl::StatusOr<size_t> n = req.body_reader()->Read(buf, sizeof(buf));
+            if (!n.ok()) return ErrorResponse(400, std::string(n.status().message()));
+            if (*n == 0) break;
+            all.append(buf, *n);
+          }
+          return Response::Stream(200, "application/octet-stream", [all](ResponseWriter& w) {
+            for (size_t i = 0; i < all.size(); i += 5) w.Write(std::string_view(all).substr(i, 5));
+          });
+        },
+        ro);
+  });
+  Client c = Connect();
+  ASSERT_TRUE(
+      c.Send("PUT /echo HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n"
+             "5\r\nhello\r\n1;ext=1\r\n \r\n5\r\nworld\r\n0\r\nTrailer: x\r\n\r\n"));
+  std::optional<Resp> r = c.Read();
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 200);
+  EXPECT_EQ(r->Header("transfer-encoding"), "chunked");
+  EXPECT_EQ(r->body, "hello world");
+  EXPECT_TRUE(r->keep_alive);
+}
+
+// Request smuggling: every framing a front proxy and this server could read differently is
+// refused with 400, and the connection is closed (so no second request hides in the body).
+TEST_F(HttpServerTest, RequestSmugglingAttemptsGet400AndClose) {
+  std::atomic<int> handled{0};
+  Start([&](Router& r) {
+    r.Add(
+        "POST", "/echo",
+        [&](Request& req) {
+          ++handled;
+          return JsonResponse(200, boost::json::object{{"size", req.body().size()}});
+        },
+        WithBody());
+  });
+  const char* smuggle = "GET /echo HTTP/1.1\r\nHost: t\r\n\r\n";
+  const std::string cases[] = {
+      // CL.TE and TE.CL
+      Cat("POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 4\r\n"
+          "Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+          smuggle),
+      Cat("POST /echo HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n"
+          "Content-Length: 40\r\n\r\n0\r\n\r\n",
+          smuggle),
+      // Duplicate Content-Length, equal and different
+      Cat("POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 2\r\nContent-Length: 2\r\n\r\n{}",
+          smuggle),
+      Cat("POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 2\r\nContent-Length: 40\r\n\r\n{}",
+          smuggle),
+      "POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 2, 40\r\n\r\n{}",
+      // obs-fold continuing a header onto the next line
+      Cat("POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 2\r\nX-A: a\r\n"
+          " Transfer-Encoding: chunked\r\n\r\n{}",
+          smuggle),
+      Cat("POST /echo HTTP/1.1\r\nHost: t\r\nTransfer-Encoding:\r\n\tchunked\r\n"
+          "Content-Length: 2\r\n\r\n{}",
+          smuggle),
+      // Bad chunk sizes: not hex, overflowing, negative
+      "POST /echo HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nab\r\n0\r\n\r\n",
+      "POST /echo HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n"
+      "ffffffffffffffffff\r\nab\r\n0\r\n\r\n",
+      "POST /echo HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n-2\r\nab\r\n0\r\n\r\n",
+      "POST /echo HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nabcd\r\n0\r\n\r\n",
+      // Negative or non-numeric Content-Length
+      "POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: -1\r\n\r\n{}",
+      "POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 0x2\r\n\r\n{}",
+      // Whitespace before the colon (RFC 9112 §5.1: must be rejected)
+      "POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length : 2\r\n\r\n{}",
+  };
+  for (const std::string& raw : cases) {
+    Client c = Connect();
+    ASSERT_TRUE(c.Send(raw));
+    std::optional<Resp> r = c.Read();
+    ASSERT_TRUE(r) << raw;
+    EXPECT_EQ(r->status, 400) << raw << " -> " << r->body;
+    EXPECT_FALSE(r->keep_alive) << raw;
+    EXPECT_TRUE(c.WaitClosed(3000)) << raw;
+  }
+  EXPECT_EQ(handled.load(), 0);
+}
+
+// One peer (here 127.0.0.1) cannot hold more than its cap: at the cap it displaces its own oldest
+// idle connection; with all of its connections busy, a new one is refused with 503.
+TEST_F(HttpServerTest, PerPeerConnectionCapDisplacesOwnIdleOrRefuses) {
+  HttpServer::Options o = DefaultOptions();
+  o.max_open_connections_per_peer = 4;
+  std::promise<void> release;
+  std::shared_future<void> released = release.get_future().share();
+  std::atomic<int> blocked{0};
+  Start(o, [&](Router& r) {
+    r.Add("GET", "/hello", Hello);
+    r.Add("GET", "/block", [&, released](Request& req) {
+      ++blocked;
+      released.wait_for(std::chrono::seconds(10));
+      return Hello(req);
+    });
+  });
+  std::vector<Client> idle;
+  for (int i = 0; i < 4; ++i) idle.push_back(Connect());
+  Client c = Connect();  // the fifth displaces the oldest idle one
+  std::optional<Resp> r = c.Request("GET", "/hello");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 200);
+  EXPECT_TRUE(idle[0].WaitClosed(2000));
+  idle.clear();
+  c.Close();
+  int64_t deadline = MonotonicMs() + 2000;
+  while (server_->open_connections() > 0 && MonotonicMs() < deadline)
+    std::this_thread::sleep_for(milliseconds(10));
+  std::vector<Client> busy;
+  for (int i = 0; i < 4; ++i) {
+    busy.push_back(Connect());
+    ASSERT_TRUE(busy.back().Send("GET /block HTTP/1.1\r\nHost: t\r\n\r\n"));
+  }
+  deadline = MonotonicMs() + 3000;
+  while (blocked.load() < 4 && MonotonicMs() < deadline)
+    std::this_thread::sleep_for(milliseconds(10));
+  ASSERT_EQ(blocked.load(), 4);
+  Client refused = Connect();
+  std::string got = refused.ReadUntil("\r\n\r\n", 3000);
+  EXPECT_TRUE(got.starts_with("HTTP/1.1 503")) << got;
+  EXPECT_NE(got.find("too many connections from this client"), std::string::npos) << got;
+  release.set_value();
+  for (Client& b : busy) EXPECT_TRUE(b.Read());
+}
+
+// Streams (SSE, downloads, WebSockets) have their own cap: beyond it 503, while plain requests
+// are still served.
+TEST_F(HttpServerTest, StreamCapAnswers503AndPlainRequestsStillWork) {
+  HttpServer::Options o = DefaultOptions();
+  o.max_streams = 2;
+  std::promise<void> release;
+  std::shared_future<void> released = release.get_future().share();
+  std::atomic<int> streaming{0};
+  Start(o, [&](Router& r) {
+    r.Add("GET", "/hello", Hello);
+    r.Add("GET", "/events", [&, released](Request&) {
+      return Response::Sse([&, released](ResponseWriter& w) {
+        w.WriteComment("hi");
+        ++streaming;
+        released.wait_for(std::chrono::seconds(10));
+      });
+    });
+  });
+  std::vector<Client> streams;
+  for (int i = 0; i < 2; ++i) {
+    streams.push_back(Connect());
+    ASSERT_TRUE(streams.back().Send("GET /events HTTP/1.1\r\nHost: t\r\n\r\n"));
+  }
+  int64_t deadline = MonotonicMs() + 3000;
+  while (streaming.load() < 2 && MonotonicMs() < deadline)
+    std::this_thread::sleep_for(milliseconds(10));
+  ASSERT_EQ(streaming.load(), 2);
+  Client third = Connect();
+  std::optional<Resp> r = third.Request("GET", "/events");
+  ASSERT_TRUE(r);
+  ExpectErrorBody(*r, 503, "unavailable");
+  Client plain = Connect();
+  r = plain.Request("GET", "/hello");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 200);
+  release.set_value();
+  for (Client& s : streams)
+    EXPECT_NE(s.ReadUntil("0\r\n\r\n").find("0\r\n\r\n"), std::string::npos);
+}
+
+// Handlers that block (exec, run) hold workers, never the I/O threads: /healthz is answered at
+// once while 40 handlers block.
+TEST_F(HttpServerTest, BlockingHandlersDoNotStallHealthz) {
+  HttpServer::Options o = DefaultOptions();
+  o.max_connections = 64;
+  o.max_requests_per_principal = 64;
+  o.io_threads = 1;  // the worst case: one I/O thread
+  std::promise<void> release;
+  std::shared_future<void> released = release.get_future().share();
+  std::atomic<int> blocked{0};
+  Start(o, [&](Router& r) {
+    r.Add("GET", "/healthz", Hello);
+    r.Add("GET", "/block", [&, released](Request& req) {
+      ++blocked;
+      released.wait_for(std::chrono::seconds(20));
+      return Hello(req);
+    });
+  });
+  std::vector<Client> held;
+  for (int i = 0; i < 40; ++i) {
+    held.push_back(Connect());
+    ASSERT_TRUE(held.back().Send("GET /block HTTP/1.1\r\nHost: t\r\n\r\n"));
+  }
+  int64_t deadline = MonotonicMs() + 5000;
+  while (blocked.load() < 40 && MonotonicMs() < deadline)
+    std::this_thread::sleep_for(milliseconds(10));
+  ASSERT_EQ(blocked.load(), 40);
+  Client h = Connect();
+  int64_t worst = 0;
+  for (int i = 0; i < 50; ++i) {
+    int64_t t0 = MonotonicMs();
+    std::optional<Resp> r = h.Request("GET", "/healthz");
+    ASSERT_TRUE(r);
+    EXPECT_EQ(r->status, 200);
+    worst = std::max(worst, MonotonicMs() - t0);
+  }
+  EXPECT_LT(worst, 200);
+  std::printf("[ measured ] /healthz with 40 blocked handlers: worst of 50 = %lld ms\n",
+              static_cast<long long>(worst));
+  release.set_value();
+  for (Client& c : held) EXPECT_TRUE(c.Read());
+}
+
+// Idle keep-alive connections cost no thread and little memory: 2,000 of them open at once, and
+// a request on a fresh connection is still answered at once.
+TEST_F(HttpServerTest, TwoThousandIdleConnectionsAndARequestIsStillFast) {
+  rlimit rl{};
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &rl), 0);
+  if (rl.rlim_cur < 4500) {
+    rlimit raised = rl;
+    raised.rlim_cur = std::min<rlim_t>(rl.rlim_max, 8192);
+    setrlimit(RLIMIT_NOFILE, &raised);
+    getrlimit(RLIMIT_NOFILE, &rl);
+  }
+  if (rl.rlim_cur < 4500) GTEST_SKIP() << "RLIMIT_NOFILE " << rl.rlim_cur << " < 4500 fds";
+  HttpServer::Options o = DefaultOptions();
+  o.max_open_connections = 4000;
+  Start(o, [](Router& r) { r.Add("GET", "/hello", Hello); });
+  std::vector<Client> idle;
+  idle.reserve(2000);
+  for (int i = 0; i < 2000; ++i) {
+    idle.push_back(Connect());
+    ASSERT_TRUE(idle.back().connected()) << i;
+  }
+  // Half of them served one request first (their idle wait is the keep-alive one).
+  for (int i = 0; i < 1000; ++i) ASSERT_TRUE(idle[i].Request("GET", "/hello")) << i;
+  int64_t deadline = MonotonicMs() + 5000;
+  while (server_->open_connections() < 2000 && MonotonicMs() < deadline)
+    std::this_thread::sleep_for(milliseconds(10));
+  EXPECT_EQ(server_->open_connections(), 2000);
+  EXPECT_TRUE(WaitNoConnections(1000));  // no request holds a worker
+  std::vector<int64_t> ms;
+  for (int i = 0; i < 100; ++i) {
+    int64_t t0 = MonotonicMs();
+    Client c = Connect();
+    std::optional<Resp> r = c.Request("GET", "/hello");
+    ASSERT_TRUE(r);
+    EXPECT_EQ(r->status, 200);
+    ms.push_back(MonotonicMs() - t0);
+  }
+  std::sort(ms.begin(), ms.end());
+  EXPECT_LT(ms[98], 100);
+  std::printf("[ measured ] 2,000 idle connections: request p50 %lld ms, p99 %lld ms\n",
+              static_cast<long long>(ms[50]), static_cast<long long>(ms[98]));
+  // And every idle one is still usable.
+  for (int i = 0; i < 2000; i += 97) {
+    std::optional<Resp> r = idle[i].Request("GET", "/hello");
+    ASSERT_TRUE(r) << i;
+    EXPECT_EQ(r->status, 200);
+  }
+}
+
+// --- WebSockets ---
+
+namespace ws = boost::beast::websocket;
+using tcp = boost::asio::ip::tcp;
+
+struct WsClient {
+  boost::asio::io_context ioc;
+  ws::stream<tcp::socket> s{ioc};
+  // Connects and upgrades; returns the HTTP status of the answer (101 on success).
+  int Open(int port, const std::string& target, const std::string& auth = "") {
+    tcp::endpoint ep(boost::asio::ip::make_address("127.0.0.1"), static_cast<uint16_t>(port));
+    s.next_layer().connect(ep);
+    timeval tv{10, 0};
+    setsockopt(s.next_layer().native_handle(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    s.set_option(ws::stream_base::decorator([auth](ws::request_type& req) {
+      if (!auth.empty()) req.set(http::field::authorization, auth);
+    }));
+    ws::response_type res;
+    boost::system::error_code ec;
+    s.handshake(res, "t", target, ec);
+    return res.result_int();
+  }
+  // Reads one message; "" and *ec set when the connection closed.
+  std::string Read(boost::system::error_code* ec) {
+    boost::beast::flat_buffer b;
+    s.read(b, *ec);
+    return boost::beast::buffers_to_string(b.data());
+  }
+};
+
+void AddWebSocketRoutes(Router& r, std::atomic<int>* pings_seen = nullptr) {
+  RouteOptions auth;
+  auth.before_body = [](Request& req) -> std::optional<Response> {
+    if (req.Header("authorization") != "Bearer ok") return ErrorResponse(401, "no key");
+    req.principal_ = "p";
+    return std::nullopt;
+  };
+  // Echo until the client closes; "policy" → 1008, "throw" → 1011 (the handler fails).
+  r.Add(
+      "GET", "/ws/echo",
+      [](Request&) {
+        return Response::WebSocket([](WebSocket& w) {
+          for (;;) {
+            absl::StatusOr<WebSocket::Message> m = w.Receive(std::chrono::seconds(5));
+            if (!m.ok()) return;
+            if (m->data == "policy") return w.Close(WebSocket::kPolicy, "not allowed");
+            if (m->data == "throw") throw std::runtime_error("boom");
+            if (!w.Send(m->data, m->binary)) return;
+          }
+        });
+      },
+      auth);
+  // Sends one message after `ms` of silence, then closes normally.
+  r.Add("GET", "/ws/later/{ms}", [](Request& req) {
+    int ms = std::stoi(req.Param("ms"));
+    return Response::WebSocket([ms](WebSocket& w) {
+      absl::StatusOr<WebSocket::Message> m = w.Receive(std::chrono::milliseconds(ms));
+      if (absl::IsDeadlineExceeded(m.status())) w.Send("late");  // else: the client is gone
+    });
+  });
+  r.Add("GET", "/plain", Hello);
+}
+
+TEST_F(HttpServerTest, WebSocketEchoTextAndBinaryThenNormalClose) {
+  Start([](Router& r) { AddWebSocketRoutes(r); });
+  WsClient c;
+  ASSERT_EQ(c.Open(server_->tcp_port(), "/ws/echo", "Bearer ok"), 101);
+  c.s.text(true);
+  c.s.write(boost::asio::buffer(std::string("hello")));
+  boost::system::error_code ec;
+  EXPECT_EQ(c.Read(&ec), "hello");
+  EXPECT_TRUE(c.s.got_text());
+  std::string bin("\x00\x01\xff", 3);
+  c.s.binary(true);
+  c.s.write(boost::asio::buffer(bin));
+  EXPECT_EQ(c.Read(&ec), bin);
+  EXPECT_TRUE(c.s.got_binary());
+  c.s.close(ws::close_code::normal);
+  // The server's handler saw the close and returned: the connection is gone.
+  EXPECT_TRUE(WaitNoConnections());
+}
+
+TEST_F(HttpServerTest, WebSocketCloseCodes) {
+  HttpServer::Options o = DefaultOptions();
+  o.websocket_max_message_bytes = 1024;
+  Start(o, [](Router& r) { AddWebSocketRoutes(r); });
+  struct Case {
+    std::string send;
+    int code;
+  } cases[] = {{"policy", 1008}, {std::string(2000, 'x'), 1009}, {"throw", 1011}};
+  for (const Case& k : cases) {
+    WsClient c;
+    ASSERT_EQ(c.Open(server_->tcp_port(), "/ws/echo", "Bearer ok"), 101);
+    c.s.write(boost::asio::buffer(k.send));
+    boost::system::error_code ec;
+    c.Read(&ec);
+    // The close frame arrived with the code (after a 1009 the server may already have torn the
+    // TCP connection down when the client's own teardown runs: ENOTCONN there is fine).
+    EXPECT_TRUE(ec == ws::error::closed ||
+                (k.code == 1009 && ec == boost::asio::error::not_connected))
+        << ec.message() << " case " << k.code;
+    EXPECT_EQ(static_cast<int>(c.s.reason().code), k.code) << k.send.substr(0, 10);
+  }
+  // 1000 when the handler returns without closing.
+  WsClient c;
+  ASSERT_EQ(c.Open(server_->tcp_port(), "/ws/later/10"), 101);
+  boost::system::error_code ec;
+  EXPECT_EQ(c.Read(&ec), "late");
+  c.Read(&ec);
+  EXPECT_EQ(ec, ws::error::closed) << ec.message();
+  EXPECT_EQ(static_cast<int>(c.s.reason().code), 1000);
+}
+
+// The before_body hook (authentication) runs before the upgrade: a refused client gets a plain
+// 401 and no WebSocket; a route that is not a WebSocket cannot be upgraded to, and a WebSocket
+// route asked for without an upgrade answers 426.
+TEST_F(HttpServerTest, WebSocketUpgradeNeedsAdmission) {
+  Start([](Router& r) { AddWebSocketRoutes(r); });
+  WsClient no_key;
+  EXPECT_EQ(no_key.Open(server_->tcp_port(), "/ws/echo"), 401);
+  WsClient plain;
+  EXPECT_EQ(plain.Open(server_->tcp_port(), "/plain"), 200);
+  Client c = Connect();
+  std::optional<Resp> r = c.Request("GET", "/ws/echo", "", "Authorization: Bearer ok\r\n");
+  ASSERT_TRUE(r);
+  ExpectErrorBody(*r, 426, "bad_request");
+}
+
+// The server pings a silent client (a client that reads answers with pongs and stays); a
+// client that answers nothing is dropped after the idle timeout.
+TEST_F(HttpServerTest, WebSocketPingPongKeepsLiveClientsAndDropsDeadOnes) {
+  HttpServer::Options o = DefaultOptions();
+  o.websocket_idle_timeout = milliseconds(400);
+  Start(o, [](Router& r) { AddWebSocketRoutes(r); });
+  WsClient live;
+  ASSERT_EQ(live.Open(server_->tcp_port(), "/ws/later/1500"), 101);
+  std::atomic<int> pings{0};
+  live.s.control_callback([&](ws::frame_type kind, boost::beast::string_view) {
+    if (kind == ws::frame_type::ping) ++pings;
+  });
+  boost::system::error_code ec;
+  EXPECT_EQ(live.Read(&ec), "late") << ec.message();  // 1.5 s of silence survived
+  EXPECT_GE(pings.load(), 2);
+  // A client that never reads (so never answers a ping) is dropped.
+  WsClient dead;
+  ASSERT_EQ(dead.Open(server_->tcp_port(), "/ws/later/5000"), 101);
+  int fd = dead.s.next_layer().native_handle();
+  int64_t t0 = MonotonicMs();
+  std::this_thread::sleep_for(milliseconds(1200));  // pings pile up unanswered
+  pollfd pfd{fd, POLLIN, 0};
+  bool closed = false;
+  char buf[4096];
+  while (!closed && MonotonicMs() - t0 < 4000 && poll(&pfd, 1, 500) >= 0) {
+    ssize_t n = recv(fd, buf, sizeof(buf), MSG_DONTWAIT);
+    if (n == 0 || (n < 0 && errno != EAGAIN)) closed = true;
+  }
+  EXPECT_TRUE(closed);
+  EXPECT_LT(MonotonicMs() - t0, 4000);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -14,7 +14,14 @@ JsonBody ParseJsonObject(std::string_view text, bool allow_empty) {
     if (allow_empty) return JsonBody(boost::json::object());
     return JsonBody(ErrorResponse(400, "bad_request", "request body must be a JSON object"));
   }
-  boost::json::parse_options popts;  // strict JSON, valid UTF-8, nesting depth ≤ 32
+  // Strict JSON (no comments, trailing commas or invalid numbers), valid UTF-8 only, and a
+  // nesting limit, so that a hostile body is a 400 rather than deep recursion later (renderers,
+  // validators) or a crash. The parser itself keeps its stack on the heap.
+  boost::json::parse_options popts;
+  popts.max_depth = kMaxJsonDepth;
+  popts.allow_comments = false;
+  popts.allow_trailing_commas = false;
+  popts.allow_invalid_utf8 = false;
   boost::json::parser p(boost::json::storage_ptr(), popts);
   boost::json::error_code ec;
   size_t consumed = p.write(text.data(), text.size(), ec);

@@ -57,6 +57,8 @@ JsonBody ParseJsonObjectBody(const Request& req, bool allow_empty = true);
 // (Request::has_body()), before the body is read.
 std::optional<Response> CheckJsonContentType(const Request& req);
 // The same checks on a raw string (no content-type check).
+// How deeply a JSON request body may nest arrays and objects (deeper → 400).
+inline constexpr int kMaxJsonDepth = 32;
 JsonBody ParseJsonObject(std::string_view text, bool allow_empty = true);
 
 // Typed, range-checked reads of an object's fields that remember the first error and reject

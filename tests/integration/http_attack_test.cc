@@ -624,7 +624,12 @@ TEST_F(HttpAttackTest, TrickledUploadsAreCutAndHoldNeitherThreadsNorOtherTenants
   EXPECT_EQ(answers[0], 0) << "every trickle is answered (408) or refused (429)";
   EXPECT_GT(answers[408], 0);
   EXPECT_EQ(answers[408] + answers[429], 1100);
-  EXPECT_LE(threads_peak - threads_before, 256 + 16) << "a quarter of 1024 request threads";
+  // The tenant holds at most its share (a quarter of 1024 requests); the requests over it are
+  // refused (429) by pool workers that are free again at once, so the thread count is bounded
+  // by the worker pool's cap (max_connections), not by the share (the thread-per-request server
+  // this test was written for made the two coincide).
+  EXPECT_LE(answers[408], 256) << "a quarter of 1024 requests";
+  EXPECT_LE(threads_peak - threads_before, 1024 + 16) << "the worker pool's cap";
   std::this_thread::sleep_for(std::chrono::milliseconds(500));
   int threads_after = Threads(d.pid());
   EXPECT_LT(threads_after - threads_before, 16);
