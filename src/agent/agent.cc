@@ -4,26 +4,36 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <string.h>
+#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <map>
+#include <mutex>
+#include <optional>
 #include <system_error>
 #include <thread>
 #include <utility>
 
 #include "agent/handlers.h"
 #include "agent/util.h"
+#include "common/channel.h"
 
 namespace esb::agent {
 namespace json = boost::json;
 
 namespace {
 
-constexpr int kMaxConnections = 512;
-constexpr int64_t kIdleTimeoutMs = 15 * 60 * 1000;  // between requests on one connection
-constexpr int kSendTimeoutSec = 30;                 // a host that stops reading is gone
+// esbd holds one connection per agent; more appear only while an esbd restarts, and tests.
+constexpr int kMaxConnections = 64;
+// Calls in flight on all connections together, each on a thread of its own; one more is
+// answered EBUSY.
+constexpr int kMaxCalls = 64;
+// Longest frame of each type esbd may send (checked before the body is read).
+constexpr uint32_t kControlFrameBytes = proto::FrameBytesFor(4096, 0);
+constexpr uint32_t kInputFrameBytes = proto::FrameBytesFor(4096, proto::kMaxChunkBytes);
 
 int MkdirAll(const std::string& path, mode_t mode) {
   for (size_t pos = 1; pos != std::string::npos;) {
@@ -45,6 +55,7 @@ Agent::Agent(AgentOptions options, Reaper* reaper, std::string user)
 
 bool Agent::Listen(std::string* error) {
   MkdirAll(options_.state_dir, 0700);
+  if (options_.serve_fd >= 0) return true;  // the host's port; nothing to listen on
   if (options_.listen_fd >= 0) {
     int fd = options_.listen_fd;
     int listening = 0, domain = 0;
@@ -100,6 +111,11 @@ bool Agent::Listen(std::string* error) {
 void Agent::PrepareShell() { shell_.PrepareStandby(); }
 
 void Agent::Serve() {
+  if (options_.serve_fd >= 0) {
+    HandleConnection(options_.serve_fd, /*owned=*/false);
+    Log(LogLevel::kInfo, "serve fd closed");
+    return;
+  }
   for (;;) {
     int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
     if (fd < 0) {
@@ -123,12 +139,7 @@ void Agent::Serve() {
     ++connections_;
     try {
       std::thread([this, fd] {
-        try {
-          HandleConnection(fd);
-        } catch (const std::exception& e) {  // e.g. bad_alloc under a memory limit
-          Log(LogLevel::kWarn, std::string("connection dropped: ") + e.what());
-        }
-        close(fd);
+        HandleConnection(fd, /*owned=*/true);
         --connections_;
       }).detach();
     } catch (const std::system_error& e) {
@@ -161,63 +172,219 @@ bool Agent::PeerAllowed(int fd) {
 
 void Agent::Shutdown() {
   shell_.KillAll();
-  if (options_.listen_fd < 0) unlink(options_.socket_path.c_str());
+  if (options_.listen_fd < 0 && options_.serve_fd < 0) unlink(options_.socket_path.c_str());
 }
 
-void Agent::HandleConnection(int fd) {
-  timeval tv{kSendTimeoutSec, 0};
-  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+// One connection: the byte stream, its flow control and the calls in flight on it. Call
+// threads hold it (shared_ptr), so the fd is closed only after the last of them answered.
+struct Agent::Conn {
+  Conn(int fd, bool owned) : fd(fd), owned(owned), channel(fd) {}
+  ~Conn() {
+    if (owned) close(fd);
+  }
+  const int fd;
+  const bool owned;
+  proto::Channel channel;
+  std::mutex mu;
+  std::map<uint32_t, std::shared_ptr<Call>> calls;  // guarded by mu
+};
+
+// One call: cancellation and (for exec) the stdin that arrived in INPUT frames.
+struct Agent::Call {
+  explicit Call(uint32_t stream) : stream(stream), wake(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) {}
+  void Wake() {
+    uint64_t one = 1;
+    ssize_t ignored = write(wake.get(), &one, sizeof one);
+    (void)ignored;
+  }
+  void Cancel() {
+    cancelled = true;
+    Wake();
+  }
+  const uint32_t stream;
+  Fd wake;
+  std::atomic<bool> cancelled{false};
+  std::mutex mu;
+  std::string input;  // guarded by mu; at most the window esbd was granted
+  bool input_eof = false;
+};
+
+std::vector<std::string> Capabilities() {
+  return {"ping", "exec", "write", "read", "list", "stat", "stats", "configure"};
+}
+
+void Agent::HandleConnection(int fd, bool owned) {
+  // Non-blocking: a host that stops reading makes a write give up after 30 s (WriteFrame)
+  // instead of holding the connection's writers forever.
+  fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+  auto conn = std::make_shared<Conn>(fd, owned);
   proto::Frame hello;
   hello.type = proto::FrameType::kHello;
   hello.header["agent"] = "esb-agent";
   hello.header["version"] = proto::kVersion;
   hello.header["pid"] = static_cast<int64_t>(getpid());
+  boost::json::array ops;
+  for (const std::string& op : Capabilities()) ops.emplace_back(op);
+  hello.header["ops"] = std::move(ops);
+  hello.header["max_calls"] = kMaxCalls;
+  hello.header["window"] = proto::kInitialWindow;
+  if (!conn->channel.Send(hello)) return;
+  const proto::FrameLimit limit = [](proto::FrameType type, uint32_t) -> uint32_t {
+    switch (type) {
+      case proto::FrameType::kRequest:
+        return proto::kMaxFrameBytes;
+      case proto::FrameType::kInput:
+        return kInputFrameBytes;
+      case proto::FrameType::kCancel:
+      case proto::FrameType::kWindow:
+        return kControlFrameBytes;
+      default:
+        return 0;  // HELLO, OUTPUT, RESPONSE: never sent by esbd
+    }
+  };
   std::string error;
-  if (!proto::WriteFrame(fd, hello, &error)) return;
-  for (;;) {
-    proto::Frame request;
-    if (!proto::ReadFrame(fd, &request, &error, proto::MonotonicMs() + kIdleTimeoutMs)) {
-      if (error != "connection closed") Log(LogLevel::kDebug, "closing connection: " + error);
-      return;
+  try {
+    for (;;) {
+      proto::Frame frame;
+      if (!proto::ReadFrame(fd, &frame, &error, -1, proto::kMaxFrameBytes, limit)) break;
+      if (frame.type == proto::FrameType::kRequest) {
+        if (!StartCall(conn, std::move(frame))) {
+          error = "REQUEST reuses a stream in flight";
+          break;
+        }
+        continue;
+      }
+      std::shared_ptr<Call> call;
+      {
+        std::lock_guard<std::mutex> lock(conn->mu);
+        auto it = conn->calls.find(frame.stream);
+        if (it != conn->calls.end()) call = it->second;
+      }
+      if (frame.type == proto::FrameType::kWindow) {
+        const boost::json::value* bytes = frame.header.if_contains("bytes");
+        if (!bytes || !(bytes->is_int64() || bytes->is_uint64())) {
+          error = "WINDOW without bytes";
+          break;
+        }
+        conn->channel.Grant(frame.stream,
+                            bytes->is_uint64()
+                                ? bytes->as_uint64()
+                                : static_cast<uint64_t>(std::max<int64_t>(bytes->as_int64(), 0)));
+      } else if (frame.type == proto::FrameType::kCancel) {
+        if (call) call->Cancel();  // a call that already answered: nothing to do
+      } else if (frame.type == proto::FrameType::kInput) {
+        if (!call) continue;  // the call ended; its remaining input is dropped
+        if (!conn->channel.Received(frame.stream, frame.payload.size())) {
+          error = "INPUT beyond the flow-control window";
+          break;
+        }
+        const boost::json::value* eof = frame.header.if_contains("eof");
+        {
+          std::lock_guard<std::mutex> lock(call->mu);
+          call->input += frame.payload;
+          if (eof && eof->is_bool() && eof->as_bool()) call->input_eof = true;
+        }
+        call->Wake();
+      } else {
+        error = "unexpected frame type from the host";
+        break;
+      }
     }
-    if (request.type != proto::FrameType::kRequest) {
-      Log(LogLevel::kDebug, "closing connection: expected a REQUEST frame");
-      return;
-    }
-    if (!HandleRequest(fd, request)) return;
+  } catch (const std::exception& e) {  // e.g. bad_alloc under a memory limit
+    error = e.what();
   }
+  if (error != "connection closed") Log(LogLevel::kDebug, "closing connection: " + error);
+  // As in v1, a connection that goes away takes its calls with it (an exec's tree is killed).
+  conn->channel.Shutdown(error);
+  std::lock_guard<std::mutex> lock(conn->mu);
+  for (auto& [stream, call] : conn->calls) call->Cancel();
 }
 
-bool Agent::HandleRequest(int fd, const proto::Frame& request) {
+bool Agent::StartCall(const std::shared_ptr<Conn>& conn, proto::Frame request) {
+  auto call = std::make_shared<Call>(request.stream);
+  {
+    std::lock_guard<std::mutex> lock(conn->mu);
+    if (!conn->calls.emplace(request.stream, call).second) return false;
+  }
+  conn->channel.Open(request.stream);
+  auto refuse = [&](const std::string& why) {
+    proto::Frame busy = ErrorResponse(why, "EBUSY");
+    busy.stream = request.stream;
+    conn->channel.Send(busy);
+    {
+      std::lock_guard<std::mutex> lock(conn->mu);
+      conn->calls.erase(request.stream);
+    }
+    conn->channel.Close(request.stream);
+  };
+  if (!call->wake) {
+    refuse("agent busy: cannot create an eventfd");
+    return true;
+  }
+  if (++calls_ > kMaxCalls) {
+    --calls_;
+    if (uint64_t n = refused_busy_.Hit()) {
+      Log(LogLevel::kWarn,
+          "too many calls in flight; refusing one (" + std::to_string(n) + " so far)");
+    }
+    refuse("agent busy: " + std::to_string(kMaxCalls) + " calls in flight");
+    return true;
+  }
+  try {
+    std::thread([this, conn, call, request = std::move(request)] {
+      RunCall(conn, call, request);
+      --calls_;
+    }).detach();
+  } catch (const std::system_error& e) {
+    --calls_;
+    refuse(std::string("agent busy: cannot start a thread: ") + e.what());
+  }
+  return true;
+}
+
+void Agent::RunCall(const std::shared_ptr<Conn>& conn, const std::shared_ptr<Call>& call,
+                    const proto::Frame& request) {
+  std::optional<proto::Frame> response;
+  try {
+    response = HandleRequest(*conn, *call, request);
+  } catch (const std::exception& e) {  // e.g. bad_alloc under a memory limit
+    response = ErrorResponse(std::string("agent: ") + e.what(), "ENOMEM");
+  }
+  if (response) Answer(*conn, *call, std::move(*response));
+  {
+    std::lock_guard<std::mutex> lock(conn->mu);
+    conn->calls.erase(call->stream);
+  }
+  conn->channel.Close(call->stream);
+}
+
+void Agent::Answer(Conn& conn, const Call& call, proto::Frame response) {
+  response.type = proto::FrameType::kResponse;
+  response.stream = call.stream;
+  conn.channel.Send(response);
+}
+
+std::optional<proto::Frame> Agent::HandleRequest(Conn& conn, Call& call,
+                                                 const proto::Frame& request) {
   const json::value* op_value = request.header.if_contains("op");
   std::string op = op_value && op_value->is_string() ? std::string(op_value->as_string()) : "";
   Log(LogLevel::kDebug, "request op=" + op);
-  proto::Frame response;
-  if (op == "exec") {
-    return HandleExec(fd, request.header, request.payload);
-  } else if (op == "ping") {
-    response = OkResponse();
-  } else if (op == "write") {
-    response = HandleWrite(options_.workspace, request.header, request.payload);
-  } else if (op == "read") {
-    response = HandleRead(options_.workspace, request.header);
-  } else if (op == "list") {
-    response = HandleList(options_.workspace, request.header);
-  } else if (op == "stat") {
-    response = HandleStat(options_.workspace, request.header);
-  } else if (op == "stats") {
-    response = HandleStats(options_.workspace, start_ms_);
+  if (op == "exec") return HandleExec(conn, call, request.header, request.payload);
+  if (op == "ping") return OkResponse();
+  if (op == "write") return HandleWrite(options_.workspace, request.header, request.payload);
+  if (op == "read") return HandleRead(options_.workspace, request.header);
+  if (op == "list") return HandleList(options_.workspace, request.header);
+  if (op == "stat") return HandleStat(options_.workspace, request.header);
+  if (op == "stats") {
+    proto::Frame response = HandleStats(options_.workspace, start_ms_);
     // The idle standby shell is agent machinery, not a user process.
     if (shell_.standby_pid() > 0 && kill(shell_.standby_pid(), 0) == 0) {
       response.header["processes"] = response.header["processes"].as_int64() - 1;
     }
-  } else if (op == "configure") {
-    response = HandleConfigure(request.header);
-  } else {
-    response = ErrorResponse("unknown op: " + op, "EINVAL");
+    return response;
   }
-  std::string error;
-  return proto::WriteFrame(fd, response, &error);
+  if (op == "configure") return HandleConfigure(request.header);
+  return ErrorResponse("unknown op: " + op, "ENOSYS");
 }
 
 proto::Frame Agent::HandleConfigure(const json::object& header) {
@@ -240,11 +407,11 @@ proto::Frame Agent::HandleConfigure(const json::object& header) {
   return OkResponse();
 }
 
-bool Agent::HandleExec(int fd, const json::object& header, const std::string& payload) {
+std::optional<proto::Frame> Agent::HandleExec(Conn& conn, Call& call, const json::object& header,
+                                              const std::string& payload) {
   Fields f(header);
   ExecParams params;
-  // Extension to the documented format: commands too long for the 64 KiB header come in the
-  // payload.
+  // Commands too long for the 64 KiB header come in the payload.
   if (f.Bool("command_in_payload", false)) {
     params.command = payload;
   } else {
@@ -252,36 +419,55 @@ bool Agent::HandleExec(int fd, const json::object& header, const std::string& pa
   }
   params.timeout_ms = f.Int("timeout_ms", 60000);
   params.max_output_bytes = f.Int("max_output_bytes", 1 << 20);
+  params.has_stdin = f.Bool("stdin", false);
   std::vector<std::pair<std::string, std::string>> env;
   f.StringMap("env", &env);
   for (auto& [k, v] : env) params.env[k] = v;
-  std::string error;
-  if (!f.ok()) return proto::WriteFrame(fd, ErrorResponse(f.error(), "EINVAL"), &error);
+  if (!f.ok()) return ErrorResponse(f.error(), "EINVAL");
 
-  ExecOutcome outcome = shell_.Exec(params, fd, [fd](bool is_stderr, std::string_view data) {
-    proto::Frame out;
-    out.type = proto::FrameType::kOutput;
-    out.header["stream"] = is_stderr ? "stderr" : "stdout";
-    out.payload.assign(data);
-    std::string err;
-    return proto::WriteFrame(fd, out, &err);
-  });
+  // Output waits for esbd's credit at most until the command's deadline; after that it is
+  // dropped (the exec loop then times the command out), so a host that stops reading cannot
+  // hold the exec past its timeout.
+  const int64_t deadline = proto::MonotonicMs() + std::max<int64_t>(params.timeout_ms, 1);
+  bool dropped = false;
+  ExecIo io;
+  io.wake_fd = call.wake.get();
+  io.cancelled = [&call] { return call.cancelled.load(); };
+  io.take_input = [&conn, &call](std::string* data) {
+    std::lock_guard<std::mutex> lock(call.mu);
+    size_t n = call.input.size();
+    data->append(call.input);
+    call.input.clear();
+    if (n > 0) conn.channel.Consumed(call.stream, n);
+    return call.input_eof;
+  };
+  io.output = [&](bool is_stderr, std::string_view data) {
+    if (dropped) return !call.cancelled.load();
+    json::object out{{"stream", is_stderr ? "stderr" : "stdout"}};
+    std::string error;
+    if (!conn.channel.SendData(proto::FrameType::kOutput, call.stream, out, data, deadline,
+                               &error)) {
+      if (conn.channel.closed() || call.cancelled.load()) return false;
+      dropped = true;  // credit never came before the deadline
+    }
+    return true;
+  };
+  ExecOutcome outcome = shell_.Exec(params, io);
   if (outcome.cancelled) {
-    Log(LogLevel::kInfo, "exec cancelled: client went away; process group killed");
+    Log(LogLevel::kInfo, "exec cancelled; its process tree was killed");
     shell_.PrepareStandby();
-    return false;
+    return ErrorResponse("exec cancelled", "ECANCELED");
   }
-  if (!outcome.ok) {
-    return proto::WriteFrame(fd, ErrorResponse(outcome.error, outcome.errno_name), &error);
-  }
+  if (!outcome.ok) return ErrorResponse(outcome.error, outcome.errno_name);
   proto::Frame response = OkResponse();
   response.header["exit_code"] = outcome.exit_code;
   response.header["timed_out"] = outcome.timed_out;
-  response.header["truncated"] = outcome.truncated;
+  response.header["truncated"] = outcome.truncated || dropped;
   response.header["duration_ms"] = outcome.duration_ms;
-  bool ok = proto::WriteFrame(fd, response, &error);
-  shell_.PrepareStandby();  // off the critical path: the response is already sent
-  return ok;
+  // The next shell starts after the answer is on its way (off the critical path).
+  Answer(conn, call, std::move(response));
+  shell_.PrepareStandby();
+  return std::nullopt;  // answered
 }
 
 }  // namespace esb::agent
