@@ -384,6 +384,7 @@ std::optional<proto::Frame> Agent::HandleRequest(Conn& conn, Call& call,
     return response;
   }
   if (op == "configure") return HandleConfigure(request.header);
+  if (op.empty()) return ErrorResponse("request without an op", "EINVAL");
   return ErrorResponse("unknown op: " + op, "ENOSYS");
 }
 

@@ -669,6 +669,12 @@ ExecOutcome ShellSession::Exec(const ExecParams& params, const ExecIo& io) {
     }
     int64_t wake = shell_exited ? grace_deadline : (result.timed_out ? now + 1000 : deadline);
     if (shell_exited || result.timed_out) shell.in_w.reset();  // nobody reads stdin any more
+    // Stdin that arrived (bounded by the call's flow-control window) joins the buffer; taking
+    // it grants the host more credit.
+    if (shell.in_w && !stdin_eof && io.take_input && stdin_buf.size() < kReadChunk) {
+      stdin_eof = io.take_input(&stdin_buf);
+    }
+    if (shell.in_w && stdin_eof && stdin_buf.empty()) shell.in_w.reset();
     pollfd fds[7];
     int n = 0;
     int idx_out = -1, idx_err = -1, idx_exit = -1, idx_wake = -1, idx_script = -1;
@@ -715,9 +721,6 @@ ExecOutcome ShellSession::Exec(const ExecParams& params, const ExecIo& io) {
     if (io.cancelled && io.cancelled()) {
       cancel();
       break;
-    }
-    if (!stdin_eof && io.take_input && stdin_buf.size() < kReadChunk) {
-      stdin_eof = io.take_input(&stdin_buf);
     }
     if (idx_in >= 0 && fds[idx_in].revents) {
       ssize_t w = write(shell.in_w.get(), stdin_buf.data(), stdin_buf.size());

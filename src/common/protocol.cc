@@ -289,8 +289,17 @@ bool WriteFrame(int fd, const Frame& frame, std::string* error) {
 bool ReadFrame(int fd, Frame* frame, std::string* error, int64_t deadline_ms,
                uint32_t max_frame_bytes, const FrameLimit& limit, int wake_fd) {
   char prefix[kPrefixBytes + kFixedBytes];
-  if (!ReadFull(fd, prefix, kPrefixBytes + 1, deadline_ms, error, wake_fd)) return false;
+  if (!ReadFull(fd, prefix, kPrefixBytes, deadline_ms, error, wake_fd)) return false;
   uint32_t length = GetU32(prefix);
+  // Refused from the length alone (every v1 frame is shorter than this too).
+  if (length > std::min(kMaxFrameBytes, max_frame_bytes)) {
+    if (error) *error = "frame too large (" + std::to_string(length) + " bytes)";
+    return false;
+  }
+  if (!ReadFull(fd, prefix + kPrefixBytes, 1, deadline_ms, error, wake_fd)) {
+    if (error && *error == "connection closed") *error = "connection closed mid-frame";
+    return false;
+  }
   uint8_t magic = static_cast<uint8_t>(prefix[4]);
   if (magic != kMagic && magic >= 1 && magic <= 4) {
     if (error) *error = kV1PeerError;
@@ -298,10 +307,6 @@ bool ReadFrame(int fd, Frame* frame, std::string* error, int64_t deadline_ms,
   }
   if (length < kFixedBytes) {
     if (error) *error = "frame too short";
-    return false;
-  }
-  if (length > std::min(kMaxFrameBytes, max_frame_bytes)) {
-    if (error) *error = "frame too large (" + std::to_string(length) + " bytes)";
     return false;
   }
   if (!ReadFull(fd, prefix + kPrefixBytes + 1, kFixedBytes - 1, deadline_ms, error, wake_fd)) {
