@@ -248,11 +248,12 @@ class AgentClient::Connection {
 
   // Ends a call early: the agent gets CANCEL, frames still on their way are dropped.
   void Cancel(const Pending& call) {
-    bool was_live = Forget(call.stream);
-    if (!was_live) return;
     {
+      // One step, so the reader never sees the stream neither live nor cancelled.
       std::lock_guard<std::mutex> lock(mu_);
-      cancelled_.insert(call.stream);
+      channel_.Close(call.stream);
+      if (calls_.erase(call.stream) == 0) return;  // answered already
+      cancelled_[call.stream] = call.max_response_frame;
       // Bounded: an agent that never answers cancelled calls does not grow this forever.
       if (cancelled_.size() > 4096) cancelled_.erase(cancelled_.begin());
     }
@@ -296,8 +297,12 @@ class AgentClient::Connection {
       case proto::FrameType::kResponse: {
         std::lock_guard<std::mutex> lock(mu_);
         auto it = calls_.find(stream);
-        // The late answer of a cancelled call is read (and dropped) whatever its op was.
-        if (it == calls_.end()) return cancelled_.count(stream) ? proto::kMaxFrameBytes : 0;
+        // The late answer of a cancelled call is read (and dropped) within its op's limit; a
+        // small frame on a stream never opened is read so Dispatch can name the violation.
+        if (it == calls_.end()) {
+          auto c = cancelled_.find(stream);
+          return c != cancelled_.end() ? c->second : kControlFrameBytes;
+        }
         return it->second->max_response_frame;
       }
       default:
@@ -379,7 +384,9 @@ class AgentClient::Connection {
   std::thread reader_;
   std::mutex mu_;
   std::map<uint32_t, std::shared_ptr<Pending>> calls_;  // guarded by mu_
-  std::set<uint32_t> cancelled_;                        // guarded by mu_: late frames dropped
+  // Cancelled calls whose RESPONSE has not come yet → its frame limit. Their late frames are
+  // dropped. Guarded by mu_.
+  std::map<uint32_t, uint32_t> cancelled_;
   uint32_t next_stream_ = 1;                            // guarded by mu_
   absl::Status failure_;                                // guarded by mu_
 };
