@@ -192,17 +192,17 @@ TEST_F(AgentTest, MalformedFramesCloseOnlyThatConnection) {
            u32(static_cast<uint32_t>(header.size())) + header;
   };
   const std::vector<std::string> garbage = {
-      u32(0xffffffff) + "xxxxxxxxxxxxxx",     // absurd length
-      u32(proto::kMaxFrameBytes + 1),         // just over the limit
-      frame('\x09', "{}"),                    // unknown type
-      frame('\x02', "{no}"),                  // bad JSON
-      frame('\x02', "[]"),                    // header is not an object
-      frame('\x01', "{}", 0),                 // HELLO from the client
-      frame('\x03', "{}"),                    // OUTPUT from the client
-      frame('\x04', "{}"),                    // RESPONSE from the client
-      frame('\x02', "{}", 0),                 // REQUEST on stream 0
-      u32(7) + "\x02" + u32(2) + "{}",        // a v1 frame
-      u32(2) + "ab",                          // shorter than the fixed part
+      u32(0xffffffff) + "xxxxxxxxxxxxxx",  // absurd length
+      u32(proto::kMaxFrameBytes + 1),      // just over the limit
+      frame('\x09', "{}"),                 // unknown type
+      frame('\x02', "{no}"),               // bad JSON
+      frame('\x02', "[]"),                 // header is not an object
+      frame('\x01', "{}", 0),              // HELLO from the client
+      frame('\x03', "{}"),                 // OUTPUT from the client
+      frame('\x04', "{}"),                 // RESPONSE from the client
+      frame('\x02', "{}", 0),              // REQUEST on stream 0
+      u32(7) + "\x02" + u32(2) + "{}",     // a v1 frame
+      u32(2) + "ab",                       // shorter than the fixed part
       std::string("GET / HTTP/1.1\r\nHost: x\r\n\r\n"),
   };
   for (const std::string& g : garbage) {
@@ -522,8 +522,9 @@ TEST_F(AgentTest, CancelEndsOneExecAndTheConnectionStaysUp) {
   ASSERT_TRUE(c.ok());
   uint32_t s = 0;
   ASSERT_TRUE(c.Send({{"op", "exec"},
-                      {"command", "sleep 100 & echo $! > bg.pid; echo $$ > sh.pid; echo go; "
-                                  "sleep 100; touch ran"},
+                      {"command",
+                       "sleep 100 & echo $! > bg.pid; echo $$ > sh.pid; echo go; "
+                       "sleep 100; touch ran"},
                       {"timeout_ms", 60000}},
                      "", &s));
   proto::Frame out;
@@ -550,8 +551,8 @@ TEST_F(AgentTest, ExecReadsStdinFromInputFrames) {
   Conn c(agent_);
   ASSERT_TRUE(c.ok());
   uint32_t s = 0;
-  ASSERT_TRUE(c.Send({{"op", "exec"}, {"command", "wc -c; cat >/dev/null"}, {"stdin", true}}, "",
-                     &s));
+  ASSERT_TRUE(
+      c.Send({{"op", "exec"}, {"command", "wc -c; cat >/dev/null"}, {"stdin", true}}, "", &s));
   std::string data(600 * 1024, 'i');  // more than one window: the agent must grant credit
   size_t sent = 0;
   int64_t credit = proto::kInitialWindow;
@@ -589,8 +590,8 @@ TEST_F(AgentTest, InputPastTheWindowClosesTheConnection) {
   Conn c(agent_);
   ASSERT_TRUE(c.ok());
   uint32_t first = 0, queued = 0;
-  ASSERT_TRUE(c.Send({{"op", "exec"}, {"command", "echo $$ > first.pid; echo go; sleep 100"}}, "",
-                     &first));
+  ASSERT_TRUE(
+      c.Send({{"op", "exec"}, {"command", "echo $$ > first.pid; echo go; sleep 100"}}, "", &first));
   proto::Frame out;
   std::string error;
   ASSERT_TRUE(proto::ReadFrame(c.fd(), &out, &error, proto::MonotonicMs() + 5000)) << error;

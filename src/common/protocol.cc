@@ -130,7 +130,61 @@ bool WaitFd(int fd, short events, int64_t deadline_ms, std::string* error, int w
   }
 }
 
+// Writes every byte of `iov` (sockets with MSG_NOSIGNAL, anything else with writev). Blocking
+// descriptors with a send timeout and non-blocking ones wait at most 30 s for a peer that does
+// not read.
+bool WriteIov(int fd, iovec* iov, int iovcnt, std::string* error) {
+  iovec* cur = iov;
+  bool is_socket = true;
+  while (iovcnt > 0) {
+    ssize_t n;
+    if (is_socket) {
+      msghdr msg{};
+      msg.msg_iov = cur;
+      msg.msg_iovlen = iovcnt;
+      // MSG_NOSIGNAL: a peer that went away must give EPIPE, not kill the process.
+      n = sendmsg(fd, &msg, MSG_NOSIGNAL);
+      if (n < 0 && errno == ENOTSOCK) {
+        is_socket = false;
+        continue;
+      }
+    } else {
+      n = writev(fd, cur, iovcnt);
+    }
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        // A send timeout (SO_SNDTIMEO) also lands here on blocking sockets: give up then,
+        // wait for writability on non-blocking descriptors.
+        pollfd p{fd, POLLOUT, 0};
+        int r = poll(&p, 1, 30000);
+        if (r > 0) continue;
+        if (r < 0 && errno == EINTR) continue;
+        if (error) *error = "write: peer not reading";
+        return false;
+      }
+      if (error) *error = std::string("write: ") + strerror(errno);
+      return false;
+    }
+    size_t left = static_cast<size_t>(n);
+    while (iovcnt > 0 && left >= cur->iov_len) {
+      left -= cur->iov_len;
+      ++cur;
+      --iovcnt;
+    }
+    if (iovcnt > 0) {
+      cur->iov_base = static_cast<char*>(cur->iov_base) + left;
+      cur->iov_len -= left;
+    }
+  }
+  return true;
+}
+
 }  // namespace
+
+bool WaitReadable(int fd, int64_t deadline_ms, std::string* error) {
+  return WaitFd(fd, POLLIN, deadline_ms, error);
+}
 
 bool ReadFull(int fd, char* buf, size_t n, int64_t deadline_ms, std::string* error, int wake_fd) {
   size_t got = 0;
@@ -239,51 +293,12 @@ bool WriteFrame(int fd, const Frame& frame, std::string* error) {
   // Two-part gather write so a 16 MiB payload is never copied.
   iovec iov[2] = {{prefix.data(), prefix.size()},
                   {const_cast<char*>(frame.payload.data()), frame.payload.size()}};
-  int iovcnt = frame.payload.empty() ? 1 : 2;
-  iovec* cur = iov;
-  bool is_socket = true;
-  while (iovcnt > 0) {
-    ssize_t n;
-    if (is_socket) {
-      msghdr msg{};
-      msg.msg_iov = cur;
-      msg.msg_iovlen = iovcnt;
-      // MSG_NOSIGNAL: a peer that went away must give EPIPE, not kill the process.
-      n = sendmsg(fd, &msg, MSG_NOSIGNAL);
-      if (n < 0 && errno == ENOTSOCK) {
-        is_socket = false;
-        continue;
-      }
-    } else {
-      n = writev(fd, cur, iovcnt);
-    }
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      if (errno == EAGAIN || errno == EWOULDBLOCK) {
-        // A send timeout (SO_SNDTIMEO) also lands here on blocking sockets: give up then,
-        // wait for writability on non-blocking descriptors.
-        pollfd p{fd, POLLOUT, 0};
-        int r = poll(&p, 1, 30000);
-        if (r > 0) continue;
-        if (r < 0 && errno == EINTR) continue;
-        if (error) *error = "write: peer not reading";
-        return false;
-      }
-      if (error) *error = std::string("write: ") + strerror(errno);
-      return false;
-    }
-    size_t left = static_cast<size_t>(n);
-    while (iovcnt > 0 && left >= cur->iov_len) {
-      left -= cur->iov_len;
-      ++cur;
-      --iovcnt;
-    }
-    if (iovcnt > 0) {
-      cur->iov_base = static_cast<char*>(cur->iov_base) + left;
-      cur->iov_len -= left;
-    }
-  }
-  return true;
+  return WriteIov(fd, iov, frame.payload.empty() ? 1 : 2, error);
+}
+
+bool WriteAll(int fd, std::string_view data, std::string* error) {
+  iovec iov{const_cast<char*>(data.data()), data.size()};
+  return data.empty() || WriteIov(fd, &iov, 1, error);
 }
 
 bool ReadFrame(int fd, Frame* frame, std::string* error, int64_t deadline_ms,

@@ -94,6 +94,13 @@ bool ReadFrame(int fd, Frame* frame, std::string* error, int64_t deadline_ms = -
                uint32_t max_frame_bytes = kMaxFrameBytes, const FrameLimit& limit = nullptr,
                int wake_fd = -1);
 
+// Writes all of `data` (sockets without SIGPIPE; gives up on a peer that does not read for
+// 30 s). Shared by the nano wire.
+bool WriteAll(int fd, std::string_view data, std::string* error);
+
+// Waits until `fd` is readable (or at EOF/error) or the deadline passes ("timed out").
+bool WaitReadable(int fd, int64_t deadline_ms, std::string* error);
+
 // Reads exactly n bytes with a deadline (shared by the nano wire). false with "connection
 // closed", "connection closed mid-frame", "timed out", "interrupted" or an errno message.
 bool ReadFull(int fd, char* buf, size_t n, int64_t deadline_ms, std::string* error,

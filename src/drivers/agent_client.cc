@@ -387,8 +387,8 @@ class AgentClient::Connection {
   // Cancelled calls whose RESPONSE has not come yet → its frame limit. Their late frames are
   // dropped. Guarded by mu_.
   std::map<uint32_t, uint32_t> cancelled_;
-  uint32_t next_stream_ = 1;                            // guarded by mu_
-  absl::Status failure_;                                // guarded by mu_
+  uint32_t next_stream_ = 1;  // guarded by mu_
+  absl::Status failure_;      // guarded by mu_
 };
 
 namespace {

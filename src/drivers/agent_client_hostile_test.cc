@@ -31,10 +31,9 @@ std::string U32(uint32_t v) {
 // HELLO goes on stream 0; everything else on `stream` (the client's first call is stream 1).
 std::string RawFrame(proto::FrameType type, const std::string& header, const std::string& payload,
                      uint32_t announced_length = 0, uint32_t stream = 1) {
-  uint32_t length = announced_length
-                        ? announced_length
-                        : static_cast<uint32_t>(proto::kFixedBytes + header.size() +
-                                                payload.size());
+  uint32_t length =
+      announced_length ? announced_length
+                       : static_cast<uint32_t>(proto::kFixedBytes + header.size() + payload.size());
   std::string out = U32(length);
   out.push_back(static_cast<char>(proto::kMagic));
   out.push_back(static_cast<char>(type));
@@ -278,9 +277,8 @@ TEST(LyingAgentTest, OutputPastTheWindowIsAProtocolError) {
   LyingAgent agent([](int fd) {
     WriteAll(fd, Hello());
     ReadRequest(fd);
-    std::string chunk =
-        RawFrame(proto::FrameType::kOutput, R"({"stream":"stdout"})",
-                 std::string(proto::kMaxChunkBytes, 'o'));
+    std::string chunk = RawFrame(proto::FrameType::kOutput, R"({"stream":"stdout"})",
+                                 std::string(proto::kMaxChunkBytes, 'o'));
     for (int i = 0; i < 64; ++i) {  // 4 MiB, 16 windows, without waiting for one
       if (!WriteAll(fd, chunk)) break;
     }

@@ -425,7 +425,6 @@ TEST_F(AgentClientTest, ExecRoundTripLatency) {
   }
 }
 
-
 // ---------------------------------------------------------------------------------------
 // Protocol v2: one multiplexed connection.
 
@@ -622,9 +621,9 @@ class SingleFdAgent {
     dir_ = mkdtemp(tmpl);
     std::string ws = dir_ + "/workspace";
     mkdir(ws.c_str(), 0755);
-    std::vector<std::string> args = {ESB_AGENT_BINARY, "--serve-fd",   "3",
-                                     "--workspace",    ws,             "--state-dir",
-                                     dir_ + "/state",  "--log-level",  "warn"};
+    std::vector<std::string> args = {
+        ESB_AGENT_BINARY, "--serve-fd",    "3",           "--workspace", ws,
+        "--state-dir",    dir_ + "/state", "--log-level", "warn"};
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
@@ -669,9 +668,8 @@ void ExerciseSingleFd(AgentClient& client, pid_t agent_pid) {
       ExecRequest request;
       request.command = "printf 'a\\r\\nb'; echo " + name;
       absl::StatusOr<ExecResult> r = client.Exec(request, nullptr);
-      if (client.Write(name, all, 0, true).ok() &&
-          (back = client.Read(name, 0, 1 << 20)).ok() && back->data == all && r.ok() &&
-          r->stdout_data == "a\r\nb" + name + "\n") {
+      if (client.Write(name, all, 0, true).ok() && (back = client.Read(name, 0, 1 << 20)).ok() &&
+          back->data == all && r.ok() && r->stdout_data == "a\r\nb" + name + "\n") {
         ++ok;
       }
     });
