@@ -540,7 +540,7 @@ TEST_F(AgentClientTest, FloodingStreamDoesNotStarvePingsOrGrowMemory) {
   stop = true;
   flood.join();
   std::sort(latencies.begin(), latencies.end());
-  EXPECT_LT(latencies[latencies.size() * 99 / 100], 100) << "p99 ping latency in ms";
+  EXPECT_LT(latencies[latencies.size() * 99 / 100], 200) << "p99 ping latency in ms";
   // ~1 s at one 64 KiB chunk per 20 ms: a few MiB consumed; without flow control `yes` would
   // have pushed hundreds of MiB into esbd by now.
   EXPECT_LT(consumed.load(), 16 << 20);
@@ -609,6 +609,25 @@ TEST_F(AgentClientTest, ReconnectsAfterTheAgentRestarts) {
   EXPECT_TRUE(client_.WaitReady(5000).ok());
   EXPECT_EQ(Run("echo again").stdout_data, "again\n");
   EXPECT_EQ(connects_.load(), 2);
+}
+
+// spawn/input/signal/resize/wait/kill, sync and reseed have their wire shape and client
+// methods; an agent that does not serve them (this one, until the process table lands) says
+// so in its HELLO and answers ENOSYS, never hangs.
+TEST_F(AgentClientTest, OpsTheAgentDoesNotServeAreRefusedClearly) {
+  absl::StatusOr<std::vector<std::string>> ops = client_.Capabilities();
+  ASSERT_TRUE(ops.ok()) << ops.status();
+  const bool serves_spawn = std::find(ops->begin(), ops->end(), "spawn") != ops->end();
+  if (serves_spawn) GTEST_SKIP() << "this agent serves spawn (covered by its own tests)";
+  SpawnRequest request;
+  request.argv = {"python3", "-i"};
+  absl::StatusOr<std::string> id = client_.Spawn(request);
+  ASSERT_FALSE(id.ok());
+  EXPECT_NE(id.status().message().find("unknown op: spawn"), std::string::npos) << id.status();
+  EXPECT_FALSE(client_.Sync(1000).ok());
+  EXPECT_EQ(client_.Reseed("short").code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(client_.Spawn(SpawnRequest{}).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(client_.Ping().ok());
 }
 
 // The microVM transport: one already-open byte stream, no listening socket. The agent serves
