@@ -201,6 +201,9 @@ class AgentClient::Connection {
                                                         ", esbd needs v", proto::kVersion,
                                                         ": the environment must be recreated"));
     }
+    // The agent answers EBUSY past this many calls in flight: wait for a slot instead.
+    max_calls_ = static_cast<size_t>(std::clamp<int64_t>(IntField(hello.header, "max_calls", 64),
+                                                         1, 1024));
     if (const json::value* ops = hello.header.if_contains("ops"); ops && ops->is_array()) {
       for (const json::value& op : ops->as_array()) {
         if (op.is_string() && ops_.size() < 64 && op.as_string().size() <= 64) {
@@ -226,7 +229,15 @@ class AgentClient::Connection {
         proto::FrameBytesFor(proto::kMaxHeaderBytes, spec.max_response_payload);
     call->streams_output = static_cast<bool>(spec.on_output);
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      std::unique_lock<std::mutex> lock(mu_);
+      // Cancelled calls count until their RESPONSE: the agent still runs them.
+      auto slot = [&] { return !failure_.ok() || calls_.size() + cancelled_.size() < max_calls_; };
+      int64_t left = spec.deadline_ms - proto::MonotonicMs();
+      if (!slot() &&
+          (left <= 0 || !slots_.wait_for(lock, std::chrono::milliseconds(left), slot))) {
+        return absl::DeadlineExceededError(
+            absl::StrCat("agent busy: ", max_calls_, " calls in flight until the deadline"));
+      }
       if (!failure_.ok()) return failure_;
       do {
         call->stream = next_stream_++;
@@ -253,6 +264,7 @@ class AgentClient::Connection {
       std::lock_guard<std::mutex> lock(mu_);
       channel_.Close(call.stream);
       if (calls_.erase(call.stream) == 0) return;  // answered already
+      slots_.notify_one();
       cancelled_[call.stream] = call.max_response_frame;
       // Bounded: an agent that never answers cancelled calls does not grow this forever.
       if (cancelled_.size() > 4096) cancelled_.erase(cancelled_.begin());
@@ -268,6 +280,7 @@ class AgentClient::Connection {
   bool Forget(uint32_t stream) {
     std::lock_guard<std::mutex> lock(mu_);
     channel_.Close(stream);
+    slots_.notify_one();
     return calls_.erase(stream) > 0;
   }
 
@@ -279,6 +292,7 @@ class AgentClient::Connection {
       if (failure_.ok()) failure_ = ConnectionError(error);
       failure = failure_;
       calls.swap(calls_);
+      slots_.notify_all();
     }
     channel_.Shutdown(error);
     for (auto& [stream, call] : calls) {
@@ -306,7 +320,9 @@ class AgentClient::Connection {
         return it->second->max_response_frame;
       }
       default:
-        return 0;  // HELLO again, REQUEST, CANCEL, INPUT: never sent by an agent
+        // HELLO again, REQUEST, CANCEL, INPUT: never sent by an agent; a small one is read so
+        // Dispatch can name the violation.
+        return kControlFrameBytes;
     }
   }
 
@@ -314,21 +330,22 @@ class AgentClient::Connection {
     const proto::FrameLimit limit = [this](proto::FrameType type, uint32_t stream) {
       return Limit(type, stream);
     };
-    for (;;) {
-      proto::Frame frame;
-      std::string error;
-      if (!proto::ReadFrame(fd_.get(), &frame, &error, -1, proto::kMaxFrameBytes, limit,
-                            wake_.get())) {
-        if (error.rfind("frame too large", 0) == 0 && frame.type == proto::FrameType::kRequest) {
-          error = "unexpected frame type";
+    try {
+      for (;;) {
+        proto::Frame frame;
+        std::string error;
+        if (!proto::ReadFrame(fd_.get(), &frame, &error, -1, proto::kMaxFrameBytes, limit,
+                              wake_.get())) {
+          Close(error);
+          return;
         }
-        Close(error);
-        return;
+        if (std::string violation = Dispatch(std::move(frame)); !violation.empty()) {
+          Close(violation);
+          return;
+        }
       }
-      if (std::string violation = Dispatch(std::move(frame)); !violation.empty()) {
-        Close(violation);
-        return;
-      }
+    } catch (const std::exception& e) {  // bad_alloc: esbd itself is short of memory
+      Close(std::string("agent connection dropped: ") + e.what());
     }
   }
 
@@ -352,7 +369,9 @@ class AgentClient::Connection {
       auto it = calls_.find(frame.stream);
       if (it == calls_.end()) {
         if (!cancelled_.count(frame.stream)) return "frame for a stream that is not open";
-        if (frame.type == proto::FrameType::kResponse) cancelled_.erase(frame.stream);
+        if (frame.type == proto::FrameType::kResponse && cancelled_.erase(frame.stream)) {
+          slots_.notify_one();
+        }
         return "";  // the end of a cancelled call
       }
       call = it->second;
@@ -364,6 +383,7 @@ class AgentClient::Connection {
         }
       } else {
         calls_.erase(it);
+        slots_.notify_one();
         channel_.Close(frame.stream);
       }
     }
@@ -388,6 +408,8 @@ class AgentClient::Connection {
   // dropped. Guarded by mu_.
   std::map<uint32_t, uint32_t> cancelled_;
   uint32_t next_stream_ = 1;  // guarded by mu_
+  size_t max_calls_ = 64;     // from the HELLO
+  std::condition_variable slots_;  // a call ended (or the connection broke)
   absl::Status failure_;      // guarded by mu_
 };
 

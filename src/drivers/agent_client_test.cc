@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <mutex>
 #include <chrono>
 #include <fstream>
 #include <sstream>
@@ -463,6 +464,30 @@ TEST_F(AgentClientTest, HundredConcurrentCallsFromManyThreadsShareOneConnection)
   for (auto& t : threads) t.join();
   EXPECT_EQ(ok.load(), 100);
   EXPECT_EQ(connects_.load(), 1);
+}
+
+// More calls than the agent's cap (64 in flight, from its HELLO) wait for a slot in esbd
+// instead of coming back EBUSY.
+TEST_F(AgentClientTest, CallsBeyondTheAgentsCapWaitForASlot) {
+  std::atomic<int> ok{0};
+  std::vector<std::string> errors;
+  std::mutex mu;
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 80; ++t) {
+    threads.emplace_back([&] {
+      ExecRequest request;  // serialised in the agent: the others hold their slots meanwhile
+      request.command = "true";
+      absl::StatusOr<ExecResult> r = client_.Exec(request, nullptr);
+      if (r.ok() && r->exit_code == 0) {
+        ++ok;
+      } else {
+        std::lock_guard<std::mutex> lock(mu);
+        errors.push_back(r.status().ToString());
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(ok.load(), 80) << (errors.empty() ? "" : errors[0]);
 }
 
 TEST_F(AgentClientTest, CancelInTheMiddleWhileOtherCallsContinue) {
