@@ -10,6 +10,9 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <condition_variable>
+#include <deque>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -18,6 +21,7 @@
 #include <utility>
 
 #include "agent/handlers.h"
+#include "agent/peer_cred.h"
 #include "agent/util.h"
 #include "common/channel.h"
 
@@ -49,8 +53,8 @@ int MkdirAll(const std::string& path, mode_t mode) {
 Agent::Agent(AgentOptions options, Reaper* reaper, std::string user)
     : options_(std::move(options)),
       reaper_(reaper),
-      shell_(ShellOptions{options_.workspace, options_.state_dir, options_.shell, std::move(user)},
-             reaper),
+      shell_(ShellOptions{options_.workspace, options_.state_dir, options_.shell, user}, reaper),
+      processes_(ProcessTableOptions{options_.workspace, user, options_.shell}, reaper),
       start_ms_(proto::MonotonicMs()) {}
 
 bool Agent::Listen(std::string* error) {
@@ -156,7 +160,7 @@ bool Agent::PeerAllowed(int fd) {
   ucred cred{};
   socklen_t len = sizeof cred;
   if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0 && len == sizeof cred &&
-      (cred.uid == 0 ||
+      (cred.uid == 0 || IsUnmappedOutsidePeer(cred) ||  // uid 0 on the host, seen via a userns
        (options_.allow_peer_uid >= 0 && cred.uid == static_cast<uid_t>(options_.allow_peer_uid)) ||
        (options_.host_uds_peers && cred.pid == 1 && getpid() == 1 && cred.uid == getuid()))) {
     return true;
@@ -172,6 +176,7 @@ bool Agent::PeerAllowed(int fd) {
 
 void Agent::Shutdown() {
   shell_.KillAll();
+  processes_.KillAll();
   if (options_.listen_fd < 0 && options_.serve_fd < 0) unlink(options_.socket_path.c_str());
 }
 
@@ -210,7 +215,8 @@ struct Agent::Call {
 };
 
 std::vector<std::string> Capabilities() {
-  return {"ping", "exec", "write", "read", "list", "stat", "stats", "configure"};
+  return {"ping",  "exec",   "write",  "read", "list", "stat", "stats", "configure", "spawn",
+          "input", "signal", "resize", "wait", "kill", "sync", "thaw",  "reseed"};
 }
 
 void Agent::HandleConnection(int fd, bool owned) {
@@ -384,6 +390,13 @@ std::optional<proto::Frame> Agent::HandleRequest(Conn& conn, Call& call,
     return response;
   }
   if (op == "configure") return HandleConfigure(request.header);
+  if (op == "spawn") return HandleSpawn(request.header);
+  if (op == "wait") return HandleWait(conn, call, request.header);
+  if (op == "input" || op == "signal" || op == "resize" || op == "kill") {
+    return HandleProcessOp(op, request.header, request.payload);
+  }
+  if (op == "sync" || op == "thaw") return HandleSync(request.header);
+  if (op == "reseed") return HandleReseed(request.payload);
   if (op.empty()) return ErrorResponse("request without an op", "EINVAL");
   return ErrorResponse("unknown op: " + op, "ENOSYS");
 }
@@ -399,6 +412,7 @@ proto::Frame Agent::HandleConfigure(const json::object& header) {
     }
     map[k] = v;
   }
+  processes_.Configure(map);
   shell_.Configure(std::move(map));
   try {
     std::thread([this] { shell_.PrepareStandby(); }).detach();  // with the new environment
@@ -469,6 +483,236 @@ std::optional<proto::Frame> Agent::HandleExec(Conn& conn, Call& call, const json
   Answer(conn, call, std::move(response));
   shell_.PrepareStandby();
   return std::nullopt;  // answered
+}
+
+// ---------------------------------------------------------------------------------------
+// Long-lived processes. The table's I/O thread hands output to ProcOutput (never blocking); a
+// `wait` call sends it on as OUTPUT frames and grants the table credit for what it sent, so
+// what a process writes while nobody waits stays within the table's window (the process then
+// blocks in write()).
+
+struct Agent::ProcOutput {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<std::pair<OutputStream, std::string>> chunks;  // ≤ the table's output window
+  bool ended = false;
+  ExitInfo exit;
+  bool waiting = false;  // one `wait` at a time
+};
+
+std::shared_ptr<Agent::ProcOutput> Agent::Output(uint64_t id) {
+  std::lock_guard<std::mutex> lock(outputs_mu_);
+  auto it = outputs_.find(id);
+  return it == outputs_.end() ? nullptr : it->second;
+}
+
+namespace {
+
+proto::Frame OpError(const OpStatus& s) { return ErrorResponse(s.error, s.errno_name); }
+
+// Process ids travel as decimal strings.
+bool ParseId(Fields& f, uint64_t* id) {
+  std::string text = f.String("id", "", true);
+  if (!f.ok() || text.empty() || text.size() > 19 ||
+      text.find_first_not_of("0123456789") != std::string::npos) {
+    return false;
+  }
+  *id = std::stoull(text);
+  return true;
+}
+
+}  // namespace
+
+proto::Frame Agent::HandleSpawn(const json::object& header) {
+  SpawnSpec spec;
+  const json::value* argv = header.if_contains("argv");
+  if (!argv || !argv->is_array()) return ErrorResponse("spawn: argv must be an array", "EINVAL");
+  for (const json::value& a : argv->as_array()) {
+    if (!a.is_string()) return ErrorResponse("spawn: argv must be strings", "EINVAL");
+    spec.argv.emplace_back(a.as_string());
+  }
+  Fields f(header);
+  std::vector<std::pair<std::string, std::string>> env;
+  f.StringMap("env", &env);
+  for (auto& [k, v] : env) spec.env[k] = v;
+  spec.cwd = f.String("cwd", "");
+  spec.pty = f.Bool("pty", false);
+  spec.rows = static_cast<int>(f.Int("rows", 24));
+  spec.cols = static_cast<int>(f.Int("cols", 80));
+  if (!f.ok()) return ErrorResponse(f.error(), "EINVAL");
+  auto out = std::make_shared<ProcOutput>();
+  spec.on_output = [out](uint64_t, OutputStream stream, std::string_view data) {
+    std::lock_guard<std::mutex> lock(out->mu);
+    out->chunks.emplace_back(stream, std::string(data));
+    out->cv.notify_all();
+  };
+  spec.on_exit = [out](uint64_t, const ExitInfo& exit) {
+    std::lock_guard<std::mutex> lock(out->mu);
+    out->ended = true;
+    out->exit = exit;
+    out->cv.notify_all();
+  };
+  uint64_t id = 0;
+  OpStatus s = processes_.Spawn(std::move(spec), &id);
+  if (!s.ok) return OpError(s);
+  {
+    std::lock_guard<std::mutex> lock(outputs_mu_);
+    outputs_[id] = out;
+    // Bounded: the table forgets ended processes too (max_exited); so do we.
+    while (outputs_.size() > 256) outputs_.erase(outputs_.begin());
+  }
+  proto::Frame response = OkResponse();
+  response.header["id"] = std::to_string(id);
+  ProcessInfo info;
+  if (processes_.Info(id, &info).ok) response.header["pid"] = static_cast<int64_t>(info.pid);
+  return response;
+}
+
+proto::Frame Agent::HandleProcessOp(const std::string& op, const json::object& header,
+                                    const std::string& payload) {
+  Fields f(header);
+  uint64_t id = 0;
+  if (!ParseId(f, &id)) return ErrorResponse(op + ": id must be a process id", "EINVAL");
+  OpStatus s;
+  if (op == "input") {
+    bool eof = f.Bool("eof", false);
+    if (!f.ok()) return ErrorResponse(f.error(), "EINVAL");
+    if (!payload.empty()) s = processes_.WriteInput(id, payload);
+    if (s.ok && eof) s = processes_.CloseInput(id);
+  } else if (op == "signal") {
+    int signo = 0;
+    if (const json::value* v = header.if_contains("signal"); v && v->is_string()) {
+      signo = ProcessTable::SignalFromName(v->as_string());
+    } else {
+      signo = static_cast<int>(f.Int("signal", 0, true));
+    }
+    if (!f.ok()) return ErrorResponse(f.error(), "EINVAL");
+    s = processes_.Signal(id, signo);
+  } else if (op == "resize") {
+    int rows = static_cast<int>(f.Int("rows", 0, true));
+    int cols = static_cast<int>(f.Int("cols", 0, true));
+    if (!f.ok()) return ErrorResponse(f.error(), "EINVAL");
+    s = processes_.Resize(id, rows, cols);
+  } else {  // kill
+    s = processes_.Kill(id);
+  }
+  return s.ok ? OkResponse() : OpError(s);
+}
+
+std::optional<proto::Frame> Agent::HandleWait(Conn& conn, Call& call, const json::object& header) {
+  Fields f(header);
+  uint64_t id = 0;
+  if (!ParseId(f, &id)) return ErrorResponse("wait: id must be a process id", "EINVAL");
+  int64_t timeout_ms = std::clamp<int64_t>(f.Int("timeout_ms", 0), 0, int64_t{24} * 3600 * 1000);
+  if (!f.ok()) return ErrorResponse(f.error(), "EINVAL");
+  std::shared_ptr<ProcOutput> out = Output(id);
+  ExitInfo exit;
+  if (!out) {  // not spawned by this agent run (or forgotten): the table may still know it
+    OpStatus s = processes_.Wait(id, timeout_ms, &exit);
+    if (!s.ok) return OpError(s);
+  } else {
+    {
+      std::lock_guard<std::mutex> lock(out->mu);
+      if (out->waiting) return ErrorResponse("wait: another wait is in progress", "EBUSY");
+      out->waiting = true;
+    }
+    const int64_t deadline = proto::MonotonicMs() + timeout_ms;
+    std::unique_lock<std::mutex> lock(out->mu);
+    for (;;) {
+      if (call.cancelled) {
+        out->waiting = false;
+        return ErrorResponse("wait cancelled", "ECANCELED");
+      }
+      if (!out->chunks.empty()) {
+        auto [stream, data] = std::move(out->chunks.front());
+        out->chunks.pop_front();
+        lock.unlock();
+        json::object h{{"stream", stream == OutputStream::kStderr ? "stderr" : "stdout"}};
+        std::string error;
+        bool sent = conn.channel.SendData(proto::FrameType::kOutput, call.stream, h, data, deadline,
+                                          &error);
+        processes_.GrantOutput(id, static_cast<int64_t>(data.size()));  // taken from the table
+        lock.lock();
+        if (!sent) {
+          out->waiting = false;
+          if (conn.channel.closed() || call.cancelled) {
+            return ErrorResponse("wait cancelled", "ECANCELED");
+          }
+          break;  // esbd did not take output before the deadline: the wait times out
+        }
+        continue;
+      }
+      if (out->ended) break;
+      int64_t left = deadline - proto::MonotonicMs();
+      if (left <= 0) break;
+      // Short slices: a CANCEL sets call.cancelled without notifying this condition variable.
+      out->cv.wait_for(lock, std::chrono::milliseconds(std::min<int64_t>(left, 50)));
+    }
+    out->waiting = false;
+    exit = out->exit;
+    if (!out->ended) exit.exited = false;
+  }
+  proto::Frame response = OkResponse();
+  response.header["exited"] = exit.exited;
+  if (exit.exited) {
+    response.header["exit_code"] = exit.signal ? 128 + exit.signal : exit.exit_code;
+    response.header["signal"] = exit.signal;
+    response.header["duration_ms"] = exit.duration_ms;
+  }
+  return response;
+}
+
+proto::Frame Agent::HandleSync(const json::object& header) {
+  Fields f(header);
+  const json::value* op = header.if_contains("op");
+  if (op && op->is_string() && op->as_string() == "thaw") {
+    ThawResult t = freezer_.Thaw();
+    proto::Frame response = OkResponse();
+    response.header["was_frozen"] = t.was_frozen;
+    response.header["resumed"] = t.resumed;
+    response.header["auto_thawed"] = t.auto_thawed;
+    return response;
+  }
+  bool freeze = f.Bool("freeze", false);
+  int64_t settle_ms = f.Int("settle_ms", 2000);
+  int64_t max_frozen_ms = f.Int("max_frozen_ms", 60000);
+  if (!f.ok()) return ErrorResponse(f.error(), "EINVAL");
+  proto::Frame response = OkResponse();
+  if (freeze) {
+    FreezeResult fr = freezer_.Freeze(settle_ms, max_frozen_ms);
+    if (!fr.ok && fr.not_stopped.empty()) return ErrorResponse(fr.error, fr.errno_name);
+    response.header["frozen"] = true;
+    response.header["stopped"] = fr.stopped;
+    json::array still;
+    for (pid_t pid : fr.not_stopped) still.emplace_back(static_cast<int64_t>(pid));
+    response.header["not_stopped"] = std::move(still);
+  }
+  json::array synced;
+  for (const PathSync& p : SyncFilesystems({options_.workspace, options_.state_dir})) {
+    if (!p.ok) {
+      if (freeze) freezer_.Thaw();
+      return ErrorResponse(p.error, p.errno_name);
+    }
+    synced.emplace_back(p.path);
+  }
+  response.header["synced"] = std::move(synced);
+  return response;
+}
+
+proto::Frame Agent::HandleReseed(const std::string& payload) {
+  ReseedResult r = reseeder_.Reseed(payload);
+  if (!r.ok) return ErrorResponse(r.error, r.errno_name);
+  proto::Frame response = OkResponse();
+  auto steps = [](const std::vector<ReseedStep>& in) {
+    json::array out;
+    for (const ReseedStep& s : in) {
+      out.push_back(json::object{{"name", s.name}, {"status", s.status}, {"detail", s.detail}});
+    }
+    return out;
+  };
+  response.header["kernel"] = steps(r.kernel);
+  response.header["hooks"] = steps(r.hooks);
+  return response;
 }
 
 }  // namespace esb::agent

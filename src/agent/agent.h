@@ -6,12 +6,17 @@
 #pragma once
 
 #include <atomic>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "agent/process_table.h"
+#include "agent/quiesce.h"
 #include "agent/reaper.h"
+#include "agent/reseed.h"
 #include "agent/shell.h"
 #include "common/log_throttle.h"
 #include "common/protocol.h"
@@ -74,10 +79,24 @@ class Agent {
                                          const std::string& payload);
   static void Answer(Conn& conn, const Call& call, proto::Frame response);
   proto::Frame HandleConfigure(const boost::json::object& header);
+  // Long-lived processes (process_table.h), sync/thaw (quiesce.h), reseed (reseed.h).
+  struct ProcOutput;
+  std::shared_ptr<ProcOutput> Output(uint64_t id);
+  proto::Frame HandleSpawn(const boost::json::object& header);
+  proto::Frame HandleProcessOp(const std::string& op, const boost::json::object& header,
+                               const std::string& payload);
+  std::optional<proto::Frame> HandleWait(Conn& conn, Call& call, const boost::json::object& header);
+  proto::Frame HandleSync(const boost::json::object& header);
+  proto::Frame HandleReseed(const std::string& payload);
 
   const AgentOptions options_;
   Reaper* const reaper_;
   ShellSession shell_;
+  ProcessTable processes_;
+  Freezer freezer_;
+  Reseeder reseeder_;
+  std::mutex outputs_mu_;
+  std::map<uint64_t, std::shared_ptr<ProcOutput>> outputs_;  // by process id
   const int64_t start_ms_;
   int listen_fd_ = -1;
   std::atomic<int> connections_{0};

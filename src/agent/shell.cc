@@ -16,6 +16,7 @@
 #include <set>
 #include <vector>
 
+#include "agent/process_tree.h"
 #include "agent/util.h"
 #include "common/protocol.h"
 
@@ -167,97 +168,6 @@ bool DrainDump(int fd, std::string* buf, std::string* dump) {
   }
 }
 
-// The running agent binary (in the child of posix_spawn, still ours) and the shim's argv[0].
-constexpr char kSelfExe[] = "/proc/self/exe";
-constexpr char kShimArgv0[] = "esb-agent-shim";
-
-void KillGroup(pid_t pgid) {
-  if (pgid > 1) kill(-pgid, SIGKILL);
-}
-
-// True if `pid` descends from `root` in `table` (not root itself).
-bool DescendsFrom(pid_t pid, pid_t root, const std::map<pid_t, ProcInfo>& table) {
-  auto it = table.find(pid);
-  pid_t p = it == table.end() ? 0 : it->second.ppid;
-  for (int hops = 0; hops < 4096 && p > 1 && p != root; ++hops) {
-    auto up = table.find(p);
-    p = up == table.end() ? 0 : up->second.ppid;
-  }
-  return pid != root && p == root;
-}
-
-bool Stopped(char state) { return state == 'T' || state == 't' || state == 'Z' || state == 'X'; }
-
-// As PID 1 of the sandbox's pid namespace: freezes every process of the sandbox at once, kills
-// the shell's tree from a table that can no longer change, and resumes the rest. A process that
-// forks and exits in a loop (each child calling setsid) outruns any scan-then-kill, but not a
-// freeze: kill(-1) reaches every process, and a fork under way hands the stop to its child.
-void FreezeAndKillTree(pid_t shell) {
-  std::set<pid_t> stopped_before;
-  for (const auto& [pid, info] : ReadProcessTable()) {
-    if (Stopped(info.state)) stopped_before.insert(pid);
-  }
-  // SECURITY: kill(-1) from PID 1 reaches exactly the processes of this pid namespace that the
-  // agent's uid may signal (the sandbox's own; never the agent itself, never the host).
-  kill(-1, SIGSTOP);
-  std::map<pid_t, ProcInfo> table;
-  for (int wait = 0; wait < 200; ++wait) {  // bounded: a task in D state stops when it wakes
-    table = ReadProcessTable();
-    bool all = true;
-    for (const auto& [pid, info] : table) {
-      if (pid != 1 && !Stopped(info.state) && DescendsFrom(pid, shell, table)) all = false;
-    }
-    if (all && table.count(shell) && Stopped(table[shell].state)) break;
-    usleep(500);
-  }
-  std::set<pid_t> killed;
-  for (const auto& [pid, info] : table) {
-    if (DescendsFrom(pid, shell, table)) {
-      kill(pid, SIGKILL);  // SECURITY: descendants of this exec's own shell only
-      killed.insert(pid);
-    }
-  }
-  KillGroup(shell);
-  kill(shell, SIGKILL);
-  killed.insert(shell);
-  // Everything else the freeze stopped runs on (what was stopped before stays stopped).
-  for (const auto& [pid, info] : ReadProcessTable()) {
-    if (pid != 1 && !killed.count(pid) && !stopped_before.count(pid)) kill(pid, SIGCONT);
-  }
-}
-
-// Kills everything an exec started: every live descendant of its shell — including
-// `setsid` and double-fork escapees, which the shell (a child subreaper, see StartShell)
-// inherits — then the shell's process group. In a sandbox (the agent is PID 1) the whole
-// sandbox is frozen for the moment this takes (FreezeAndKillTree). Outside one (tests on the
-// host, where kill(-1) would reach the host) it works in rounds: the shell and its group are
-// frozen (SIGSTOP) and re-frozen each round, so a shell that saw its foreground command die
-// cannot run its next command (`sleep 5; touch x` must not touch x) before the group kill
-// lands, and orphans of killed processes keep reparenting to the live, frozen shell. Nothing
-// stays stopped: everything SIGSTOP reached is SIGKILLed or resumed. Call only while the shell
-// is unreaped (Reaper::WhileUnreaped).
-void KillTree(pid_t shell) {
-  if (shell <= 1) return;
-  if (getpid() == 1) {
-    FreezeAndKillTree(shell);
-    return;
-  }
-  for (int round = 0; round < 200; ++round) {
-    // SECURITY: only this exec's shell's own process group (its session) is frozen.
-    kill(-shell, SIGSTOP);
-    std::map<pid_t, ProcInfo> table = ReadProcessTable();
-    int killed = 0;
-    for (const auto& [pid, info] : table) {
-      if (info.state == 'Z' || info.state == 'X' || !DescendsFrom(pid, shell, table)) continue;
-      // SECURITY: only descendants of this exec's own shell are signalled.
-      kill(pid, SIGKILL);
-      ++killed;
-    }
-    if (killed == 0) break;
-    usleep(1000);  // let the killed exit and their children reparent to the shell
-  }
-  KillGroup(shell);
-}
 }  // namespace
 
 bool ValidEnvName(std::string_view name) {
@@ -293,19 +203,8 @@ void ShellSession::Configure(std::map<std::string, std::string> env) {
 }
 
 std::vector<std::string> ShellSession::BuildEnv() const {
-  std::map<std::string, std::string> env = {
-      {"HOME", options_.workspace},
-      {"PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"},
-      {"USER", options_.user},
-      {"LOGNAME", options_.user},
-      {"SHELL", options_.shell},
-      {"LANG", "C.UTF-8"},
-      // Nothing in the sandbox reads /etc/environment (no PAM): set what the image promises.
-      {"MPLBACKEND", "Agg"},
-      // Python's output goes to pipes: unbuffered, so it streams as it is printed.
-      {"PYTHONUNBUFFERED", "1"},
-      {"TERM", "dumb"},
-  };
+  std::map<std::string, std::string> env =
+      UserBaseEnv(options_.workspace, options_.user, options_.shell);
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (const auto& [k, v] : base_env_) env[k] = v;
@@ -380,8 +279,8 @@ bool ShellSession::StartShell(Shell* shell, std::string* error, int* err) {
   // The agent binary re-executed as a shim (main.cc: --exec-shim) makes the shell a child
   // subreaper before it becomes bash: orphans of the exec come back to its shell, so a
   // timeout finds and kills them (KillTree). posix_spawn offers no prctl of its own.
-  std::vector<std::string> args = {kShimArgv0, "--exec-shim", options_.shell, "--noprofile",
-                                   "--norc",   "-c",          kBoot,          "esb-exec"};
+  std::vector<std::string> args =
+      ShimArgv(options_.shell, {options_.shell, "--noprofile", "--norc", "-c", kBoot, "esb-exec"});
   std::vector<std::string> env = BuildEnv();
   std::vector<char*> argv, envp;
   for (auto& a : args) argv.push_back(a.data());

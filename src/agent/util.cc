@@ -62,7 +62,7 @@ std::map<pid_t, ProcInfo> ReadProcessTable() {
     std::string stat_path = std::string("/proc/") + e->d_name + "/stat";
     int fd = open(stat_path.c_str(), O_RDONLY | O_CLOEXEC);
     if (fd < 0) continue;
-    char buf[512];
+    char buf[1024];
     ssize_t n = read(fd, buf, sizeof buf - 1);
     close(fd);
     if (n <= 0) continue;
@@ -71,9 +71,16 @@ std::map<pid_t, ProcInfo> ReadProcessTable() {
     char* close_paren = strrchr(buf, ')');
     if (!close_paren) continue;
     char state;
-    int ppid;
-    if (sscanf(close_paren + 1, " %c %d", &state, &ppid) != 2) continue;
-    table[static_cast<pid_t>(pid)] = {static_cast<pid_t>(ppid), state};
+    int ppid, pgid, sid;
+    unsigned long long start_time = 0;
+    // Fields 3-6, then 7-21 skipped, then 22 (starttime).
+    int got = sscanf(close_paren + 1,
+                     " %c %d %d %d %*d %*d %*u %*u %*u %*u %*u %*u %*u %*d %*d %*d %*d %*d %*d "
+                     "%llu",
+                     &state, &ppid, &pgid, &sid, &start_time);
+    if (got < 4) continue;
+    table[static_cast<pid_t>(pid)] = {static_cast<pid_t>(ppid), state, static_cast<pid_t>(pgid),
+                                      static_cast<pid_t>(sid), start_time};
   }
   closedir(proc);
   return table;

@@ -49,6 +49,11 @@ std::string ErrnoName(int err);
 struct ProcInfo {
   pid_t ppid = 0;
   char state = '?';  // R, S, D, T (stopped), t (traced), Z, X, ...
+  pid_t pgid = 0;
+  pid_t sid = 0;
+  // Clock ticks after boot when the process started: with the pid, identifies a process
+  // across pid reuse.
+  unsigned long long start_time = 0;
 };
 // Every process in /proc.
 std::map<pid_t, ProcInfo> ReadProcessTable();

@@ -297,10 +297,15 @@ void ApiService::Register(Router& router) {
     for (const auto& [name, desc] : options_.driver_descriptions) drivers[name] = desc;
     json::object unavailable;
     for (const auto& [name, why] : options_.unavailable_runtimes) unavailable[name] = why;
+    json::object userns;
+    for (const auto& [name, st] : options_.userns) {
+      userns[name] = json::object{{"enabled", st.first}, {"reason", st.second}};
+    }
     return JsonResponse(200, json::object{{"status", "ok"},
                                           {"version", ESB_VERSION},
                                           {"drivers", std::move(drivers)},
                                           {"unavailable", std::move(unavailable)},
+                                          {"userns", std::move(userns)},
                                           {"pool_ready", manager_->PoolReady()}});
   });
 

@@ -6,6 +6,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <utility>
 
 #include "api/http_server.h"
 #include "core/artifact_store.h"
@@ -28,6 +29,8 @@ struct ServiceOptions {
   // runtime name → why it is unavailable (shown in 400 answers), for runtimes with no driver.
   std::map<std::string, std::string> unavailable_runtimes;
   std::map<std::string, std::string> driver_descriptions;  // for /healthz
+  // /healthz "userns": per container driver, whether sandboxes get user namespaces, and why.
+  std::map<std::string, std::pair<bool, std::string>> userns;
 };
 
 // Handler for POST /run and POST /environments/{id}/run (api/run_service.h builds it);

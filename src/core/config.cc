@@ -24,6 +24,12 @@ absl::Status GetString(const json::value& v, const std::string& key, std::string
   return absl::OkStatus();
 }
 
+absl::Status GetBool(const json::value& v, const std::string& key, bool* out) {
+  if (!v.is_bool()) return TypeError(key, "true or false");
+  *out = v.as_bool();
+  return absl::OkStatus();
+}
+
 template <typename T>
 absl::Status GetInt(const json::value& v, const std::string& key, T* out) {
   if (!v.is_int64() && !v.is_uint64()) return TypeError(key, "an integer");
@@ -161,6 +167,10 @@ absl::Status ValidateHttpLimits(const DaemonConfig& c) {
     return TypeError("max_buffered_response_bytes", "at least 4194304 (4 MiB)");
   if (c.access_log_lines_per_second < 0 || c.access_log_lines_per_second > 1000000)
     return TypeError("access_log_lines_per_second", "0 (no limit)..1000000");
+  if (c.userns_uid_base < 65536 || c.userns_uid_base > (1LL << 31) - 65536 ||
+      c.userns_uid_base % 65536 != 0)
+    return TypeError("userns_uid_base",
+                     "a multiple of 65536 in 65536..2147418112 (above host uids, below 2^31)");
   return absl::OkStatus();
 }
 
@@ -217,6 +227,10 @@ absl::Status LoadConfigFile(const std::string& path, DaemonConfig* c) {
     else if (key == "state_dir") st = GetString(v, key, &c->state_dir);
     else if (key == "container_runtime") st = GetString(v, key, &c->container_runtime);
     else if (key == "agent_binary") st = GetString(v, key, &c->agent_binary);
+    else if (key == "user_namespaces")
+      st = GetBool(v, key, &c->user_namespaces);
+    else if (key == "userns_uid_base")
+      st = GetInt(v, key, &c->userns_uid_base);
     else if (key == "python_wasm") st = GetString(v, key, &c->python_wasm);
     else if (key == "nano_worker") st = GetString(v, key, &c->nano_worker);
     else if (key == "router_rules") st = GetString(v, key, &c->router_rules);

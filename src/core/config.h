@@ -54,6 +54,10 @@ struct DaemonConfig {
   std::string state_dir = "./var";
   std::map<std::string, std::string> images;  // image name → rootfs directory
   std::string container_runtime = "auto";     // auto | crun | runc
+  // Container sandboxes in user namespaces, each with its own range of 65536 host uids from
+  // userns_uid_base (ContainerDriverOptions; off or impossible: host uids, /healthz says why).
+  bool user_namespaces = true;
+  int64_t userns_uid_base = 1879048192;       // 0x70000000
   std::string agent_binary;                   // empty: esb-agent next to esbd
   std::string python_wasm;                    // nano tier artefact dir (images/python-wasm)
   std::string nano_worker;                    // empty: esb-nano-worker next to esbd

@@ -149,6 +149,24 @@ TEST(ConfigTest, SlowClientRatesResponseBudgetAndAccessLogAreSettableAndValidate
   }
 }
 
+TEST(ConfigTest, UserNamespaceKeysAreSettableAndValidated) {
+  DaemonConfig c;
+  EXPECT_TRUE(c.user_namespaces);
+  std::string path = TempFile(R"({"user_namespaces": false, "userns_uid_base": 196608})");
+  ASSERT_TRUE(LoadConfigFile(path, &c).ok());
+  EXPECT_FALSE(c.user_namespaces);
+  EXPECT_EQ(c.userns_uid_base, 196608);
+  std::remove(path.c_str());
+  for (const char* bad : {R"({"user_namespaces": "yes"})", R"({"userns_uid_base": 1000})",
+                          R"({"userns_uid_base": 2147483648})", R"({"userns_uid_base": 200000})"}) {
+    DaemonConfig d;
+    path = TempFile(bad);
+    absl::Status st = LoadConfigFile(path, &d);
+    EXPECT_TRUE(absl::IsInvalidArgument(st)) << bad << " → " << st;
+    std::remove(path.c_str());
+  }
+}
+
 TEST(ConfigTest, EnvironmentOverrides) {
   std::map<std::string, std::string> env{{"ESBD_LISTEN", "127.0.0.1:1"},
                                          {"ESBD_POOL_SIZE", "0"},

@@ -836,16 +836,23 @@ absl::Status AgentClient::Kill(const std::string& id) {
   return Call(spec).status();
 }
 
-absl::Status AgentClient::Sync(int timeout_ms) {
+absl::Status AgentClient::Sync(bool freeze, int64_t max_frozen_ms) {
   CallSpec spec;
-  spec.deadline_ms = proto::MonotonicMs() + std::max(timeout_ms, 1);
-  spec.header = {{"op", "sync"}, {"timeout_ms", std::max(timeout_ms, 1)}};
+  spec.deadline_ms = proto::MonotonicMs() + kShortOpTimeoutMs;
+  spec.header = {{"op", "sync"}, {"freeze", freeze}, {"max_frozen_ms", max_frozen_ms}};
+  return Call(spec).status();
+}
+
+absl::Status AgentClient::Thaw() {
+  CallSpec spec;
+  spec.deadline_ms = proto::MonotonicMs() + kShortOpTimeoutMs;
+  spec.header = {{"op", "thaw"}};
   return Call(spec).status();
 }
 
 absl::Status AgentClient::Reseed(std::string_view entropy) {
-  if (entropy.size() < 32 || entropy.size() > 512) {
-    return absl::InvalidArgumentError("reseed: entropy must be 32..512 bytes");
+  if (entropy.size() < 16 || entropy.size() > 4096) {
+    return absl::InvalidArgumentError("reseed: entropy must be 16..4096 bytes");
   }
   CallSpec spec;
   spec.deadline_ms = proto::MonotonicMs() + kShortOpTimeoutMs;

@@ -87,9 +87,11 @@ class AgentClient {
   // Streams the process's output to `sink` until it exits or `timeout_ms` passes.
   absl::StatusOr<ProcessStatus> Wait(const std::string& id, int timeout_ms, const OutputSink& sink);
   absl::Status Kill(const std::string& id);
-  // Flushes and quiesces the sandbox's filesystems before a snapshot.
-  absl::Status Sync(int timeout_ms);
-  // Fresh entropy for the guest's RNGs after a restore (`entropy`: 32..512 bytes).
+  // Before a snapshot: with `freeze`, stops every sandbox process (until Thaw, or by itself
+  // after `max_frozen_ms`), then flushes the sandbox's file systems (syncfs).
+  absl::Status Sync(bool freeze, int64_t max_frozen_ms = 60000);
+  absl::Status Thaw();
+  // Fresh entropy for the guest's RNGs after a restore (`entropy`: 16..4096 bytes).
   absl::Status Reseed(std::string_view entropy);
 
   class Connection;

@@ -636,23 +636,105 @@ TEST_F(AgentClientTest, ReconnectsAfterTheAgentRestarts) {
   EXPECT_EQ(connects_.load(), 2);
 }
 
-// spawn/input/signal/resize/wait/kill, sync and reseed have their wire shape and client
-// methods; an agent that does not serve them (this one, until the process table lands) says
-// so in its HELLO and answers ENOSYS, never hangs.
-TEST_F(AgentClientTest, OpsTheAgentDoesNotServeAreRefusedClearly) {
-  absl::StatusOr<std::vector<std::string>> ops = client_.Capabilities();
-  ASSERT_TRUE(ops.ok()) << ops.status();
-  const bool serves_spawn = std::find(ops->begin(), ops->end(), "spawn") != ops->end();
-  if (serves_spawn) GTEST_SKIP() << "this agent serves spawn (covered by its own tests)";
+// `spawn` of an interactive Python driven through `input` and `wait` (output streamed to a
+// sink), then its exit status.
+TEST_F(AgentClientTest, SpawnPythonInteractiveDrivenThroughInputAndOutput) {
   SpawnRequest request;
-  request.argv = {"python3", "-i"};
+  request.argv = {"python3", "-i", "-u", "-q"};
   absl::StatusOr<std::string> id = client_.Spawn(request);
-  ASSERT_FALSE(id.ok());
-  EXPECT_NE(id.status().message().find("unknown op: spawn"), std::string::npos) << id.status();
-  EXPECT_FALSE(client_.Sync(1000).ok());
+  ASSERT_TRUE(id.ok()) << id.status();
+  std::string out, err;
+  auto sink = [&](Stream s, std::string_view data) {
+    (s == Stream::kStderr ? err : out).append(data);
+    return true;
+  };
+  ASSERT_TRUE(client_.Input(*id, "x = 6 * 7\nprint(x)\n", false).ok());
+  for (int i = 0; i < 50 && out.find("42\n") == std::string::npos; ++i) {
+    absl::StatusOr<ProcessStatus> w = client_.Wait(*id, 100, sink);
+    ASSERT_TRUE(w.ok()) << w.status();
+    ASSERT_FALSE(w->exited) << "python exited early: " << err;
+  }
+  EXPECT_EQ(out, "42\n");
+  EXPECT_NE(err.find(">>> "), std::string::npos) << err;  // the interactive prompt
+  // State persists between inputs: it is one process.
+  ASSERT_TRUE(client_.Input(*id, "print(x + 1)\nimport sys; sys.exit(3)\n", true).ok());
+  absl::StatusOr<ProcessStatus> w = client_.Wait(*id, 5000, sink);
+  ASSERT_TRUE(w.ok()) << w.status();
+  EXPECT_TRUE(w->exited);
+  EXPECT_EQ(w->exit_code, 3);
+  EXPECT_EQ(out, "42\n43\n");
+  EXPECT_FALSE(client_.Signal(*id, SIGTERM).ok()) << "signal to a process that exited";
+}
+
+// A PTY whose size changes: the process sees the new size (TIOCSWINSZ + SIGWINCH).
+TEST_F(AgentClientTest, PtySizeChanges) {
+  SpawnRequest request;
+  request.argv = {"bash", "--noprofile", "--norc", "-c",
+                  "stty size; read -r line; stty size; echo got:$line"};
+  request.pty = true;
+  request.rows = 24;
+  request.cols = 80;
+  absl::StatusOr<std::string> id = client_.Spawn(request);
+  ASSERT_TRUE(id.ok()) << id.status();
+  std::string out;
+  auto sink = [&](Stream, std::string_view data) {
+    out.append(data);
+    return true;
+  };
+  for (int i = 0; i < 50 && out.find("24 80") == std::string::npos; ++i) {
+    ASSERT_TRUE(client_.Wait(*id, 100, sink).ok());
+  }
+  EXPECT_NE(out.find("24 80"), std::string::npos) << out;
+  ASSERT_TRUE(client_.Resize(*id, 40, 100).ok());
+  // The line typed at the terminal lets the script go on and print its size again.
+  ASSERT_TRUE(client_.Input(*id, "hello\r", false).ok());
+  absl::StatusOr<ProcessStatus> w = client_.Wait(*id, 5000, sink);
+  ASSERT_TRUE(w.ok()) << w.status();
+  EXPECT_TRUE(w->exited);
+  EXPECT_NE(out.find("40 100"), std::string::npos) << out;
+  EXPECT_NE(out.find("got:hello"), std::string::npos) << out;
+  // A pipe process has no terminal to resize; an unknown id is NotFound.
+  EXPECT_EQ(client_.Resize("999999", 10, 10).code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(AgentClientTest, KillEndsASpawnedTree) {
+  SpawnRequest request;
+  request.argv = {"bash", "-c", "setsid sleep 100 & echo $!; sleep 100"};
+  absl::StatusOr<std::string> id = client_.Spawn(request);
+  ASSERT_TRUE(id.ok()) << id.status();
+  std::string out;
+  for (int i = 0; i < 50 && out.find('\n') == std::string::npos; ++i) {
+    ASSERT_TRUE(client_
+                    .Wait(*id, 100,
+                          [&](Stream, std::string_view d) {
+                            out.append(d);
+                            return true;
+                          })
+                    .ok());
+  }
+  pid_t escapee = std::atoi(out.c_str());
+  ASSERT_GT(escapee, 1) << out;
+  ASSERT_TRUE(client_.Kill(*id).ok());
+  absl::StatusOr<ProcessStatus> w = client_.Wait(*id, 5000, nullptr);
+  ASSERT_TRUE(w.ok()) << w.status();
+  EXPECT_TRUE(w->exited);
+  EXPECT_TRUE(ProcessGone(escapee, 3000)) << "setsid escapee survived kill";
+}
+
+TEST_F(AgentClientTest, SyncFreezesAndThawsAndReseedMixesEntropy) {
+  ASSERT_TRUE(client_.Sync(/*freeze=*/false).ok());
+  ASSERT_TRUE(client_.Sync(/*freeze=*/true, 10000).ok());
+  ASSERT_TRUE(client_.Thaw().ok());
+  EXPECT_EQ(Run("echo thawed").stdout_data, "thawed\n");
+  EXPECT_TRUE(client_.Reseed(std::string(32, '\x5a')).ok());
   EXPECT_EQ(client_.Reseed("short").code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(client_.Spawn(SpawnRequest{}).status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_TRUE(client_.Ping().ok());
+  absl::StatusOr<std::vector<std::string>> ops = client_.Capabilities();
+  ASSERT_TRUE(ops.ok());
+  for (const char* op :
+       {"spawn", "input", "signal", "resize", "wait", "kill", "sync", "thaw", "reseed"}) {
+    EXPECT_NE(std::find(ops->begin(), ops->end(), op), ops->end()) << op;
+  }
 }
 
 // The microVM transport: one already-open byte stream, no listening socket. The agent serves

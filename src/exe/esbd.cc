@@ -270,6 +270,11 @@ int main(int argc, char** argv) {
   copts.max_memory_mb = config.max_memory_mb;
   copts.max_disk_mb = config.max_disk_mb;
   copts.total_memory_mb = config.sandbox_memory_mb;
+  copts.user_namespaces = config.user_namespaces;
+  copts.userns_uid_base = static_cast<uint32_t>(config.userns_uid_base);
+  // Ranges above the base up to 2^31 (tools treat uids as signed 32-bit numbers).
+  copts.userns_slots = static_cast<uint32_t>(
+      std::min<int64_t>(4096, ((1LL << 31) - config.userns_uid_base) / 65536));
   if (config.images.empty()) {
     service_options.unavailable_runtimes["container"] =
         "no image configured (build one with `make images`, then pass --image "
@@ -277,6 +282,8 @@ int main(int argc, char** argv) {
   } else if (auto d = esb::NewContainerDriver(copts); d.ok()) {
     drivers["container"] = d->get();
     service_options.driver_descriptions["container"] = (*d)->Describe();
+    esb::UsernsStatus userns = esb::ContainerUsernsStatus(**d);
+    service_options.userns["container"] = {userns.enabled, userns.reason};
     owned.push_back(std::move(*d));
   } else {
     service_options.unavailable_runtimes["container"] = std::string(d.status().message());
@@ -289,6 +296,8 @@ int main(int argc, char** argv) {
     if (auto d = esb::NewContainerDriver(gopts); d.ok()) {
       drivers["gvisor"] = d->get();
       service_options.driver_descriptions["gvisor"] = (*d)->Describe();
+      esb::UsernsStatus userns = esb::ContainerUsernsStatus(**d);
+      service_options.userns["gvisor"] = {userns.enabled, userns.reason};
       owned.push_back(std::move(*d));
     } else {
       service_options.unavailable_runtimes["gvisor"] = std::string(d.status().message());

@@ -372,6 +372,63 @@ TEST_F(ApiTest, EnvironmentsSurviveADaemonRestartAndDeadOnesAreCleanedUp) {
   d2.Call("DELETE", "/environments/" + keep);
 }
 
+std::string ShellOutput(const std::string& cmd) {
+  std::string out;
+  FILE* p = popen(cmd.c_str(), "r");
+  if (p == nullptr) return out;
+  char buf[256];
+  while (fgets(buf, sizeof buf, p) != nullptr) out += buf;
+  pclose(p);
+  return out;
+}
+
+// Host uid owning /workspace/<file> of environment `id` (via its init's /proc/<pid>/root).
+std::string HostOwner(const std::string& id, const std::string& file) {
+  return ShellOutput("pid=$(grep -l " + id +
+                     " /proc/[0-9]*/cgroup 2>/dev/null | head -1 | "
+                     "cut -d/ -f3); stat -c %u /proc/$pid/root/workspace/" +
+                     file);
+}
+
+// Registry entries (userns uid ranges) held by environment `id` of the daemon's state dir.
+std::string RangesOf(const Daemon& d, const std::string& id) {
+  return ShellOutput("grep -lx '" + d.state_dir() + "/container/envs/" + id +
+                     "' /run/entersandbox/userns/* 2>/dev/null");
+}
+
+// User namespaces end to end: /healthz says so, a sandbox's files have mapped host uids (not 0,
+// not 1000, different per sandbox), the mapping survives a daemon restart, and DELETE and
+// `esbd cleanup` free the environments' uid ranges.
+TEST_F(ApiTest, UserNamespacesMapSandboxUidsAcrossRestartAndCleanup) {
+  Daemon d;
+  ASSERT_TRUE(d.Start({}));
+  HttpResult h = d.Call("GET", "/healthz");
+  const boost::json::object& userns = h.obj().at("userns").as_object().at("container").as_object();
+  ASSERT_TRUE(userns.at("enabled").as_bool()) << h.body;
+  std::string a = d.CreateEnv();
+  std::string b = d.CreateEnv();
+  EXPECT_EQ(d.Exec(a, "touch mine; stat -c %u mine").str("stdout"), "1000\n");
+  EXPECT_EQ(d.Exec(b, "touch mine; stat -c %u mine").str("stdout"), "1000\n");
+  const std::string owner_a = HostOwner(a, "mine");
+  const std::string owner_b = HostOwner(b, "mine");
+  std::printf("[ userns   ] host owners: %s %s", owner_a.c_str(), owner_b.c_str());
+  EXPECT_GE(std::atoll(owner_a.c_str()), 65536) << owner_a;
+  EXPECT_GE(std::atoll(owner_b.c_str()), 65536) << owner_b;
+  EXPECT_NE(owner_a, owner_b);
+  EXPECT_FALSE(RangesOf(d, a).empty());
+  ASSERT_EQ(d.Call("DELETE", "/environments/" + a).status, 200);
+  EXPECT_EQ(RangesOf(d, a), "") << "the range of a deleted environment is still taken";
+  std::string state = d.state_dir();
+  d.Stop();
+  Daemon d2;
+  ASSERT_TRUE(d2.Start({}, state));
+  HttpResult r = d2.Exec(b, "echo again > mine2; cat mine2");
+  EXPECT_EQ(r.str("stdout"), "again\n") << r.body << d2.Log();
+  EXPECT_EQ(HostOwner(b, "mine2"), owner_b) << "re-attach keeps the same mapping";
+  d2.StopAndCleanup();
+  EXPECT_EQ(RangesOf(d2, b), "") << "esbd cleanup left the range taken";
+}
+
 TEST_F(ApiTest, WarmPoolServesCreatesQuicklyAndRefills) {
   Daemon d;
   ASSERT_TRUE(d.Start({.pool_size = 2}));

@@ -40,6 +40,12 @@ constexpr uint32_t kSandboxUid = 1000;
 constexpr uint32_t kSandboxGid = 1000;
 // Size of the tmpfs behind /run/esb (agent socket and the shell's saved state).
 constexpr int64_t kRunDirBytes = 16LL << 20;
+// Each environment's user namespace owns a range of this many host uids (and gids).
+constexpr uint32_t kUsernsRangeSize = 65536;
+// Of which sandbox ids 0..65533 are mapped. 65534 ("nobody", the kernel's overflow id) and 65535
+// stay unmapped: inside the sandbox the overflow id then only ever names someone from outside
+// the namespace (esbd as the agent's peer, root-owned files of the image).
+constexpr uint32_t kUsernsMapSize = 65534;
 
 #define ESB_RETURN_IF_ERROR(expr) \
   do {                            \
@@ -161,6 +167,124 @@ absl::StatusOr<UniqueFd> BindAgentSocket(const std::string& run_dir) {
 }
 
 // ---------------------------------------------------------------------------------------
+// User-namespace uid ranges. One host-wide registry directory (every esbd on the host draws
+// from it, so two daemons never hand out the same host ids): file <first host id> exists while
+// that range is in use and holds its owner, the environment directory. Ranges are aligned to
+// 65536, so entries named by their first id cannot overlap, whatever base each daemon has.
+// Entries appear atomically (link() of a complete temporary file), so a reader never sees a
+// half-written one.
+
+std::string RangePath(const ContainerDriverOptions& o, uint32_t host_id) {
+  return absl::StrCat(o.userns_registry, "/", host_id);
+}
+
+std::string RangeOwner(const std::string& path) {
+  std::string owner;
+  if (!ReadFileToString(path, &owner).ok()) return "";
+  return owner;
+}
+
+bool ValidRangeStart(int64_t host_id) {
+  return host_id >= kUsernsRangeSize && host_id + kUsernsRangeSize <= (int64_t{1} << 31) &&
+         host_id % kUsernsRangeSize == 0;
+}
+
+// Writes `owner` to a fresh temporary file of the registry and returns its path.
+absl::StatusOr<std::string> RangeCandidate(const ContainerDriverOptions& o,
+                                           const std::string& owner) {
+  // The parent (/run/entersandbox) also holds the share, which must stay searchable.
+  const std::string parent = o.userns_registry.substr(0, o.userns_registry.rfind('/'));
+  if (!parent.empty()) ESB_RETURN_IF_ERROR(MakeDirs(parent, 0755));
+  ESB_RETURN_IF_ERROR(MakeDir(o.userns_registry, 0700));
+  std::string tmp = absl::StrCat(o.userns_registry, "/.new-", RandomHex(8));
+  ESB_RETURN_IF_ERROR(WriteStringToFile(tmp, owner, 0600));
+  return tmp;
+}
+
+// Takes the first free range of this daemon's (userns_uid_base, userns_slots) for `owner`;
+// returns its first host id.
+absl::StatusOr<uint32_t> AllocateRange(const ContainerDriverOptions& o, const std::string& owner) {
+  absl::StatusOr<std::string> tmp = RangeCandidate(o, owner);
+  if (!tmp.ok()) return tmp.status();
+  for (uint32_t slot = 0; slot < o.userns_slots; ++slot) {
+    const uint32_t host_id = o.userns_uid_base + slot * kUsernsRangeSize;
+    if (::link(tmp->c_str(), RangePath(o, host_id).c_str()) == 0) {
+      ::unlink(tmp->c_str());
+      return host_id;
+    }
+    if (errno != EEXIST) {
+      absl::Status st = ErrnoStatus("link " + RangePath(o, host_id));
+      ::unlink(tmp->c_str());
+      return st;
+    }
+  }
+  ::unlink(tmp->c_str());
+  return absl::ResourceExhaustedError(absl::StrCat("all ", o.userns_slots, " user-namespace uid ",
+                                                   "ranges in ", o.userns_registry, " are in use"));
+}
+
+// Re-registers a range recorded in an instance's state (re-attach): OK when it is (or now is)
+// owned by `owner`, FailedPrecondition when another environment holds it.
+absl::Status ClaimRange(const ContainerDriverOptions& o, uint32_t host_id,
+                        const std::string& owner) {
+  if (RangeOwner(RangePath(o, host_id)) == owner) return absl::OkStatus();
+  absl::StatusOr<std::string> tmp = RangeCandidate(o, owner);
+  if (!tmp.ok()) return tmp.status();
+  const bool linked = ::link(tmp->c_str(), RangePath(o, host_id).c_str()) == 0;
+  ::unlink(tmp->c_str());
+  if (linked || RangeOwner(RangePath(o, host_id)) == owner) return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      absl::StrCat("user-namespace uid range ", host_id, " of ", owner, " is registered to ",
+                   RangeOwner(RangePath(o, host_id)), " in ", o.userns_registry));
+}
+
+// Every registry entry: first host id -> owner.
+std::map<uint32_t, std::string> ListRanges(const ContainerDriverOptions& o) {
+  std::map<uint32_t, std::string> ranges;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(o.userns_registry, ec)) {
+    uint32_t host_id = 0;
+    if (absl::SimpleAtoi(entry.path().filename().string(), &host_id) && ValidRangeStart(host_id)) {
+      ranges[host_id] = RangeOwner(entry.path().string());
+    }
+  }
+  return ranges;
+}
+
+// Frees every range owned by `owner` (call only once no process of the owner can be alive).
+void ReleaseRanges(const ContainerDriverOptions& o, const std::string& owner) {
+  for (const auto& [host_id, range_owner] : ListRanges(o)) {
+    if (range_owner == owner) ::unlink(RangePath(o, host_id).c_str());
+  }
+}
+
+// Frees ranges whose owner directory no longer exists (a daemon or host crash between destroy
+// and release), and stale temporary files. Owners create their directory before they allocate
+// and remove it only after releasing, so an entry whose owner is gone is free.
+void ReclaimRanges(const ContainerDriverOptions& o) {
+  int freed = 0;
+  for (const auto& [host_id, owner] : ListRanges(o)) {
+    if (owner.empty() || owner[0] != '/' || !Exists(owner)) {
+      freed += ::unlink(RangePath(o, host_id).c_str()) == 0 ? 1 : 0;
+    }
+  }
+  std::error_code ec;
+  const auto stale = std::filesystem::file_time_type::clock::now() - std::chrono::minutes(10);
+  for (const auto& entry : std::filesystem::directory_iterator(o.userns_registry, ec)) {
+    if (absl::StartsWith(entry.path().filename().string(), ".new-") &&
+        entry.last_write_time(ec) < stale) {
+      std::filesystem::remove(entry.path(), ec);
+    }
+  }
+  if (freed > 0) {
+    LogInfo(absl::StrCat("container driver: freed ", freed,
+                         " user-namespace uid ranges of "
+                         "environments that no longer exist (",
+                         o.userns_registry, ")"));
+  }
+}
+
+// ---------------------------------------------------------------------------------------
 // Agent connection: under gVisor the run/ directory is writable by the sandbox user (crun/runc:
 // root-only), so the socket is opened without following symlinks and checked to be a socket
 // before esbd connects.
@@ -224,8 +348,15 @@ EnvPaths PathsFor(const ContainerDriverOptions& o, const std::string& id) {
   return p;
 }
 
-// Files shared by every sandbox of this driver (agent binary, hostname), on a tmpfs.
-std::string ShareDir(const std::string& state_dir) { return state_dir + "/share"; }
+// Files shared by every sandbox of this driver (agent binary, hostname), on a tmpfs of its own
+// below /run, not below the state directory: the runtime resolves bind sources from inside a
+// sandbox's user namespace, as an "other" user, and esbd's state directory is 0700.
+constexpr char kShareParent[] = "/run/entersandbox";
+std::string ShareDir(const std::string& state_dir) {
+  char hash[9];
+  snprintf(hash, sizeof(hash), "%08x", Fnv1a(state_dir));
+  return absl::StrCat(kShareParent, "/share-", hash);
+}
 
 // The sandbox layout this driver creates, recorded in each instance's state. Layout 2 (issue
 // 9): the agent's socket is handed over as fd 3 (no writable /run/esb bind), its stdio is not
@@ -240,6 +371,7 @@ struct InstanceState {
   int pid = 0;
   uint64_t pid_start = 0;
   std::string cgroup_path;
+  uint32_t userns_host_id = 0;  // first host id of its range; 0: no user namespace (host uids)
 };
 
 std::string SerializeState(const InstanceState& s, const EnvPaths& p, const CgroupLayout& layout) {
@@ -256,6 +388,7 @@ std::string SerializeState(const InstanceState& s, const EnvPaths& p, const Cgro
       {"cgroup_path", s.cgroup_path},
       {"cgroup_dirs", dirs},
   };
+  if (s.userns_host_id != 0) o["userns_host_id"] = s.userns_host_id;
   return boost::json::serialize(o);
 }
 
@@ -281,6 +414,10 @@ InstanceState ParseState(const std::string& json, const std::string& default_run
   if (auto* p = o.if_contains("pid_start")) {
     if (p->is_uint64()) s.pid_start = p->as_uint64();
     if (p->is_int64()) s.pid_start = static_cast<uint64_t>(p->as_int64());
+  }
+  if (auto* u = o.if_contains("userns_host_id");
+      u && u->is_int64() && u->as_int64() > 0 && ValidRangeStart(u->as_int64())) {
+    s.userns_host_id = static_cast<uint32_t>(u->as_int64());
   }
   // The cgroup path is recomputed, not trusted from storage, unless it is under our parent.
   if (auto* c = o.if_contains("cgroup_path"); c && c->is_string()) {
@@ -308,12 +445,13 @@ class ContainerDriver : public Driver {
  public:
   // `options.agent_binary` is the installed copy; `agent_source` the binary it came from.
   ContainerDriver(ContainerDriverOptions options, CgroupLayout layout, RuntimeKind kind,
-                  std::string describe, std::string agent_source)
+                  std::string describe, std::string agent_source, UsernsStatus userns)
       : options_(std::move(options)),
         layout_(std::move(layout)),
         kind_(kind),
         describe_(std::move(describe)),
-        agent_source_(std::move(agent_source)) {}
+        agent_source_(std::move(agent_source)),
+        userns_(std::move(userns)) {}
   // Running containers keep their binds of the share tmpfs; only the host's mount goes, so a
   // stopped daemon leaves no mount behind (the next one mounts a fresh share).
   ~ContainerDriver() override { UnmountShare(options_.state_dir); }
@@ -322,6 +460,7 @@ class ContainerDriver : public Driver {
     return kind_ == RuntimeKind::kRunsc ? "gvisor" : "container";
   }
   std::string Describe() const override { return describe_; }
+  const UsernsStatus& userns() const { return userns_; }
 
   absl::StatusOr<InstanceRef> Create(const std::string& id, const EnvSpec& spec) override;
   absl::Status Destroy(const InstanceRef& ref) override;
@@ -375,7 +514,7 @@ class ContainerDriver : public Driver {
   const OciRuntime& Runtime(const std::string& name);
   absl::Status PrepareImage(const std::string& rootfs, const BundleParams& params);
   absl::Status WriteBundle(const std::string& id, const EnvSpec& spec, const EnvPaths& paths,
-                           const std::string& rootfs);
+                           const std::string& rootfs, uint32_t userns_host_id);
   absl::Status WaitForAgent(const EnvPaths& paths, const InstanceState& state);
   absl::Status DestroyById(const std::string& id, const InstanceState& state);
 
@@ -394,6 +533,7 @@ class ContainerDriver : public Driver {
   const RuntimeKind kind_;
   const std::string describe_;
   const std::string agent_source_;
+  const UsernsStatus userns_;
 
   std::mutex mu_;
   std::set<std::string> busy_;
@@ -481,11 +621,22 @@ absl::Status ContainerDriver::PrepareImage(const std::string& rootfs, const Bund
   return absl::OkStatus();
 }
 
+// Sandbox ids 0..kUsernsMapSize-1 -> the range from host_id. uid/gid 1000 and the tmpfs
+// uid=/gid= options stay in-namespace ids: the runtime mounts from inside the namespace.
+std::vector<IdMapping> RangeMappings(uint32_t host_id) {
+  if (host_id == 0) return {};
+  return {IdMapping{0, host_id, kUsernsMapSize}};
+}
+
 absl::Status ContainerDriver::WriteBundle(const std::string& id, const EnvSpec& spec,
-                                          const EnvPaths& paths, const std::string& rootfs) {
+                                          const EnvPaths& paths, const std::string& rootfs,
+                                          uint32_t userns_host_id) {
   ESB_RETURN_IF_ERROR(MakeDir(paths.env_dir, 0700));
   ESB_RETURN_IF_ERROR(MakeDir(paths.run_dir, 0700));
   BundleParams p = BaseParams(rootfs, layout_, kind_);
+  // SECURITY: with a range, no sandbox uid (root included) is a uid of the host or of another
+  // sandbox; the runtime writes the maps before the container's init runs any image code.
+  p.id_mappings = RangeMappings(userns_host_id);
   p.env = {"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME=/workspace",
            "LANG=C.UTF-8", "ESB_ENV_ID=" + id};
   if (kind_ == RuntimeKind::kRunsc) {
@@ -602,7 +753,17 @@ absl::StatusOr<InstanceRef> ContainerDriver::Create(const std::string& id, const
   };
 
   ESB_RETURN_IF_ERROR(MakeDirs(options_.state_dir + "/envs", 0700));
-  if (absl::Status s = WriteBundle(id, spec, paths, image->second); !s.ok()) return fail(s);
+  // The environment directory exists before its uid range is taken (and goes only after the
+  // range is released): ReclaimRanges frees exactly the ranges whose owner directory is gone.
+  if (absl::Status s = MakeDir(paths.env_dir, 0700); !s.ok()) return fail(s);
+  if (userns_.enabled) {
+    absl::StatusOr<uint32_t> range = AllocateRange(options_, paths.env_dir);
+    if (!range.ok()) return fail(range.status());
+    state.userns_host_id = *range;
+  }
+  if (absl::Status s = WriteBundle(id, spec, paths, image->second, state.userns_host_id); !s.ok()) {
+    return fail(s);
+  }
   // SECURITY: the listening socket is the only descriptor of esbd that enters the container
   // (as the agent's fd 3); esbd's copy is closed right after the runtime returns.
   UniqueFd listener;
@@ -658,7 +819,12 @@ absl::Status ContainerDriver::DestroyById(const std::string& id, const InstanceS
   for (int i = 0; i < 100 && ProcessAlive(state); ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
-  if (ProcessAlive(state)) problems.push_back(absl::StrCat("pid ", state.pid, " still alive"));
+  if (ProcessAlive(state)) {
+    problems.push_back(absl::StrCat("pid ", state.pid, " still alive"));
+  } else if (problems.empty()) {
+    // SECURITY: a uid range is reused only once nothing of its environment runs any more.
+    ReleaseRanges(options_, paths.env_dir);
+  }
   // 3. The environment directory (bundle, socket dir, logs). run/ is a tmpfs mount.
   // SECURITY: unmounts only the tmpfs this driver mounted on the env's own run/ directory.
   if (::umount2(paths.run_dir.c_str(), MNT_DETACH | UMOUNT_NOFOLLOW) != 0 && errno != EINVAL &&
@@ -705,6 +871,15 @@ absl::Status ContainerDriver::Attach(const InstanceRef& ref) {
     return absl::FailedPreconditionError(
         absl::StrCat("container of ", ref.id, " has pid ", cs->pid, ", expected ", state.pid));
   }
+  if (state.userns_host_id != 0) {
+    // The range stays this environment's (registered again if the registry was lost).
+    ESB_RETURN_IF_ERROR(ClaimRange(options_, state.userns_host_id, paths.env_dir));
+  } else if (userns_.enabled) {
+    // SECURITY: a sandbox whose uids are host uids is not adopted by a daemon that maps them.
+    return SandboxOutdatedError(absl::StrCat("environment ", ref.id,
+                                             " runs without a user "
+                                             "namespace (this esbd maps sandbox uids)"));
+  }
   absl::Status ping = AgentPtr(ref.id)->Ping(2000);
   if (AgentProtocolOutdated(ping)) {
     // An agent of an older esbd still runs in this sandbox: it cannot serve this esbd.
@@ -732,29 +907,32 @@ absl::StatusOr<Usage> ContainerDriver::Stats(const InstanceRef& ref) {
   return usage;
 }
 
-// Makes <state_dir>/share a small tmpfs of its own (once per boot; it stays mounted across
-// daemon restarts, as the containers binding files from it do). Files bound from it appear in
-// a sandbox's /proc/self/mountinfo with their path inside this tmpfs ("/hostname"), not with
-// a host path that would reveal the state directory.
+// Makes /run/entersandbox/share-<hash(state_dir)> a small tmpfs of its own (running containers
+// keep their binds of it when the driver detaches it). Files bound from it appear in a
+// sandbox's /proc/self/mountinfo with their path inside this tmpfs ("/hostname"), not with a
+// host path that would reveal the state directory.
 bool ShareMounted(const std::string& state_dir) {
   struct stat dir_st, parent_st;
   return ::stat(ShareDir(state_dir).c_str(), &dir_st) == 0 &&
-         ::stat(state_dir.c_str(), &parent_st) == 0 && dir_st.st_dev != parent_st.st_dev;
+         ::stat(kShareParent, &parent_st) == 0 && dir_st.st_dev != parent_st.st_dev;
 }
 
 void UnmountShare(const std::string& state_dir) {
-  // SECURITY: detaches only the tmpfs this driver mounted on its own state directory.
+  // SECURITY: detaches only the tmpfs this driver mounted for its own state directory.
   if (ShareMounted(state_dir)) {
     ::umount2(ShareDir(state_dir).c_str(), MNT_DETACH | UMOUNT_NOFOLLOW);
+    ::rmdir(ShareDir(state_dir).c_str());
   }
 }
 
 absl::Status MountShareDir(const std::string& state_dir) {
   const std::string share = ShareDir(state_dir);
+  ESB_RETURN_IF_ERROR(MakeDirs(kShareParent, 0755));
+  ::chmod(kShareParent, 0755);  // esbd's own directory; searchable for user namespaces
   ESB_RETURN_IF_ERROR(MakeDirs(share, 0755));
   if (ShareMounted(state_dir)) return absl::OkStatus();  // already our tmpfs
-  // SECURITY: a root-owned, non-executable-by-mount tmpfs for read-only binds into sandboxes;
-  // it sits on esbd's own state directory.
+  // SECURITY: a root-owned tmpfs for read-only binds into sandboxes, on a directory named
+  // after esbd's own state directory.
   if (::mount("esb-share", share.c_str(), "tmpfs", MS_NOSUID | MS_NODEV,
               "size=65536k,mode=0755,uid=0,gid=0") != 0) {
     return ErrnoStatus("mount tmpfs on " + share);
@@ -924,18 +1102,29 @@ absl::StatusOr<int64_t> LimitParentMemory(const CgroupLayout& layout, const std:
 // Probe: run /bin/true from a rootfs made of read-only binds of the host's /usr (and /lib*),
 // under exactly the confinement real sandboxes get.
 
+// `userns`: run it in a user namespace with a uid range of its own (taken and released here).
 absl::StatusOr<int64_t> Probe(const ContainerDriverOptions& options, const CgroupLayout& layout,
-                              const OciRuntime& runtime) {
-  const std::string dir = absl::StrCat(options.state_dir, "/probe-", RandomHex(4));
+                              const OciRuntime& runtime, bool userns) {
+  // In the share: the rootfs must be reachable from inside a user namespace.
+  const std::string dir = absl::StrCat(ShareDir(options.state_dir), "/probe-", RandomHex(4));
   const std::string rootfs = dir + "/rootfs";
   const std::string id = "esb-probe-" + RandomHex(4);
   ESB_RETURN_IF_ERROR(MakeDirs(rootfs, 0755));
   struct Cleanup {
+    const ContainerDriverOptions& options;
     std::string dir;
-    ~Cleanup() { RemoveTree(dir).IgnoreError(); }
-  } cleanup{dir};
+    ~Cleanup() {
+      ReleaseRanges(options, dir);
+      RemoveTree(dir).IgnoreError();
+    }
+  } cleanup{options, dir};
 
   BundleParams p = BaseParams(rootfs, layout, runtime.kind());
+  if (userns) {
+    absl::StatusOr<uint32_t> range = AllocateRange(options, dir);
+    if (!range.ok()) return range.status();
+    p.id_mappings = RangeMappings(*range);
+  }
   p.args = {"/usr/bin/true"};
   p.env = {"PATH=/usr/bin:/bin"};
   p.cgroups_path = absl::StrCat(options.cgroup_parent, "/probe-", RandomHex(4));
@@ -980,8 +1169,56 @@ absl::StatusOr<int64_t> Probe(const ContainerDriverOptions& options, const Cgrou
   return elapsed;
 }
 
+// The first directory on the way to `path` (itself included) that users other than its owner
+// cannot search, with its mode; "" when there is none. The runtime resolves the rootfs and
+// every bind source from inside the user namespace, as an unmapped "other" user.
+std::string UnsearchableAncestor(const std::string& path) {
+  std::string partial;
+  for (absl::string_view part : absl::StrSplit(path, '/', absl::SkipEmpty())) {
+    absl::StrAppend(&partial, "/", part);
+    struct stat st;
+    if (::stat(partial.c_str(), &st) == 0 && S_ISDIR(st.st_mode) && !(st.st_mode & S_IXOTH)) {
+      char mode[8];
+      snprintf(mode, sizeof(mode), "%04o", st.st_mode & 07777);
+      return absl::StrCat(partial, " (mode ", mode, ")");
+    }
+  }
+  return "";
+}
+
+// What can be known before a container is started: configuration, runtime, kernel, paths.
+UsernsStatus UsernsPrecheck(const ContainerDriverOptions& o, RuntimeKind kind) {
+  if (!o.user_namespaces) return {false, "off in the configuration (user_namespaces = false)"};
+  if (kind == RuntimeKind::kRunsc) {
+    // gVisor's sentry implements uids itself: sandbox processes are never host processes, and
+    // the sentry and gofer already run in runsc's own user namespace. An OCI "user" namespace
+    // in the spec is not applied by this runsc (see docs/design.md).
+    return {false, "gVisor: sandbox uids exist only inside the sentry"};
+  }
+  if (ReadSysctl("/proc/sys/user/max_user_namespaces") <= 0) {
+    return {false, "the kernel allows no user namespaces (user.max_user_namespaces = 0)"};
+  }
+  std::vector<std::string> paths = {ShareDir(o.state_dir)};
+  for (const auto& [name, rootfs] : o.images) paths.push_back(rootfs);
+  for (const std::string& path : paths) {
+    if (std::string dir = UnsearchableAncestor(path); !dir.empty()) {
+      return {false, absl::StrCat(dir, " is not searchable by others, so the runtime cannot reach ",
+                                  path, " from inside a user namespace (chmod o+x it)")};
+    }
+  }
+  return {true, absl::StrCat("each sandbox's uids/gids 0..", kUsernsMapSize - 1,
+                             " map to its own host range of ", kUsernsRangeSize, " from ",
+                             o.userns_uid_base, " (", o.userns_slots, " ranges, registry ",
+                             o.userns_registry, ")")};
+}
+
 }  // namespace
 }  // namespace container
+
+UsernsStatus ContainerUsernsStatus(const Driver& driver) {
+  if (auto* d = dynamic_cast<const container::ContainerDriver*>(&driver)) return d->userns();
+  return {false, "not a container driver"};
+}
 
 absl::StatusOr<std::unique_ptr<Driver>> NewContainerDriver(ContainerDriverOptions options) {
   using namespace container;
@@ -999,6 +1236,20 @@ absl::StatusOr<std::unique_ptr<Driver>> NewContainerDriver(ContainerDriverOption
     return absl::UnavailableError(
         "container driver needs root (it runs an OCI runtime with "
         "namespaces and cgroups)");
+  }
+  if (options.user_namespaces) {
+    // Ranges must lie above every ordinary host uid and below 2^31 (tools treat uids as signed).
+    const uint64_t end = uint64_t{options.userns_uid_base} +
+                         uint64_t{options.userns_slots} * container::kUsernsRangeSize;
+    if (!container::ValidRangeStart(options.userns_uid_base) || options.userns_slots == 0 ||
+        end > (uint64_t{1} << 31) || options.userns_registry.empty() ||
+        options.userns_registry[0] != '/') {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "container driver: user-namespace ranges must lie within [65536, 2^31), start at a "
+          "multiple of 65536, and the registry be an absolute path (userns_uid_base ",
+          options.userns_uid_base, ", userns_slots ", options.userns_slots, ")"));
+    }
+    container::ReclaimRanges(options);
   }
   struct stat st;
   if (options.agent_binary.empty() || ::stat(options.agent_binary.c_str(), &st) != 0 ||
@@ -1073,23 +1324,42 @@ absl::StatusOr<std::unique_ptr<Driver>> NewContainerDriver(ContainerDriverOption
     OciRuntime runtime(kind, binary,
                        absl::StrCat(options.state_dir, "/runtime/", RuntimeName(kind)), hide);
     std::string probe_note = "not probed";
+    UsernsStatus userns = UsernsPrecheck(options, kind);
     if (options.probe) {
-      absl::StatusOr<int64_t> probe = Probe(options, *layout, runtime);
+      absl::StatusOr<int64_t> probe = absl::UnknownError("not run");
+      if (userns.enabled) {
+        probe = Probe(options, *layout, runtime, true);
+        if (!probe.ok()) {
+          userns = {false, absl::StrCat(RuntimeName(kind),
+                                        " cannot start a container in a user "
+                                        "namespace here: ",
+                                        probe.status().message())};
+        }
+      }
+      if (!userns.enabled) probe = Probe(options, *layout, runtime, false);
       if (!probe.ok()) {
         failures.push_back(absl::StrCat(RuntimeName(kind), ": ", probe.status().message()));
         continue;
       }
       probe_note = absl::StrCat("probe container ", *probe, " ms");
     }
+    if (userns.enabled) {
+      LogInfo(absl::StrCat("container driver: user namespaces on: ", userns.reason));
+    } else {
+      LogWarn(absl::StrCat("container driver: user namespaces OFF, sandbox uids are host uids: ",
+                           userns.reason));
+    }
     std::string describe = absl::StrCat(
         runtime.Version(), kind == RuntimeKind::kRunsc ? " (gVisor, ptrace platform)" : "", "; ",
         CgroupModeName(layout->mode),
-        hide.empty() ? "" : absl::StrCat(", ", hide, " hidden from crun"), "; ", probe_note);
+        hide.empty() ? "" : absl::StrCat(", ", hide, " hidden from crun"), "; ",
+        userns.enabled ? "user namespaces" : "no user namespaces", "; ", probe_note);
     LogInfo("container driver: " + describe);
     std::string source = options.agent_binary;
     options.agent_binary = *agent;
     return std::unique_ptr<Driver>(new ContainerDriver(std::move(options), *std::move(layout), kind,
-                                                       describe, std::move(source)));
+                                                       describe, std::move(source),
+                                                       std::move(userns)));
   }
   UnmountShare(options.state_dir);
   return absl::UnavailableError(
@@ -1121,6 +1391,11 @@ std::vector<std::string> FindContainerLeaks(const ContainerDriverOptions& option
     }
   }
   if (Exists(paths.env_dir)) leaks.push_back("directory " + paths.env_dir);
+  for (const auto& [host_id, owner] : ListRanges(o)) {
+    if (owner == paths.env_dir) {
+      leaks.push_back(absl::StrCat("user-namespace uid range ", host_id));
+    }
+  }
   for (const char* rt : {"crun", "runc", "runsc"}) {
     std::string runtime_state = absl::StrCat(o.state_dir, "/runtime/", rt, "/", paths.container_id);
     if (Exists(runtime_state)) leaks.push_back("runtime state " + runtime_state);

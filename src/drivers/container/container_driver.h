@@ -12,10 +12,17 @@
 //                                         /runtime.log    the runtime's own diagnostics
 //                                         /container.pid  init pid from the runtime
 // Runtime state:     <state_dir>/runtime/<crun|runc|runsc>/   (--root)
-// Shared files:      <state_dir>/share/ (a tmpfs of its own, so mountinfo inside a sandbox
-//                    shows no host path): esb-agent-<hash>-x (0711: PID 1 becomes
-//                    non-dumpable) and the hostname file bound at /etc/hostname
+// Shared files:      /run/entersandbox/share-<hash(state_dir)>/ (a tmpfs of its own, so
+//                    mountinfo inside a sandbox shows no host path; outside the 0700 state
+//                    directory, so a runtime inside a user namespace can reach it):
+//                    esb-agent-<hash>-x (0711: PID 1 becomes non-dumpable), the hostname file
+//                    bound at /etc/hostname, and the start-up probe's bundle
 // cgroups:           <cgroup_parent>/<hash(state_dir)>-<id> in every hierarchy
+// User namespaces:   <userns_registry>/<first host id> (host-wide, shared by every esbd on
+//                    the host): one file per allocated uid range, holding the owning
+//                    environment directory; the environment runs with sandbox uids 0..65533
+//                    mapped to host ids <first host id> + (0..65533), where first host id =
+//                    userns_uid_base + slot * 65536 (recorded as "userns_host_id").
 // Containers run detached: they are not esbd's children and survive a daemon restart.
 #pragma once
 
@@ -52,7 +59,24 @@ struct ContainerDriverOptions {
   // and /dev/shm tmpfs pages included), so that their memory pressure ends in an OOM inside
   // cgroup_parent, never a host-wide one. 0: DeriveMemoryBudget(host RAM).sandboxes_mb.
   int64_t total_memory_mb = 0;
+  // User namespaces (crun/runc only): every environment gets its own range of 65536 host uids
+  // and gids, slot N = [userns_uid_base + N * 65536, +65534), allocated in userns_registry.
+  // userns_uid_base must be a multiple of 65536 (ranges of all daemons stay aligned).
+  // Off, or where the host or runtime cannot do it, sandboxes run with host uids as before
+  // (UsernsStatus says why).
+  bool user_namespaces = true;
+  uint32_t userns_uid_base = 0x70000000;  // 1879048192; slots up to 0x7fffffff by default
+  uint32_t userns_slots = 4096;
+  std::string userns_registry = "/run/entersandbox/userns";
 };
+
+// Whether a container driver puts sandboxes in user namespaces, and why not when it does not.
+struct UsernsStatus {
+  bool enabled = false;
+  std::string reason;  // what was probed / why it is off
+};
+// The status of a driver made by NewContainerDriver (disabled "not a container driver" else).
+UsernsStatus ContainerUsernsStatus(const Driver& driver);
 
 // Probes the host (starts a trivial container under a deadline) and returns a driver for the
 // first runtime that works: "auto" tries crun, then runc. runtime "runsc" gives the gVisor

@@ -28,10 +28,12 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
+#include "absl/strings/strip.h"
 #include "common/util.h"
 #include "drivers/container/cgroups.h"
 #include "drivers/container/oci_spec.h"
@@ -120,6 +122,10 @@ std::string BuildTinyRootfs(const std::string& dir) {
                                            "appuser:x:1000:1000::/workspace:/bin/bash\n";
   std::ofstream(rootfs + "/etc/group") << "root:x:0:\nappuser:x:1000:\n";
   std::ofstream(rootfs + "/etc/hostname") << "image\n";
+  // A file of the host's uid 1000 that only its owner may read (UsernsAttackTest).
+  std::ofstream(rootfs + "/etc/host-uid-1000-secret") << "secret of host uid 1000\n";
+  chown((rootfs + "/etc/host-uid-1000-secret").c_str(), 1000, 1000);
+  chmod((rootfs + "/etc/host-uid-1000-secret").c_str(), 0600);
   CopyIn(rootfs, ESB_SYSCALL_PROBE, 0755);
   fs::copy_file(ESB_SYSCALL_PROBE, rootfs + "/usr/local/bin/syscall_probe",
                 fs::copy_options::overwrite_existing);
@@ -594,6 +600,268 @@ TEST_F(ContainerDriverTest, FreshDriverReattachesRunningContainer) {
   EXPECT_TRUE(FindContainerLeaks(options_, ref).empty());
   EXPECT_TRUE(absl::IsNotFound((*fresh)->Attach(ref))) << (*fresh)->Attach(ref);
   live_.clear();
+}
+
+// ---------------------------------------------------------------------------------------
+// User namespaces
+
+// "Uid:" line of /proc/<pid>/status: real, effective, saved, fs.
+std::vector<uint32_t> HostIds(int pid, const char* field) {
+  std::string status;
+  EXPECT_TRUE(ReadFileToString(absl::StrCat("/proc/", pid, "/status"), &status).ok());
+  for (absl::string_view line : absl::StrSplit(status, '\n')) {
+    if (!absl::ConsumePrefix(&line, field)) continue;
+    std::vector<uint32_t> ids;
+    for (absl::string_view w : absl::StrSplit(line, absl::ByAnyChar(" \t"), absl::SkipEmpty())) {
+      uint32_t id = 0;
+      if (absl::SimpleAtoi(w, &id)) ids.push_back(id);
+    }
+    return ids;
+  }
+  return {};
+}
+
+int StatePid(const InstanceRef& ref) {
+  return static_cast<int>(boost::json::parse(ref.state).as_object()["pid"].as_int64());
+}
+
+TEST_F(ContainerDriverTest, UsernsMapsEachSandboxToItsOwnHostRange) {
+  UsernsStatus status = ContainerUsernsStatus(*driver_);
+  std::printf("[ userns   ] enabled %d: %s\n", status.enabled, status.reason.c_str());
+  ASSERT_TRUE(status.enabled) << "this host runs user namespaces (crun 1.8, kernel 6.x): "
+                              << status.reason;
+  InstanceRef a = MustCreate();
+  InstanceRef b = MustCreate();
+  std::set<uint32_t> host_uids;
+  for (const InstanceRef& ref : {a, b}) {
+    ExecResult r = MustExec(ref,
+                            "touch /workspace/f; id -u; cat /proc/self/uid_map; "
+                            "stat -c '%u:%g' /workspace /workspace/f");
+    EXPECT_EQ(r.exit_code, 0) << r.stderr_data;
+    std::printf("[ userns   ] %s: %s", ref.id.c_str(), r.stdout_data.c_str());
+    boost::json::object state = boost::json::parse(ref.state).as_object();
+    ASSERT_TRUE(state.contains("userns_host_id")) << ref.state;
+    const uint32_t base = static_cast<uint32_t>(state["userns_host_id"].as_int64());
+    EXPECT_GE(base, options_.userns_uid_base);
+    EXPECT_EQ((base - options_.userns_uid_base) % 65536, 0u);
+    // Inside: uid 1000 owns /workspace and what it creates; the map is 0..65533 -> base.
+    std::vector<std::string> lines = absl::StrSplit(r.stdout_data, '\n', absl::SkipEmpty());
+    ASSERT_EQ(lines.size(), 4u) << r.stdout_data;
+    EXPECT_EQ(lines[0], "1000");
+    EXPECT_EQ(std::vector<std::string>(absl::StrSplit(lines[1], ' ', absl::SkipEmpty())),
+              (std::vector<std::string>{"0", absl::StrCat(base), "65534"}));
+    EXPECT_EQ(lines[2], "1000:1000");
+    EXPECT_EQ(lines[3], "1000:1000");
+    // On the host: the sandbox's processes and files have the mapped ids, never 0 or 1000.
+    const int pid = StatePid(ref);
+    EXPECT_EQ(HostIds(pid, "Uid:"), std::vector<uint32_t>(4, base + 1000));
+    EXPECT_EQ(HostIds(pid, "Gid:"), std::vector<uint32_t>(4, base + 1000));
+    struct stat st;
+    ASSERT_EQ(::stat(absl::StrCat("/proc/", pid, "/root/workspace/f").c_str(), &st), 0);
+    EXPECT_EQ(st.st_uid, base + 1000);
+    EXPECT_EQ(st.st_gid, base + 1000);
+    host_uids.insert(st.st_uid);
+    // The files API works as before (the agent serves esbd through the namespace).
+    ASSERT_TRUE(driver_->WriteFile(ref, "api.txt", "x", 0, true).ok());
+    ASSERT_EQ(::stat(absl::StrCat("/proc/", pid, "/root/workspace/api.txt").c_str(), &st), 0);
+    EXPECT_EQ(st.st_uid, base + 1000);
+  }
+  EXPECT_EQ(host_uids.size(), 2u) << "two sandboxes share host uids";
+  DestroyAndCheckClean(a);
+  DestroyAndCheckClean(b);
+}
+
+// Attack: without a user namespace, sandbox uid 1000 IS host uid 1000 and reads that user's
+// files wherever a bind or an image exposes them. The tiny image holds one (0600, host uid 1000).
+TEST_F(ContainerDriverTest, UsernsAttackReadHostUid1000File) {
+  ASSERT_TRUE(ContainerUsernsStatus(*driver_).enabled);
+  InstanceRef ref = MustCreate();
+  ExecResult r = MustExec(ref,
+                          "stat -c '%u %a' /etc/host-uid-1000-secret; "
+                          "cat /etc/host-uid-1000-secret");
+  std::printf("[ attack   ] %s%s", r.stdout_data.c_str(), r.stderr_data.c_str());
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_FALSE(absl::StrContains(r.stdout_data, "secret")) << r.stdout_data;
+  EXPECT_TRUE(absl::StrContains(r.stderr_data, "Permission denied")) << r.stderr_data;
+  EXPECT_TRUE(absl::StartsWith(r.stdout_data, "65534 600")) << r.stdout_data;  // unmapped owner
+  // The same image without user namespaces: the file is the sandbox user's own.
+  ContainerDriverOptions o = options_;
+  o.state_dir = Env().tmp + "/state-nouserns-" + RandomHex(3);
+  o.user_namespaces = false;
+  auto plain = NewContainerDriver(o);
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  absl::StatusOr<InstanceRef> p = (*plain)->Create("p" + RandomHex(3), EnvSpec());
+  ASSERT_TRUE(p.ok()) << p.status();
+  ExecRequest req;
+  req.command = "cat /etc/host-uid-1000-secret";
+  absl::StatusOr<ExecResult> leaked = (*plain)->Exec(*p, req, nullptr);
+  ASSERT_TRUE(leaked.ok()) << leaked.status();
+  EXPECT_EQ(leaked->stdout_data, "secret of host uid 1000\n");
+  EXPECT_EQ(HostIds(StatePid(*p), "Uid:"), std::vector<uint32_t>(4, 1000u));
+  EXPECT_TRUE((*plain)->Destroy(*p).ok());
+  DestroyAndCheckClean(ref);
+}
+
+// Attack: sandbox root (uid 0 inside) reads a root-only host file that is bound into the
+// sandbox read-only. Without a user namespace uid 0 is host root and owns the file; with one it
+// is an unmapped "other". Run with the environment's own bundle, as uid 0, under the runtime.
+TEST_F(ContainerDriverTest, UsernsAttackSandboxRootReadsRootOnlyHostFile) {
+  ASSERT_TRUE(ContainerUsernsStatus(*driver_).enabled);
+  InstanceRef ref = MustCreate();
+  const std::string secret_dir = Env().tmp + "/root-secret-" + RandomHex(3);
+  fs::create_directories(secret_dir);
+  chmod(secret_dir.c_str(), 0755);  // the runtime must reach it; the file itself is 0600 root
+  ASSERT_TRUE(WriteStringToFile(secret_dir + "/key", "host root secret\n", 0600).ok());
+  std::string config;
+  ASSERT_TRUE(
+      ReadFileToString(options_.state_dir + "/envs/" + ref.id + "/config.json", &config).ok());
+  boost::json::object state = boost::json::parse(ref.state).as_object();
+  container::RuntimeKind kind;
+  ASSERT_TRUE(container::ParseRuntimeKind(std::string(state["runtime"].as_string()), &kind));
+  auto layout = container::DetectCgroups();
+  ASSERT_TRUE(layout.ok());
+  const std::string hide =
+      kind == container::RuntimeKind::kCrun && layout->mode == container::CgroupMode::kHybrid
+          ? layout->v2_mount
+          : "";
+  auto attempt = [&](bool userns) -> std::string {
+    const std::string bundle = Env().tmp + "/rootattack-" + RandomHex(3);
+    fs::create_directories(bundle);
+    boost::json::object c = boost::json::parse(config).as_object();
+    boost::json::object& process = c["process"].as_object();
+    process["user"] = boost::json::object{{"uid", 0}, {"gid", 0}};
+    process["args"] = boost::json::array{"/usr/bin/cat", "/tmp/secret/key"};
+    c["mounts"].as_array().push_back(boost::json::object{{"destination", "/tmp/secret"},
+                                                         {"type", "bind"},
+                                                         {"source", secret_dir},
+                                                         {"options", {"rbind", "ro"}}});
+    boost::json::object& linux_section = c["linux"].as_object();
+    linux_section["cgroupsPath"] = "/esb/rootattack-" + RandomHex(3);
+    if (!userns) {
+      linux_section.erase("uidMappings");
+      linux_section.erase("gidMappings");
+      boost::json::array kept;
+      for (const auto& ns : linux_section["namespaces"].as_array()) {
+        if (ns.as_object().at("type") != "user") kept.push_back(ns);
+      }
+      linux_section["namespaces"] = kept;
+    }
+    EXPECT_TRUE(WriteStringToFile(bundle + "/config.json", boost::json::serialize(c)).ok());
+    container::OciRuntime rt(kind, container::FindExecutable(container::RuntimeName(kind)),
+                             bundle + "/root", hide);
+    const std::string cid = "rootattack-" + RandomHex(3);
+    absl::StatusOr<container::ProcessResult> r =
+        rt.RunForeground(cid, bundle, bundle + "/log", 30000);
+    rt.Delete(cid).IgnoreError();
+    container::RemoveCgroup(*layout, linux_section["cgroupsPath"].as_string().c_str(), 2000)
+        .IgnoreError();
+    EXPECT_TRUE(r.ok()) << r.status();
+    std::string log;
+    ReadFileToString(bundle + "/log", &log).IgnoreError();
+    return absl::StrCat("exit ", r.ok() ? r->exit_code : -1, ": ", log);
+  };
+  const std::string mapped = attempt(true);
+  const std::string plain = attempt(false);
+  std::printf("[ attack   ] userns: %s[ attack   ] host uids: %s", mapped.c_str(), plain.c_str());
+  EXPECT_TRUE(absl::StartsWith(mapped, "exit 1: ")) << mapped;
+  EXPECT_TRUE(absl::StrContains(mapped, "Permission denied")) << mapped;
+  EXPECT_FALSE(absl::StrContains(mapped, "host root secret")) << mapped;
+  EXPECT_EQ(plain, "exit 0: host root secret\n") << "control: without a user namespace it works";
+  DestroyAndCheckClean(ref);
+}
+
+// Off (or impossible): sandboxes run as today, and the driver says why.
+TEST_F(ContainerDriverTest, UsernsOffRunsWithHostUidsAndSaysWhy) {
+  ContainerDriverOptions o = options_;
+  o.state_dir = Env().tmp + "/state-nouserns-" + RandomHex(3);
+  o.user_namespaces = false;
+  auto plain = NewContainerDriver(o);
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  UsernsStatus status = ContainerUsernsStatus(**plain);
+  EXPECT_FALSE(status.enabled);
+  EXPECT_TRUE(absl::StrContains(status.reason, "user_namespaces = false")) << status.reason;
+  EXPECT_TRUE(absl::StrContains((*plain)->Describe(), "no user namespaces"));
+  absl::StatusOr<InstanceRef> p = (*plain)->Create("p" + RandomHex(3), EnvSpec());
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_FALSE(boost::json::parse(p->state).as_object().contains("userns_host_id")) << p->state;
+  // A daemon that maps uids does not adopt it after a restart (the core replaces it).
+  ContainerDriverOptions mapping = o;
+  mapping.user_namespaces = true;
+  mapping.probe = false;
+  auto restarted = NewContainerDriver(mapping);
+  ASSERT_TRUE(restarted.ok()) << restarted.status();
+  absl::Status st = (*restarted)->Attach(*p);
+  EXPECT_TRUE(IsSandboxOutdated(st)) << st;
+  ASSERT_TRUE((*plain)->Attach(*p).ok());  // its own kind of daemon still adopts it
+  EXPECT_TRUE((*plain)->Destroy(*p).ok());
+  EXPECT_TRUE(FindContainerLeaks(o, *p).empty());
+}
+
+// Re-attach keeps the range: the registry entry stays with the environment, is re-registered
+// if the registry was lost, and a range held by another environment is never adopted.
+TEST_F(ContainerDriverTest, UsernsRangeSurvivesRestartAndIsFreedOnDestroy) {
+  InstanceRef ref = MustCreate();
+  const int64_t host_id = boost::json::parse(ref.state).as_object()["userns_host_id"].as_int64();
+  const std::string entry = absl::StrCat(options_.userns_registry, "/", host_id);
+  const std::string owner = options_.state_dir + "/envs/" + ref.id;
+  std::string text;
+  ASSERT_TRUE(ReadFileToString(entry, &text).ok());
+  EXPECT_EQ(text, owner);
+  ContainerDriverOptions o = options_;
+  o.probe = false;
+  auto fresh = NewContainerDriver(o);  // a restart: its reclaim keeps the live range
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  ASSERT_TRUE(fs::exists(entry));
+  ASSERT_TRUE((*fresh)->Attach(ref).ok());
+  ASSERT_EQ(::unlink(entry.c_str()), 0);  // registry lost (e.g. /run wiped by hand)
+  ASSERT_TRUE((*fresh)->Attach(ref).ok()) << (*fresh)->Attach(ref);
+  ASSERT_TRUE(ReadFileToString(entry, &text).ok());
+  EXPECT_EQ(text, owner);
+  ASSERT_TRUE(WriteStringToFile(entry, "/elsewhere/envs/other", 0600).ok());
+  absl::Status st = (*fresh)->Attach(ref);
+  EXPECT_TRUE(absl::IsFailedPrecondition(st)) << st;
+  ASSERT_TRUE(WriteStringToFile(entry, owner, 0600).ok());
+  ExecRequest req;
+  req.command = "id -u";
+  absl::StatusOr<ExecResult> r = (*fresh)->Exec(ref, req, nullptr);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->stdout_data, "1000\n");
+  DestroyAndCheckClean(ref);  // FindContainerLeaks also checks the registry entry
+  EXPECT_FALSE(fs::exists(entry));
+}
+
+// Every range taken: Create refuses (no sharing), and a destroyed environment's range is reused.
+TEST_F(ContainerDriverTest, UsernsRangesAreExhaustedNotShared) {
+  ContainerDriverOptions o = options_;
+  o.state_dir = Env().tmp + "/state-slots-" + RandomHex(3);
+  o.userns_registry = Env().tmp + "/registry-" + RandomHex(3);
+  o.userns_uid_base = 0x7ffe0000;  // the last two ranges below 2^31: none of a real daemon's
+  o.userns_slots = 2;
+  auto d = NewContainerDriver(o);
+  ASSERT_TRUE(d.ok()) << d.status();
+  absl::StatusOr<InstanceRef> one = (*d)->Create("s1", EnvSpec());
+  ASSERT_TRUE(one.ok()) << one.status();
+  absl::StatusOr<InstanceRef> two = (*d)->Create("s2", EnvSpec());
+  ASSERT_TRUE(two.ok()) << two.status();
+  absl::StatusOr<InstanceRef> three = (*d)->Create("s3", EnvSpec());
+  EXPECT_TRUE(absl::IsResourceExhausted(three.status())) << three.status();
+  EXPECT_FALSE(fs::exists(o.state_dir + "/envs/s3"));
+  ASSERT_TRUE((*d)->Destroy(*one).ok());
+  absl::StatusOr<InstanceRef> again = (*d)->Create("s3", EnvSpec());
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(HostIds(StatePid(*again), "Uid:")[0], 0x7ffe0000u + 1000);
+  EXPECT_TRUE((*d)->Destroy(*two).ok());
+  EXPECT_TRUE((*d)->Destroy(*again).ok());
+  // A range whose environment vanished without a destroy (crash) is reclaimed at start.
+  const std::string gone = absl::StrCat(o.userns_registry, "/", 0x7fff0000u);
+  ASSERT_TRUE(WriteStringToFile(gone, o.state_dir + "/envs/gone", 0600).ok());
+  ASSERT_TRUE(NewContainerDriver(o).ok());
+  EXPECT_FALSE(fs::exists(gone));
+  // Ranges past 2^31, over host uids or not aligned to 65536 are refused.
+  for (uint32_t bad : {0x7fff0000u, 1000u, 0x70000100u}) {
+    o.userns_uid_base = bad;
+    EXPECT_TRUE(absl::IsInvalidArgument(NewContainerDriver(o).status())) << bad;
+  }
 }
 
 // Issue 9 review: environments created by an esbd before the fd-3 hand-over layout (host log
@@ -1179,6 +1447,10 @@ TEST(GvisorDriverTest, CreatesOrExplainsWhyNot) {
     GTEST_SKIP() << "gVisor unavailable here: " << driver.status().message();
   }
   EXPECT_EQ((*driver)->name(), "gvisor");
+  UsernsStatus userns = ContainerUsernsStatus(**driver);
+  std::printf("[ gvisor   ] userns %d: %s\n", userns.enabled, userns.reason.c_str());
+  EXPECT_FALSE(userns.enabled);
+  EXPECT_TRUE(absl::StrContains(userns.reason, "gVisor")) << userns.reason;
   std::printf("[ gvisor   ] %s\n", (*driver)->Describe().c_str());
   int64_t t0 = MonotonicMs();
   absl::StatusOr<InstanceRef> ref = (*driver)->Create("g" + RandomHex(3), EnvSpec());

@@ -111,10 +111,17 @@ object BuildOciConfig(const BundleParams& p) {
     mounts.push_back(Mount(b.destination, "bind", b.source, opts));
   }
 
-  // --- namespaces: everything but user; a fresh network namespace has only loopback ---
+  // --- namespaces: a fresh network namespace has only loopback. With id mappings also a user
+  // namespace (created first by the runtime, so it owns all the others) ---
   array namespaces = {object{{"type", "pid"}}, object{{"type", "network"}}, object{{"type", "ipc"}},
                       object{{"type", "uts"}}, object{{"type", "mount"}}};
   if (p.cgroup_namespace) namespaces.push_back(object{{"type", "cgroup"}});
+  array id_mappings;
+  for (const IdMapping& m : p.id_mappings) {
+    id_mappings.push_back(
+        object{{"containerID", m.container_id}, {"hostID", m.host_id}, {"size", m.size}});
+  }
+  if (!id_mappings.empty()) namespaces.push_back(object{{"type", "user"}});
 
   // --- resources ---
   constexpr int64_t kPeriod = 100000;
@@ -152,6 +159,10 @@ object BuildOciConfig(const BundleParams& p) {
        Strings({"/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"})},
       {"rootfsPropagation", "private"},
   };
+  if (!id_mappings.empty()) {
+    linux_section["uidMappings"] = id_mappings;
+    linux_section["gidMappings"] = id_mappings;
+  }
   if (p.seccomp) {
     linux_section["seccomp"] =
         BuildSeccompProfile(p.seccomp_explicit_denies, p.seccomp_clone3_enosys);

@@ -15,6 +15,13 @@ struct BindMount {
   bool readonly = true;
 };
 
+// One extent of a user namespace's uid or gid map (OCI linux.uidMappings/gidMappings).
+struct IdMapping {
+  uint32_t container_id = 0;
+  uint32_t host_id = 0;
+  uint32_t size = 0;
+};
+
 struct BundleParams {
   std::string rootfs;  // absolute host path of the image directory (mounted read-only)
   std::vector<std::string> args = {"/sbin/esb-agent"};
@@ -22,6 +29,9 @@ struct BundleParams {
   std::string cwd = "/";
   uint32_t uid = 1000;
   uint32_t gid = 1000;
+  // Non-empty: the container gets a user namespace with this map for both uids and gids, and
+  // uid/gid above (and the tmpfs uid=/gid= options) are ids inside it. Empty: no user namespace.
+  std::vector<IdMapping> id_mappings;
   std::string hostname = "sandbox";
 
   int64_t memory_bytes = 512LL << 20;
