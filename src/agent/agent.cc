@@ -209,6 +209,7 @@ struct Agent::Call {
   const uint32_t stream;
   Fd wake;
   std::atomic<bool> cancelled{false};
+  std::atomic<bool> answered{false};  // its RESPONSE is sent (it no longer counts in calls_)
   std::mutex mu;
   std::string input;  // guarded by mu; at most the window esbd was granted
   bool input_eof = false;
@@ -277,9 +278,15 @@ void Agent::HandleConnection(int fd, bool owned) {
                                 ? bytes->as_uint64()
                                 : static_cast<uint64_t>(std::max<int64_t>(bytes->as_int64(), 0)));
       } else if (frame.type == proto::FrameType::kCancel) {
-        if (call) call->Cancel();  // a call that already answered: nothing to do
+        if (call) {  // a call that already answered: nothing to do
+          call->Cancel();
+          // Its senders stop waiting for credit esbd will never grant (an exec blocked on
+          // output notices the cancel at once).
+          conn->channel.Close(frame.stream);
+        }
       } else if (frame.type == proto::FrameType::kInput) {
-        if (!call) continue;  // the call ended; its remaining input is dropped
+        // The call ended or was cancelled; its remaining input is dropped.
+        if (!call || call->cancelled) continue;
         if (!conn->channel.Received(frame.stream, frame.payload.size())) {
           error = "INPUT beyond the flow-control window";
           break;
@@ -339,7 +346,7 @@ bool Agent::StartCall(const std::shared_ptr<Conn>& conn, proto::Frame request) {
   try {
     std::thread([this, conn, call, request = std::move(request)] {
       RunCall(conn, call, request);
-      --calls_;
+      if (!call->answered.exchange(true)) --calls_;  // never left uncounted
     }).detach();
   } catch (const std::system_error& e) {
     --calls_;
@@ -364,7 +371,10 @@ void Agent::RunCall(const std::shared_ptr<Conn>& conn, const std::shared_ptr<Cal
   conn->channel.Close(call->stream);
 }
 
-void Agent::Answer(Conn& conn, const Call& call, proto::Frame response) {
+void Agent::Answer(Conn& conn, Call& call, proto::Frame response) {
+  // The slot is free from the moment esbd can see the answer (it may send the next call at
+  // once), even if this thread still has work to do (an exec prepares the next shell).
+  if (!call.answered.exchange(true)) --calls_;
   response.type = proto::FrameType::kResponse;
   response.stream = call.stream;
   conn.channel.Send(response);

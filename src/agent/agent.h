@@ -77,7 +77,7 @@ class Agent {
   std::optional<proto::Frame> HandleRequest(Conn& conn, Call& call, const proto::Frame& request);
   std::optional<proto::Frame> HandleExec(Conn& conn, Call& call, const boost::json::object& header,
                                          const std::string& payload);
-  static void Answer(Conn& conn, const Call& call, proto::Frame response);
+  void Answer(Conn& conn, Call& call, proto::Frame response);
   proto::Frame HandleConfigure(const boost::json::object& header);
   // Long-lived processes (process_table.h), sync/thaw (quiesce.h), reseed (reseed.h).
   struct ProcOutput;

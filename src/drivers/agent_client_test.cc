@@ -570,6 +570,11 @@ TEST_F(AgentClientTest, FloodingStreamDoesNotStarvePingsOrGrowMemory) {
   // have pushed hundreds of MiB into esbd by now.
   EXPECT_LT(consumed.load(), 16 << 20);
   EXPECT_LT(rss_during - rss_before, 24 * 1024) << "RSS grew by KiB";
+  // The cancel reached the agent although its exec was blocked waiting for output credit: the
+  // next exec (serialised behind it) runs at once, not after the flood's 20 s timeout.
+  auto start = std::chrono::steady_clock::now();
+  EXPECT_EQ(Run("echo next").stdout_data, "next\n");
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(3));
   EXPECT_EQ(connects_.load(), 1);
 }
 
