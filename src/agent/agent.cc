@@ -4,11 +4,18 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <string.h>
+#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <optional>
 #include <system_error>
 #include <thread>
 #include <utility>
@@ -16,15 +23,21 @@
 #include "agent/handlers.h"
 #include "agent/peer_cred.h"
 #include "agent/util.h"
+#include "common/channel.h"
 
 namespace esb::agent {
 namespace json = boost::json;
 
 namespace {
 
-constexpr int kMaxConnections = 512;
-constexpr int64_t kIdleTimeoutMs = 15 * 60 * 1000;  // between requests on one connection
-constexpr int kSendTimeoutSec = 30;                 // a host that stops reading is gone
+// esbd holds one connection per agent; more appear only while an esbd restarts, and tests.
+constexpr int kMaxConnections = 64;
+// Calls in flight on all connections together, each on a thread of its own; one more is
+// answered EBUSY.
+constexpr int kMaxCalls = 64;
+// Longest frame of each type esbd may send (checked before the body is read).
+constexpr uint32_t kControlFrameBytes = proto::FrameBytesFor(4096, 0);
+constexpr uint32_t kInputFrameBytes = proto::FrameBytesFor(4096, proto::kMaxChunkBytes);
 
 int MkdirAll(const std::string& path, mode_t mode) {
   for (size_t pos = 1; pos != std::string::npos;) {
@@ -40,12 +53,13 @@ int MkdirAll(const std::string& path, mode_t mode) {
 Agent::Agent(AgentOptions options, Reaper* reaper, std::string user)
     : options_(std::move(options)),
       reaper_(reaper),
-      shell_(ShellOptions{options_.workspace, options_.state_dir, options_.shell, std::move(user)},
-             reaper),
+      shell_(ShellOptions{options_.workspace, options_.state_dir, options_.shell, user}, reaper),
+      processes_(ProcessTableOptions{options_.workspace, user, options_.shell}, reaper),
       start_ms_(proto::MonotonicMs()) {}
 
 bool Agent::Listen(std::string* error) {
   MkdirAll(options_.state_dir, 0700);
+  if (options_.serve_fd >= 0) return true;  // the host's port; nothing to listen on
   if (options_.listen_fd >= 0) {
     int fd = options_.listen_fd;
     int listening = 0, domain = 0;
@@ -101,6 +115,11 @@ bool Agent::Listen(std::string* error) {
 void Agent::PrepareShell() { shell_.PrepareStandby(); }
 
 void Agent::Serve() {
+  if (options_.serve_fd >= 0) {
+    HandleConnection(options_.serve_fd, /*owned=*/false);
+    Log(LogLevel::kInfo, "serve fd closed");
+    return;
+  }
   for (;;) {
     int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
     if (fd < 0) {
@@ -124,12 +143,7 @@ void Agent::Serve() {
     ++connections_;
     try {
       std::thread([this, fd] {
-        try {
-          HandleConnection(fd);
-        } catch (const std::exception& e) {  // e.g. bad_alloc under a memory limit
-          Log(LogLevel::kWarn, std::string("connection dropped: ") + e.what());
-        }
-        close(fd);
+        HandleConnection(fd, /*owned=*/true);
         --connections_;
       }).detach();
     } catch (const std::system_error& e) {
@@ -162,69 +176,243 @@ bool Agent::PeerAllowed(int fd) {
 
 void Agent::Shutdown() {
   shell_.KillAll();
-  if (options_.listen_fd < 0) unlink(options_.socket_path.c_str());
+  processes_.KillAll();
+  if (options_.listen_fd < 0 && options_.serve_fd < 0) unlink(options_.socket_path.c_str());
 }
 
-void Agent::HandleConnection(int fd) {
-  timeval tv{kSendTimeoutSec, 0};
-  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+// One connection: the byte stream, its flow control and the calls in flight on it. Call
+// threads hold it (shared_ptr), so the fd is closed only after the last of them answered.
+struct Agent::Conn {
+  Conn(int fd, bool owned) : fd(fd), owned(owned), channel(fd) {}
+  ~Conn() {
+    if (owned) close(fd);
+  }
+  const int fd;
+  const bool owned;
+  proto::Channel channel;
+  std::mutex mu;
+  std::map<uint32_t, std::shared_ptr<Call>> calls;  // guarded by mu
+};
+
+// One call: cancellation and (for exec) the stdin that arrived in INPUT frames.
+struct Agent::Call {
+  explicit Call(uint32_t stream) : stream(stream), wake(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) {}
+  void Wake() {
+    uint64_t one = 1;
+    ssize_t ignored = write(wake.get(), &one, sizeof one);
+    (void)ignored;
+  }
+  void Cancel() {
+    cancelled = true;
+    Wake();
+  }
+  const uint32_t stream;
+  Fd wake;
+  std::atomic<bool> cancelled{false};
+  std::atomic<bool> answered{false};  // its RESPONSE is sent (it no longer counts in calls_)
+  std::mutex mu;
+  std::string input;  // guarded by mu; at most the window esbd was granted
+  bool input_eof = false;
+};
+
+std::vector<std::string> Capabilities() {
+  return {"ping",  "exec",   "write",  "read",   "list", "stat", "mkdir", "remove", "rename",
+          "stats", "configure", "spawn", "input", "signal", "resize", "wait", "kill", "sync",
+          "thaw",  "reseed"};
+}
+
+void Agent::HandleConnection(int fd, bool owned) {
+  // Non-blocking: a host that stops reading makes a write give up after 30 s (WriteFrame)
+  // instead of holding the connection's writers forever.
+  fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+  auto conn = std::make_shared<Conn>(fd, owned);
   proto::Frame hello;
   hello.type = proto::FrameType::kHello;
   hello.header["agent"] = "esb-agent";
   hello.header["version"] = proto::kVersion;
   hello.header["pid"] = static_cast<int64_t>(getpid());
+  boost::json::array ops;
+  for (const std::string& op : Capabilities()) ops.emplace_back(op);
+  hello.header["ops"] = std::move(ops);
+  hello.header["max_calls"] = kMaxCalls;
+  hello.header["window"] = proto::kInitialWindow;
+  if (!conn->channel.Send(hello)) return;
+  const proto::FrameLimit limit = [](proto::FrameType type, uint32_t) -> uint32_t {
+    switch (type) {
+      case proto::FrameType::kRequest:
+        return proto::kMaxFrameBytes;
+      case proto::FrameType::kInput:
+        return kInputFrameBytes;
+      case proto::FrameType::kCancel:
+      case proto::FrameType::kWindow:
+        return kControlFrameBytes;
+      default:
+        return 0;  // HELLO, OUTPUT, RESPONSE: never sent by esbd
+    }
+  };
   std::string error;
-  if (!proto::WriteFrame(fd, hello, &error)) return;
-  for (;;) {
-    proto::Frame request;
-    if (!proto::ReadFrame(fd, &request, &error, proto::MonotonicMs() + kIdleTimeoutMs)) {
-      if (error != "connection closed") Log(LogLevel::kDebug, "closing connection: " + error);
-      return;
+  try {
+    for (;;) {
+      proto::Frame frame;
+      if (!proto::ReadFrame(fd, &frame, &error, -1, proto::kMaxFrameBytes, limit)) break;
+      if (frame.type == proto::FrameType::kRequest) {
+        if (!StartCall(conn, std::move(frame))) {
+          error = "REQUEST reuses a stream in flight";
+          break;
+        }
+        continue;
+      }
+      std::shared_ptr<Call> call;
+      {
+        std::lock_guard<std::mutex> lock(conn->mu);
+        auto it = conn->calls.find(frame.stream);
+        if (it != conn->calls.end()) call = it->second;
+      }
+      if (frame.type == proto::FrameType::kWindow) {
+        const boost::json::value* bytes = frame.header.if_contains("bytes");
+        if (!bytes || !(bytes->is_int64() || bytes->is_uint64())) {
+          error = "WINDOW without bytes";
+          break;
+        }
+        conn->channel.Grant(frame.stream,
+                            bytes->is_uint64()
+                                ? bytes->as_uint64()
+                                : static_cast<uint64_t>(std::max<int64_t>(bytes->as_int64(), 0)));
+      } else if (frame.type == proto::FrameType::kCancel) {
+        if (call) {  // a call that already answered: nothing to do
+          call->Cancel();
+          // Its senders stop waiting for credit esbd will never grant (an exec blocked on
+          // output notices the cancel at once).
+          conn->channel.Close(frame.stream);
+        }
+      } else if (frame.type == proto::FrameType::kInput) {
+        // The call ended or was cancelled; its remaining input is dropped.
+        if (!call || call->cancelled) continue;
+        if (!conn->channel.Received(frame.stream, frame.payload.size())) {
+          error = "INPUT beyond the flow-control window";
+          break;
+        }
+        const boost::json::value* eof = frame.header.if_contains("eof");
+        {
+          std::lock_guard<std::mutex> lock(call->mu);
+          call->input += frame.payload;
+          if (eof && eof->is_bool() && eof->as_bool()) call->input_eof = true;
+        }
+        call->Wake();
+      } else {
+        error = "unexpected frame type from the host";
+        break;
+      }
     }
-    if (request.type != proto::FrameType::kRequest) {
-      Log(LogLevel::kDebug, "closing connection: expected a REQUEST frame");
-      return;
-    }
-    if (!HandleRequest(fd, request)) return;
+  } catch (const std::exception& e) {  // e.g. bad_alloc under a memory limit
+    error = e.what();
   }
+  if (error != "connection closed") Log(LogLevel::kDebug, "closing connection: " + error);
+  // As in v1, a connection that goes away takes its calls with it (an exec's tree is killed).
+  conn->channel.Shutdown(error);
+  std::lock_guard<std::mutex> lock(conn->mu);
+  for (auto& [stream, call] : conn->calls) call->Cancel();
 }
 
-bool Agent::HandleRequest(int fd, const proto::Frame& request) {
+bool Agent::StartCall(const std::shared_ptr<Conn>& conn, proto::Frame request) {
+  auto call = std::make_shared<Call>(request.stream);
+  {
+    std::lock_guard<std::mutex> lock(conn->mu);
+    if (!conn->calls.emplace(request.stream, call).second) return false;
+  }
+  conn->channel.Open(request.stream);
+  auto refuse = [&](const std::string& why) {
+    proto::Frame busy = ErrorResponse(why, "EBUSY");
+    busy.stream = request.stream;
+    conn->channel.Send(busy);
+    {
+      std::lock_guard<std::mutex> lock(conn->mu);
+      conn->calls.erase(request.stream);
+    }
+    conn->channel.Close(request.stream);
+  };
+  if (!call->wake) {
+    refuse("agent busy: cannot create an eventfd");
+    return true;
+  }
+  if (++calls_ > kMaxCalls) {
+    --calls_;
+    if (uint64_t n = refused_busy_.Hit()) {
+      Log(LogLevel::kWarn,
+          "too many calls in flight; refusing one (" + std::to_string(n) + " so far)");
+    }
+    refuse("agent busy: " + std::to_string(kMaxCalls) + " calls in flight");
+    return true;
+  }
+  try {
+    std::thread([this, conn, call, request = std::move(request)] {
+      RunCall(conn, call, request);
+      if (!call->answered.exchange(true)) --calls_;  // never left uncounted
+    }).detach();
+  } catch (const std::system_error& e) {
+    --calls_;
+    refuse(std::string("agent busy: cannot start a thread: ") + e.what());
+  }
+  return true;
+}
+
+void Agent::RunCall(const std::shared_ptr<Conn>& conn, const std::shared_ptr<Call>& call,
+                    const proto::Frame& request) {
+  std::optional<proto::Frame> response;
+  try {
+    response = HandleRequest(*conn, *call, request);
+  } catch (const std::exception& e) {  // e.g. bad_alloc under a memory limit
+    response = ErrorResponse(std::string("agent: ") + e.what(), "ENOMEM");
+  }
+  if (response) Answer(*conn, *call, std::move(*response));
+  {
+    std::lock_guard<std::mutex> lock(conn->mu);
+    conn->calls.erase(call->stream);
+  }
+  conn->channel.Close(call->stream);
+}
+
+void Agent::Answer(Conn& conn, Call& call, proto::Frame response) {
+  // The slot is free from the moment esbd can see the answer (it may send the next call at
+  // once), even if this thread still has work to do (an exec prepares the next shell).
+  if (!call.answered.exchange(true)) --calls_;
+  response.type = proto::FrameType::kResponse;
+  response.stream = call.stream;
+  conn.channel.Send(response);
+}
+
+std::optional<proto::Frame> Agent::HandleRequest(Conn& conn, Call& call,
+                                                 const proto::Frame& request) {
   const json::value* op_value = request.header.if_contains("op");
   std::string op = op_value && op_value->is_string() ? std::string(op_value->as_string()) : "";
   Log(LogLevel::kDebug, "request op=" + op);
-  proto::Frame response;
-  if (op == "exec") {
-    return HandleExec(fd, request.header, request.payload);
-  } else if (op == "ping") {
-    response = OkResponse();
-  } else if (op == "write") {
-    response = HandleWrite(options_.workspace, request.header, request.payload);
-  } else if (op == "read") {
-    response = HandleRead(options_.workspace, request.header);
-  } else if (op == "list") {
-    response = HandleList(options_.workspace, request.header);
-  } else if (op == "stat") {
-    response = HandleStat(options_.workspace, request.header);
-  } else if (op == "mkdir") {
-    response = HandleMkdir(options_.workspace, request.header);
-  } else if (op == "remove") {
-    response = HandleRemove(options_.workspace, request.header);
-  } else if (op == "rename") {
-    response = HandleRename(options_.workspace, request.header);
-  } else if (op == "stats") {
-    response = HandleStats(options_.workspace, start_ms_);
+  if (op == "exec") return HandleExec(conn, call, request.header, request.payload);
+  if (op == "ping") return OkResponse();
+  if (op == "write") return HandleWrite(options_.workspace, request.header, request.payload);
+  if (op == "read") return HandleRead(options_.workspace, request.header);
+  if (op == "list") return HandleList(options_.workspace, request.header);
+  if (op == "stat") return HandleStat(options_.workspace, request.header);
+  if (op == "mkdir") return HandleMkdir(options_.workspace, request.header);
+  if (op == "remove") return HandleRemove(options_.workspace, request.header);
+  if (op == "rename") return HandleRename(options_.workspace, request.header);
+  if (op == "stats") {
+    proto::Frame response = HandleStats(options_.workspace, start_ms_);
     // The idle standby shell is agent machinery, not a user process.
     if (shell_.standby_pid() > 0 && kill(shell_.standby_pid(), 0) == 0) {
       response.header["processes"] = response.header["processes"].as_int64() - 1;
     }
-  } else if (op == "configure") {
-    response = HandleConfigure(request.header);
-  } else {
-    response = ErrorResponse("unknown op: " + op, "EINVAL");
+    return response;
   }
-  std::string error;
-  return proto::WriteFrame(fd, response, &error);
+  if (op == "configure") return HandleConfigure(request.header);
+  if (op == "spawn") return HandleSpawn(request.header);
+  if (op == "wait") return HandleWait(conn, call, request.header);
+  if (op == "input" || op == "signal" || op == "resize" || op == "kill") {
+    return HandleProcessOp(op, request.header, request.payload);
+  }
+  if (op == "sync" || op == "thaw") return HandleSync(request.header);
+  if (op == "reseed") return HandleReseed(request.payload);
+  if (op.empty()) return ErrorResponse("request without an op", "EINVAL");
+  return ErrorResponse("unknown op: " + op, "ENOSYS");
 }
 
 proto::Frame Agent::HandleConfigure(const json::object& header) {
@@ -238,6 +426,7 @@ proto::Frame Agent::HandleConfigure(const json::object& header) {
     }
     map[k] = v;
   }
+  processes_.Configure(map);
   shell_.Configure(std::move(map));
   try {
     std::thread([this] { shell_.PrepareStandby(); }).detach();  // with the new environment
@@ -247,11 +436,11 @@ proto::Frame Agent::HandleConfigure(const json::object& header) {
   return OkResponse();
 }
 
-bool Agent::HandleExec(int fd, const json::object& header, const std::string& payload) {
+std::optional<proto::Frame> Agent::HandleExec(Conn& conn, Call& call, const json::object& header,
+                                              const std::string& payload) {
   Fields f(header);
   ExecParams params;
-  // Extension to the documented format: commands too long for the 64 KiB header come in the
-  // payload.
+  // Commands too long for the 64 KiB header come in the payload.
   if (f.Bool("command_in_payload", false)) {
     params.command = payload;
   } else {
@@ -259,36 +448,285 @@ bool Agent::HandleExec(int fd, const json::object& header, const std::string& pa
   }
   params.timeout_ms = f.Int("timeout_ms", 60000);
   params.max_output_bytes = f.Int("max_output_bytes", 1 << 20);
+  params.has_stdin = f.Bool("stdin", false);
   std::vector<std::pair<std::string, std::string>> env;
   f.StringMap("env", &env);
   for (auto& [k, v] : env) params.env[k] = v;
-  std::string error;
-  if (!f.ok()) return proto::WriteFrame(fd, ErrorResponse(f.error(), "EINVAL"), &error);
+  if (!f.ok()) return ErrorResponse(f.error(), "EINVAL");
 
-  ExecOutcome outcome = shell_.Exec(params, fd, [fd](bool is_stderr, std::string_view data) {
-    proto::Frame out;
-    out.type = proto::FrameType::kOutput;
-    out.header["stream"] = is_stderr ? "stderr" : "stdout";
-    out.payload.assign(data);
-    std::string err;
-    return proto::WriteFrame(fd, out, &err);
-  });
+  // Output waits for esbd's credit at most until the command's deadline; after that it is
+  // dropped (the exec loop then times the command out), so a host that stops reading cannot
+  // hold the exec past its timeout.
+  const int64_t deadline = proto::MonotonicMs() + std::max<int64_t>(params.timeout_ms, 1);
+  bool dropped = false;
+  ExecIo io;
+  io.wake_fd = call.wake.get();
+  io.cancelled = [&call] { return call.cancelled.load(); };
+  io.take_input = [&conn, &call](std::string* data) {
+    std::lock_guard<std::mutex> lock(call.mu);
+    size_t n = call.input.size();
+    data->append(call.input);
+    call.input.clear();
+    if (n > 0) conn.channel.Consumed(call.stream, n);
+    return call.input_eof;
+  };
+  io.output = [&](bool is_stderr, std::string_view data) {
+    if (dropped) return !call.cancelled.load();
+    json::object out{{"stream", is_stderr ? "stderr" : "stdout"}};
+    std::string error;
+    if (!conn.channel.SendData(proto::FrameType::kOutput, call.stream, out, data, deadline,
+                               &error)) {
+      if (conn.channel.closed() || call.cancelled.load()) return false;
+      dropped = true;  // credit never came before the deadline
+    }
+    return true;
+  };
+  ExecOutcome outcome = shell_.Exec(params, io);
   if (outcome.cancelled) {
-    Log(LogLevel::kInfo, "exec cancelled: client went away; process group killed");
+    Log(LogLevel::kInfo, "exec cancelled; its process tree was killed");
     shell_.PrepareStandby();
-    return false;
+    return ErrorResponse("exec cancelled", "ECANCELED");
   }
-  if (!outcome.ok) {
-    return proto::WriteFrame(fd, ErrorResponse(outcome.error, outcome.errno_name), &error);
-  }
+  if (!outcome.ok) return ErrorResponse(outcome.error, outcome.errno_name);
   proto::Frame response = OkResponse();
   response.header["exit_code"] = outcome.exit_code;
   response.header["timed_out"] = outcome.timed_out;
-  response.header["truncated"] = outcome.truncated;
+  response.header["truncated"] = outcome.truncated || dropped;
   response.header["duration_ms"] = outcome.duration_ms;
-  bool ok = proto::WriteFrame(fd, response, &error);
-  shell_.PrepareStandby();  // off the critical path: the response is already sent
-  return ok;
+  // The next shell starts after the answer is on its way (off the critical path).
+  Answer(conn, call, std::move(response));
+  shell_.PrepareStandby();
+  return std::nullopt;  // answered
+}
+
+// ---------------------------------------------------------------------------------------
+// Long-lived processes. The table's I/O thread hands output to ProcOutput (never blocking); a
+// `wait` call sends it on as OUTPUT frames and grants the table credit for what it sent, so
+// what a process writes while nobody waits stays within the table's window (the process then
+// blocks in write()).
+
+struct Agent::ProcOutput {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<std::pair<OutputStream, std::string>> chunks;  // ≤ the table's output window
+  bool ended = false;
+  ExitInfo exit;
+  bool waiting = false;  // one `wait` at a time
+};
+
+std::shared_ptr<Agent::ProcOutput> Agent::Output(uint64_t id) {
+  std::lock_guard<std::mutex> lock(outputs_mu_);
+  auto it = outputs_.find(id);
+  return it == outputs_.end() ? nullptr : it->second;
+}
+
+namespace {
+
+proto::Frame OpError(const OpStatus& s) { return ErrorResponse(s.error, s.errno_name); }
+
+// Process ids travel as decimal strings.
+bool ParseId(Fields& f, uint64_t* id) {
+  std::string text = f.String("id", "", true);
+  if (!f.ok() || text.empty() || text.size() > 19 ||
+      text.find_first_not_of("0123456789") != std::string::npos) {
+    return false;
+  }
+  *id = std::stoull(text);
+  return true;
+}
+
+}  // namespace
+
+proto::Frame Agent::HandleSpawn(const json::object& header) {
+  SpawnSpec spec;
+  const json::value* argv = header.if_contains("argv");
+  if (!argv || !argv->is_array()) return ErrorResponse("spawn: argv must be an array", "EINVAL");
+  for (const json::value& a : argv->as_array()) {
+    if (!a.is_string()) return ErrorResponse("spawn: argv must be strings", "EINVAL");
+    spec.argv.emplace_back(a.as_string());
+  }
+  Fields f(header);
+  std::vector<std::pair<std::string, std::string>> env;
+  f.StringMap("env", &env);
+  for (auto& [k, v] : env) spec.env[k] = v;
+  spec.cwd = f.String("cwd", "");
+  spec.pty = f.Bool("pty", false);
+  spec.rows = static_cast<int>(f.Int("rows", 24));
+  spec.cols = static_cast<int>(f.Int("cols", 80));
+  if (!f.ok()) return ErrorResponse(f.error(), "EINVAL");
+  auto out = std::make_shared<ProcOutput>();
+  spec.on_output = [out](uint64_t, OutputStream stream, std::string_view data) {
+    std::lock_guard<std::mutex> lock(out->mu);
+    out->chunks.emplace_back(stream, std::string(data));
+    out->cv.notify_all();
+  };
+  spec.on_exit = [out](uint64_t, const ExitInfo& exit) {
+    std::lock_guard<std::mutex> lock(out->mu);
+    out->ended = true;
+    out->exit = exit;
+    out->cv.notify_all();
+  };
+  uint64_t id = 0;
+  OpStatus s = processes_.Spawn(std::move(spec), &id);
+  if (!s.ok) return OpError(s);
+  {
+    std::lock_guard<std::mutex> lock(outputs_mu_);
+    outputs_[id] = out;
+    // Bounded: the table forgets ended processes too (max_exited); so do we.
+    while (outputs_.size() > 256) outputs_.erase(outputs_.begin());
+  }
+  proto::Frame response = OkResponse();
+  response.header["id"] = std::to_string(id);
+  ProcessInfo info;
+  if (processes_.Info(id, &info).ok) response.header["pid"] = static_cast<int64_t>(info.pid);
+  return response;
+}
+
+proto::Frame Agent::HandleProcessOp(const std::string& op, const json::object& header,
+                                    const std::string& payload) {
+  Fields f(header);
+  uint64_t id = 0;
+  if (!ParseId(f, &id)) return ErrorResponse(op + ": id must be a process id", "EINVAL");
+  OpStatus s;
+  if (op == "input") {
+    bool eof = f.Bool("eof", false);
+    if (!f.ok()) return ErrorResponse(f.error(), "EINVAL");
+    if (!payload.empty()) s = processes_.WriteInput(id, payload);
+    if (s.ok && eof) s = processes_.CloseInput(id);
+  } else if (op == "signal") {
+    int signo = 0;
+    if (const json::value* v = header.if_contains("signal"); v && v->is_string()) {
+      signo = ProcessTable::SignalFromName(v->as_string());
+    } else {
+      signo = static_cast<int>(f.Int("signal", 0, true));
+    }
+    if (!f.ok()) return ErrorResponse(f.error(), "EINVAL");
+    s = processes_.Signal(id, signo);
+  } else if (op == "resize") {
+    int rows = static_cast<int>(f.Int("rows", 0, true));
+    int cols = static_cast<int>(f.Int("cols", 0, true));
+    if (!f.ok()) return ErrorResponse(f.error(), "EINVAL");
+    s = processes_.Resize(id, rows, cols);
+  } else {  // kill
+    s = processes_.Kill(id);
+  }
+  return s.ok ? OkResponse() : OpError(s);
+}
+
+std::optional<proto::Frame> Agent::HandleWait(Conn& conn, Call& call, const json::object& header) {
+  Fields f(header);
+  uint64_t id = 0;
+  if (!ParseId(f, &id)) return ErrorResponse("wait: id must be a process id", "EINVAL");
+  int64_t timeout_ms = std::clamp<int64_t>(f.Int("timeout_ms", 0), 0, int64_t{24} * 3600 * 1000);
+  if (!f.ok()) return ErrorResponse(f.error(), "EINVAL");
+  std::shared_ptr<ProcOutput> out = Output(id);
+  ExitInfo exit;
+  if (!out) {  // not spawned by this agent run (or forgotten): the table may still know it
+    OpStatus s = processes_.Wait(id, timeout_ms, &exit);
+    if (!s.ok) return OpError(s);
+  } else {
+    {
+      std::lock_guard<std::mutex> lock(out->mu);
+      if (out->waiting) return ErrorResponse("wait: another wait is in progress", "EBUSY");
+      out->waiting = true;
+    }
+    const int64_t deadline = proto::MonotonicMs() + timeout_ms;
+    std::unique_lock<std::mutex> lock(out->mu);
+    for (;;) {
+      if (call.cancelled) {
+        out->waiting = false;
+        return ErrorResponse("wait cancelled", "ECANCELED");
+      }
+      if (!out->chunks.empty()) {
+        auto [stream, data] = std::move(out->chunks.front());
+        out->chunks.pop_front();
+        lock.unlock();
+        json::object h{{"stream", stream == OutputStream::kStderr ? "stderr" : "stdout"}};
+        std::string error;
+        bool sent = conn.channel.SendData(proto::FrameType::kOutput, call.stream, h, data, deadline,
+                                          &error);
+        processes_.GrantOutput(id, static_cast<int64_t>(data.size()));  // taken from the table
+        lock.lock();
+        if (!sent) {
+          out->waiting = false;
+          if (conn.channel.closed() || call.cancelled) {
+            return ErrorResponse("wait cancelled", "ECANCELED");
+          }
+          break;  // esbd did not take output before the deadline: the wait times out
+        }
+        continue;
+      }
+      if (out->ended) break;
+      int64_t left = deadline - proto::MonotonicMs();
+      if (left <= 0) break;
+      // Short slices: a CANCEL sets call.cancelled without notifying this condition variable.
+      out->cv.wait_for(lock, std::chrono::milliseconds(std::min<int64_t>(left, 50)));
+    }
+    out->waiting = false;
+    exit = out->exit;
+    if (!out->ended) exit.exited = false;
+  }
+  proto::Frame response = OkResponse();
+  response.header["exited"] = exit.exited;
+  if (exit.exited) {
+    response.header["exit_code"] = exit.signal ? 128 + exit.signal : exit.exit_code;
+    response.header["signal"] = exit.signal;
+    response.header["duration_ms"] = exit.duration_ms;
+  }
+  return response;
+}
+
+proto::Frame Agent::HandleSync(const json::object& header) {
+  Fields f(header);
+  const json::value* op = header.if_contains("op");
+  if (op && op->is_string() && op->as_string() == "thaw") {
+    ThawResult t = freezer_.Thaw();
+    proto::Frame response = OkResponse();
+    response.header["was_frozen"] = t.was_frozen;
+    response.header["resumed"] = t.resumed;
+    response.header["auto_thawed"] = t.auto_thawed;
+    return response;
+  }
+  bool freeze = f.Bool("freeze", false);
+  int64_t settle_ms = f.Int("settle_ms", 2000);
+  int64_t max_frozen_ms = f.Int("max_frozen_ms", 60000);
+  if (!f.ok()) return ErrorResponse(f.error(), "EINVAL");
+  proto::Frame response = OkResponse();
+  if (freeze) {
+    FreezeResult fr = freezer_.Freeze(settle_ms, max_frozen_ms);
+    if (!fr.ok && fr.not_stopped.empty()) return ErrorResponse(fr.error, fr.errno_name);
+    response.header["frozen"] = true;
+    response.header["stopped"] = fr.stopped;
+    json::array still;
+    for (pid_t pid : fr.not_stopped) still.emplace_back(static_cast<int64_t>(pid));
+    response.header["not_stopped"] = std::move(still);
+  }
+  json::array synced;
+  for (const PathSync& p : SyncFilesystems({options_.workspace, options_.state_dir})) {
+    if (!p.ok) {
+      if (freeze) freezer_.Thaw();
+      return ErrorResponse(p.error, p.errno_name);
+    }
+    synced.emplace_back(p.path);
+  }
+  response.header["synced"] = std::move(synced);
+  return response;
+}
+
+proto::Frame Agent::HandleReseed(const std::string& payload) {
+  ReseedResult r = reseeder_.Reseed(payload);
+  if (!r.ok) return ErrorResponse(r.error, r.errno_name);
+  proto::Frame response = OkResponse();
+  auto steps = [](const std::vector<ReseedStep>& in) {
+    json::array out;
+    for (const ReseedStep& s : in) {
+      out.push_back(json::object{{"name", s.name}, {"status", s.status}, {"detail", s.detail}});
+    }
+    return out;
+  };
+  response.header["kernel"] = steps(r.kernel);
+  response.header["hooks"] = steps(r.hooks);
+  return response;
 }
 
 }  // namespace esb::agent

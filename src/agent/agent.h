@@ -1,12 +1,22 @@
-// esb-agent's server: listens on a unix socket, one thread per connection, dispatches the ops
-// of docs/agent-protocol.md. Exec calls are serialised by the shell session; file ops run
-// concurrently.
+// esb-agent's server: protocol v2 (docs/agent-protocol.md). Listens on a unix socket (one
+// reader thread per connection) or serves one already-open byte stream (a microVM's
+// virtio-serial port); every connection multiplexes many calls, each dispatched to a thread of
+// its own up to a cap (beyond it the call is answered "busy"). Exec calls are serialised by the
+// shell session; file ops run concurrently.
 #pragma once
 
 #include <atomic>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
 #include <string>
+#include <vector>
 
+#include "agent/process_table.h"
+#include "agent/quiesce.h"
 #include "agent/reaper.h"
+#include "agent/reseed.h"
 #include "agent/shell.h"
 #include "common/log_throttle.h"
 #include "common/protocol.h"
@@ -21,6 +31,10 @@ struct AgentOptions {
   // A listening unix socket inherited from the host (--listen-fd): the container driver binds
   // it on the host, so no path inside the sandbox leads to it. -1: bind socket_path instead.
   int listen_fd = -1;
+  // An already-open byte stream that carries everything (--serve-fd: a virtio-serial port, or
+  // a socketpair/pty in tests). Served instead of a listening socket; only the host can reach
+  // such a port, so there is no peer check. -1: none.
+  int serve_fd = -1;
   // Besides uid 0 (esbd), the one peer uid whose connections are served (-1: none). Tests
   // that run the agent as an ordinary user pass their own uid.
   int64_t allow_peer_uid = -1;
@@ -29,6 +43,9 @@ struct AgentOptions {
   // 1000); sandbox processes never have pid 1. Serve those too.
   bool host_uds_peers = false;
 };
+
+// The ops this agent serves, announced in its HELLO.
+std::vector<std::string> Capabilities();
 
 class Agent {
  public:
@@ -39,26 +56,51 @@ class Agent {
   bool Listen(std::string* error);
   // Starts the first (standby) shell; call after RedirectLog, before Serve.
   void PrepareShell();
-  // Accepts connections forever.
+  // Accepts connections forever (or serves serve_fd until it closes).
   void Serve();
   // SIGTERM path: kills every session process group and removes the socket.
   void Shutdown();
 
  private:
-  void HandleConnection(int fd);
+  struct Conn;
+  struct Call;
+  // Serves one connection until it closes or breaks the protocol; its calls are then
+  // cancelled.
+  void HandleConnection(int fd, bool owned);
   // SO_PEERCRED: whether the connecting process may talk to the agent at all.
   bool PeerAllowed(int fd);
-  // Returns false when the connection must be closed.
-  bool HandleRequest(int fd, const proto::Frame& request);
-  bool HandleExec(int fd, const boost::json::object& header, const std::string& payload);
+  // Starts a REQUEST's call on a thread of its own; false on a protocol violation.
+  bool StartCall(const std::shared_ptr<Conn>& conn, proto::Frame request);
+  void RunCall(const std::shared_ptr<Conn>& conn, const std::shared_ptr<Call>& call,
+               const proto::Frame& request);
+  // The call's RESPONSE, or nullopt when the handler already sent it.
+  std::optional<proto::Frame> HandleRequest(Conn& conn, Call& call, const proto::Frame& request);
+  std::optional<proto::Frame> HandleExec(Conn& conn, Call& call, const boost::json::object& header,
+                                         const std::string& payload);
+  void Answer(Conn& conn, Call& call, proto::Frame response);
   proto::Frame HandleConfigure(const boost::json::object& header);
+  // Long-lived processes (process_table.h), sync/thaw (quiesce.h), reseed (reseed.h).
+  struct ProcOutput;
+  std::shared_ptr<ProcOutput> Output(uint64_t id);
+  proto::Frame HandleSpawn(const boost::json::object& header);
+  proto::Frame HandleProcessOp(const std::string& op, const boost::json::object& header,
+                               const std::string& payload);
+  std::optional<proto::Frame> HandleWait(Conn& conn, Call& call, const boost::json::object& header);
+  proto::Frame HandleSync(const boost::json::object& header);
+  proto::Frame HandleReseed(const std::string& payload);
 
   const AgentOptions options_;
   Reaper* const reaper_;
   ShellSession shell_;
+  ProcessTable processes_;
+  Freezer freezer_;
+  Reseeder reseeder_;
+  std::mutex outputs_mu_;
+  std::map<uint64_t, std::shared_ptr<ProcOutput>> outputs_;  // by process id
   const int64_t start_ms_;
   int listen_fd_ = -1;
   std::atomic<int> connections_{0};
+  std::atomic<int> calls_{0};  // in flight on every connection
   LogThrottle refused_peers_;
   LogThrottle refused_busy_;
 };

@@ -13,6 +13,8 @@
 
 #include <atomic>
 #include <fstream>
+#include <map>
+#include <set>
 #include <sstream>
 #include <thread>
 #include <vector>
@@ -51,16 +53,35 @@ class Conn {
     fd_ = -1;
   }
 
-  bool Send(json::object header, std::string payload = "") {
+  // Sends a REQUEST on a new stream (returned in *stream when asked).
+  bool Send(json::object header, std::string payload = "", uint32_t* stream = nullptr) {
     proto::Frame f;
     f.type = proto::FrameType::kRequest;
+    f.stream = next_stream_++;
     f.header = std::move(header);
     f.payload = std::move(payload);
+    if (stream) *stream = f.stream;
+    return Write(f);
+  }
+
+  bool Write(const proto::Frame& f) {
     std::string error;
     return proto::WriteFrame(fd_, f, &error);
   }
 
-  // Reads up to and including the RESPONSE; OUTPUT frames are appended to *outputs.
+  // Sends a control frame (CANCEL, WINDOW, INPUT) on `stream`.
+  bool Control(proto::FrameType type, uint32_t stream, json::object header = {},
+               std::string payload = "") {
+    proto::Frame f;
+    f.type = type;
+    f.stream = stream;
+    f.header = std::move(header);
+    f.payload = std::move(payload);
+    return Write(f);
+  }
+
+  // Reads up to and including the RESPONSE; OUTPUT frames are appended to *outputs (and their
+  // credit granted back, as esbd does).
   proto::Frame Response(std::vector<proto::Frame>* outputs = nullptr, int timeout_ms = 10000) {
     for (;;) {
       proto::Frame f;
@@ -70,6 +91,9 @@ class Conn {
         return f;
       }
       if (f.type == proto::FrameType::kResponse) return f;
+      if (f.type == proto::FrameType::kOutput && !f.payload.empty()) {
+        Control(proto::FrameType::kWindow, f.stream, {{"bytes", f.payload.size()}});
+      }
       if (outputs) outputs->push_back(std::move(f));
     }
   }
@@ -95,6 +119,7 @@ class Conn {
   int fd_ = -1;
   bool ok_ = false;
   proto::Frame hello_;
+  uint32_t next_stream_ = 1;
 };
 
 bool Ok(const proto::Frame& f) {
@@ -134,6 +159,14 @@ TEST_F(AgentTest, SaysHelloAndAnswersPing) {
   EXPECT_EQ(c.hello().header.at("agent").as_string(), "esb-agent");
   EXPECT_EQ(c.hello().header.at("version").as_int64(), proto::kVersion);
   EXPECT_EQ(c.hello().header.at("pid").as_int64(), agent_.pid());
+  EXPECT_EQ(c.hello().stream, 0u);
+  std::set<std::string> ops;
+  for (const json::value& op : c.hello().header.at("ops").as_array()) {
+    ops.insert(std::string(op.as_string()));
+  }
+  for (const char* op : {"ping", "exec", "write", "read", "list", "stat", "stats", "configure"}) {
+    EXPECT_TRUE(ops.count(op)) << op;
+  }
   // Several requests on one connection.
   EXPECT_TRUE(Ok(c.Call({{"op", "ping"}})));
   EXPECT_TRUE(Ok(c.Call({{"op", "ping"}})));
@@ -153,14 +186,23 @@ TEST_F(AgentTest, MalformedFramesCloseOnlyThatConnection) {
     for (int i = 0; i < 4; ++i) s[i] = static_cast<char>(v >> (24 - 8 * i));
     return s;
   };
+  // magic, type, stream 1, header length, header
+  auto frame = [&](char type, const std::string& header, uint32_t stream = 1) {
+    return u32(static_cast<uint32_t>(10 + header.size())) + "\xE5" + type + u32(stream) +
+           u32(static_cast<uint32_t>(header.size())) + header;
+  };
   const std::vector<std::string> garbage = {
-      u32(0xffffffff) + "xxxxxxxx",       // absurd length
-      u32(proto::kMaxFrameBytes + 1),     // just over the limit
-      u32(7) + "\x09" + u32(2) + "{}",    // unknown type
-      u32(9) + "\x02" + u32(4) + "{no}",  // bad JSON
-      u32(7) + "\x02" + u32(2) + "[]",    // header is not an object
-      u32(7) + "\x01" + u32(2) + "{}",    // HELLO from the client
-      u32(2) + "ab",                      // shorter than the fixed part
+      u32(0xffffffff) + "xxxxxxxxxxxxxx",  // absurd length
+      u32(proto::kMaxFrameBytes + 1),      // just over the limit
+      frame('\x09', "{}"),                 // unknown type
+      frame('\x02', "{no}"),               // bad JSON
+      frame('\x02', "[]"),                 // header is not an object
+      frame('\x01', "{}", 0),              // HELLO from the client
+      frame('\x03', "{}"),                 // OUTPUT from the client
+      frame('\x04', "{}"),                 // RESPONSE from the client
+      frame('\x02', "{}", 0),              // REQUEST on stream 0
+      u32(7) + "\x02" + u32(2) + "{}",     // a v1 frame
+      u32(2) + "ab",                       // shorter than the fixed part
       std::string("GET / HTTP/1.1\r\nHost: x\r\n\r\n"),
   };
   for (const std::string& g : garbage) {
@@ -173,7 +215,7 @@ TEST_F(AgentTest, MalformedFramesCloseOnlyThatConnection) {
   // A connection that sends half a frame and vanishes does not hurt either.
   {
     Conn c(agent_);
-    ASSERT_TRUE(c.RawWrite(u32(100) + "\x02"));
+    ASSERT_TRUE(c.RawWrite(u32(100) + "\xE5\x02"));
   }
   EXPECT_TRUE(Alive());
   EXPECT_EQ(waitpid(agent_.pid(), nullptr, WNOHANG), 0);
@@ -182,9 +224,10 @@ TEST_F(AgentTest, MalformedFramesCloseOnlyThatConnection) {
 TEST_F(AgentTest, BadRequestsGetErrnoErrors) {
   Conn c(agent_);
   ASSERT_TRUE(c.ok());
+  // An op this agent does not serve: ENOSYS (esbd tells an older agent from a bad request).
   proto::Frame r = c.Call({{"op", "no-such-op"}});
   EXPECT_FALSE(Ok(r));
-  EXPECT_EQ(Errno(r), "EINVAL");
+  EXPECT_EQ(Errno(r), "ENOSYS");
   EXPECT_FALSE(r.header.at("error").as_string().empty());
   EXPECT_EQ(Errno(c.Call({{"noop", 1}})), "EINVAL");
   EXPECT_EQ(Errno(c.Call({{"op", "exec"}})), "EINVAL");  // no command
@@ -419,6 +462,194 @@ TEST(AgentRestartTest, StateFileLetsARestartedAgentResumeTheSession) {
   }
   std::error_code ec;
   std::filesystem::remove_all(dir, ec);
+}
+
+// Protocol v2: one connection carries many calls at once; answers come back by stream id, in
+// whatever order they finish.
+TEST_F(AgentTest, HundredInterleavedCallsOnOneConnection) {
+  Conn c(agent_);
+  ASSERT_TRUE(c.ok());
+  std::map<uint32_t, std::string> expect;  // stream → what its answer must carry
+  uint32_t slow = 0;
+  ASSERT_TRUE(c.Send({{"op", "exec"}, {"command", "sleep 0.3; echo slow"}}, "", &slow));
+  std::string slow_out;
+  size_t answered_before_slow = 0;
+  bool slow_done = false;
+  // Reads one frame and checks it against what its stream expects.
+  auto read_one = [&]() {
+    proto::Frame f;
+    std::string error;
+    ASSERT_TRUE(proto::ReadFrame(c.fd(), &f, &error, proto::MonotonicMs() + 10000)) << error;
+    if (f.stream == slow) {
+      if (f.type == proto::FrameType::kOutput) slow_out += f.payload;
+      if (f.type == proto::FrameType::kResponse) slow_done = true;
+      return;
+    }
+    ASSERT_EQ(f.type, proto::FrameType::kResponse);
+    auto it = expect.find(f.stream);
+    ASSERT_NE(it, expect.end()) << "answer on an unknown or finished stream " << f.stream;
+    ASSERT_TRUE(Ok(f)) << json::serialize(f.header);
+    if (!it->second.empty()) EXPECT_EQ(f.header.at("type").as_string(), it->second);
+    expect.erase(it);
+    if (!slow_done) ++answered_before_slow;
+  };
+  // 100 calls, up to 48 in flight at once (the agent answers EBUSY past its cap of 64).
+  const int64_t cap = c.hello().header.at("max_calls").as_int64();
+  ASSERT_GT(cap, 48);
+  for (int i = 0; i < 100; ++i) {
+    while (expect.size() >= 48) {
+      ASSERT_NO_FATAL_FAILURE(read_one());
+    }
+    uint32_t s = 0;
+    std::string name = "m" + std::to_string(i);
+    switch (i % 3) {
+      case 0:
+        ASSERT_TRUE(c.Send({{"op", "ping"}}, "", &s));
+        expect[s] = "";
+        break;
+      case 1:
+        ASSERT_TRUE(c.Send({{"op", "write"}, {"path", name}}, name, &s));
+        expect[s] = "";
+        break;
+      default:
+        ASSERT_TRUE(c.Send({{"op", "stat"}, {"path", "."}}, "", &s));
+        expect[s] = "dir";
+    }
+  }
+  while (!expect.empty() || !slow_done) {
+    ASSERT_NO_FATAL_FAILURE(read_one());
+  }
+  // Everything but the slow exec answered before it (none waited behind it).
+  EXPECT_EQ(answered_before_slow, 100u);
+  EXPECT_EQ(slow_out, "slow\n");
+  EXPECT_EQ(ReadHostFile(agent_.workspace() + "/m97"), "m97");
+}
+
+// CANCEL ends one exec (its process tree is killed, as a disconnect did in v1) and answers
+// ECANCELED; the connection and the other calls on it go on.
+TEST_F(AgentTest, CancelEndsOneExecAndTheConnectionStaysUp) {
+  Conn c(agent_);
+  ASSERT_TRUE(c.ok());
+  uint32_t s = 0;
+  ASSERT_TRUE(c.Send({{"op", "exec"},
+                      {"command",
+                       "sleep 100 & echo $! > bg.pid; echo $$ > sh.pid; echo go; "
+                       "sleep 100; touch ran"},
+                      {"timeout_ms", 60000}},
+                     "", &s));
+  proto::Frame out;
+  std::string error;
+  ASSERT_TRUE(proto::ReadFrame(c.fd(), &out, &error, proto::MonotonicMs() + 5000)) << error;
+  ASSERT_EQ(out.payload, "go\n");
+  ASSERT_TRUE(c.Control(proto::FrameType::kCancel, s));
+  proto::Frame r = c.Response(nullptr, 5000);
+  EXPECT_EQ(r.stream, s);
+  EXPECT_EQ(Errno(r), "ECANCELED");
+  pid_t sh = std::stoi(ReadHostFile(agent_.workspace() + "/sh.pid"));
+  pid_t bg = std::stoi(ReadHostFile(agent_.workspace() + "/bg.pid"));
+  EXPECT_TRUE(ProcessGone(sh, 3000));
+  EXPECT_TRUE(ProcessGone(bg, 3000));
+  // Same connection: still serving, and the cancelled command's next step never ran.
+  EXPECT_TRUE(Ok(c.Call({{"op", "ping"}})));
+  EXPECT_EQ(ExecStdout(c, "ls ran 2>/dev/null; echo done", 10000), "done\n");
+  // A CANCEL for a call that already answered is harmless.
+  ASSERT_TRUE(c.Control(proto::FrameType::kCancel, s));
+  EXPECT_TRUE(Ok(c.Call({{"op", "ping"}})));
+}
+
+TEST_F(AgentTest, ExecReadsStdinFromInputFrames) {
+  Conn c(agent_);
+  ASSERT_TRUE(c.ok());
+  uint32_t s = 0;
+  ASSERT_TRUE(
+      c.Send({{"op", "exec"}, {"command", "wc -c; cat >/dev/null"}, {"stdin", true}}, "", &s));
+  std::string data(600 * 1024, 'i');  // more than one window: the agent must grant credit
+  size_t sent = 0;
+  int64_t credit = proto::kInitialWindow;
+  while (sent < data.size()) {
+    size_t n = std::min<size_t>({proto::kMaxChunkBytes, data.size() - sent,
+                                 static_cast<size_t>(std::max<int64_t>(credit, 0))});
+    if (n == 0) {
+      proto::Frame w;
+      std::string error;
+      ASSERT_TRUE(proto::ReadFrame(c.fd(), &w, &error, proto::MonotonicMs() + 5000)) << error;
+      ASSERT_EQ(w.type, proto::FrameType::kWindow);
+      credit += w.header.at("bytes").to_number<int64_t>();
+      continue;
+    }
+    ASSERT_TRUE(c.Control(proto::FrameType::kInput, s, {}, data.substr(sent, n)));
+    sent += n;
+    credit -= static_cast<int64_t>(n);
+  }
+  ASSERT_TRUE(c.Control(proto::FrameType::kInput, s, {{"eof", true}}));
+  std::vector<proto::Frame> outputs;  // WINDOW frames may still come before the answer
+  proto::Frame r = c.Response(&outputs);
+  std::string out;
+  for (const auto& f : outputs) {
+    if (f.type == proto::FrameType::kOutput) out += f.payload;
+  }
+  EXPECT_TRUE(Ok(r));
+  EXPECT_EQ(out, std::to_string(data.size()) + "\n");
+  // Without stdin an exec reads EOF at once (as /dev/null did).
+  EXPECT_EQ(ExecStdout(c, "cat; echo end", 5000), "end\n");
+}
+
+// A host (or whatever answers on its socket) that sends stdin past the window it was granted
+// breaks the protocol: the connection is closed and its calls are cancelled.
+TEST_F(AgentTest, InputPastTheWindowClosesTheConnection) {
+  Conn c(agent_);
+  ASSERT_TRUE(c.ok());
+  uint32_t first = 0, queued = 0;
+  ASSERT_TRUE(
+      c.Send({{"op", "exec"}, {"command", "echo $$ > first.pid; echo go; sleep 100"}}, "", &first));
+  proto::Frame out;
+  std::string error;
+  ASSERT_TRUE(proto::ReadFrame(c.fd(), &out, &error, proto::MonotonicMs() + 5000)) << error;
+  // Queued behind the first exec, this one takes no stdin yet, so it grants no credit.
+  ASSERT_TRUE(c.Send({{"op", "exec"}, {"command", "cat"}, {"stdin", true}}, "", &queued));
+  std::string chunk(proto::kMaxChunkBytes, 'x');
+  for (uint32_t sent = 0; sent <= proto::kInitialWindow; sent += proto::kMaxChunkBytes) {
+    c.Control(proto::FrameType::kInput, queued, {}, chunk);
+  }
+  EXPECT_TRUE(c.ClosedByPeer());
+  pid_t sh = std::stoi(ReadHostFile(agent_.workspace() + "/first.pid"));
+  EXPECT_TRUE(ProcessGone(sh, 3000)) << "the closed connection's exec kept running";
+  EXPECT_TRUE(Alive());
+}
+
+// Calls beyond the agent's cap are answered "busy" at once; the others are not disturbed.
+TEST_F(AgentTest, CallsOverTheCapAreAnsweredBusy) {
+  Conn c(agent_);
+  ASSERT_TRUE(c.ok());
+  const int64_t cap = c.hello().header.at("max_calls").as_int64();
+  std::vector<uint32_t> streams;
+  for (int64_t i = 0; i < cap + 5; ++i) {
+    uint32_t s = 0;
+    // Execs are serialised: the first sleeps, the rest hold their threads while queued.
+    ASSERT_TRUE(c.Send({{"op", "exec"}, {"command", "sleep 30"}}, "", &s));
+    streams.push_back(s);
+  }
+  int busy = 0;
+  int64_t start = proto::MonotonicMs();
+  while (busy < 5) {
+    proto::Frame f;
+    std::string error;
+    ASSERT_TRUE(proto::ReadFrame(c.fd(), &f, &error, proto::MonotonicMs() + 5000)) << error;
+    ASSERT_EQ(f.type, proto::FrameType::kResponse);
+    EXPECT_EQ(Errno(f), "EBUSY");
+    EXPECT_NE(f.header.at("error").as_string().find("busy"), std::string::npos);
+    ++busy;
+  }
+  EXPECT_LT(proto::MonotonicMs() - start, 2000);
+  for (uint32_t s : streams) c.Control(proto::FrameType::kCancel, s);
+  int cancelled = 0;
+  while (cancelled < cap) {
+    proto::Frame f;
+    std::string error;
+    ASSERT_TRUE(proto::ReadFrame(c.fd(), &f, &error, proto::MonotonicMs() + 10000)) << error;
+    if (f.type == proto::FrameType::kResponse) ++cancelled;
+  }
+  EXPECT_TRUE(Ok(c.Call({{"op", "ping"}})));
 }
 
 TEST_F(AgentTest, ManyConcurrentConnections) {

@@ -8,6 +8,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <string>
@@ -24,10 +25,12 @@ using esb::agent::LogLevel;
 
 void Usage() {
   fprintf(stderr,
-          "usage: esb-agent [--socket PATH | --listen-fd N] [--workspace DIR] [--state-dir DIR]\n"
+          "usage: esb-agent [--socket PATH | --listen-fd N | --serve-fd N] [--workspace DIR]\n"
+          "                 [--state-dir DIR]\n"
           "                 [--shell PATH] [--log-level debug|info|warn|error]\n"
           "                 [--log-file PATH] [--allow-uid UID] [--host-uds-peers]\n"
           "  --listen-fd N   serve the listening unix socket inherited as fd N (from the host)\n"
+          "  --serve-fd N    serve one already-open byte stream (a virtio-serial port) as fd N\n"
           "  --log-file PATH log here once listening (default <state-dir>/agent.log, capped at\n"
           "                  1 MiB + one rotated file); until then to stderr\n"
           "  --allow-uid UID also serve connections from this uid (besides 0)\n"
@@ -128,14 +131,16 @@ int main(int argc, char** argv) {
       options.workspace = value;
     } else if (arg == "--state-dir") {
       options.state_dir = value;
-    } else if (arg == "--listen-fd" || arg == "--allow-uid") {
+    } else if (arg == "--listen-fd" || arg == "--serve-fd" || arg == "--allow-uid") {
       int64_t v = 0;
-      if (!ParseInt(value, arg == "--listen-fd" ? 3 : 0, 1 << 30, &v)) {
+      if (!ParseInt(value, arg == "--allow-uid" ? 0 : 3, 1 << 30, &v)) {
         fprintf(stderr, "esb-agent: bad value for %s: %s\n", arg.c_str(), value.c_str());
         return 2;
       }
       if (arg == "--listen-fd") {
         options.listen_fd = static_cast<int>(v);
+      } else if (arg == "--serve-fd") {
+        options.serve_fd = static_cast<int>(v);
       } else {
         options.allow_peer_uid = v;
       }
@@ -159,11 +164,17 @@ int main(int argc, char** argv) {
   while (options.workspace.size() > 1 && options.workspace.back() == '/') {
     options.workspace.pop_back();
   }
+  if (options.listen_fd >= 0 && options.serve_fd >= 0) {
+    fprintf(stderr, "esb-agent: --listen-fd and --serve-fd exclude each other\n");
+    return 2;
+  }
   // Descriptors inherited from whoever started us must not leak into user commands; the one
-  // exception is the listening socket the host handed over.
-  if (options.listen_fd >= 3) {
-    if (options.listen_fd > 3) close_range(3, static_cast<unsigned>(options.listen_fd) - 1, 0);
-    close_range(static_cast<unsigned>(options.listen_fd) + 1, ~0U, 0);
+  // exception is the socket or port the host handed over.
+  if (int keep = std::max(options.listen_fd, options.serve_fd); keep >= 3) {
+    if (keep > 3) close_range(3, static_cast<unsigned>(keep) - 1, 0);
+    close_range(static_cast<unsigned>(keep) + 1, ~0U, 0);
+    // SECURITY: fd hand-over — the kept descriptor is close-on-exec, never a command's.
+    fcntl(keep, F_SETFD, FD_CLOEXEC);
   } else {
     close_range(3, ~0U, 0);
   }
@@ -209,11 +220,12 @@ int main(int argc, char** argv) {
       _exit(0);  // no static destructors while connection threads still run
     }
   }).detach();
-  Log(LogLevel::kInfo, "listening on " +
-                           (options.listen_fd >= 0 ? "fd " + std::to_string(options.listen_fd)
-                                                   : options.socket_path) +
-                           " (pid " + std::to_string(getpid()) + ", workspace " +
-                           options.workspace + ")");
+  Log(LogLevel::kInfo,
+      (options.serve_fd >= 0
+           ? "serving fd " + std::to_string(options.serve_fd)
+           : "listening on " + (options.listen_fd >= 0 ? "fd " + std::to_string(options.listen_fd)
+                                                       : options.socket_path)) +
+          " (pid " + std::to_string(getpid()) + ", workspace " + options.workspace + ")");
   agent.Serve();
   return 0;
 }

@@ -246,6 +246,9 @@ bool ShellSession::StartShell(Shell* shell, std::string* error, int* err) {
   };
   int p[2];
   if (pipe2(p, O_CLOEXEC) != 0) return fail("pipe");
+  Fd in_r(p[0]);
+  shell->in_w.reset(p[1]);
+  if (pipe2(p, O_CLOEXEC) != 0) return fail("pipe");
   Fd script_r(p[0]);
   shell->script_w.reset(p[1]);
   if (pipe2(p, O_CLOEXEC) != 0) return fail("pipe");
@@ -278,10 +281,10 @@ bool ShellSession::StartShell(Shell* shell, std::string* error, int* err) {
 
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_addopen(&actions, 0, "/dev/null", O_RDONLY, 0);
-  // SECURITY: fd hand-over — the shell gets only its own pipes: output on 1/2 and its script
-  // on 3 (every agent descriptor is O_CLOEXEC, so sockets and other sessions' pipes do not
-  // leak into user code).
+  // SECURITY: fd hand-over — the shell gets only its own pipes: stdin on 0, output on 1/2 and
+  // its script on 3 (every agent descriptor is O_CLOEXEC, so sockets and other sessions'
+  // pipes do not leak into user code).
+  posix_spawn_file_actions_adddup2(&actions, in_r.get(), 0);
   posix_spawn_file_actions_adddup2(&actions, out_w.get(), 1);
   posix_spawn_file_actions_adddup2(&actions, err_w.get(), 2);
   posix_spawn_file_actions_adddup2(&actions, script_r.get(), 3);
@@ -316,6 +319,7 @@ bool ShellSession::StartShell(Shell* shell, std::string* error, int* err) {
     pgids_.insert(pid);
   }
   fcntl(shell->script_w.get(), F_SETFL, O_NONBLOCK);
+  fcntl(shell->in_w.get(), F_SETFL, O_NONBLOCK);
   fcntl(shell->out_r.get(), F_SETFL, O_NONBLOCK);
   fcntl(shell->err_r.get(), F_SETFL, O_NONBLOCK);
   return true;
@@ -425,7 +429,7 @@ int ShellSession::OpenDumpFifo() {
   return open(dump_fifo_.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
 }
 
-ExecOutcome ShellSession::Exec(const ExecParams& params, int client_fd, const OutputFn& output) {
+ExecOutcome ShellSession::Exec(const ExecParams& params, const ExecIo& io) {
   ExecOutcome result;
   auto fail = [&](std::string message, int err) {
     result.ok = false;
@@ -445,12 +449,9 @@ ExecOutcome ShellSession::Exec(const ExecParams& params, int client_fd, const Ou
   // ends within its timeout (the host's deadline is timeout + a grace).
   const int64_t start = proto::MonotonicMs();
   std::lock_guard<std::mutex> serial(exec_mu_);
-  if (client_fd >= 0) {
-    pollfd p{client_fd, POLLRDHUP, 0};
-    if (poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR))) {
-      result.cancelled = true;  // the client gave up while queued
-      return result;
-    }
+  if (io.cancelled && io.cancelled()) {
+    result.cancelled = true;  // the client gave up while queued
+    return result;
   }
   if (proto::MonotonicMs() - start >= params.timeout_ms) {
     result.ok = true;
@@ -502,6 +503,10 @@ ExecOutcome ShellSession::Exec(const ExecParams& params, int client_fd, const Ou
     }
   }
   const pid_t pid = shell.pid;
+  // Stdin: bytes from the call on their way into the shell's stdin pipe.
+  std::string stdin_buf;
+  bool stdin_eof = !params.has_stdin;
+  if (stdin_eof) shell.in_w.reset();
 
   // The shell's EXIT trap writes its state dump here; while the read end is open, the
   // trap's open never blocks.
@@ -550,10 +555,17 @@ ExecOutcome ShellSession::Exec(const ExecParams& params, int client_fd, const Ou
       break;
     }
     int64_t wake = shell_exited ? grace_deadline : (result.timed_out ? now + 1000 : deadline);
-    pollfd fds[6];
+    if (shell_exited || result.timed_out) shell.in_w.reset();  // nobody reads stdin any more
+    // Stdin that arrived (bounded by the call's flow-control window) joins the buffer; taking
+    // it grants the host more credit.
+    if (shell.in_w && !stdin_eof && io.take_input && stdin_buf.size() < kReadChunk) {
+      stdin_eof = io.take_input(&stdin_buf);
+    }
+    if (shell.in_w && stdin_eof && stdin_buf.empty()) shell.in_w.reset();
+    pollfd fds[7];
     int n = 0;
-    int idx_out = -1, idx_err = -1, idx_exit = -1, idx_client = -1, idx_script = -1;
-    int idx_dump = -1;
+    int idx_out = -1, idx_err = -1, idx_exit = -1, idx_wake = -1, idx_script = -1;
+    int idx_dump = -1, idx_in = -1;
     if (!dump_eof) {
       idx_dump = n;
       fds[n++] = {dump_r.get(), POLLIN, 0};
@@ -570,9 +582,13 @@ ExecOutcome ShellSession::Exec(const ExecParams& params, int client_fd, const Ou
       idx_exit = n;
       fds[n++] = {shell.exit_fd.get(), POLLIN, 0};
     }
-    if (client_fd >= 0) {
-      idx_client = n;
-      fds[n++] = {client_fd, POLLRDHUP, 0};
+    if (io.wake_fd >= 0) {
+      idx_wake = n;
+      fds[n++] = {io.wake_fd, POLLIN, 0};
+    }
+    if (shell.in_w && !stdin_buf.empty()) {
+      idx_in = n;
+      fds[n++] = {shell.in_w.get(), POLLOUT, 0};
     }
     if (shell.script_w) {
       idx_script = n;
@@ -584,10 +600,25 @@ ExecOutcome ShellSession::Exec(const ExecParams& params, int client_fd, const Ou
       cancel();  // cannot happen with valid fds; never leave a group running unwatched
       break;
     }
-    if (idx_client >= 0 && (fds[idx_client].revents & (POLLRDHUP | POLLHUP | POLLERR))) {
+    if (idx_wake >= 0 && fds[idx_wake].revents) {
+      uint64_t v;
+      ssize_t ignored = read(io.wake_fd, &v, sizeof v);
+      (void)ignored;
+    }
+    if (io.cancelled && io.cancelled()) {
       cancel();
       break;
     }
+    if (idx_in >= 0 && fds[idx_in].revents) {
+      ssize_t w = write(shell.in_w.get(), stdin_buf.data(), stdin_buf.size());
+      if (w > 0) stdin_buf.erase(0, static_cast<size_t>(w));
+      // EPIPE: the command does not read its stdin; the rest is dropped.
+      if (w < 0 && errno != EAGAIN && errno != EINTR) {
+        shell.in_w.reset();
+        stdin_buf.clear();
+      }
+    }
+    if (shell.in_w && stdin_eof && stdin_buf.empty()) shell.in_w.reset();
     if (idx_dump >= 0 && fds[idx_dump].revents) dump_eof = DrainDump(dump_r.get(), &buf, &dump);
     if (idx_script >= 0 && fds[idx_script].revents) {
       // Feed the script; the shell runs it once it sees EOF (we close the pipe).
@@ -612,7 +643,7 @@ ExecOutcome ShellSession::Exec(const ExecParams& params, int client_fd, const Ou
       if (take < got) result.truncated = true;
       if (take > 0) {
         sent[s] += take;
-        if (!output(s == 1, std::string_view(buf.data(), take))) {
+        if (!io.output(s == 1, std::string_view(buf.data(), take))) {
           cancel();
           break;
         }

@@ -38,13 +38,15 @@ struct ExecParams {
   int64_t timeout_ms = 60000;
   int64_t max_output_bytes = 1 << 20;  // per stream
   std::map<std::string, std::string> env;
+  // false: stdin is at EOF from the start; true: ExecIo::take_input delivers it.
+  bool has_stdin = false;
 };
 
 struct ExecOutcome {
   bool ok = false;  // false: the command could not be started (see error/errno)
   std::string error;
   std::string errno_name;
-  bool cancelled = false;  // the client went away; no response is expected
+  bool cancelled = false;  // the call was cancelled (or its connection lost)
   int exit_code = -1;
   bool timed_out = false;
   bool truncated = false;
@@ -53,6 +55,16 @@ struct ExecOutcome {
 
 // Receives output as it arrives; returns false when the client is gone (cancels the exec).
 using OutputFn = std::function<bool(bool is_stderr, std::string_view data)>;
+
+// How one exec talks to its call (agent.cc): cancellation, stdin and output.
+struct ExecIo {
+  // Readable (an eventfd) when cancelled() or take_input() may have changed; -1: never.
+  int wake_fd = -1;
+  std::function<bool()> cancelled;
+  // Appends the stdin bytes that arrived to *data; returns true once the sender said EOF.
+  std::function<bool(std::string* data)> take_input;
+  OutputFn output;
+};
 
 // Environment names must be shell identifiers, not bash-readonly or agent-reserved ones
 // (values are checked for NUL separately).
@@ -66,9 +78,9 @@ class ShellSession {
   // the next exec, so they win over values saved in the shell state.
   void Configure(std::map<std::string, std::string> env);
 
-  // Runs one command. Serialised: concurrent calls wait for each other. `client_fd` is
-  // watched for hang-up (the process group is killed if the client closes the connection).
-  ExecOutcome Exec(const ExecParams& params, int client_fd, const OutputFn& output);
+  // Runs one command. Serialised: concurrent calls wait for each other. When `io` says
+  // cancelled, the exec's process tree is killed (KillTree).
+  ExecOutcome Exec(const ExecParams& params, const ExecIo& io);
 
   // Starts the next exec's shell ahead of time (bash start-up is most of an exec's latency).
   // Never blocks: does nothing while an exec runs (each exec prepares the next one).
@@ -85,7 +97,7 @@ class ShellSession {
   struct Shell {
     pid_t pid = -1;
     uint64_t generation = 0;  // base environment it was started with
-    Fd script_w, out_r, err_r, exit_fd;
+    Fd script_w, in_w, out_r, err_r, exit_fd;
   };
   bool StartShell(Shell* shell, std::string* error, int* err);
   void DiscardShell(Shell* shell);

@@ -1,4 +1,4 @@
-// Framed protocol codec (docs/agent-protocol.md). Linked into the static agent: standard
+// Framed protocol codec, v2 (docs/agent-protocol.md). Linked into the static agent: standard
 // library, POSIX and Boost.JSON only.
 #include "common/protocol.h"
 
@@ -18,7 +18,6 @@ namespace esb::proto {
 namespace {
 
 constexpr size_t kPrefixBytes = 4;             // u32 length
-constexpr size_t kFixedBytes = 1 + 4;          // type + header_len
 constexpr size_t kCompactThreshold = 1 << 20;  // drop consumed bytes past this
 
 void PutU32(char* out, uint32_t v) {
@@ -33,41 +32,79 @@ uint32_t GetU32(const char* in) {
   return (uint32_t{p[0]} << 24) | (uint32_t{p[1]} << 16) | (uint32_t{p[2]} << 8) | uint32_t{p[3]};
 }
 
-bool ValidType(uint8_t t) { return t >= 1 && t <= 4; }
+bool ValidType(uint8_t t) { return t >= 1 && t <= 7; }
 
-// Parses the body of one frame (everything after the length prefix). Returns an error message
-// or an empty string on success.
-std::string ParseBody(std::string_view body, Frame* frame) {
-  if (body.size() < kFixedBytes) return "frame too short";
-  uint8_t type = static_cast<uint8_t>(body[0]);
+// Checks the fixed part of a frame (magic, type, stream, header length) against the frame's
+// length. Returns an error message or "".
+std::string CheckFixed(const char* fixed, uint32_t length) {
+  uint8_t magic = static_cast<uint8_t>(fixed[0]);
+  if (magic != kMagic) {
+    if (magic >= 1 && magic <= 4) return kV1PeerError;
+    return "bad frame magic " + std::to_string(magic);
+  }
+  uint8_t type = static_cast<uint8_t>(fixed[1]);
   if (!ValidType(type)) return "bad frame type " + std::to_string(type);
-  uint32_t header_len = GetU32(body.data() + 1);
+  uint32_t stream = GetU32(fixed + 2);
+  if ((type == static_cast<uint8_t>(FrameType::kHello)) != (stream == 0)) {
+    return "bad stream id for frame type " + std::to_string(type);
+  }
+  uint32_t header_len = GetU32(fixed + 6);
   if (header_len > kMaxHeaderBytes) return "frame header too large";
-  if (header_len > body.size() - kFixedBytes) return "frame header length exceeds frame";
-  if (body.size() - kFixedBytes - header_len > kMaxPayloadBytes) return "frame payload too large";
-  std::string_view header_text = body.substr(kFixedBytes, header_len);
-  boost::json::error_code ec;
-  boost::json::value header = boost::json::parse(header_text, ec);
-  if (ec) return "bad frame header JSON: " + ec.message();
-  if (!header.is_object()) return "frame header is not a JSON object";
-  frame->type = static_cast<FrameType>(type);
-  frame->header = std::move(header.as_object());
-  frame->payload.assign(body.substr(kFixedBytes + header_len));
+  if (header_len > length - kFixedBytes) return "frame header length exceeds frame";
+  uint32_t payload_len = length - kFixedBytes - header_len;
+  if (payload_len > kMaxPayloadBytes) return "frame payload too large";
+  auto t = static_cast<FrameType>(type);
+  if ((t == FrameType::kOutput || t == FrameType::kInput) && payload_len > kMaxChunkBytes) {
+    return "data frame payload larger than 64 KiB";
+  }
+  if ((t == FrameType::kCancel || t == FrameType::kWindow || t == FrameType::kHello) &&
+      payload_len != 0) {
+    return "control frame with a payload";
+  }
+  return "";
+}
+
+// Parses one frame from its fixed part (CheckFixed passed) and the rest (header + payload),
+// which it consumes. Returns an error message or an empty string on success.
+std::string ParseFrame(const char* fixed, std::string rest, Frame* frame) {
+  uint32_t header_len = GetU32(fixed + 6);
+  std::string_view header_text = std::string_view(rest).substr(0, header_len);
+  frame->header.clear();
+  if (!header_text.empty()) {
+    boost::json::error_code ec;
+    boost::json::parse_options options;
+    options.max_depth = 16;
+    boost::json::value header = boost::json::parse(header_text, ec, {}, options);
+    if (ec) return "bad frame header JSON: " + ec.message();
+    if (!header.is_object()) return "frame header is not a JSON object";
+    frame->header = std::move(header.as_object());
+  }
+  frame->type = static_cast<FrameType>(fixed[1]);
+  frame->stream = GetU32(fixed + 2);
+  // Moved, not copied: a 16 MiB payload is held once.
+  frame->payload = std::move(rest);
+  frame->payload.erase(0, header_len);
   return "";
 }
 
 std::string EncodePrefix(const Frame& frame, const std::string& header, size_t payload_size) {
   std::string out(kPrefixBytes + kFixedBytes, '\0');
   PutU32(out.data(), static_cast<uint32_t>(kFixedBytes + header.size() + payload_size));
-  out[4] = static_cast<char>(frame.type);
-  PutU32(out.data() + 5, static_cast<uint32_t>(header.size()));
+  out[4] = static_cast<char>(kMagic);
+  out[5] = static_cast<char>(frame.type);
+  PutU32(out.data() + 6, frame.stream);
+  PutU32(out.data() + 10, static_cast<uint32_t>(header.size()));
   out += header;
   return out;
 }
 
-// Waits until `fd` is ready for `events` or the deadline passes. Returns false on timeout or
-// poll failure (message in *error).
-bool WaitFd(int fd, short events, int64_t deadline_ms, std::string* error) {
+std::string SerializeHeader(const Frame& frame) {
+  return frame.header.empty() ? std::string() : boost::json::serialize(frame.header);
+}
+
+// Waits until `fd` is ready for `events` or the deadline passes. Returns false on timeout,
+// wake-up or poll failure (message in *error).
+bool WaitFd(int fd, short events, int64_t deadline_ms, std::string* error, int wake_fd = -1) {
   for (;;) {
     int timeout = -1;
     if (deadline_ms >= 0) {
@@ -78,102 +115,25 @@ bool WaitFd(int fd, short events, int64_t deadline_ms, std::string* error) {
       }
       timeout = static_cast<int>(std::min<int64_t>(left, 1 << 30));
     }
-    pollfd p{fd, events, 0};
-    int r = poll(&p, 1, timeout);
+    pollfd p[2] = {{fd, events, 0}, {wake_fd, POLLIN, 0}};
+    int r = poll(p, wake_fd >= 0 ? 2 : 1, timeout);
     if (r < 0) {
       if (errno == EINTR) continue;
       if (error) *error = std::string("poll: ") + strerror(errno);
+      return false;
+    }
+    if (wake_fd >= 0 && p[1].revents) {
+      if (error) *error = "interrupted";
       return false;
     }
     if (r > 0) return true;  // readable, writable, or HUP/ERR (the next call reports it)
   }
 }
 
-// Reads exactly n bytes. false on EOF (message "connection closed"), error or deadline.
-bool ReadFull(int fd, char* buf, size_t n, int64_t deadline_ms, std::string* error) {
-  size_t got = 0;
-  while (got < n) {
-    if (deadline_ms >= 0 && !WaitFd(fd, POLLIN, deadline_ms, error)) return false;
-    ssize_t r = read(fd, buf + got, n - got);
-    if (r < 0) {
-      if (errno == EINTR) continue;
-      if (errno == EAGAIN || errno == EWOULDBLOCK) {
-        if (!WaitFd(fd, POLLIN, deadline_ms, error)) return false;
-        continue;
-      }
-      if (error) *error = std::string("read: ") + strerror(errno);
-      return false;
-    }
-    if (r == 0) {
-      if (error) *error = got == 0 ? "connection closed" : "connection closed mid-frame";
-      return false;
-    }
-    got += static_cast<size_t>(r);
-  }
-  return true;
-}
-
-}  // namespace
-
-std::string EncodeFrame(const Frame& frame) {
-  std::string out = EncodePrefix(frame, boost::json::serialize(frame.header), frame.payload.size());
-  out += frame.payload;
-  return out;
-}
-
-void FrameDecoder::Feed(std::string_view bytes) {
-  if (failed()) return;
-  if (offset_ > kCompactThreshold && offset_ * 2 > buffer_.size()) {
-    buffer_.erase(0, offset_);
-    offset_ = 0;
-  }
-  buffer_.append(bytes);
-}
-
-std::optional<Frame> FrameDecoder::Next() {
-  if (failed()) return std::nullopt;
-  size_t avail = buffer_.size() - offset_;
-  if (avail < kPrefixBytes) return std::nullopt;
-  uint32_t length = GetU32(buffer_.data() + offset_);
-  if (length < kFixedBytes) {
-    error_ = "frame too short";
-    return std::nullopt;
-  }
-  if (length > kMaxFrameBytes) {
-    error_ = "frame too large (" + std::to_string(length) + " bytes)";
-    return std::nullopt;
-  }
-  if (avail - kPrefixBytes < length) return std::nullopt;
-  Frame frame;
-  std::string err =
-      ParseBody(std::string_view(buffer_).substr(offset_ + kPrefixBytes, length), &frame);
-  if (!err.empty()) {
-    error_ = std::move(err);
-    return std::nullopt;
-  }
-  offset_ += kPrefixBytes + length;
-  if (offset_ == buffer_.size()) {
-    buffer_.clear();
-    offset_ = 0;
-  }
-  return frame;
-}
-
-bool WriteFrame(int fd, const Frame& frame, std::string* error) {
-  std::string header = boost::json::serialize(frame.header);
-  if (header.size() > kMaxHeaderBytes) {
-    if (error) *error = "frame header too large";
-    return false;
-  }
-  if (frame.payload.size() > kMaxPayloadBytes) {
-    if (error) *error = "frame payload too large";
-    return false;
-  }
-  std::string prefix = EncodePrefix(frame, header, frame.payload.size());
-  // Two-part gather write so a 16 MiB payload is never copied.
-  iovec iov[2] = {{prefix.data(), prefix.size()},
-                  {const_cast<char*>(frame.payload.data()), frame.payload.size()}};
-  int iovcnt = frame.payload.empty() ? 1 : 2;
+// Writes every byte of `iov` (sockets with MSG_NOSIGNAL, anything else with writev). Blocking
+// descriptors with a send timeout and non-blocking ones wait at most 30 s for a peer that does
+// not read.
+bool WriteIov(int fd, iovec* iov, int iovcnt, std::string* error) {
   iovec* cur = iov;
   bool is_socket = true;
   while (iovcnt > 0) {
@@ -220,25 +180,172 @@ bool WriteFrame(int fd, const Frame& frame, std::string* error) {
   return true;
 }
 
-bool ReadFrame(int fd, Frame* frame, std::string* error, int64_t deadline_ms,
-               uint32_t max_frame_bytes) {
-  char prefix[kPrefixBytes];
-  if (!ReadFull(fd, prefix, sizeof prefix, deadline_ms, error)) return false;
-  uint32_t length = GetU32(prefix);
+}  // namespace
+
+bool WaitReadable(int fd, int64_t deadline_ms, std::string* error) {
+  return WaitFd(fd, POLLIN, deadline_ms, error);
+}
+
+bool ReadFull(int fd, char* buf, size_t n, int64_t deadline_ms, std::string* error, int wake_fd) {
+  size_t got = 0;
+  while (got < n) {
+    if ((deadline_ms >= 0 || wake_fd >= 0) && !WaitFd(fd, POLLIN, deadline_ms, error, wake_fd)) {
+      return false;
+    }
+    ssize_t r = read(fd, buf + got, n - got);
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        if (!WaitFd(fd, POLLIN, deadline_ms, error, wake_fd)) return false;
+        continue;
+      }
+      // A pty whose other side closed says EIO: that is the end of the stream.
+      if (errno == EIO) {
+        if (error) *error = got == 0 ? "connection closed" : "connection closed mid-frame";
+        return false;
+      }
+      if (error) *error = std::string("read: ") + strerror(errno);
+      return false;
+    }
+    if (r == 0) {
+      if (error) *error = got == 0 ? "connection closed" : "connection closed mid-frame";
+      return false;
+    }
+    got += static_cast<size_t>(r);
+  }
+  return true;
+}
+
+std::string EncodeFrame(const Frame& frame) {
+  std::string out = EncodePrefix(frame, SerializeHeader(frame), frame.payload.size());
+  out += frame.payload;
+  return out;
+}
+
+void FrameDecoder::Feed(std::string_view bytes) {
+  if (failed()) return;
+  if (offset_ > kCompactThreshold && offset_ * 2 > buffer_.size()) {
+    buffer_.erase(0, offset_);
+    offset_ = 0;
+  }
+  buffer_.append(bytes);
+}
+
+std::optional<Frame> FrameDecoder::Next() {
+  if (failed()) return std::nullopt;
+  size_t avail = buffer_.size() - offset_;
+  if (avail < kPrefixBytes) return std::nullopt;
+  uint32_t length = GetU32(buffer_.data() + offset_);
   if (length < kFixedBytes) {
-    if (error) *error = "frame too short";
+    // A v1 frame may be this short (1 + 4 + header); its type byte still tells.
+    if (avail > kPrefixBytes && static_cast<uint8_t>(buffer_[offset_ + 4]) >= 1 &&
+        static_cast<uint8_t>(buffer_[offset_ + 4]) <= 4) {
+      error_ = kV1PeerError;
+    } else {
+      error_ = "frame too short";
+    }
+    return std::nullopt;
+  }
+  if (length > kMaxFrameBytes) {
+    error_ = "frame too large (" + std::to_string(length) + " bytes)";
+    return std::nullopt;
+  }
+  if (avail - kPrefixBytes < kFixedBytes) return std::nullopt;
+  if (std::string err = CheckFixed(buffer_.data() + offset_ + kPrefixBytes, length); !err.empty()) {
+    error_ = std::move(err);
+    return std::nullopt;
+  }
+  if (avail - kPrefixBytes < length) return std::nullopt;
+  Frame frame;
+  const char* fixed = buffer_.data() + offset_ + kPrefixBytes;
+  std::string err = ParseFrame(
+      fixed, buffer_.substr(offset_ + kPrefixBytes + kFixedBytes, length - kFixedBytes), &frame);
+  if (!err.empty()) {
+    error_ = std::move(err);
+    return std::nullopt;
+  }
+  offset_ += kPrefixBytes + length;
+  if (offset_ == buffer_.size()) {
+    buffer_.clear();
+    offset_ = 0;
+  }
+  return frame;
+}
+
+bool WriteFrame(int fd, const Frame& frame, std::string* error) {
+  if ((frame.type == FrameType::kHello) != (frame.stream == 0)) {
+    if (error) *error = "bad stream id for the frame type";
     return false;
   }
+  std::string header = SerializeHeader(frame);
+  if (header.size() > kMaxHeaderBytes) {
+    if (error) *error = "frame header too large";
+    return false;
+  }
+  size_t limit = frame.type == FrameType::kOutput || frame.type == FrameType::kInput
+                     ? kMaxChunkBytes
+                     : kMaxPayloadBytes;
+  if (frame.payload.size() > limit) {
+    if (error) *error = "frame payload too large";
+    return false;
+  }
+  std::string prefix = EncodePrefix(frame, header, frame.payload.size());
+  // Two-part gather write so a 16 MiB payload is never copied.
+  iovec iov[2] = {{prefix.data(), prefix.size()},
+                  {const_cast<char*>(frame.payload.data()), frame.payload.size()}};
+  return WriteIov(fd, iov, frame.payload.empty() ? 1 : 2, error);
+}
+
+bool WriteAll(int fd, std::string_view data, std::string* error) {
+  iovec iov{const_cast<char*>(data.data()), data.size()};
+  return data.empty() || WriteIov(fd, &iov, 1, error);
+}
+
+bool ReadFrame(int fd, Frame* frame, std::string* error, int64_t deadline_ms,
+               uint32_t max_frame_bytes, const FrameLimit& limit, int wake_fd) {
+  char prefix[kPrefixBytes + kFixedBytes];
+  if (!ReadFull(fd, prefix, kPrefixBytes, deadline_ms, error, wake_fd)) return false;
+  uint32_t length = GetU32(prefix);
+  // Refused from the length alone (every v1 frame is shorter than this too).
   if (length > std::min(kMaxFrameBytes, max_frame_bytes)) {
     if (error) *error = "frame too large (" + std::to_string(length) + " bytes)";
     return false;
   }
-  std::string body;
-  if (!ReadGrowing(length, &body,
-                   [&](char* buf, size_t n) { return ReadFull(fd, buf, n, deadline_ms, error); })) {
+  if (!ReadFull(fd, prefix + kPrefixBytes, 1, deadline_ms, error, wake_fd)) {
+    if (error && *error == "connection closed") *error = "connection closed mid-frame";
     return false;
   }
-  std::string err = ParseBody(body, frame);
+  uint8_t magic = static_cast<uint8_t>(prefix[4]);
+  if (magic != kMagic && magic >= 1 && magic <= 4) {
+    if (error) *error = kV1PeerError;
+    return false;
+  }
+  if (length < kFixedBytes) {
+    if (error) *error = "frame too short";
+    return false;
+  }
+  if (!ReadFull(fd, prefix + kPrefixBytes + 1, kFixedBytes - 1, deadline_ms, error, wake_fd)) {
+    return false;
+  }
+  if (std::string err = CheckFixed(prefix + kPrefixBytes, length); !err.empty()) {
+    if (error) *error = std::move(err);
+    return false;
+  }
+  if (limit) {
+    uint32_t max = limit(static_cast<FrameType>(prefix[5]), GetU32(prefix + 6));
+    if (length > max) {
+      if (error) *error = "frame too large (" + std::to_string(length) + " bytes)";
+      return false;
+    }
+  }
+  std::string rest;
+  if (!ReadGrowing(length - kFixedBytes, &rest, [&](char* buf, size_t n) {
+        return ReadFull(fd, buf, n, deadline_ms, error, wake_fd);
+      })) {
+    if (error && *error == "connection closed") *error = "connection closed mid-frame";
+    return false;
+  }
+  std::string err = ParseFrame(prefix + kPrefixBytes, std::move(rest), frame);
   if (!err.empty()) {
     if (error) *error = std::move(err);
     return false;

@@ -1,10 +1,16 @@
 #include "common/protocol.h"
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <pty.h>
 #include <sys/socket.h>
+#include <termios.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <thread>
+
+#include "common/channel.h"
 
 namespace esb::proto {
 namespace {
@@ -18,10 +24,14 @@ std::string U32(uint32_t v) {
   return s;
 }
 
-// A frame built by hand, so the tests do not trust EncodeFrame to check the decoder.
-std::string RawFrame(uint8_t type, std::string_view header, std::string_view payload) {
-  std::string out = U32(static_cast<uint32_t>(1 + 4 + header.size() + payload.size()));
+// A frame built by hand, so the tests do not trust EncodeFrame to check the decoder. HELLO
+// (type 1) goes on stream 0, everything else on stream 1 unless told.
+std::string RawFrame(uint8_t type, std::string_view header, std::string_view payload,
+                     int64_t stream = -1) {
+  std::string out = U32(static_cast<uint32_t>(1 + 1 + 4 + 4 + header.size() + payload.size()));
+  out.push_back(static_cast<char>(kMagic));
   out.push_back(static_cast<char>(type));
+  out += U32(static_cast<uint32_t>(stream >= 0 ? stream : type == 1 ? 0 : 1));
   out += U32(static_cast<uint32_t>(header.size()));
   out += header;
   out += payload;
@@ -34,22 +44,79 @@ std::string AllBytes() {
   return s;
 }
 
+struct BadFrame {
+  const char* name;
+  std::string wire;
+};
+
 TEST(ProtocolTest, EncodeMatchesTheDocumentedLayout) {
   Frame f;
   f.type = FrameType::kOutput;
+  f.stream = 7;
   f.header["stream"] = "stdout";
   f.payload = "hi";
-  EXPECT_EQ(EncodeFrame(f), RawFrame(3, R"({"stream":"stdout"})", "hi"));
+  EXPECT_EQ(EncodeFrame(f), RawFrame(3, R"({"stream":"stdout"})", "hi", 7));
+  // An empty header is sent as zero bytes and read back as an empty object.
+  Frame w;
+  w.type = FrameType::kCancel;
+  w.stream = 3;
+  EXPECT_EQ(EncodeFrame(w), RawFrame(5, "", "", 3));
+}
+
+TEST(ProtocolTest, AV1FrameIsRecognisedAsSuch) {
+  // v1: u32 length, u8 type, u32 header_len, header. Its type sits where v2 has its magic.
+  std::string header = R"({"agent":"esb-agent","version":1,"pid":1})";
+  std::string v1 = U32(static_cast<uint32_t>(1 + 4 + header.size())) + "\x01" +
+                   U32(static_cast<uint32_t>(header.size())) + header;
+  FrameDecoder decoder;
+  decoder.Feed(v1);
+  EXPECT_FALSE(decoder.Next().has_value());
+  EXPECT_EQ(decoder.error(), kV1PeerError);
+  int sv[2];
+  ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM, 0, sv), 0);
+  ASSERT_EQ(write(sv[0], v1.data(), v1.size()), static_cast<ssize_t>(v1.size()));
+  Frame f;
+  std::string error;
+  EXPECT_FALSE(ReadFrame(sv[1], &f, &error, MonotonicMs() + 1000));
+  EXPECT_EQ(error, kV1PeerError);
+  close(sv[0]);
+  close(sv[1]);
+}
+
+TEST(ProtocolTest, StreamIdsDataChunksAndControlFramesAreChecked) {
+  const BadFrame cases[] = {
+      {"HELLO off stream 0", RawFrame(1, "{}", "", 4)},
+      {"REQUEST on stream 0", RawFrame(2, "{}", "", 0)},
+      {"OUTPUT over 64 KiB", RawFrame(3, "", std::string(kMaxChunkBytes + 1, 'o'))},
+      {"INPUT over 64 KiB", RawFrame(6, "", std::string(kMaxChunkBytes + 1, 'i'))},
+      {"CANCEL with a payload", RawFrame(5, "", "x")},
+      {"WINDOW with a payload", RawFrame(7, R"({"bytes":1})", "x")},
+      {"bad magic", U32(20) + std::string(20, '\x42')},
+  };
+  for (const auto& c : cases) {
+    FrameDecoder decoder;
+    decoder.Feed(c.wire);
+    EXPECT_FALSE(decoder.Next().has_value()) << c.name;
+    EXPECT_TRUE(decoder.failed()) << c.name;
+  }
+  FrameDecoder ok;
+  ok.Feed(RawFrame(3, "", std::string(kMaxChunkBytes, 'o'), 9));
+  auto f = ok.Next();
+  ASSERT_TRUE(f.has_value()) << ok.error();
+  EXPECT_EQ(f->stream, 9u);
+  EXPECT_TRUE(f->header.empty());
 }
 
 TEST(ProtocolTest, RoundTripIsBinarySafeEvenFedByteByByte) {
   Frame a;
   a.type = FrameType::kRequest;
+  a.stream = 1;
   a.header["op"] = "write";
   a.header["path"] = "x\n\"y\"";
   a.payload = AllBytes();
   Frame b;
   b.type = FrameType::kResponse;
+  b.stream = 1;
   b.header["ok"] = true;
   std::string wire = EncodeFrame(a) + EncodeFrame(b);
 
@@ -71,7 +138,7 @@ TEST(ProtocolTest, RoundTripIsBinarySafeEvenFedByteByByte) {
 
 TEST(ProtocolTest, IncompleteFrameWaitsForMoreBytes) {
   FrameDecoder decoder;
-  std::string wire = RawFrame(1, "{}", "abc");
+  std::string wire = RawFrame(4, "{}", "abc");
   decoder.Feed(wire.substr(0, wire.size() - 1));
   EXPECT_FALSE(decoder.Next().has_value());
   EXPECT_FALSE(decoder.failed());
@@ -81,11 +148,6 @@ TEST(ProtocolTest, IncompleteFrameWaitsForMoreBytes) {
   EXPECT_EQ(f->payload, "abc");
 }
 
-struct BadFrame {
-  const char* name;
-  std::string wire;
-};
-
 TEST(ProtocolTest, GarbageAndOversizedFramesFailTheDecoder) {
   const BadFrame cases[] = {
       {"oversized length", U32(kMaxFrameBytes + 1)},
@@ -93,10 +155,12 @@ TEST(ProtocolTest, GarbageAndOversizedFramesFailTheDecoder) {
       {"length too short", U32(2) + "ab"},
       {"zero type", RawFrame(0, "{}", "")},
       {"unknown type", RawFrame(9, "{}", "")},
+      {"type past WINDOW", RawFrame(8, "{}", "")},
       {"header not JSON", RawFrame(2, "{nope", "")},
       {"header not an object", RawFrame(2, "[1,2]", "")},
       {"header invalid UTF-8", RawFrame(2, "{\"a\":\"\xff\"}", "")},
-      {"header longer than frame", U32(9) + "\x02" + U32(100) + "{}xx"},
+      {"header longer than frame",
+       U32(14) + static_cast<char>(kMagic) + "\x02" + U32(1) + U32(100) + "{}xx"},
       {"header over 64 KiB",
        RawFrame(2, "{\"a\":\"" + std::string(kMaxHeaderBytes, 'x') + "\"}", "")},
       {"deeply nested JSON", RawFrame(2, std::string(10000, '[') + std::string(10000, ']'), "")},
@@ -116,6 +180,7 @@ TEST(ProtocolTest, GarbageAndOversizedFramesFailTheDecoder) {
 TEST(ProtocolTest, LargestPayloadIsAccepted) {
   Frame f;
   f.type = FrameType::kResponse;
+  f.stream = 1;
   f.payload.assign(kMaxPayloadBytes, 'z');
   FrameDecoder decoder;
   decoder.Feed(EncodeFrame(f));
@@ -137,6 +202,7 @@ class SocketPairTest : public ::testing::Test {
 TEST_F(SocketPairTest, WriteFrameReadFrameRoundTrip) {
   Frame out;
   out.type = FrameType::kRequest;
+  out.stream = 1;
   out.header["op"] = "ping";
   out.payload = std::string(3 << 20, 'q') + AllBytes();  // larger than the socket buffer
   std::string error;
@@ -159,7 +225,7 @@ TEST_F(SocketPairTest, ReadFrameHonoursTheDeadline) {
   EXPECT_GE(MonotonicMs() - start, 90);
   EXPECT_LT(MonotonicMs() - start, 2000);
   // A partial frame also times out rather than hanging.
-  std::string partial = RawFrame(1, "{}", "abc").substr(0, 7);
+  std::string partial = RawFrame(1, "{}", "abc").substr(0, 12);
   ASSERT_EQ(write(fds_[0], partial.data(), partial.size()), static_cast<ssize_t>(partial.size()));
   EXPECT_FALSE(ReadFrame(fds_[1], &in, &error, MonotonicMs() + 100));
   EXPECT_EQ(error, "timed out");
@@ -193,10 +259,164 @@ TEST_F(SocketPairTest, WriteFrameToClosedPeerFailsWithoutSigpipe) {
 
 TEST_F(SocketPairTest, WriteFrameRefusesOversizedFrames) {
   Frame out;
+  out.stream = 1;
   out.payload.assign(kMaxPayloadBytes + 1, 'x');
   std::string error;
   EXPECT_FALSE(WriteFrame(fds_[0], out, &error));
   EXPECT_NE(error.find("too large"), std::string::npos);
+  out.type = FrameType::kOutput;  // data frames: 64 KiB at most
+  out.payload.assign(kMaxChunkBytes + 1, 'x');
+  EXPECT_FALSE(WriteFrame(fds_[0], out, &error));
+}
+
+TEST_F(SocketPairTest, LimitRefusesAFrameFromItsPrefixBeforeTheBody) {
+  // A RESPONSE announced at 1 MiB on a stream whose call allows 100 bytes: refused after the
+  // 14 fixed bytes, without waiting for (or allocating) the body.
+  std::string wire = RawFrame(4, "{}", std::string(1 << 20, 'r'), 5).substr(0, 14);
+  ASSERT_EQ(write(fds_[0], wire.data(), wire.size()), static_cast<ssize_t>(wire.size()));
+  Frame in;
+  std::string error;
+  uint32_t asked_stream = 0;
+  int64_t start = MonotonicMs();
+  EXPECT_FALSE(ReadFrame(fds_[1], &in, &error, start + 5000, kMaxFrameBytes,
+                         [&](FrameType type, uint32_t stream) -> uint32_t {
+                           EXPECT_EQ(type, FrameType::kResponse);
+                           asked_stream = stream;
+                           return 100;
+                         }));
+  EXPECT_EQ(asked_stream, 5u);
+  EXPECT_NE(error.find("too large"), std::string::npos) << error;
+  EXPECT_LT(MonotonicMs() - start, 1000);
+}
+
+TEST_F(SocketPairTest, WakeFdInterruptsARead) {
+  int p[2];
+  ASSERT_EQ(pipe(p), 0);
+  std::thread waker([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    ASSERT_EQ(write(p[1], "x", 1), 1);
+  });
+  Frame in;
+  std::string error;
+  EXPECT_FALSE(ReadFrame(fds_[1], &in, &error, -1, kMaxFrameBytes, nullptr, p[0]));
+  EXPECT_EQ(error, "interrupted");
+  waker.join();
+  close(p[0]);
+  close(p[1]);
+}
+
+// The microVM's transport is one character device, not a socket: frames must cross a pty in
+// raw mode byte-exact (no line discipline, no CR/LF rewriting, no signals on ^C).
+TEST(PtyTransportTest, FramesCrossARawPtyByteExact) {
+  int master = -1, slave = -1;
+  ASSERT_EQ(openpty(&master, &slave, nullptr, nullptr, nullptr), 0);
+  termios t;
+  ASSERT_EQ(tcgetattr(slave, &t), 0);
+  cfmakeraw(&t);
+  ASSERT_EQ(tcsetattr(slave, TCSANOW, &t), 0);
+  Frame out;
+  out.type = FrameType::kRequest;
+  out.stream = 42;
+  out.header["op"] = "write";
+  out.payload = AllBytes() + std::string(200000, '\r') + AllBytes();
+  std::string error;
+  std::thread writer([&] { EXPECT_TRUE(WriteFrame(master, out, &error)) << error; });
+  Frame in;
+  std::string read_error;
+  ASSERT_TRUE(ReadFrame(slave, &in, &read_error, MonotonicMs() + 5000)) << read_error;
+  writer.join();
+  EXPECT_EQ(in.stream, 42u);
+  EXPECT_EQ(in.payload, out.payload);
+  // The other side closing ends the stream as "connection closed" (a pty reports EIO).
+  close(slave);
+  EXPECT_FALSE(ReadFrame(master, &in, &read_error, MonotonicMs() + 1000));
+  EXPECT_EQ(read_error, "connection closed");
+  close(master);
+}
+
+TEST(ChannelTest, SenderStopsAtTheWindowUntilTheReceiverGrantsCredit) {
+  int sv[2];
+  ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM, 0, sv), 0);
+  Channel sender(sv[0]);
+  sender.Open(1);
+  std::atomic<size_t> sent{0};
+  std::string data(kInitialWindow + 100000, 'd');
+  std::thread t([&] {
+    std::string error;
+    EXPECT_TRUE(sender.SendData(FrameType::kOutput, 1, {}, data, MonotonicMs() + 10000, &error))
+        << error;
+    sent = data.size();
+  });
+  // The receiver reads, but grants nothing: exactly one window arrives, then the sender waits.
+  size_t got = 0;
+  Frame f;
+  std::string error;
+  while (got < kInitialWindow && ReadFrame(sv[1], &f, &error, MonotonicMs() + 2000)) {
+    EXPECT_LE(f.payload.size(), kMaxChunkBytes);
+    got += f.payload.size();
+  }
+  EXPECT_EQ(got, kInitialWindow);
+  EXPECT_FALSE(ReadFrame(sv[1], &f, &error, MonotonicMs() + 200));
+  EXPECT_EQ(error, "timed out");
+  EXPECT_EQ(sent.load(), 0u);
+  sender.Grant(1, kInitialWindow);
+  while (got < data.size() && ReadFrame(sv[1], &f, &error, MonotonicMs() + 2000)) {
+    got += f.payload.size();
+  }
+  t.join();
+  EXPECT_EQ(got, data.size());
+  EXPECT_EQ(sent.load(), data.size());
+  close(sv[0]);
+  close(sv[1]);
+}
+
+TEST(ChannelTest, ReceiverRefusesDataPastItsWindowAndGrantsWhatWasConsumed) {
+  int sv[2];
+  ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM, 0, sv), 0);
+  Channel receiver(sv[0]);
+  receiver.Open(3);
+  EXPECT_TRUE(receiver.Received(3, kInitialWindow));
+  EXPECT_FALSE(receiver.Received(3, 1)) << "one byte past the window is a violation";
+  EXPECT_FALSE(receiver.Received(4, 1)) << "a stream that is not open";
+  receiver.Open(5);
+  receiver.Consumed(5, 1000);  // below half a window: no frame yet
+  receiver.Consumed(5, kInitialWindow / 2);
+  Frame f;
+  std::string error;
+  ASSERT_TRUE(ReadFrame(sv[1], &f, &error, MonotonicMs() + 1000)) << error;
+  EXPECT_EQ(f.type, FrameType::kWindow);
+  EXPECT_EQ(f.stream, 5u);
+  EXPECT_EQ(f.header.at("bytes").to_number<uint64_t>(), kInitialWindow / 2 + 1000);
+  close(sv[0]);
+  close(sv[1]);
+}
+
+TEST(ChannelTest, ClosingAStreamOrTheChannelWakesItsSender) {
+  int sv[2];
+  ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM, 0, sv), 0);
+  Channel ch(sv[0]);
+  ch.Open(1);
+  ch.Open(2);
+  std::string big(2 * kInitialWindow, 'x');
+  std::string e1, e2;
+  std::thread a([&] { EXPECT_FALSE(ch.SendData(FrameType::kOutput, 1, {}, big, -1, &e1)); });
+  std::thread b([&] { EXPECT_FALSE(ch.SendData(FrameType::kOutput, 2, {}, big, -1, &e2)); });
+  std::thread drain([&] {
+    char buf[65536];
+    while (read(sv[1], buf, sizeof buf) > 0) {
+    }
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  ch.Close(1);
+  a.join();
+  EXPECT_EQ(e1, "stream closed");
+  ch.Shutdown("test over");
+  b.join();
+  EXPECT_NE(e2.find("test over"), std::string::npos) << e2;
+  shutdown(sv[0], SHUT_RDWR);
+  drain.join();
+  close(sv[0]);
+  close(sv[1]);
 }
 
 }  // namespace

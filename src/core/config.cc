@@ -226,8 +226,10 @@ absl::Status LoadConfigFile(const std::string& path, DaemonConfig* c) {
     else if (key == "state_dir") st = GetString(v, key, &c->state_dir);
     else if (key == "container_runtime") st = GetString(v, key, &c->container_runtime);
     else if (key == "agent_binary") st = GetString(v, key, &c->agent_binary);
-    else if (key == "user_namespaces") st = GetBool(v, key, &c->user_namespaces);
-    else if (key == "userns_uid_base") st = GetInt(v, key, &c->userns_uid_base);
+    else if (key == "user_namespaces")
+      st = GetBool(v, key, &c->user_namespaces);
+    else if (key == "userns_uid_base")
+      st = GetInt(v, key, &c->userns_uid_base);
     else if (key == "python_wasm") st = GetString(v, key, &c->python_wasm);
     else if (key == "nano_worker") st = GetString(v, key, &c->nano_worker);
     else if (key == "router_rules") st = GetString(v, key, &c->router_rules);

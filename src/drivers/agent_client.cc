@@ -4,15 +4,22 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <string.h>
+#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <condition_variable>
+#include <deque>
 #include <memory>
+#include <optional>
+#include <set>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/channel.h"
 #include "common/protocol.h"
 #include "common/util.h"
 
@@ -28,6 +35,8 @@ constexpr int kShortOpTimeoutMs = 30000;
 constexpr int64_t kExecGraceMs = 5000;
 // Writes larger than this are split into several requests (a frame carries ≤ 16 MiB).
 constexpr size_t kWriteChunk = 8 << 20;
+// While a streaming call is silent its consumer gets an empty chunk this often.
+constexpr int64_t kTickMs = 250;
 // Commands longer than this go in the request payload instead of the header.
 constexpr size_t kMaxCommandInHeader = 32 * 1024;
 
@@ -35,8 +44,11 @@ constexpr size_t kMaxCommandInHeader = 32 * 1024;
 // hostile. Every reply is refused past the size its op can legitimately need, so a lying peer
 // cannot make esbd allocate more than that per call.
 constexpr uint32_t kHelloFrameBytes = proto::FrameBytesFor(4096, 0);
-// The agent sends output in chunks of at most 64 KiB.
-constexpr uint32_t kMaxOutputPayload = 1 << 20;
+// OUTPUT: a small header and at most 64 KiB of data; WINDOW: a header only.
+constexpr uint32_t kOutputFrameBytes = proto::FrameBytesFor(4096, proto::kMaxChunkBytes);
+constexpr uint32_t kControlFrameBytes = proto::FrameBytesFor(4096, 0);
+constexpr char kOutdatedMessage[] =
+    "agent speaks protocol v1, esbd needs v2: the environment must be recreated";
 // Error messages from the agent end up in API answers and logs: keep them short.
 constexpr size_t kMaxAgentMessageBytes = 1024;
 // Parsing a listing of at most kMaxListPayloadBytes of real entries needs far less than this;
@@ -57,111 +69,6 @@ std::string BoundedMessage(std::string_view in) {
   if (n < in.size()) out += "...";
   return out;
 }
-
-// One request on a fresh connection: HELLO, REQUEST, OUTPUT*, RESPONSE.
-class Call {
- public:
-  explicit Call(int fd) : fd_(fd) {}
-
-  absl::Status Start(int64_t deadline_ms) {
-    proto::Frame hello;
-    std::string error;
-    if (!proto::ReadFrame(fd_.get(), &hello, &error, deadline_ms, kHelloFrameBytes)) {
-      return TransportError("reading agent hello", error);
-    }
-    if (hello.type != proto::FrameType::kHello) {
-      return absl::InternalError("agent protocol: expected HELLO");
-    }
-    return absl::OkStatus();
-  }
-
-  absl::Status Send(json::object header, std::string payload = "") {
-    proto::Frame request;
-    request.type = proto::FrameType::kRequest;
-    request.header = std::move(header);
-    request.payload = std::move(payload);
-    std::string error;
-    if (!proto::WriteFrame(fd_.get(), request, &error)) {
-      return absl::UnavailableError(absl::StrCat("agent request: ", error));
-    }
-    return absl::OkStatus();
-  }
-
-  // Reads frames until the RESPONSE, whose payload may be at most `max_payload` bytes (0 for
-  // header-only replies). OUTPUT frames (at most kMaxOutputPayload each) go to `on_output`,
-  // which may return false to stop: the call then returns Cancelled and the connection is
-  // closed. Without `on_output` an OUTPUT frame is a protocol violation.
-  absl::StatusOr<proto::Frame> Receive(
-      int64_t deadline_ms, uint32_t max_payload,
-      const std::function<bool(const proto::Frame&)>& on_output = nullptr) {
-    const uint32_t max_frame = proto::FrameBytesFor(
-        proto::kMaxHeaderBytes, on_output ? std::max(max_payload, kMaxOutputPayload) : max_payload);
-    for (;;) {
-      proto::Frame frame;
-      std::string error;
-      if (on_output) {
-        // While the command is silent, tick the consumer every 250 ms (an empty OUTPUT frame)
-        // so it can notice a client that went away and cancel. Poll before reading so a tick
-        // never interrupts a frame half-way.
-        pollfd p{fd_.get(), POLLIN, 0};
-        int64_t left = deadline_ms - proto::MonotonicMs();
-        int r = ::poll(&p, 1, static_cast<int>(std::clamp<int64_t>(left, 0, 250)));
-        if (r == 0 && left > 0) {
-          proto::Frame tick;
-          tick.type = proto::FrameType::kOutput;
-          if (!on_output(tick)) {
-            fd_.reset();  // closing the connection makes the agent kill the process group
-            return absl::CancelledError("command cancelled by the output consumer");
-          }
-          continue;
-        }
-      }
-      if (!proto::ReadFrame(fd_.get(), &frame, &error, deadline_ms, max_frame)) {
-        return TransportError("reading agent response", error);
-      }
-      if (frame.type == proto::FrameType::kResponse) {
-        if (frame.payload.size() > max_payload) {
-          return absl::InternalError("agent protocol: oversized response");
-        }
-        if (const json::value* ok = frame.header.if_contains("ok");
-            ok && ok->is_bool() && ok->as_bool()) {
-          return frame;
-        }
-        return ErrorFromResponse(frame.header);
-      }
-      if (frame.type != proto::FrameType::kOutput || !on_output) {
-        return absl::InternalError("agent protocol: unexpected frame type");
-      }
-      if (frame.payload.size() > kMaxOutputPayload) {
-        return absl::InternalError("agent protocol: oversized output frame");
-      }
-      if (on_output && !on_output(frame)) {
-        fd_.reset();  // closing the connection makes the agent kill the process group
-        return absl::CancelledError("command cancelled by the output consumer");
-      }
-    }
-  }
-
- private:
-  static absl::Status TransportError(const std::string& what, const std::string& error) {
-    if (error == "timed out") return absl::DeadlineExceededError(absl::StrCat(what, ": timed out"));
-    return absl::UnavailableError(absl::StrCat(what, ": ", error));
-  }
-
-  static absl::Status ErrorFromResponse(const json::object& header) {
-    std::string message = "agent error";
-    std::string name;
-    if (const json::value* v = header.if_contains("error"); v && v->is_string()) {
-      message = BoundedMessage(v->as_string());
-    }
-    if (const json::value* v = header.if_contains("errno"); v && v->is_string()) {
-      name = std::string(v->as_string());
-    }
-    return ErrnoNameStatus(name, message);
-  }
-
-  UniqueFd fd_;
-};
 
 int64_t IntField(const json::object& o, const char* key, int64_t fallback = 0) {
   const json::value* v = o.if_contains(key);
@@ -196,7 +103,451 @@ FileEntry EntryFrom(const json::object& o) {
   return e;
 }
 
+absl::Status ErrorFromResponse(const json::object& header) {
+  std::string message = "agent error";
+  std::string name;
+  if (const json::value* v = header.if_contains("error"); v && v->is_string()) {
+    message = BoundedMessage(v->as_string());
+  }
+  if (const json::value* v = header.if_contains("errno"); v && v->is_string()) {
+    name = std::string(v->as_string());
+  }
+  return ErrnoNameStatus(name, message);
+}
+
+// The status for a connection that ended with `error` (ReadFrame's message).
+absl::Status ConnectionError(const std::string& error) {
+  if (error == "connection closed" || error == "connection closed mid-frame") {
+    return absl::UnavailableError(absl::StrCat("agent connection lost (", error,
+                                               "): the agent exited or restarted during the call"));
+  }
+  if (error == "interrupted") return absl::UnavailableError("agent client shut down");
+  if (error.rfind("read:", 0) == 0 || error.rfind("poll:", 0) == 0 ||
+      error.rfind("write:", 0) == 0) {
+    return absl::UnavailableError(absl::StrCat("agent connection failed: ", error));
+  }
+  if (error == proto::kV1PeerError) return absl::FailedPreconditionError(kOutdatedMessage);
+  return absl::InternalError(absl::StrCat("agent protocol: ", BoundedMessage(error)));
+}
+
 }  // namespace
+
+bool AgentProtocolOutdated(const absl::Status& status) {
+  return status.code() == absl::StatusCode::kFailedPrecondition &&
+         absl::StartsWith(status.message(), "agent speaks protocol v");
+}
+
+struct AgentClient::CallSpec {
+  json::object header;
+  std::string payload;
+  int64_t deadline_ms = 0;
+  // Largest RESPONSE payload this op can need (0: header only).
+  uint32_t max_response_payload = 0;
+  // Receives OUTPUT frames (and an empty one every kTickMs of silence); false cancels the
+  // call. Without it an OUTPUT frame is a protocol violation.
+  std::function<bool(const proto::Frame&)> on_output;
+  // Sent as INPUT frames after the REQUEST, then EOF (nullptr: no stdin).
+  const std::string* input = nullptr;
+};
+
+struct AgentClient::CallReply {
+  proto::Frame response;
+};
+
+// One connection to the agent: HELLO, then a reader thread that hands frames to their calls.
+class AgentClient::Connection {
+ public:
+  struct Pending {
+    uint32_t stream = 0;
+    uint32_t max_response_frame = 0;
+    bool streams_output = false;
+    std::mutex mu;
+    std::condition_variable cv;
+    std::deque<proto::Frame> output;       // at most the window (flow control)
+    std::optional<proto::Frame> response;  // guarded by mu
+    absl::Status failure;                  // the connection broke; guarded by mu
+  };
+
+  explicit Connection(int fd)
+      : fd_(fd), wake_(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)), channel_(fd) {}
+  ~Connection() {
+    Close("interrupted");
+    uint64_t one = 1;
+    ssize_t ignored = write(wake_.get(), &one, sizeof one);
+    (void)ignored;
+    if (reader_.joinable()) reader_.join();
+  }
+
+  // Reads and checks the agent's HELLO, then starts the reader.
+  absl::Status Start(int64_t deadline_ms) {
+    if (!wake_) return ErrnoStatus("eventfd");
+    // Non-blocking: a stalled agent makes a write give up after 30 s (WriteFrame).
+    fcntl(fd_.get(), F_SETFL, fcntl(fd_.get(), F_GETFL) | O_NONBLOCK);
+    proto::Frame hello;
+    std::string error;
+    if (!proto::ReadFrame(fd_.get(), &hello, &error, deadline_ms, kHelloFrameBytes)) {
+      if (error == "timed out")
+        return absl::DeadlineExceededError("reading agent hello: timed out");
+      absl::Status s = ConnectionError(error);
+      if (AgentProtocolOutdated(s)) return s;
+      return absl::Status(s.code(), absl::StrCat("reading agent hello: ", s.message()));
+    }
+    if (hello.type != proto::FrameType::kHello) {
+      return absl::InternalError("agent protocol: expected HELLO");
+    }
+    int64_t version = IntField(hello.header, "version", 0);
+    if (version != proto::kVersion) {
+      return absl::FailedPreconditionError(absl::StrCat("agent speaks protocol v", version,
+                                                        ", esbd needs v", proto::kVersion,
+                                                        ": the environment must be recreated"));
+    }
+    // The agent answers EBUSY past this many calls in flight: wait for a slot instead.
+    max_calls_ = static_cast<size_t>(std::clamp<int64_t>(IntField(hello.header, "max_calls", 64),
+                                                         1, 1024));
+    if (const json::value* ops = hello.header.if_contains("ops"); ops && ops->is_array()) {
+      for (const json::value& op : ops->as_array()) {
+        if (op.is_string() && ops_.size() < 64 && op.as_string().size() <= 64) {
+          ops_.emplace_back(op.as_string());
+        }
+      }
+    }
+    reader_ = std::thread([this] { ReadLoop(); });
+    return absl::OkStatus();
+  }
+
+  bool dead() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return !failure_.ok();
+  }
+  const std::vector<std::string>& ops() const { return ops_; }
+  proto::Channel& channel() { return channel_; }
+
+  // Registers a call on a fresh stream and sends its REQUEST.
+  absl::StatusOr<std::shared_ptr<Pending>> Begin(const CallSpec& spec) {
+    auto call = std::make_shared<Pending>();
+    call->max_response_frame =
+        proto::FrameBytesFor(proto::kMaxHeaderBytes, spec.max_response_payload);
+    call->streams_output = static_cast<bool>(spec.on_output);
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      // Cancelled calls count until their RESPONSE: the agent still runs them.
+      auto slot = [&] { return !failure_.ok() || calls_.size() + cancelled_.size() < max_calls_; };
+      int64_t left = spec.deadline_ms - proto::MonotonicMs();
+      if (!slot() &&
+          (left <= 0 || !slots_.wait_for(lock, std::chrono::milliseconds(left), slot))) {
+        return absl::DeadlineExceededError(
+            absl::StrCat("agent busy: ", max_calls_, " calls in flight until the deadline"));
+      }
+      if (!failure_.ok()) return failure_;
+      do {
+        call->stream = next_stream_++;
+      } while (call->stream == 0 || calls_.count(call->stream));
+      calls_[call->stream] = call;
+      channel_.Open(call->stream);
+    }
+    proto::Frame request;
+    request.type = proto::FrameType::kRequest;
+    request.stream = call->stream;
+    request.header = spec.header;
+    request.payload = spec.payload;
+    if (!channel_.Send(request)) {
+      Forget(call->stream);
+      return absl::UnavailableError(absl::StrCat("agent request: ", channel_.close_reason()));
+    }
+    return call;
+  }
+
+  // Ends a call early: the agent gets CANCEL, frames still on their way are dropped.
+  void Cancel(const Pending& call) {
+    {
+      // One step, so the reader never sees the stream neither live nor cancelled.
+      std::lock_guard<std::mutex> lock(mu_);
+      channel_.Close(call.stream);
+      if (calls_.erase(call.stream) == 0) return;  // answered already
+      slots_.notify_one();
+      cancelled_[call.stream] = call.max_response_frame;
+      // Bounded: an agent that never answers cancelled calls does not grow this forever.
+      if (cancelled_.size() > 4096) cancelled_.erase(cancelled_.begin());
+    }
+    proto::Frame cancel;
+    cancel.type = proto::FrameType::kCancel;
+    cancel.stream = call.stream;
+    channel_.Send(cancel);
+  }
+
+ private:
+  // Removes a call; true if it was still registered.
+  bool Forget(uint32_t stream) {
+    std::lock_guard<std::mutex> lock(mu_);
+    channel_.Close(stream);
+    slots_.notify_one();
+    return calls_.erase(stream) > 0;
+  }
+
+  void Close(const std::string& error) {
+    std::map<uint32_t, std::shared_ptr<Pending>> calls;
+    absl::Status failure;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (failure_.ok()) failure_ = ConnectionError(error);
+      failure = failure_;
+      calls.swap(calls_);
+      slots_.notify_all();
+    }
+    channel_.Shutdown(error);
+    for (auto& [stream, call] : calls) {
+      std::lock_guard<std::mutex> lock(call->mu);
+      call->failure = failure;
+      call->cv.notify_all();
+    }
+  }
+
+  uint32_t Limit(proto::FrameType type, uint32_t stream) {
+    switch (type) {
+      case proto::FrameType::kOutput:
+        return kOutputFrameBytes;
+      case proto::FrameType::kWindow:
+        return kControlFrameBytes;
+      case proto::FrameType::kResponse: {
+        std::lock_guard<std::mutex> lock(mu_);
+        auto it = calls_.find(stream);
+        // The late answer of a cancelled call is read (and dropped) within its op's limit; a
+        // small frame on a stream never opened is read so Dispatch can name the violation.
+        if (it == calls_.end()) {
+          auto c = cancelled_.find(stream);
+          return c != cancelled_.end() ? c->second : kControlFrameBytes;
+        }
+        return it->second->max_response_frame;
+      }
+      default:
+        // HELLO again, REQUEST, CANCEL, INPUT: never sent by an agent; a small one is read so
+        // Dispatch can name the violation.
+        return kControlFrameBytes;
+    }
+  }
+
+  void ReadLoop() {
+    const proto::FrameLimit limit = [this](proto::FrameType type, uint32_t stream) {
+      return Limit(type, stream);
+    };
+    try {
+      for (;;) {
+        proto::Frame frame;
+        std::string error;
+        if (!proto::ReadFrame(fd_.get(), &frame, &error, -1, proto::kMaxFrameBytes, limit,
+                              wake_.get())) {
+          Close(error);
+          return;
+        }
+        if (std::string violation = Dispatch(std::move(frame)); !violation.empty()) {
+          Close(violation);
+          return;
+        }
+      }
+    } catch (const std::exception& e) {  // bad_alloc: esbd itself is short of memory
+      Close(std::string("agent connection dropped: ") + e.what());
+    }
+  }
+
+  // Hands one frame to its call. Returns a protocol violation or "".
+  std::string Dispatch(proto::Frame frame) {
+    if (frame.type == proto::FrameType::kWindow) {
+      const json::value* bytes = frame.header.if_contains("bytes");
+      if (!bytes || !(bytes->is_int64() || bytes->is_uint64()) ||
+          (bytes->is_int64() && bytes->as_int64() < 0)) {
+        return "WINDOW without bytes";
+      }
+      channel_.Grant(frame.stream, bytes->to_number<uint64_t>());
+      return "";
+    }
+    if (frame.type != proto::FrameType::kOutput && frame.type != proto::FrameType::kResponse) {
+      return "unexpected frame type";
+    }
+    std::shared_ptr<Pending> call;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = calls_.find(frame.stream);
+      if (it == calls_.end()) {
+        if (!cancelled_.count(frame.stream)) return "frame for a stream that is not open";
+        if (frame.type == proto::FrameType::kResponse && cancelled_.erase(frame.stream)) {
+          slots_.notify_one();
+        }
+        return "";  // the end of a cancelled call
+      }
+      call = it->second;
+      if (frame.type == proto::FrameType::kOutput) {
+        if (!call->streams_output)
+          return "unexpected frame type (OUTPUT for a call without output)";
+        if (!channel_.Received(frame.stream, frame.payload.size())) {
+          return "OUTPUT beyond the flow-control window";
+        }
+      } else {
+        calls_.erase(it);
+        slots_.notify_one();
+        channel_.Close(frame.stream);
+      }
+    }
+    std::lock_guard<std::mutex> lock(call->mu);
+    if (frame.type == proto::FrameType::kOutput) {
+      call->output.push_back(std::move(frame));
+    } else {
+      call->response = std::move(frame);
+    }
+    call->cv.notify_all();
+    return "";
+  }
+
+  UniqueFd fd_;
+  UniqueFd wake_;  // readable: the reader stops
+  proto::Channel channel_;
+  std::vector<std::string> ops_;
+  std::thread reader_;
+  std::mutex mu_;
+  std::map<uint32_t, std::shared_ptr<Pending>> calls_;  // guarded by mu_
+  // Cancelled calls whose RESPONSE has not come yet → its frame limit. Their late frames are
+  // dropped. Guarded by mu_.
+  std::map<uint32_t, uint32_t> cancelled_;
+  uint32_t next_stream_ = 1;  // guarded by mu_
+  size_t max_calls_ = 64;     // from the HELLO
+  std::condition_variable slots_;  // a call ended (or the connection broke)
+  absl::Status failure_;      // guarded by mu_
+};
+
+namespace {
+
+// A single already-open byte stream (virtio-serial port): usable for one connection.
+class SingleFdTransport : public AgentTransport {
+ public:
+  explicit SingleFdTransport(int fd) : fd_(fd) {}
+  absl::StatusOr<int> Connect() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!fd_) {
+      return absl::UnavailableError(
+          "the agent's port was lost (a broken stream cannot be resynchronised): the "
+          "environment must be restarted");
+    }
+    return fd_.release();
+  }
+
+ private:
+  std::mutex mu_;
+  UniqueFd fd_;
+};
+
+class ConnectorTransport : public AgentTransport {
+ public:
+  explicit ConnectorTransport(AgentClient::Connector connect) : connect_(std::move(connect)) {}
+  absl::StatusOr<int> Connect() override { return connect_(); }
+
+ private:
+  AgentClient::Connector connect_;
+};
+
+}  // namespace
+
+AgentClient::AgentClient(Connector connect)
+    : transport_(std::make_unique<ConnectorTransport>(std::move(connect))) {}
+AgentClient::AgentClient(std::unique_ptr<AgentTransport> transport)
+    : transport_(std::move(transport)) {}
+AgentClient::~AgentClient() = default;
+
+std::unique_ptr<AgentTransport> AgentClient::SingleFd(int fd) {
+  return std::make_unique<SingleFdTransport>(fd);
+}
+
+absl::StatusOr<std::shared_ptr<AgentClient::Connection>> AgentClient::Connected(
+    int64_t deadline_ms) {
+  std::lock_guard<std::mutex> lock(connect_mu_);
+  if (conn_ && !conn_->dead()) return conn_;
+  conn_.reset();
+  absl::StatusOr<int> fd = transport_->Connect();
+  if (!fd.ok()) return fd.status();
+  auto conn = std::make_shared<Connection>(*fd);
+  if (absl::Status s = conn->Start(deadline_ms); !s.ok()) return s;
+  conn_ = conn;
+  return conn;
+}
+
+absl::StatusOr<AgentClient::CallReply> AgentClient::Call(const CallSpec& spec) {
+  absl::StatusOr<std::shared_ptr<Connection>> conn = Connected(spec.deadline_ms);
+  if (!conn.ok()) return conn.status();
+  absl::StatusOr<std::shared_ptr<Connection::Pending>> started = (*conn)->Begin(spec);
+  if (!started.ok()) return started.status();
+  std::shared_ptr<Connection::Pending> call = *started;
+  // Stdin goes out from a thread of its own: waiting for input credit must never stop this
+  // thread from taking output (the agent may be waiting for output credit in turn).
+  std::thread input;
+  if (spec.input) {
+    input = std::thread([conn = *conn, call, data = spec.input, deadline = spec.deadline_ms] {
+      std::string error;
+      if (conn->channel().SendData(proto::FrameType::kInput, call->stream, {}, *data, deadline,
+                                   &error)) {
+        proto::Frame eof;
+        eof.type = proto::FrameType::kInput;
+        eof.stream = call->stream;
+        eof.header["eof"] = true;
+        conn->channel().Send(eof);
+      }
+    });
+  }
+  absl::StatusOr<CallReply> result = [&]() -> absl::StatusOr<CallReply> {
+    std::unique_lock<std::mutex> lock(call->mu);
+    for (;;) {
+      if (!call->output.empty()) {
+        proto::Frame frame = std::move(call->output.front());
+        call->output.pop_front();
+        lock.unlock();
+        (*conn)->channel().Consumed(call->stream, frame.payload.size());
+        bool go_on = spec.on_output(frame);
+        lock.lock();
+        if (!go_on) {
+          lock.unlock();
+          (*conn)->Cancel(*call);
+          return absl::CancelledError("command cancelled by the output consumer");
+        }
+        continue;
+      }
+      if (call->response) {
+        CallReply reply{std::move(*call->response)};
+        if (reply.response.payload.size() > spec.max_response_payload) {
+          return absl::InternalError("agent protocol: oversized response");
+        }
+        if (const json::value* ok = reply.response.header.if_contains("ok");
+            ok && ok->is_bool() && ok->as_bool()) {
+          return reply;
+        }
+        return ErrorFromResponse(reply.response.header);
+      }
+      if (!call->failure.ok()) return call->failure;
+      int64_t now = proto::MonotonicMs();
+      if (now >= spec.deadline_ms) {
+        lock.unlock();
+        (*conn)->Cancel(*call);
+        return absl::DeadlineExceededError("agent call timed out");
+      }
+      int64_t wait = spec.deadline_ms - now;
+      if (spec.on_output) wait = std::min(wait, kTickMs);
+      if (call->cv.wait_for(lock, std::chrono::milliseconds(wait)) == std::cv_status::timeout &&
+          spec.on_output && call->output.empty() && !call->response && call->failure.ok() &&
+          proto::MonotonicMs() < spec.deadline_ms) {
+        // Silent command: tick the consumer so it can notice a client that went away.
+        lock.unlock();
+        bool go_on = spec.on_output(proto::Frame{proto::FrameType::kOutput, call->stream, {}, {}});
+        lock.lock();
+        if (!go_on) {
+          lock.unlock();
+          (*conn)->Cancel(*call);
+          return absl::CancelledError("command cancelled by the output consumer");
+        }
+      }
+    }
+  }();
+  if (input.joinable()) {
+    (*conn)->Cancel(*call);  // no-op once answered; wakes a sender waiting for credit
+    input.join();
+  }
+  return result;
+}
 
 AgentClient::Connector AgentClient::UnixSocket(std::string path, int timeout_ms) {
   return [path = std::move(path), timeout_ms]() -> absl::StatusOr<int> {
@@ -232,13 +583,10 @@ AgentClient::Connector AgentClient::UnixSocket(std::string path, int timeout_ms)
 }
 
 absl::Status AgentClient::Ping(int timeout_ms) {
-  int64_t deadline = proto::MonotonicMs() + timeout_ms;
-  absl::StatusOr<int> fd = connect_();
-  if (!fd.ok()) return fd.status();
-  Call call(*fd);
-  if (absl::Status s = call.Start(deadline); !s.ok()) return s;
-  if (absl::Status s = call.Send({{"op", "ping"}}); !s.ok()) return s;
-  return call.Receive(deadline, 0).status();
+  CallSpec spec;
+  spec.header = {{"op", "ping"}};
+  spec.deadline_ms = proto::MonotonicMs() + timeout_ms;
+  return Call(spec).status();
 }
 
 absl::Status AgentClient::WaitReady(int timeout_ms) {
@@ -248,41 +596,45 @@ absl::Status AgentClient::WaitReady(int timeout_ms) {
     int64_t left = deadline - proto::MonotonicMs();
     if (left <= 0) break;
     last = Ping(static_cast<int>(std::min<int64_t>(left, 1000)));
-    if (last.ok()) return last;
+    if (last.ok() || AgentProtocolOutdated(last)) return last;
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
   return absl::DeadlineExceededError(
       absl::StrCat("agent not ready after ", timeout_ms, " ms: ", last.message()));
 }
 
+absl::StatusOr<std::vector<std::string>> AgentClient::Capabilities(int timeout_ms) {
+  absl::StatusOr<std::shared_ptr<Connection>> conn = Connected(proto::MonotonicMs() + timeout_ms);
+  if (!conn.ok()) return conn.status();
+  return (*conn)->ops();
+}
+
 absl::StatusOr<ExecResult> AgentClient::Exec(const ExecRequest& request, const OutputSink& sink) {
   int64_t timeout_ms = std::max<int64_t>(request.timeout.count(), 1);
-  int64_t deadline = proto::MonotonicMs() + timeout_ms + kExecGraceMs;
-  absl::StatusOr<int> fd = connect_();
-  if (!fd.ok()) return fd.status();
-  Call call(*fd);
-  if (absl::Status s = call.Start(deadline); !s.ok()) return s;
+  CallSpec spec;
+  spec.deadline_ms = proto::MonotonicMs() + timeout_ms + kExecGraceMs;
   json::object env;
   for (const auto& [k, v] : request.env) env[k] = v;
-  json::object header{{"op", "exec"},
-                      {"timeout_ms", timeout_ms},
-                      {"max_output_bytes", request.max_output_bytes},
-                      {"env", std::move(env)}};
-  std::string payload;
+  spec.header = {{"op", "exec"},
+                 {"timeout_ms", timeout_ms},
+                 {"max_output_bytes", request.max_output_bytes},
+                 {"env", std::move(env)}};
   if (request.command.size() > kMaxCommandInHeader) {
-    // Extension to the documented format: the header is capped at 64 KiB, so long commands
-    // travel in the payload.
+    // The header is capped at 64 KiB, so long commands travel in the payload.
     if (request.command.size() > proto::kMaxPayloadBytes) {
       return absl::InvalidArgumentError("command longer than 16 MiB");
     }
-    header["command_in_payload"] = true;
-    payload = request.command;
+    spec.header["command_in_payload"] = true;
+    spec.payload = request.command;
   } else {
-    header["command"] = request.command;
+    spec.header["command"] = request.command;
   }
-  if (absl::Status s = call.Send(std::move(header), std::move(payload)); !s.ok()) return s;
+  if (request.stdin_data) {
+    spec.header["stdin"] = true;
+    spec.input = &*request.stdin_data;
+  }
   ExecResult result;
-  auto on_output = [&](const proto::Frame& frame) {
+  spec.on_output = [&](const proto::Frame& frame) {
     Stream stream =
         StringField(frame.header, "stream") == "stderr" ? Stream::kStderr : Stream::kStdout;
     // SECURITY: the peer is inside the sandbox and may not be the real agent (sandbox code
@@ -295,12 +647,13 @@ absl::StatusOr<ExecResult> AgentClient::Exec(const ExecRequest& request, const O
     buf.append(frame.payload, 0, std::min(room, frame.payload.size()));
     return !sink || sink(stream, frame.payload);  // empty payload: a liveness tick
   };
-  absl::StatusOr<proto::Frame> response = call.Receive(deadline, 0, on_output);
-  if (!response.ok()) return response.status();
-  result.exit_code = static_cast<int>(IntField(response->header, "exit_code", -1));
-  result.timed_out = BoolField(response->header, "timed_out");
-  result.truncated = result.truncated || BoolField(response->header, "truncated");
-  result.duration_ms = IntField(response->header, "duration_ms");
+  absl::StatusOr<CallReply> reply = Call(spec);
+  if (!reply.ok()) return reply.status();
+  const json::object& h = reply->response.header;
+  result.exit_code = static_cast<int>(IntField(h, "exit_code", -1));
+  result.timed_out = BoolField(h, "timed_out");
+  result.truncated = result.truncated || BoolField(h, "truncated");
+  result.duration_ms = IntField(h, "duration_ms");
   return result;
 }
 
@@ -310,19 +663,14 @@ absl::Status AgentClient::Write(const std::string& path, std::string_view data, 
   size_t done = 0;
   do {
     size_t n = std::min(kWriteChunk, data.size() - done);
-    int64_t deadline = proto::MonotonicMs() + kFileOpTimeoutMs;
-    absl::StatusOr<int> fd = connect_();
-    if (!fd.ok()) return fd.status();
-    Call call(*fd);
-    if (absl::Status s = call.Start(deadline); !s.ok()) return s;
-    json::object header{{"op", "write"},
-                        {"path", path},
-                        {"offset", offset + static_cast<int64_t>(done)},
-                        {"truncate", truncate && done == 0}};
-    if (absl::Status s = call.Send(std::move(header), std::string(data.substr(done, n))); !s.ok()) {
-      return s;
-    }
-    if (absl::Status s = call.Receive(deadline, 0).status(); !s.ok()) return s;
+    CallSpec spec;
+    spec.deadline_ms = proto::MonotonicMs() + kFileOpTimeoutMs;
+    spec.header = {{"op", "write"},
+                   {"path", path},
+                   {"offset", offset + static_cast<int64_t>(done)},
+                   {"truncate", truncate && done == 0}};
+    spec.payload.assign(data.substr(done, n));
+    if (absl::Status s = Call(spec).status(); !s.ok()) return s;
     done += n;
   } while (done < data.size());
   return absl::OkStatus();
@@ -332,34 +680,27 @@ absl::StatusOr<FileChunk> AgentClient::Read(const std::string& path, int64_t off
                                             int64_t length) {
   if (offset < 0 || length < 0) return absl::InvalidArgumentError("negative offset or length");
   length = std::min<int64_t>(length, proto::kMaxPayloadBytes);
-  int64_t deadline = proto::MonotonicMs() + kFileOpTimeoutMs;
-  absl::StatusOr<int> fd = connect_();
-  if (!fd.ok()) return fd.status();
-  Call call(*fd);
-  if (absl::Status s = call.Start(deadline); !s.ok()) return s;
-  if (absl::Status s =
-          call.Send({{"op", "read"}, {"path", path}, {"offset", offset}, {"length", length}});
-      !s.ok()) {
-    return s;
-  }
-  absl::StatusOr<proto::Frame> response = call.Receive(deadline, static_cast<uint32_t>(length));
-  if (!response.ok()) return response.status();
+  CallSpec spec;
+  spec.deadline_ms = proto::MonotonicMs() + kFileOpTimeoutMs;
+  spec.header = {{"op", "read"}, {"path", path}, {"offset", offset}, {"length", length}};
+  spec.max_response_payload = static_cast<uint32_t>(length);
+  absl::StatusOr<CallReply> reply = Call(spec);
+  if (!reply.ok()) return reply.status();
   FileChunk chunk;
-  chunk.data = std::move(response->payload);
-  chunk.file_size = std::max<int64_t>(IntField(response->header, "size"), 0);
-  chunk.eof = BoolField(response->header, "eof");
+  chunk.data = std::move(reply->response.payload);
+  chunk.file_size = std::max<int64_t>(IntField(reply->response.header, "size"), 0);
+  chunk.eof = BoolField(reply->response.header, "eof");
   return chunk;
 }
 
 absl::StatusOr<DirListing> AgentClient::List(const std::string& path) {
-  int64_t deadline = proto::MonotonicMs() + kShortOpTimeoutMs;
-  absl::StatusOr<int> fd = connect_();
-  if (!fd.ok()) return fd.status();
-  Call call(*fd);
-  if (absl::Status s = call.Start(deadline); !s.ok()) return s;
-  if (absl::Status s = call.Send({{"op", "list"}, {"path", path}}); !s.ok()) return s;
-  absl::StatusOr<proto::Frame> response = call.Receive(deadline, proto::kMaxListPayloadBytes);
-  if (!response.ok()) return response.status();
+  CallSpec spec;
+  spec.deadline_ms = proto::MonotonicMs() + kShortOpTimeoutMs;
+  spec.header = {{"op", "list"}, {"path", path}};
+  spec.max_response_payload = proto::kMaxListPayloadBytes;
+  absl::StatusOr<CallReply> reply = Call(spec);
+  if (!reply.ok()) return reply.status();
+  proto::Frame* response = &reply->response;
   DirListing out;
   out.truncated = BoolField(response->header, "truncated");
   auto take = [&out](const json::array& entries) -> absl::Status {
@@ -400,75 +741,152 @@ absl::StatusOr<DirListing> AgentClient::List(const std::string& path) {
 }
 
 absl::StatusOr<FileEntry> AgentClient::Stat(const std::string& path) {
-  int64_t deadline = proto::MonotonicMs() + kShortOpTimeoutMs;
-  absl::StatusOr<int> fd = connect_();
-  if (!fd.ok()) return fd.status();
-  Call call(*fd);
-  if (absl::Status s = call.Start(deadline); !s.ok()) return s;
-  if (absl::Status s = call.Send({{"op", "stat"}, {"path", path}}); !s.ok()) return s;
-  absl::StatusOr<proto::Frame> response = call.Receive(deadline, 0);
-  if (!response.ok()) return response.status();
-  FileEntry entry = EntryFrom(response->header);
+  CallSpec spec;
+  spec.deadline_ms = proto::MonotonicMs() + kShortOpTimeoutMs;
+  spec.header = {{"op", "stat"}, {"path", path}};
+  absl::StatusOr<CallReply> reply = Call(spec);
+  if (!reply.ok()) return reply.status();
+  FileEntry entry = EntryFrom(reply->response.header);
   size_t slash = path.find_last_of('/');
   entry.name = slash == std::string::npos ? path : path.substr(slash + 1);
   return entry;
 }
 
 absl::StatusOr<bool> AgentClient::MakeDir(const std::string& path) {
-  int64_t deadline = proto::MonotonicMs() + kShortOpTimeoutMs;
-  absl::StatusOr<int> fd = connect_();
-  if (!fd.ok()) return fd.status();
-  Call call(*fd);
-  if (absl::Status s = call.Start(deadline); !s.ok()) return s;
-  if (absl::Status s = call.Send({{"op", "mkdir"}, {"path", path}}); !s.ok()) return s;
-  absl::StatusOr<proto::Frame> response = call.Receive(deadline, 0);
-  if (!response.ok()) return response.status();
-  return BoolField(response->header, "created");
+  CallSpec spec;
+  spec.deadline_ms = proto::MonotonicMs() + kShortOpTimeoutMs;
+  spec.header = {{"op", "mkdir"}, {"path", path}};
+  absl::StatusOr<CallReply> reply = Call(spec);
+  if (!reply.ok()) return reply.status();
+  return BoolField(reply->response.header, "created");
 }
 
 absl::Status AgentClient::Remove(const std::string& path, bool recursive) {
   // The agent stops a recursive remove after 20 s (agent/fs_ops.h); this deadline is longer.
-  int64_t deadline = proto::MonotonicMs() + kShortOpTimeoutMs;
-  absl::StatusOr<int> fd = connect_();
-  if (!fd.ok()) return fd.status();
-  Call call(*fd);
-  if (absl::Status s = call.Start(deadline); !s.ok()) return s;
-  if (absl::Status s = call.Send({{"op", "remove"}, {"path", path}, {"recursive", recursive}});
-      !s.ok()) {
-    return s;
-  }
-  return call.Receive(deadline, 0).status();
+  CallSpec spec;
+  spec.deadline_ms = proto::MonotonicMs() + kShortOpTimeoutMs;
+  spec.header = {{"op", "remove"}, {"path", path}, {"recursive", recursive}};
+  return Call(spec).status();
 }
 
 absl::Status AgentClient::Rename(const std::string& source, const std::string& destination,
                                  bool overwrite) {
-  int64_t deadline = proto::MonotonicMs() + kShortOpTimeoutMs;
-  absl::StatusOr<int> fd = connect_();
-  if (!fd.ok()) return fd.status();
-  Call call(*fd);
-  if (absl::Status s = call.Start(deadline); !s.ok()) return s;
-  if (absl::Status s = call.Send({{"op", "rename"},
-                                  {"source", source},
-                                  {"destination", destination},
-                                  {"overwrite", overwrite}});
-      !s.ok()) {
-    return s;
-  }
-  return call.Receive(deadline, 0).status();
+  CallSpec spec;
+  spec.deadline_ms = proto::MonotonicMs() + kShortOpTimeoutMs;
+  spec.header = {{"op", "rename"},
+                 {"source", source},
+                 {"destination", destination},
+                 {"overwrite", overwrite}};
+  return Call(spec).status();
 }
 
 absl::Status AgentClient::Configure(const std::map<std::string, std::string>& env) {
-  int64_t deadline = proto::MonotonicMs() + kShortOpTimeoutMs;
-  absl::StatusOr<int> fd = connect_();
-  if (!fd.ok()) return fd.status();
-  Call call(*fd);
-  if (absl::Status s = call.Start(deadline); !s.ok()) return s;
   json::object object;
   for (const auto& [k, v] : env) object[k] = v;
-  if (absl::Status s = call.Send({{"op", "configure"}, {"env", std::move(object)}}); !s.ok()) {
-    return s;
+  CallSpec spec;
+  spec.deadline_ms = proto::MonotonicMs() + kShortOpTimeoutMs;
+  spec.header = {{"op", "configure"}, {"env", std::move(object)}};
+  return Call(spec).status();
+}
+
+absl::StatusOr<std::string> AgentClient::Spawn(const SpawnRequest& request) {
+  if (request.argv.empty()) return absl::InvalidArgumentError("spawn: empty argv");
+  json::array argv;
+  for (const std::string& a : request.argv) argv.emplace_back(a);
+  json::object env;
+  for (const auto& [k, v] : request.env) env[k] = v;
+  CallSpec spec;
+  spec.deadline_ms = proto::MonotonicMs() + kShortOpTimeoutMs;
+  spec.header = {
+      {"op", "spawn"}, {"argv", std::move(argv)}, {"env", std::move(env)}, {"pty", request.pty}};
+  if (!request.cwd.empty()) spec.header["cwd"] = request.cwd;
+  if (request.pty) {
+    spec.header["rows"] = request.rows;
+    spec.header["cols"] = request.cols;
   }
-  return call.Receive(deadline, 0).status();
+  absl::StatusOr<CallReply> reply = Call(spec);
+  if (!reply.ok()) return reply.status();
+  std::string id = StringField(reply->response.header, "id");
+  // SECURITY: the id comes back in later requests and in API answers: keep it a short token.
+  if (id.empty() || id.size() > 64 ||
+      id.find_first_not_of("abcdefghijklmnopqrstuvwxyz0123456789-_") != std::string::npos) {
+    return absl::InternalError("agent protocol: bad process id");
+  }
+  return id;
+}
+
+absl::Status AgentClient::Input(const std::string& id, std::string_view data, bool eof) {
+  if (data.size() > proto::kMaxPayloadBytes) return absl::InvalidArgumentError("input > 16 MiB");
+  CallSpec spec;
+  spec.deadline_ms = proto::MonotonicMs() + kShortOpTimeoutMs;
+  spec.header = {{"op", "input"}, {"id", id}, {"eof", eof}};
+  spec.payload.assign(data);
+  return Call(spec).status();
+}
+
+absl::Status AgentClient::Signal(const std::string& id, int signal) {
+  CallSpec spec;
+  spec.deadline_ms = proto::MonotonicMs() + kShortOpTimeoutMs;
+  spec.header = {{"op", "signal"}, {"id", id}, {"signal", signal}};
+  return Call(spec).status();
+}
+
+absl::Status AgentClient::Resize(const std::string& id, int rows, int cols) {
+  CallSpec spec;
+  spec.deadline_ms = proto::MonotonicMs() + kShortOpTimeoutMs;
+  spec.header = {{"op", "resize"}, {"id", id}, {"rows", rows}, {"cols", cols}};
+  return Call(spec).status();
+}
+
+absl::StatusOr<ProcessStatus> AgentClient::Wait(const std::string& id, int timeout_ms,
+                                                const OutputSink& sink) {
+  CallSpec spec;
+  spec.deadline_ms = proto::MonotonicMs() + std::max(timeout_ms, 0) + kExecGraceMs;
+  spec.header = {{"op", "wait"}, {"id", id}, {"timeout_ms", std::max(timeout_ms, 0)}};
+  spec.on_output = [&](const proto::Frame& frame) {
+    Stream stream =
+        StringField(frame.header, "stream") == "stderr" ? Stream::kStderr : Stream::kStdout;
+    return !sink || sink(stream, frame.payload);
+  };
+  absl::StatusOr<CallReply> reply = Call(spec);
+  if (!reply.ok()) return reply.status();
+  ProcessStatus status;
+  status.exited = BoolField(reply->response.header, "exited");
+  status.exit_code = static_cast<int>(IntField(reply->response.header, "exit_code", -1));
+  status.truncated = BoolField(reply->response.header, "truncated");
+  return status;
+}
+
+absl::Status AgentClient::Kill(const std::string& id) {
+  CallSpec spec;
+  spec.deadline_ms = proto::MonotonicMs() + kShortOpTimeoutMs;
+  spec.header = {{"op", "kill"}, {"id", id}};
+  return Call(spec).status();
+}
+
+absl::Status AgentClient::Sync(bool freeze, int64_t max_frozen_ms) {
+  CallSpec spec;
+  spec.deadline_ms = proto::MonotonicMs() + kShortOpTimeoutMs;
+  spec.header = {{"op", "sync"}, {"freeze", freeze}, {"max_frozen_ms", max_frozen_ms}};
+  return Call(spec).status();
+}
+
+absl::Status AgentClient::Thaw() {
+  CallSpec spec;
+  spec.deadline_ms = proto::MonotonicMs() + kShortOpTimeoutMs;
+  spec.header = {{"op", "thaw"}};
+  return Call(spec).status();
+}
+
+absl::Status AgentClient::Reseed(std::string_view entropy) {
+  if (entropy.size() < 16 || entropy.size() > 4096) {
+    return absl::InvalidArgumentError("reseed: entropy must be 16..4096 bytes");
+  }
+  CallSpec spec;
+  spec.deadline_ms = proto::MonotonicMs() + kShortOpTimeoutMs;
+  spec.header = {{"op", "reseed"}};
+  spec.payload.assign(entropy);
+  return Call(spec).status();
 }
 
 }  // namespace esb

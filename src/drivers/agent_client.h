@@ -1,10 +1,18 @@
-// Host side of the esb-agent protocol (docs/agent-protocol.md), shared by every driver whose
-// sandbox runs esb-agent. One connection per call; safe to use from many threads at once.
+// Host side of the esb-agent protocol v2 (docs/agent-protocol.md), shared by every driver whose
+// sandbox runs esb-agent. One connection per agent, multiplexed: a reader thread hands each
+// frame to its call, so many threads may call at once; a call that is cancelled (its sink says
+// stop, or its deadline passes) sends CANCEL and the connection stays up. When the connection
+// breaks (the agent exited or restarted) every pending call fails at once and the next call
+// connects again (unix socket) or fails (a single fd cannot be reopened).
 #pragma once
 
+#include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
+#include <mutex>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -13,18 +21,56 @@
 
 namespace esb {
 
+// Where the agent is: hands out a connected byte stream to it.
+class AgentTransport {
+ public:
+  virtual ~AgentTransport() = default;
+  // A connected stream fd (the caller owns it), or why there is none.
+  virtual absl::StatusOr<int> Connect() = 0;
+};
+
+// What esbd says when an agent speaks an older protocol (the sandbox must be recreated).
+// AgentProtocolOutdated tells such a status apart.
+bool AgentProtocolOutdated(const absl::Status& status);
+
+struct SpawnRequest {
+  std::vector<std::string> argv;  // run directly (argv[0] looked up in PATH)
+  std::map<std::string, std::string> env;
+  std::string cwd;  // relative to the workspace; empty: the workspace
+  bool pty = false;
+  int rows = 24, cols = 80;
+};
+
+struct ProcessStatus {
+  bool exited = false;  // false: still running when the wait's timeout passed
+  int exit_code = -1;   // 128 + signal when killed by one
+  bool truncated = false;
+};
+
 class AgentClient {
  public:
   // `connect` returns a connected stream fd to the agent (or an error status).
   using Connector = std::function<absl::StatusOr<int>()>;
-  explicit AgentClient(Connector connect) : connect_(std::move(connect)) {}
+  // Connects with `connect` now and again whenever the connection broke (the agent restarted).
+  explicit AgentClient(Connector connect);
+  explicit AgentClient(std::unique_ptr<AgentTransport> transport);
+  ~AgentClient();
+  AgentClient(const AgentClient&) = delete;
+  AgentClient& operator=(const AgentClient&) = delete;
 
   // Unix-socket connector with a connect timeout.
   static Connector UnixSocket(std::string path, int timeout_ms = 2000);
+  // One already-open byte stream that carries everything (a microVM's virtio-serial port).
+  // Takes `fd`; once that connection broke, calls fail (it cannot be reopened).
+  static std::unique_ptr<AgentTransport> SingleFd(int fd);
 
   absl::Status Ping(int timeout_ms = 2000);
-  // Waits until the agent answers a ping or the deadline passes.
+  // Waits until the agent answers a ping or the deadline passes (an outdated agent fails at
+  // once).
   absl::Status WaitReady(int timeout_ms);
+  // The ops the agent announced in its HELLO (connects if needed).
+  absl::StatusOr<std::vector<std::string>> Capabilities(int timeout_ms = 2000);
+
   absl::StatusOr<ExecResult> Exec(const ExecRequest& request, const OutputSink& sink);
   absl::Status Write(const std::string& path, std::string_view data, int64_t offset,
                      bool truncate);
@@ -37,8 +83,33 @@ class AgentClient {
   absl::Status Rename(const std::string& source, const std::string& destination, bool overwrite);
   absl::Status Configure(const std::map<std::string, std::string>& env);
 
+  // Long-lived processes (docs/agent-protocol.md, "Processes"). Spawn returns the process id.
+  absl::StatusOr<std::string> Spawn(const SpawnRequest& request);
+  absl::Status Input(const std::string& id, std::string_view data, bool eof);
+  absl::Status Signal(const std::string& id, int signal);
+  absl::Status Resize(const std::string& id, int rows, int cols);
+  // Streams the process's output to `sink` until it exits or `timeout_ms` passes.
+  absl::StatusOr<ProcessStatus> Wait(const std::string& id, int timeout_ms, const OutputSink& sink);
+  absl::Status Kill(const std::string& id);
+  // Before a snapshot: with `freeze`, stops every sandbox process (until Thaw, or by itself
+  // after `max_frozen_ms`), then flushes the sandbox's file systems (syncfs).
+  absl::Status Sync(bool freeze, int64_t max_frozen_ms = 60000);
+  absl::Status Thaw();
+  // Fresh entropy for the guest's RNGs after a restore (`entropy`: 16..4096 bytes).
+  absl::Status Reseed(std::string_view entropy);
+
+  class Connection;
+  struct CallSpec;
+  struct CallReply;
+
  private:
-  Connector connect_;
+  // The live connection, connecting first if there is none (or it broke).
+  absl::StatusOr<std::shared_ptr<Connection>> Connected(int64_t deadline_ms);
+  absl::StatusOr<CallReply> Call(const CallSpec& spec);
+
+  std::unique_ptr<AgentTransport> transport_;
+  std::mutex connect_mu_;  // one connect at a time; guards conn_
+  std::shared_ptr<Connection> conn_;
 };
 
 }  // namespace esb

@@ -6,6 +6,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <fstream>
 #include <functional>
@@ -20,22 +21,36 @@ namespace {
 
 namespace json = boost::json;
 
-// Encodes a frame by hand so a test can announce lengths the real encoder would refuse.
-std::string RawFrame(proto::FrameType type, const std::string& header, const std::string& payload,
-                     uint32_t announced_length = 0) {
-  uint32_t length = announced_length
-                        ? announced_length
-                        : static_cast<uint32_t>(1 + 4 + header.size() + payload.size());
+std::string U32(uint32_t v) {
   std::string out;
-  for (int shift : {24, 16, 8, 0}) out.push_back(static_cast<char>((length >> shift) & 0xff));
+  for (int shift : {24, 16, 8, 0}) out.push_back(static_cast<char>((v >> shift) & 0xff));
+  return out;
+}
+
+// Encodes a v2 frame by hand so a test can announce lengths the real encoder would refuse.
+// HELLO goes on stream 0; everything else on `stream` (the client's first call is stream 1).
+std::string RawFrame(proto::FrameType type, const std::string& header, const std::string& payload,
+                     uint32_t announced_length = 0, uint32_t stream = 1) {
+  uint32_t length =
+      announced_length ? announced_length
+                       : static_cast<uint32_t>(proto::kFixedBytes + header.size() + payload.size());
+  std::string out = U32(length);
+  out.push_back(static_cast<char>(proto::kMagic));
   out.push_back(static_cast<char>(type));
-  uint32_t hl = static_cast<uint32_t>(header.size());
-  for (int shift : {24, 16, 8, 0}) out.push_back(static_cast<char>((hl >> shift) & 0xff));
+  out += U32(type == proto::FrameType::kHello ? 0 : stream);
+  out += U32(static_cast<uint32_t>(header.size()));
   return out + header + payload;
 }
 
+// The HELLO of a v1 agent, in the v1 layout (u32 length, u8 type, u32 header_len, header).
+std::string V1Hello() {
+  std::string header = R"({"agent":"esb-agent","version":1,"pid":1})";
+  return U32(static_cast<uint32_t>(1 + 4 + header.size())) + "\x01" +
+         U32(static_cast<uint32_t>(header.size())) + header;
+}
+
 std::string Hello() {
-  return RawFrame(proto::FrameType::kHello, R"({"agent":"esb-agent","version":1,"pid":1})", "");
+  return RawFrame(proto::FrameType::kHello, R"({"agent":"esb-agent","version":2,"pid":1})", "");
 }
 
 bool WriteAll(int fd, const std::string& data) {
@@ -184,8 +199,9 @@ TEST(LyingAgentTest, HugeHelloIsRefused) {
 }
 
 TEST(LyingAgentTest, OutputFramesLargerThanTheAgentSendsAreRefused) {
+  // Announced beyond 64 KiB: refused from the frame's prefix.
   LyingAgent agent(Replying(RawFrame(proto::FrameType::kOutput, R"({"stream":"stdout"})",
-                                     std::string((1 << 20) + 1, 'o'))));
+                                     std::string(proto::kMaxChunkBytes + 1, 'o'))));
   AgentClient client = agent.Client();
   ExecRequest request;
   request.command = "true";
@@ -218,12 +234,115 @@ TEST(LyingAgentTest, ErrorMessagesAreCutAndControlCharactersReplaced) {
   EXPECT_EQ(got.find('\n'), std::string::npos);
 }
 
+// Version skew: an agent of an older esbd (protocol v1) is named, not waited for.
+TEST(LyingAgentTest, AgentSpeakingV1IsRecognisedAndNamed) {
+  LyingAgent agent([](int fd) {
+    WriteAll(fd, V1Hello());
+    char buf[256];
+    while (::read(fd, buf, sizeof buf) > 0) {  // a v1 agent would wait for its REQUEST
+    }
+  });
+  AgentClient client = agent.Client();
+  auto start = std::chrono::steady_clock::now();
+  absl::Status s = client.WaitReady(10000);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(2000));
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_EQ(s.message(),
+            "agent speaks protocol v1, esbd needs v2: the environment must be recreated");
+  EXPECT_TRUE(AgentProtocolOutdated(s));
+  EXPECT_FALSE(AgentProtocolOutdated(absl::FailedPreconditionError("other")));
+}
+
+TEST(LyingAgentTest, HelloWithAnotherVersionIsNamed) {
+  LyingAgent agent([](int fd) {
+    WriteAll(fd, RawFrame(proto::FrameType::kHello, R"({"agent":"esb-agent","version":7})", ""));
+  });
+  AgentClient client = agent.Client();
+  absl::Status s = client.Ping(2000);
+  EXPECT_TRUE(AgentProtocolOutdated(s)) << s;
+  EXPECT_NE(s.message().find("v7"), std::string::npos) << s;
+}
+
+TEST(LyingAgentTest, FrameForAStreamThatIsNotOpenIsAProtocolError) {
+  LyingAgent agent(Replying(RawFrame(proto::FrameType::kResponse, R"({"ok":true})", "", 0, 99)));
+  AgentClient client = agent.Client();
+  absl::Status s = client.Ping(2000);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInternal) << s;
+  EXPECT_NE(s.message().find("not open"), std::string::npos) << s;
+}
+
+// The agent may send at most one window of output before esbd grants more; a peer that keeps
+// sending while the consumer is busy is cut off instead of filling esbd's memory.
+TEST(LyingAgentTest, OutputPastTheWindowIsAProtocolError) {
+  LyingAgent agent([](int fd) {
+    WriteAll(fd, Hello());
+    ReadRequest(fd);
+    std::string chunk = RawFrame(proto::FrameType::kOutput, R"({"stream":"stdout"})",
+                                 std::string(proto::kMaxChunkBytes, 'o'));
+    for (int i = 0; i < 64; ++i) {  // 4 MiB, 16 windows, without waiting for one
+      if (!WriteAll(fd, chunk)) break;
+    }
+  });
+  AgentClient client = agent.Client();
+  ExecRequest request;
+  request.command = "flood";
+  request.timeout = std::chrono::milliseconds(5000);
+  request.max_output_bytes = 64 << 20;
+  bool first = true;
+  absl::StatusOr<ExecResult> r = client.Exec(request, [&](Stream, std::string_view) {
+    if (first) std::this_thread::sleep_for(std::chrono::milliseconds(300));  // a slow consumer
+    first = false;
+    return true;
+  });
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInternal) << r.status();
+  EXPECT_NE(r.status().message().find("window"), std::string::npos) << r.status();
+}
+
+// The agent dies (or its connection drops) while calls wait: each fails at once, with a message
+// that says what happened; none waits for its deadline.
+TEST(LyingAgentTest, ConnectionLostMidCallFailsEveryPendingCallPromptly) {
+  std::atomic<int> requests{0};
+  LyingAgent agent([&](int fd) {
+    WriteAll(fd, Hello());
+    for (int i = 0; i < 5; ++i) {
+      ReadRequest(fd);
+      ++requests;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  });  // returning closes the connection
+  AgentClient client = agent.Client();
+  ASSERT_TRUE(true);
+  std::vector<std::thread> threads;
+  std::vector<absl::Status> results(5);
+  auto start = std::chrono::steady_clock::now();
+  for (int i = 0; i < 5; ++i) {
+    threads.emplace_back([&, i] {
+      if (i % 2) {
+        ExecRequest request;
+        request.command = "sleep 100";
+        request.timeout = std::chrono::milliseconds(60000);
+        results[i] = client.Exec(request, nullptr).status();
+      } else {
+        results[i] = client.Stat("x").status();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(3000));
+  for (const absl::Status& s : results) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+    EXPECT_NE(s.message().find("agent connection lost"), std::string::npos) << s;
+  }
+}
+
 TEST(LyingAgentTest, AnnouncedLengthIsNotAllocatedUpFront) {
   // proto::ReadFrame on its own: a peer announcing the maximum frame and sending 10 bytes
   // costs about those bytes until the deadline, not 16 MiB.
   int sv[2];
   ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
-  std::string bytes = RawFrame(proto::FrameType::kResponse, "{}", "", proto::kMaxFrameBytes);
+  std::string bytes = RawFrame(proto::FrameType::kResponse, "{}", "",
+                               proto::FrameBytesFor(2, proto::kMaxPayloadBytes));
   ASSERT_TRUE(WriteAll(sv[1], bytes + "0123456789"));
   ResetPeakRss();
   const int64_t rss_before = StatusKb("VmRSS:");

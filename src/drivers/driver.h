@@ -57,6 +57,8 @@ struct ExecRequest {
   std::chrono::milliseconds timeout{60000};
   int64_t max_output_bytes = 1 << 20;  // per stream
   std::map<std::string, std::string> env;
+  // Bytes the command reads on stdin (then EOF); none: stdin is at EOF from the start.
+  std::optional<std::string> stdin_data;
 };
 
 enum class Stream { kStdout = 1, kStderr = 2 };

@@ -484,49 +484,65 @@ class ContainerDriver : public Driver {
   absl::StatusOr<ExecResult> Exec(const InstanceRef& ref, const ExecRequest& request,
                                   const OutputSink& sink) override {
     ESB_RETURN_IF_ERROR(ValidateId(ref.id));
-    return Agent(ref).Exec(request, sink);
+    return AgentPtr(ref.id)->Exec(request, sink);
   }
   absl::Status WriteFile(const InstanceRef& ref, const std::string& path, std::string_view data,
                          int64_t offset, bool truncate) override {
     ESB_RETURN_IF_ERROR(ValidateId(ref.id));
-    return Agent(ref).Write(path, data, offset, truncate);
+    return AgentPtr(ref.id)->Write(path, data, offset, truncate);
   }
   absl::StatusOr<FileChunk> ReadFile(const InstanceRef& ref, const std::string& path,
                                      int64_t offset, int64_t length) override {
     ESB_RETURN_IF_ERROR(ValidateId(ref.id));
-    return Agent(ref).Read(path, offset, length);
+    return AgentPtr(ref.id)->Read(path, offset, length);
   }
   absl::StatusOr<DirListing> ListDir(const InstanceRef& ref, const std::string& path) override {
     ESB_RETURN_IF_ERROR(ValidateId(ref.id));
-    return Agent(ref).List(path);
+    return AgentPtr(ref.id)->List(path);
   }
   absl::StatusOr<FileEntry> Stat(const InstanceRef& ref, const std::string& path) override {
     ESB_RETURN_IF_ERROR(ValidateId(ref.id));
-    return Agent(ref).Stat(path);
+    return AgentPtr(ref.id)->Stat(path);
   }
   absl::StatusOr<bool> MakeDir(const InstanceRef& ref, const std::string& path) override {
     ESB_RETURN_IF_ERROR(ValidateId(ref.id));
-    return Agent(ref).MakeDir(path);
+    return AgentPtr(ref.id)->MakeDir(path);
   }
   absl::Status Remove(const InstanceRef& ref, const std::string& path, bool recursive) override {
     ESB_RETURN_IF_ERROR(ValidateId(ref.id));
-    return Agent(ref).Remove(path, recursive);
+    return AgentPtr(ref.id)->Remove(path, recursive);
   }
   absl::Status Rename(const InstanceRef& ref, const std::string& source,
                       const std::string& destination, bool overwrite) override {
     ESB_RETURN_IF_ERROR(ValidateId(ref.id));
-    return Agent(ref).Rename(source, destination, overwrite);
+    return AgentPtr(ref.id)->Rename(source, destination, overwrite);
   }
   absl::StatusOr<Usage> Stats(const InstanceRef& ref) override;
   absl::Status Configure(const InstanceRef& ref,
                          const std::map<std::string, std::string>& env) override {
     ESB_RETURN_IF_ERROR(ValidateId(ref.id));
-    return Agent(ref).Configure(env);
+    return AgentPtr(ref.id)->Configure(env);
   }
 
  private:
-  AgentClient Agent(const InstanceRef& ref) const {
-    return AgentClient(SafeAgentConnector(PathsFor(options_, ref.id).run_dir, 2000));
+  // The environment's one multiplexed agent connection (made on first use, remade when the
+  // agent restarted), shared by every call.
+  std::shared_ptr<AgentClient> AgentPtr(const std::string& id) {
+    std::lock_guard<std::mutex> lock(agents_mu_);
+    std::shared_ptr<AgentClient>& client = agents_[id];
+    if (!client) {
+      client =
+          std::make_shared<AgentClient>(SafeAgentConnector(PathsFor(options_, id).run_dir, 2000));
+    }
+    return client;
+  }
+  void DropAgent(const std::string& id) {
+    std::shared_ptr<AgentClient> client;
+    std::lock_guard<std::mutex> lock(agents_mu_);
+    auto it = agents_.find(id);
+    if (it == agents_.end()) return;
+    client = std::move(it->second);
+    agents_.erase(it);
   }
   const OciRuntime& Runtime(const std::string& name);
   absl::Status PrepareImage(const std::string& rootfs, const BundleParams& params);
@@ -554,6 +570,8 @@ class ContainerDriver : public Driver {
 
   std::mutex mu_;
   std::set<std::string> busy_;
+  std::mutex agents_mu_;
+  std::map<std::string, std::shared_ptr<AgentClient>> agents_;  // by environment id
   std::set<std::string> prepared_images_;
   std::map<std::string, std::unique_ptr<OciRuntime>> runtimes_;
 };
@@ -789,7 +807,7 @@ absl::StatusOr<InstanceRef> ContainerDriver::Create(const std::string& id, const
   }
   if (absl::Status s = WaitForAgent(paths, state); !s.ok()) return fail(s);
   if (!spec.env.empty()) {
-    if (absl::Status s = Agent({id, name(), ""}).Configure(spec.env); !s.ok()) return fail(s);
+    if (absl::Status s = AgentPtr(id)->Configure(spec.env); !s.ok()) return fail(s);
   }
   const int64_t t_ready = MonotonicMs();
   LogDebug(absl::StrCat("container: created ", id, " in ", t_ready - t0, " ms (bundle ",
@@ -799,6 +817,7 @@ absl::StatusOr<InstanceRef> ContainerDriver::Create(const std::string& id, const
 }
 
 absl::Status ContainerDriver::DestroyById(const std::string& id, const InstanceState& state) {
+  DropAgent(id);  // its connection ends with the sandbox
   const EnvPaths paths = PathsFor(options_, id);
   const OciRuntime& runtime = Runtime(state.runtime);
   std::vector<std::string> problems;
@@ -880,7 +899,13 @@ absl::Status ContainerDriver::Attach(const InstanceRef& ref) {
                                              " runs without a user "
                                              "namespace (this esbd maps sandbox uids)"));
   }
-  return Agent(ref).Ping(2000);
+  absl::Status ping = AgentPtr(ref.id)->Ping(2000);
+  if (AgentProtocolOutdated(ping)) {
+    // An agent of an older esbd still runs in this sandbox: it cannot serve this esbd.
+    DropAgent(ref.id);
+    return SandboxOutdatedError(absl::StrCat("environment ", ref.id, ": ", ping.message()));
+  }
+  return ping;
 }
 
 absl::StatusOr<Usage> ContainerDriver::Stats(const InstanceRef& ref) {

@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <boost/json.hpp>
 #include <cinttypes>
 #include <cmath>
@@ -889,6 +890,65 @@ TEST_F(ContainerDriverTest, OldLayoutInstanceIsRefusedOnReattach) {
   EXPECT_FALSE(IsSandboxOutdated(absl::NotFoundError("gone")));
   ASSERT_TRUE((*fresh)->Destroy(old).ok());
   EXPECT_TRUE(FindContainerLeaks(options_, ref).empty());
+  live_.clear();
+}
+
+// Version skew (issue 10): a restarted esbd that finds an agent still speaking protocol v1 in
+// a sandbox says exactly why it cannot use it and reports the environment outdated (the core
+// then destroys it), instead of hanging on it. The fake v1 agent takes the place of the
+// environment's socket.
+TEST_F(ContainerDriverTest, AgentSpeakingProtocolV1IsOutdatedOnReattach) {
+  InstanceRef ref = MustCreate();
+  const std::string sock = options_.state_dir + "/envs/" + ref.id + "/run/agent.sock";
+  ASSERT_EQ(rename(sock.c_str(), (sock + ".real").c_str()), 0) << strerror(errno);
+  int listener = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  strncpy(addr.sun_path, sock.c_str(), sizeof addr.sun_path - 1);
+  ASSERT_EQ(bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  ASSERT_EQ(listen(listener, 8), 0);
+  std::atomic<bool> stop{false};
+  std::thread fake_v1([&] {
+    const std::string header = R"({"agent":"esb-agent","version":1,"pid":1})";
+    std::string hello;
+    for (uint32_t v : {static_cast<uint32_t>(1 + 4 + header.size())}) {
+      for (int shift : {24, 16, 8, 0}) hello.push_back(static_cast<char>((v >> shift) & 0xff));
+    }
+    hello.push_back('\x01');  // v1 HELLO: u32 length, u8 type, u32 header_len, header
+    for (int shift : {24, 16, 8, 0}) {
+      hello.push_back(static_cast<char>((header.size() >> shift) & 0xff));
+    }
+    hello += header;
+    while (!stop) {
+      int fd = accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
+      if (fd < 0) continue;
+      ssize_t w = write(fd, hello.data(), hello.size());
+      (void)w;
+      close(fd);
+    }
+  });
+  ContainerDriverOptions o = options_;
+  o.probe = false;
+  auto fresh = NewContainerDriver(o);
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  auto start = std::chrono::steady_clock::now();
+  absl::Status st = (*fresh)->Attach(ref);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(3));
+  EXPECT_TRUE(IsSandboxOutdated(st)) << st;
+  EXPECT_NE(st.message().find(
+                "agent speaks protocol v1, esbd needs v2: the environment must be recreated"),
+            std::string::npos)
+      << st;
+  stop = true;
+  shutdown(listener, SHUT_RDWR);
+  int poke = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);  // wakes accept
+  connect(poke, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+  close(poke);
+  fake_v1.join();
+  close(listener);
+  ASSERT_EQ(rename((sock + ".real").c_str(), sock.c_str()), 0);
+  EXPECT_TRUE((*fresh)->Attach(ref).ok()) << (*fresh)->Attach(ref);  // the real (v2) agent
+  ASSERT_TRUE((*fresh)->Destroy(ref).ok());
   live_.clear();
 }
 

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <string>
 
+#include "common/protocol.h"
 #include "common/read_growing.h"
 
 namespace esb::nano {
@@ -17,51 +18,15 @@ namespace {
 
 void PutU32(std::string* out, uint32_t v) { out->append(reinterpret_cast<const char*>(&v), 4); }
 
-// Waits until `fd` is readable or the deadline passes. Returns 1 ready, 0 timeout, -1 error.
-int WaitReadable(int fd, int64_t deadline_ms) {
-  while (true) {
-    int timeout = -1;
-    if (deadline_ms >= 0) {
-      int64_t left = deadline_ms - NowMonoMs();
-      if (left <= 0) return 0;
-      timeout = static_cast<int>(std::min<int64_t>(left, 1 << 30));
-    }
-    pollfd p{fd, POLLIN, 0};
-    int r = poll(&p, 1, timeout);
-    if (r < 0 && errno == EINTR) continue;
-    if (r < 0) return -1;
-    if (r == 0) continue;  // re-check the deadline
-    return 1;
-  }
-}
-
+// proto::ReadFull with the wire's error reporting (`*timed_out` on a deadline).
 bool ReadFull(int fd, char* buf, size_t len, int64_t deadline_ms, bool* timed_out) {
-  size_t done = 0;
-  while (done < len) {
-    if (deadline_ms >= 0) {
-      int w = WaitReadable(fd, deadline_ms);
-      if (w == 0) {
-        if (timed_out) *timed_out = true;
-        return false;
-      }
-      if (w < 0) return false;
-    }
-    ssize_t n = read(fd, buf + done, len - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return false;
-    done += static_cast<size_t>(n);
-  }
-  return true;
+  std::string error;
+  if (proto::ReadFull(fd, buf, len, deadline_ms, &error)) return true;
+  if (timed_out && error == "timed out") *timed_out = true;
+  return false;
 }
 
 }  // namespace
-
-int64_t NowMonoMs() {
-  timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return static_cast<int64_t>(ts.tv_sec) * 1000 + ts.tv_nsec / 1000000;
-}
-
 std::string EncodeMsg(const Msg& msg) {
   std::string body;
   for (const auto& [k, v] : msg) {
@@ -128,12 +93,10 @@ bool SendMsg(int fd, const Msg& msg, int pass_fd) {
     if (n <= 0) return false;
     done = static_cast<size_t>(n);
   }
-  while (done < frame.size()) {
-    ssize_t n = send(fd, frame.data() + done, frame.size() - done, MSG_NOSIGNAL);
-    if (n < 0 && errno == ENOTSOCK) n = write(fd, frame.data() + done, frame.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return false;
-    done += static_cast<size_t>(n);
+  std::string error;
+  if (!proto::WriteAll(fd, std::string_view(frame).substr(done), &error)) {
+    if (errno == 0) errno = EPIPE;
+    return false;
   }
   return true;
 }
@@ -145,10 +108,10 @@ bool RecvMsg(int fd, Msg* msg, int* got_fd, int64_t deadline_ms, bool* timed_out
   size_t have = 0;
   if (got_fd) {
     // The fd rides on the first byte(s): read the header with recvmsg.
-    if (deadline_ms >= 0) {
-      int w = WaitReadable(fd, deadline_ms);
-      if (w == 0 && timed_out) *timed_out = true;
-      if (w <= 0) return false;
+    std::string error;
+    if (deadline_ms >= 0 && !proto::WaitReadable(fd, deadline_ms, &error)) {
+      if (timed_out && error == "timed out") *timed_out = true;
+      return false;
     }
     iovec iov{hdr, sizeof(hdr)};
     alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};

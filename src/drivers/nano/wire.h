@@ -1,12 +1,17 @@
 // The framed protocol between the nano driver (in esbd), the fork server and its workers, over
 // unix stream sockets. A message is a string→bytes map (binary safe); one frame is
 //   u32 little-endian body length, body = repeated (u32 key_len, key, u32 value_len, value).
-// A frame may carry one file descriptor (SCM_RIGHTS), attached to its first byte.
+// A frame may carry one file descriptor (SCM_RIGHTS), attached to its first byte. The byte
+// stream itself (deadline reads, growing reads, writes without SIGPIPE, the clock) is the agent
+// protocol's codec (common/protocol.h); only the body format and the fd passing are nano's:
+// its messages (up to 80 MiB of program output and files) do not fit the agent frame's 16 MiB.
 #pragma once
 
 #include <cstdint>
 #include <map>
 #include <string>
+
+#include "common/protocol.h"
 
 namespace esb::nano {
 
@@ -26,7 +31,7 @@ bool SendMsg(int fd, const Msg& msg, int pass_fd = -1);
 bool RecvMsg(int fd, Msg* msg, int* got_fd = nullptr, int64_t deadline_ms = -1,
              bool* timed_out = nullptr);
 
-int64_t NowMonoMs();
+inline int64_t NowMonoMs() { return proto::MonotonicMs(); }
 
 // Helpers for typed fields.
 int64_t GetInt(const Msg& m, const std::string& key, int64_t def = 0);
