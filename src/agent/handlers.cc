@@ -21,6 +21,7 @@
 
 #include "agent/fs_ops.h"
 #include "agent/util.h"
+#include "common/utf8.h"  // names are bytes; frame headers are UTF-8 JSON
 
 namespace esb::agent {
 namespace json = boost::json;
@@ -34,41 +35,6 @@ constexpr int64_t kMaxOffset = int64_t{1} << 60;
 
 int64_t MtimeMs(const struct stat& st) {
   return int64_t{st.st_mtim.tv_sec} * 1000 + st.st_mtim.tv_nsec / 1000000;
-}
-
-// File names are arbitrary bytes but frame headers must be valid UTF-8 JSON: invalid
-// sequences become U+FFFD (such a name is shown, though it cannot be addressed by it).
-std::string SanitizeUtf8(std::string_view in) {
-  std::string out;
-  out.reserve(in.size());
-  size_t i = 0;
-  while (i < in.size()) {
-    unsigned char c = static_cast<unsigned char>(in[i]);
-    size_t len = c < 0x80           ? 1
-                 : (c >> 5) == 0x6  ? 2
-                 : (c >> 4) == 0xe  ? 3
-                 : (c >> 3) == 0x1e ? 4
-                                    : 0;
-    bool ok = len > 0 && i + len <= in.size();
-    for (size_t k = 1; ok && k < len; ++k) {
-      ok = (static_cast<unsigned char>(in[i + k]) & 0xc0) == 0x80;
-    }
-    if (ok && len > 1) {
-      // Reject overlong forms, surrogates and code points past U+10FFFF.
-      uint32_t cp = c & (0x7f >> len);
-      for (size_t k = 1; k < len; ++k) cp = (cp << 6) | (in[i + k] & 0x3f);
-      static const uint32_t kMin[] = {0, 0, 0x80, 0x800, 0x10000};
-      ok = cp >= kMin[len] && cp <= 0x10ffff && !(cp >= 0xd800 && cp <= 0xdfff);
-    }
-    if (ok) {
-      out.append(in.substr(i, len));
-      i += len;
-    } else {
-      out += "\xEF\xBF\xBD";
-      ++i;
-    }
-  }
-  return out;
 }
 
 const char* TypeName(mode_t mode) {
@@ -230,7 +196,7 @@ proto::Frame ErrorResponse(const std::string& message, const std::string& errno_
   proto::Frame f;
   f.type = proto::FrameType::kResponse;
   f.header["ok"] = false;
-  f.header["error"] = SanitizeUtf8(message);
+  f.header["error"] = esb::SanitizeUtf8(message);
   f.header["errno"] = errno_name;
   return f;
 }
@@ -438,7 +404,7 @@ proto::Frame HandleList(const std::string& workspace, const json::object& header
       o["mode"] = 0;
       o["mtime_ms"] = 0;
     }
-    o["name"] = SanitizeUtf8(e->d_name);
+    o["name"] = esb::SanitizeUtf8(e->d_name);
     sorted.emplace(e->d_name, std::move(o));
   }
   closedir(dir);
@@ -454,7 +420,7 @@ proto::Frame HandleList(const std::string& workspace, const json::object& header
     entries.push_back(std::move(o));
   }
   proto::Frame resp = OkResponse();
-  resp.header["path"] = SanitizeUtf8(abs);
+  resp.header["path"] = esb::SanitizeUtf8(abs);
   if (truncated) resp.header["truncated"] = true;
   if (bytes > kMaxEntriesInHeader) {
     // Extension to the documented format: large listings do not fit the 64 KiB header.

@@ -341,27 +341,10 @@ OpStatus ProcessTable::Spawn(SpawnSpec spec, uint64_t* id) {
   for (auto& e : env_strings) envp.push_back(e.data());
   envp.push_back(nullptr);
 
-  posix_spawnattr_t attr;
-  posix_spawnattr_init(&attr);
-  sigset_t all, none;
-  sigfillset(&all);
-  sigemptyset(&none);
-  posix_spawnattr_setsigdefault(&attr, &all);  // the agent ignores SIGPIPE; processes must not
-  posix_spawnattr_setsigmask(&attr, &none);
-  // A new session: its own process group, and a session a PTY can be the terminal of.
-  posix_spawnattr_setflags(&attr,
-                           POSIX_SPAWN_SETSID | POSIX_SPAWN_SETSIGDEF | POSIX_SPAWN_SETSIGMASK);
   int spawn_err = 0;
-  pid_t pid = reaper_->Spawn(
-      [&]() -> pid_t {
-        pid_t child = -1;
-        spawn_err =
-            posix_spawn(&child, options_.shim.c_str(), &actions, &attr, argv.data(), envp.data());
-        return spawn_err == 0 ? child : -1;
-      },
-      exit_fd_.get());
+  pid_t pid = SpawnSessionLeader(reaper_, exit_fd_.get(), options_.shim.c_str(), &actions,
+                                 argv.data(), envp.data(), &spawn_err);
   posix_spawn_file_actions_destroy(&actions);
-  posix_spawnattr_destroy(&attr);
   if (pid < 0) return OpStatus::Error("spawn " + Clip(spec.argv[0]), spawn_err, true);
 
   p->id = next_id_++;

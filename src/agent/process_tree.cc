@@ -6,6 +6,7 @@
 #include <map>
 #include <set>
 
+#include "agent/reaper.h"
 #include "agent/util.h"
 
 namespace esb::agent {
@@ -123,6 +124,30 @@ void KillTree(pid_t root) {
     usleep(1000);  // let the killed exit and their children reparent to the root
   }
   KillGroup(root);
+}
+
+pid_t SpawnSessionLeader(Reaper* reaper, int notify_fd, const char* path,
+                         const posix_spawn_file_actions_t* actions, char* const argv[],
+                         char* const envp[], int* spawn_err) {
+  posix_spawnattr_t attr;
+  posix_spawnattr_init(&attr);
+  sigset_t all, none;
+  sigfillset(&all);
+  sigemptyset(&none);
+  posix_spawnattr_setsigdefault(&attr, &all);
+  posix_spawnattr_setsigmask(&attr, &none);
+  posix_spawnattr_setflags(&attr,
+                           POSIX_SPAWN_SETSID | POSIX_SPAWN_SETSIGDEF | POSIX_SPAWN_SETSIGMASK);
+  *spawn_err = 0;
+  pid_t pid = reaper->Spawn(
+      [&]() -> pid_t {
+        pid_t child = -1;
+        *spawn_err = posix_spawn(&child, path, actions, &attr, argv, envp);
+        return *spawn_err == 0 ? child : -1;
+      },
+      notify_fd);
+  posix_spawnattr_destroy(&attr);
+  return pid;
 }
 
 }  // namespace esb::agent

@@ -2,6 +2,7 @@
 // makes the tree's root a child subreaper, and killing a whole tree.
 #pragma once
 
+#include <spawn.h>
 #include <sys/types.h>
 
 #include <map>
@@ -20,6 +21,16 @@ inline constexpr char kSelfExe[] = "/proc/self/exe";
 // So `setsid` and double-fork escapees of the tree are
 // reparented to its root, where KillTree finds them.
 std::vector<std::string> ShimArgv(const std::string& program, const std::vector<std::string>& args);
+
+// Starts `path` through `reaper` (which learns its exit on `notify_fd`) as the leader of a new
+// session (so its own process group, a PTY can be its terminal, a kill of the group reaches
+// everything it starts), with default signal dispositions (the agent ignores SIGPIPE; user
+// code must not) and nothing blocked. `actions` sets up its descriptors. Returns the pid, or
+// -1 with the posix_spawn error in *spawn_err.
+class Reaper;
+pid_t SpawnSessionLeader(Reaper* reaper, int notify_fd, const char* path,
+                         const posix_spawn_file_actions_t* actions, char* const argv[],
+                         char* const envp[], int* spawn_err);
 
 // The environment every process the agent starts for the user begins with (HOME is the
 // workspace; TERM=dumb: exec's output goes to pipes). Callers lay the configured base

@@ -289,26 +289,11 @@ bool ShellSession::StartShell(Shell* shell, std::string* error, int* err) {
   posix_spawn_file_actions_adddup2(&actions, err_w.get(), 2);
   posix_spawn_file_actions_adddup2(&actions, script_r.get(), 3);
   posix_spawn_file_actions_addchdir_np(&actions, cwd.c_str());
-  posix_spawnattr_t attr;
-  posix_spawnattr_init(&attr);
-  sigset_t all, none;
-  sigfillset(&all);
-  sigemptyset(&none);
-  posix_spawnattr_setsigdefault(&attr, &all);  // the agent ignores SIGPIPE; commands must not
-  posix_spawnattr_setsigmask(&attr, &none);
   // A new session = a new process group that a timeout can kill as a whole.
-  posix_spawnattr_setflags(&attr,
-                           POSIX_SPAWN_SETSID | POSIX_SPAWN_SETSIGDEF | POSIX_SPAWN_SETSIGMASK);
   int spawn_err = 0;
-  pid_t pid = reaper_->Spawn(
-      [&]() -> pid_t {
-        pid_t child = -1;
-        spawn_err = posix_spawn(&child, kSelfExe, &actions, &attr, argv.data(), envp.data());
-        return spawn_err == 0 ? child : -1;
-      },
-      shell->exit_fd.get());
+  pid_t pid = SpawnSessionLeader(reaper_, shell->exit_fd.get(), kSelfExe, &actions, argv.data(),
+                                 envp.data(), &spawn_err);
   posix_spawn_file_actions_destroy(&actions);
-  posix_spawnattr_destroy(&attr);
   if (pid < 0) {
     errno = spawn_err;
     return fail("spawn shell");
