@@ -692,11 +692,10 @@ class SqliteStore final : public Store {
     row.principal = CapField(e.principal, kMaxActionBytes);
     const int64_t now = options_.now_ms();  // the rate is judged by the time of the call
     if (options_.write_behind_ms > 0) {
-      bool was_empty;
       {
         std::lock_guard<std::mutex> q(queue_mu_);
         if (queued_audit_.size() < options_.max_write_behind_rows) {
-          was_empty = QueueEmptyLocked();
+          const bool was_empty = QueueEmptyLocked();
           queued_audit_.push_back({std::move(row), now});
           if (was_empty) queue_cv_.notify_one();
           return absl::OkStatus();
