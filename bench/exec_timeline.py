@@ -3,10 +3,13 @@
 `transport_bench exec` ran and prints the median of every hop, client send to client read.
 
 `bash bench/run.sh exec-trace` records the log and runs this. The hops are recognised by
-syscall and size, so they are tied to today's wire formats: agent protocol v1 (HELLO 50 bytes,
-the exec request 97, the "hi" OUTPUT frame 31, the RESPONSE 86; one connection per call) and
-the 164-byte HTTP request transport_bench sends. After a protocol or server change the markers
-must be updated (the script says so when it finds no complete timeline).
+syscall, size and flags, so they are tied to today's wire: agent protocol v2 (one multiplexed
+connection per environment, already past HELLO: esbd's request frame is a `sendmsg` with
+MSG_NOSIGNAL only, the agent's frames are its next two `sendmsg`s, the output then the
+RESPONSE), the Beast server (answers with MSG_DONTWAIT|MSG_NOSIGNAL) and the 164-byte HTTP
+request transport_bench sends. The trace is system-wide: other esbd daemons running on the
+machine at the same time can break a timeline (it is then skipped). After a protocol or server
+change the markers must be updated (the script says so when it finds no complete timeline).
 
 Usage: exec_timeline.py PERF_TRACE_LOG
 """
@@ -17,24 +20,21 @@ import sys
 LINE = re.compile(
     r"^\s*([\d.]+) \(\s*[\d.]*\s*(?:ms)?\): (\S+)/(\d+) (\w+)\((.*?)\)\s*(?:= (\S+))?")
 
+HTTP_ANSWER = ("195", "196")
+
 STEPS = [
     ("client sends the HTTP request",
      lambda c, s, a, r: c == "transport_benc" and s == "sendto" and "len: 164" in a),
-    ("esbd's poller reads it", lambda c, s, a, r: c == "esbd" and s == "recvfrom" and r == "164"),
-    ("esbd request thread connects to the agent",
-     lambda c, s, a, r: c == "esbd" and s == "connect" and "addrlen: 110" in a),
-    ("agent sends HELLO", lambda c, s, a, r: c == "esb-agent" and s == "sendmsg" and r == "50"),
-    ("esbd sends the exec request",
-     lambda c, s, a, r: c == "esbd" and s == "sendmsg" and r == "97"),
-    ("agent sends the stdout frame",
-     lambda c, s, a, r: c == "esb-agent" and s == "sendmsg" and r == "31"),
-    ("agent sends the response",
-     lambda c, s, a, r: c == "esb-agent" and s == "sendmsg" and r == "86"),
-    ("esbd starts writing SQLite", lambda c, s, a, r: c == "esbd" and s == "pwrite64"),
+    ("esbd's I/O thread reads it",
+     lambda c, s, a, r: c == "esbd" and s == "recvfrom" and r == "164"),
+    ("esbd's worker sends the exec frame",
+     lambda c, s, a, r: c == "esbd" and s == "sendmsg" and "DONTWAIT" not in a),
+    ("agent sends the stdout frame", lambda c, s, a, r: c == "esb-agent" and s == "sendmsg"),
+    ("agent sends the response", lambda c, s, a, r: c == "esb-agent" and s == "sendmsg"),
     ("esbd sends the HTTP response",
-     lambda c, s, a, r: c == "esbd" and s == "sendmsg" and r in ("195", "196")),
+     lambda c, s, a, r: c == "esbd" and s == "sendmsg" and "DONTWAIT" in a and r in HTTP_ANSWER),
     ("client reads it",
-     lambda c, s, a, r: c == "transport_benc" and s == "recvfrom" and r in ("195", "196")),
+     lambda c, s, a, r: c == "transport_benc" and s == "recvfrom" and r in HTTP_ANSWER),
 ]
 
 

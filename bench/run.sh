@@ -8,8 +8,10 @@
 #                                  a Beast hello-world server, exec `echo hi` vs fork+exec
 #   bash bench/run.sh exec-trace   where one exec's time goes: `perf trace` of esbd and the agent
 #                                  during 40 execs, summarised by bench/exec_timeline.py
-# Transport knobs (environment): BENCH_ROWS (which rows, default "healthz exec sse idle"),
-# BENCH_IDLE_CONNS (10000), BENCH_SSE_STREAMS (1000), BENCH_SSE_BODY (JSON for POST /run;
+#                                  (BENCH_TRACE_OUT=FILE keeps the raw trace)
+# Transport knobs (environment): BENCH_ROWS (which rows, default "healthz exec sse idle";
+# "exec-ab" adds the exec row against a second daemon with audit.write_behind_ms 0, alternating),
+# BENCH_EXEC_GAP_MS (pause between exec calls, 0), BENCH_IDLE_CONNS (10000), BENCH_SSE_STREAMS (1000), BENCH_SSE_BODY (JSON for POST /run;
 # default: a nano `time.sleep(5)`), BENCH_EXEC_N (200), BENCH_ESBD_CONFIG (esbd's config JSON;
 # default raises the per-tenant request share, see run_transport).
 set -euo pipefail
@@ -82,8 +84,12 @@ run_transport() {
   transport_setup
   # The per-tenant share of concurrent requests (default: a quarter of max_connections = 256)
   # and max_connections are raised so that 1,000 streams from one (anonymous) client measure
-  # the transport, not the fair-share policy. Pool 0: no refills during the measurement.
-  local config='{"max_connections": 4096, "max_requests_per_tenant": 4096}'
+  # the transport, not the fair-share policy. Pool 0: no refills during the measurement. The
+  # per-peer connection cap (max_open_connections_per_peer, default 7/8 of the open-connection
+  # cap = 3/4 of RLIMIT_NOFILE: 13,125 at the 20,000 fds here) must admit the idle row's 10,000
+  # connections plus its probe from one address: raised to the open-connection cap's scale.
+  local config='{"max_connections": 4096, "max_requests_per_tenant": 4096, "max_streams": 4096,
+    "max_open_connections_per_peer": 1048576}'
   start_esbd 0 "${BENCH_ESBD_CONFIG-$config}"
   local esbd_port="$PORT" esbd_pid="$PID"
   local hello_port; hello_port="$(free_port)"
@@ -104,8 +110,34 @@ run_transport() {
   if [[ "$rows" == *" exec "* ]]; then
     log "exec round trip: echo hi via the API vs fork+exec"
     local env; env="$(create_env "$esbd_port")"
-    "$TB" exec --target "127.0.0.1:$esbd_port" --env "$env" --n "${BENCH_EXEC_N:-200}"
+    "$TB" exec --target "127.0.0.1:$esbd_port" --env "$env" --n "${BENCH_EXEC_N:-200}" \
+        --gap-ms "${BENCH_EXEC_GAP_MS:-0}"
     curl -fsS -X DELETE "http://127.0.0.1:$esbd_port/environments/$env" >/dev/null
+  fi
+  if [[ "$rows" == *" exec-ab "* ]]; then
+    # The write-behind's effect on exec, same binary and same run: a second daemon with
+    # audit.write_behind_ms 0 (audit row and counters written before the reply, as before),
+    # alternating rounds against both so that both see the same load.
+    local sync_config
+    sync_config="$(python3 -c 'import json,sys; c=json.loads(sys.argv[1] or "{}");
+c.setdefault("audit", {})["write_behind_ms"]=0; print(json.dumps(c))' \
+      "${BENCH_ESBD_CONFIG-$config}")"
+    start_esbd 0 "$sync_config"
+    local sync_port="$PORT"
+    local env_behind env_sync
+    env_behind="$(create_env "$esbd_port")"; env_sync="$(create_env "$sync_port")"
+    local round
+    for round in 1 2; do
+      log "exec A/B round $round: audit.write_behind_ms 0 (synchronous, before)"
+      "$TB" exec --target "127.0.0.1:$sync_port" --env "$env_sync" --n "${BENCH_EXEC_N:-200}" \
+        --gap-ms "${BENCH_EXEC_GAP_MS:-0}"
+      log "exec A/B round $round: audit.write_behind_ms 50 (default, after)"
+      "$TB" exec --target "127.0.0.1:$esbd_port" --env "$env_behind" --n "${BENCH_EXEC_N:-200}" \
+        --gap-ms "${BENCH_EXEC_GAP_MS:-0}"
+    done
+    curl -fsS -X DELETE "http://127.0.0.1:$esbd_port/environments/$env_behind" >/dev/null
+    curl -fsS -X DELETE "http://127.0.0.1:$sync_port/environments/$env_sync" >/dev/null
+    kill -TERM "$PID"; wait "$PID" 2>/dev/null || true  # the second daemon (the trap cleans up)
   fi
   if [[ "$rows" == *" sse "* ]]; then
     log "${BENCH_SSE_STREAMS:-1000} concurrent SSE streams"
@@ -131,13 +163,14 @@ run_exec_trace() {
   local log_file="$STATE/perf-trace.txt"
   # System-wide, but only the few syscalls that mark the hops (cheap, unlike strace -f).
   perf trace -a -o "$log_file" \
-    -e 'accept4,connect,sendmsg,recvfrom,sendto,clone3,clone,pwrite64' &
+    -e 'accept4,connect,sendmsg,recvmsg,recvfrom,sendto,writev,clone3,clone,pwrite64' &
   local perf_pid=$!
   sleep 2
   "$TB" exec --target "127.0.0.1:$PORT" --env "$env" --n 40 --warmup 2 --gap-ms 20 | tail -1
   sleep 0.3
   kill -INT "$perf_pid"; wait "$perf_pid" 2>/dev/null || true
-  python3 "$(dirname "$0")/exec_timeline.py" "$log_file"
+  [ -n "${BENCH_TRACE_OUT:-}" ] && cp "$log_file" "$BENCH_TRACE_OUT"
+  python3 "$(dirname "$0")/exec_timeline.py" "$log_file" || true
   curl -fsS -X DELETE "http://127.0.0.1:$PORT/environments/$env" >/dev/null
 }
 

@@ -270,10 +270,8 @@ Response ErrorResponse(int status, std::string_view message);
 // "unsupported_media_type", 422 → "unprocessable", 429 → "too_many_requests", 503 → "unavailable",
 // others ≥ 500 → "internal", other 4xx → "bad_request".
 std::string_view ErrorCodeForStatus(int status);
-// Maps an absl::Status to an error response with the status message:
-// InvalidArgument/OutOfRange/FailedPrecondition/PermissionDenied/Unimplemented → 400,
-// Unauthenticated → 401, NotFound → 404, AlreadyExists/Aborted → 409,
-// ResourceExhausted → 429, Unavailable/DeadlineExceeded → 503, others → 500.
+// Maps an absl::Status to an error response with the status message, with the one
+// Status → HTTP table, HttpStatusFor (common/util.h; the audit log records the same codes).
 // (Tenant isolation must be expressed as NotFound by the caller: never 403.)
 Response StatusResponse(const absl::Status& status);
 

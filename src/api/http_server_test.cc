@@ -2280,6 +2280,17 @@ TEST(HttpHelpersTest, ErrorResponsesMatchTheContract) {
   EXPECT_EQ(ErrorCodeForStatus(502), "internal");
 }
 
+// The API answers every Status with the one table the audit log records (HttpStatusFor).
+TEST(HttpHelpersTest, StatusResponseUsesTheOneStatusTable) {
+  for (int c = 0; c <= 16; ++c) {
+    absl::Status st(static_cast<absl::StatusCode>(c), c == 0 ? "" : "msg");
+    EXPECT_EQ(StatusResponse(st).status, HttpStatusFor(st)) << st;
+  }
+  EXPECT_EQ(StatusResponse(absl::CancelledError("caller left")).status, 499);
+  EXPECT_EQ(StatusResponse(absl::UnauthenticatedError("x")).status, 401);
+  EXPECT_EQ(StatusResponse(absl::UnavailableError("x")).status, 503);
+}
+
 TEST(HttpHelpersTest, AcceptsAndContentType) {
   Request req;
   req.headers_ = {{"Accept", "application/json;q=0.9, Text/Event-Stream"},

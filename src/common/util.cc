@@ -76,6 +76,35 @@ absl::Status ErrnoStatus(std::string_view what, int err) {
 
 absl::Status ErrnoStatus(std::string_view what) { return ErrnoStatus(what, errno); }
 
+int HttpStatusFor(const absl::Status& status) {
+  switch (status.code()) {
+    case absl::StatusCode::kOk:
+      return 200;
+    case absl::StatusCode::kInvalidArgument:
+    case absl::StatusCode::kOutOfRange:
+    case absl::StatusCode::kFailedPrecondition:
+    case absl::StatusCode::kPermissionDenied:
+    case absl::StatusCode::kUnimplemented:
+      return 400;
+    case absl::StatusCode::kUnauthenticated:
+      return 401;
+    case absl::StatusCode::kNotFound:
+      return 404;
+    case absl::StatusCode::kAlreadyExists:
+    case absl::StatusCode::kAborted:
+      return 409;
+    case absl::StatusCode::kResourceExhausted:
+      return 429;
+    case absl::StatusCode::kCancelled:
+      return 499;
+    case absl::StatusCode::kUnavailable:
+    case absl::StatusCode::kDeadlineExceeded:
+      return 503;
+    default:
+      return 500;
+  }
+}
+
 absl::Status ErrnoNameStatus(std::string_view name, std::string_view message) {
   static const struct { const char* name; int err; } kNames[] = {
       {"ENOENT", ENOENT}, {"EACCES", EACCES}, {"EPERM", EPERM}, {"EEXIST", EEXIST},

@@ -26,6 +26,12 @@ absl::Status ErrnoStatus(std::string_view what);  // uses errno
 // Maps an errno *name* ("ENOENT") reported by the agent to a Status with `message`.
 absl::Status ErrnoNameStatus(std::string_view errno_name, std::string_view message);
 
+// The one absl::Status → HTTP status table (API responses and audit rows): Ok 200;
+// InvalidArgument/OutOfRange/FailedPrecondition/PermissionDenied/Unimplemented 400;
+// Unauthenticated 401; NotFound 404; AlreadyExists/Aborted 409; ResourceExhausted 429;
+// Cancelled 499 (the caller went away); Unavailable/DeadlineExceeded 503; others 500.
+int HttpStatusFor(const absl::Status& status);
+
 // Cryptographically random lowercase hex string of 2*bytes characters (getrandom).
 std::string RandomHex(int bytes);
 

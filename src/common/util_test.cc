@@ -84,6 +84,26 @@ TEST(UtilTest, OneErrnoTableForNumbersAndNames) {
   EXPECT_TRUE(absl::IsInternal(ErrnoNameStatus("", "no errno")));
 }
 
+TEST(UtilTest, HttpStatusForMapsEveryCode) {
+  EXPECT_EQ(HttpStatusFor(absl::OkStatus()), 200);
+  EXPECT_EQ(HttpStatusFor(absl::InvalidArgumentError("x")), 400);
+  EXPECT_EQ(HttpStatusFor(absl::OutOfRangeError("x")), 400);
+  EXPECT_EQ(HttpStatusFor(absl::FailedPreconditionError("x")), 400);
+  EXPECT_EQ(HttpStatusFor(absl::PermissionDeniedError("x")), 400);
+  EXPECT_EQ(HttpStatusFor(absl::UnimplementedError("x")), 400);
+  EXPECT_EQ(HttpStatusFor(absl::UnauthenticatedError("x")), 401);
+  EXPECT_EQ(HttpStatusFor(absl::NotFoundError("x")), 404);
+  EXPECT_EQ(HttpStatusFor(absl::AlreadyExistsError("x")), 409);
+  EXPECT_EQ(HttpStatusFor(absl::AbortedError("x")), 409);
+  EXPECT_EQ(HttpStatusFor(absl::ResourceExhaustedError("x")), 429);
+  EXPECT_EQ(HttpStatusFor(absl::CancelledError("x")), 499);
+  EXPECT_EQ(HttpStatusFor(absl::UnavailableError("x")), 503);
+  EXPECT_EQ(HttpStatusFor(absl::DeadlineExceededError("x")), 503);
+  EXPECT_EQ(HttpStatusFor(absl::InternalError("x")), 500);
+  EXPECT_EQ(HttpStatusFor(absl::DataLossError("x")), 500);
+  EXPECT_EQ(HttpStatusFor(absl::UnknownError("x")), 500);
+}
+
 TEST(UtilTest, RandomHexIsHexAndDiffers) {
   std::string a = RandomHex(16), b = RandomHex(16);
   EXPECT_EQ(a.size(), 32u);

@@ -42,12 +42,8 @@ struct Caller {
   bool audited = true;
 };
 
-// The HTTP-style status an outcome is recorded with (the table of drivers/driver.h; the API
-// answers the same codes): OK 200, InvalidArgument/FailedPrecondition/OutOfRange/
-// PermissionDenied/Unimplemented 400, Unauthenticated 401, NotFound 404, AlreadyExists/
-// Aborted 409, ResourceExhausted 429, Cancelled 499 (the caller went away), Unavailable/
-// DeadlineExceeded 503, others 500.
-int AuditStatusFor(const absl::Status& status);
+// An outcome is recorded with HttpStatusFor(outcome) (common/util.h), the status the API
+// answers for it.
 
 // One audit row in the making.
 struct AuditEvent {

@@ -126,6 +126,7 @@ absl::Status ParseAudit(const json::value& v, AuditConfig* a) {
     else if (kv.key() == "burst") st = GetInt(kv.value(), key, &a->burst);
     else if (kv.key() == "max_detail_bytes") st = GetInt(kv.value(), key, &a->max_detail_bytes);
     else if (kv.key() == "query_timeout_ms") st = GetInt(kv.value(), key, &a->query_timeout_ms);
+    else if (kv.key() == "write_behind_ms") st = GetInt(kv.value(), key, &a->write_behind_ms);
     else return absl::InvalidArgumentError(absl::StrCat("config: unknown key '", key, "'"));
     if (!st.ok()) return st;
   }
@@ -136,6 +137,8 @@ absl::Status ParseAudit(const json::value& v, AuditConfig* a) {
   if (a->burst < 1) return TypeError("audit.burst", "1 or more");
   if (a->max_detail_bytes < 64 || a->max_detail_bytes > 65536)
     return TypeError("audit.max_detail_bytes", "64..65536");
+  if (a->write_behind_ms < 0 || a->write_behind_ms > 1000)
+    return TypeError("audit.write_behind_ms", "0 (synchronous)..1000");
   if (a->query_timeout_ms < 10 || a->query_timeout_ms > 60000)
     return TypeError("audit.query_timeout_ms", "10..60000");
   return absl::OkStatus();
@@ -145,6 +148,12 @@ absl::Status ParseAudit(const json::value& v, AuditConfig* a) {
 // every allowed size through.
 absl::Status ValidateHttpLimits(const DaemonConfig& c) {
   if (c.max_connections < 1) return TypeError("max_connections", "1 or more");
+  if (c.io_threads < 1 || c.io_threads > 64) return TypeError("io_threads", "1..64");
+  if (c.max_streams < 0 || c.max_streams > c.max_connections)
+    return TypeError("max_streams", "0 (max_connections)..max_connections");
+  if (c.max_open_connections_per_peer < 0 || c.max_open_connections_per_peer > (1 << 20))
+    return TypeError("max_open_connections_per_peer",
+                     "0 (seven eighths of the open-connection cap)..1048576");
   if (c.max_json_body_bytes < 1) return TypeError("max_json_body_bytes", "1 or more");
   if (c.max_buffered_body_bytes < c.max_json_body_bytes)
     return TypeError("max_buffered_body_bytes", "at least max_json_body_bytes");
@@ -246,6 +255,10 @@ absl::Status LoadConfigFile(const std::string& path, DaemonConfig* c) {
     else if (key == "max_upload_bytes") st = GetInt(v, key, &c->max_upload_bytes);
     else if (key == "max_json_body_bytes") st = GetInt(v, key, &c->max_json_body_bytes);
     else if (key == "max_connections") st = GetInt(v, key, &c->max_connections);
+    else if (key == "io_threads") st = GetInt(v, key, &c->io_threads);
+    else if (key == "max_streams") st = GetInt(v, key, &c->max_streams);
+    else if (key == "max_open_connections_per_peer")
+      st = GetInt(v, key, &c->max_open_connections_per_peer);
     else if (key == "max_buffered_body_bytes") st = GetInt(v, key, &c->max_buffered_body_bytes);
     else if (key == "max_buffered_header_bytes")
       st = GetInt(v, key, &c->max_buffered_header_bytes);

@@ -46,6 +46,9 @@ struct AuditConfig {
   int64_t burst = 200;
   int64_t max_detail_bytes = 1024;
   int64_t query_timeout_ms = 500;         // an audit search running longer answers 503
+  // Audit rows and exec counters are committed this long after the action, off its reply
+  // (StoreOptions::write_behind_ms; a crash may lose this interval of them). 0: synchronous.
+  int64_t write_behind_ms = 50;
 };
 
 struct DaemonConfig {
@@ -74,6 +77,13 @@ struct DaemonConfig {
   int64_t max_upload_bytes = 256ll << 20;
   int64_t max_json_body_bytes = 16ll << 20;
   int max_connections = 1024;
+  // The HTTP server's threads and connection caps (api/http_server.h Options): I/O threads
+  // (accept, idle and header waits, WebSockets; 1..64); streamed answers (SSE, downloads,
+  // WebSockets) at once, 0: max_connections; open connections from one peer (one IP, or one uid
+  // on the unix socket), 0: seven eighths of the open-connection cap (3/4 of RLIMIT_NOFILE).
+  int io_threads = 2;
+  int max_streams = 0;
+  int max_open_connections_per_peer = 0;
   // HTTP memory and fair shares (api/http_server.h Options): buffered JSON bodies across all
   // connections, and request headers still being received; per tenant (the dev-mode tenant and
   // anonymous clients count as one each): requests in progress at once and buffered bodies.

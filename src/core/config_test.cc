@@ -99,6 +99,37 @@ TEST(ConfigTest, DefaultPidsAboveMaxPidsIsRefusedAtLoad) {
   std::remove(path.c_str());
 }
 
+TEST(ConfigTest, HttpThreadsAndConnectionCapsAreSettableAndValidated) {
+  DaemonConfig defaults;
+  EXPECT_EQ(defaults.io_threads, 2);
+  EXPECT_EQ(defaults.max_streams, 0);
+  EXPECT_EQ(defaults.max_open_connections_per_peer, 0);
+  EXPECT_EQ(defaults.audit.write_behind_ms, 50);
+  DaemonConfig c;
+  std::string path = TempFile(
+      R"({"max_connections": 64, "io_threads": 4, "max_streams": 32,
+          "max_open_connections_per_peer": 20000, "audit": {"write_behind_ms": 0}})");
+  ASSERT_TRUE(LoadConfigFile(path, &c).ok());
+  EXPECT_EQ(c.io_threads, 4);
+  EXPECT_EQ(c.max_streams, 32);
+  EXPECT_EQ(c.max_open_connections_per_peer, 20000);
+  EXPECT_EQ(c.audit.write_behind_ms, 0);
+  std::remove(path.c_str());
+  for (const char* bad : {R"({"io_threads": 0})", R"({"io_threads": 65})",
+                          R"({"io_threads": "2"})", R"({"max_streams": -1})",
+                          R"({"max_connections": 8, "max_streams": 9})",
+                          R"({"max_open_connections_per_peer": -1})",
+                          R"({"max_open_connections_per_peer": 1048577})",
+                          R"({"audit": {"write_behind_ms": -1}})",
+                          R"({"audit": {"write_behind_ms": 1001}})"}) {
+    DaemonConfig d;
+    path = TempFile(bad);
+    absl::Status st = LoadConfigFile(path, &d);
+    EXPECT_TRUE(absl::IsInvalidArgument(st)) << bad << " → " << st;
+    std::remove(path.c_str());
+  }
+}
+
 TEST(ConfigTest, HttpBudgetsAndPerTenantSharesAreSettableAndValidated) {
   DaemonConfig c;
   std::string path = TempFile(

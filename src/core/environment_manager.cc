@@ -110,7 +110,7 @@ void EnvironmentManager::Persist(const EnvironmentRecord& record) {
   }
 }
 
-void EnvironmentManager::PersistLive(LiveEnv& env) {
+void EnvironmentManager::PersistLive(LiveEnv& env, bool deferred) {
   // The store may be slow (its writer mutex is shared with audit inserts, row-cap deletes and
   // retention): wait for it holding only this environment's persist_mu, which no lookup takes.
   std::lock_guard<std::mutex> plock(env.persist_mu);
@@ -119,7 +119,12 @@ void EnvironmentManager::PersistLive(LiveEnv& env) {
     std::lock_guard<std::mutex> elock(env.mu);
     snapshot = env.record;
   }
-  Persist(snapshot);
+  if (!deferred) return Persist(snapshot);
+  absl::Status st = store_->PutEnvironmentDeferred(snapshot);
+  if (!st.ok()) {
+    metrics_->CountError("store");
+    LogError(absl::StrCat("persisting environment ", snapshot.id, ": ", st.ToString()));
+  }
 }
 
 absl::Status EnvironmentManager::Start() {
@@ -584,8 +589,10 @@ absl::StatusOr<ExecResult> EnvironmentManager::Exec(const Caller& caller, const 
     (*env)->record.last_used_ms = Now();
     running = (*env)->record.state == EnvState::kRunning;
   }
-  // Destroyed while the command ran: its final row is already written; keep it.
-  if (running) PersistLive(**env);
+  // Destroyed while the command ran: its final row is already written; keep it. The counters
+  // (exec_count, last_used_ms) are written behind the reply (a crash may lose the last
+  // StoreOptions::write_behind_ms of them; the TTL lease is kept in memory and by heartbeats).
+  if (running) PersistLive(**env, /*deferred=*/true);
   audit_.Record(caller, {.environment_id = id,
                          .action = "execute",
                          .detail = request.command,
@@ -772,7 +779,7 @@ absl::StatusOr<RunResult> EnvironmentManager::RunCode(const Caller& caller, cons
     (*env)->record.last_used_ms = Now();
     running = (*env)->record.state == EnvState::kRunning;
   }
-  if (running) PersistLive(**env);
+  if (running) PersistLive(**env, /*deferred=*/true);  // counters: written behind, as Exec
   audit_.Record(caller, {.environment_id = id,
                          .action = "run",
                          .detail = RunDetail((*env)->driver->name(), request),

@@ -198,7 +198,8 @@ class EnvironmentManager {
   void Reap(const std::shared_ptr<LiveEnv>& env, const std::string& reason);
   void Persist(const EnvironmentRecord& record);
   // Writes the current record of `env` (a snapshot) to the store, off env.mu and mu_.
-  void PersistLive(LiveEnv& env);
+  // deferred: through the store's write-behind (counters only: exec_count, last_used_ms).
+  void PersistLive(LiveEnv& env, bool deferred = false);
   EnvironmentInfo InfoOf(const EnvironmentRecord& record, bool pooled) const;
   void ReaperLoop();
   void PoolLoop();

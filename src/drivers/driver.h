@@ -224,10 +224,8 @@ struct SnapshotRef {
   std::string state;
 };
 
-// Errors use absl canonical codes, which the API maps to HTTP:
-// NotFound → 404, InvalidArgument → 400, PermissionDenied → 400 (inside-sandbox EACCES),
-// ResourceExhausted → 413/429, FailedPrecondition → 409, Unavailable → 503,
-// DeadlineExceeded → 504, Unimplemented → 400 with the message, others → 500.
+// Errors use absl canonical codes, which the API maps to HTTP with HttpStatusFor
+// (common/util.h; e.g. NotFound → 404, InvalidArgument → 400, Unavailable → 503).
 // Attach's answer for an instance that is alive but was created by an older esbd whose
 // sandbox layout lacks protections the current one relies on (so it must not be adopted).
 // The core destroys such an instance and records destroy_reason "sandbox_outdated".

@@ -206,6 +206,7 @@ int main(int argc, char** argv) {
   sopts.audit_burst = static_cast<double>(config.audit.burst);
   sopts.max_detail_bytes = static_cast<size_t>(config.audit.max_detail_bytes);
   sopts.audit_query_timeout_ms = config.audit.query_timeout_ms;
+  sopts.write_behind_ms = config.audit.write_behind_ms;
   auto store = esb::Store::Open(state_dir + "/esbd.db", sopts);
   if (!store.ok()) return Fail(absl::StrCat("opening the state database: ", store.status().ToString()));
 
@@ -274,6 +275,9 @@ int main(int argc, char** argv) {
                            : config.unix_socket == "none" ? ""
                                                           : config.unix_socket;
   hopts.max_connections = config.max_connections;
+  hopts.io_threads = config.io_threads;
+  hopts.max_streams = config.max_streams;
+  hopts.max_open_connections_per_peer = config.max_open_connections_per_peer;
   hopts.max_body_bytes = static_cast<uint64_t>(config.max_json_body_bytes);
   hopts.max_buffered_body_bytes = static_cast<uint64_t>(config.max_buffered_body_bytes);
   hopts.max_buffered_header_bytes = static_cast<uint64_t>(config.max_buffered_header_bytes);

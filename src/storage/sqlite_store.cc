@@ -19,6 +19,7 @@
 #include <memory>
 #include <mutex>
 #include <set>
+#include <thread>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -398,8 +399,44 @@ class SqliteStore final : public Store {
     if (!options_.now_ms) options_.now_ms = NowUnixMs;
   }
   ~SqliteStore() override {
+    // The write-behind thread stops, then whatever it had queued is written here.
+    {
+      std::lock_guard<std::mutex> q(queue_mu_);
+      stopping_ = true;
+    }
+    queue_cv_.notify_all();
+    if (writer_thread_.joinable()) writer_thread_.join();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      FlushLocked().IgnoreError();  // logged there
+    }
     // Readers first: the writer's close is the last one and checkpoints the WAL.
     readers_.clear();
+  }
+
+  // Starts the write-behind thread (after Init/OpenReaders; none with write_behind_ms 0).
+  void StartWriteBehind() {
+    if (options_.write_behind_ms <= 0) return;
+    writer_thread_ = std::thread([this] { WriteBehindLoop(); });
+  }
+
+  absl::Status Flush() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return FlushLocked();
+  }
+
+  absl::Status PutEnvironmentDeferred(const EnvironmentRecord& rec) override {
+    if (rec.id.empty()) return absl::InvalidArgumentError("PutEnvironment: empty id");
+    if (options_.write_behind_ms <= 0) return PutEnvironment(rec);
+    bool was_empty;
+    {
+      std::lock_guard<std::mutex> q(queue_mu_);
+      was_empty = QueueEmptyLocked();
+      // One per environment id (bounded by the environments the core holds): the newest wins.
+      queued_envs_[rec.id] = rec;
+    }
+    if (was_empty) queue_cv_.notify_one();
+    return absl::OkStatus();
   }
 
   absl::Status Init(bool is_file) {
@@ -461,6 +498,18 @@ class SqliteStore final : public Store {
   absl::Status PutEnvironment(const EnvironmentRecord& rec) override {
     if (rec.id.empty()) return absl::InvalidArgumentError("PutEnvironment: empty id");
     std::lock_guard<std::mutex> lock(mu_);
+    {
+      // A queued deferred update of this id is older (the core writes one environment's
+      // snapshots in order) and must not land after this one. One the write-behind thread has
+      // already taken is being written under mu_, i.e. before this.
+      std::lock_guard<std::mutex> q(queue_mu_);
+      queued_envs_.erase(rec.id);
+    }
+    return WriteEnvironmentLocked(rec);
+  }
+
+  // Caller holds mu_.
+  absl::Status WriteEnvironmentLocked(const EnvironmentRecord& rec) {
     auto stmt = Prepare(
         "INSERT INTO environments (id, tenant, state, runtime, image, spec_json, driver_state, "
         "created_ms, last_used_ms, expires_ms, destroyed_ms, destroy_reason, exec_count) "
@@ -490,6 +539,7 @@ class SqliteStore final : public Store {
 
   absl::StatusOr<EnvironmentRecord> GetEnvironment(const std::string& id) override {
     std::lock_guard<std::mutex> lock(mu_);
+    FlushLocked().IgnoreError();  // reads see queued writes (a failure is logged there)
     auto stmt = Prepare(absl::StrCat("SELECT ", kEnvColumns, " FROM environments WHERE id = ?1"));
     if (!stmt.ok()) return stmt.status();
     stmt->Bind(1, id);
@@ -501,6 +551,7 @@ class SqliteStore final : public Store {
 
   absl::StatusOr<std::vector<EnvironmentRecord>> ListLiveEnvironments() override {
     std::lock_guard<std::mutex> lock(mu_);
+    FlushLocked().IgnoreError();
     auto stmt = Prepare(absl::StrCat("SELECT ", kEnvColumns,
                                      " FROM environments WHERE state != 'destroyed' "
                                      "ORDER BY created_ms, id"));
@@ -511,6 +562,7 @@ class SqliteStore final : public Store {
   absl::StatusOr<std::vector<EnvironmentRecord>> ListEnvironments(const std::string& tenant,
                                                                   bool include_destroyed) override {
     std::lock_guard<std::mutex> lock(mu_);
+    FlushLocked().IgnoreError();
     // Live ones all (the quota bounds them), destroyed ones the newest kMaxListedDestroyed.
     auto stmt = Prepare(absl::StrCat(
         "SELECT * FROM (SELECT ", kEnvColumns,
@@ -638,10 +690,28 @@ class SqliteStore final : public Store {
     row.environment_id = CapField(e.environment_id, kMaxEnvironmentIdBytes);
     row.detail = CapField(e.detail, options_.max_detail_bytes);
     row.principal = CapField(e.principal, kMaxActionBytes);
+    const int64_t now = options_.now_ms();  // the rate is judged by the time of the call
+    if (options_.write_behind_ms > 0) {
+      {
+        std::lock_guard<std::mutex> q(queue_mu_);
+        if (queued_audit_.size() < options_.max_write_behind_rows) {
+          const bool was_empty = QueueEmptyLocked();
+          queued_audit_.push_back({std::move(row), now});
+          if (was_empty) queue_cv_.notify_one();
+          return absl::OkStatus();
+        }
+      }
+      // Queue full: this caller writes the backlog and its own row (never dropped).
+    }
     std::lock_guard<std::mutex> lock(mu_);
+    FlushLocked().IgnoreError();
+    return AppendAuditLocked(row, now);
+  }
+
+  // The rate limit, summaries and row cap of one audit row judged at `now`. Caller holds mu_.
+  absl::Status AppendAuditLocked(const AuditEntry& row, int64_t now) {
     TenantAudit& t = tenants_[row.tenant];
     // Token bucket, refilled by the time since the tenant's last row.
-    const int64_t now = options_.now_ms();
     if (t.refill_ms == 0) {
       t.tokens = options_.audit_burst;
     } else if (now > t.refill_ms) {
@@ -650,7 +720,7 @@ class SqliteStore final : public Store {
     }
     t.refill_ms = std::max(t.refill_ms, now);
     if (t.tokens < 1) {
-      Suppress(t, row);
+      Suppress(t, row, now);
       return absl::OkStatus();
     }
     t.tokens -= 1;
@@ -664,6 +734,18 @@ class SqliteStore final : public Store {
 
   absl::StatusOr<std::vector<AuditEntry>> QueryAudit(const AuditQuery& q) override {
     if (q.tenant.empty()) return absl::InvalidArgumentError("audit query needs a tenant");
+    {
+      // Searches see queued rows: only then do they wait for the writer's mutex.
+      bool queued;
+      {
+        std::lock_guard<std::mutex> lock(queue_mu_);
+        queued = !QueueEmptyLocked();
+      }
+      if (queued) {
+        std::lock_guard<std::mutex> lock(mu_);
+        FlushLocked().IgnoreError();
+      }
+    }
     if (q.limit < 1 || q.limit > kMaxAuditLimit) {
       return absl::InvalidArgumentError(
           absl::StrCat("audit limit must be between 1 and ", kMaxAuditLimit, ", got ", q.limit));
@@ -792,6 +874,7 @@ class SqliteStore final : public Store {
 
   absl::Status Maintain() override {
     std::lock_guard<std::mutex> lock(mu_);
+    FlushLocked().IgnoreError();
     const int64_t now = options_.now_ms();
     for (auto& [tenant, t] : tenants_) {
       if (!t.suppressed.empty() && now - t.suppressed_since_ms >= kSuppressFlushMs) {
@@ -808,6 +891,7 @@ class SqliteStore final : public Store {
 
   absl::StatusOr<int64_t> CountAudit(const std::string& tenant) override {
     std::lock_guard<std::mutex> lock(mu_);
+    FlushLocked().IgnoreError();
     auto stmt = Prepare("SELECT count(*) FROM audit WHERE ?1 = '' OR tenant = ?1");
     if (!stmt.ok()) return stmt.status();
     stmt->Bind(1, tenant);
@@ -817,6 +901,61 @@ class SqliteStore final : public Store {
   }
 
  private:
+  bool QueueEmptyLocked() const { return queued_audit_.empty() && queued_envs_.empty(); }
+
+  // The write-behind thread: once something is queued, waits write_behind_ms for more, then
+  // writes it all in one transaction.
+  void WriteBehindLoop() {
+    std::unique_lock<std::mutex> q(queue_mu_);
+    for (;;) {
+      queue_cv_.wait(q, [this] { return stopping_ || !QueueEmptyLocked(); });
+      if (stopping_) return;  // the destructor writes what is left
+      queue_cv_.wait_for(q, std::chrono::milliseconds(options_.write_behind_ms),
+                         [this] { return stopping_; });
+      if (stopping_) return;
+      q.unlock();
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        FlushLocked().IgnoreError();  // logged there
+      }
+      q.lock();
+    }
+  }
+
+  // Writes everything queued, in one transaction. Caller holds mu_ (lock order: mu_, then
+  // queue_mu_). A failure is logged with what it cost; the first error is returned.
+  absl::Status FlushLocked() {
+    std::vector<QueuedAudit> audit;
+    std::map<std::string, EnvironmentRecord> envs;
+    {
+      std::lock_guard<std::mutex> q(queue_mu_);
+      if (QueueEmptyLocked()) return absl::OkStatus();
+      audit.swap(queued_audit_);
+      envs.swap(queued_envs_);
+    }
+    absl::Status first = Exec("BEGIN");
+    const bool in_txn = first.ok();
+    auto note = [&first](absl::Status s) {
+      if (!s.ok() && first.ok()) first = std::move(s);
+    };
+    for (const auto& [id, rec] : envs) note(WriteEnvironmentLocked(rec));
+    for (const QueuedAudit& a : audit) note(AppendAuditLocked(a.row, a.now));
+    if (in_txn) {
+      absl::Status commit = Exec("COMMIT");
+      if (!commit.ok()) {
+        Exec("ROLLBACK").IgnoreError();
+        for (auto& [tenant, t] : tenants_) t.rows = -1;  // recount: the inserts are gone
+        note(commit);
+      }
+    }
+    if (!first.ok()) {
+      LogError(absl::StrCat("storage: write-behind of ", audit.size(), " audit rows and ",
+                            envs.size(), " environment updates failed (", first.ToString(),
+                            ")", in_txn ? "" : "; written without a transaction"));
+    }
+    return first;
+  }
+
   // Runs `f` when it goes out of scope.
   class Cleanup {
    public:
@@ -848,12 +987,12 @@ class SqliteStore final : public Store {
     std::map<std::tuple<std::string, std::string, int>, Suppressed> suppressed;
   };
 
-  void Suppress(TenantAudit& t, const AuditEntry& row) {
+  void Suppress(TenantAudit& t, const AuditEntry& row, int64_t now) {
     std::tuple<std::string, std::string, int> kind{row.environment_id, row.action, row.status};
     if (t.suppressed.size() >= kMaxSuppressedKinds && !t.suppressed.count(kind)) {
       kind = {"", "audit.other", 0};  // bounded: every further kind shares one counter
     }
-    if (t.suppressed.empty()) t.suppressed_since_ms = options_.now_ms();
+    if (t.suppressed.empty()) t.suppressed_since_ms = now;
     Suppressed& sup = t.suppressed[kind];
     if (sup.count++ == 0) {
       sup.first_ms = row.time_ms;
@@ -1066,6 +1205,18 @@ class SqliteStore final : public Store {
   std::condition_variable readers_cv_;
   std::vector<Conn*> free_readers_;
   std::set<std::string> searching_;  // tenants with an audit search running
+
+  // Write-behind queue (StoreOptions::write_behind_ms); guarded by queue_mu_, taken after mu_.
+  struct QueuedAudit {
+    AuditEntry row;  // already capped
+    int64_t now;     // when it was appended: the rate limit's clock
+  };
+  std::mutex queue_mu_;
+  std::condition_variable queue_cv_;
+  std::vector<QueuedAudit> queued_audit_;
+  std::map<std::string, EnvironmentRecord> queued_envs_;
+  bool stopping_ = false;
+  std::thread writer_thread_;
 };
 
 // Audit search grammar (the only FTS5 that reaches SQLite is rebuilt from these tokens):
@@ -1378,6 +1529,7 @@ absl::StatusOr<std::unique_ptr<Store>> Store::Open(const std::string& path,
       return absl::Status(s.code(), absl::StrCat("open database ", path, ": ", s.message()));
     }
   }
+  store->StartWriteBehind();
   return std::unique_ptr<Store>(std::move(store));
 }
 

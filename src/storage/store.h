@@ -87,6 +87,16 @@ struct StoreOptions {
   // Read-only connections for audit searches (file databases only; ":memory:" uses the writer).
   int audit_readers = 2;
   std::function<int64_t()> now_ms;  // injectable clock (unix ms); defaults to NowUnixMs
+  // Write-behind: audit rows (AppendAudit) and deferred environment updates
+  // (PutEnvironmentDeferred) are queued and committed by a background writer in one transaction
+  // at most this long after they were queued (0: written synchronously by the caller). Every
+  // read (environments, audit searches and counts, Maintain) and the store's destruction flush
+  // the queue first, so readers always see them. A crash (SIGKILL, power loss) may lose at most
+  // this interval of queued rows and counters.
+  int64_t write_behind_ms = 50;
+  // Audit rows queued at most; when the queue is full the caller flushes it (and writes its row)
+  // synchronously: a burst slows callers down, never drops a row.
+  size_t max_write_behind_rows = 4096;
 };
 
 // Caps on the cost of one audit search (checked before SQLite sees the query).
@@ -106,6 +116,14 @@ class Store {
   virtual ~Store() = default;
 
   virtual absl::Status PutEnvironment(const EnvironmentRecord& rec) = 0;  // insert or replace
+  // The same, off the caller's path (write-behind, StoreOptions::write_behind_ms): for
+  // counters a crash may lose (exec_count, last_used_ms). Queued updates of one id coalesce to
+  // the newest; a later PutEnvironment of that id supersedes a queued one. Reads see it.
+  virtual absl::Status PutEnvironmentDeferred(const EnvironmentRecord& rec) {
+    return PutEnvironment(rec);
+  }
+  // Writes everything queued by the write-behind now.
+  virtual absl::Status Flush() { return absl::OkStatus(); }
   virtual absl::StatusOr<EnvironmentRecord> GetEnvironment(const std::string& id) = 0;
   // All environments not in state "destroyed" (any tenant); for re-attach after restart.
   virtual absl::StatusOr<std::vector<EnvironmentRecord>> ListLiveEnvironments() = 0;
@@ -127,7 +145,8 @@ class Store {
   virtual absl::StatusOr<int64_t> CountActiveApiKeys() = 0;
 
   // Stores one audit row, subject to the tenant's rate (over it: counted into a summary row)
-  // and row cap; `detail` is cut to max_detail_bytes.
+  // and row cap; `detail` is cut to max_detail_bytes. Write-behind (StoreOptions): queued and
+  // committed within write_behind_ms; the rate is judged by the time of this call.
   virtual absl::Status AppendAudit(const AuditEntry& entry) = 0;
   // InvalidArgument for a bad or too costly query, DeadlineExceeded when it runs too long,
   // ResourceExhausted when the tenant already has a search running.

@@ -522,6 +522,9 @@ TEST(StoreFileTest, TwoConnectionsShareOneFile) {
   ASSERT_NE(b, nullptr);
   ASSERT_TRUE(a->AppendAudit(MakeAudit("acme", "env_1", 1, "execute", "from a")).ok());
   ASSERT_TRUE(b->AppendAudit(MakeAudit("acme", "env_1", 2, "execute", "from b")).ok());
+  // Another store sees b's row once b's write-behind wrote it (within write_behind_ms; a
+  // store's own reads flush its queue, not another's): write it now.
+  ASSERT_TRUE(b->Flush().ok());
   auto r = a->QueryAudit(Q("acme", 100, "from"));
   ASSERT_TRUE(r.ok());
   EXPECT_EQ(r->size(), 2u);
@@ -1062,6 +1065,131 @@ TEST(StoreFileTest, MigrationFromV1ScopesTheIndexAndCapsOldDetails) {
   EXPECT_EQ(RawQuery(path, "SELECT count(*) FROM audit_fts WHERE audit_fts MATCH 'scope : t" +
                                std::string("61636d65") + "'"),
             "1");
+}
+
+
+// ---- Write-behind (StoreOptions::write_behind_ms) ----
+
+AuditEntry WriteBehindRow(int i) {
+  AuditEntry e;
+  e.tenant = "t1";
+  e.principal = "dev";
+  e.environment_id = "env_wb";
+  e.action = "execute";
+  e.detail = absl::StrCat("echo ", i);
+  e.status = 200;
+  return e;
+}
+
+EnvironmentRecord WriteBehindEnv(int64_t exec_count, EnvState state) {
+  EnvironmentRecord r;
+  r.id = "env_wb";
+  r.tenant = "t1";
+  r.state = state;
+  r.runtime = "container";
+  r.exec_count = exec_count;
+  return r;
+}
+
+// What another process sees in the file (no flush of this store's queue).
+int64_t RowsOnDisk(const std::string& path) {
+  return std::stoll(RawQuery(path, "SELECT count(*) FROM audit"));
+}
+
+TEST(WriteBehindTest, ReadsSeeQueuedRowsAndUpdatesAtOnce) {
+  TempDir dir;
+  StoreOptions o;
+  o.write_behind_ms = 60'000;  // the thread would not write them during the test
+  auto store = Store::Open(dir.File("esb.db"), o);
+  ASSERT_TRUE(store.ok()) << store.status();
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE((*store)->AppendAudit(WriteBehindRow(i)).ok());
+  ASSERT_TRUE((*store)->PutEnvironmentDeferred(WriteBehindEnv(7, EnvState::kRunning)).ok());
+  EXPECT_EQ(RowsOnDisk(dir.File("esb.db")), 0);  // really queued
+  AuditQuery q;
+  q.tenant = "t1";
+  auto rows = (*store)->QueryAudit(q);
+  ASSERT_TRUE(rows.ok()) << rows.status();
+  EXPECT_EQ(rows->size(), 3u);
+  EXPECT_EQ(*(*store)->CountAudit("t1"), 3);
+  auto env = (*store)->GetEnvironment("env_wb");
+  ASSERT_TRUE(env.ok()) << env.status();
+  EXPECT_EQ(env->exec_count, 7);
+}
+
+TEST(WriteBehindTest, TheThreadWritesWithinTheInterval) {
+  TempDir dir;
+  StoreOptions o;
+  o.write_behind_ms = 20;
+  auto store = Store::Open(dir.File("esb.db"), o);
+  ASSERT_TRUE(store.ok()) << store.status();
+  ASSERT_TRUE((*store)->AppendAudit(WriteBehindRow(1)).ok());
+  int64_t seen = 0;
+  for (int i = 0; i < 200 && seen == 0; ++i) {  // ≤ 2 s, well past 20 ms
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    seen = RowsOnDisk(dir.File("esb.db"));
+  }
+  EXPECT_EQ(seen, 1);
+}
+
+TEST(WriteBehindTest, ClosingTheStoreWritesEverythingQueued) {
+  TempDir dir;
+  StoreOptions o;
+  o.write_behind_ms = 60'000;
+  {
+    auto store = Store::Open(dir.File("esb.db"), o);
+    ASSERT_TRUE(store.ok()) << store.status();
+    for (int i = 0; i < 10; ++i) ASSERT_TRUE((*store)->AppendAudit(WriteBehindRow(i)).ok());
+    ASSERT_TRUE((*store)->PutEnvironmentDeferred(WriteBehindEnv(3, EnvState::kRunning)).ok());
+  }
+  EXPECT_EQ(RowsOnDisk(dir.File("esb.db")), 10);
+  EXPECT_EQ(RawQuery(dir.File("esb.db"), "SELECT exec_count FROM environments"), "3");
+}
+
+// A full queue never drops a row: the caller writes the backlog and its own row itself.
+TEST(WriteBehindTest, AFullQueueMakesTheCallerWriteSynchronously) {
+  TempDir dir;
+  StoreOptions o;
+  o.write_behind_ms = 60'000;
+  o.max_write_behind_rows = 2;
+  auto store = Store::Open(dir.File("esb.db"), o);
+  ASSERT_TRUE(store.ok()) << store.status();
+  for (int i = 0; i < 5; ++i) ASSERT_TRUE((*store)->AppendAudit(WriteBehindRow(i)).ok());
+  // Rows 0 and 1 queued; row 2 found the queue full and wrote 0, 1 and itself; 3, 4 queued.
+  EXPECT_EQ(RowsOnDisk(dir.File("esb.db")), 3);
+  EXPECT_EQ(*(*store)->CountAudit("t1"), 5);
+}
+
+// A deferred counter update queued before a synchronous write of the same environment (e.g.
+// its destroy) must never land after it.
+TEST(WriteBehindTest, AQueuedUpdateNeverOverwritesALaterSynchronousPut) {
+  TempDir dir;
+  StoreOptions o;
+  o.write_behind_ms = 60'000;
+  auto store = Store::Open(dir.File("esb.db"), o);
+  ASSERT_TRUE(store.ok()) << store.status();
+  ASSERT_TRUE((*store)->PutEnvironmentDeferred(WriteBehindEnv(9, EnvState::kRunning)).ok());
+  ASSERT_TRUE((*store)->PutEnvironment(WriteBehindEnv(9, EnvState::kDestroyed)).ok());
+  ASSERT_TRUE((*store)->Flush().ok());
+  auto env = (*store)->GetEnvironment("env_wb");
+  ASSERT_TRUE(env.ok()) << env.status();
+  EXPECT_EQ(env->state, EnvState::kDestroyed);
+}
+
+// The rate limit judges a queued row by the time it was appended, not when it is written.
+TEST(WriteBehindTest, TheRateLimitUsesTheAppendTime) {
+  TempDir dir;
+  std::atomic<int64_t> now{1'000'000};
+  StoreOptions o;
+  o.write_behind_ms = 60'000;
+  o.audit_rate_per_s = 1;
+  o.audit_burst = 2;
+  o.now_ms = [&now] { return now.load(); };
+  auto store = Store::Open(dir.File("esb.db"), o);
+  ASSERT_TRUE(store.ok()) << store.status();
+  for (int i = 0; i < 5; ++i) ASSERT_TRUE((*store)->AppendAudit(WriteBehindRow(i)).ok());
+  now += 3'600'000;  // an hour later the bucket would be full again
+  // Appended within one instant: 2 admitted, 3 counted for a summary (not yet written).
+  EXPECT_EQ(*(*store)->CountAudit("t1"), 2);
 }
 
 }  // namespace

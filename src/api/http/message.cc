@@ -213,38 +213,7 @@ std::string_view ErrorCodeForStatus(int status) {
 }
 
 Response StatusResponse(const absl::Status& status) {
-  int code = 500;
-  switch (status.code()) {
-    case absl::StatusCode::kOk:
-      code = 200;
-      break;
-    case absl::StatusCode::kInvalidArgument:
-    case absl::StatusCode::kOutOfRange:
-    case absl::StatusCode::kFailedPrecondition:
-    case absl::StatusCode::kPermissionDenied:
-    case absl::StatusCode::kUnimplemented:
-      code = 400;
-      break;
-    case absl::StatusCode::kUnauthenticated:
-      code = 401;
-      break;
-    case absl::StatusCode::kNotFound:
-      code = 404;
-      break;
-    case absl::StatusCode::kAlreadyExists:
-    case absl::StatusCode::kAborted:
-      code = 409;
-      break;
-    case absl::StatusCode::kResourceExhausted:
-      code = 429;
-      break;
-    case absl::StatusCode::kUnavailable:
-    case absl::StatusCode::kDeadlineExceeded:
-      code = 503;
-      break;
-    default:
-      code = 500;
-  }
+  int code = HttpStatusFor(status);  // common/util.h: the one Status → HTTP table
   if (code == 200) return JsonResponse(200, boost::json::object{{"error", false}});
   return ErrorResponse(code, StdView(status.message()));
 }
