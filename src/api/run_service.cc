@@ -87,7 +87,13 @@ std::string RequirementLine(absl::string_view line, std::vector<std::string>* ou
   return "";
 }
 
-Response RunErrorResponse(const absl::Status& status) { return StatusResponse(status); }
+// Prepare's refusals; a missing tier gets its own machine-readable code (docs/api.md).
+Response RunErrorResponse(const absl::Status& status) {
+  if (run::IsTierUnavailable(status)) {
+    return ErrorResponse(400, "tier_unavailable", StdView(status.message()));
+  }
+  return StatusResponse(status);
+}
 
 }  // namespace
 

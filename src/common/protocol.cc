@@ -35,8 +35,8 @@ uint32_t GetU32(const char* in) {
 bool ValidType(uint8_t t) { return t >= 1 && t <= 7; }
 
 // Checks the fixed part of a frame (magic, type, stream, header length) against the frame's
-// length. Returns an error message or "".
-std::string CheckFixed(const char* fixed, uint32_t length) {
+// length and the channel's payload bound. Returns an error message or "".
+std::string CheckFixed(const char* fixed, uint32_t length, uint32_t max_payload) {
   uint8_t magic = static_cast<uint8_t>(fixed[0]);
   if (magic != kMagic) {
     if (magic >= 1 && magic <= 4) return kV1PeerError;
@@ -52,7 +52,7 @@ std::string CheckFixed(const char* fixed, uint32_t length) {
   if (header_len > kMaxHeaderBytes) return "frame header too large";
   if (header_len > length - kFixedBytes) return "frame header length exceeds frame";
   uint32_t payload_len = length - kFixedBytes - header_len;
-  if (payload_len > kMaxPayloadBytes) return "frame payload too large";
+  if (payload_len > max_payload) return "frame payload too large";
   auto t = static_cast<FrameType>(type);
   if ((t == FrameType::kOutput || t == FrameType::kInput) && payload_len > kMaxChunkBytes) {
     return "data frame payload larger than 64 KiB";
@@ -222,6 +222,15 @@ std::string EncodeFrame(const Frame& frame) {
   return out;
 }
 
+namespace {
+uint32_t ChannelPayloadBound(uint32_t max_payload_bytes) {
+  return std::min(max_payload_bytes, kMaxChannelPayloadBytes);
+}
+}  // namespace
+
+FrameDecoder::FrameDecoder(uint32_t max_payload_bytes)
+    : max_payload_(ChannelPayloadBound(max_payload_bytes)) {}
+
 void FrameDecoder::Feed(std::string_view bytes) {
   if (failed()) return;
   if (offset_ > kCompactThreshold && offset_ * 2 > buffer_.size()) {
@@ -246,12 +255,13 @@ std::optional<Frame> FrameDecoder::Next() {
     }
     return std::nullopt;
   }
-  if (length > kMaxFrameBytes) {
+  if (length > MaxFrameBytes(max_payload_)) {
     error_ = "frame too large (" + std::to_string(length) + " bytes)";
     return std::nullopt;
   }
   if (avail - kPrefixBytes < kFixedBytes) return std::nullopt;
-  if (std::string err = CheckFixed(buffer_.data() + offset_ + kPrefixBytes, length); !err.empty()) {
+  if (std::string err = CheckFixed(buffer_.data() + offset_ + kPrefixBytes, length, max_payload_);
+      !err.empty()) {
     error_ = std::move(err);
     return std::nullopt;
   }
@@ -272,7 +282,7 @@ std::optional<Frame> FrameDecoder::Next() {
   return frame;
 }
 
-bool WriteFrame(int fd, const Frame& frame, std::string* error) {
+bool WriteFrame(int fd, const Frame& frame, std::string* error, uint32_t max_payload_bytes) {
   if ((frame.type == FrameType::kHello) != (frame.stream == 0)) {
     if (error) *error = "bad stream id for the frame type";
     return false;
@@ -284,7 +294,7 @@ bool WriteFrame(int fd, const Frame& frame, std::string* error) {
   }
   size_t limit = frame.type == FrameType::kOutput || frame.type == FrameType::kInput
                      ? kMaxChunkBytes
-                     : kMaxPayloadBytes;
+                     : ChannelPayloadBound(max_payload_bytes);
   if (frame.payload.size() > limit) {
     if (error) *error = "frame payload too large";
     return false;
@@ -302,12 +312,14 @@ bool WriteAll(int fd, std::string_view data, std::string* error) {
 }
 
 bool ReadFrame(int fd, Frame* frame, std::string* error, int64_t deadline_ms,
-               uint32_t max_frame_bytes, const FrameLimit& limit, int wake_fd) {
+               uint32_t max_frame_bytes, const FrameLimit& limit, int wake_fd,
+               uint32_t max_payload_bytes) {
+  uint32_t max_payload = ChannelPayloadBound(max_payload_bytes);
   char prefix[kPrefixBytes + kFixedBytes];
   if (!ReadFull(fd, prefix, kPrefixBytes, deadline_ms, error, wake_fd)) return false;
   uint32_t length = GetU32(prefix);
   // Refused from the length alone (every v1 frame is shorter than this too).
-  if (length > std::min(kMaxFrameBytes, max_frame_bytes)) {
+  if (length > std::min(MaxFrameBytes(max_payload), max_frame_bytes)) {
     if (error) *error = "frame too large (" + std::to_string(length) + " bytes)";
     return false;
   }
@@ -327,7 +339,7 @@ bool ReadFrame(int fd, Frame* frame, std::string* error, int64_t deadline_ms,
   if (!ReadFull(fd, prefix + kPrefixBytes + 1, kFixedBytes - 1, deadline_ms, error, wake_fd)) {
     return false;
   }
-  if (std::string err = CheckFixed(prefix + kPrefixBytes, length); !err.empty()) {
+  if (std::string err = CheckFixed(prefix + kPrefixBytes, length, max_payload); !err.empty()) {
     if (error) *error = std::move(err);
     return false;
   }

@@ -27,7 +27,13 @@ enum class FrameType : uint8_t {
 inline constexpr uint8_t kMagic = 0xE5;
 inline constexpr int kVersion = 2;
 inline constexpr uint32_t kMaxHeaderBytes = 64 * 1024;
+// The agent channel's payload bound (REQUEST and RESPONSE file data).
 inline constexpr uint32_t kMaxPayloadBytes = 16 * 1024 * 1024;
+// Every channel has its own payload bound, given to the decoder, ReadFrame and WriteFrame: the
+// agent channel's is kMaxPayloadBytes (the default everywhere); the nano tier's channel passes
+// its own (drivers/nano/wire.h: 80 MiB of output and files). No channel's exceeds this, so a
+// frame length always fits a u32 with room to spare.
+inline constexpr uint32_t kMaxChannelPayloadBytes = 256u * 1024 * 1024;
 // OUTPUT and INPUT payloads: streaming data travels in chunks this size at most, so writers of
 // different streams interleave fairly on one byte stream.
 inline constexpr uint32_t kMaxChunkBytes = 64 * 1024;
@@ -36,7 +42,13 @@ inline constexpr uint32_t kMaxChunkBytes = 64 * 1024;
 inline constexpr uint32_t kInitialWindow = 256 * 1024;
 // magic + type + stream + header_len
 inline constexpr uint32_t kFixedBytes = 1 + 1 + 4 + 4;
-inline constexpr uint32_t kMaxFrameBytes = kFixedBytes + kMaxHeaderBytes + kMaxPayloadBytes;
+// Longest frame of a channel whose payload bound is `max_payload_bytes`.
+constexpr uint32_t MaxFrameBytes(uint32_t max_payload_bytes) {
+  return kFixedBytes + kMaxHeaderBytes +
+         (max_payload_bytes < kMaxChannelPayloadBytes ? max_payload_bytes
+                                                      : kMaxChannelPayloadBytes);
+}
+inline constexpr uint32_t kMaxFrameBytes = MaxFrameBytes(kMaxPayloadBytes);  // agent channel
 // Directory listings: at most this many entries and this many bytes of entry JSON. The agent
 // cuts its listing there (and says `truncated`); esbd refuses replies that exceed either,
 // because the peer lives inside the sandbox and may not be the real agent.
@@ -69,6 +81,8 @@ using FrameLimit = std::function<uint32_t(FrameType type, uint32_t stream)>;
 // frame, bad magic or type, bad JSON) puts the decoder in an error state with a message.
 class FrameDecoder {
  public:
+  // `max_payload_bytes`: the channel's payload bound (capped at kMaxChannelPayloadBytes).
+  explicit FrameDecoder(uint32_t max_payload_bytes = kMaxPayloadBytes);
   void Feed(std::string_view bytes);
   // Returns the next complete frame, or nullopt if more bytes are needed or on error.
   std::optional<Frame> Next();
@@ -76,6 +90,7 @@ class FrameDecoder {
   const std::string& error() const { return error_; }
 
  private:
+  uint32_t max_payload_;
   std::string buffer_;
   size_t offset_ = 0;
   std::string error_;
@@ -84,15 +99,18 @@ class FrameDecoder {
 // Blocking helpers over a connected stream fd (unix socket, pipe, pty, virtio-serial port).
 // They retry on EINTR and return false (with a message) on EOF, error or protocol violation.
 // `deadline_ms` < 0 means no deadline; otherwise an absolute CLOCK_MONOTONIC time in ms.
-// Writes wait at most 30 s for a peer that does not read.
-bool WriteFrame(int fd, const Frame& frame, std::string* error);
+// Writes wait at most 30 s for a peer that does not read. `max_payload_bytes`: the channel's
+// payload bound (a longer payload is refused before anything is written).
+bool WriteFrame(int fd, const Frame& frame, std::string* error,
+                uint32_t max_payload_bytes = kMaxPayloadBytes);
 // `max_frame_bytes` (or `limit`, asked once the type and stream are known) refuses longer
 // frames before their body is read; the buffer then grows with the bytes that actually arrive,
 // so a peer that announces a large frame and stalls costs nothing. `wake_fd` (>= 0): readable
-// means stop waiting (error "interrupted").
+// means stop waiting (error "interrupted"). `max_payload_bytes`: the channel's payload bound;
+// frames longer than MaxFrameBytes(max_payload_bytes) are refused from the length prefix too.
 bool ReadFrame(int fd, Frame* frame, std::string* error, int64_t deadline_ms = -1,
                uint32_t max_frame_bytes = kMaxFrameBytes, const FrameLimit& limit = nullptr,
-               int wake_fd = -1);
+               int wake_fd = -1, uint32_t max_payload_bytes = kMaxPayloadBytes);
 
 // Writes all of `data` (sockets without SIGPIPE; gives up on a peer that does not read for
 // 30 s). Shared by the nano wire.

@@ -33,17 +33,21 @@ bool HasNonFinite(const boost::json::value& v) {
   return false;
 }
 
-void CheckFrame(const esb::proto::Frame& f) {
+// The two payload bounds a channel uses: the agent channel's and the nano tier's
+// (drivers/nano/wire.h, kMaxMsgBytes; not linked here, the fuzzer needs only the codec).
+constexpr uint32_t kNanoChannelPayload = 80u << 20;
+
+void CheckFrame(const esb::proto::Frame& f, uint32_t max_payload) {
   using esb::proto::FrameType;
   if ((f.type == FrameType::kHello) != (f.stream == 0)) abort();
   if ((f.type == FrameType::kOutput || f.type == FrameType::kInput) &&
       f.payload.size() > esb::proto::kMaxChunkBytes) {
     abort();
   }
-  if (f.payload.size() > esb::proto::kMaxPayloadBytes) abort();
+  if (f.payload.size() > max_payload) abort();
   if (HasNonFinite(f.header)) return;
   // Round trip: what was accepted encodes to a frame that decodes to the same thing.
-  esb::proto::FrameDecoder again;
+  esb::proto::FrameDecoder again(max_payload);
   again.Feed(esb::proto::EncodeFrame(f));
   std::optional<esb::proto::Frame> g = again.Next();
   if (!g || g->type != f.type || g->stream != f.stream || g->payload != f.payload ||
@@ -56,12 +60,15 @@ void CheckFrame(const esb::proto::Frame& f) {
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::string_view in(reinterpret_cast<const char*>(data), size);
-  // 1. The incremental decoder, fed in pieces whose sizes come from the input's first byte.
+  // 1. The incremental decoder, fed in pieces whose sizes come from the input's first byte,
+  // on the agent channel or (the first byte's top bit) the nano channel's bound.
   size_t step = size > 0 ? (data[0] % 17) + 1 : 1;
-  esb::proto::FrameDecoder decoder;
+  uint32_t max_payload =
+      size > 0 && (data[0] & 0x80) ? kNanoChannelPayload : esb::proto::kMaxPayloadBytes;
+  esb::proto::FrameDecoder decoder(max_payload);
   for (size_t i = 0; i < in.size(); i += step) {
     decoder.Feed(in.substr(i, step));
-    while (std::optional<esb::proto::Frame> f = decoder.Next()) CheckFrame(*f);
+    while (std::optional<esb::proto::Frame> f = decoder.Next()) CheckFrame(*f, max_payload);
     if (decoder.failed()) break;
   }
   if (decoder.failed() && decoder.error().empty()) abort();
@@ -75,14 +82,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       esb::proto::Frame f;
       std::string error;
       if (!esb::proto::ReadFrame(
-              sv[1], &f, &error, esb::proto::MonotonicMs() + 1000, esb::proto::kMaxFrameBytes,
+              sv[1], &f, &error, esb::proto::MonotonicMs() + 1000,
+              esb::proto::MaxFrameBytes(max_payload),
               [](esb::proto::FrameType type, uint32_t) -> uint32_t {
                 return type == esb::proto::FrameType::kResponse ? 1 << 16 : 1 << 20;
-              })) {
+              },
+              -1, max_payload)) {
         if (error.empty()) abort();
         break;
       }
-      CheckFrame(f);
+      CheckFrame(f, max_payload);
     }
     close(sv[1]);
   }

@@ -289,6 +289,97 @@ TEST_F(SocketPairTest, LimitRefusesAFrameFromItsPrefixBeforeTheBody) {
   EXPECT_LT(MonotonicMs() - start, 1000);
 }
 
+// A channel with its own payload bound (the nano tier's is 80 MiB; 20 MiB here keeps the test
+// small): a payload past the agent channel's 16 MiB is accepted there, and only there.
+constexpr uint32_t kTestChannelPayload = 20u << 20;
+
+TEST(ProtocolTest, ChannelBoundAcceptsPayloadsPastTheAgentBound) {
+  Frame f;
+  f.type = FrameType::kResponse;
+  f.stream = 1;
+  f.payload.assign(kMaxPayloadBytes + 1, 'n');
+  std::string wire = EncodeFrame(f);
+  FrameDecoder wide(kTestChannelPayload);
+  wide.Feed(wire);
+  auto got = wide.Next();
+  ASSERT_TRUE(got.has_value()) << wide.error();
+  EXPECT_EQ(got->payload.size(), kMaxPayloadBytes + 1u);
+  FrameDecoder agent;  // the agent channel: refused from the prefix and fixed part alone
+  agent.Feed(wire.substr(0, 14));
+  EXPECT_FALSE(agent.Next().has_value());
+  EXPECT_TRUE(agent.failed());
+  EXPECT_NE(agent.error().find("too large"), std::string::npos) << agent.error();
+}
+
+TEST(ProtocolTest, ChannelBoundRefusesAFrameOneBytePastIt) {
+  // Header 0 bytes, payload bound + 1: within MaxFrameBytes (which allows a 64 KiB header),
+  // so the payload check itself must refuse it once the fixed part is in.
+  std::string wire = U32(kFixedBytes + kTestChannelPayload + 1) + static_cast<char>(kMagic) +
+                     "\x04" + U32(1) + U32(0);
+  FrameDecoder decoder(kTestChannelPayload);
+  decoder.Feed(wire);
+  EXPECT_FALSE(decoder.Next().has_value());
+  EXPECT_TRUE(decoder.failed());
+  EXPECT_NE(decoder.error().find("payload too large"), std::string::npos) << decoder.error();
+  // No channel's bound exceeds kMaxChannelPayloadBytes, whatever it asks for.
+  EXPECT_EQ(MaxFrameBytes(0xffffffffu), MaxFrameBytes(kMaxChannelPayloadBytes));
+}
+
+TEST_F(SocketPairTest, FrameOverTheChannelBoundIsRefusedBeforeItIsRead) {
+  // Only the 14 bytes of prefix and fixed part are sent: a reader that waited for the body
+  // would time out instead of refusing.
+  std::string wire = U32(kFixedBytes + kTestChannelPayload + 1) + static_cast<char>(kMagic) +
+                     "\x04" + U32(1) + U32(0);
+  ASSERT_EQ(write(fds_[0], wire.data(), wire.size()), static_cast<ssize_t>(wire.size()));
+  Frame in;
+  std::string error;
+  int64_t start = MonotonicMs();
+  EXPECT_FALSE(ReadFrame(fds_[1], &in, &error, start + 5000, MaxFrameBytes(kTestChannelPayload),
+                         nullptr, -1, kTestChannelPayload));
+  EXPECT_NE(error.find("too large"), std::string::npos) << error;
+  EXPECT_LT(MonotonicMs() - start, 1000);
+}
+
+TEST_F(SocketPairTest, FrameOverTheAgentBoundIsRefusedOnTheAgentChannel) {
+  // 16 MiB + 1 of payload, announced: the agent channel (default bound) refuses it from the
+  // prefix, before its body (never sent) is read.
+  std::string wire = U32(kFixedBytes + kMaxPayloadBytes + 1) + static_cast<char>(kMagic) + "\x04" +
+                     U32(1) + U32(0);
+  ASSERT_EQ(write(fds_[0], wire.data(), wire.size()), static_cast<ssize_t>(wire.size()));
+  Frame in;
+  std::string error;
+  int64_t start = MonotonicMs();
+  EXPECT_FALSE(ReadFrame(fds_[1], &in, &error, start + 5000));
+  EXPECT_NE(error.find("payload too large"), std::string::npos) << error;
+  EXPECT_LT(MonotonicMs() - start, 1000);
+  // And the writer refuses to send it on the agent channel.
+  Frame out;
+  out.type = FrameType::kResponse;
+  out.stream = 1;
+  out.payload.assign(kMaxPayloadBytes + 1, 'x');
+  EXPECT_FALSE(WriteFrame(fds_[0], out, &error));
+  EXPECT_NE(error.find("too large"), std::string::npos) << error;
+}
+
+TEST_F(SocketPairTest, PayloadPastTheAgentBoundCrossesAChannelThatAllowsIt) {
+  Frame out;
+  out.type = FrameType::kResponse;
+  out.stream = 3;
+  out.payload.assign(kMaxPayloadBytes + 4096, 'q');
+  out.payload[kMaxPayloadBytes] = '\0';
+  std::string write_error;
+  std::thread writer([&] {
+    EXPECT_TRUE(WriteFrame(fds_[0], out, &write_error, kTestChannelPayload)) << write_error;
+  });
+  Frame in;
+  std::string error;
+  EXPECT_TRUE(ReadFrame(fds_[1], &in, &error, MonotonicMs() + 10000,
+                        MaxFrameBytes(kTestChannelPayload), nullptr, -1, kTestChannelPayload))
+      << error;
+  writer.join();
+  EXPECT_EQ(in.payload, out.payload);
+}
+
 TEST_F(SocketPairTest, WakeFdInterruptsARead) {
   int p[2];
   ASSERT_EQ(pipe(p), 0);

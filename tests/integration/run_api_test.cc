@@ -222,6 +222,28 @@ TEST_F(RunApiTest, BadRunRequestsGet4xx) {
   EXPECT_EQ(Run("1", {{"bogus", true}}).status, 400);
 }
 
+TEST_F(RunApiTest, OtherBadRequestsAreNotTierUnavailable) {
+  HttpResult r = Run("1", {{"timeout_ms", 0}});
+  EXPECT_EQ(r.status, 400);
+  EXPECT_EQ(r.str("code"), "bad_request") << r.body;
+}
+
+// A daemon without the nano tier answers runtime "nano" with the machine-readable code
+// "tier_unavailable" (400), which clients (the Python SDK) test instead of the message text.
+TEST(RunTierUnavailableTest, RuntimeNanoWithoutTheNanoTierSaysTierUnavailable) {
+  std::string why = Daemon::SkipReason();
+  if (!why.empty()) GTEST_SKIP() << why;
+  Daemon daemon;
+  ASSERT_TRUE(daemon.Start({.extra_args = {"--nano-worker", "/nonexistent/esb-nano-worker"}}))
+      << daemon.Log();
+  ASSERT_FALSE(daemon.Call("GET", "/healthz").obj().at("drivers").as_object().contains("nano"));
+  HttpResult r =
+      daemon.Call("POST", "/run", json::object{{"code", "print(1)"}, {"runtime", "nano"}});
+  EXPECT_EQ(r.status, 400) << r.body;
+  EXPECT_EQ(r.str("code"), "tier_unavailable") << r.body;
+  EXPECT_NE(r.str("message").find("not available"), std::string::npos) << r.body;
+}
+
 // Stateful Python in a container environment (issue 5, heavy tier): kernel.py keeps one
 // interpreter per environment. Needs only the container driver, not the nano artefact.
 class ContainerKernelTest : public SharedDaemonTest<ContainerKernelTest> {

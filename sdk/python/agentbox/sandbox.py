@@ -724,11 +724,6 @@ def _run_payload(code: str, cfg: SandboxConfig, *, runtime: bool) -> dict[str, A
     return payload
 
 
-def _says_unavailable(message: str) -> bool:
-    text = message.lower()
-    return "not available" in text or "unavailable" in text
-
-
 class Sandbox:
     """The client for one esbd daemon, and seed 002's front door::
 
@@ -765,8 +760,8 @@ class Sandbox:
         """Run Python ``code`` once, in a fresh sandbox, and return its output.
 
         Uses ``POST /run`` when the daemon has it. A daemon without it (404/405), or whose
-        ``/run`` answers 400 saying its tier is not available while ``runtime`` is not
-        ``"nano"``, gets the container fallback: create an environment, write the code to a
+        ``/run`` answers 400 with the error code ``"tier_unavailable"`` while ``runtime`` is
+        not ``"nano"``, gets the container fallback: create an environment, write the code to a
         file, run ``python3`` on it with the configured timeout, and delete the environment.
         ``result.via`` tells which path ran.
 
@@ -804,11 +799,11 @@ class Sandbox:
             except SandboxError as exc:
                 if exc.status in (404, 405):
                     self._has_run_endpoint = False  # no such route: never ask again
-                elif not (exc.status == 400 and cfg.runtime != "nano"
-                          and _says_unavailable(exc.message)):
+                elif not (exc.status == 400 and exc.code == "tier_unavailable"
+                          and cfg.runtime != "nano"):
                     raise
-                # else: the route exists but its tier is missing (esbd answers 400 "POST /run
-                # needs the nano tier, which is not available ..."); fall back for this call.
+                # else: the route exists but the run's tier is missing (esbd answers 400 with
+                # the code "tier_unavailable"); fall back to an environment for this call.
             else:
                 self._has_run_endpoint = True
                 return SandboxResult.from_run_answer(answer, elapsed_ms=elapsed)

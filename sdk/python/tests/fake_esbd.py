@@ -118,7 +118,8 @@ class FakeEnv:
 class FakeEsbd:
     """Start with :meth:`start`; ``url`` is then the base URL. ``keys`` maps API keys to
     tenants (None = dev mode, no auth). ``run_endpoint`` enables ``POST /run`` (True), or
-    makes it answer 400 "not available" like esbd without the nano tier ("unavailable").
+    makes it answer 400 "tier_unavailable" like esbd without the run's tier ("unavailable"), or
+    a plain 400 whose text only sounds like it ("unavailable_text").
 
     Runs (``POST /run`` and ``POST /environments/{id}/run``) follow the artifacts contract:
     files written under ``/workspace/artifacts`` become ``file`` artifacts; the fake cannot run
@@ -349,9 +350,12 @@ class _Handler(BaseHTTPRequestHandler):
         if parts == ["run"] and method == "POST":
             if not esbd.run_endpoint:
                 raise ApiError(404, "not_found", "No route for POST /run.")
-            if esbd.run_endpoint == "unavailable":  # what esbd says without the nano tier
-                raise ApiError(400, "bad_request", "POST /run needs the nano tier, which is not "
-                               "available on this daemon (see GET /healthz 'unavailable')")
+            if esbd.run_endpoint == "unavailable":  # what esbd says without the run's tier
+                raise ApiError(400, "tier_unavailable", "runtime 'nano' is not available on "
+                               "this daemon (see GET /healthz)")
+            if esbd.run_endpoint == "unavailable_text":  # a plain 400 that only reads alike
+                raise ApiError(400, "bad_request", "'allowed_modules': module 'x' is not "
+                               "available")
             return self.run_code(tenant, self.json_body())
         if parts == ["audit"] and method == "GET":
             rows = [r for r in esbd.audit if r["tenant"] == tenant

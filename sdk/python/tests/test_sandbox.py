@@ -39,7 +39,21 @@ def test_run_falls_back_when_run_tier_is_unavailable():
         # an explicit nano request is not silently moved to another tier
         with pytest.raises(InvalidArgument) as info:
             Sandbox(SandboxConfig(runtime="nano"), url=fake.url).run("print(1)")
-        assert "nano tier" in info.value.message
+        assert info.value.code == "tier_unavailable"
+    finally:
+        fake.stop()
+
+
+def test_run_does_not_fall_back_on_text_that_only_sounds_unavailable():
+    # The fallback follows the machine code, never the message: a plain 400 that says "not
+    # available" is the caller's error and is raised.
+    from fake_esbd import FakeEsbd
+    fake = FakeEsbd(run_endpoint="unavailable_text").start()
+    try:
+        with pytest.raises(InvalidArgument) as info:
+            Sandbox(url=fake.url).run("print('x')")
+        assert info.value.code == "bad_request"
+        assert fake.create_bodies == [] and fake.live() == []
     finally:
         fake.stop()
 

@@ -5,6 +5,7 @@
 #include <map>
 #include <regex>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/util.h"
@@ -91,6 +92,19 @@ RunRequest ToRunRequest(const RunSpec& spec, bool once) {
 
 }  // namespace
 
+// The payload's type URL marks the refusal; the message stays the human one.
+constexpr char kTierUnavailableUrl[] = "esb/run/tier_unavailable";
+
+absl::Status TierUnavailableError(std::string_view message) {
+  absl::Status status = absl::InvalidArgumentError(AbslView(message));
+  status.SetPayload(kTierUnavailableUrl, absl::Cord());
+  return status;
+}
+
+bool IsTierUnavailable(const absl::Status& status) {
+  return status.GetPayload(kTierUnavailableUrl).has_value();
+}
+
 absl::StatusOr<RunPlan> RunPipeline::Prepare(const Caller& caller, RunSpec spec) const {
   EnvironmentManager* manager = deps_.manager;
   const bool one_shot = spec.environment_id.empty();
@@ -160,7 +174,7 @@ absl::StatusOr<RunPlan> RunPipeline::Prepare(const Caller& caller, RunSpec spec)
   bool use_nano = false;
   if (spec.runtime == "nano") {
     if (!nano)
-      return absl::InvalidArgumentError(
+      return TierUnavailableError(
           "runtime 'nano' is not available on this daemon (see GET /healthz)");
     use_nano = true;
     plan.reason = "runtime nano requested";
@@ -181,8 +195,7 @@ absl::StatusOr<RunPlan> RunPipeline::Prepare(const Caller& caller, RunSpec spec)
     plan.reason = "auto: no routing rules, nano first";
   }
   if (!use_nano && !manager->HasDriver(kHeavyRuntime))
-    return absl::InvalidArgumentError(
-        "no tier can run this here: the container driver is not available");
+    return TierUnavailableError("no tier can run this here: the container driver is not available");
   plan.kind = use_nano ? RunPlan::Kind::kNanoOnce : RunPlan::Kind::kHeavyOnce;
   plan.spec = std::move(spec);
   return plan;

@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -41,6 +42,13 @@ namespace esb::run {
 // The drivers of the two tiers.
 inline constexpr DriverKind kNanoRuntime = DriverKind::kNano;
 inline constexpr DriverKind kHeavyRuntime = DriverKind::kContainer;
+
+// Prepare's typed refusal of a one-shot run whose tier is not on this daemon (runtime "nano"
+// without the nano tier; a run only heavy could serve without the container driver):
+// InvalidArgument carrying a payload that IsTierUnavailable recognises. The API answers it 400
+// with the code "tier_unavailable" (docs/api.md), which clients test instead of the message.
+absl::Status TierUnavailableError(std::string_view message);
+bool IsTierUnavailable(const absl::Status& status);
 
 struct RunSpec {
   std::string environment_id;  // empty: a one-shot run

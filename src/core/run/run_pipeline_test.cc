@@ -268,6 +268,33 @@ TEST_F(RunPipelineTest, PackagesNeedTheHeavyTier) {
   EXPECT_EQ(Run(s).status().code(), absl::StatusCode::kInvalidArgument) << "validated first";
 }
 
+TEST_F(RunPipelineTest, AMissingTierIsATypedRefusal) {
+  // Without the nano tier: runtime "nano" is refused as tier-unavailable.
+  auto with_drivers = [&](std::map<std::string, Driver*> only) {
+    pipeline.reset();
+    installer.reset();
+    drivers = std::move(only);
+    ManagerOptions opts;
+    opts.pool_size = 0;
+    manager = std::make_unique<EnvironmentManager>(store.get(), drivers, &metrics, opts);
+    pipeline = std::make_unique<RunPipeline>(RunDeps{.manager = manager.get()});
+  };
+  with_drivers({{"container", &heavy}});
+  auto o = Run(Code("print(1)", "nano"));
+  EXPECT_EQ(o.status().code(), absl::StatusCode::kInvalidArgument) << o.status();
+  EXPECT_TRUE(IsTierUnavailable(o.status())) << o.status();
+  // Without the container driver: a heavy run is refused the same way.
+  with_drivers({{"nano", &nano}});
+  o = Run(Code("print(1)", "heavy"));
+  EXPECT_TRUE(IsTierUnavailable(o.status())) << o.status();
+  // Other refusals are not.
+  RunSpec s = Code("print(1)");
+  s.timeout_ms = 0;
+  o = Run(s);
+  EXPECT_EQ(o.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_FALSE(IsTierUnavailable(o.status()));
+}
+
 TEST_F(RunPipelineTest, PackagesWithoutAnInstallerAreRefused) {
   pipeline = std::make_unique<RunPipeline>(RunDeps{.manager = manager.get()});
   RunSpec s = Code("import six", "heavy");

@@ -76,12 +76,13 @@ absl::Status ReplyStatus(const Msg& rep, const std::string& what) {
 // Round trip on a worker/server channel with a deadline. `got_fd`: accept an fd in the reply.
 absl::StatusOr<Msg> Call(int fd, const Msg& req, int64_t timeout_ms, int pass_fd = -1,
                          int* got_fd = nullptr) {
-  if (!SendMsg(fd, req, pass_fd)) {
+  if (!SendMsg(fd, proto::FrameType::kRequest, req, pass_fd)) {
     return absl::UnavailableError(absl::StrCat("nano: send: ", strerror(errno)));
   }
   Msg rep;
   bool timed_out = false;
-  if (!RecvMsg(fd, &rep, got_fd, NowMonoMs() + timeout_ms, &timed_out)) {
+  if (!RecvMsg(fd, proto::FrameType::kResponse, &rep, got_fd, NowMonoMs() + timeout_ms,
+               &timed_out)) {
     if (timed_out) return absl::DeadlineExceededError("nano: worker did not answer in time");
     return absl::UnavailableError("nano: worker channel closed");
   }
@@ -236,7 +237,8 @@ absl::Status NanoDriver::EnsureServer() {
   cgroups_ = JoinCgroup(pid);
   Msg ready;
   bool timed_out = false;
-  if (!RecvMsg(ours.get(), &ready, nullptr, NowMonoMs() + kServerStartMs, &timed_out) ||
+  if (!RecvMsg(ours.get(), proto::FrameType::kResponse, &ready, nullptr,
+               NowMonoMs() + kServerStartMs, &timed_out) ||
       GetStr(ready, "op") != "ready") {
     kill(pid, SIGKILL);
     waitpid(pid, nullptr, 0);
@@ -331,14 +333,14 @@ absl::StatusOr<RunResult> NanoDriver::RunOn(int fd, int pid, const RunRequest& r
   if (!argv.empty()) req["argv"] = JoinNul(argv);
   int64_t t0 = NowMonoMs();
   RunResult result;
-  if (!SendMsg(fd, req)) {
+  if (!SendMsg(fd, proto::FrameType::kRequest, req)) {
     *worker_dead = true;
     return absl::UnavailableError("nano: worker is gone");
   }
   Msg rep;
   bool timed_out = false;
-  bool got = RecvMsg(fd, &rep, nullptr, NowMonoMs() + timeout + options_.kill_grace_ms,
-                     &timed_out);
+  bool got = RecvMsg(fd, proto::FrameType::kResponse, &rep, nullptr,
+                     NowMonoMs() + timeout + options_.kill_grace_ms, &timed_out);
   if (!got) {
     *worker_dead = true;
     // SECURITY: the SIGKILL backstop: a guest that ignores the interrupt flag, or a worker

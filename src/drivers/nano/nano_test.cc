@@ -28,6 +28,137 @@
 namespace esb::nano {
 namespace {
 
+// ---------------- Wire (nano messages as codec frames) ----------------
+
+class WireTest : public ::testing::Test {
+ protected:
+  void SetUp() override { ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM, 0, fds_), 0); }
+  void TearDown() override {
+    for (int fd : fds_) {
+      if (fd >= 0) close(fd);
+    }
+  }
+  int fds_[2] = {-1, -1};
+};
+
+TEST_F(WireTest, MessagePastTheAgentBoundRoundTripsAsOneCodecFrame) {
+  Msg out{
+      {"op", "run"}, {"stdout", std::string(20u << 20, 'o')}, {"bin", std::string("a\0\xff", 3)}};
+  bool sent = false;
+  std::thread writer([&] { sent = SendMsg(fds_[0], proto::FrameType::kResponse, out); });
+  // What arrives is a v2 codec frame (magic, RESPONSE, stream 1) on the nano channel's bound.
+  proto::Frame frame;
+  std::string error;
+  ASSERT_TRUE(proto::ReadFrame(fds_[1], &frame, &error, NowMonoMs() + 10000,
+                               proto::MaxFrameBytes(kMaxMsgBytes), nullptr, -1, kMaxMsgBytes))
+      << error;
+  writer.join();
+  EXPECT_TRUE(sent);
+  EXPECT_EQ(frame.type, proto::FrameType::kResponse);
+  EXPECT_EQ(frame.stream, kMsgStream);
+  Msg in;
+  ASSERT_TRUE(FromFrame(frame, &in, &error)) << error;
+  EXPECT_EQ(in, out);
+}
+
+TEST_F(WireTest, MessageOverTheNanoBoundIsRefusedOnBothSides) {
+  Msg big{{"data", std::string(kMaxMsgBytes + 1, 'x')}};
+  errno = 0;
+  EXPECT_FALSE(SendMsg(fds_[0], proto::FrameType::kRequest, big));
+  EXPECT_EQ(errno, EMSGSIZE);
+  // A peer that announces one is refused from the 14-byte prefix, before any body is read.
+  proto::Frame f;
+  f.type = proto::FrameType::kRequest;
+  f.stream = kMsgStream;
+  f.payload = "x";
+  std::string wire = proto::EncodeFrame(f).substr(0, 14);
+  uint32_t length = proto::kFixedBytes + kMaxMsgBytes + 1;
+  wire[0] = static_cast<char>(length >> 24);
+  wire[1] = static_cast<char>(length >> 16);
+  wire[2] = static_cast<char>(length >> 8);
+  wire[3] = static_cast<char>(length);
+  wire[13] = 0;  // header_len 0
+  ASSERT_EQ(write(fds_[0], wire.data(), wire.size()), 14);
+  Msg in;
+  bool timed_out = true;
+  int64_t start = NowMonoMs();
+  EXPECT_FALSE(
+      RecvMsg(fds_[1], proto::FrameType::kRequest, &in, nullptr, start + 5000, &timed_out));
+  EXPECT_FALSE(timed_out);
+  EXPECT_LT(NowMonoMs() - start, 1000);
+}
+
+TEST_F(WireTest, PassedFdArrivesWithTheMessage) {
+  int pipefd[2];
+  ASSERT_EQ(pipe(pipefd), 0);
+  ASSERT_TRUE(SendMsg(fds_[0], proto::FrameType::kResponse, {{"pid", "7"}}, pipefd[1]));
+  close(pipefd[1]);
+  ASSERT_TRUE(SendMsg(fds_[0], proto::FrameType::kResponse, {{"ok", "1"}}));
+  Msg in;
+  int got = -1;
+  ASSERT_TRUE(RecvMsg(fds_[1], proto::FrameType::kResponse, &in, &got, NowMonoMs() + 5000));
+  EXPECT_EQ(GetStr(in, "pid"), "7");
+  ASSERT_GE(got, 0);
+  EXPECT_NE(fcntl(got, F_GETFD) & FD_CLOEXEC, 0);
+  ASSERT_EQ(write(got, "z", 1), 1);  // the very pipe that was sent
+  char c = 0;
+  ASSERT_EQ(read(pipefd[0], &c, 1), 1);
+  EXPECT_EQ(c, 'z');
+  close(got);
+  close(pipefd[0]);
+  // The next message carries none.
+  ASSERT_TRUE(RecvMsg(fds_[1], proto::FrameType::kResponse, &in, &got, NowMonoMs() + 5000));
+  EXPECT_EQ(GetStr(in, "ok"), "1");
+  EXPECT_EQ(got, -1);
+}
+
+TEST_F(WireTest, WrongFrameTypeIsRefused) {
+  ASSERT_TRUE(SendMsg(fds_[0], proto::FrameType::kRequest, {{"op", "stat"}}));
+  Msg in;
+  EXPECT_FALSE(RecvMsg(fds_[1], proto::FrameType::kResponse, &in, nullptr, NowMonoMs() + 5000));
+}
+
+TEST(WireFrameTest, HostileFieldListsAreRefused) {
+  auto frame = [](const char* header, std::string payload) {
+    proto::Frame f;
+    f.type = proto::FrameType::kResponse;
+    f.stream = kMsgStream;
+    f.header = boost::json::parse(header).as_object();
+    f.payload = std::move(payload);
+    return f;
+  };
+  std::string many = "{\"fields\":[";
+  for (size_t i = 0; i <= kMaxMsgFields; ++i) {
+    many += (i ? ",[\"k" : "[\"k") + std::to_string(i) + "\",0]";
+  }
+  many += "]}";
+  const std::pair<std::string, std::string> cases[] = {
+      {"{}", ""},
+      {"{\"fields\":{}}", ""},
+      {"{\"fields\":[],\"x\":1}", ""},
+      {"{\"fields\":[[\"a\"]]}", ""},
+      {"{\"fields\":[[1,1]]}", "x"},
+      {"{\"fields\":[[\"a\",-1]]}", "x"},
+      {"{\"fields\":[[\"a\",2]]}", "x"},                     // longer than the payload
+      {"{\"fields\":[[\"a\",1]]}", "xy"},                    // payload left over
+      {"{\"fields\":[[\"a\",1],[\"a\",1]]}", "xy"},          // repeated name
+      {"{\"fields\":[[\"a\",18446744073709551615]]}", "x"},  // length overflow
+      {many, ""},
+  };
+  for (const auto& [header, payload] : cases) {
+    Msg msg;
+    std::string error;
+    EXPECT_FALSE(FromFrame(frame(header.c_str(), payload), &msg, &error)) << header;
+    EXPECT_FALSE(error.empty()) << header;
+    EXPECT_TRUE(msg.empty()) << header;
+  }
+  Msg msg;
+  std::string error;
+  EXPECT_TRUE(FromFrame(frame("{\"fields\":[[\"a\",1],[\"b\",0],[\"c\",1]]}", "xy"), &msg, &error))
+      << error;
+  EXPECT_EQ(msg, (Msg{{"a", "x"}, {"b", ""}, {"c", "y"}}));
+}
+
 // ---------------- MemFs ----------------
 
 TEST(MemFsTest, DotDotNeverLeavesTheRoot) {

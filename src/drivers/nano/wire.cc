@@ -1,150 +1,167 @@
 #include "drivers/nano/wire.h"
 
-#include <poll.h>
 #include <sys/socket.h>
-#include <time.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <string>
 
 #include "common/protocol.h"
-#include "common/read_growing.h"
 
 namespace esb::nano {
 namespace {
 
-void PutU32(std::string* out, uint32_t v) { out->append(reinterpret_cast<const char*>(&v), 4); }
-
-// proto::ReadFull with the wire's error reporting (`*timed_out` on a deadline).
-bool ReadFull(int fd, char* buf, size_t len, int64_t deadline_ms, bool* timed_out) {
-  std::string error;
-  if (proto::ReadFull(fd, buf, len, deadline_ms, &error)) return true;
-  if (timed_out && error == "timed out") *timed_out = true;
-  return false;
-}
-
-}  // namespace
-std::string EncodeMsg(const Msg& msg) {
-  std::string body;
-  for (const auto& [k, v] : msg) {
-    PutU32(&body, static_cast<uint32_t>(k.size()));
-    body += k;
-    PutU32(&body, static_cast<uint32_t>(v.size()));
-    body += v;
+// The fd rides on the frame's first byte. Peeking at that byte with recvmsg takes the fd (the
+// kernel installs a reference for the peek); the codec then reads the frame with plain reads,
+// which drop the byte's own reference. `*got_fd` stays -1 when no fd came.
+bool PeekPassedFd(int fd, int64_t deadline_ms, int* got_fd, std::string* error) {
+  if (deadline_ms >= 0 && !proto::WaitReadable(fd, deadline_ms, error)) return false;
+  char byte;
+  iovec iov{&byte, 1};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  msghdr mh{};
+  mh.msg_iov = &iov;
+  mh.msg_iovlen = 1;
+  mh.msg_control = control;
+  mh.msg_controllen = sizeof(control);
+  ssize_t n;
+  do {
+    // SECURITY: MSG_CMSG_CLOEXEC: a received fd never leaks into a process esbd spawns.
+    n = recvmsg(fd, &mh, MSG_PEEK | MSG_CMSG_CLOEXEC);
+  } while (n < 0 && errno == EINTR);
+  if (n < 0) {
+    *error = std::string("recvmsg: ") + strerror(errno);
+    return false;
   }
-  return body;
-}
-
-bool DecodeMsg(const std::string& body, Msg* msg) {
-  msg->clear();
-  size_t pos = 0;
-  auto take = [&](std::string* out) {
-    if (body.size() - pos < 4) return false;
-    uint32_t len;
-    std::memcpy(&len, body.data() + pos, 4);
-    pos += 4;
-    if (body.size() - pos < len) return false;
-    out->assign(body, pos, len);
-    pos += len;
-    return true;
-  };
-  while (pos < body.size()) {
-    std::string k, v;
-    // SECURITY: workers run guest code; a frame of millions of tiny fields would cost ~50x its
-    // size in map nodes. Real messages have a handful of fields.
-    if (msg->size() >= kMaxMsgFields) return false;
-    if (!take(&k) || !take(&v)) return false;
-    (*msg)[std::move(k)] = std::move(v);
+  // n == 0 (EOF): the codec's read reports it.
+  for (cmsghdr* c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c)) {
+    if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS &&
+        c->cmsg_len == CMSG_LEN(sizeof(int))) {
+      std::memcpy(got_fd, CMSG_DATA(c), sizeof(int));
+    }
   }
   return true;
 }
 
-bool SendMsg(int fd, const Msg& msg, int pass_fd) {
-  std::string body = EncodeMsg(msg);
-  if (body.size() > kMaxMsgBytes) {
+}  // namespace
+
+bool ToFrame(proto::FrameType type, const Msg& msg, proto::Frame* frame) {
+  if (msg.size() > kMaxMsgFields) return false;
+  size_t total = 0;
+  for (const auto& [k, v] : msg) total += v.size();
+  if (total > kMaxMsgBytes) return false;
+  frame->type = type;
+  frame->stream = kMsgStream;
+  frame->header.clear();
+  frame->payload.clear();
+  frame->payload.reserve(total);
+  boost::json::array fields;
+  for (const auto& [k, v] : msg) {
+    fields.push_back(boost::json::array{boost::json::string(k), v.size()});
+    frame->payload += v;
+  }
+  frame->header["fields"] = std::move(fields);
+  return true;
+}
+
+bool FromFrame(const proto::Frame& frame, Msg* msg, std::string* error) {
+  msg->clear();
+  auto fail = [&](const char* why) {
+    *error = why;
+    msg->clear();
+    return false;
+  };
+  const boost::json::value* fields = frame.header.if_contains("fields");
+  if (frame.header.size() != 1 || fields == nullptr || !fields->is_array()) {
+    return fail("nano message header is not {\"fields\": [...]}");
+  }
+  // SECURITY: the peer may be a worker running guest code: the field list must describe
+  // exactly the payload, with at most kMaxMsgFields distinct names.
+  if (fields->as_array().size() > kMaxMsgFields) return fail("nano message has too many fields");
+  size_t pos = 0;
+  for (const boost::json::value& f : fields->as_array()) {
+    const boost::json::array* pair = f.if_array();
+    if (pair == nullptr || pair->size() != 2 || !(*pair)[0].is_string() ||
+        !(*pair)[1].is_uint64() && !(*pair)[1].is_int64()) {
+      return fail("nano message field is not [name, length]");
+    }
+    boost::system::error_code ec;
+    uint64_t len = (*pair)[1].to_number<uint64_t>(ec);
+    if (ec || len > frame.payload.size() - pos) return fail("nano message field length");
+    std::string name((*pair)[0].as_string());
+    if (!msg->emplace(std::move(name), frame.payload.substr(pos, len)).second) {
+      return fail("nano message repeats a field");
+    }
+    pos += len;
+  }
+  if (pos != frame.payload.size()) return fail("nano message payload longer than its fields");
+  return true;
+}
+
+bool SendMsg(int fd, proto::FrameType type, const Msg& msg, int pass_fd) {
+  proto::Frame frame;
+  if (!ToFrame(type, msg, &frame)) {
     errno = EMSGSIZE;
     return false;
   }
-  std::string frame;
-  PutU32(&frame, static_cast<uint32_t>(body.size()));
-  frame += body;
-  size_t done = 0;
-  if (pass_fd >= 0) {
-    // SECURITY: the only fd ever passed is a fresh socketpair end for a new worker.
-    iovec iov{frame.data(), frame.size()};
-    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-    msghdr mh{};
-    mh.msg_iov = &iov;
-    mh.msg_iovlen = 1;
-    mh.msg_control = control;
-    mh.msg_controllen = sizeof(control);
-    cmsghdr* c = CMSG_FIRSTHDR(&mh);
-    c->cmsg_level = SOL_SOCKET;
-    c->cmsg_type = SCM_RIGHTS;
-    c->cmsg_len = CMSG_LEN(sizeof(int));
-    std::memcpy(CMSG_DATA(c), &pass_fd, sizeof(int));
-    ssize_t n;
-    do {
-      n = sendmsg(fd, &mh, MSG_NOSIGNAL);
-    } while (n < 0 && errno == EINTR);
-    if (n <= 0) return false;
-    done = static_cast<size_t>(n);
-  }
   std::string error;
-  if (!proto::WriteAll(fd, std::string_view(frame).substr(done), &error)) {
+  errno = 0;
+  if (pass_fd < 0) {
+    if (proto::WriteFrame(fd, frame, &error, kMaxMsgBytes)) return true;
+    if (errno == 0) errno = EPIPE;
+    return false;
+  }
+  // Messages that carry an fd are small (spawn, fork): encode the whole frame and send the fd
+  // with its first bytes.
+  std::string wire = proto::EncodeFrame(frame);
+  // SECURITY: the only fd ever passed is a fresh socketpair end for a new worker.
+  iovec iov{wire.data(), wire.size()};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  msghdr mh{};
+  mh.msg_iov = &iov;
+  mh.msg_iovlen = 1;
+  mh.msg_control = control;
+  mh.msg_controllen = sizeof(control);
+  cmsghdr* c = CMSG_FIRSTHDR(&mh);
+  c->cmsg_level = SOL_SOCKET;
+  c->cmsg_type = SCM_RIGHTS;
+  c->cmsg_len = CMSG_LEN(sizeof(int));
+  std::memcpy(CMSG_DATA(c), &pass_fd, sizeof(int));
+  ssize_t n;
+  do {
+    n = sendmsg(fd, &mh, MSG_NOSIGNAL);
+  } while (n < 0 && errno == EINTR);
+  if (n <= 0) return false;
+  if (!proto::WriteAll(fd, std::string_view(wire).substr(static_cast<size_t>(n)), &error)) {
     if (errno == 0) errno = EPIPE;
     return false;
   }
   return true;
 }
 
-bool RecvMsg(int fd, Msg* msg, int* got_fd, int64_t deadline_ms, bool* timed_out) {
+bool RecvMsg(int fd, proto::FrameType type, Msg* msg, int* got_fd, int64_t deadline_ms,
+             bool* timed_out) {
   if (got_fd) *got_fd = -1;
   if (timed_out) *timed_out = false;
-  char hdr[4];
-  size_t have = 0;
-  if (got_fd) {
-    // The fd rides on the first byte(s): read the header with recvmsg.
-    std::string error;
-    if (deadline_ms >= 0 && !proto::WaitReadable(fd, deadline_ms, &error)) {
-      if (timed_out && error == "timed out") *timed_out = true;
-      return false;
-    }
-    iovec iov{hdr, sizeof(hdr)};
-    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-    msghdr mh{};
-    mh.msg_iov = &iov;
-    mh.msg_iovlen = 1;
-    mh.msg_control = control;
-    mh.msg_controllen = sizeof(control);
-    ssize_t n;
-    do {
-      n = recvmsg(fd, &mh, MSG_CMSG_CLOEXEC);
-    } while (n < 0 && errno == EINTR);
-    if (n <= 0) return false;
-    have = static_cast<size_t>(n);
-    for (cmsghdr* c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c)) {
-      if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS &&
-          c->cmsg_len == CMSG_LEN(sizeof(int))) {
-        std::memcpy(got_fd, CMSG_DATA(c), sizeof(int));
-      }
+  std::string error;
+  proto::Frame frame;
+  bool ok = (got_fd == nullptr || PeekPassedFd(fd, deadline_ms, got_fd, &error)) &&
+            proto::ReadFrame(fd, &frame, &error, deadline_ms, proto::MaxFrameBytes(kMaxMsgBytes),
+                             nullptr, -1, kMaxMsgBytes);
+  if (ok && (frame.type != type || frame.stream != kMsgStream)) {
+    ok = false;
+    error = "unexpected nano frame type or stream";
+  }
+  ok = ok && FromFrame(frame, msg, &error);
+  if (!ok) {
+    if (timed_out && error == "timed out") *timed_out = true;
+    if (got_fd && *got_fd >= 0) {
+      close(*got_fd);
+      *got_fd = -1;
     }
   }
-  if (!ReadFull(fd, hdr + have, sizeof(hdr) - have, deadline_ms, timed_out)) return false;
-  uint32_t len;
-  std::memcpy(&len, hdr, 4);
-  if (len > kMaxMsgBytes) return false;
-  // The worker runs guest code: its announced length is not trusted (ReadGrowing).
-  std::string body;
-  if (!ReadGrowing(len, &body, [&](char* buf, size_t n) {
-        return ReadFull(fd, buf, n, deadline_ms, timed_out);
-      })) {
-    return false;
-  }
-  return DecodeMsg(body, msg);
+  return ok;
 }
 
 int64_t GetInt(const Msg& m, const std::string& key, int64_t def) {

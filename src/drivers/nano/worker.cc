@@ -520,7 +520,7 @@ void WorkerLoop(Runtime* rt, int channel, bool oneshot, bool seccomp) {
   while (true) {
     Msg req;
     int passed = -1;
-    if (!RecvMsg(channel, &req, oneshot ? nullptr : &passed)) _exit(0);
+    if (!RecvMsg(channel, proto::FrameType::kRequest, &req, oneshot ? nullptr : &passed)) _exit(0);
     std::string op = GetStr(req, "op");
     Msg rep;
     if (op == "run") {
@@ -556,7 +556,7 @@ void WorkerLoop(Runtime* rt, int channel, bool oneshot, bool seccomp) {
       rep = Error("unknown op " + op);
     }
     if (passed >= 0) close(passed);
-    if (!SendMsg(channel, rep)) _exit(0);
+    if (!SendMsg(channel, proto::FrameType::kResponse, rep)) _exit(0);
     if (oneshot && op == "run") _exit(0);
   }
 }
@@ -758,7 +758,7 @@ int RunForkServer(const ServerOptions& options) {
     }
   };
   fill_spares();
-  SendMsg(ctl, {{"op", "ready"}, {"guest", esb_nano_guest.name}});
+  SendMsg(ctl, proto::FrameType::kResponse, {{"op", "ready"}, {"guest", esb_nano_guest.name}});
   while (true) {
     pollfd p{ctl, POLLIN, 0};
     int r = poll(&p, 1, 200);
@@ -774,7 +774,7 @@ int RunForkServer(const ServerOptions& options) {
     Msg req;
     int fd = -1;
     errno = 0;
-    if (!RecvMsg(ctl, &req, &fd)) {
+    if (!RecvMsg(ctl, proto::FrameType::kRequest, &req, &fd)) {
       if (errno != 0) fprintf(stderr, "nano server: control channel: %s\n", strerror(errno));
       break;
     }
@@ -787,7 +787,7 @@ int RunForkServer(const ServerOptions& options) {
       Spare spare = spares.front();
       spares.pop_front();
       rep["pid"] = std::to_string(spare.pid);
-      bool sent = SendMsg(ctl, rep, spare.driver_fd);
+      bool sent = SendMsg(ctl, proto::FrameType::kResponse, rep, spare.driver_fd);
       close(spare.driver_fd);
       if (fd >= 0) close(fd);
       if (!sent) {
@@ -852,7 +852,7 @@ int RunForkServer(const ServerOptions& options) {
       rep = Error("unknown op " + op);
     }
     if (fd >= 0) close(fd);
-    if (!SendMsg(ctl, rep)) {
+    if (!SendMsg(ctl, proto::FrameType::kResponse, rep)) {
       fprintf(stderr, "nano server: reply: %s\n", strerror(errno));
       break;
     }
