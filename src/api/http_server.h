@@ -371,6 +371,9 @@ class HttpServer {
     // (one peer can never take the last eighth from the others).
     int max_open_connections_per_peer = 0;
     size_t max_header_bytes = 64 * 1024;               // request line + headers → 400 beyond
+    // Header fields per request → 400 beyond. Parsed and copied, each field costs ~100 bytes
+    // however short it is, so a 64 KiB header of 15,000 "a:" lines cost ~1.2 MB per request.
+    size_t max_header_fields = 100;
     uint64_t max_body_bytes = 16ull << 20;             // buffered bodies → 413 beyond
     // Memory for buffered request bodies across all connections; a body that does not fit is
     // answered 503 (retry later). Header buffers of connections still sending their header have

@@ -1077,6 +1077,16 @@ class Conn : public std::enable_shared_from_this<Conn> {
     state_ = State::kWorker;  // not yet, but no longer waiting
     AccountHeader();
     fresh_ = false;
+    // SECURITY: the header budgets count raw bytes; a flood of tiny fields is refused before
+    // they are copied, and the parsed ones are dropped now, not when the connection ends.
+    if (const auto& fields = hp_->get();
+        static_cast<size_t>(std::distance(fields.begin(), fields.end())) >
+        opts_.max_header_fields) {
+      hp_.reset();
+      return RefuseHeader(
+          400, Cat("too many request header fields (limit ", opts_.max_header_fields, ")"),
+          " (too many header fields)");
+    }
     auto req = std::make_unique<Request>();
     req->fd_ = fd_;
     req->peer_ = peer_;
