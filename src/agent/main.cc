@@ -17,6 +17,7 @@
 #include "agent/agent.h"
 #include "agent/reaper.h"
 #include "agent/util.h"
+#include "common/log_throttle.h"
 
 namespace {
 
@@ -212,9 +213,24 @@ int main(int argc, char** argv) {
   }
   agent.PrepareShell();
   std::thread([&agent, wait_set] {
+    const bool init = getpid() == 1;
+    esb::LogThrottle ignored;  // a loop of `kill 1` cannot flood the log
     for (;;) {
-      int sig = 0;
-      if (sigwait(&wait_set, &sig) != 0) continue;
+      siginfo_t info{};
+      int sig = sigwaitinfo(&wait_set, &info);
+      if (sig < 0) continue;
+      // SECURITY: as PID 1 of the sandbox's PID namespace, only a sender outside it (the
+      // runtime, the host's kernel: si_pid 0 here) may stop the agent. A blocked SIGTERM is
+      // not dropped for a namespace init the way an unhandled one is, so sandbox code could
+      // otherwise end the environment with `kill 1`.
+      if (init && info.si_pid != 0) {
+        if (uint64_t n = ignored.Hit()) {
+          Log(LogLevel::kWarn, std::string("ignoring ") + strsignal(sig) + " from pid " +
+                                   std::to_string(info.si_pid) + " inside the sandbox (" +
+                                   std::to_string(n) + " times so far)");
+        }
+        continue;
+      }
       Log(LogLevel::kInfo, std::string("signal ") + strsignal(sig) + ": stopping");
       agent.Shutdown();
       _exit(0);  // no static destructors while connection threads still run

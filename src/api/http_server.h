@@ -369,6 +369,10 @@ class HttpServer {
     // (one peer can never take the last eighth from the others).
     int max_open_connections_per_peer = 0;
     size_t max_header_bytes = 64 * 1024;               // request line + headers → 400 beyond
+    // Header fields per request → 400 beyond, counted on the raw lines before Beast parses
+    // them: parsed, each field costs an allocation however short it is, so 64 KiB of "a:"
+    // lines (15,000 fields) cost ~1 MB per request.
+    size_t max_header_fields = 100;
     uint64_t max_body_bytes = 16ull << 20;             // buffered bodies → 413 beyond
     // Memory for buffered request bodies across all connections; a body that does not fit is
     // answered 503 (retry later). Header buffers of connections still sending their header have

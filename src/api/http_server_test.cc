@@ -567,6 +567,40 @@ TEST_F(HttpServerTest, HugeHeadersGet400) {
   EXPECT_EQ(r->status, 200);
 }
 
+// Red team (wave 2): 60 KB of "a:" lines is within the header size cap but 15,000 fields, which
+// Beast allocates one by one (1,000 such requests held ~0.9 GB of esbd's RSS). Beyond
+// max_header_fields the request is refused on its raw header and the connection closed.
+TEST_F(HttpServerTest, HeaderFieldFloodIsRefusedOnItsHeader) {
+  std::atomic<int> handled{0};
+  Start([&](Router& r) {
+    r.Add("GET", "/hello", [&](Request& req) {
+      ++handled;
+      return Hello(req);
+    });
+  });
+  Client flood = Connect();
+  std::string many = "GET /hello HTTP/1.1\r\nHost: t\r\n";
+  for (int i = 0; i < 15000; ++i) many += "a:\r\n";
+  ASSERT_TRUE(flood.Send(many + "\r\n"));
+  std::optional<Resp> r = flood.Read();
+  ASSERT_TRUE(r);
+  ExpectErrorBody(*r, 400, "bad_request");
+  EXPECT_NE(r->Json().at("message").as_string().find("too many request header fields"),
+            std::string::npos);
+  EXPECT_FALSE(r->keep_alive);
+  EXPECT_TRUE(flood.WaitClosed(3000));
+  EXPECT_EQ(handled.load(), 0);
+  // At the limit it is an ordinary request.
+  Client ok = Connect();
+  std::string fine = "GET /hello HTTP/1.1\r\nHost: t\r\n";
+  for (int i = 0; i < 99; ++i) fine += Cat("X-H", i, ": v\r\n");
+  ASSERT_TRUE(ok.Send(fine + "\r\n"));
+  r = ok.Read();
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 200);
+  EXPECT_EQ(handled.load(), 1);
+}
+
 TEST_F(HttpServerTest, OversizedBodyIs413WithoutReadingIt) {
   std::atomic<int> calls{0};
   Start([&](Router& r) {

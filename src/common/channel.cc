@@ -5,16 +5,15 @@
 
 namespace esb::proto {
 
-bool Channel::Send(const Frame& frame) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (closed_) return false;
-  }
+bool Channel::Send(const Frame& frame, int64_t deadline_ms) {
+  if (closed()) return false;
   std::string error;
   bool ok;
   {
     std::lock_guard<std::mutex> lock(write_mu_);
-    ok = WriteFrame(fd_, frame, &error);
+    // A write that failed before ours left a partial frame on the stream: never add to it.
+    if (closed()) return false;
+    ok = WriteFrame(fd_, frame, &error, deadline_ms);
   }
   if (!ok) Shutdown(error);
   return ok;
@@ -58,7 +57,7 @@ bool Channel::SendData(FrameType type, uint32_t stream, const boost::json::objec
     f.stream = stream;
     f.header = header;
     f.payload.assign(data.substr(0, n));
-    if (!Send(f)) {
+    if (!Send(f, deadline_ms)) {
       *error = "connection closed: " + close_reason();
       return false;
     }

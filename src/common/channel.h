@@ -19,9 +19,10 @@ class Channel {
  public:
   explicit Channel(int fd) : fd_(fd) {}  // `fd` stays the owner's
 
-  // Sends one whole frame, serialised with other writers. false (and the channel shuts down)
-  // when the write fails; false at once after Shutdown.
-  bool Send(const Frame& frame);
+  // Sends one whole frame, serialised with other writers, giving up at `deadline_ms` (< 0: 30 s
+  // after the write started). false (and the channel shuts down) when the write fails; false
+  // at once after Shutdown, also for a sender that was waiting behind the failed write.
+  bool Send(const Frame& frame, int64_t deadline_ms = -1);
   // Sends `data` on `stream` as OUTPUT or INPUT frames of at most 64 KiB, each once the peer
   // has granted credit for it. false with *error when the stream or channel closed or the
   // deadline (absolute MonotonicMs; < 0: none) passed while waiting for credit.

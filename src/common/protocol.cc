@@ -19,6 +19,7 @@ namespace {
 
 constexpr size_t kPrefixBytes = 4;             // u32 length
 constexpr size_t kCompactThreshold = 1 << 20;  // drop consumed bytes past this
+constexpr int64_t kWriteStallMs = 30000;       // longest wait for a peer that does not read
 
 void PutU32(char* out, uint32_t v) {
   out[0] = static_cast<char>((v >> 24) & 0xff);
@@ -131,9 +132,11 @@ bool WaitFd(int fd, short events, int64_t deadline_ms, std::string* error, int w
 }
 
 // Writes every byte of `iov` (sockets with MSG_NOSIGNAL, anything else with writev). Blocking
-// descriptors with a send timeout and non-blocking ones wait at most 30 s for a peer that does
-// not read.
-bool WriteIov(int fd, iovec* iov, int iovcnt, std::string* error) {
+// descriptors with a send timeout and non-blocking ones give up at `deadline_ms` (< 0: 30 s
+// from now) in total, so a peer that reads just enough to never stall for long cannot keep
+// the writer (and the write lock it holds) forever.
+bool WriteIov(int fd, iovec* iov, int iovcnt, std::string* error, int64_t deadline_ms) {
+  if (deadline_ms < 0) deadline_ms = MonotonicMs() + kWriteStallMs;
   iovec* cur = iov;
   bool is_socket = true;
   while (iovcnt > 0) {
@@ -156,8 +159,9 @@ bool WriteIov(int fd, iovec* iov, int iovcnt, std::string* error) {
       if (errno == EAGAIN || errno == EWOULDBLOCK) {
         // A send timeout (SO_SNDTIMEO) also lands here on blocking sockets: give up then,
         // wait for writability on non-blocking descriptors.
+        int64_t left = std::min<int64_t>(deadline_ms - MonotonicMs(), kWriteStallMs);
         pollfd p{fd, POLLOUT, 0};
-        int r = poll(&p, 1, 30000);
+        int r = left > 0 ? poll(&p, 1, static_cast<int>(left)) : 0;
         if (r > 0) continue;
         if (r < 0 && errno == EINTR) continue;
         if (error) *error = "write: peer not reading";
@@ -282,7 +286,8 @@ std::optional<Frame> FrameDecoder::Next() {
   return frame;
 }
 
-bool WriteFrame(int fd, const Frame& frame, std::string* error, uint32_t max_payload_bytes) {
+bool WriteFrame(int fd, const Frame& frame, std::string* error, int64_t deadline_ms,
+                uint32_t max_payload_bytes) {
   if ((frame.type == FrameType::kHello) != (frame.stream == 0)) {
     if (error) *error = "bad stream id for the frame type";
     return false;
@@ -303,12 +308,12 @@ bool WriteFrame(int fd, const Frame& frame, std::string* error, uint32_t max_pay
   // Two-part gather write so a 16 MiB payload is never copied.
   iovec iov[2] = {{prefix.data(), prefix.size()},
                   {const_cast<char*>(frame.payload.data()), frame.payload.size()}};
-  return WriteIov(fd, iov, frame.payload.empty() ? 1 : 2, error);
+  return WriteIov(fd, iov, frame.payload.empty() ? 1 : 2, error, deadline_ms);
 }
 
 bool WriteAll(int fd, std::string_view data, std::string* error) {
   iovec iov{const_cast<char*>(data.data()), data.size()};
-  return data.empty() || WriteIov(fd, &iov, 1, error);
+  return data.empty() || WriteIov(fd, &iov, 1, error, -1);
 }
 
 bool ReadFrame(int fd, Frame* frame, std::string* error, int64_t deadline_ms,

@@ -99,9 +99,10 @@ class FrameDecoder {
 // Blocking helpers over a connected stream fd (unix socket, pipe, pty, virtio-serial port).
 // They retry on EINTR and return false (with a message) on EOF, error or protocol violation.
 // `deadline_ms` < 0 means no deadline; otherwise an absolute CLOCK_MONOTONIC time in ms.
-// Writes wait at most 30 s for a peer that does not read. `max_payload_bytes`: the channel's
-// payload bound (a longer payload is refused before anything is written).
-bool WriteFrame(int fd, const Frame& frame, std::string* error,
+// A write gives up at `deadline_ms`, or (< 0) 30 s after it started, however slowly the peer
+// keeps reading. `max_payload_bytes`: the channel's payload bound (a longer payload is refused
+// before anything is written).
+bool WriteFrame(int fd, const Frame& frame, std::string* error, int64_t deadline_ms = -1,
                 uint32_t max_payload_bytes = kMaxPayloadBytes);
 // `max_frame_bytes` (or `limit`, asked once the type and stream are known) refuses longer
 // frames before their body is read; the buffer then grows with the bytes that actually arrive,
@@ -112,8 +113,8 @@ bool ReadFrame(int fd, Frame* frame, std::string* error, int64_t deadline_ms = -
                uint32_t max_frame_bytes = kMaxFrameBytes, const FrameLimit& limit = nullptr,
                int wake_fd = -1, uint32_t max_payload_bytes = kMaxPayloadBytes);
 
-// Writes all of `data` (sockets without SIGPIPE; gives up on a peer that does not read for
-// 30 s). Shared by the nano wire.
+// Writes all of `data` (sockets without SIGPIPE; gives up 30 s after it started). Shared by
+// the nano wire.
 bool WriteAll(int fd, std::string_view data, std::string* error);
 
 // Waits until `fd` is readable (or at EOF/error) or the deadline passes ("timed out").

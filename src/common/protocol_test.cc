@@ -369,7 +369,7 @@ TEST_F(SocketPairTest, PayloadPastTheAgentBoundCrossesAChannelThatAllowsIt) {
   out.payload[kMaxPayloadBytes] = '\0';
   std::string write_error;
   std::thread writer([&] {
-    EXPECT_TRUE(WriteFrame(fds_[0], out, &write_error, kTestChannelPayload)) << write_error;
+    EXPECT_TRUE(WriteFrame(fds_[0], out, &write_error, /*deadline_ms=*/-1, kTestChannelPayload)) << write_error;
   });
   Frame in;
   std::string error;

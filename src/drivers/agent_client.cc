@@ -75,7 +75,11 @@ int64_t IntField(const json::object& o, const char* key, int64_t fallback = 0) {
   if (!v) return fallback;
   if (v->is_int64()) return v->as_int64();
   if (v->is_uint64()) return static_cast<int64_t>(v->as_uint64());
-  if (v->is_double()) return static_cast<int64_t>(v->as_double());
+  // SECURITY: sandbox-controlled; casting a double outside int64's range is undefined.
+  if (v->is_double()) {
+    double d = v->as_double();
+    return d > -9.2e18 && d < 9.2e18 ? static_cast<int64_t>(d) : fallback;
+  }
   return fallback;
 }
 
@@ -215,9 +219,14 @@ class AgentClient::Connection {
     return absl::OkStatus();
   }
 
+  // Also dead once a write failed (the stream then holds a partial frame): the next call
+  // connects again instead of failing on this connection for ever.
   bool dead() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return !failure_.ok();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!failure_.ok()) return true;
+    }
+    return channel_.closed();
   }
   const std::vector<std::string>& ops() const { return ops_; }
   proto::Channel& channel() { return channel_; }
@@ -250,7 +259,9 @@ class AgentClient::Connection {
     request.stream = call->stream;
     request.header = spec.header;
     request.payload = spec.payload;
-    if (!channel_.Send(request)) {
+    // SECURITY: the agent is sandbox-controlled; a peer that reads slowly gets the call's
+    // deadline, not as long as it keeps reading.
+    if (!channel_.Send(request, spec.deadline_ms)) {
       Forget(call->stream);
       return absl::UnavailableError(absl::StrCat("agent request: ", channel_.close_reason()));
     }
@@ -457,7 +468,13 @@ std::unique_ptr<AgentTransport> AgentClient::SingleFd(int fd) {
 
 absl::StatusOr<std::shared_ptr<AgentClient::Connection>> AgentClient::Connected(
     int64_t deadline_ms) {
-  std::lock_guard<std::mutex> lock(connect_mu_);
+  // Waits for another caller's connect (and HELLO) no longer than this call's own deadline.
+  std::unique_lock<std::timed_mutex> lock(connect_mu_, std::defer_lock);
+  if (!lock.try_lock_until(
+          std::chrono::steady_clock::now() +
+          std::chrono::milliseconds(std::max<int64_t>(deadline_ms - proto::MonotonicMs(), 0)))) {
+    return absl::DeadlineExceededError("connecting to the agent: timed out behind another connect");
+  }
   if (conn_ && !conn_->dead()) return conn_;
   conn_.reset();
   absl::StatusOr<int> fd = transport_->Connect();

@@ -108,7 +108,7 @@ class AgentClient {
   absl::StatusOr<CallReply> Call(const CallSpec& spec);
 
   std::unique_ptr<AgentTransport> transport_;
-  std::mutex connect_mu_;  // one connect at a time; guards conn_
+  std::timed_mutex connect_mu_;  // one connect at a time; guards conn_
   std::shared_ptr<Connection> conn_;
 };
 

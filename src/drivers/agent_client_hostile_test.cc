@@ -336,6 +336,79 @@ TEST(LyingAgentTest, ConnectionLostMidCallFailsEveryPendingCallPromptly) {
   }
 }
 
+// A peer that reads its socket just fast enough to never stall a write for 30 s (64 KiB every
+// 200 ms) must not hold a call past the call's deadline: before, a 16 MiB request took ~50 s
+// to trickle out, and every other call on the connection waited behind it for the write lock.
+TEST(LyingAgentTest, TrickleReadingAgentCannotHoldACallPastItsDeadline) {
+  LyingAgent agent([](int fd) {
+    WriteAll(fd, Hello());
+    const int64_t stop = proto::MonotonicMs() + 15000;
+    std::string buf(64 * 1024, '\0');
+    while (proto::MonotonicMs() < stop) {
+      if (::read(fd, buf.data(), buf.size()) <= 0) return;
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    }
+  });
+  AgentClient client = agent.Client();
+  ASSERT_TRUE(client.Capabilities().ok());
+  auto start = std::chrono::steady_clock::now();
+  absl::Status exec_status, stat_status;
+  std::thread exec([&] {
+    ExecRequest request;
+    request.command = std::string(proto::kMaxPayloadBytes - 1024, 'x');  // in the payload
+    request.timeout = std::chrono::milliseconds(1000);                   // deadline: 6 s
+    exec_status = client.Exec(request, nullptr).status();
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  std::thread stat([&] { stat_status = client.Stat("x").status(); });
+  exec.join();
+  stat.join();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(10000));
+  EXPECT_FALSE(exec_status.ok());
+  EXPECT_FALSE(stat_status.ok());
+}
+
+// Numbers out of int64's range (1e300) used to be cast from double, which is undefined
+// behaviour (on x86 an exit code of 1e300 came out as 0, i.e. success). They are ignored.
+TEST(LyingAgentTest, OutOfRangeNumbersInARepliesAreIgnoredNotCast) {
+  LyingAgent agent(Replying(RawFrame(proto::FrameType::kResponse,
+                                     R"({"ok":true,"exit_code":1e300,"duration_ms":-1e300})", "")));
+  AgentClient client = agent.Client();
+  ExecRequest request;
+  request.command = "true";
+  request.timeout = std::chrono::milliseconds(2000);
+  absl::StatusOr<ExecResult> r = client.Exec(request, nullptr);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->exit_code, -1);
+  EXPECT_EQ(r->duration_ms, 0);
+}
+
+// A peer that accepts but never says HELLO: every call gives up at its own deadline. Before,
+// a short call queued on the connect lock behind a long call's HELLO wait (here a ping with a
+// 500 ms deadline waited the ~5 s of an exec's), so the wait was bounded by someone else's
+// deadline, not its own.
+TEST(LyingAgentTest, SilentAgentCannotQueueCallsPastTheirDeadlines) {
+  LyingAgent agent([](int fd) {
+    char byte;
+    ::recv(fd, &byte, 1, 0);  // until the client gives up and closes
+  });
+  AgentClient client = agent.Client();
+  absl::Status exec_status, ping_status;
+  std::thread exec([&] {
+    ExecRequest request;
+    request.command = "true";
+    request.timeout = std::chrono::milliseconds(1);  // deadline: 5 s (the grace)
+    exec_status = client.Exec(request, nullptr).status();
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  auto start = std::chrono::steady_clock::now();
+  ping_status = client.Ping(500);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(1500));
+  EXPECT_EQ(ping_status.code(), absl::StatusCode::kDeadlineExceeded) << ping_status;
+  exec.join();
+  EXPECT_EQ(exec_status.code(), absl::StatusCode::kDeadlineExceeded) << exec_status;
+}
+
 TEST(LyingAgentTest, AnnouncedLengthIsNotAllocatedUpFront) {
   // proto::ReadFrame on its own: a peer announcing the maximum frame and sending 10 bytes
   // costs about those bytes until the deadline, not 16 MiB.

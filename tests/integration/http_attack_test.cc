@@ -227,6 +227,39 @@ TEST_F(HttpAttackTest, UnauthenticatedLargeBodiesDoNotGrowDaemonMemory) {
   EXPECT_EQ(d.Call("GET", "/environments").status, 200) << "tenants are still served";
 }
 
+// Red team (wave 2): a tenant's header of 15,000 "a:" lines is within the 64 KiB header cap, but
+// Beast allocates per parsed field: 1,000 such requests waiting for their announced bodies took
+// esbd's RSS to ~0.9 GB, most of which stayed after they closed; even refused after parsing,
+// 300 concurrent ones peaked at +210 MB. They are now refused on their raw lines, before the
+// parser sees them (max_header_fields): +5 MB measured.
+TEST_F(HttpAttackTest, HeaderFieldFloodDoesNotGrowDaemonMemory) {
+  Daemon d;
+  ASSERT_TRUE(d.Start({.config_json = kKeysConfig}));
+  d.api_key = kKeyA;
+  ASSERT_EQ(d.Call("GET", "/environments").status, 200);
+  const int64_t before = RssKiB(d.pid());
+  std::string header = std::string("POST /environments HTTP/1.1\r\nHost: 127.0.0.1\r\n") +
+                       "Authorization: Bearer " + kKeyA +
+                       "\r\nContent-Type: application/json\r\nContent-Length: 100\r\n";
+  for (int i = 0; i < 15000; ++i) header += "a:\r\n";
+  header += "\r\n";
+  std::vector<Conn> held;
+  int64_t peak = before;
+  for (int i = 0; i < 300; ++i) {
+    held.emplace_back(d.port());
+    held.back().Send(header);
+    if (i % 50 == 49) peak = std::max(peak, RssKiB(d.pid()));
+  }
+  int refused = 0;
+  for (Conn& c : held) refused += c.ReadStatus(2000) == 400;
+  peak = std::max(peak, RssKiB(d.pid()));
+  std::printf("[ measured ] 300 x 15,000-field headers: RSS %lld -> peak %lld KiB, %d x 400\n",
+              static_cast<long long>(before), static_cast<long long>(peak), refused);
+  EXPECT_EQ(refused, 300);
+  EXPECT_LT(peak - before, 64 << 10) << "RSS grew from " << before << " to " << peak << " KiB";
+  EXPECT_EQ(d.Call("GET", "/environments").status, 200) << "tenants are still served";
+}
+
 // Item 7, authenticated variant, and review item 2: a tenant's 48 slow 16 MiB bodies are
 // bounded by its share of the body budget (a quarter of 128 MiB): the bodies beyond it are
 // answered 429 on their header, not buffered, and another tenant's bodies still fit.

@@ -602,5 +602,19 @@ time.sleep(100)
   Run("kill " + kept);
 }
 
+// Red team (wave 2): sandbox code signalling the agent (PID 1 of the sandbox's PID namespace)
+// mid-call. The kernel drops signals from inside a namespace to its init when their action is
+// the default, but the agent blocks SIGTERM/SIGINT to sigwait for them, and blocked signals are
+// delivered: `kill -TERM 1` ended the agent (and with it the environment). Last in the suite:
+// when it fails, the environment is gone.
+TEST_F(SecurityTest, SandboxSignallingTheAgentMidCallCannotStopIt) {
+  HttpResult r =
+      Run("sleep 1 & for s in TERM INT HUP QUIT USR1 STOP KILL; do kill -$s 1; done; "
+          "kill -CONT 1; wait; echo survived",
+          20);
+  EXPECT_EQ(r.str("stdout"), "survived\n") << r.body;
+  EXPECT_EQ(Out("cat /proc/1/comm"), "esb-agent\n");
+}
+
 }  // namespace
 }  // namespace esb::testing

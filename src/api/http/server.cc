@@ -1033,6 +1033,15 @@ class Conn : public std::enable_shared_from_this<Conn> {
         return RefuseHeader(400, "obsolete line folding in the request header is not accepted",
                             " (obs-fold)");
       }
+      // SECURITY: the header budgets count raw bytes, but each parsed field costs Beast an
+      // allocation of ~100 bytes however short it is: a flood of tiny fields is refused on its
+      // raw lines (one per field, folding is refused above), before the parser sees them.
+      if (static_cast<size_t>(std::count(head.begin(), head.end(), '\n')) >
+          opts_.max_header_fields + 1) {
+        return RefuseHeader(
+            400, Cat("too many request header fields (limit ", opts_.max_header_fields, ")"),
+            " (too many header fields)");
+      }
       error_code pec;
       const size_t used = hp_->put(buf_.data(), pec);
       buf_.consume(used);

@@ -108,7 +108,7 @@ bool SendMsg(int fd, proto::FrameType type, const Msg& msg, int pass_fd) {
   std::string error;
   errno = 0;
   if (pass_fd < 0) {
-    if (proto::WriteFrame(fd, frame, &error, kMaxMsgBytes)) return true;
+    if (proto::WriteFrame(fd, frame, &error, /*deadline_ms=*/-1, kMaxMsgBytes)) return true;
     if (errno == 0) errno = EPIPE;
     return false;
   }
