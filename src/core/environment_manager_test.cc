@@ -446,6 +446,13 @@ class BlockingStore : public Store {
                                                                   bool destroyed) override {
     return inner_->ListEnvironments(tenant, destroyed);
   }
+  absl::Status InsertVolume(const VolumeRecord& rec) override { return inner_->InsertVolume(rec); }
+  absl::StatusOr<std::vector<VolumeRecord>> ListVolumes(const std::string& tenant) override {
+    return inner_->ListVolumes(tenant);
+  }
+  absl::Status DeleteVolume(const std::string& tenant, const std::string& name) override {
+    return inner_->DeleteVolume(tenant, name);
+  }
   absl::StatusOr<ApiKeyRecord> CreateApiKey(const std::string& tenant, const std::string& name,
                                             std::string* secret) override {
     return inner_->CreateApiKey(tenant, name, secret);
