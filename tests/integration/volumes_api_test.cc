@@ -212,12 +212,13 @@ TEST_F(VolumesApiTest, SizeCapIsHardWritesPastItFail) {
   EXPECT_LT(st.st_blocks * 512, 16 << 20) << "sparse";
   std::string a = d.CreateEnv(WithVolume("small", "/mnt/s"));
   ASSERT_FALSE(a.empty());
-  HttpResult r = d.Exec(a, "dd if=/dev/zero of=/mnt/s/big bs=1M count=40 2>&1; echo rc=$?; "
-                           "du -m /mnt/s/big | cut -f1");
+  HttpResult r = d.Exec(a,
+                        "dd if=/dev/zero of=/mnt/s/big bs=1M count=40 2>&1; echo rc=$?; "
+                        "sync; df -k /mnt/s | tail -1");
   EXPECT_TRUE(absl::StrContains(r.str("stdout"), "No space left on device")) << r.body;
   EXPECT_FALSE(absl::StrContains(r.str("stdout"), "rc=0")) << r.body;
-  HttpResult full = WriteFile(d, a, "/mnt/s/more.txt", std::string(256 << 10, 'x'));
-  EXPECT_EQ(full.status, 507) << "ENOSPC through the files API: " << full.body;
+  HttpResult full = WriteFile(d, a, "/mnt/s/more.txt", std::string(1 << 20, 'x'));
+  EXPECT_EQ(full.status, 507) << "ENOSPC through the files API: " << full.body << r.body;
   ASSERT_EQ(stat(img.c_str(), &st), 0);
   EXPECT_EQ(st.st_size, 16 << 20) << "the image did not grow";
   d.Call("DELETE", "/environments/" + a);
