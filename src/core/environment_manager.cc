@@ -306,8 +306,8 @@ absl::StatusOr<EnvironmentInfo> EnvironmentManager::CreateEnvironment(const std:
   std::string volume_claim;
   if (!spec.volumes.empty()) {
     if (!drivers_.count(spec.runtime)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "runtime '", AbslView(ToString(spec.runtime)), "' is not available on this host"));
+      return absl::InvalidArgumentError(absl::StrCat("runtime '", AbslView(ToString(spec.runtime)),
+                                                     "' is not available on this host"));
     }
     volume_claim = absl::StrCat("#create-", RandomHex(8));
     if (absl::Status st = ClaimVolumes(tenant, spec, volume_claim); !st.ok()) return st;
@@ -487,8 +487,8 @@ absl::Status EnvironmentManager::ClaimVolumes(const std::string& tenant, EnvSpec
     return MissingCapabilityError(driver->name(), Capability::kVolumes);
   }
   if (static_cast<int>(spec.volumes.size()) > options_.max_volumes_per_environment) {
-    return absl::InvalidArgumentError(absl::StrCat("at most ", options_.max_volumes_per_environment,
-                                                   " volumes per environment"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("at most ", options_.max_volumes_per_environment, " volumes per environment"));
   }
   auto records = store_->ListVolumes(tenant);
   if (!records.ok()) return records.status();
@@ -503,8 +503,8 @@ absl::Status EnvironmentManager::ClaimVolumes(const std::string& tenant, EnvSpec
       }
       // Neither mount point may lie inside the other (one would hide or shadow the other).
       auto inside = [](const std::string& a, const std::string& b) {
-        return a == b || (a.size() > b.size() && a.compare(0, b.size(), b) == 0 &&
-                          a[b.size()] == '/');
+        return a == b ||
+               (a.size() > b.size() && a.compare(0, b.size(), b) == 0 && a[b.size()] == '/');
       };
       if (inside(v.path, o.path) || inside(o.path, v.path)) {
         return absl::InvalidArgumentError(
@@ -527,9 +527,9 @@ absl::Status EnvironmentManager::ClaimVolumes(const std::string& tenant, EnvSpec
       return absl::AbortedError(absl::StrCat(
           "volume ", v.name, " is being created, deleted or mounted by another request"));
     }
-    return absl::AbortedError(absl::StrCat(
-        "volume ", v.name, " is mounted by environment ", it->second,
-        " (a volume is mounted by one environment at a time)"));
+    return absl::AbortedError(absl::StrCat("volume ", v.name, " is mounted by environment ",
+                                           it->second,
+                                           " (a volume is mounted by one environment at a time)"));
   }
   for (const VolumeMount& v : spec.volumes) volume_users_[v.key] = claimant;
   return absl::OkStatus();
@@ -576,8 +576,8 @@ absl::StatusOr<VolumeRecord> EnvironmentManager::CreateVolume(const Caller& call
     auto existing = store_->ListVolumes(caller.tenant);
     if (!existing.ok()) return existing.status();
     if (static_cast<int>(existing->size()) >= options_.max_volumes_per_tenant) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "tenant already has ", existing->size(), " volumes (max_volumes_per_tenant)"));
+      return absl::ResourceExhaustedError(absl::StrCat("tenant already has ", existing->size(),
+                                                       " volumes (max_volumes_per_tenant)"));
     }
     VolumeRecord rec{caller.tenant, name, size_mb, Now()};
     if (absl::Status st = store_->InsertVolume(rec); !st.ok()) return st;
@@ -633,8 +633,8 @@ absl::Status EnvironmentManager::DeleteVolume(const Caller& caller, const std::s
           return absl::AbortedError(
               absl::StrCat("volume ", name, " is busy (another request uses it)"));
         }
-        return absl::AbortedError(absl::StrCat(
-            "volume ", name, " is mounted by environment ", it->second, "; delete that first"));
+        return absl::AbortedError(absl::StrCat("volume ", name, " is mounted by environment ",
+                                               it->second, "; delete that first"));
       }
       volume_users_[key] = marker;
     }

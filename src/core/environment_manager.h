@@ -225,8 +225,7 @@ class EnvironmentManager {
   void PoolLoop();
   // Checks and resolves spec.volumes for `tenant` (names, paths, the tenant's records, the
   // driver's capability) and claims each for `claimant` in volume_users_.
-  absl::Status ClaimVolumes(const std::string& tenant, EnvSpec& spec,
-                            const std::string& claimant);
+  absl::Status ClaimVolumes(const std::string& tenant, EnvSpec& spec, const std::string& claimant);
   void ReleaseVolumes(const std::string& claimant);
   Driver* VolumeDriver() const;
 

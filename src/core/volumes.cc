@@ -24,8 +24,8 @@ absl::Status ValidateVolumeName(std::string_view name) {
 
 absl::Status ValidateVolumePath(std::string_view path) {
   auto bad = [&](std::string_view why) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "volume path '", std::string(path.substr(0, 64)), "' is not allowed: ", std::string(why)));
+    return absl::InvalidArgumentError(absl::StrCat("volume path '", std::string(path.substr(0, 64)),
+                                                   "' is not allowed: ", std::string(why)));
   };
   if (path.size() > kMaxVolumePathBytes) return bad("longer than 255 bytes");
   if (path.substr(0, 5) != "/mnt/" || path.size() == 5) {
@@ -48,8 +48,7 @@ absl::Status ValidateVolumePath(std::string_view path) {
 absl::Status ValidateVolumeSize(int64_t size_mb, int64_t max_mb) {
   if (size_mb < kMinVolumeMb || size_mb > max_mb) {
     return absl::InvalidArgumentError(absl::StrCat("size_mb ", size_mb, " is outside ",
-                                                   kMinVolumeMb, "..", max_mb,
-                                                   " (max_volume_mb)"));
+                                                   kMinVolumeMb, "..", max_mb, " (max_volume_mb)"));
   }
   return absl::OkStatus();
 }

@@ -20,10 +20,26 @@ TEST(VolumesTest, NamesAreLowercaseDigitsAndDashes) {
 TEST(VolumesTest, PathsStayBelowMnt) {
   EXPECT_TRUE(ValidateVolumePath("/mnt/data").ok());
   EXPECT_TRUE(ValidateVolumePath("/mnt/a/b.c_d-E").ok());
-  for (const char* bad :
-       {"", "/", "/mnt", "/mnt/", "mnt/data", "/proc", "/sys/x", "/dev/shm", "/run/esb",
-        "/workspace", "/workspace/data", "/etc", "/mnt/../etc", "/mnt/./x", "/mnt/a//b",
-        "/mnt/a/", "/mnt/a/..", "/mntx/data", "/mnt/a b", "/mnt/a\nb"}) {
+  for (const char* bad : {"",
+                          "/",
+                          "/mnt",
+                          "/mnt/",
+                          "mnt/data",
+                          "/proc",
+                          "/sys/x",
+                          "/dev/shm",
+                          "/run/esb",
+                          "/workspace",
+                          "/workspace/data",
+                          "/etc",
+                          "/mnt/../etc",
+                          "/mnt/./x",
+                          "/mnt/a//b",
+                          "/mnt/a/",
+                          "/mnt/a/..",
+                          "/mntx/data",
+                          "/mnt/a b",
+                          "/mnt/a\nb"}) {
     EXPECT_EQ(ValidateVolumePath(bad).code(), absl::StatusCode::kInvalidArgument) << bad;
   }
   EXPECT_FALSE(ValidateVolumePath("/mnt/" + std::string(251, 'a')).ok());

@@ -35,10 +35,10 @@ std::optional<NetworkPolicy> ParseNetworkPolicy(std::string_view name);
 // A persistent volume mounted into an environment (issue 11). The API gives name, path and
 // read_only; the core resolves the tenant's volume and fills key and size_mb.
 struct VolumeMount {
-  std::string name;        // the volume's name within its tenant ([a-z0-9-]{1,63})
-  std::string path;        // mount point inside the sandbox (core/volumes.h: ValidateVolumePath)
+  std::string name;  // the volume's name within its tenant ([a-z0-9-]{1,63})
+  std::string path;  // mount point inside the sandbox (core/volumes.h: ValidateVolumePath)
   bool read_only = false;
-  std::string key;         // the driver's name for it: "<tenant hash>/<name>" (VolumeKey)
+  std::string key;  // the driver's name for it: "<tenant hash>/<name>" (VolumeKey)
   int64_t size_mb = 0;
 
   bool operator==(const VolumeMount&) const = default;

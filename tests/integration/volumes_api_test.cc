@@ -25,7 +25,8 @@ std::string Shell(const std::string& cmd) {
 }
 
 json::object WithVolume(const std::string& name, const std::string& path, bool ro = false) {
-  return {{"volumes", json::array{json::object{{"name", name}, {"path", path}, {"read_only", ro}}}}};
+  return {
+      {"volumes", json::array{json::object{{"name", name}, {"path", path}, {"read_only", ro}}}}};
 }
 
 class VolumesApiTest : public ::testing::Test {
@@ -90,8 +91,9 @@ TEST_F(VolumesApiTest, ContentsOutliveEnvironmentsAndOneWriterAtATime) {
 
   std::string b = d.CreateEnv(WithVolume("data", "/mnt/other/place", /*ro=*/true));
   ASSERT_FALSE(b.empty()) << d.Log();
-  HttpResult r = d.Exec(b, "cat /mnt/other/place/f.txt /mnt/other/place/api.txt; echo; "
-                           "touch /mnt/other/place/x 2>&1; echo rc=$?");
+  HttpResult r = d.Exec(b,
+                        "cat /mnt/other/place/f.txt /mnt/other/place/api.txt; echo; "
+                        "touch /mnt/other/place/x 2>&1; echo rc=$?");
   EXPECT_EQ(r.str("stdout").substr(0, 19), "hello\nfrom the api\n") << r.body;
   EXPECT_TRUE(absl::StrContains(r.str("stdout"), "Read-only file system")) << r.body;
   EXPECT_TRUE(absl::StrContains(r.str("stdout"), "rc=1")) << r.body;
@@ -133,9 +135,9 @@ TEST_F(VolumesApiTest, VolumePathTraversalAttackIsRefused) {
   Daemon d;
   ASSERT_TRUE(d.Start({}));
   ASSERT_EQ(CreateVolume(d, "v", 16).status, 201);
-  for (const char* path : {"/mnt/../etc", "/mnt/a/../../proc", "/proc/sys", "/sys", "/dev/x",
-                           "/run/esb", "/workspace", "/workspace/v", "/etc", "/", "/mnt",
-                           "mnt/v", "/mnt//v", "/mnt/./v", "/sbin/esb-agent"}) {
+  for (const char* path :
+       {"/mnt/../etc", "/mnt/a/../../proc", "/proc/sys", "/sys", "/dev/x", "/run/esb", "/workspace",
+        "/workspace/v", "/etc", "/", "/mnt", "mnt/v", "/mnt//v", "/mnt/./v", "/sbin/esb-agent"}) {
     HttpResult r = d.Call("POST", "/environments", WithVolume("v", path));
     EXPECT_EQ(r.status, 400) << path << ": " << r.body;
   }
@@ -157,8 +159,10 @@ TEST_F(VolumesApiTest, VolumeSymlinkAttackStaysInsideTheSandbox) {
   ASSERT_EQ(std::system(("echo host-canary > " + canary).c_str()), 0);
   std::string a = d.CreateEnv(WithVolume("v", "/mnt/v"));
   ASSERT_FALSE(a.empty());
-  HttpResult plant = d.Exec(a, "ln -s / /mnt/v/hostroot && ln -s /etc/shadow /mnt/v/shadow && "
-                               "ln -s " + canary + " /mnt/v/canary && echo planted");
+  HttpResult plant = d.Exec(a,
+                            "ln -s / /mnt/v/hostroot && ln -s /etc/shadow /mnt/v/shadow && "
+                            "ln -s " +
+                                canary + " /mnt/v/canary && echo planted");
   ASSERT_EQ(plant.str("stdout"), "planted\n") << plant.body;
   ASSERT_EQ(d.Call("DELETE", "/environments/" + a).status, 200);
   EXPECT_EQ(Shell("cat " + canary), "host-canary\n") << "destroy did not follow the links";
@@ -190,8 +194,8 @@ TEST_F(VolumesApiTest, HostUserCannotReachVolumeMount) {
   std::string file = Shell("find " + d.state_dir() + " -path '*/vol/*' -name p.txt | head -1");
   ASSERT_FALSE(file.empty());
   file.pop_back();
-  std::string as_1000 = Shell("setpriv --reuid=1000 --regid=1000 --clear-groups cat '" + file +
-                              "' 2>&1; echo rc=$?");
+  std::string as_1000 =
+      Shell("setpriv --reuid=1000 --regid=1000 --clear-groups cat '" + file + "' 2>&1; echo rc=$?");
   EXPECT_TRUE(absl::StrContains(as_1000, "Permission denied")) << as_1000;
   EXPECT_FALSE(absl::StrContains(as_1000, "private")) << as_1000;
   d.Call("DELETE", "/environments/" + a);

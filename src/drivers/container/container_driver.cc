@@ -986,8 +986,7 @@ absl::Status ContainerDriver::CreateVolume(const std::string& key, int64_t size_
   if (!r.ok() || r->exit_code != 0) {
     ::unlink(image.c_str());
     if (!r.ok()) return r.status();
-    return absl::InternalError(
-        absl::StrCat("mkfs.ext4: ", absl::StripAsciiWhitespace(r->output)));
+    return absl::InternalError(absl::StrCat("mkfs.ext4: ", absl::StripAsciiWhitespace(r->output)));
   }
   return absl::OkStatus();
 }
