@@ -110,16 +110,19 @@ TEST_F(VolumesApiTest, ContentsOutliveEnvironmentsAndOneWriterAtATime) {
   d.StopAndCleanup();
 }
 
-TEST_F(VolumesApiTest, BadNamesPathsAndSizesAre400) {
+TEST_F(VolumesApiTest, BadNamesPathsAndSizesAre400AndQuotasHold) {
   Daemon d;
-  ASSERT_TRUE(d.Start({}));
+  ASSERT_TRUE(d.Start({.config_json = R"({"max_volume_mb": 64, "max_volumes_per_tenant": 2})"}));
   EXPECT_EQ(CreateVolume(d, "Data", 32).status, 400);
   EXPECT_EQ(CreateVolume(d, "../x", 32).status, 400);
   EXPECT_EQ(CreateVolume(d, std::string(64, 'a'), 32).status, 400);
   EXPECT_EQ(CreateVolume(d, "tiny", 1).status, 400) << "below the minimum";
+  EXPECT_EQ(CreateVolume(d, "big", 65).status, 400) << "above max_volume_mb";
   EXPECT_EQ(CreateVolume(d, "huge", 1 << 20).status, 400) << "above max_volume_mb";
   EXPECT_EQ(d.Call("POST", "/volumes", json::object{{"name", "x"}}).status, 400) << "no size";
+  ASSERT_EQ(CreateVolume(d, "ok2", 64).status, 201);
   ASSERT_EQ(CreateVolume(d, "ok", 16).status, 201);
+  EXPECT_EQ(CreateVolume(d, "ok3", 16).status, 429) << "max_volumes_per_tenant";
   EXPECT_EQ(d.Call("POST", "/environments", json::object{{"volumes", "ok"}}).status, 400);
   EXPECT_EQ(d.Call("POST", "/environments",
                    json::object{{"volumes", json::array{json::object{{"name", "ok"}}}}})
