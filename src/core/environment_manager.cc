@@ -573,6 +573,8 @@ absl::StatusOr<VolumeRecord> EnvironmentManager::CreateVolume(const Caller& call
       std::string marker;
       ~Release() { self->ReleaseVolumes(marker); }
     } release{this, marker};
+    // Count and insert under one lock, so concurrent creates cannot overshoot the quota.
+    std::unique_lock<std::mutex> quota_lock(volume_quota_mu_);
     auto existing = store_->ListVolumes(caller.tenant);
     if (!existing.ok()) return existing.status();
     if (static_cast<int>(existing->size()) >= options_.max_volumes_per_tenant) {
@@ -581,6 +583,7 @@ absl::StatusOr<VolumeRecord> EnvironmentManager::CreateVolume(const Caller& call
     }
     VolumeRecord rec{caller.tenant, name, size_mb, Now()};
     if (absl::Status st = store_->InsertVolume(rec); !st.ok()) return st;
+    quota_lock.unlock();
     if (absl::Status st = driver->CreateVolume(key, size_mb); !st.ok()) {
       store_->DeleteVolume(caller.tenant, name).IgnoreError();
       return st;

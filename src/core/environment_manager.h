@@ -246,6 +246,7 @@ class EnvironmentManager {
   // Volume key → who holds it: an environment id (it mounts it), or a marker of a create,
   // delete or environment create on the way ("#..."). Absent: free.
   std::map<std::string, std::string> volume_users_;
+  std::mutex volume_quota_mu_;  // a volume create's count check and insert, one at a time
 
   std::mutex wake_mu_;
   std::condition_variable wake_cv_;

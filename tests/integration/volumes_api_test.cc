@@ -79,6 +79,13 @@ TEST_F(VolumesApiTest, ContentsOutliveEnvironmentsAndOneWriterAtATime) {
   HttpResult fw = WriteFile(d, a, "/mnt/data/api.txt", "from the api");
   EXPECT_EQ(fw.status, 200) << fw.body;
   EXPECT_EQ(ReadFile(d, a, "/mnt/data/f.txt").str("content"), "hello\n");
+  HttpResult listing = d.Call("GET", "/environments/" + a + "/files/list?path=/mnt/data");
+  EXPECT_TRUE(absl::StrContains(listing.body, "\"api.txt\"")) << listing.body;
+  // mkdir/remove/rename act only inside /workspace (docs/api.md "Reaching volumes").
+  HttpResult mkdir = d.Call("POST", "/environments/" + a + "/files/mkdir",
+                            json::object{{"path", "/mnt/data/sub"}});
+  EXPECT_EQ(mkdir.status / 100, 4) << mkdir.body;
+  EXPECT_NE(mkdir.status, 404) << "refused by the rule, not missing: " << mkdir.body;
   EXPECT_EQ(VolumeRow(d, "data").as_object().at("mounted_by").as_string(), a);
 
   HttpResult del = d.Call("DELETE", "/volumes/data");
