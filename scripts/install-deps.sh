@@ -10,6 +10,8 @@ PKGS=(
   libseccomp-dev libcap-dev libssl-dev openssl zlib1g-dev libgtest-dev libgmock-dev
   # container driver and images
   crun runc debootstrap iproute2 util-linux procps
+  # persistent volumes (an ext4 file system per volume, loop-mounted)
+  e2fsprogs
   # python SDK tests
   python3 python3-pytest
   # nano tier (CPython -> wasm32-wasi -> wasm2c)

@@ -175,6 +175,14 @@ absl::Status CheckDevModeBrowserRequest(const Request& req) {
   return absl::OkStatus();
 }
 
+json::object RenderVolume(const VolumeInfo& v) {
+  return json::object{
+      {"name", v.record.name},
+      {"size_mb", v.record.size_mb},
+      {"created_at", FormatRfc3339(v.record.created_ms)},
+      {"mounted_by", v.mounted_by.empty() ? json::value() : json::value(v.mounted_by)}};
+}
+
 }  // namespace
 
 Response FileStatusResponse(const absl::Status& st) {
@@ -258,6 +266,11 @@ json::object ApiService::RenderEnvironment(const EnvironmentInfo& info, bool wit
   json::array env_keys;
   for (const auto& [k, v] : info.spec.env) env_keys.push_back(json::value(k));
   o["env_keys"] = std::move(env_keys);
+  json::array volumes;
+  for (const VolumeMount& v : info.spec.volumes) {
+    volumes.push_back(json::object{{"name", v.name}, {"path", v.path}, {"read_only", v.read_only}});
+  }
+  o["volumes"] = std::move(volumes);
   if (with_usage) {
     json::object usage{{"exec_count", r.exec_count}};
     if (r.state == EnvState::kRunning) {
@@ -355,6 +368,30 @@ void ApiService::Register(Router& router) {
     json::array arr;
     for (const auto& info : *list) arr.push_back(RenderEnvironment(info, false));
     return JsonResponse(200, json::object{{"environments", std::move(arr)}});
+  });
+
+  add("POST", "/volumes", [this](Request& req, const Caller& t) {
+    auto body = ParseJsonObjectBody(req);
+    if (!body.ok()) return body.error();
+    JsonFields f(body.value());
+    std::string name = f.RequiredString("name");
+    int64_t size_mb = f.RequiredInt("size_mb", 1, int64_t{1} << 30);
+    if (!f.ok()) return f.ErrorResponse();
+    auto rec = manager_->CreateVolume(t, name, size_mb);
+    if (!rec.ok()) return StatusResponse(rec.status());
+    return JsonResponse(201, RenderVolume(VolumeInfo{*rec, ""}));
+  });
+  add("GET", "/volumes", [this](Request&, const Caller& t) {
+    auto list = manager_->ListVolumes(t);
+    if (!list.ok()) return StatusResponse(list.status());
+    json::array arr;
+    for (const VolumeInfo& v : *list) arr.push_back(RenderVolume(v));
+    return JsonResponse(200, json::object{{"volumes", std::move(arr)}});
+  });
+  add("DELETE", "/volumes/{name}", [this](Request& req, const Caller& t) {
+    absl::Status st = manager_->DeleteVolume(t, req.Param("name"));
+    if (!st.ok()) return StatusResponse(st);
+    return JsonResponse(200, json::object{{"error", false}, {"message", "Volume deleted."}});
   });
 
   add("GET", "/environments/{id}", [this](Request& req, const Caller& t) {
@@ -513,6 +550,29 @@ Response ApiService::CreateEnvironment(Request& req, const Caller& caller) {
   spec.env = f.OptionalStringMap("env", 256);
   // Every name the API accepts is a policy the core knows (ParseNetworkPolicy).
   spec.network = *ParseNetworkPolicy(f.OptionalEnum("network", "none", {"none"}));
+  if (const json::value* vols = f.OptionalValue("volumes"); vols && !vols->is_null()) {
+    // Shape only here; names, paths and ownership are the core's (ClaimVolumes).
+    if (!vols->is_array() || vols->as_array().size() > 64) {
+      f.Fail("'volumes' must be an array of at most 64 {name, path, read_only} objects");
+    } else {
+      for (const json::value& item : vols->as_array()) {
+        if (!item.is_object()) {
+          f.Fail("'volumes' entries must be objects {name, path, read_only}");
+          break;
+        }
+        JsonFields vf(item.as_object());
+        VolumeMount m;
+        m.name = vf.RequiredString("name");
+        m.path = vf.RequiredString("path");
+        m.read_only = vf.OptionalBool("read_only", false);
+        if (!vf.ok()) {
+          f.Fail(absl::StrCat("volumes: ", vf.error()));
+          break;
+        }
+        spec.volumes.push_back(std::move(m));
+      }
+    }
+  }
   if (!f.ok()) return f.ErrorResponse();
   for (const auto& [k, v] : spec.env) {
     bool valid = !k.empty() && k.size() <= 256 && !(k[0] >= '0' && k[0] <= '9');

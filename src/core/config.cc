@@ -251,6 +251,8 @@ absl::Status LoadConfigFile(const std::string& path, DaemonConfig* c) {
     else if (key == "max_environments") st = GetInt(v, key, &c->max_environments);
     else if (key == "max_environments_per_tenant")
       st = GetInt(v, key, &c->max_environments_per_tenant);
+    else if (key == "max_volume_mb") st = GetInt(v, key, &c->max_volume_mb);
+    else if (key == "max_volumes_per_tenant") st = GetInt(v, key, &c->max_volumes_per_tenant);
     else if (key == "max_output_bytes") st = GetInt(v, key, &c->max_output_bytes);
     else if (key == "max_upload_bytes") st = GetInt(v, key, &c->max_upload_bytes);
     else if (key == "max_json_body_bytes") st = GetInt(v, key, &c->max_json_body_bytes);
@@ -317,6 +319,9 @@ absl::Status LoadConfigFile(const std::string& path, DaemonConfig* c) {
   // every create that leaves it out fail in the driver (400) and the warm pool never fill.
   // Memory caps given in the file (0 = derived later from the host's RAM, checked then).
   if (absl::Status mem = CheckMemoryCaps(*c, path); !mem.ok()) return mem;
+  if (c->max_volume_mb < 16 || c->max_volume_mb > (int64_t{1} << 20))
+    return TypeError("max_volume_mb", "16..1048576");
+  if (c->max_volumes_per_tenant < 0) return TypeError("max_volumes_per_tenant", "0 or more");
   // HTTP limits (cross-field: checked once every key is in).
   if (absl::Status http = ValidateHttpLimits(*c); !http.ok()) return http;
   return absl::OkStatus();

@@ -73,6 +73,9 @@ struct DaemonConfig {
   int pool_size = 2;
   int max_environments = 500;
   int max_environments_per_tenant = 200;
+  // Persistent volumes (ManagerOptions): size cap of one (MiB), count per tenant.
+  int64_t max_volume_mb = 4096;
+  int max_volumes_per_tenant = 16;
   int64_t max_output_bytes = 1 << 20;
   int64_t max_upload_bytes = 256ll << 20;
   int64_t max_json_body_bytes = 16ll << 20;

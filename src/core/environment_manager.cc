@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/util.h"
 #include "core/recovery.h"
+#include "core/volumes.h"
 
 namespace esb {
 
@@ -38,6 +39,17 @@ std::string SpecToJson(const EnvSpec& spec, int64_t ttl_s) {
                  {"network", NetworkPolicyName(spec.network)},
                  {"ttl_seconds", ttl_s},
                  {"env", std::move(env)}};
+  if (!spec.volumes.empty()) {
+    json::array volumes;
+    for (const VolumeMount& v : spec.volumes) {
+      volumes.push_back(json::object{{"name", v.name},
+                                     {"path", v.path},
+                                     {"read_only", v.read_only},
+                                     {"key", v.key},
+                                     {"size_mb", v.size_mb}});
+    }
+    o["volumes"] = std::move(volumes);
+  }
   return json::serialize(o);
 }
 
@@ -68,6 +80,18 @@ absl::StatusOr<EnvSpec> SpecFromJson(const std::string& text, int64_t* ttl_s) {
       for (const auto& kv : p->as_object())
         spec.env[std::string(kv.key())] = json::value_to<std::string>(kv.value());
     }
+    if (auto* p = o.if_contains("volumes"); p && p->is_array()) {
+      for (const auto& item : p->as_array()) {
+        const json::object& v = item.as_object();
+        VolumeMount m;
+        m.name = json::value_to<std::string>(v.at("name"));
+        m.path = json::value_to<std::string>(v.at("path"));
+        m.read_only = v.at("read_only").as_bool();
+        m.key = json::value_to<std::string>(v.at("key"));
+        m.size_mb = v.at("size_mb").to_number<int64_t>();
+        spec.volumes.push_back(std::move(m));
+      }
+    }
   } catch (const std::exception& e) {
     return absl::InvalidArgumentError(absl::StrCat("bad spec json: ", e.what()));
   }
@@ -80,7 +104,7 @@ namespace {
 bool SameShape(const EnvSpec& a, const EnvSpec& b) {
   return a.image == b.image && a.runtime == b.runtime && a.cpu == b.cpu &&
          a.memory_mb == b.memory_mb && a.pids == b.pids && a.disk_mb == b.disk_mb &&
-         a.network == b.network;
+         a.network == b.network && a.volumes == b.volumes;
 }
 
 constexpr char kPoolTenant[] = "";
@@ -144,6 +168,14 @@ absl::Status EnvironmentManager::Start() {
       env->kind = *ParseDriverKind(env->record.runtime);  // recovery found its driver by name
       envs_[env->record.id] = env;
     }
+    // The volumes of every environment that still exists (or still has to be destroyed) stay
+    // claimed by it.
+    auto claim = [&](const EnvironmentRecord& rec) {
+      auto spec = SpecFromJson(rec.spec_json, nullptr);
+      if (!spec.ok()) return;
+      for (const VolumeMount& v : spec->volumes) volume_users_[v.key] = rec.id;
+    };
+    for (const auto& [id, env] : envs_) claim(env->record);
     // The reaper retries the destroys the driver refused (they stay "destroying" meanwhile).
     for (RecoveredEnvironment& r : recovered->destroy_failed) {
       auto env = std::make_shared<LiveEnv>();
@@ -152,6 +184,7 @@ absl::Status EnvironmentManager::Start() {
       env->driver = r.driver;
       env->kind = *ParseDriverKind(env->record.runtime);
       env->tenant = env->record.tenant;
+      claim(env->record);
       destroy_retry_.push_back(env);
     }
   }
@@ -270,8 +303,27 @@ absl::StatusOr<EnvironmentInfo> EnvironmentManager::Create(const Caller& caller,
 }
 
 absl::StatusOr<EnvironmentInfo> EnvironmentManager::CreateEnvironment(const std::string& tenant,
-                                                                      const EnvSpec& spec,
+                                                                      const EnvSpec& requested,
                                                                       int64_t ttl_s) {
+  EnvSpec spec = requested;
+  // Volumes are claimed for this create until the environment exists (then for its id), so
+  // a concurrent create or delete of the same volume is refused rather than racing.
+  std::string volume_claim;
+  if (!spec.volumes.empty()) {
+    if (!drivers_.count(spec.runtime)) {
+      return absl::InvalidArgumentError(absl::StrCat("runtime '", AbslView(ToString(spec.runtime)),
+                                                     "' is not available on this host"));
+    }
+    volume_claim = absl::StrCat("#create-", RandomHex(8));
+    if (absl::Status st = ClaimVolumes(tenant, spec, volume_claim); !st.ok()) return st;
+  }
+  struct ReleaseClaimOnExit {
+    EnvironmentManager* self;
+    std::string* claim;
+    ~ReleaseClaimOnExit() {
+      if (!claim->empty()) self->ReleaseVolumes(*claim);
+    }
+  } release_claim{this, &volume_claim};
   if (ttl_s <= 0) ttl_s = options_.default_ttl_s;
   ttl_s = std::min(ttl_s, options_.max_ttl_s);
   if (!drivers_.count(spec.runtime))
@@ -362,6 +414,10 @@ absl::StatusOr<EnvironmentInfo> EnvironmentManager::CreateEnvironment(const std:
     std::lock_guard<std::mutex> lock(mu_);
     envs_[snapshot.id] = env;
     release();  // the environment itself counts from here on
+    for (auto& [key, user] : volume_users_) {
+      if (!volume_claim.empty() && user == volume_claim) user = snapshot.id;
+    }
+    volume_claim.clear();
   }
   return InfoOf(snapshot, pooled);
 }
@@ -421,6 +477,191 @@ void EnvironmentManager::DestroyLive(const std::shared_ptr<LiveEnv>& env,
     env->record.destroyed_ms = Now();
   }
   PersistLive(*env);
+  ReleaseVolumes(rec.id);  // the driver unmounted them: free for the next environment
+}
+
+Driver* EnvironmentManager::VolumeDriver() const {
+  auto it = drivers_.find(DriverKind::kContainer);
+  return it == drivers_.end() ? nullptr : it->second;
+}
+
+absl::Status EnvironmentManager::ClaimVolumes(const std::string& tenant, EnvSpec& spec,
+                                              const std::string& claimant) {
+  Driver* driver = drivers_.at(spec.runtime);
+  if (!driver->Capabilities().Has(Capability::kVolumes) || driver != VolumeDriver()) {
+    return MissingCapabilityError(driver->name(), Capability::kVolumes);
+  }
+  if (static_cast<int>(spec.volumes.size()) > options_.max_volumes_per_environment) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("at most ", options_.max_volumes_per_environment, " volumes per environment"));
+  }
+  auto records = store_->ListVolumes(tenant);
+  if (!records.ok()) return records.status();
+  for (size_t i = 0; i < spec.volumes.size(); ++i) {
+    VolumeMount& v = spec.volumes[i];
+    if (absl::Status st = ValidateVolumeName(v.name); !st.ok()) return st;
+    if (absl::Status st = ValidateVolumePath(v.path); !st.ok()) return st;
+    for (size_t j = 0; j < i; ++j) {
+      const VolumeMount& o = spec.volumes[j];
+      if (o.name == v.name) {
+        return absl::InvalidArgumentError(absl::StrCat("volume ", v.name, " is listed twice"));
+      }
+      // Neither mount point may lie inside the other (one would hide or shadow the other).
+      auto inside = [](const std::string& a, const std::string& b) {
+        return a == b ||
+               (a.size() > b.size() && a.compare(0, b.size(), b) == 0 && a[b.size()] == '/');
+      };
+      if (inside(v.path, o.path) || inside(o.path, v.path)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("volume paths ", o.path, " and ", v.path, " overlap"));
+      }
+    }
+    auto rec = std::find_if(records->begin(), records->end(),
+                            [&](const VolumeRecord& r) { return r.name == v.name; });
+    if (rec == records->end()) {
+      return absl::NotFoundError(absl::StrCat("volume ", v.name, " not found"));
+    }
+    v.key = VolumeKey(tenant, v.name);
+    v.size_mb = rec->size_mb;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const VolumeMount& v : spec.volumes) {
+    auto it = volume_users_.find(v.key);
+    if (it == volume_users_.end()) continue;
+    if (it->second.rfind("#", 0) == 0) {
+      return absl::AbortedError(absl::StrCat(
+          "volume ", v.name, " is being created, deleted or mounted by another request"));
+    }
+    return absl::AbortedError(absl::StrCat("volume ", v.name, " is mounted by environment ",
+                                           it->second,
+                                           " (a volume is mounted by one environment at a time)"));
+  }
+  for (const VolumeMount& v : spec.volumes) volume_users_[v.key] = claimant;
+  return absl::OkStatus();
+}
+
+void EnvironmentManager::ReleaseVolumes(const std::string& claimant) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto it = volume_users_.begin(); it != volume_users_.end();) {
+    if (it->second == claimant)
+      it = volume_users_.erase(it);
+    else
+      ++it;
+  }
+}
+
+absl::StatusOr<VolumeRecord> EnvironmentManager::CreateVolume(const Caller& caller,
+                                                              const std::string& name,
+                                                              int64_t size_mb) {
+  const int64_t t0 = MonotonicMs();
+  auto create = [&]() -> absl::StatusOr<VolumeRecord> {
+    if (absl::Status st = ValidateVolumeName(name); !st.ok()) return st;
+    if (absl::Status st = ValidateVolumeSize(size_mb, options_.max_volume_mb); !st.ok()) return st;
+    Driver* driver = VolumeDriver();
+    if (driver == nullptr) {
+      return absl::InvalidArgumentError("runtime 'container' is not available on this host");
+    }
+    if (!driver->Capabilities().Has(Capability::kVolumes)) {
+      return MissingCapabilityError(driver->name(), Capability::kVolumes);
+    }
+    const std::string key = VolumeKey(caller.tenant, name);
+    const std::string marker = absl::StrCat("#volume-create-", RandomHex(8));
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (volume_users_.count(key)) {
+        return absl::AlreadyExistsError(absl::StrCat("volume ", name, " already exists"));
+      }
+      volume_users_[key] = marker;
+    }
+    struct Release {
+      EnvironmentManager* self;
+      std::string marker;
+      ~Release() { self->ReleaseVolumes(marker); }
+    } release{this, marker};
+    // Count and insert under one lock, so concurrent creates cannot overshoot the quota.
+    std::unique_lock<std::mutex> quota_lock(volume_quota_mu_);
+    auto existing = store_->ListVolumes(caller.tenant);
+    if (!existing.ok()) return existing.status();
+    if (static_cast<int>(existing->size()) >= options_.max_volumes_per_tenant) {
+      return absl::ResourceExhaustedError(absl::StrCat("tenant already has ", existing->size(),
+                                                       " volumes (max_volumes_per_tenant)"));
+    }
+    VolumeRecord rec{caller.tenant, name, size_mb, Now()};
+    if (absl::Status st = store_->InsertVolume(rec); !st.ok()) return st;
+    quota_lock.unlock();
+    if (absl::Status st = driver->CreateVolume(key, size_mb); !st.ok()) {
+      store_->DeleteVolume(caller.tenant, name).IgnoreError();
+      return st;
+    }
+    return rec;
+  };
+  absl::StatusOr<VolumeRecord> rec = create();
+  audit_.Record(caller, {.action = "volume.create",
+                         .detail = absl::StrCat(name, " size_mb=", size_mb),
+                         .duration_ms = MonotonicMs() - t0,
+                         .outcome = rec.status()});
+  return rec;
+}
+
+absl::StatusOr<std::vector<VolumeInfo>> EnvironmentManager::ListVolumes(const Caller& caller) {
+  auto records = store_->ListVolumes(caller.tenant);
+  if (!records.ok()) return records.status();
+  std::vector<VolumeInfo> out;
+  std::lock_guard<std::mutex> lock(mu_);
+  for (VolumeRecord& r : *records) {
+    VolumeInfo info{std::move(r), ""};
+    auto it = volume_users_.find(VolumeKey(caller.tenant, info.record.name));
+    if (it != volume_users_.end() && it->second.rfind("#", 0) != 0) info.mounted_by = it->second;
+    out.push_back(std::move(info));
+  }
+  return out;
+}
+
+absl::Status EnvironmentManager::DeleteVolume(const Caller& caller, const std::string& name) {
+  const int64_t t0 = MonotonicMs();
+  auto remove = [&]() -> absl::Status {
+    if (absl::Status st = ValidateVolumeName(name); !st.ok()) return st;
+    auto records = store_->ListVolumes(caller.tenant);
+    if (!records.ok()) return records.status();
+    if (std::none_of(records->begin(), records->end(),
+                     [&](const VolumeRecord& r) { return r.name == name; })) {
+      return absl::NotFoundError(absl::StrCat("volume ", name, " not found"));
+    }
+    Driver* driver = VolumeDriver();
+    if (driver == nullptr) {
+      return absl::InvalidArgumentError("runtime 'container' is not available on this host");
+    }
+    const std::string key = VolumeKey(caller.tenant, name);
+    const std::string marker = absl::StrCat("#volume-delete-", RandomHex(8));
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = volume_users_.find(key);
+      if (it != volume_users_.end()) {
+        if (it->second.rfind("#", 0) == 0) {
+          return absl::AbortedError(
+              absl::StrCat("volume ", name, " is busy (another request uses it)"));
+        }
+        return absl::AbortedError(absl::StrCat("volume ", name, " is mounted by environment ",
+                                               it->second, "; delete that first"));
+      }
+      volume_users_[key] = marker;
+    }
+    struct Release {
+      EnvironmentManager* self;
+      std::string marker;
+      ~Release() { self->ReleaseVolumes(marker); }
+    } release{this, marker};
+    if (absl::Status st = driver->DeleteVolume(key); !st.ok()) return st;
+    return store_->DeleteVolume(caller.tenant, name);
+  };
+  absl::Status st = remove();
+  if (st.code() != absl::StatusCode::kNotFound) {
+    audit_.Record(caller, {.action = "volume.delete",
+                           .detail = name,
+                           .duration_ms = MonotonicMs() - t0,
+                           .outcome = st});
+  }
+  return st;
 }
 
 absl::Status EnvironmentManager::Destroy(const Caller& caller, const std::string& id,

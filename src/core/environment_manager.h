@@ -49,6 +49,11 @@ struct ManagerOptions {
   int max_environments = 500;
   int max_environments_per_tenant = 200;
   EnvSpec default_spec;
+  // Persistent volumes (core/volumes.h): size cap of one, count per tenant, mounts per
+  // environment.
+  int64_t max_volume_mb = 4096;
+  int max_volumes_per_tenant = 16;
+  int max_volumes_per_environment = 8;
   std::function<int64_t()> now_ms;  // injectable clock; defaults to NowUnixMs
 };
 
@@ -58,6 +63,12 @@ struct EnvironmentInfo {
   EnvSpec spec;
   int64_t ttl_s = 0;
   bool pooled = false;  // served from the warm pool
+};
+
+// A volume for the API: the record and the environment that mounts it ("" when none).
+struct VolumeInfo {
+  VolumeRecord record;
+  std::string mounted_by;
 };
 
 class EnvironmentManager {
@@ -144,6 +155,16 @@ class EnvironmentManager {
   absl::StatusOr<RunResult> RunOneShot(const Caller& caller, DriverKind runtime,
                                        const RunRequest& request, const OutputSink& sink);
 
+  // Persistent volumes of the caller's tenant, kept by the container runtime's driver
+  // (capability volumes). Another tenant's volume is NotFound, like a missing one. A volume is
+  // mounted by at most one environment at a time (Create with a volume another environment
+  // mounts is Aborted: a conflict, 409 at the API), and DeleteVolume refuses one that is
+  // mounted (Aborted). Audited as volume.create / volume.delete.
+  absl::StatusOr<VolumeRecord> CreateVolume(const Caller& caller, const std::string& name,
+                                            int64_t size_mb);
+  absl::StatusOr<std::vector<VolumeInfo>> ListVolumes(const Caller& caller);
+  absl::Status DeleteVolume(const Caller& caller, const std::string& name);
+
   // The runtime of a live environment of the caller's tenant.
   absl::StatusOr<DriverKind> RuntimeOf(const Caller& caller, const std::string& id);
   // What runtime `runtime` can do (empty set: no such driver).
@@ -203,6 +224,11 @@ class EnvironmentManager {
   EnvironmentInfo InfoOf(const EnvironmentRecord& record, bool pooled) const;
   void ReaperLoop();
   void PoolLoop();
+  // Checks and resolves spec.volumes for `tenant` (names, paths, the tenant's records, the
+  // driver's capability) and claims each for `claimant` in volume_users_.
+  absl::Status ClaimVolumes(const std::string& tenant, EnvSpec& spec, const std::string& claimant);
+  void ReleaseVolumes(const std::string& claimant);
+  Driver* VolumeDriver() const;
 
   Store* store_;
   std::map<DriverKind, Driver*> drivers_;
@@ -218,6 +244,10 @@ class EnvironmentManager {
   // Creates that passed the quota check and are not in envs_ yet (they count against it).
   int reserved_total_ = 0;
   std::map<std::string, int> reserved_;  // tenant → reservations
+  // Volume key → who holds it: an environment id (it mounts it), or a marker of a create,
+  // delete or environment create on the way ("#..."). Absent: free.
+  std::map<std::string, std::string> volume_users_;
+  std::mutex volume_quota_mu_;  // a volume create's count check and insert, one at a time
 
   std::mutex wake_mu_;
   std::condition_variable wake_cv_;

@@ -1,4 +1,5 @@
 #include "core/environment_manager.h"
+#include "core/volumes.h"
 
 #include <gtest/gtest.h>
 
@@ -29,6 +30,7 @@ class FakeDriver : public Driver {
     if (fail_create) return absl::InternalError("boom");
     alive.insert(id);
     ++creates;
+    for (const VolumeMount& v : spec.volumes) mounted_keys.push_back(v.key + ":" + v.path);
     return InstanceRef{id, "container", absl::StrCat("{\"id\":\"", id, "\"}")};
   }
   absl::Status Destroy(const InstanceRef& ref) override {
@@ -84,7 +86,20 @@ class FakeDriver : public Driver {
     return alive.count(ref.id) ? absl::OkStatus() : absl::NotFoundError("gone");
   }
 
+  absl::Status CreateVolume(const std::string& key, int64_t size_mb) override {
+    std::lock_guard<std::mutex> lock(mu);
+    if (!volumes.emplace(key, size_mb).second) return absl::AlreadyExistsError("exists");
+    return absl::OkStatus();
+  }
+  absl::Status DeleteVolume(const std::string& key) override {
+    std::lock_guard<std::mutex> lock(mu);
+    volumes.erase(key);
+    return absl::OkStatus();
+  }
+
   CapabilitySet capabilities{Capability::kExec, Capability::kFiles};
+  std::map<std::string, int64_t> volumes;  // key -> size_mb
+  std::vector<std::string> mounted_keys;   // "key:path" of every Create
   std::mutex mu;
   std::set<std::string> alive;
   std::set<std::string> outdated;  // Attach answers SandboxOutdatedError
@@ -141,6 +156,97 @@ TEST_F(ManagerTest, CreateExecDestroyLifecycle) {
   EXPECT_EQ(rec->state, EnvState::kDestroyed);
   EXPECT_EQ(rec->destroy_reason, "deleted");
   m->Stop();
+}
+
+EnvSpec WithVolume(const std::string& name, const std::string& path) {
+  EnvSpec spec;
+  spec.volumes.push_back(VolumeMount{.name = name, .path = path});
+  return spec;
+}
+
+TEST_F(ManagerTest, VolumesAreTenantScopedAndNeedTheCapability) {
+  auto m = Make(0, nullptr);
+  ASSERT_TRUE(m->Start().ok());
+  auto missing = m->CreateVolume(Caller("acme"), "data", 32);
+  EXPECT_TRUE(IsMissingCapability(missing.status())) << missing.status();
+  driver.capabilities.Add(Capability::kVolumes);
+  ASSERT_TRUE(m->CreateVolume(Caller("acme"), "data", 32).ok());
+  EXPECT_EQ(m->CreateVolume(Caller("acme"), "data", 32).status().code(),
+            absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(m->CreateVolume(Caller("acme"), "x", 8).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  auto other = m->Create(Caller("evil"), WithVolume("data", "/mnt/d"), 0);
+  EXPECT_EQ(other.status().code(), absl::StatusCode::kNotFound) << other.status();
+  EXPECT_EQ(m->DeleteVolume(Caller("evil"), "data").code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(m->ListVolumes(Caller("evil"))->empty());
+  auto env = m->Create(Caller("acme"), WithVolume("data", "/mnt/d"), 0);
+  ASSERT_TRUE(env.ok()) << env.status();
+  ASSERT_EQ(driver.mounted_keys.size(), 1u);
+  EXPECT_EQ(driver.mounted_keys[0], VolumeKey("acme", "data") + ":/mnt/d")
+      << "the driver gets the tenant's key";
+  EXPECT_EQ(env->spec.volumes[0].size_mb, 32);
+  m->Stop();
+}
+
+TEST_F(ManagerTest, AVolumeHasOneHolderEvenUnderConcurrentCreates) {
+  driver.capabilities.Add(Capability::kVolumes);
+  auto m = Make(0, nullptr);
+  ASSERT_TRUE(m->Start().ok());
+  ASSERT_TRUE(m->CreateVolume(Caller("t"), "data", 32).ok());
+  driver.create_delay_ms = 50;
+  std::atomic<int> ok{0}, conflict{0};
+  std::vector<std::thread> threads;
+  std::vector<std::string> ids(8);
+  for (int i = 0; i < 8; ++i) {
+    threads.emplace_back([&, i] {
+      auto r = m->Create(Caller("t"), WithVolume("data", "/mnt/d"), 0);
+      if (r.ok()) {
+        ++ok;
+        ids[i] = r->record.id;
+      } else if (r.status().code() == absl::StatusCode::kAborted) {
+        ++conflict;
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  driver.create_delay_ms = 0;
+  EXPECT_EQ(ok.load(), 1);
+  EXPECT_EQ(conflict.load(), 7);
+  std::string holder;
+  for (const std::string& id : ids)
+    if (!id.empty()) holder = id;
+  EXPECT_EQ((*m->ListVolumes(Caller("t")))[0].mounted_by, holder);
+  EXPECT_EQ(m->DeleteVolume(Caller("t"), "data").code(), absl::StatusCode::kAborted);
+  ASSERT_TRUE(m->Destroy(Caller("t"), holder).ok());
+  EXPECT_TRUE((*m->ListVolumes(Caller("t")))[0].mounted_by.empty());
+  EXPECT_TRUE(m->DeleteVolume(Caller("t"), "data").ok());
+  EXPECT_TRUE(driver.volumes.empty()) << "the driver deleted it";
+  m->Stop();
+}
+
+TEST_F(ManagerTest, VolumeHoldersAreKnownAgainAfterARestart) {
+  driver.capabilities.Add(Capability::kVolumes);
+  std::string id;
+  {
+    auto m = Make(0, nullptr);
+    ASSERT_TRUE(m->Start().ok());
+    ASSERT_TRUE(m->CreateVolume(Caller("t"), "data", 32).ok());
+    auto env = m->Create(Caller("t"), WithVolume("data", "/mnt/d"), 0);
+    ASSERT_TRUE(env.ok());
+    id = env->record.id;
+    m->Stop();
+  }
+  auto m2 = Make(0, nullptr);
+  ASSERT_TRUE(m2->Start().ok());
+  EXPECT_EQ((*m2->ListVolumes(Caller("t")))[0].mounted_by, id);
+  EXPECT_EQ(m2->DeleteVolume(Caller("t"), "data").code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(m2->Create(Caller("t"), WithVolume("data", "/mnt/e"), 0).status().code(),
+            absl::StatusCode::kAborted);
+  auto got = m2->Get(Caller("t"), id);
+  ASSERT_TRUE(got.ok());
+  ASSERT_EQ(got->spec.volumes.size(), 1u) << "the spec (with volumes) round-trips the store";
+  EXPECT_EQ(got->spec.volumes[0].path, "/mnt/d");
+  m2->Stop();
 }
 
 TEST_F(ManagerTest, OtherTenantSeesNotFoundNeverTheEnvironment) {
@@ -445,6 +551,13 @@ class BlockingStore : public Store {
   absl::StatusOr<std::vector<EnvironmentRecord>> ListEnvironments(const std::string& tenant,
                                                                   bool destroyed) override {
     return inner_->ListEnvironments(tenant, destroyed);
+  }
+  absl::Status InsertVolume(const VolumeRecord& rec) override { return inner_->InsertVolume(rec); }
+  absl::StatusOr<std::vector<VolumeRecord>> ListVolumes(const std::string& tenant) override {
+    return inner_->ListVolumes(tenant);
+  }
+  absl::Status DeleteVolume(const std::string& tenant, const std::string& name) override {
+    return inner_->DeleteVolume(tenant, name);
   }
   absl::StatusOr<ApiKeyRecord> CreateApiKey(const std::string& tenant, const std::string& name,
                                             std::string* secret) override {

@@ -41,6 +41,8 @@ std::string_view CapabilityName(Capability capability) {
       return "egress";
     case Capability::kTerminal:
       return "terminal";
+    case Capability::kVolumes:
+      return "volumes";
   }
   return "unknown";
 }
@@ -116,6 +118,14 @@ absl::Status Driver::Pause(const InstanceRef&) {
 
 absl::Status Driver::Resume(const InstanceRef&) {
   return MissingCapabilityError(name(), Capability::kPause);
+}
+
+absl::Status Driver::CreateVolume(const std::string&, int64_t) {
+  return MissingCapabilityError(name(), Capability::kVolumes);
+}
+
+absl::Status Driver::DeleteVolume(const std::string&) {
+  return MissingCapabilityError(name(), Capability::kVolumes);
 }
 
 }  // namespace esb

@@ -32,6 +32,18 @@ struct NetworkPolicy {
 std::string_view NetworkPolicyName(const NetworkPolicy& policy);
 std::optional<NetworkPolicy> ParseNetworkPolicy(std::string_view name);
 
+// A persistent volume mounted into an environment (issue 11). The API gives name, path and
+// read_only; the core resolves the tenant's volume and fills key and size_mb.
+struct VolumeMount {
+  std::string name;  // the volume's name within its tenant ([a-z0-9-]{1,63})
+  std::string path;  // mount point inside the sandbox (core/volumes.h: ValidateVolumePath)
+  bool read_only = false;
+  std::string key;  // the driver's name for it: "<tenant hash>/<name>" (VolumeKey)
+  int64_t size_mb = 0;
+
+  bool operator==(const VolumeMount&) const = default;
+};
+
 // What an environment is asked to be. Validated by the API layer before it gets here.
 struct EnvSpec {
   std::string image = "default";
@@ -42,6 +54,7 @@ struct EnvSpec {
   int64_t disk_mb = 1024;             // size cap of /workspace
   std::map<std::string, std::string> env;
   NetworkPolicy network;
+  std::vector<VolumeMount> volumes;  // capability kVolumes
 };
 
 // A live environment as the driver knows it. `state` is the driver's own serialised data
@@ -181,11 +194,13 @@ enum class Capability {
   kPause,          // Pause + Resume
   kEgress,         // a governed network (NetworkPolicy other than none)
   kTerminal,       // interactive PTY sessions
+  kVolumes,        // persistent volumes (CreateVolume/DeleteVolume, EnvSpec::volumes)
 };
 inline constexpr Capability kAllCapabilities[] = {
     Capability::kExec,          Capability::kFiles,    Capability::kPythonSession,
     Capability::kPythonOneShot, Capability::kSnapshot, Capability::kFork,
-    Capability::kPause,         Capability::kEgress,   Capability::kTerminal};
+    Capability::kPause,         Capability::kEgress,   Capability::kTerminal,
+    Capability::kVolumes};
 std::string_view CapabilityName(Capability capability);  // "exec", "python_session", ...
 
 class CapabilitySet {
@@ -299,6 +314,11 @@ class Driver {
   // kPause: stops / restarts the instance's processes without losing their state.
   virtual absl::Status Pause(const InstanceRef& ref);
   virtual absl::Status Resume(const InstanceRef& ref);
+  // kVolumes: makes the empty volume `key` (VolumeMount::key) with a hard cap of `size_mb`
+  // (AlreadyExists when it exists) / deletes it and its contents (Aborted while an
+  // instance mounts it; OK when it does not exist). Mounting is Create's (EnvSpec::volumes).
+  virtual absl::Status CreateVolume(const std::string& key, int64_t size_mb);
+  virtual absl::Status DeleteVolume(const std::string& key);
 };
 
 }  // namespace esb

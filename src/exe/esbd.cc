@@ -263,6 +263,8 @@ int main(int argc, char** argv) {
   mopts.pool_size = config.pool_size;
   mopts.max_environments = config.max_environments;
   mopts.max_environments_per_tenant = config.max_environments_per_tenant;
+  mopts.max_volume_mb = config.max_volume_mb;
+  mopts.max_volumes_per_tenant = config.max_volumes_per_tenant;
   mopts.default_spec = config.defaults;
   esb::EnvironmentManager manager(store->get(), registry.Available(), &metrics, mopts);
   if (absl::Status st = manager.Start(); !st.ok())

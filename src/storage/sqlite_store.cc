@@ -136,6 +136,17 @@ END;
     R"sql(
 ALTER TABLE audit ADD COLUMN principal TEXT NOT NULL DEFAULT '';
 )sql",
+    // v4: persistent volumes (issue 11), named per tenant; which environment mounts one is
+    // derived from the live environments' specs, not stored twice.
+    R"sql(
+CREATE TABLE volumes (
+  tenant     TEXT NOT NULL,
+  name       TEXT NOT NULL,
+  size_mb    INTEGER NOT NULL,
+  created_ms INTEGER NOT NULL DEFAULT 0,
+  PRIMARY KEY (tenant, name)
+);
+)sql",
 };
 constexpr int kLatestVersion = static_cast<int>(sizeof(kMigrations) / sizeof(kMigrations[0]));
 
@@ -573,6 +584,48 @@ class SqliteStore final : public Store {
     if (!stmt.ok()) return stmt.status();
     stmt->Bind(1, tenant).Bind(2, include_destroyed ? 1 : 0).Bind(3, kMaxListedDestroyed);
     return CollectEnvs(*stmt);
+  }
+
+  absl::Status InsertVolume(const VolumeRecord& rec) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto stmt = Prepare(
+        "INSERT INTO volumes (tenant, name, size_mb, created_ms) VALUES (?1, ?2, ?3, ?4) "
+        "ON CONFLICT(tenant, name) DO NOTHING");
+    if (!stmt.ok()) return stmt.status();
+    stmt->Bind(1, rec.tenant).Bind(2, rec.name).Bind(3, rec.size_mb).Bind(4, rec.created_ms);
+    if (absl::Status st = stmt->Run(); !st.ok()) return st;
+    if (sqlite3_changes(writer_.db) == 0) {
+      return absl::AlreadyExistsError(absl::StrCat("volume ", rec.name, " already exists"));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<std::vector<VolumeRecord>> ListVolumes(const std::string& tenant) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto stmt = Prepare(
+        "SELECT tenant, name, size_mb, created_ms FROM volumes WHERE ?1 = '' OR tenant = ?1 "
+        "ORDER BY tenant, name");
+    if (!stmt.ok()) return stmt.status();
+    stmt->Bind(1, tenant);
+    std::vector<VolumeRecord> out;
+    while (true) {
+      absl::StatusOr<bool> row = stmt->Step();
+      if (!row.ok()) return row.status();
+      if (!*row) return out;
+      out.push_back(VolumeRecord{stmt->Text(0), stmt->Text(1), stmt->Int(2), stmt->Int(3)});
+    }
+  }
+
+  absl::Status DeleteVolume(const std::string& tenant, const std::string& name) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto stmt = Prepare("DELETE FROM volumes WHERE tenant = ?1 AND name = ?2");
+    if (!stmt.ok()) return stmt.status();
+    stmt->Bind(1, tenant).Bind(2, name);
+    if (absl::Status st = stmt->Run(); !st.ok()) return st;
+    if (sqlite3_changes(writer_.db) == 0) {
+      return absl::NotFoundError(absl::StrCat("volume ", name, " not found"));
+    }
+    return absl::OkStatus();
   }
 
   absl::StatusOr<ApiKeyRecord> CreateApiKey(const std::string& tenant, const std::string& name,

@@ -59,6 +59,14 @@ struct AuditEntry {
   std::string principal;
 };
 
+// A persistent volume (issue 11): named per tenant; its contents live with the driver.
+struct VolumeRecord {
+  std::string tenant;
+  std::string name;
+  int64_t size_mb = 0;
+  int64_t created_ms = 0;
+};
+
 struct AuditQuery {
   std::string tenant;          // required: callers only see their own tenant
   int64_t since_ms = 0;        // 0 = unbounded
@@ -129,6 +137,12 @@ class Store {
   virtual absl::StatusOr<std::vector<EnvironmentRecord>> ListLiveEnvironments() = 0;
   virtual absl::StatusOr<std::vector<EnvironmentRecord>> ListEnvironments(
       const std::string& tenant, bool include_destroyed) = 0;  // destroyed: newest 1000
+
+  // Volumes: AlreadyExists for a (tenant, name) taken; NotFound when deleting a missing one.
+  virtual absl::Status InsertVolume(const VolumeRecord& rec) = 0;
+  // One tenant's volumes (every tenant's when `tenant` is empty), ordered by tenant, name.
+  virtual absl::StatusOr<std::vector<VolumeRecord>> ListVolumes(const std::string& tenant) = 0;
+  virtual absl::Status DeleteVolume(const std::string& tenant, const std::string& name) = 0;
 
   // API keys: only a SHA-256 of the secret is stored. Returns the new record and the secret
   // (shown once) via `secret`.

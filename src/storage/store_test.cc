@@ -145,6 +145,23 @@ TEST(StoreTest, EnvironmentRoundTripAndUpsert) {
   EXPECT_EQ(store->PutEnvironment(EnvironmentRecord{}).code(), absl::StatusCode::kInvalidArgument);
 }
 
+TEST(StoreTest, VolumesAreNamedPerTenant) {
+  auto store = OpenOrDie(":memory:");
+  ASSERT_NE(store, nullptr);
+  ASSERT_TRUE(store->InsertVolume({"acme", "data", 64, 1}).ok());
+  ASSERT_TRUE(store->InsertVolume({"evil", "data", 32, 2}).ok()) << "same name, other tenant";
+  EXPECT_EQ(store->InsertVolume({"acme", "data", 16, 3}).code(), absl::StatusCode::kAlreadyExists);
+  auto acme = store->ListVolumes("acme");
+  ASSERT_TRUE(acme.ok());
+  ASSERT_EQ(acme->size(), 1u);
+  EXPECT_EQ((*acme)[0].size_mb, 64);
+  EXPECT_EQ(store->ListVolumes("")->size(), 2u);
+  EXPECT_EQ(store->DeleteVolume("acme", "nope").code(), absl::StatusCode::kNotFound);
+  ASSERT_TRUE(store->DeleteVolume("acme", "data").ok());
+  EXPECT_TRUE(store->ListVolumes("acme")->empty());
+  EXPECT_EQ(store->ListVolumes("evil")->size(), 1u) << "the other tenant's volume stays";
+}
+
 TEST(StoreTest, ListEnvironmentsIsTenantScoped) {
   auto store = OpenOrDie(":memory:");
   ASSERT_NE(store, nullptr);

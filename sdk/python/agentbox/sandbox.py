@@ -914,6 +914,7 @@ class Sandbox:
                memory_mb: Optional[int] = None, pids: Optional[int] = None,
                disk_mb: Optional[int] = None, ttl_seconds: Optional[int] = None,
                envs: Optional[Mapping[str, str]] = None, network: Optional[str] = None,
+               volumes: Optional[Sequence[Mapping[str, Any]]] = None,
                keep_alive: Union[bool, float] = False, url: Optional[str] = None,
                api_key: Optional[str] = None, request_timeout: float = 30.0) -> Environment:
         """Create a stateful :class:`Environment` (``POST /environments``).
@@ -927,6 +928,8 @@ class Sandbox:
                 ``"auto"`` or ``"microvm"``; ``"heavy"`` is accepted as ``"container"``.
             cpu, memory_mb, pids, disk_mb: resource limits. ttl_seconds: lease length.
             envs: environment variables for every command. network: ``"none"``.
+            volumes: persistent volumes to mount, e.g. ``[{"name": "data", "path":
+                "/mnt/data", "read_only": False}]`` (see :meth:`create_volume`).
             keep_alive: ``True`` (heartbeat every ttl/3 s, at most 60 s) or an interval in
                 seconds; the thread stops at :meth:`Environment.close`.
         """
@@ -949,6 +952,8 @@ class Sandbox:
                 options[key] = value
         if envs:
             options["env"] = {str(k): str(v) for k, v in envs.items()}
+        if volumes:
+            options["volumes"] = [dict(v) for v in volumes]
         return client._create(options, keep_alive=keep_alive)
 
     @_hybridmethod
@@ -979,6 +984,23 @@ class Sandbox:
         answer = self._transport.json("GET", "/environments", query={"all": 1} if all else None)
         envs = answer.get("environments")
         return [e for e in envs if isinstance(e, dict)] if isinstance(envs, list) else []
+
+    # -- volumes ----------------------------------------------------------------------------
+    def create_volume(self, name: str, size_mb: int) -> dict[str, Any]:
+        """``POST /volumes``: a persistent volume of this tenant (ext4, hard cap ``size_mb``)
+        that outlives environments; mount it with ``create(volumes=[...])``."""
+        return self._transport.json("POST", "/volumes", {"name": name, "size_mb": size_mb})
+
+    def list_volumes(self) -> list[dict[str, Any]]:
+        """``GET /volumes``: this tenant's volumes with ``mounted_by`` (an environment id or
+        None)."""
+        answer = self._transport.json("GET", "/volumes")
+        vols = answer.get("volumes")
+        return [v for v in vols if isinstance(v, dict)] if isinstance(vols, list) else []
+
+    def delete_volume(self, name: str) -> None:
+        """``DELETE /volumes/{name}``: deletes it and its contents (409 while mounted)."""
+        self._transport.json("DELETE", "/volumes/" + quote_id(name))
 
     def audit(self, *, since: Optional[str] = None, until: Optional[str] = None,
               environment_id: Optional[str] = None, q: Optional[str] = None,

@@ -38,7 +38,7 @@ _SKIP_VARS = ("BASH", "BASHOPTS", "BASHPID", "BASH_ALIASES", "BASH_ARGC", "BASH_
               "PIPESTATUS", "OLDPWD", "PWD", "SHLVL", "COLUMNS", "LINES", "HOSTNAME",
               "HOSTTYPE", "MACHTYPE", "OSTYPE", "IFS", "OPTIND", "OPTERR", "PS4", "PS1", "PS2")
 _ENV_FIELDS = {"image", "runtime", "cpu", "memory_mb", "pids", "disk_mb", "ttl_seconds", "env",
-               "network"}
+               "network", "volumes"}
 _RUN_FIELDS = {"code", "timeout_ms", "memory_limit_mb", "allowed_modules", "packages",
                "figure_formats"}
 
@@ -135,6 +135,8 @@ class FakeEsbd:
         self.run_endpoint = run_endpoint
         self.read_limit = read_limit
         self.envs: dict[str, FakeEnv] = {}
+        # (tenant, name) -> {"name", "size_mb", "created_at", "mounted_by"} (docs/api.md Volumes)
+        self.volumes: dict[tuple[str, str], dict[str, Any]] = {}
         self.requests: list[tuple[str, str]] = []
         self.run_bodies: list[dict[str, Any]] = []
         self.create_bodies: list[dict[str, Any]] = []
@@ -220,6 +222,16 @@ class FakeEsbd:
         if not isinstance(ttl, int) or not 10 <= ttl <= 86400:
             raise ApiError(400, "bad_request", "ttl_seconds must be between 10 and 86400.")
         env_id = "env_" + secrets.token_hex(8)
+        with self.lock:
+            for v in body.get("volumes") or []:
+                vol = self.volumes.get((tenant, v.get("name")))
+                if vol is None:
+                    raise ApiError(404, "not_found", f"volume {v.get('name')} not found")
+                if vol["mounted_by"]:
+                    raise ApiError(409, "conflict", f"volume {v['name']} is mounted by "
+                                   f"environment {vol['mounted_by']}")
+            for v in body.get("volumes") or []:
+                self.volumes[(tenant, v["name"])]["mounted_by"] = env_id
         ws = os.path.realpath(os.path.join(self.root, env_id))
         os.makedirs(ws)
         env = FakeEnv(env_id, tenant, ws, os.path.join(self.root, env_id + ".state"),
@@ -233,6 +245,9 @@ class FakeEsbd:
         if env.destroyed_at is None:
             env.destroyed_at, env.destroy_reason = now_iso(), reason
             shutil.rmtree(env.workspace, ignore_errors=True)
+            for vol in self.volumes.values():
+                if vol["mounted_by"] == env.id:
+                    vol["mounted_by"] = None
 
     def spawn(self, env: FakeEnv, command: str, extra_env: dict[str, str]) -> subprocess.Popen:
         # The fake's /workspace is a temporary directory: never touch the host's /workspace.
@@ -363,6 +378,33 @@ class _Handler(BaseHTTPRequestHandler):
                          or r["environment_id"] == query["environment_id"])
                     and (not query.get("q") or query["q"] in r["action"] + " " + r["detail"])]
             return self.send_json(200, {"entries": rows[: int(query.get("limit", 100))]})
+        if parts == ["volumes"] and method == "POST":
+            body = self.json_body()
+            name, size = body.get("name"), body.get("size_mb")
+            if not isinstance(name, str) or not re.fullmatch(r"[a-z0-9][a-z0-9-]{0,62}", name):
+                raise ApiError(400, "bad_request", "volume name must be 1-63 of a-z, 0-9, '-'")
+            if not isinstance(size, int) or not 16 <= size <= 4096:
+                raise ApiError(400, "bad_request", "size_mb is outside 16..4096")
+            with esbd.lock:
+                if (tenant, name) in esbd.volumes:
+                    raise ApiError(409, "conflict", f"volume {name} already exists")
+                vol = {"name": name, "size_mb": size, "created_at": now_iso(0),
+                       "mounted_by": None}
+                esbd.volumes[(tenant, name)] = vol
+            return self.send_json(201, vol)
+        if parts == ["volumes"] and method == "GET":
+            return self.send_json(200, {"volumes": [v for (t, _), v in
+                                                    sorted(esbd.volumes.items()) if t == tenant]})
+        if len(parts) == 2 and parts[0] == "volumes" and method == "DELETE":
+            with esbd.lock:
+                vol = esbd.volumes.get((tenant, parts[1]))
+                if vol is None:
+                    raise ApiError(404, "not_found", f"volume {parts[1]} not found")
+                if vol["mounted_by"]:
+                    raise ApiError(409, "conflict", f"volume {parts[1]} is mounted by "
+                                   f"environment {vol['mounted_by']}; delete that first")
+                del esbd.volumes[(tenant, parts[1])]
+            return self.send_json(200, {"error": False, "message": "Volume deleted."})
         if parts == ["environments"]:
             if method == "POST":
                 env = esbd.create(tenant, self.json_body())

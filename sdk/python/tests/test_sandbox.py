@@ -489,3 +489,22 @@ def test_files_errors_are_typed_by_the_servers_code(fake):
             env.files.make_dir("../escape")
         env.files.remove("d")
         assert not env.files.exists("d")
+
+
+def test_volumes_create_mount_list_and_delete(fake):
+    box = Sandbox(url=fake.url)
+    vol = box.create_volume("data", 64)
+    assert vol["name"] == "data" and vol["size_mb"] == 64 and vol["mounted_by"] is None
+    with pytest.raises(Conflict):
+        box.create_volume("data", 64)
+    env = box.create(volumes=[{"name": "data", "path": "/mnt/data"}])
+    assert fake.create_bodies[-1]["volumes"] == [{"name": "data", "path": "/mnt/data"}]
+    assert [v["mounted_by"] for v in box.list_volumes()] == [env.id]
+    with pytest.raises(Conflict):
+        box.delete_volume("data")  # refused while mounted
+    env.kill()
+    assert box.list_volumes()[0]["mounted_by"] is None
+    box.delete_volume("data")
+    assert box.list_volumes() == []
+    with pytest.raises(SandboxNotFound):
+        box.delete_volume("data")

@@ -1,5 +1,6 @@
 #include "drivers/container/container_driver.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <ftw.h>
 #include <signal.h>
@@ -12,6 +13,7 @@
 #include <algorithm>
 #include <boost/json.hpp>
 #include <cerrno>
+#include <climits>
 #include <cstring>
 #include <filesystem>
 #include <mutex>
@@ -350,6 +352,50 @@ EnvPaths PathsFor(const ContainerDriverOptions& o, const std::string& id) {
   return p;
 }
 
+// Persistent volumes: the image of volume `key` ("<16 hex>/<name>") is
+// <state_dir>/volumes/<key>.img (the state directory is root-only 0700); while an environment
+// uses it, it is loop-mounted at <env_dir>/vol/<i> (also below the 0700 state directory:
+// crun opens an idmapped bind's source as host root, so no host user can reach the files).
+absl::Status ValidateVolumeKey(const std::string& key) {
+  bool ok = key.size() > 17 && key.size() <= 16 + 1 + 63 && key[16] == '/' && key[17] != '-';
+  for (size_t i = 0; ok && i < key.size(); ++i) {
+    char c = key[i];
+    if (i < 16) {
+      ok = (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f');
+    } else if (i > 16) {
+      ok = (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '-';
+    }
+  }
+  if (!ok) return absl::InvalidArgumentError("invalid volume key");
+  return absl::OkStatus();
+}
+
+std::string VolumeImage(const ContainerDriverOptions& o, const std::string& key) {
+  return absl::StrCat(o.state_dir, "/volumes/", key, ".img");
+}
+
+// Whether a loop device is backed by `image` (then its file system is mounted somewhere, or
+// still held by a dying sandbox): a second mount through another loop device would corrupt it.
+bool ImageInUse(const std::string& image) {
+  char real[PATH_MAX];
+  if (::realpath(image.c_str(), real) == nullptr) return false;
+  DIR* dir = ::opendir("/sys/block");
+  if (dir == nullptr) return true;  // cannot tell: assume in use
+  bool used = false;
+  while (struct dirent* e = ::readdir(dir)) {
+    if (std::string_view(e->d_name).substr(0, 4) != "loop") continue;
+    std::string backing;
+    if (!ReadFileToString(absl::StrCat("/sys/block/", e->d_name, "/loop/backing_file"), &backing)
+             .ok()) {
+      continue;
+    }
+    while (!backing.empty() && backing.back() == '\n') backing.pop_back();
+    if (backing == real) used = true;
+  }
+  ::closedir(dir);
+  return used;
+}
+
 // Files shared by every sandbox of this driver (agent binary, hostname), on a tmpfs of its own
 // below /run, not below the state directory: the runtime resolves bind sources from inside a
 // sandbox's user namespace, as an "other" user, and esbd's state directory is 0700.
@@ -467,8 +513,12 @@ class ContainerDriver : public Driver {
   // Shell, files, and a persistent Python kernel per environment (heavy_kernel.h). One-shot
   // Python needs an environment (the core makes a throw-away one); no snapshots yet.
   CapabilitySet Capabilities() const override {
-    return {Capability::kExec, Capability::kFiles, Capability::kPythonSession};
+    CapabilitySet caps{Capability::kExec, Capability::kFiles, Capability::kPythonSession};
+    if (VolumesSupported()) caps.Add(Capability::kVolumes);
+    return caps;
   }
+  absl::Status CreateVolume(const std::string& key, int64_t size_mb) override;
+  absl::Status DeleteVolume(const std::string& key) override;
   absl::StatusOr<RunResult> RunCode(const InstanceRef* ref, const RunRequest& request,
                                     const OutputSink& sink) override {
     if (ref == nullptr) return Driver::RunCode(ref, request, sink);
@@ -477,6 +527,16 @@ class ContainerDriver : public Driver {
   }
   std::string Describe() const override { return describe_; }
   const UsernsStatus& userns() const { return userns_; }
+  // Volumes need mkfs.ext4 and mount, and binds that reach a root-only host directory and keep
+  // on-disk ids: crun's idmapped binds in a user namespace, or any runc/crun without one.
+  // gVisor (its gofer) and runc with a user namespace (no idmapped binds in 1.1) do not.
+  bool VolumesSupported() const {
+    if (kind_ == RuntimeKind::kRunsc || FindExecutable("mkfs.ext4").empty() ||
+        FindExecutable("mount").empty()) {
+      return false;
+    }
+    return !userns_.enabled || kind_ == RuntimeKind::kCrun;
+  }
 
   absl::StatusOr<InstanceRef> Create(const std::string& id, const EnvSpec& spec) override;
   absl::Status Destroy(const InstanceRef& ref) override;
@@ -550,6 +610,10 @@ class ContainerDriver : public Driver {
                            const std::string& rootfs, uint32_t userns_host_id);
   absl::Status WaitForAgent(const EnvPaths& paths, const InstanceState& state);
   absl::Status DestroyById(const std::string& id, const InstanceState& state);
+  // Loop-mounts spec.volumes below the environment directory and adds their binds to `p`.
+  absl::Status MountVolumes(const EnvSpec& spec, const EnvPaths& paths, const std::string& rootfs,
+                            BundleParams* p);
+  void UnmountVolumes(const EnvPaths& paths, std::vector<std::string>* problems);
 
   // Serialises Create/Destroy of the same id.
   bool Claim(const std::string& id) {
@@ -567,6 +631,7 @@ class ContainerDriver : public Driver {
   const std::string describe_;
   const std::string agent_source_;
   const UsernsStatus userns_;
+  std::mutex volume_mu_;  // a volume's in-use check and its mount or delete, one at a time
 
   std::mutex mu_;
   std::set<std::string> busy_;
@@ -712,6 +777,7 @@ absl::Status ContainerDriver::WriteBundle(const std::string& id, const EnvSpec& 
       return absl::FailedPreconditionError("agent binary changed on disk: restart esbd");
     }
   }
+  if (!spec.volumes.empty()) ESB_RETURN_IF_ERROR(MountVolumes(spec, paths, rootfs, &p));
   ESB_RETURN_IF_ERROR(PrepareImage(rootfs, p));
   return WriteStringToFile(paths.bundle_config, boost::json::serialize(BuildOciConfig(p)), 0600);
 }
@@ -816,6 +882,128 @@ absl::StatusOr<InstanceRef> ContainerDriver::Create(const std::string& id, const
   return InstanceRef{id, name(), SerializeState(state, paths, layout_)};
 }
 
+absl::Status ContainerDriver::MountVolumes(const EnvSpec& spec, const EnvPaths& paths,
+                                           const std::string& rootfs, BundleParams* p) {
+  if (!VolumesSupported()) return MissingCapabilityError(name(), Capability::kVolumes);
+  if (!Exists(rootfs + "/mnt")) {
+    return absl::FailedPreconditionError(absl::StrCat("image ", rootfs, " has no /mnt"));
+  }
+  ESB_RETURN_IF_ERROR(container::MakeDir(paths.env_dir + "/vol", 0700));
+  const std::string mount = FindExecutable("mount");
+  // One check-then-mount at a time: the core gives a volume to one environment, and this
+  // keeps even a confused caller from mounting one image twice.
+  std::lock_guard<std::mutex> lock(volume_mu_);
+  for (size_t i = 0; i < spec.volumes.size(); ++i) {
+    const VolumeMount& v = spec.volumes[i];
+    ESB_RETURN_IF_ERROR(ValidateVolumeKey(v.key));
+    if (v.path.size() <= 5 || v.path.compare(0, 5, "/mnt/") != 0 ||
+        absl::StrContains(v.path, "/.") || absl::StrContains(v.path, "//")) {
+      return absl::InvalidArgumentError(absl::StrCat("volume path ", v.path, " is not allowed"));
+    }
+    const std::string image = VolumeImage(options_, v.key);
+    if (!Exists(image)) return absl::NotFoundError(absl::StrCat("volume ", v.name, " not found"));
+    if (ImageInUse(image)) {
+      return absl::AbortedError(
+          absl::StrCat("volume ", v.name, " is mounted by another environment"));
+    }
+    const std::string dir = absl::StrCat(paths.env_dir, "/vol/", i);
+    ESB_RETURN_IF_ERROR(container::MakeDir(dir, 0700));
+    SpawnOptions opts;
+    opts.timeout_ms = options_.runtime_timeout_ms;
+    // SECURITY: nosuid,nodev: nothing on the volume gains privileges or reaches a device; the
+    // mount point is below the root-only environment directory.
+    absl::StatusOr<ProcessResult> r =
+        RunProcess({mount, "-t", "ext4", "-o", "loop,nosuid,nodev", image, dir}, opts);
+    if (!r.ok()) return r.status();
+    if (r->exit_code != 0) {
+      return absl::InternalError(
+          absl::StrCat("mounting volume ", v.name, ": ", absl::StripAsciiWhitespace(r->output)));
+    }
+    p->volume_binds.push_back(VolumeBind{dir, v.path, v.read_only, !p->id_mappings.empty()});
+  }
+  return absl::OkStatus();
+}
+
+void ContainerDriver::UnmountVolumes(const EnvPaths& paths, std::vector<std::string>* problems) {
+  const std::string vol = paths.env_dir + "/vol";
+  DIR* dir = ::opendir(vol.c_str());
+  if (dir == nullptr) return;
+  std::vector<std::string> entries;
+  while (struct dirent* e = ::readdir(dir)) {
+    std::string_view n = e->d_name;
+    if (n != "." && n != "..") entries.emplace_back(n);
+  }
+  ::closedir(dir);
+  for (const std::string& entry : entries) {
+    const std::string path = absl::StrCat(vol, "/", entry);
+    // SECURITY: unmounts only what this driver mounted below the environment's own vol/
+    // directory; the sandbox is dead by now, so the file system is left clean (no MNT_DETACH:
+    // a lazily unmounted volume could be mounted again while still in use).
+    int rc = -1;
+    for (int attempt = 0; attempt < 50; ++attempt) {
+      rc = ::umount2(path.c_str(), UMOUNT_NOFOLLOW);
+      if (rc == 0 || errno != EBUSY) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    if (rc != 0 && errno != EINVAL && errno != ENOENT) {
+      problems->push_back(absl::StrCat("umount volume ", path, ": ", strerror(errno)));
+      continue;
+    }
+    ::rmdir(path.c_str());
+  }
+}
+
+absl::Status ContainerDriver::CreateVolume(const std::string& key, int64_t size_mb) {
+  if (!VolumesSupported()) return MissingCapabilityError(name(), Capability::kVolumes);
+  ESB_RETURN_IF_ERROR(ValidateVolumeKey(key));
+  if (size_mb < 1 || size_mb > (int64_t{1} << 20)) {
+    return absl::InvalidArgumentError("volume size out of range");
+  }
+  const std::string image = VolumeImage(options_, key);
+  ESB_RETURN_IF_ERROR(MakeDirs(image.substr(0, image.rfind('/')), 0700));
+  {
+    // SECURITY: the image is root's (0600) below the 0700 state directory; O_EXCL never
+    // reuses or follows an existing entry.
+    UniqueFd f(::open(image.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600));
+    if (!f) {
+      if (errno == EEXIST) return absl::AlreadyExistsError("volume already exists");
+      return ErrnoStatus("create " + image);
+    }
+    if (::ftruncate(f.get(), size_mb << 20) != 0) {  // sparse: disk is used as files are written
+      absl::Status st = ErrnoStatus("truncate " + image);
+      ::unlink(image.c_str());
+      return st;
+    }
+  }
+  SpawnOptions opts;
+  opts.timeout_ms = 60000;
+  // -m 0: no blocks reserved for root (the cap is the user's); the root directory belongs to
+  // the sandbox user (uid/gid 1000, which idmapped binds keep as 1000 inside).
+  absl::StatusOr<ProcessResult> r =
+      RunProcess({FindExecutable("mkfs.ext4"), "-q", "-F", "-m", "0", "-E",
+                  absl::StrCat("root_owner=", kSandboxUid, ":", kSandboxGid), image},
+                 opts);
+  if (!r.ok() || r->exit_code != 0) {
+    ::unlink(image.c_str());
+    if (!r.ok()) return r.status();
+    return absl::InternalError(absl::StrCat("mkfs.ext4: ", absl::StripAsciiWhitespace(r->output)));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ContainerDriver::DeleteVolume(const std::string& key) {
+  if (!VolumesSupported()) return MissingCapabilityError(name(), Capability::kVolumes);
+  ESB_RETURN_IF_ERROR(ValidateVolumeKey(key));
+  const std::string image = VolumeImage(options_, key);
+  std::lock_guard<std::mutex> lock(volume_mu_);
+  if (ImageInUse(image)) {
+    return absl::AbortedError("volume is mounted by an environment");
+  }
+  if (::unlink(image.c_str()) != 0 && errno != ENOENT) return ErrnoStatus("unlink " + image);
+  ::rmdir(image.substr(0, image.rfind('/')).c_str());  // the tenant's directory, once empty
+  return absl::OkStatus();
+}
+
 absl::Status ContainerDriver::DestroyById(const std::string& id, const InstanceState& state) {
   DropAgent(id);  // its connection ends with the sandbox
   const EnvPaths paths = PathsFor(options_, id);
@@ -850,8 +1038,14 @@ absl::Status ContainerDriver::DestroyById(const std::string& id, const InstanceS
       errno != ENOENT) {
     problems.push_back(absl::StrCat("umount ", paths.run_dir, ": ", strerror(errno)));
   }
-  if (absl::Status s = RemoveTree(paths.env_dir); !s.ok()) {
-    problems.push_back(std::string(s.message()));
+  const size_t before_volumes = problems.size();
+  UnmountVolumes(paths, &problems);
+  // A volume still mounted below the directory keeps it (RemoveTree never crosses a mount,
+  // but the contents must not even be walked): the retry unmounts and removes it.
+  if (problems.size() == before_volumes) {
+    if (absl::Status s = RemoveTree(paths.env_dir); !s.ok()) {
+      problems.push_back(std::string(s.message()));
+    }
   }
   if (problems.empty()) return absl::OkStatus();
   return absl::InternalError(absl::StrCat("destroy ", id, ": ", absl::StrJoin(problems, "; ")));

@@ -284,6 +284,36 @@ TEST(ContainerSpecTest, ConfigHasNoCapabilitiesAndReadOnlyRoot) {
   EXPECT_TRUE(absl::StrContains(json, "\"size=8192k\"")) << json;
 }
 
+TEST(ContainerSpecTest, VolumesGetAPrivateMntTmpfsAndPlainBinds) {
+  container::BundleParams p;
+  p.rootfs = "/img";
+  p.cgroups_path = "/esb/x";
+  EXPECT_FALSE(absl::StrContains(boost::json::serialize(container::BuildOciConfig(p)), "/mnt"))
+      << "no volumes, no /mnt mount";
+  p.volume_binds = {{"/state/envs/e/vol/0", "/mnt/data", false, true},
+                    {"/state/envs/e/vol/1", "/mnt/ro", true, false}};
+  boost::json::object c = container::BuildOciConfig(p);
+  const boost::json::array& mounts = c["mounts"].as_array();
+  std::vector<std::string> dests;
+  for (const auto& m : mounts) dests.emplace_back(m.as_object().at("destination").as_string());
+  auto at = [&](const std::string& d) {
+    return std::find(dests.begin(), dests.end(), d) - dests.begin();
+  };
+  ASSERT_LT(at("/mnt"), at("/mnt/data")) << "the tmpfs first, the volumes on it";
+  ASSERT_LT(at("/mnt/data"), static_cast<long>(dests.size()));
+  ASSERT_LT(at("/mnt/ro"), static_cast<long>(dests.size()));
+  auto opts = [&](const std::string& d) {
+    return boost::json::serialize(mounts[at(d)].as_object().at("options"));
+  };
+  EXPECT_EQ(mounts[at("/mnt")].as_object().at("type").as_string(), "tmpfs");
+  EXPECT_EQ(opts("/mnt/data"), R"(["bind","nosuid","nodev","rw","idmap"])");
+  EXPECT_EQ(opts("/mnt/ro"), R"(["bind","nosuid","nodev","ro"])");
+  std::vector<std::string> required = container::RequiredMountpoints(p);
+  EXPECT_NE(std::find(required.begin(), required.end(), "mnt/"), required.end());
+  EXPECT_EQ(std::find(required.begin(), required.end(), "mnt/data/"), required.end())
+      << "volume mount points are made on the tmpfs, never in the shared image";
+}
+
 TEST(ContainerSpecTest, SeccompDeniesAreNotAllowed) {
   const auto& allowed = container::SeccompAllowedSyscalls();
   std::set<std::string> allow(allowed.begin(), allowed.end());

@@ -40,6 +40,7 @@ std::vector<std::string> RequiredMountpoints(const BundleParams& p) {
   for (const BindMount& b : p.extra_binds) {
     if (b.destination.size() > 1) v.push_back(b.destination.substr(1) + "/");
   }
+  if (!p.volume_binds.empty()) v.push_back("mnt/");
   return v;
 }
 
@@ -113,6 +114,16 @@ object BuildOciConfig(const BundleParams& p) {
   for (const BindMount& b : p.extra_binds) {
     std::vector<std::string> opts = {"rbind", "nosuid", "nodev"};
     if (b.readonly) opts.push_back("ro");
+    mounts.push_back(Mount(b.destination, "bind", b.source, opts));
+  }
+  if (!p.volume_binds.empty()) {
+    mounts.push_back(
+        Mount("/mnt", "tmpfs", "tmpfs", {"nosuid", "nodev", "noexec", "mode=755", "size=64k"}));
+  }
+  for (const VolumeBind& b : p.volume_binds) {
+    // Not rbind: nothing mounted below the volume on the host comes along.
+    std::vector<std::string> opts = {"bind", "nosuid", "nodev", b.readonly ? "ro" : "rw"};
+    if (b.idmap) opts.push_back("idmap");
     mounts.push_back(Mount(b.destination, "bind", b.source, opts));
   }
 

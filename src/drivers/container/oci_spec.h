@@ -15,6 +15,15 @@ struct BindMount {
   bool readonly = true;
 };
 
+// A persistent volume's host mount bound into the sandbox below /mnt.
+struct VolumeBind {
+  std::string source;       // host path (the volume's file system, mounted by the driver)
+  std::string destination;  // below /mnt inside the container
+  bool readonly = false;
+  // crun's idmapped bind: files keep their on-disk ids whatever the sandbox's uid range is.
+  bool idmap = false;
+};
+
 // One extent of a user namespace's uid or gid map (OCI linux.uidMappings/gidMappings).
 struct IdMapping {
   uint32_t container_id = 0;
@@ -54,6 +63,9 @@ struct BundleParams {
   // (drivers/heavy_kernel.h), code the sandbox runs but cannot change ("" = none).
   std::string python_kernel_file;
   std::vector<BindMount> extra_binds;
+  // Non-empty: /mnt is a small tmpfs of the sandbox's own (the image is read-only, so the
+  // runtime makes the mount points there) and each volume is bound at its destination.
+  std::vector<VolumeBind> volume_binds;
   bool seccomp = true;
   bool seccomp_explicit_denies = true;
   // clone3 -> ENOSYS (glibc then falls back to the filtered clone). gVisor ignores per-rule
