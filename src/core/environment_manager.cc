@@ -573,11 +573,7 @@ absl::StatusOr<VolumeRecord> EnvironmentManager::CreateVolume(const Caller& call
       }
       volume_users_[key] = marker;
     }
-    struct Release {
-      EnvironmentManager* self;
-      std::string marker;
-      ~Release() { self->ReleaseVolumes(marker); }
-    } release{this, marker};
+    VolumeClaimRelease release{this, marker};
     // Count and insert under one lock, so concurrent creates cannot overshoot the quota.
     std::unique_lock<std::mutex> quota_lock(volume_quota_mu_);
     auto existing = store_->ListVolumes(caller.tenant);
@@ -646,11 +642,7 @@ absl::Status EnvironmentManager::DeleteVolume(const Caller& caller, const std::s
       }
       volume_users_[key] = marker;
     }
-    struct Release {
-      EnvironmentManager* self;
-      std::string marker;
-      ~Release() { self->ReleaseVolumes(marker); }
-    } release{this, marker};
+    VolumeClaimRelease release{this, marker};
     if (absl::Status st = driver->DeleteVolume(key); !st.ok()) return st;
     return store_->DeleteVolume(caller.tenant, name);
   };

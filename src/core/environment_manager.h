@@ -228,6 +228,12 @@ class EnvironmentManager {
   // driver's capability) and claims each for `claimant` in volume_users_.
   absl::Status ClaimVolumes(const std::string& tenant, EnvSpec& spec, const std::string& claimant);
   void ReleaseVolumes(const std::string& claimant);
+  // Releases the volumes `marker` claimed when it goes out of scope.
+  struct VolumeClaimRelease {
+    EnvironmentManager* self;
+    std::string marker;
+    ~VolumeClaimRelease() { self->ReleaseVolumes(marker); }
+  };
   Driver* VolumeDriver() const;
 
   Store* store_;
