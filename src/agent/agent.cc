@@ -392,9 +392,12 @@ std::optional<proto::Frame> Agent::HandleRequest(Conn& conn, Call& call,
   if (op == "read") return HandleRead(options_.workspace, request.header);
   if (op == "list") return HandleList(options_.workspace, request.header);
   if (op == "stat") return HandleStat(options_.workspace, request.header);
-  if (op == "mkdir") return HandleMkdir(options_.workspace, request.header);
-  if (op == "remove") return HandleRemove(options_.workspace, request.header);
-  if (op == "rename") return HandleRename(options_.workspace, request.header);
+  if (op == "mkdir")
+    return HandleMkdir(FsRoots(options_.workspace, options_.volume_roots), request.header);
+  if (op == "remove")
+    return HandleRemove(FsRoots(options_.workspace, options_.volume_roots), request.header);
+  if (op == "rename")
+    return HandleRename(FsRoots(options_.workspace, options_.volume_roots), request.header);
   if (op == "stats") {
     proto::Frame response = HandleStats(options_.workspace, start_ms_);
     // The idle standby shell is agent machinery, not a user process.

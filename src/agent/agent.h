@@ -26,6 +26,9 @@ namespace esb::agent {
 struct AgentOptions {
   std::string socket_path = "/run/esb/agent.sock";
   std::string workspace = "/workspace";
+  // Mount paths of the persistent volumes (--volume-root, from esbd): files/mkdir, remove and
+  // rename act inside them as inside the workspace.
+  std::vector<std::string> volume_roots;
   std::string state_dir = "/run/esb/state";
   std::string shell = "/bin/bash";
   // A listening unix socket inherited from the host (--listen-fd): the container driver binds

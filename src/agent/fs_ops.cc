@@ -62,6 +62,23 @@ FsResult OpenParent(const std::string& workspace, const std::vector<std::string>
   return OpenDir(workspace, components, components.size() - 1, rel, out);
 }
 
+// The components of `comps` below `root` (absolute and normalised); false if not below it.
+bool Below(const std::string& root, const std::vector<std::string>& comps,
+           std::vector<std::string>* rest) {
+  std::vector<std::string> base;
+  for (size_t pos = 0; pos < root.size();) {
+    size_t slash = root.find('/', pos);
+    if (slash == std::string::npos) slash = root.size();
+    if (slash > pos) base.push_back(root.substr(pos, slash - pos));
+    pos = slash + 1;
+  }
+  if (comps.size() < base.size() || !std::equal(base.begin(), base.end(), comps.begin())) {
+    return false;
+  }
+  rest->assign(comps.begin() + static_cast<std::ptrdiff_t>(base.size()), comps.end());
+  return true;
+}
+
 class RemoveWalk {
  public:
   RemoveWalk(const RemoveLimits& limits, const std::string& rel, int64_t* removed)
@@ -171,28 +188,54 @@ FsResult WorkspaceComponents(const std::string& workspace, const std::string& pa
     if (c.size() > NAME_MAX) return Fail(ENAMETOOLONG, path + ": a name is longer than NAME_MAX");
     comps.emplace_back(c);
   }
-  // The workspace's own components (it is configured absolute and normalised).
-  std::vector<std::string> base;
-  for (size_t pos = 0; pos < workspace.size();) {
-    size_t slash = workspace.find('/', pos);
-    if (slash == std::string::npos) slash = workspace.size();
-    if (slash > pos) base.push_back(workspace.substr(pos, slash - pos));
-    pos = slash + 1;
-  }
-  if (comps.size() < base.size() || !std::equal(base.begin(), base.end(), comps.begin())) {
+  if (!Below(workspace, comps, components)) {
     return Fail(EINVAL, path + ": refused: outside " + workspace +
                             " (files/mkdir, remove and rename act only inside the workspace)");
   }
-  components->assign(comps.begin() + static_cast<std::ptrdiff_t>(base.size()), comps.end());
   return {};
 }
 
-FsResult MakeDirs(const std::string& workspace, const std::string& path, bool* created) {
+FsResult RootComponents(const FsRoots& roots, const std::string& path, std::string* root,
+                        std::vector<std::string>* components) {
+  std::vector<std::string> all;
+  // Normalised from "/": relative paths are joined to the workspace first.
+  FsResult r = WorkspaceComponents(
+      "/", path[0] == '/' || path.empty() ? path : roots.workspace + "/" + path, &all);
+  if (!r.ok()) return r;
+  // The longest root the path lies in (a volume is never inside the workspace, but be exact).
+  size_t best_len = 0;
+  bool found = false;
+  std::vector<std::string> below;
+  auto consider = [&](const std::string& candidate) {
+    std::vector<std::string> rest;
+    if (!Below(candidate, all, &rest)) return;
+    size_t len = all.size() - rest.size();
+    if (found && len <= best_len) return;
+    found = true;
+    best_len = len;
+    *root = candidate;
+    below = std::move(rest);
+  };
+  consider(roots.workspace);
+  for (const std::string& v : roots.volumes) consider(v);
+  if (!found) {
+    std::string names = roots.workspace;
+    for (const std::string& v : roots.volumes) names += ", " + v;
+    return Fail(EINVAL, path + ": refused: outside " + names +
+                            " (files/mkdir, remove and rename act only inside the workspace and"
+                            " the sandbox's volumes)");
+  }
+  *components = std::move(below);
+  return {};
+}
+
+FsResult MakeDirs(const FsRoots& roots, const std::string& path, bool* created) {
   *created = false;
   std::vector<std::string> comps;
-  if (FsResult r = WorkspaceComponents(workspace, path, &comps); !r.ok()) return r;
+  std::string root;
+  if (FsResult r = RootComponents(roots, path, &root, &comps); !r.ok()) return r;
   Fd dir;
-  if (FsResult r = OpenDir(workspace, comps, 0, path, &dir); !r.ok()) return r;
+  if (FsResult r = OpenDir(root, comps, 0, path, &dir); !r.ok()) return r;
   for (size_t i = 0; i < comps.size(); ++i) {
     const char* name = comps[i].c_str();
     bool made = false;
@@ -225,14 +268,19 @@ FsResult MakeDirs(const std::string& workspace, const std::string& path, bool* c
   return {};
 }
 
-FsResult Remove(const std::string& workspace, const std::string& path, bool recursive,
+FsResult Remove(const FsRoots& roots, const std::string& path, bool recursive,
                 const RemoveLimits& limits, int64_t* removed) {
   *removed = 0;
   std::vector<std::string> comps;
-  if (FsResult r = WorkspaceComponents(workspace, path, &comps); !r.ok()) return r;
-  if (comps.empty()) return Fail(EINVAL, "remove " + path + ": refused: the workspace itself");
+  std::string root;
+  if (FsResult r = RootComponents(roots, path, &root, &comps); !r.ok()) return r;
+  if (comps.empty()) {
+    return Fail(EINVAL, "remove " + path + ": refused: " +
+                            (root == roots.workspace ? "the workspace" : "the volume " + root) +
+                            " itself");
+  }
   Fd parent;
-  if (FsResult r = OpenParent(workspace, comps, path, &parent); !r.ok()) return r;
+  if (FsResult r = OpenParent(root, comps, path, &parent); !r.ok()) return r;
   const char* name = comps.back().c_str();
   struct stat st;
   if (fstatat(parent.get(), name, &st, AT_SYMLINK_NOFOLLOW) != 0) {
@@ -254,16 +302,24 @@ FsResult Remove(const std::string& workspace, const std::string& path, bool recu
   return walk.Entry(parent.get(), name, 0);
 }
 
-FsResult Rename(const std::string& workspace, const std::string& source,
-                const std::string& destination, bool overwrite) {
+FsResult Rename(const FsRoots& roots, const std::string& source, const std::string& destination,
+                bool overwrite) {
   std::vector<std::string> from, to;
-  if (FsResult r = WorkspaceComponents(workspace, source, &from); !r.ok()) return r;
-  if (FsResult r = WorkspaceComponents(workspace, destination, &to); !r.ok()) return r;
+  std::string from_root, to_root;
+  if (FsResult r = RootComponents(roots, source, &from_root, &from); !r.ok()) return r;
+  if (FsResult r = RootComponents(roots, destination, &to_root, &to); !r.ok()) return r;
   const std::string what = "rename " + source + " -> " + destination;
-  if (from.empty() || to.empty()) return Fail(EINVAL, what + ": refused: the workspace itself");
+  if (from.empty() || to.empty()) {
+    return Fail(EINVAL, what + ": refused: a root (the workspace or a volume) itself");
+  }
+  if (from_root != to_root) {
+    // EXDEV in spirit; told as EINVAL (a 400) like the kernel's EXDEV below.
+    return Fail(EINVAL, what + ": refused (EXDEV): source and destination are in different " +
+                            "roots (" + from_root + ", " + to_root + "); copy, then remove");
+  }
   Fd from_dir, to_dir;
-  if (FsResult r = OpenParent(workspace, from, source, &from_dir); !r.ok()) return r;
-  if (FsResult r = OpenParent(workspace, to, destination, &to_dir); !r.ok()) return r;
+  if (FsResult r = OpenParent(from_root, from, source, &from_dir); !r.ok()) return r;
+  if (FsResult r = OpenParent(to_root, to, destination, &to_dir); !r.ok()) return r;
   struct stat st;
   if (fstatat(from_dir.get(), from.back().c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) {
     return FailErrno(what, errno);

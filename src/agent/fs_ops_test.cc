@@ -247,6 +247,81 @@ TEST_F(FsOpsTest, RemoveAndRenameRefuseTheWorkspaceItself) {
   EXPECT_TRUE(fs::is_directory(ws_));
 }
 
+// Volumes: a second root (stands for /mnt/<vol>) that mkdir, remove and rename reach like the
+// workspace, with the same walk from its own descriptor.
+TEST_F(FsOpsTest, RootComponentsPicksTheRootThePathIsIn) {
+  const std::string vol = root_ + "/vol";
+  FsRoots roots(ws_, {vol});
+  std::vector<std::string> c;
+  std::string r;
+  ASSERT_TRUE(RootComponents(roots, "a/b", &r, &c).ok());
+  EXPECT_EQ(r, ws_);
+  EXPECT_EQ(c, (std::vector<std::string>{"a", "b"}));
+  ASSERT_TRUE(RootComponents(roots, vol + "/x/./y/../z", &r, &c).ok());
+  EXPECT_EQ(r, vol);
+  EXPECT_EQ(c, (std::vector<std::string>{"x", "z"}));
+  ASSERT_TRUE(RootComponents(roots, vol, &r, &c).ok());
+  EXPECT_TRUE(c.empty());
+  EXPECT_EQ(RootComponents(roots, root_ + "/volx/a", &r, &c).err, EINVAL);
+  EXPECT_EQ(RootComponents(roots, vol + "/../outside/passwd", &r, &c).err, EINVAL);
+  EXPECT_EQ(RootComponents(FsRoots(ws_), vol + "/a", &r, &c).err, EINVAL);
+}
+
+TEST_F(FsOpsTest, MkdirRenameRemoveWorkInsideAVolume) {
+  const std::string vol = root_ + "/vol";
+  fs::create_directories(vol);
+  FsRoots roots(ws_, {vol});
+  bool created = false;
+  FsResult r = MakeDirs(roots, vol + "/d/e", &created);
+  ASSERT_TRUE(r.ok()) << r.message;
+  EXPECT_TRUE(created);
+  EXPECT_TRUE(fs::is_directory(vol + "/d/e"));
+  r = Rename(roots, vol + "/d/e", vol + "/f", false);
+  ASSERT_TRUE(r.ok()) << r.message;
+  EXPECT_TRUE(fs::is_directory(vol + "/f"));
+  int64_t removed = 0;
+  r = Remove(roots, vol + "/d", true, {}, &removed);
+  ASSERT_TRUE(r.ok()) << r.message;
+  EXPECT_FALSE(Exists(vol + "/d"));
+}
+
+TEST_F(FsOpsTest, SymlinkInAVolumeToWorkspaceOrRootIsNotFollowed) {
+  const std::string vol = root_ + "/vol";
+  fs::create_directories(vol);
+  Touch(ws_ + "/keep");
+  ASSERT_EQ(symlink(ws_.c_str(), (vol + "/ws").c_str()), 0);
+  ASSERT_EQ(symlink(outside_.c_str(), (vol + "/out").c_str()), 0);
+  FsRoots roots(ws_, {vol});
+  int64_t removed = 0;
+  EXPECT_EQ(Remove(roots, vol + "/ws/keep", false, {}, &removed).err, ELOOP);
+  EXPECT_EQ(Remove(roots, vol + "/out/passwd", false, {}, &removed).err, ELOOP);
+  EXPECT_EQ(Rename(roots, vol + "/out/passwd", vol + "/p", false).err, ELOOP);
+  bool created = false;
+  EXPECT_EQ(MakeDirs(roots, vol + "/out/new", &created).err, ELOOP);
+  FsResult r = Remove(roots, vol + "/ws", true, {}, &removed);  // the link, not the workspace
+  ASSERT_TRUE(r.ok()) << r.message;
+  EXPECT_TRUE(Exists(ws_ + "/keep"));
+  ExpectOutsideUntouched();
+}
+
+TEST_F(FsOpsTest, RenameAcrossRootsAndOfAVolumeRootIsRefused) {
+  const std::string vol = root_ + "/vol";
+  fs::create_directories(vol);
+  Touch(ws_ + "/a");
+  Touch(vol + "/b");
+  FsRoots roots(ws_, {vol});
+  FsResult r = Rename(roots, "a", vol + "/a", false);
+  EXPECT_EQ(r.err, EINVAL);
+  EXPECT_NE(r.message.find("different roots"), std::string::npos) << r.message;
+  EXPECT_EQ(Rename(roots, vol + "/b", ws_ + "/b", false).err, EINVAL);
+  EXPECT_EQ(Rename(roots, vol, ws_ + "/v", false).err, EINVAL);
+  int64_t removed = 0;
+  EXPECT_EQ(Remove(roots, vol, true, {}, &removed).err, EINVAL);
+  EXPECT_EQ(Remove(roots, vol + "/.", true, {}, &removed).err, EINVAL);
+  EXPECT_TRUE(Exists(ws_ + "/a"));
+  EXPECT_TRUE(Exists(vol + "/b"));
+}
+
 TEST_F(FsOpsTest, RemoveReportsMissingAndNonEmpty) {
   int64_t removed = 0;
   EXPECT_EQ(Remove(ws_, "missing", false, {}, &removed).err, ENOENT);

@@ -460,24 +460,24 @@ proto::Frame FsErrorResponse(const FsResult& r) {
 }
 }  // namespace
 
-proto::Frame HandleMkdir(const std::string& workspace, const json::object& header) {
+proto::Frame HandleMkdir(const FsRoots& roots, const json::object& header) {
   Fields f(header);
   std::string path = f.String("path", "", true);
   if (!f.ok()) return ErrorResponse(f.error(), "EINVAL");
   bool created = false;
-  if (FsResult r = MakeDirs(workspace, path, &created); !r.ok()) return FsErrorResponse(r);
+  if (FsResult r = MakeDirs(roots, path, &created); !r.ok()) return FsErrorResponse(r);
   proto::Frame resp = OkResponse();
   resp.header["created"] = created;
   return resp;
 }
 
-proto::Frame HandleRemove(const std::string& workspace, const json::object& header) {
+proto::Frame HandleRemove(const FsRoots& roots, const json::object& header) {
   Fields f(header);
   std::string path = f.String("path", "", true);
   bool recursive = f.Bool("recursive", false);
   if (!f.ok()) return ErrorResponse(f.error(), "EINVAL");
   int64_t removed = 0;
-  if (FsResult r = Remove(workspace, path, recursive, RemoveLimits{}, &removed); !r.ok()) {
+  if (FsResult r = Remove(roots, path, recursive, RemoveLimits{}, &removed); !r.ok()) {
     return FsErrorResponse(r);
   }
   proto::Frame resp = OkResponse();
@@ -485,13 +485,13 @@ proto::Frame HandleRemove(const std::string& workspace, const json::object& head
   return resp;
 }
 
-proto::Frame HandleRename(const std::string& workspace, const json::object& header) {
+proto::Frame HandleRename(const FsRoots& roots, const json::object& header) {
   Fields f(header);
   std::string source = f.String("source", "", true);
   std::string destination = f.String("destination", "", true);
   bool overwrite = f.Bool("overwrite", false);
   if (!f.ok()) return ErrorResponse(f.error(), "EINVAL");
-  if (FsResult r = Rename(workspace, source, destination, overwrite); !r.ok()) {
+  if (FsResult r = Rename(roots, source, destination, overwrite); !r.ok()) {
     return FsErrorResponse(r);
   }
   return OkResponse();

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <string>
 
+#include "agent/fs_ops.h"
 #include "common/protocol.h"
 
 namespace esb::agent {
@@ -52,9 +53,9 @@ proto::Frame HandleList(const std::string& workspace, const boost::json::object&
 proto::Frame HandleStat(const std::string& workspace, const boost::json::object& header);
 // The files API's mutating ops (agent/fs_ops.h): confined to the workspace, never following a
 // symlink.
-proto::Frame HandleMkdir(const std::string& workspace, const boost::json::object& header);
-proto::Frame HandleRemove(const std::string& workspace, const boost::json::object& header);
-proto::Frame HandleRename(const std::string& workspace, const boost::json::object& header);
+proto::Frame HandleMkdir(const FsRoots& roots, const boost::json::object& header);
+proto::Frame HandleRemove(const FsRoots& roots, const boost::json::object& header);
+proto::Frame HandleRename(const FsRoots& roots, const boost::json::object& header);
 proto::Frame HandleStats(const std::string& workspace, int64_t start_ms);
 
 // Counts processes: every pid in /proc when the agent is PID 1, else the agent and its

@@ -27,6 +27,7 @@ using esb::agent::LogLevel;
 void Usage() {
   fprintf(stderr,
           "usage: esb-agent [--socket PATH | --listen-fd N | --serve-fd N] [--workspace DIR]\n"
+          "                 [--volume-root /mnt/NAME]...\n"
           "                 [--state-dir DIR]\n"
           "                 [--shell PATH] [--log-level debug|info|warn|error]\n"
           "                 [--log-file PATH] [--allow-uid UID] [--host-uds-peers]\n"
@@ -130,6 +131,15 @@ int main(int argc, char** argv) {
       options.socket_path = value;
     } else if (arg == "--workspace") {
       options.workspace = value;
+    } else if (arg == "--volume-root") {
+      // Only absolute, normalised paths below /mnt (where the container driver binds volumes).
+      if (value.size() <= 5 || value.compare(0, 5, "/mnt/") != 0 ||
+          value.find("/.") != std::string::npos || value.find("//") != std::string::npos ||
+          value.back() == '/') {
+        fprintf(stderr, "esb-agent: bad --volume-root %s\n", value.c_str());
+        return 2;
+      }
+      options.volume_roots.push_back(value);
     } else if (arg == "--state-dir") {
       options.state_dir = value;
     } else if (arg == "--listen-fd" || arg == "--serve-fd" || arg == "--allow-uid") {

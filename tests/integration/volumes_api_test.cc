@@ -81,11 +81,10 @@ TEST_F(VolumesApiTest, ContentsOutliveEnvironmentsAndOneWriterAtATime) {
   EXPECT_EQ(ReadFile(d, a, "/mnt/data/f.txt").str("content"), "hello\n");
   HttpResult listing = d.Call("GET", "/environments/" + a + "/files/list?path=/mnt/data");
   EXPECT_TRUE(absl::StrContains(listing.body, "\"api.txt\"")) << listing.body;
-  // mkdir/remove/rename act only inside /workspace (docs/api.md "Reaching volumes").
+  // mkdir/remove/rename act inside the volume like /workspace (docs/api.md "Reaching volumes").
   HttpResult mkdir = d.Call("POST", "/environments/" + a + "/files/mkdir",
                             json::object{{"path", "/mnt/data/sub"}});
-  EXPECT_EQ(mkdir.status / 100, 4) << mkdir.body;
-  EXPECT_NE(mkdir.status, 404) << "refused by the rule, not missing: " << mkdir.body;
+  EXPECT_EQ(mkdir.status, 200) << mkdir.body;
   EXPECT_EQ(VolumeRow(d, "data").as_object().at("mounted_by").as_string(), a);
 
   HttpResult del = d.Call("DELETE", "/volumes/data");
@@ -191,6 +190,54 @@ TEST_F(VolumesApiTest, VolumeSymlinkAttackStaysInsideTheSandbox) {
 
 // Host users must not reach a volume's files through its host mount (on-disk uid 1000 is
 // possibly a real host user): the mount lives below esbd's root-only state directory.
+// files/mkdir, rename and remove inside /mnt/<vol>, with the workspace's rules: no symlink
+// followed, no rename across roots, the volume's root itself and non-volume paths refused.
+TEST_F(VolumesApiTest, MkdirRenameRemoveInsideAVolumeAndTheirSymlinkAttacksFail) {
+  Daemon d;
+  ASSERT_TRUE(d.Start({}));
+  ASSERT_EQ(CreateVolume(d, "fv", 16).status, 201);
+  std::string a = d.CreateEnv(WithVolume("fv", "/mnt/fv"));
+  ASSERT_FALSE(a.empty()) << d.Log();
+  auto call = [&](const std::string& op, json::object body) {
+    return d.Call("POST", "/environments/" + a + "/files/" + op, body);
+  };
+  HttpResult r = call("mkdir", {{"path", "/mnt/fv/x/y"}});
+  ASSERT_EQ(r.status, 200) << r.body;
+  r = call("rename", {{"source", "/mnt/fv/x/y"}, {"destination", "/mnt/fv/z"}});
+  ASSERT_EQ(r.status, 200) << r.body;
+  r = call("remove", {{"path", "/mnt/fv/x"}, {"recursive", true}});
+  ASSERT_EQ(r.status, 200) << r.body;
+  HttpResult ls = d.Exec(a, "ls -A /mnt/fv | grep -v lost+found | tr '\\n' ' '");
+  EXPECT_EQ(ls.str("stdout"), "z ") << ls.body;
+
+  // Symlinks planted in the volume, to the workspace and to /: never followed.
+  ASSERT_EQ(d.Exec(a,
+                   "echo keep > /workspace/keep && ln -s /workspace /mnt/fv/ws && "
+                   "ln -s / /mnt/fv/root && echo ok")
+                .str("stdout"),
+            "ok\n");
+  r = call("remove", {{"path", "/mnt/fv/ws/keep"}});
+  EXPECT_EQ(r.status / 100, 4) << r.body;
+  r = call("rename", {{"source", "/mnt/fv/ws/keep"}, {"destination", "/mnt/fv/k"}});
+  EXPECT_EQ(r.status / 100, 4) << r.body;
+  r = call("mkdir", {{"path", "/mnt/fv/root/tmp/esb-escape"}});
+  EXPECT_EQ(r.status / 100, 4) << r.body;
+  r = call("remove", {{"path", "/mnt/fv/ws"}, {"recursive", true}});  // the link itself
+  EXPECT_EQ(r.status, 200) << r.body;
+  HttpResult check = d.Exec(a, "cat /workspace/keep; test -e /tmp/esb-escape || echo none");
+  EXPECT_EQ(check.str("stdout"), "keep\nnone\n") << check.body;
+
+  // Across roots, the volume's root itself, and a path under /mnt that is no volume: refused.
+  r = call("rename", {{"source", "/workspace/keep"}, {"destination", "/mnt/fv/keep"}});
+  EXPECT_EQ(r.status, 400) << r.body;
+  EXPECT_TRUE(absl::StrContains(r.body, "different roots")) << r.body;
+  EXPECT_EQ(call("remove", {{"path", "/mnt/fv"}, {"recursive", true}}).status, 400);
+  EXPECT_EQ(call("rename", {{"source", "/mnt/fv"}, {"destination", "/mnt/fv2"}}).status, 400);
+  r = call("mkdir", {{"path", "/mnt/not-a-volume/d"}});
+  EXPECT_EQ(r.status, 400) << r.body;
+  EXPECT_EQ(d.Exec(a, "test -d /mnt/fv && cat /workspace/keep").str("stdout"), "keep\n");
+}
+
 TEST_F(VolumesApiTest, HostUserCannotReachVolumeMount) {
   if (Shell("command -v setpriv").empty()) GTEST_SKIP() << "setpriv (util-linux) missing";
   Daemon d;

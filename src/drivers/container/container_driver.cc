@@ -778,6 +778,12 @@ absl::Status ContainerDriver::WriteBundle(const std::string& id, const EnvSpec& 
     }
   }
   if (!spec.volumes.empty()) ESB_RETURN_IF_ERROR(MountVolumes(spec, paths, rootfs, &p));
+  // The files API reaches the volumes like the workspace: esbd names their roots on the agent's
+  // command line (nothing inside the sandbox can change it).
+  for (const VolumeMount& v : spec.volumes) {
+    p.args.push_back("--volume-root");
+    p.args.push_back(v.path);
+  }
   ESB_RETURN_IF_ERROR(PrepareImage(rootfs, p));
   return WriteStringToFile(paths.bundle_config, boost::json::serialize(BuildOciConfig(p)), 0600);
 }
