@@ -28,9 +28,6 @@ struct FsResult {
   bool ok() const { return err == 0; }
 };
 
-// Bounds of a recursive remove: a tree deeper than `max_depth` is refused (each level holds a
-// descriptor), and a walk that has run `time_budget_ms` stops with ETIMEDOUT, leaving the rest
-// (calling again continues: what was removed stays removed).
 // The roots the files API acts in: the workspace, and the mount path of each persistent volume
 // (absolute and normalised; told to the agent by esbd on its command line, never by the
 // sandbox). A path belongs to the root that is its longest prefix; every walk starts at that
@@ -44,6 +41,9 @@ struct FsRoots {
   std::vector<std::string> volumes;
 };
 
+// Bounds of a recursive remove: a tree deeper than `max_depth` is refused (each level holds a
+// descriptor), and a walk that has run `time_budget_ms` stops with ETIMEDOUT, leaving the rest
+// (calling again continues: what was removed stays removed).
 struct RemoveLimits {
   int max_depth = 256;
   int64_t time_budget_ms = 20000;
