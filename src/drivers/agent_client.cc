@@ -263,9 +263,18 @@ class AgentClient::Connection {
     // deadline, not as long as it keeps reading.
     if (!channel_.Send(request, spec.deadline_ms)) {
       Forget(call->stream);
-      return absl::UnavailableError(absl::StrCat("agent request: ", channel_.close_reason()));
+      std::string reason = channel_.close_reason();
+      CloseIfBroken();
+      return absl::UnavailableError(absl::StrCat("agent request: ", reason));
     }
     return call;
+  }
+
+  // A failed write leaves a partial frame on the stream: nothing sent later can be parsed and
+  // no pending call can be answered, so every pending call fails now (not at its own deadline,
+  // which for a file op is 30 s) and the next call connects again.
+  void CloseIfBroken() {
+    if (channel_.closed()) Close(channel_.close_reason());
   }
 
   // Ends a call early: the agent gets CANCEL, frames still on their way are dropped.
@@ -283,7 +292,7 @@ class AgentClient::Connection {
     proto::Frame cancel;
     cancel.type = proto::FrameType::kCancel;
     cancel.stream = call.stream;
-    channel_.Send(cancel);
+    if (!channel_.Send(cancel)) CloseIfBroken();
   }
 
  private:
@@ -503,8 +512,9 @@ absl::StatusOr<AgentClient::CallReply> AgentClient::Call(const CallSpec& spec) {
         eof.type = proto::FrameType::kInput;
         eof.stream = call->stream;
         eof.header["eof"] = true;
-        conn->channel().Send(eof);
+        if (conn->channel().Send(eof)) return;
       }
+      conn->CloseIfBroken();  // a credit timeout leaves the stream whole; a failed write not
     });
   }
   absl::StatusOr<CallReply> result = [&]() -> absl::StatusOr<CallReply> {

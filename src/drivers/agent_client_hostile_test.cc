@@ -368,6 +368,39 @@ TEST(LyingAgentTest, TrickleReadingAgentCannotHoldACallPastItsDeadline) {
   EXPECT_FALSE(stat_status.ok());
 }
 
+// The same peer, with the small call sent FIRST (so it is not queued behind the big write but
+// waiting for its answer): when the big write hits its deadline the connection holds a partial
+// frame and can never answer, so the waiting call fails then too instead of at its own 30 s
+// deadline. (Seen under load: the order above flipped and the stat took 30.3 s.)
+TEST(LyingAgentTest, BrokenWriteFailsCallsAlreadyWaitingForAnswers) {
+  LyingAgent agent([](int fd) {
+    WriteAll(fd, Hello());
+    const int64_t stop = proto::MonotonicMs() + 15000;
+    std::string buf(64 * 1024, '\0');
+    while (proto::MonotonicMs() < stop) {
+      if (::read(fd, buf.data(), buf.size()) <= 0) return;
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    }
+  });
+  AgentClient client = agent.Client();
+  ASSERT_TRUE(client.Capabilities().ok());
+  auto start = std::chrono::steady_clock::now();
+  absl::Status exec_status, stat_status;
+  std::thread stat([&] { stat_status = client.Stat("x").status(); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the stat is on the wire
+  std::thread exec([&] {
+    ExecRequest request;
+    request.command = std::string(proto::kMaxPayloadBytes - 1024, 'x');  // in the payload
+    request.timeout = std::chrono::milliseconds(1000);                   // deadline: 6 s
+    exec_status = client.Exec(request, nullptr).status();
+  });
+  exec.join();
+  stat.join();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(10000));
+  EXPECT_FALSE(exec_status.ok());
+  EXPECT_EQ(stat_status.code(), absl::StatusCode::kUnavailable) << stat_status;
+}
+
 // Numbers out of int64's range (1e300) used to be cast from double, which is undefined
 // behaviour (on x86 an exit code of 1e300 came out as 0, i.e. success). They are ignored.
 TEST(LyingAgentTest, OutOfRangeNumbersInARepliesAreIgnoredNotCast) {
