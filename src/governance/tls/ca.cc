@@ -1,6 +1,7 @@
 #include "governance/tls/ca.h"
 
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <openssl/asn1.h>
 #include <openssl/bio.h>
@@ -10,12 +11,12 @@
 #include <openssl/pem.h>
 #include <openssl/rand.h>
 #include <openssl/x509v3.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
 #include <ctime>
-#include <fstream>
-#include <sstream>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
@@ -67,12 +68,12 @@ absl::StatusOr<PkeyPtr> NewP256Key() {
   return key;
 }
 
-// A random positive 127-bit serial (RFC 5280 §4.1.2.2: ≤ 20 octets, positive).
+// A random serial: 16 octets, positive, top bits 01 so it is never zero or shortened (RFC 5280
+// §4.1.2.2: positive, at most 20 octets); 126 random bits.
 absl::Status SetRandomSerial(X509* cert) {
   unsigned char bytes[16];
   if (RAND_bytes(bytes, sizeof(bytes)) != 1) return OpenSslError("random serial");
-  bytes[0] &= 0x7f;
-  bytes[0] |= 0x01;  // never zero, never leading-zero-shortened below 16 bytes by much
+  bytes[0] = (bytes[0] & 0x3f) | 0x40;
   BIGNUM* bn = BN_bin2bn(bytes, sizeof(bytes), nullptr);
   if (bn == nullptr) return OpenSslError("serial");
   ASN1_INTEGER* serial = X509_get_serialNumber(cert);
@@ -153,6 +154,48 @@ std::string CanonicalIp(const std::string& host) {
 }
 
 bool IsIpLiteral(const std::string& host) { return !CanonicalIp(host).empty(); }
+
+// Reads a CA bundle file: a regular file of at most kMaxBundleBytes. ENOENT → "" (no system
+// bundle on this host).
+absl::StatusOr<std::string> ReadBundleFile(const std::string& path) {
+  int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOCTTY);
+  if (fd < 0) {
+    if (errno == ENOENT) return std::string();
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot open the CA bundle '", path, "': ", std::strerror(errno)));
+  }
+  std::string out;
+  struct stat st {};
+  absl::Status status;
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    status = absl::FailedPreconditionError(
+        absl::StrCat("the CA bundle '", path, "' is not a regular file"));
+  } else if (static_cast<uint64_t>(st.st_size) > kMaxBundleBytes) {
+    status =
+        absl::FailedPreconditionError(absl::StrCat("the CA bundle '", path, "' is over 16 MiB"));
+  } else {
+    char buf[65536];
+    for (;;) {
+      ssize_t n = read(fd, buf, sizeof(buf));
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) {
+        status = absl::FailedPreconditionError(
+            absl::StrCat("cannot read the CA bundle '", path, "': ", std::strerror(errno)));
+        break;
+      }
+      if (n == 0) break;
+      out.append(buf, static_cast<size_t>(n));
+      if (out.size() > kMaxBundleBytes) {
+        status = absl::FailedPreconditionError(
+            absl::StrCat("the CA bundle '", path, "' is over 16 MiB"));
+        break;
+      }
+    }
+  }
+  close(fd);
+  if (!status.ok()) return status;
+  return out;
+}
 
 }  // namespace
 
@@ -394,25 +437,10 @@ absl::StatusOr<std::string> CombinedBundle(const std::string& system_bundle_path
   }
   std::string out;
   if (!system_bundle_path.empty()) {
-    std::ifstream in(system_bundle_path, std::ios::binary);
-    if (!in) {
-      if (errno != ENOENT) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "cannot read the system CA bundle '", system_bundle_path, "': ", std::strerror(errno)));
-      }
-    } else {
-      std::ostringstream buf;
-      in.seekg(0, std::ios::end);
-      std::streamoff size = in.tellg();
-      if (size < 0 || static_cast<size_t>(size) > kMaxBundleBytes) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "the system CA bundle '", system_bundle_path, "' is over 16 MiB or unreadable"));
-      }
-      in.seekg(0);
-      buf << in.rdbuf();
-      out = buf.str();
-      if (!out.empty() && out.back() != '\n') out += '\n';
-    }
+    auto system = ReadBundleFile(system_bundle_path);
+    if (!system.ok()) return system.status();
+    out = std::move(*system);
+    if (!out.empty() && out.back() != '\n') out += '\n';
   }
   out += "# EnterSandBox environment CA (TLS inspection by the egress proxy)\n";
   out.append(env_ca_pem);
