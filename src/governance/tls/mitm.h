@@ -22,6 +22,12 @@
 //   associated executor (default: that same one).
 // - The InterceptContext and UpstreamContext are kept alive by the result (MitmResult) for as
 //   long as the streams live.
+// - With asio::use_awaitable, build the MitmRequest and the two tcp_streams as named locals and
+//   std::move them into the call: GCC 12 miscompiles class temporaries written inside a
+//   co_await expression (seen here: the request's std::string came out pointing into the
+//   coroutine frame, then a bad free). mitm_test.cc shows the working form.
+// - On success the streams have no expiry set (the handshake deadline is cleared): set
+//   expires_after on get_lowest_layer(*stream) before each read/write.
 #pragma once
 
 #include <boost/asio/async_result.hpp>
