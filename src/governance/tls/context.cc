@@ -103,6 +103,11 @@ absl::StatusOr<std::shared_ptr<InterceptContext>> InterceptContext::Create(
   SSL_CTX_set_options(ctx, SSL_OP_NO_TICKET | SSL_OP_CIPHER_SERVER_PREFERENCE);
   SSL_CTX_set_session_cache_mode(ctx, SSL_SESS_CACHE_OFF);
   SSL_CTX_set_num_tickets(ctx, 0);
+  // Fast, widely supported key exchanges only (no finite-field DH: slow, and a CPU lever for a
+  // hostile client); a client whose first key share is another group gets a HelloRetryRequest.
+  if (SSL_CTX_set1_groups_list(ctx, "X25519:P-256:P-384") != 1) {
+    return absl::InternalError("cannot set the TLS key-exchange groups");
+  }
   SSL_CTX_set_tlsext_servername_callback(ctx, OnServerName);
   SSL_CTX_set_tlsext_servername_arg(ctx, self.get());
   SSL_CTX_set_alpn_select_cb(ctx, OnAlpn, nullptr);

@@ -65,6 +65,7 @@ struct ClientOptions {
   std::vector<std::string> alpn = {"h2", "http/1.1"};
   bool max_tls12 = false;
   bool send_nothing = false;  // connect, then never send a ClientHello
+  std::string groups;         // key-exchange groups, first one gets the key share ("" = default)
 };
 
 struct Scenario {
@@ -83,6 +84,7 @@ struct Outcome {
 
   bool client_done = false;
   std::string client_error, client_alpn, client_response;
+  int client_group = 0;  // NID of the negotiated key-exchange group
 
   std::string upstream_error, upstream_received;
 };
@@ -121,6 +123,9 @@ class MitmTest : public ::testing::Test {
     SSL_CTX_set_alpn_protos(client_ctx.native_handle(),
                             reinterpret_cast<const unsigned char*>(alpn_wire.data()),
                             alpn_wire.size());
+    if (!sc.client.groups.empty()) {
+      SSL_CTX_set1_groups_list(client_ctx.native_handle(), sc.client.groups.c_str());
+    }
     if (sc.client.max_tls12) {
       SSL_CTX_set_max_proto_version(client_ctx.native_handle(), TLS1_2_VERSION);
     }
@@ -241,6 +246,7 @@ class MitmTest : public ::testing::Test {
           unsigned int alpn_len = 0;
           SSL_get0_alpn_selected(ssl, &alpn, &alpn_len);
           out.client_alpn.assign(reinterpret_cast<const char*>(alpn), alpn_len);
+          out.client_group = SSL_get_negotiated_group(ssl);
           std::string request = "GET /data HTTP/1.1\r\nHost: " + sc.target + "\r\n\r\n";
           co_await asio::async_write(stream, asio::buffer(request), tok);
           char buf[4096];
@@ -433,6 +439,26 @@ TEST_F(MitmTest, Tls12ClientIsInterceptedToo) {
   EXPECT_EQ(evil.rule, kRuleSniMismatch);
 }
 
+TEST_F(MitmTest, HelloRetryRequestKeepsTheSniCheck) {
+  // The client's key share is for P-521, which the interception does not accept: TLS 1.3
+  // answers with a HelloRetryRequest and the client sends a second ClientHello.
+  Scenario sc;
+  sc.upstream_leaf = LeafFrom(upstream_root_, "weather.test");
+  sc.client.groups = "P-521:X25519";
+  Outcome out = Run(sc);
+  ASSERT_TRUE(out.mitm_done);
+  EXPECT_TRUE(out.status.ok()) << out.status;
+  EXPECT_NE(out.client_response.find("hello"), std::string::npos);
+  // X25519 although the first key share was P-521: the retry did happen.
+  EXPECT_EQ(out.client_group, NID_X25519);
+
+  sc.client.sni = "evil.test";
+  sc.client.verify_host = "evil.test";
+  Outcome evil = Run(sc);
+  ASSERT_TRUE(evil.mitm_done);
+  EXPECT_EQ(evil.rule, kRuleSniMismatch);
+}
+
 TEST_F(MitmTest, WildcardTargetIsRefused) {
   Scenario sc;
   sc.target = "*.weather.test";
@@ -442,6 +468,24 @@ TEST_F(MitmTest, WildcardTargetIsRefused) {
   EXPECT_EQ(out.rule, kRuleBadTarget);
   EXPECT_EQ(out.status.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_FALSE(out.client_set);
+}
+
+// The callback form of the token; the handler never runs inside the initiating call.
+TEST_F(MitmTest, CallbackTokenCompletesAsynchronously) {
+  asio::io_context ioc;
+  bool returned = false, called_after_return = false;
+  std::string rule;
+  MitmRequest request{server_ctx_, upstream_ctx_, "bad name!",
+                      std::chrono::steady_clock::now() + 1s};
+  AsyncIntercept(std::move(request), beast::tcp_stream(ioc), beast::tcp_stream(ioc),
+                 [&](MitmResult r) {
+                   called_after_return = returned;
+                   rule = r.rule;
+                 });
+  returned = true;
+  ioc.run_for(5s);
+  EXPECT_TRUE(called_after_return);
+  EXPECT_EQ(rule, kRuleBadTarget);
 }
 
 TEST(UpstreamContextTest, RejectsAnUnreadableOrEmptyCaFile) {
