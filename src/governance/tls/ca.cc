@@ -356,7 +356,9 @@ absl::StatusOr<std::shared_ptr<const Leaf>> LeafMinter::Mint(const std::string& 
   X509V3_CTX ctx;
   X509V3_set_ctx_nodb(&ctx);
   X509V3_set_ctx(&ctx, ca_->cert(), cert.get(), nullptr, nullptr, 0);
-  const std::string san = absl::StrCat(IsIpLiteral(host) ? "IP:" : "DNS:", host);
+  // RFC 5280 §4.2.1.6: with an empty subject the SAN must be critical.
+  const std::string san =
+      absl::StrCat(host.size() > 64 ? "critical," : "", IsIpLiteral(host) ? "IP:" : "DNS:", host);
   for (auto [nid, value] :
        {std::pair{NID_basic_constraints, "critical,CA:FALSE"},
         std::pair{NID_key_usage, "critical,digitalSignature"},

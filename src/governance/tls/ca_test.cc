@@ -68,6 +68,8 @@ int VerifyFor(const Ca& ca, X509* leaf, const std::string& host) {
   X509_STORE_CTX_init(ctx, store, leaf, nullptr);
   X509_VERIFY_PARAM* param = X509_STORE_CTX_get0_param(ctx);
   X509_VERIFY_PARAM_set_purpose(param, X509_PURPOSE_SSL_SERVER);
+  // Strict RFC 5280 checks, as Python ≥ 3.13's default context does (VERIFY_X509_STRICT).
+  X509_VERIFY_PARAM_set_flags(param, X509_V_FLAG_X509_STRICT);
   if (X509_VERIFY_PARAM_set1_ip_asc(param, host.c_str()) != 1) {
     X509_VERIFY_PARAM_set1_host(param, host.c_str(), 0);
   }
