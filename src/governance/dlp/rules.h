@@ -1,0 +1,37 @@
+// The built-in detectors' definitions (internal to the DLP library and its bench): each rule's
+// Vectorscan detect patterns (literal-anchored secrets) or none (the rule goes to the RE2::Set),
+// the RE2 pattern that locates matches, and the validator that accepts a located candidate.
+#pragma once
+
+#include <cstddef>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "governance/dlp/dlp.h"
+
+namespace esb::governance::dlp {
+
+// What a validator may look at besides its candidate.
+struct ValidateContext {
+  bool aws_key_id_present = false;  // a valid AWS access key id was found in the same text
+};
+
+// Accepts or rejects the candidate view[*begin, *end); may narrow or widen the span (IBAN to
+// its country length, a PEM key to its END line).
+using Validator = bool (*)(std::string_view view, size_t* begin, size_t* end,
+                           const ValidateContext& context);
+
+struct RuleDef {
+  std::string_view id;
+  // Vectorscan detect-only patterns; empty: the locate pattern joins the RE2::Set.
+  std::vector<std::string> detect;
+  // RE2 (Latin-1) pattern; the span is capture group 1 if the pattern has one, else the match.
+  std::string locate;
+  Validator validate = nullptr;  // nullptr: every located match is a finding
+};
+
+// In BuiltinRules() order, without the policy rules.
+const std::vector<RuleDef>& BuiltinRuleDefs();
+
+}  // namespace esb::governance::dlp
