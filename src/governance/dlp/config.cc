@@ -174,6 +174,7 @@ absl::StatusOr<DlpConfig> ParseDlpConfig(const boost::json::value& json) {
         const bool known = std::any_of(builtin.begin(), builtin.end(),
                                        [&](const BuiltinRule& r) { return r.id == id; });
         if (!known) return Bad(rule_path, "unknown rule id");
+        if (id == kRuleOversize) return Bad(rule_path, "set by \"on_oversize\"");
         absl::StatusOr<Action> action = GetAction(action_json, rule_path);
         if (!action.ok()) return action.status();
         config.rule_actions[id] = *action;

@@ -59,6 +59,7 @@ TEST(DlpConfigTest, RejectsBadInputWithTheKeyInTheMessage) {
       {R"({"enabled": "yes"})", "dlp.enabled"},
       {R"({"rules": {"dlp:nope": "block"}})", "dlp.rules.dlp:nope"},
       {R"({"rules": {"email": "shout"}})", "dlp.rules.email"},
+      {R"({"rules": {"oversize": "log"}})", "dlp.rules.oversize"},
       {R"({"custom": [{"name": "x", "regex": "a("}]})", "dlp.custom[0].regex"},
       {R"({"custom": [{"name": "x", "regex": "a*"}]})", "dlp.custom[0].regex"},
       {R"({"custom": [{"name": "bad name", "regex": "a"}]})", "dlp.custom[0].name"},

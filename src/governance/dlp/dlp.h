@@ -60,8 +60,9 @@ std::string_view WhereName(Where where);  // "url", "header", "body", "response_
 // dlp:github_token, dlp:slack_token, dlp:slack_webhook, dlp:google_api_key, dlp:openai_api_key,
 // dlp:anthropic_api_key, dlp:private_key, dlp:jwt, dlp:iban, dlp:us_ssn, dlp:email, dlp:phone.
 // Custom patterns are "dlp:custom:<name>", registered values "dlp:secret:<name>". Policy rules:
-// "dlp:oversize" (a body above max_body_bytes) and "dlp:undecodable" (corrupt or unsupported
-// Content-Encoding, malformed chunked framing, a decompression error).
+// "dlp:oversize" (a body above max_body_bytes; its action follows on_oversize: block or log,
+// and nothing is scanned) and "dlp:undecodable" (corrupt or unsupported Content-Encoding,
+// malformed chunked framing, a decompression error; what was decoded is still scanned).
 inline constexpr std::string_view kRuleOversize = "dlp:oversize";
 inline constexpr std::string_view kRuleUndecodable = "dlp:undecodable";
 
@@ -99,7 +100,8 @@ struct DlpConfig {
 };
 
 // InvalidArgument naming the offending key ("dlp.custom[1].regex: missing ')'"). A rule id in
-// "rules" may omit the "dlp:" prefix; unknown rule ids are errors.
+// "rules" may omit the "dlp:" prefix; unknown rule ids (and "oversize": see on_oversize) are
+// errors.
 absl::StatusOr<DlpConfig> ParseDlpConfig(const boost::json::value& json);
 // Secret values are rendered as {"name": ..., "value": "***"} unless include_secret_values (the
 // API shows the masked form; storage keeps the values).
@@ -123,9 +125,10 @@ struct Finding {
 struct Result {
   std::vector<Finding> findings;    // sorted by offset; one per rule and span
   Action decision = Action::kNone;  // block > redact > log > none
-  // Set when decision == kRedact: the scanned text with every redact finding's span replaced by
-  // "[REDACTED:<rule id>]". For bodies it is the transport-decoded body (no chunked framing, no
-  // Content-Encoding): send it with Content-Length = size and without Content-Encoding.
+  // Set when a finding's action is redact or block: the scanned text with each such span
+  // replaced by "[REDACTED:<rule id>]" (log-only findings stay). On kRedact the proxy forwards
+  // it; on kBlock it is the audit copy. For bodies it is the transport-decoded body (no chunked
+  // framing, no Content-Encoding): send it with Content-Length = size, without Content-Encoding.
   std::optional<std::string> redacted;
   // First blocking rule id ("" if none): the X-Esb-Blocked header value.
   std::string block_rule;
