@@ -176,7 +176,7 @@ struct Engine::Impl {
   mutable std::vector<hs_scratch_t*> scratch_pool;
 
   std::unique_ptr<RE2::Set> set;
-  std::vector<int> set_rule;  // set index → rule index
+  std::vector<int> set_rule;  // set index → rule index (< 0: secret value -1-index)
 
   ~Impl() {
     for (hs_scratch_t* s : scratch_pool) hs_free_scratch(s);
@@ -247,11 +247,18 @@ void Engine::Impl::ScanView(const View& view, Where where, std::vector<Finding>*
     std::vector<int> matched;
     RE2::Set::ErrorInfo error;
     if (set->Match(text, &matched, &error)) {
-      for (int i : matched) rule_hit[set_rule[i]] = 1;
+      for (int i : matched) {
+        if (set_rule[i] >= 0) {
+          rule_hit[set_rule[i]] = 1;
+        } else {
+          secret_hit[-1 - set_rule[i]] = 1;
+        }
+      }
       any = any || !matched.empty();
     } else if (error.kind != RE2::Set::kNoError) {
       // DFA out of memory: locate every set rule directly instead.
-      for (int r : set_rule) rule_hit[r] = 1;
+      std::fill(rule_hit.begin(), rule_hit.end(), 1);
+      std::fill(secret_hit.begin(), secret_hit.end(), 1);
       any = true;
     }
   }
@@ -529,7 +536,8 @@ class StreamingBodyScanner : public BodyScanner {
 Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Engine::~Engine() = default;
 
-absl::StatusOr<std::shared_ptr<const Engine>> Engine::Compile(const DlpConfig& config) {
+absl::StatusOr<std::shared_ptr<const Engine>> Engine::Compile(const DlpConfig& config,
+                                                              const EngineOptions& engine_options) {
   auto impl = std::make_unique<Impl>();
   impl->config = config;
   for (const std::string& a : config.allow) impl->allow.insert(a);
@@ -568,6 +576,14 @@ absl::StatusOr<std::shared_ptr<const Engine>> Engine::Compile(const DlpConfig& c
         return absl::InternalError("dlp: built-in rule " + rule.id + ": " + error);
       }
       impl->set_rule.push_back(index);
+    } else if (!engine_options.vectorscan) {
+      for (const std::string& p : def.detect) {
+        std::string error;
+        if (set->Add(p, &error) < 0) {
+          return absl::InternalError("dlp: built-in rule " + rule.id + ": " + error);
+        }
+        impl->set_rule.push_back(index);
+      }
     } else {
       for (const std::string& p : def.detect) {
         hs_patterns.push_back(p);
@@ -601,8 +617,16 @@ absl::StatusOr<std::shared_ptr<const Engine>> Engine::Compile(const DlpConfig& c
     secret.id = "dlp:secret:" + config.secret_values[i].name;
     secret.forms = SecretForms(config.secret_values[i].value);
     for (const std::string& form : secret.forms) {
-      hs_patterns.push_back(HexEscape(form));
-      hs_ids.push_back(kSecretIdBase + static_cast<unsigned>(i));
+      if (engine_options.vectorscan) {
+        hs_patterns.push_back(HexEscape(form));
+        hs_ids.push_back(kSecretIdBase + static_cast<unsigned>(i));
+      } else {
+        std::string error;
+        if (set->Add(RE2::QuoteMeta(form), &error) < 0) {
+          return absl::InternalError("dlp: RE2::Set rejected a secret value");
+        }
+        impl->set_rule.push_back(-1 - static_cast<int>(i));  // < 0: secret value -1-i
+      }
     }
     impl->actions[secret.id] = Action::kBlock;
     impl->secrets.push_back(std::move(secret));

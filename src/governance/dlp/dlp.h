@@ -161,11 +161,18 @@ class BodyScanner {
   virtual Result Finish() = 0;
 };
 
+struct EngineOptions {
+  // false: every detect pattern goes to the RE2::Set instead of Vectorscan (same rules,
+  // locating and validators). The bench's same-run baseline; also a cross-check in the tests.
+  bool vectorscan = true;
+};
+
 class Engine {
  public:
   // Compiles the built-in rules with the config's overrides, custom patterns and secret values.
   // InvalidArgument for a bad pattern; Internal if Vectorscan or RE2 fail otherwise.
-  static absl::StatusOr<std::shared_ptr<const Engine>> Compile(const DlpConfig& config);
+  static absl::StatusOr<std::shared_ptr<const Engine>> Compile(const DlpConfig& config,
+                                                               const EngineOptions& options = {});
 
   // Scans a complete text: a URL (path+query, percent-decoded as well), a header value
   // (percent-decoded as well) or a whole body given as decoded text (JSON escapes and

@@ -98,6 +98,7 @@ TEST(DlpDetectorTest, AwsAccessKeyId) {
 
 TEST(DlpDetectorTest, AwsSecretKeyNeedsContextOrKeyId) {
   ExpectFound("dlp:aws_secret_key", AwsSecret(), "aws_secret_access_key = ", "\n");
+  ExpectFound("dlp:aws_secret_key", AwsSecret(), "AWS_SECRET_ACCESS_KEY=", "\n");
   ExpectFound("dlp:aws_secret_key", AwsSecret(), "{\"aws\": {\"secret\": \"", "\"}}");
   ExpectFound("dlp:aws_secret_key", AwsSecret(), "id " + AwsKeyId() + " and ", "");
   // Same value with no context and no key id: 40 base64 characters are everywhere.
@@ -600,6 +601,51 @@ TEST(DlpBodyTest, ResponsesAreScannedOnlyWhenConfigured) {
   const Result result = ScanBody(*engine, {Where::kResponseBody, "", "", false}, body);
   ASSERT_TRUE(Has(result, "dlp:aws_access_key"));
   EXPECT_EQ(result.findings[0].where, Where::kResponseBody);
+}
+
+}  // namespace
+}  // namespace esb::governance::dlp
+
+namespace esb::governance::dlp {
+namespace {
+
+// The Vectorscan detect patterns must find everything the RE2-only engine finds (they are
+// prefilters of the same locate patterns), and every planted sample is found.
+TEST(DlpCorpusTest, VectorscanAndRe2OnlyEnginesAgreeAndFindEveryPlant) {
+  DlpConfig config;
+  config.secret_values.push_back({"PLANTED", "correct-horse-battery"});
+  auto vs = Engine::Compile(config);
+  auto re2_only = Engine::Compile(config, EngineOptions{.vectorscan = false});
+  ASSERT_TRUE(vs.ok() && re2_only.ok());
+  static const char* kPlantRule[] = {"dlp:credit_card",
+                                     "dlp:aws_access_key",
+                                     "dlp:aws_secret_key",
+                                     "dlp:github_token",
+                                     "dlp:slack_token",
+                                     "dlp:slack_webhook",
+                                     "dlp:google_api_key",
+                                     "dlp:openai_api_key",
+                                     "dlp:anthropic_api_key",
+                                     "dlp:private_key",
+                                     "dlp:jwt",
+                                     "dlp:iban",
+                                     "dlp:us_ssn",
+                                     "dlp:email",
+                                     "dlp:phone"};
+  size_t total = 0;
+  for (int i = 0; i < 45; ++i) {
+    std::string body = testing::MixedText(16 * 1024, 1000 + i, i);
+    if (i % 9 == 0) body += " correct-horse-battery";
+    const Result a = (*vs)->ScanText(body, Where::kBody);
+    const Result b = (*re2_only)->ScanText(body, Where::kBody);
+    EXPECT_EQ(Describe(a), Describe(b)) << "body " << i;
+    EXPECT_TRUE(Has(a, kPlantRule[i % 15])) << "body " << i << ": " << Describe(a);
+    if (i % 9 == 0) EXPECT_TRUE(Has(a, "dlp:secret:PLANTED")) << "body " << i;
+    total += a.findings.size();
+  }
+  // Near-misses in the corpus (random digits, base64) must not swamp the plants: at most a few
+  // extra findings per body.
+  EXPECT_LT(total, 45u * 3) << "false positives in the mixed corpus";
 }
 
 }  // namespace

@@ -99,4 +99,111 @@ inline std::string Chunked(std::string_view in, size_t chunk) {
   return out + "0\r\nX-Trailer: t\r\n\r\n";
 }
 
+// One sample per built-in detector (index % count), for planting in corpora.
+inline std::string PlantSample(size_t index) {
+  switch (index % 15) {
+    case 0:
+      return "card 4111 1111 1111 1111";
+    case 1:
+      return "id " + AwsKeyId();
+    case 2:
+      return "aws_secret_access_key=" + AwsSecret();
+    case 3:
+      return GithubToken();
+    case 4:
+      return SlackToken();
+    case 5:
+      return SlackWebhook();
+    case 6:
+      return GoogleApiKey();
+    case 7:
+      return OpenAiKey();
+    case 8:
+      return AnthropicKey();
+    case 9:
+      return PrivateKeyPem();
+    case 10:
+      return Jwt();
+    case 11:
+      return "iban DE89370400440532013000";
+    case 12:
+      return "ssn 536-22-8745";
+    case 13:
+      return "mail alice@example.com";
+    default:
+      return "call +1 415 555 2671";
+  }
+}
+
+// Mixed machine/human text of `size` bytes, deterministic in `seed`: words, ~15 % numeric
+// tokens (integers, decimals, dates, versions), hex and base64 runs, JSON punctuation;
+// digit-heavy on purpose (the PII detectors' worst case). No '%' or '\\' (no decoded views).
+// plant >= 0 plants PlantSample(plant) at a pseudo-random token boundary.
+inline std::string MixedText(size_t size, uint64_t seed, int plant = -1) {
+  static constexpr std::string_view kWords[] = {
+      "the",     "request", "returned", "status",  "user",        "account", "value",   "and",
+      "for",     "with",    "order",    "shipped", "Customer",    "invoice", "total",   "items",
+      "error",   "retry",   "config",   "deploy",  "service",     "region",  "token",   "build",
+      "version", "updated", "created",  "name",    "description", "payment", "address", "street",
+      "city",    "country", "data",     "result",  "message",     "timeout", "server",  "client",
+      "of",      "to",      "in",       "is"};
+  static constexpr std::string_view kPunct[] = {"{\"id\": ", "\", \"",   "\": ",     "}, {", "[",
+                                                "], ",       ": true, ", ": null, ", "\n",   ". ",
+                                                ", ",        " - ",      " (",       ") "};
+  uint64_t x = seed * 0x9e3779b97f4a7c15ull + 7;
+  auto next = [&x] {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    return x;
+  };
+  std::string out;
+  out.reserve(size + 256);
+  const size_t plant_at = plant >= 0 ? next() % (size > 512 ? size - 512 : 1) : std::string::npos;
+  bool planted = false;
+  while (out.size() < size) {
+    if (!planted && out.size() >= plant_at) {
+      out += " " + PlantSample(static_cast<size_t>(plant)) + " ";
+      planted = true;
+      continue;
+    }
+    const uint64_t r = next() % 100;
+    if (r < 55) {
+      out += kWords[next() % std::size(kWords)];
+      out += ' ';
+    } else if (r < 70) {
+      switch (next() % 5) {
+        case 0:
+          out += std::to_string(next() % 100000);
+          break;
+        case 1:
+          out += std::to_string(next() % 1000000000000ull);
+          break;
+        case 2:
+          out += std::to_string(2000 + next() % 30) + "-0" + std::to_string(1 + next() % 9) + "-1" +
+                 std::to_string(next() % 10);
+          break;
+        case 3:
+          out += std::to_string(next() % 1000) + "." + std::to_string(next() % 100);
+          break;
+        default:
+          out += std::to_string(next() % 10) + "." + std::to_string(next() % 20) + "." +
+                 std::to_string(next() % 50);
+      }
+      out += ' ';
+    } else if (r < 78) {
+      out += Token("0123456789abcdef", 8 + next() % 33, next());
+      out += ' ';
+    } else if (r < 85) {
+      out += Token("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/",
+                   16 + next() % 49, next());
+      out += ' ';
+    } else {
+      out += kPunct[next() % std::size(kPunct)];
+    }
+  }
+  out.resize(size);
+  return out;
+}
+
 }  // namespace esb::governance::dlp::testing

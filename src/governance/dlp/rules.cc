@@ -185,7 +185,7 @@ const std::vector<RuleDef>& BuiltinRuleDefs() {
       // Also run when an access key id is present (see the engine).
       {"dlp:aws_secret_key",
        {"(?i)secret"},
-       R"((?:^|[^A-Za-z0-9/+=])([A-Za-z0-9/+]{40})(?:$|[^A-Za-z0-9/+=]))",
+       R"((?:^|[^A-Za-z0-9/+])([A-Za-z0-9/+]{40})(?:$|[^A-Za-z0-9/+=]))",
        AwsSecret},
       {"dlp:github_token",
        {"gh[pousr]_[A-Za-z0-9]{36}", "github_pat_[A-Za-z0-9_]{82}"},
