@@ -25,6 +25,8 @@ constexpr unsigned kSecretIdBase = 1u << 20;
 // Bounds the work per rule and view (a body full of near-miss candidates).
 constexpr size_t kMaxCandidatesPerRule = 10000;
 constexpr size_t kMaxFindings = 1000;
+// A rejected candidate up to this long is searched again from its second byte.
+constexpr size_t kMaxRescanMatch = 64;
 constexpr size_t kMaxMultipartParts = 1000;
 constexpr int64_t kRe2MaxMem = 64 << 20;
 
@@ -284,13 +286,19 @@ void Engine::Impl::ScanView(const View& view, Where where, std::vector<Finding>*
     if (!rule_hit[r]) continue;
     const Rule& rule = rules[r];
     re2::StringPiece input(text.data(), text.size());
-    re2::StringPiece groups[2];
-    const int ngroups = rule.groups > 0 ? 2 : 1;
+    re2::StringPiece groups[3];
+    const int ngroups = 1 + std::min(rule.groups, 2);
     size_t pos = 0;
     for (size_t n = 0; n < kMaxCandidatesPerRule && pos <= text.size(); ++n) {
       if (!rule.locate->Match(input, pos, text.size(), RE2::UNANCHORED, groups, ngroups)) break;
-      const re2::StringPiece& span =
-          (ngroups == 2 && groups[1].data() != nullptr) ? groups[1] : groups[0];
+      // The span is the first capture that took part in the match, else the whole match.
+      re2::StringPiece span = groups[0];
+      for (int g = 1; g < ngroups; ++g) {
+        if (groups[g].data() != nullptr) {
+          span = groups[g];
+          break;
+        }
+      }
       size_t begin = static_cast<size_t>(span.data() - text.data());
       size_t end = begin + span.size();
       const size_t match_end =
@@ -303,8 +311,9 @@ void Engine::Impl::ScanView(const View& view, Where where, std::vector<Finding>*
         pos = std::max(end, begin + 1);
         if (ngroups == 1) pos = std::max(pos, match_end);
       } else {
-        // A rejected candidate may hide a valid one starting inside it.
-        pos = begin + 1;
+        // A rejected short candidate may hide a valid one starting inside it; a long one is
+        // skipped whole (re-searching inside it would be quadratic: "aaaa…a@x" of 64 KiB).
+        pos = groups[0].size() <= kMaxRescanMatch ? begin + 1 : match_end;
       }
     }
   }

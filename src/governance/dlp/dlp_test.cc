@@ -183,6 +183,9 @@ TEST(DlpDetectorTest, EmailAndPhone) {
   ExpectFound("dlp:phone", "+1 415 555 2671");
   ExpectFound("dlp:phone", "(415) 555-2671");
   ExpectFound("dlp:phone", "4155552671", "call me at ", ".");
+  ExpectFound("dlp:phone", "+44 20 7946 0958", "call ", "");
+  ExpectFound("dlp:phone", "(415) 555-2671", "Tel: ", "");
+  ExpectFound("dlp:phone", "+1 415 555 2671", "call ", " 12345 times");
   ExpectNotFound("dlp:phone", "order id 4155552671 shipped");
   ExpectNotFound("dlp:phone", "version 10.20.30.40 released 2024-01-15");
 }

@@ -146,29 +146,27 @@ bool Email(std::string_view view, size_t* begin, size_t* end, const ValidateCont
 }
 
 bool Phone(std::string_view view, size_t* begin, size_t* end, const ValidateContext&) {
-  const std::string_view text = Span(view, begin, end);
-  if (*begin > 0 && (IsWordChar(view[*begin - 1]) || view[*begin - 1] == '.' ||
-                     view[*begin - 1] == '-' || view[*begin - 1] == '/')) {
+  if (*begin > 0 &&
+      (IsWordChar(view[*begin - 1]) || view[*begin - 1] == '.' || view[*begin - 1] == '-' ||
+       view[*begin - 1] == '/' || view[*begin - 1] == '+')) {
     return false;
   }
-  if (*end < view.size() && (IsWordChar(view[*end]) || view[*end] == '-' ||
-                             (view[*end] == '.' && *end + 1 < view.size() &&
-                              std::isdigit(static_cast<unsigned char>(view[*end + 1]))))) {
-    return false;
+  // The pattern's digit groups may run on into a following number ("+1 415 555 2671 12"):
+  // drop trailing groups until the number ends cleanly.
+  for (;;) {
+    const std::string_view text = Span(view, begin, end);
+    const size_t digits =
+        std::count_if(text.begin(), text.end(), [](char c) { return c >= '0' && c <= '9'; });
+    const bool clean_end =
+        *end >= view.size() || !(IsWordChar(view[*end]) || view[*end] == '-' ||
+                                 (view[*end] == '.' && *end + 1 < view.size() &&
+                                  std::isdigit(static_cast<unsigned char>(view[*end + 1]))));
+    if (clean_end && digits >= 10 && digits <= 15) return true;
+    const size_t cut = text.find_last_of(" .-");
+    if (cut == std::string_view::npos || cut < 2 || digits < 10) return false;
+    *end = *begin + cut;
+    while (*end > *begin && !std::isdigit(static_cast<unsigned char>(view[*end - 1]))) --*end;
   }
-  const size_t digits =
-      std::count_if(text.begin(), text.end(), [](char c) { return c >= '0' && c <= '9'; });
-  if (digits < 10 || digits > 15) return false;
-  if (text.front() == '+' || text.front() == '(') return true;
-  // Without an international prefix or an area code in parentheses: only with a context word
-  // just before (digit runs are everywhere in machine text).
-  constexpr size_t kWindow = 32;
-  const size_t from = *begin > kWindow ? *begin - kWindow : 0;
-  const std::string before = Lower(view.substr(from, *begin - from));
-  for (std::string_view word : {"phone", "tel", "mobile", "cell", "fax", "call", "whatsapp"}) {
-    if (Contains(before, word)) return true;
-  }
-  return false;
 }
 
 }  // namespace
@@ -227,7 +225,11 @@ const std::vector<RuleDef>& BuiltinRuleDefs() {
        Email},
       {"dlp:phone",
        {},
-       R"((?:\+\d{1,3}[ .\-]?)?(?:\(\d{1,4}\)[ .\-]?)?(?:\d{2,4}(?:[ .\-]\d{2,4}){1,4}|\d{10,15}))",
+       // An international prefix, an area code in parentheses, or a context word shortly
+       // before: bare digit groups are everywhere in machine text.
+       R"((\+\d{1,3}[ .\-]?(?:\(\d{1,4}\)[ .\-]?)?\d{1,4}(?:[ .\-]?\d{2,4}){1,5})"
+       R"(|\(\d{2,4}\)[ .\-]?\d{2,4}(?:[ .\-]?\d{2,4}){1,3}))"
+       R"(|(?i:phone|tel|mobile|cell|fax|call|whatsapp)[^0-9+(\n]{0,20}(\d[\d .\-]{8,18}\d))",
        Phone},
   };
   return *defs;
