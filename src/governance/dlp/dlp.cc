@@ -7,8 +7,13 @@
 
 #include <hs/hs.h>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <mutex>
 #include <unordered_set>
 
@@ -20,8 +25,10 @@
 namespace esb::governance::dlp {
 namespace {
 
-// Vectorscan ids ≥ this are registered secret values (id - base = index).
+// Vectorscan ids ≥ this are registered secret values (id - base = index); ids in
+// [kAnchoredIdBase, kSecretIdBase) are anchored detect patterns (id - base = index).
 constexpr unsigned kSecretIdBase = 1u << 20;
+constexpr unsigned kAnchoredIdBase = 1u << 19;
 // Bounds the work per rule and view (a body full of near-miss candidates).
 constexpr size_t kMaxCandidatesPerRule = 10000;
 constexpr size_t kMaxFindings = 1000;
@@ -158,6 +165,7 @@ struct Engine::Impl {
     std::unique_ptr<RE2> locate;
     int groups = 0;
     Validator validate = nullptr;
+    FastScan fast = FastScan::kRegex;  // kRegex unless compiled with Vectorscan
   };
   struct Secret {
     std::string id;
@@ -176,6 +184,9 @@ struct Engine::Impl {
   hs_scratch_t* scratch_prototype = nullptr;
   mutable std::mutex scratch_mu;
   mutable std::vector<hs_scratch_t*> scratch_pool;
+
+  std::vector<std::pair<int, size_t>> anchored;        // anchored pattern → (rule, back)
+  int card_rule = -1, ssn_rule = -1, email_rule = -1;  // hand-scanned (Vectorscan mode)
 
   std::unique_ptr<RE2::Set> set;
   std::vector<int> set_rule;  // set index → rule index (< 0: secret value -1-index)
@@ -205,6 +216,9 @@ struct Engine::Impl {
   }
 
   void ScanView(const View& view, Where where, std::vector<Finding>* out) const;
+  using AddFn = std::function<void(int rule, size_t begin, size_t end)>;
+  void ScanDigitChains(std::string_view text, const AddFn& add) const;
+  void ScanEmails(std::string_view text, const AddFn& add) const;
   std::vector<View> Views(std::string_view text, Where where, size_t plus_from,
                           std::string_view boundary) const;
   Result Scan(std::string_view text, Where where, size_t plus_from, std::string_view boundary,
@@ -216,6 +230,7 @@ void Engine::Impl::ScanView(const View& view, Where where, std::vector<Finding>*
   if (text.empty()) return;
   std::vector<char> rule_hit(rules.size(), 0);
   std::vector<char> secret_hit(secrets.size(), 0);
+  std::vector<std::pair<uint32_t, uint32_t>> anchored_ends;
   bool any = false;
 
   if (db != nullptr) {
@@ -223,12 +238,17 @@ void Engine::Impl::ScanView(const View& view, Where where, std::vector<Finding>*
       std::vector<char>* rules;
       std::vector<char>* secrets;
       bool* any;
-    } hits{&rule_hit, &secret_hit, &any};
-    auto on_match = [](unsigned int id, unsigned long long, unsigned long long, unsigned int,
+      std::vector<std::pair<uint32_t, uint32_t>>* starts;  // (anchored index, end)
+    } hits{&rule_hit, &secret_hit, &any, &anchored_ends};
+    auto on_match = [](unsigned int id, unsigned long long, unsigned long long to, unsigned int,
                        void* ctx) -> int {
       auto* h = static_cast<Hits*>(ctx);
       if (id >= kSecretIdBase) {
         (*h->secrets)[id - kSecretIdBase] = 1;
+      } else if (id >= kAnchoredIdBase) {
+        if (h->starts->size() < kMaxCandidatesPerRule) {
+          h->starts->emplace_back(id - kAnchoredIdBase, static_cast<uint32_t>(to));
+        }
       } else {
         (*h->rules)[id] = 1;
       }
@@ -264,7 +284,8 @@ void Engine::Impl::ScanView(const View& view, Where where, std::vector<Finding>*
       any = true;
     }
   }
-  if (!any) return;
+  const bool hand_scanned = card_rule >= 0 || ssn_rule >= 0 || email_rule >= 0;
+  if (!any && !hand_scanned) return;
 
   ValidateContext context;
   if (aws_key_rule >= 0 && rule_hit[aws_key_rule] && aws_secret_rule >= 0) {
@@ -283,7 +304,7 @@ void Engine::Impl::ScanView(const View& view, Where where, std::vector<Finding>*
     if (static_cast<int>(r) != aws_key_rule) order.push_back(r);
   }
   for (size_t r : order) {
-    if (!rule_hit[r]) continue;
+    if (!rule_hit[r] || rules[r].fast != FastScan::kRegex) continue;
     const Rule& rule = rules[r];
     re2::StringPiece input(text.data(), text.size());
     re2::StringPiece groups[3];
@@ -317,6 +338,44 @@ void Engine::Impl::ScanView(const View& view, Where where, std::vector<Finding>*
       }
     }
   }
+  // Anchored rules: locate only where a detect pattern says a match may start.
+  if (!anchored_ends.empty()) {
+    std::vector<std::pair<int, size_t>> starts;
+    for (const auto& [index, end] : anchored_ends) {
+      const auto& [rule, back] = anchored[index];
+      if (end >= back) starts.emplace_back(rule, end - back);
+    }
+    std::sort(starts.begin(), starts.end());
+    starts.erase(std::unique(starts.begin(), starts.end()), starts.end());
+    re2::StringPiece input(text.data(), text.size());
+    for (const auto& [r, start] : starts) {
+      const Rule& rule = rules[r];
+      re2::StringPiece groups[3];
+      const int ngroups = 1 + std::min(rule.groups, 2);
+      if (!rule.locate->Match(input, start, text.size(), RE2::ANCHOR_START, groups, ngroups)) {
+        continue;
+      }
+      re2::StringPiece span = groups[0];
+      for (int g = 1; g < ngroups; ++g) {
+        if (groups[g].data() != nullptr) {
+          span = groups[g];
+          break;
+        }
+      }
+      size_t begin = static_cast<size_t>(span.data() - text.data());
+      size_t end = begin + span.size();
+      if (rule.validate == nullptr || rule.validate(text, &begin, &end, context)) {
+        add(rule.id, rule.action, rule.kind, begin, end);
+      }
+    }
+  }
+  if (hand_scanned) {
+    const AddFn add_rule = [&](int r, size_t begin, size_t end) {
+      add(rules[r].id, rules[r].action, rules[r].kind, begin, end);
+    };
+    if (card_rule >= 0 || ssn_rule >= 0) ScanDigitChains(text, add_rule);
+    if (email_rule >= 0) ScanEmails(text, add_rule);
+  }
   for (size_t s = 0; s < secrets.size(); ++s) {
     if (!secret_hit[s]) continue;
     for (const std::string& form : secrets[s].forms) {
@@ -325,6 +384,195 @@ void Engine::Impl::ScanView(const View& view, Where where, std::vector<Finding>*
         add(secrets[s].id, Action::kBlock, Kind::kSecretValue, at, at + form.size());
         if (out->size() >= kMaxFindings) break;
       }
+    }
+  }
+}
+
+namespace {
+
+inline bool IsDigitByte(char c) { return c >= '0' && c <= '9'; }
+inline bool IsWordByte(char c) {
+  return IsDigitByte(c) || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '_';
+}
+inline bool IsEmailLocalByte(char c) {
+  return IsWordByte(c) || c == '.' || c == '%' || c == '+' || c == '-';
+}
+inline bool IsDomainByte(char c) {
+  return IsDigitByte(c) || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '-' || c == '.';
+}
+inline bool IsAlphaByte(char c) { return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z'); }
+
+#if defined(__SSE2__)
+// Bit i set: t[i] is an ASCII digit (16 bytes from t).
+inline uint32_t DigitMask16(const char* t) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(t));
+  const __m128i d = _mm_sub_epi8(v, _mm_set1_epi8('0'));
+  const __m128i is_digit = _mm_cmpeq_epi8(_mm_min_epu8(d, _mm_set1_epi8(9)), d);
+  return static_cast<uint32_t>(_mm_movemask_epi8(is_digit));
+}
+#endif
+
+#if defined(__SSE2__)
+// Bit i set: t[i] is a word byte ([0-9A-Za-z_]).
+inline uint32_t WordMask16(const char* t) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(t));
+  const __m128i d = _mm_sub_epi8(v, _mm_set1_epi8('0'));
+  const __m128i digit = _mm_cmpeq_epi8(_mm_min_epu8(d, _mm_set1_epi8(9)), d);
+  const __m128i a = _mm_sub_epi8(_mm_or_si128(v, _mm_set1_epi8(0x20)), _mm_set1_epi8('a'));
+  const __m128i alpha = _mm_cmpeq_epi8(_mm_min_epu8(a, _mm_set1_epi8(25)), a);
+  const __m128i under = _mm_cmpeq_epi8(v, _mm_set1_epi8('_'));
+  return static_cast<uint32_t>(_mm_movemask_epi8(_mm_or_si128(_mm_or_si128(digit, alpha), under)));
+}
+#endif
+
+// Calls f(i) for each digit t[i] whose previous byte is not a word byte (where a \b-anchored
+// number can start), in order; f returns the offset to continue from (≥ i + 1).
+template <typename F>
+inline void ForEachNumberStart(const char* t, size_t n, F&& f) {
+  size_t i = 0;
+#if defined(__SSE2__)
+  size_t resume = 0;
+  for (size_t b = 0; b + 16 <= n; b += 16) {
+    const uint32_t digits = DigitMask16(t + b);
+    if (digits == 0) continue;
+    const uint32_t word = WordMask16(t + b);
+    const uint32_t prev_word = (word << 1) | (b > 0 && IsWordByte(t[b - 1]) ? 1u : 0u);
+    uint32_t starts = digits & ~prev_word & 0xffff;
+    while (starts != 0) {
+      const size_t pos = b + static_cast<size_t>(__builtin_ctz(starts));
+      starts &= starts - 1;
+      if (pos < resume) continue;
+      resume = f(pos);
+    }
+  }
+  i = std::max(resume, n - n % 16);
+#endif
+  for (; i < n; ++i) {
+    if (IsDigitByte(t[i]) && (i == 0 || !IsWordByte(t[i - 1]))) i = f(i) - 1;
+  }
+}
+
+// First i' ≥ i with t[i'] a digit (== want) or n.
+inline size_t SkipWhile(const char* t, size_t i, size_t n, bool digits) {
+#if defined(__SSE2__)
+  while (i + 16 <= n) {
+    uint32_t mask = DigitMask16(t + i);
+    if (digits) mask = ~mask & 0xffff;
+    if (mask != 0) return i + static_cast<size_t>(__builtin_ctz(mask));
+    i += 16;
+  }
+#endif
+  while (i < n && IsDigitByte(t[i]) == digits) ++i;
+  return i;
+}
+
+}  // namespace
+
+// Digit groups joined by single ' ' or '-' form a chain. The card pattern
+// \b(?:\d[ -]?){12,18}\d\b matches whole groups only (\b), so its candidates are, for each
+// group that can start one (non-word byte before it), the longest run of groups with 13–19
+// digits that ends before a non-word byte; a rejected candidate moves the start one group on
+// (as the RE2 search from the next byte would). The SSN pattern's candidates are three
+// groups of 3, 2 and 4 digits with one kind of separator. Same candidates as the RE2 locate
+// patterns (DlpCorpusTest cross-checks both engines), without a regex pass over the text.
+void Engine::Impl::ScanDigitChains(std::string_view text, const AddFn& add) const {
+  constexpr size_t kMaxGroups = 64;
+  const size_t n = text.size();
+  const char* t = text.data();
+  struct Group {
+    size_t begin, end;
+  };
+  Group groups[kMaxGroups];
+  const ValidateContext context;
+  // Only chains that start where a number can start matter: a digit run inside a word
+  // ("a1b2", base64) neither starts a candidate nor continues a chain.
+  ForEachNumberStart(t, n, [&](size_t i) -> size_t {
+    size_t count = 0;
+    size_t j = i;
+    for (;;) {
+      const size_t begin = j;
+      j = SkipWhile(t, j, n, true);
+      groups[count++] = {begin, j};
+      if (count < kMaxGroups && j + 1 < n && (t[j] == ' ' || t[j] == '-') &&
+          IsDigitByte(t[j + 1])) {
+        ++j;
+        continue;
+      }
+      break;
+    }
+    // groups[0] is startable by construction; later groups follow a separator.
+    auto endable = [&](size_t g) { return groups[g].end == n || !IsWordByte(t[groups[g].end]); };
+    if (card_rule >= 0 && count * 19 >= 13) {
+      for (size_t k = 0; k < count;) {
+        size_t digits = 0;
+        int best = -1;
+        for (size_t e = k; e < count; ++e) {
+          digits += groups[e].end - groups[e].begin;
+          if (digits > 19) break;
+          if (digits >= 13 && endable(e)) best = static_cast<int>(e);
+        }
+        if (best < 0) {
+          ++k;
+          continue;
+        }
+        size_t begin = groups[k].begin, end = groups[best].end;
+        if (rules[card_rule].validate(text, &begin, &end, context)) {
+          add(card_rule, begin, end);
+          k = static_cast<size_t>(best) + 1;
+        } else {
+          ++k;
+        }
+      }
+    }
+    if (ssn_rule >= 0) {
+      for (size_t k = 0; k + 2 < count; ++k) {
+        const Group &a = groups[k], &b = groups[k + 1], &c = groups[k + 2];
+        if (a.end - a.begin != 3 || b.end - b.begin != 2 || c.end - c.begin != 4) continue;
+        if (t[a.end] != t[b.end] || !endable(k + 2)) continue;
+        size_t begin = a.begin, end = c.end;
+        if (rules[ssn_rule].validate(text, &begin, &end, context)) add(ssn_rule, begin, end);
+      }
+    }
+    return std::max(j, i + 1);
+  });
+}
+
+// The e-mail pattern's candidates around each '@': the local part runs back to the start of
+// its byte class (or the end of the previous match), the domain is the longest prefix of the
+// following domain bytes of the form label(.label)*.letters{2,}; a rejected candidate of ≤ 64
+// bytes is retried one byte later (as the RE2 search would), a longer one is given up.
+void Engine::Impl::ScanEmails(std::string_view text, const AddFn& add) const {
+  const size_t n = text.size();
+  const char* t = text.data();
+  const ValidateContext context;
+  size_t floor = 0;  // end of the previous match
+  for (const char* at = static_cast<const char*>(std::memchr(t, '@', n)); at != nullptr;
+       at = static_cast<const char*>(std::memchr(at + 1, '@', t + n - (at + 1)))) {
+    const size_t a = static_cast<size_t>(at - t);
+    size_t local = a;
+    while (local > floor && IsEmailLocalByte(t[local - 1])) --local;
+    if (local == a) continue;
+    size_t run = a + 1;
+    while (run < n && IsDomainByte(t[run])) ++run;
+    // Longest valid domain end: a '.' followed by ≥ 2 letters, every label before it non-empty.
+    size_t domain_end = 0;
+    bool labels_ok = a + 1 < run && t[a + 1] != '.';
+    for (size_t p = a + 2; p < run && labels_ok; ++p) {
+      if (t[p] != '.') continue;
+      if (t[p - 1] == '.') break;  // empty label: nothing longer can match
+      size_t letters = p + 1;
+      while (letters < run && IsAlphaByte(t[letters])) ++letters;
+      if (letters - (p + 1) >= 2) domain_end = letters;
+    }
+    if (domain_end == 0) continue;
+    for (size_t begin = local; begin < a; ++begin) {
+      size_t b = begin, e = domain_end;
+      if (rules[email_rule].validate(text, &b, &e, context)) {
+        add(email_rule, b, e);
+        floor = e;
+        break;
+      }
+      if (domain_end - begin > kMaxRescanMatch) break;
     }
   }
 }
@@ -579,7 +827,24 @@ absl::StatusOr<std::shared_ptr<const Engine>> Engine::Compile(const DlpConfig& c
     rule.groups = rule.locate->NumberOfCapturingGroups();
     rule.validate = def.validate;
     const int index = static_cast<int>(impl->rules.size());
-    if (def.detect.empty()) {
+    if (engine_options.vectorscan && def.fast != FastScan::kRegex) {
+      rule.fast = def.fast;
+      if (def.fast == FastScan::kDigitChains && rule.id == "dlp:credit_card") {
+        impl->card_rule = index;
+      } else if (def.fast == FastScan::kDigitChains && rule.id == "dlp:us_ssn") {
+        impl->ssn_rule = index;
+      } else if (def.fast == FastScan::kEmail) {
+        impl->email_rule = index;
+      } else if (def.fast == FastScan::kAnchored) {
+        for (const AnchoredDetect& a : def.anchored) {
+          hs_patterns.push_back(a.pattern);
+          hs_ids.push_back(kAnchoredIdBase + static_cast<unsigned>(impl->anchored.size()));
+          impl->anchored.emplace_back(index, a.back);
+        }
+      } else {
+        return absl::InternalError("dlp: built-in rule " + rule.id + ": no fast scanner");
+      }
+    } else if (def.detect.empty()) {
       std::string error;
       if (set->Add(def.locate, &error) < 0) {
         return absl::InternalError("dlp: built-in rule " + rule.id + ": " + error);
@@ -647,7 +912,12 @@ absl::StatusOr<std::shared_ptr<const Engine>> Engine::Compile(const DlpConfig& c
   }
   if (!hs_patterns.empty()) {
     std::vector<const char*> expressions;
-    std::vector<unsigned> flags(hs_patterns.size(), HS_FLAG_SINGLEMATCH);
+    std::vector<unsigned> flags;
+    for (unsigned id : hs_ids) {
+      // Anchored patterns report every match end (each is a candidate start).
+      const bool anchored = id >= kAnchoredIdBase && id < kSecretIdBase;
+      flags.push_back(anchored ? 0u : HS_FLAG_SINGLEMATCH);
+    }
     for (const std::string& p : hs_patterns) expressions.push_back(p.c_str());
     hs_compile_error_t* error = nullptr;
     if (hs_compile_multi(expressions.data(), flags.data(), hs_ids.data(),

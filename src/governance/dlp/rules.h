@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -22,13 +23,32 @@ struct ValidateContext {
 using Validator = bool (*)(std::string_view view, size_t* begin, size_t* end,
                            const ValidateContext& context);
 
+// How the Vectorscan engine finds a rule's candidates (EngineOptions{.vectorscan = false}
+// ignores this: every rule is then found by the RE2::Set and located over the whole text).
+enum class FastScan : uint8_t {
+  kRegex,        // `detect` in Vectorscan (or, if empty, `locate` in the RE2::Set), then
+                 // `locate` over the whole text
+  kAnchored,     // `anchored` patterns in Vectorscan report where a match may start; `locate`
+                 // runs anchored there only
+  kDigitChains,  // hand-written scan of digit groups (cards, SSN): same candidates as `locate`
+  kEmail,        // hand-written scan around each '@': same candidates as `locate`
+};
+
+struct AnchoredDetect {
+  std::string pattern;  // Vectorscan; reported at every match end
+  size_t back = 0;      // the candidate starts this many bytes before the reported end
+};
+
 struct RuleDef {
   std::string_view id;
   // Vectorscan detect-only patterns; empty: the locate pattern joins the RE2::Set.
   std::vector<std::string> detect;
-  // RE2 (Latin-1) pattern; the span is capture group 1 if the pattern has one, else the match.
+  // RE2 (Latin-1) pattern; the span is the first of capture groups 1–2 that took part in the
+  // match, else the whole match.
   std::string locate;
   Validator validate = nullptr;  // nullptr: every located match is a finding
+  FastScan fast = FastScan::kRegex;
+  std::vector<AnchoredDetect> anchored;  // FastScan::kAnchored
 };
 
 // In BuiltinRules() order, without the policy rules.
