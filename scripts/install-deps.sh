@@ -8,6 +8,8 @@ PKGS=(
   build-essential cmake pkg-config git ca-certificates
   libboost1.81-dev libboost-json1.81-dev libabsl-dev libsqlite3-dev sqlite3
   libseccomp-dev libcap-dev libssl-dev openssl zlib1g-dev libgtest-dev libgmock-dev
+  # egress DLP (src/governance/dlp): Vectorscan, RE2, brotli (gzip/deflate use zlib above)
+  libvectorscan-dev libre2-dev libbrotli-dev
   # container driver and images
   crun runc debootstrap iproute2 util-linux procps
   # persistent volumes (an ext4 file system per volume, loop-mounted)

@@ -1,0 +1,57 @@
+// The built-in detectors' definitions (internal to the DLP library and its bench): each rule's
+// Vectorscan detect patterns (literal-anchored secrets) or none (the rule goes to the RE2::Set),
+// the RE2 pattern that locates matches, and the validator that accepts a located candidate.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "governance/dlp/dlp.h"
+
+namespace esb::governance::dlp {
+
+// What a validator may look at besides its candidate.
+struct ValidateContext {
+  bool aws_key_id_present = false;  // a valid AWS access key id was found in the same text
+};
+
+// Accepts or rejects the candidate view[*begin, *end); may narrow or widen the span (IBAN to
+// its country length, a PEM key to its END line).
+using Validator = bool (*)(std::string_view view, size_t* begin, size_t* end,
+                           const ValidateContext& context);
+
+// How the Vectorscan engine finds a rule's candidates (EngineOptions{.vectorscan = false}
+// ignores this: every rule is then found by the RE2::Set and located over the whole text).
+enum class FastScan : uint8_t {
+  kRegex,        // `detect` in Vectorscan (or, if empty, `locate` in the RE2::Set), then
+                 // `locate` over the whole text
+  kAnchored,     // `anchored` patterns in Vectorscan report where a match may start; `locate`
+                 // runs anchored there only
+  kDigitChains,  // hand-written scan of digit groups (cards, SSN): same candidates as `locate`
+  kEmail,        // hand-written scan around each '@': same candidates as `locate`
+};
+
+struct AnchoredDetect {
+  std::string pattern;  // Vectorscan; reported at every match end
+  size_t back = 0;      // the candidate starts this many bytes before the reported end
+};
+
+struct RuleDef {
+  std::string_view id;
+  // Vectorscan detect-only patterns; empty: the locate pattern joins the RE2::Set.
+  std::vector<std::string> detect;
+  // RE2 (Latin-1) pattern; the span is the first of capture groups 1–2 that took part in the
+  // match, else the whole match.
+  std::string locate;
+  Validator validate = nullptr;  // nullptr: every located match is a finding
+  FastScan fast = FastScan::kRegex;
+  std::vector<AnchoredDetect> anchored;  // FastScan::kAnchored
+};
+
+// In BuiltinRules() order, without the policy rules.
+const std::vector<RuleDef>& BuiltinRuleDefs();
+
+}  // namespace esb::governance::dlp
