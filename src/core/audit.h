@@ -70,7 +70,7 @@ std::string_view ToString(EgressDecision decision);  // "allowed", "blocked", ..
 std::optional<EgressDecision> ParseEgressDecision(std::string_view name);
 
 // The stored size cap of an egress row's body (after redaction); the hash is of the original.
-inline constexpr size_t kMaxEgressAuditBodyBytes = 64 * 1024;
+inline constexpr size_t kMaxEgressAuditBodyBytes = kMaxEgressBodyBytes;  // store.h
 
 // One egress audit row in the making: one per proxied request, refused connection or opaque
 // tunnel. The proxy fills it (through esbd's EgressControl); AuditLog::RecordEgress stores it
