@@ -96,7 +96,7 @@ struct EgressAuditRow {
   int64_t bytes_down = 0;  // response bytes returned to the client
   int64_t duration_ms = 0;
   // Time the proxy itself added to the request (policy, DLP, TLS minting; excluding the
-  // upstream's own time), in microseconds: the /metrics added-latency histogram.
+  // upstream's own time), in microseconds: the /metrics added-latency histogram; 0: unknown.
   int64_t added_latency_us = 0;
   // Request headers as sent upstream. RecordEgress masks them again with
   // governance::MaskHeaderValue (the proxy should already have), so a row never stores a

@@ -64,7 +64,7 @@ void Metrics::CountError(const std::string& kind) {
 
 void Metrics::CountEgress(std::string_view decision, const std::vector<std::string>& rule_ids,
                           int64_t added_latency_us) {
-  if (added_latency_us >= 0) egress_added_latency.Observe(added_latency_us / 1e6);
+  if (added_latency_us > 0) egress_added_latency.Observe(added_latency_us / 1e6);
   std::lock_guard<std::mutex> lock(mu_);
   ++egress_decisions_[std::string(decision)];
   for (const std::string& rule : rule_ids) {

@@ -45,7 +45,7 @@ class Metrics {
 
   void CountHttp(int status);
   // One egress audit row: its decision, the DLP rules that fired ("dlp:*" ids in `rule_ids`)
-  // and the time the proxy added (microseconds; < 0: unknown, not observed).
+  // and the time the proxy added (microseconds; <= 0: unknown, not observed).
   void CountEgress(std::string_view decision, const std::vector<std::string>& rule_ids,
                    int64_t added_latency_us);
   void CountError(const std::string& kind);
