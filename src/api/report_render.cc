@@ -12,6 +12,21 @@ namespace {
 
 std::string Day(int64_t ms) { return FormatRfc3339(ms).substr(0, 10); }
 
+// Valid UTF-8 with control characters (other than TAB, LF, CR) replaced by U+FFFD: a report
+// printed to a terminal carries no escape sequence from a host name.
+std::string CleanText(std::string_view text) {
+  std::string out;
+  for (char c : SanitizeUtf8(text)) {
+    const auto u = static_cast<unsigned char>(c);
+    if ((u < 0x20 && c != '\t' && c != '\n' && c != '\r') || u == 0x7f) {
+      out += "\xEF\xBF\xBD";
+    } else {
+      out.push_back(c);
+    }
+  }
+  return out;
+}
+
 json::object SummaryJson(const EgressReport::Summary& s) {
   json::object o{{"requests", s.requests}, {"allowed", s.allowed},      {"blocked", s.blocked},
                  {"redacted", s.redacted}, {"opaque", s.opaque},        {"errors", s.errors},
@@ -121,7 +136,7 @@ th { background: #eee; }
 }  // namespace
 
 std::string CsvCell(std::string_view text) {
-  std::string s = SanitizeUtf8(text);
+  std::string s = CleanText(text);
   if (!s.empty() &&
       (s[0] == '=' || s[0] == '+' || s[0] == '-' || s[0] == '@' || s[0] == '\t' || s[0] == '\r')) {
     s.insert(s.begin(), '\'');
@@ -138,7 +153,7 @@ std::string CsvCell(std::string_view text) {
 
 std::string HtmlEscape(std::string_view text) {
   std::string out;
-  for (char c : SanitizeUtf8(text)) {
+  for (char c : CleanText(text)) {
     switch (c) {
       case '&':
         out += "&amp;";

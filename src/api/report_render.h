@@ -31,9 +31,9 @@ std::string ReportToHtml(const EgressReport& report, const ReportMeta& meta);
 
 // An RFC 4180 cell: quoted when it holds ',', '"', CR or LF (quotes doubled); a cell starting
 // with '=', '+', '-', '@', TAB or CR gets a leading "'" so spreadsheets do not run it as a
-// formula. Invalid UTF-8 is replaced.
+// formula. Invalid UTF-8 and control characters other than TAB, LF and CR become U+FFFD.
 std::string CsvCell(std::string_view text);
-// &, <, >, " and ' as entities; invalid UTF-8 replaced.
+// &, <, >, " and ' as entities; invalid UTF-8 and control characters as in CsvCell.
 std::string HtmlEscape(std::string_view text);
 
 }  // namespace esb::api

@@ -38,6 +38,7 @@ TEST(ReportRenderTest, CsvCellsAreQuotedAndFormulasNeutralised) {
   EXPECT_EQ(CsvCell("@SUM(A1)"), "'@SUM(A1)");
   EXPECT_EQ(CsvCell("-cmd"), "'-cmd");
   EXPECT_EQ(CsvCell("+x,y"), "\"'+x,y\"");
+  EXPECT_EQ(CsvCell("a\x1b[2Jb"), "a\xEF\xBF\xBD[2Jb") << "no terminal escapes";
 }
 
 TEST(ReportRenderTest, CsvHasOneHeaderAndExactRows) {
