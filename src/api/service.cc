@@ -12,9 +12,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "api/json_util.h"
+#include "api/report_render.h"
 #include "api/sse_output.h"
 #include "api/tools_catalog.h"
 #include "common/util.h"
+#include "core/audit.h"
+#include "core/egress_report.h"
 #include "drivers/env_limits.h"
 #include "storage/sqlite_store.h"
 
@@ -448,6 +451,7 @@ void ApiService::Register(Router& router) {
   add("GET", "/environments/{id}/artifacts/{aid}",
       [this](Request& req, const Caller& t) { return GetArtifact(req, t); });
   add("GET", "/audit", [this](Request& req, const Caller& t) { return QueryAudit(req, t); });
+  add("GET", "/reports", [this](Request& req, const Caller& t) { return GetReport(req, t); });
 
   auto run = [this](Request& req, const Caller& t) -> Response {
     if (!run_handler_)
@@ -958,17 +962,67 @@ Response ApiService::RenameFile(Request& req, const Caller& caller) {
   return resp;
 }
 
+namespace {
+
+// The cursor of an audit page: "<time_ms>.<id>" of its last row (opaque to clients).
+std::string AuditCursor(const AuditEntry& e) { return absl::StrCat(e.time_ms, ".", e.id); }
+
+bool ParseAuditCursor(std::string_view text, int64_t* time_ms, int64_t* id) {
+  const size_t dot = text.find('.');
+  if (dot == std::string_view::npos || dot == 0 || dot + 1 == text.size() || text.size() > 40)
+    return false;
+  auto digits = [](std::string_view d, int64_t* out) {
+    if (d.size() > 18) return false;
+    int64_t v = 0;
+    for (char c : d) {
+      if (c < '0' || c > '9') return false;
+      v = v * 10 + (c - '0');
+    }
+    *out = v;
+    return true;
+  };
+  return digits(text.substr(0, dot), time_ms) && digits(text.substr(dot + 1), id);
+}
+
+json::object EgressJson(const EgressFields& f) {
+  json::array intents, rules;
+  for (const auto& i : f.intents) intents.push_back(json::value(SanitizeUtf8(i)));
+  for (const auto& r : f.rule_ids) rules.push_back(json::value(SanitizeUtf8(r)));
+  json::object o{{"method", SanitizeUtf8(f.method)},
+                 {"scheme", SanitizeUtf8(f.scheme)},
+                 {"host", SanitizeUtf8(f.host)},
+                 {"port", f.port},
+                 {"path", SanitizeUtf8(f.path)},
+                 {"decision", SanitizeUtf8(f.decision)},
+                 {"rule_ids", std::move(rules)},
+                 {"reason", SanitizeUtf8(f.reason)},
+                 {"intents", std::move(intents)},
+                 {"bytes_up", f.bytes_up},
+                 {"bytes_down", f.bytes_down},
+                 {"added_latency_us", f.added_latency_us},
+                 {"request_headers", SanitizeUtf8(f.headers)},
+                 {"body", SanitizeUtf8(f.body)},
+                 {"body_bytes", f.body_bytes},
+                 {"body_sha256", SanitizeUtf8(f.body_sha256)}};
+  if (f.body_omitted) o["body_omitted"] = true;
+  return o;
+}
+
+}  // namespace
+
 Response ApiService::QueryAudit(Request& req, const Caller& caller) {
   const std::string& tenant = caller.tenant;
   AuditQuery q;
   q.tenant = tenant;
-  auto time_param = [&](const char* name, int64_t* out) -> bool {
+  // `from`/`to` are the names of issue 12; `since`/`until` stay for existing clients.
+  auto time_param = [&](const char* name, const char* alias, int64_t* out) -> bool {
     auto v = req.Query(name);
+    if (!v) v = req.Query(alias);
     return !v || ParseTime(*v, out);
   };
-  if (!time_param("since", &q.since_ms) || !time_param("until", &q.until_ms))
+  if (!time_param("since", "from", &q.since_ms) || !time_param("until", "to", &q.until_ms))
     return ErrorResponse(400, "bad_request",
-                         "'since'/'until' must be RFC 3339 times or unix seconds");
+                         "'from'/'to' ('since'/'until') must be RFC 3339 times or unix seconds");
   q.environment_id = req.Query("environment_id").value_or("");
   q.keyword = req.Query("q").value_or("");
   if (auto limit = req.Query("limit")) {
@@ -979,25 +1033,102 @@ Response ApiService::QueryAudit(Request& req, const Caller& caller) {
                            absl::StrCat("'limit' must be an integer in 1..", kMaxAuditLimit));
     q.limit = static_cast<int>(n);
   }
+  q.kind = req.Query("kind").value_or("");
+  if (!q.kind.empty() && q.kind != "egress")
+    return ErrorResponse(400, "bad_request", "'kind' must be \"egress\" (or absent: every row)");
+  q.decision = req.Query("decision").value_or("");
+  if (!q.decision.empty() && !ParseEgressDecision(q.decision))
+    return ErrorResponse(400, "bad_request",
+                         "'decision' must be one of allowed, blocked, redacted, opaque, error");
+  if (auto cursor = req.Query("cursor")) {
+    if (!ParseAuditCursor(*cursor, &q.before_time_ms, &q.before_id))
+      return ErrorResponse(400, "bad_request",
+                           "'cursor' must be a next_cursor value from a previous page");
+  }
   auto entries = store_->QueryAudit(q);
   if (!entries.ok()) return StatusResponse(entries.status());
   json::array arr;
   for (const AuditEntry& e : *entries) {
-    arr.push_back(json::object{
-        {"id", e.id},
-        {"time", FormatRfc3339(e.time_ms)},
-        {"tenant", e.tenant},
-        {"environment_id",
-         e.environment_id.empty() ? json::value() : json::value(e.environment_id)},
-        {"action", e.action},
-        {"detail", SanitizeUtf8(e.detail)},
-        {"exit_code", e.exit_code ? json::value(*e.exit_code) : json::value()},
-        {"duration_ms", e.duration_ms},
-        {"bytes", e.bytes},
-        {"status", e.status},
-        {"principal", e.principal.empty() ? json::value() : json::value(e.principal)}});
+    json::object row{{"id", e.id},
+                     {"time", FormatRfc3339(e.time_ms)},
+                     {"tenant", e.tenant},
+                     {"environment_id",
+                      e.environment_id.empty() ? json::value() : json::value(e.environment_id)},
+                     {"action", e.action},
+                     {"detail", SanitizeUtf8(e.detail)},
+                     {"exit_code", e.exit_code ? json::value(*e.exit_code) : json::value()},
+                     {"duration_ms", e.duration_ms},
+                     {"bytes", e.bytes},
+                     {"status", e.status},
+                     {"principal", e.principal.empty() ? json::value() : json::value(e.principal)}};
+    if (e.egress) row["egress"] = EgressJson(*e.egress);
+    arr.push_back(std::move(row));
   }
-  return JsonResponse(200, json::object{{"entries", std::move(arr)}});
+  json::object out{{"entries", std::move(arr)}};
+  // A full page may have more after it.
+  out["next_cursor"] = entries->size() == static_cast<size_t>(q.limit) && !entries->empty()
+                           ? json::value(AuditCursor(entries->back()))
+                           : json::value();
+  return JsonResponse(200, out);
+}
+
+Response ApiService::GetReport(Request& req, const Caller& caller) {
+  static constexpr std::string_view kParams[] = {"period", "format", "environment_id", "date",
+                                                 "top"};
+  for (const auto& [key, value] : req.query()) {
+    if (std::find(std::begin(kParams), std::end(kParams), key) == std::end(kParams))
+      return ErrorResponse(400, "bad_request",
+                           absl::StrCat("unknown parameter '", SanitizeUtf8(key),
+                                        "' (period, format, environment_id, date, top)"));
+  }
+  std::optional<ReportPeriod> period = ParseReportPeriod(req.Query("period").value_or("daily"));
+  if (!period) return ErrorResponse(400, "bad_request", "'period' must be daily or weekly");
+  const std::string format = req.Query("format").value_or("json");
+  if (format != "json" && format != "csv" && format != "html")
+    return ErrorResponse(400, "bad_request", "'format' must be json, csv or html");
+  EgressReportQuery q;
+  q.tenant = caller.tenant;
+  q.environment_id = req.Query("environment_id").value_or("");
+  if (q.environment_id.size() > 64)
+    return ErrorResponse(400, "bad_request", "'environment_id' is longer than 64 bytes");
+  const int64_t now = NowUnixMs();
+  int64_t at = now;
+  if (auto date = req.Query("date")) {
+    absl::StatusOr<int64_t> day = ParseReportDate(*date);
+    if (!day.ok()) return StatusResponse(day.status());
+    at = *day;
+  }
+  if (auto top = req.Query("top")) {
+    char* end = nullptr;
+    long n = std::strtol(top->c_str(), &end, 10);
+    if (top->empty() || *end != '\0' || n < 1 || n > kMaxReportTopN)
+      return ErrorResponse(400, "bad_request",
+                           absl::StrCat("'top' must be an integer in 1..", kMaxReportTopN));
+    q.top_n = static_cast<int>(n);
+  }
+  const ReportWindow window = WindowFor(*period, at);
+  q.from_ms = window.from_ms;
+  q.to_ms = window.to_ms;
+  absl::StatusOr<EgressReport> report = store_->ReportEgress(q);
+  if (!report.ok()) return StatusResponse(report.status());
+  ReportMeta meta{
+      caller.tenant, std::string(ToString(*period)), q.environment_id, q.from_ms, q.to_ms, now};
+  if (format == "json") return JsonResponse(200, ReportToJson(*report, meta));
+  // A file name from safe characters only (the tenant is configured, the date is ours).
+  std::string name =
+      absl::StrCat("egress-", meta.period, "-", FormatRfc3339(q.from_ms).substr(0, 10));
+  Response resp =
+      format == "csv"
+          ? Response::Text(200, ReportToCsv(*report, meta), "text/csv; charset=utf-8")
+          : Response::Text(200, ReportToHtml(*report, meta), "text/html; charset=utf-8");
+  resp.SetHeader("X-Content-Type-Options", "nosniff");
+  if (format == "csv") {
+    resp.SetHeader("Content-Disposition", absl::StrCat("attachment; filename=\"", name, ".csv\""));
+  } else {
+    // The page needs nothing but its own inline style.
+    resp.SetHeader("Content-Security-Policy", "default-src 'none'; style-src 'unsafe-inline'");
+  }
+  return resp;
 }
 
 }  // namespace esb::api

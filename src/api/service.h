@@ -74,6 +74,7 @@ class ApiService {
   Response GetRaw(Request& req, const Caller& caller);
   Response ListFiles(Request& req, const Caller& caller);
   Response QueryAudit(Request& req, const Caller& caller);
+  Response GetReport(Request& req, const Caller& caller);
   Response ListArtifacts(Request& req, const Caller& caller);
   Response GetArtifact(Request& req, const Caller& caller);
   Response StatFile(Request& req, const Caller& caller);

@@ -123,10 +123,13 @@ const std::vector<CommandSpec>& Commands() {
         {"--until", true},
         {"--env", true},
         {"--q", true},
-        {"--limit", true, FlagSpec::kInt}},
+        {"--limit", true, FlagSpec::kInt},
+        {"--kind", true},
+        {"--decision", true}},
        0,
        0,
        "Usage: esb audit [--since T] [--until T] [--env ID] [--q QUERY] [--limit N]\n"
+       "                 [--kind egress] [--decision D]\n"
        "\n"
        "Searches your audit log, newest first.\n"
        "  --since/--until T  RFC 3339 time (2026-11-22T04:30:00Z), unix seconds, or an age\n"
@@ -134,7 +137,24 @@ const std::vector<CommandSpec>& Commands() {
        "  --env ID           only this environment\n"
        "  --q QUERY          full-text search over action and detail (words, \"a phrase\",\n"
        "                     prefix*, AND/OR/NOT)\n"
-       "  --limit N          at most N entries (1-1000, default 100)\n"},
+       "  --limit N          at most N entries (1-1000, default 100)\n"
+       "  --kind egress      only egress requests (the sandbox's traffic through the proxy)\n"
+       "  --decision D       egress rows with this decision: allowed, blocked, redacted,\n"
+       "                     opaque or error\n"},
+      {"report",
+       {{"--period", true}, {"--format", true}, {"--env", true}, {"--date", true}},
+       0,
+       0,
+       "Usage: esb report [--period daily|weekly] [--format json|csv|html] [--env ID]\n"
+       "                  [--date YYYY-MM-DD]\n"
+       "\n"
+       "Egress compliance report of your tenant: requests, blocks by rule, top hosts, DLP\n"
+       "findings by type and bytes, per environment. Without --format: tables.\n"
+       "  --period P   daily (default: the UTC day) or weekly (the ISO week, Monday to Sunday)\n"
+       "  --format F   print the daemon's json, csv or printable html as is\n"
+       "               (e.g. esb report --period weekly --format html > report.html)\n"
+       "  --env ID     only this environment\n"
+       "  --date D     a UTC day in the period (default: today)\n"},
       {"health",
        {},
        0,
@@ -169,6 +189,7 @@ constexpr char kGeneralUsage[] =
     "  rm        Destroy environments\n"
     "  logs      Show the audit entries of one environment\n"
     "  audit     Search the audit log\n"
+    "  report    Egress compliance report (daily or weekly; json, csv or html)\n"
     "  health    Check that esbd is up\n"
     "\n"
     "Global options (before or after the command):\n"
@@ -283,6 +304,7 @@ class Runner {
     if (c == "rm") return Remove();
     if (c == "logs") return Logs();
     if (c == "audit") return Audit();
+    if (c == "report") return Report();
     return Usage("unknown command '" + c + "'");
   }
 
@@ -816,7 +838,92 @@ class Runner {
     if (inv_.Has("--env")) params.emplace_back("environment_id", inv_.Value("--env"));
     if (inv_.Has("--q")) params.emplace_back("q", inv_.Value("--q"));
     if (inv_.Has("--limit")) params.emplace_back("limit", inv_.Value("--limit"));
+    if (inv_.Has("--kind")) params.emplace_back("kind", inv_.Value("--kind"));
+    if (inv_.Has("--decision")) params.emplace_back("decision", inv_.Value("--decision"));
     return ShowAudit(params, false);
+  }
+
+  int Report() {
+    const std::string period = inv_.Has("--period") ? inv_.Value("--period") : "daily";
+    if (period != "daily" && period != "weekly") {
+      return Usage("--period: daily or weekly, not '" + SanitizeCell(period, 40) + "'");
+    }
+    const std::string format = inv_.Has("--format") ? inv_.Value("--format") : "json";
+    if (format != "json" && format != "csv" && format != "html") {
+      return Usage("--format: json, csv or html, not '" + SanitizeCell(format, 40) + "'");
+    }
+    std::vector<std::pair<std::string, std::string>> params = {{"period", period},
+                                                               {"format", format}};
+    if (inv_.Has("--env")) params.emplace_back("environment_id", inv_.Value("--env"));
+    if (inv_.Has("--date")) params.emplace_back("date", inv_.Value("--date"));
+    absl::StatusOr<HttpResponse> r = Call("GET", "/reports" + Query(params));
+    if (!r.ok()) return Fail(r.status());
+    if (!Ok(*r)) return ApiFail(*r);
+    if (inv_.Has("--format") || inv_.global.json) {
+      PrintJson(*r);  // the daemon's document as is (JSON, CSV or HTML)
+      return kExitOk;
+    }
+    std::optional<json::value> v = ParseJson(r->body);
+    const json::value* totals = v ? Field(*v, "totals") : nullptr;
+    if (totals == nullptr || !totals->is_object()) {
+      err_ << "esb: unexpected answer from esbd: " << SanitizeCell(r->body, 200) << "\n";
+      return kExitError;
+    }
+    out_ << (period == "weekly" ? "Weekly" : "Daily") << " egress report, tenant "
+         << SanitizeCell(Str(*v, "tenant"), 64) << ", " << SanitizeCell(Str(*v, "from"), 40)
+         << " to " << SanitizeCell(Str(*v, "to"), 40) << "\n\n";
+    auto counts = [](const json::value& e) {
+      std::vector<std::string> row;
+      for (const char* k : {"requests", "allowed", "blocked", "redacted", "opaque", "errors",
+                            "bytes_up", "bytes_down"}) {
+        row.push_back(IntText(Num(e, k)));
+      }
+      return row;
+    };
+    const std::vector<std::string> kCountHeads = {"REQUESTS", "ALLOWED", "BLOCKED",  "REDACTED",
+                                                  "OPAQUE",   "ERRORS",  "BYTES UP", "BYTES DOWN"};
+    std::vector<std::vector<std::string>> rows;
+    std::vector<std::string> total = {"(all)"};
+    for (auto& c : counts(*totals)) total.push_back(std::move(c));
+    rows.push_back(std::move(total));
+    if (const json::value* envs = Field(*v, "environments"); envs && envs->is_array()) {
+      for (const json::value& e : envs->get_array()) {
+        std::vector<std::string> row = {SanitizeCell(Str(e, "environment_id"), 64)};
+        for (auto& c : counts(e)) row.push_back(std::move(c));
+        rows.push_back(std::move(row));
+      }
+    }
+    std::vector<std::string> heads = {"ENVIRONMENT"};
+    heads.insert(heads.end(), kCountHeads.begin(), kCountHeads.end());
+    out_ << RenderTable(heads, rows);
+    // The smaller tables: (title, array field, name key, columns).
+    auto section = [&](const char* title, const char* field, const char* key,
+                       const std::vector<std::pair<std::string, std::string>>& cols) {
+      const json::value* arr = Field(*v, field);
+      out_ << "\n" << title << ":";
+      if (arr == nullptr || !arr->is_array() || arr->get_array().empty()) {
+        out_ << " none\n";
+        return;
+      }
+      out_ << "\n";
+      std::vector<std::string> h = {key == std::string("host") ? "HOST" : "RULE"};
+      std::vector<std::vector<std::string>> t;
+      for (const auto& [name, head] : cols) h.push_back(head);
+      for (const json::value& e : arr->get_array()) {
+        std::vector<std::string> row = {SanitizeCell(Str(e, key), 80)};
+        for (const auto& [name, head] : cols) row.push_back(IntText(Num(e, name)));
+        t.push_back(std::move(row));
+      }
+      out_ << RenderTable(h, t);
+    };
+    section("Blocks by rule", "blocks_by_rule", "rule", {{"count", "COUNT"}});
+    section("Top hosts", "top_hosts", "host",
+            {{"requests", "REQUESTS"},
+             {"blocked", "BLOCKED"},
+             {"bytes_up", "BYTES UP"},
+             {"bytes_down", "BYTES DOWN"}});
+    section("DLP findings by type", "dlp_findings", "rule", {{"count", "COUNT"}});
+    return kExitOk;
   }
 
   const Invocation& inv_;

@@ -445,7 +445,8 @@ TEST_F(CliTest, UsageErrorsExitTwoAndHelpWorks) {
 
   EXPECT_EQ(Run({"--help"}), 0);
   EXPECT_NE(out_.str().find("Commands:"), std::string::npos);
-  for (const char* cmd : {"create", "ls", "exec", "cp", "cat", "rm", "logs", "audit", "health"}) {
+  for (const char* cmd :
+       {"create", "ls", "exec", "cp", "cat", "rm", "logs", "audit", "report", "health"}) {
     EXPECT_EQ(Run({cmd, "--help"}), 0) << cmd;
     EXPECT_EQ(out_.str().rfind("Usage: esb " + std::string(cmd), 0), 0u) << out_.str();
     EXPECT_EQ(Run({"help", cmd}), 0) << cmd;
@@ -903,6 +904,44 @@ TEST(BeastTransportTest, DaemonClosingMidStreamIsReported) {
   EXPECT_EQ(out, "partial");
   EXPECT_NE(err.find("connection to esbd at " + server.url() + " failed"), std::string::npos)
       << err;
+}
+
+constexpr char kReportBody[] = R"({"tenant":"acme","period":"daily",
+  "from":"2026-11-18T00:00:00.000Z","to":"2026-11-19T00:00:00.000Z",
+  "totals":{"requests":4,"allowed":1,"blocked":3,"redacted":0,"opaque":0,"errors":0,
+            "bytes_up":1230,"bytes_down":9000},
+  "environments":[{"environment_id":"env_a","requests":4,"allowed":1,"blocked":3,"redacted":0,
+                   "opaque":0,"errors":0,"bytes_up":1230,"bytes_down":9000}],
+  "blocks_by_rule":[{"rule":"not_allowed","count":2}],
+  "top_hosts":[{"host":"evil\u001b[2J.test","requests":2,"blocked":2,"bytes_up":10,"bytes_down":0}],
+  "dlp_findings":[],"days":[]})";
+
+TEST_F(CliTest, ReportPrintsTablesWithHostileHostsDefused) {
+  Answer(200, kReportBody);
+  ASSERT_EQ(Run({"report", "--env", "env_a", "--date", "2026-11-18"}), 0) << err_.str();
+  EXPECT_EQ(Last().target,
+            "/reports?period=daily&format=json&environment_id=env_a&date=2026-11-18");
+  const std::string out = out_.str();
+  EXPECT_NE(out.find("Daily egress report, tenant acme"), std::string::npos) << out;
+  EXPECT_NE(out.find("not_allowed"), std::string::npos);
+  EXPECT_NE(out.find("9000"), std::string::npos);
+  EXPECT_EQ(out.find('\x1b'), std::string::npos) << "no terminal escape from a host name";
+  EXPECT_NE(out.find("DLP findings by type: none"), std::string::npos) << out;
+}
+
+TEST_F(CliTest, ReportFormatPrintsTheDocumentAsIs) {
+  Answer(200, "section,name\r\ntotal,\r\n", "text/csv");
+  ASSERT_EQ(Run({"report", "--period", "weekly", "--format", "csv"}), 0) << err_.str();
+  EXPECT_EQ(Last().target, "/reports?period=weekly&format=csv");
+  EXPECT_EQ(out_.str(), "section,name\r\ntotal,\r\n");
+  EXPECT_EQ(Run({"report", "--period", "monthly"}), kExitUsage);
+  EXPECT_EQ(Run({"report", "--format", "pdf"}), kExitUsage);
+}
+
+TEST_F(CliTest, AuditPassesEgressFilters) {
+  Answer(200, kAuditBody);
+  ASSERT_EQ(Run({"audit", "--kind", "egress", "--decision", "blocked"}), 0) << err_.str();
+  EXPECT_EQ(Last().target, "/audit?kind=egress&decision=blocked");
 }
 
 }  // namespace

@@ -5,9 +5,32 @@
 
 namespace esb {
 
+namespace {
+
+// Distinct DLP rule labels kept (custom patterns are per environment: bounded cardinality).
+constexpr size_t kMaxDlpRuleLabels = 256;
+
+// A Prometheus label value: backslash, double quote and newline escaped.
+std::string LabelValue(std::string_view v) {
+  std::string out;
+  for (char c : v) {
+    if (c == '\\' || c == '"') {
+      out.push_back('\\');
+      out.push_back(c);
+    } else if (c == '\n') {
+      out += "\\n";
+    } else {
+      out.push_back(c);
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
 void Histogram::Observe(double seconds) {
   size_t i = 0;
-  while (i < kBounds.size() && seconds > kBounds[i]) ++i;
+  while (i < bounds_.size() && seconds > bounds_[i]) ++i;
   buckets_[i].fetch_add(1, std::memory_order_relaxed);
   count_.fetch_add(1, std::memory_order_relaxed);
   sum_micros_.fetch_add(static_cast<uint64_t>(seconds * 1e6), std::memory_order_relaxed);
@@ -16,12 +39,12 @@ void Histogram::Observe(double seconds) {
 std::string Histogram::Render(const std::string& name, const std::string& help) const {
   std::string out = absl::StrCat("# HELP ", name, " ", help, "\n# TYPE ", name, " histogram\n");
   uint64_t cumulative = 0;
-  for (size_t i = 0; i < kBounds.size(); ++i) {
+  for (size_t i = 0; i < bounds_.size(); ++i) {
     cumulative += buckets_[i].load(std::memory_order_relaxed);
-    absl::StrAppend(&out, name, "_bucket{le=\"", absl::StrFormat("%g", kBounds[i]), "\"} ",
+    absl::StrAppend(&out, name, "_bucket{le=\"", absl::StrFormat("%g", bounds_[i]), "\"} ",
                     cumulative, "\n");
   }
-  cumulative += buckets_[kBounds.size()].load(std::memory_order_relaxed);
+  cumulative += buckets_[bounds_.size()].load(std::memory_order_relaxed);
   absl::StrAppend(&out, name, "_bucket{le=\"+Inf\"} ", cumulative, "\n");
   absl::StrAppend(&out, name, "_sum ",
                   absl::StrFormat("%.6f", sum_micros_.load(std::memory_order_relaxed) / 1e6),
@@ -37,6 +60,21 @@ void Metrics::CountHttp(int status) {
 void Metrics::CountError(const std::string& kind) {
   std::lock_guard<std::mutex> lock(mu_);
   ++errors_[kind];
+}
+
+void Metrics::CountEgress(std::string_view decision, const std::vector<std::string>& rule_ids,
+                          int64_t added_latency_us) {
+  if (added_latency_us > 0) egress_added_latency.Observe(added_latency_us / 1e6);
+  std::lock_guard<std::mutex> lock(mu_);
+  ++egress_decisions_[std::string(decision)];
+  for (const std::string& rule : rule_ids) {
+    if (!rule.starts_with("dlp:")) continue;
+    if (dlp_hits_.size() >= kMaxDlpRuleLabels && !dlp_hits_.count(rule)) {
+      ++dlp_hits_["other"];
+    } else {
+      ++dlp_hits_[rule];
+    }
+  }
 }
 
 std::string Metrics::Render(const std::map<std::string, int64_t>& env_states,
@@ -67,6 +105,8 @@ std::string Metrics::Render(const std::map<std::string, int64_t>& env_states,
                   reaped_total.load(), "\n");
   out += exec_duration.Render("esb_exec_duration_seconds", "Execute latency.");
   out += create_duration.Render("esb_create_duration_seconds", "Environment create latency.");
+  out += egress_added_latency.Render("esb_egress_added_latency_seconds",
+                                     "Time the egress proxy added to a request.");
   std::lock_guard<std::mutex> lock(mu_);
   out += "# HELP esb_http_requests_total HTTP requests by status.\n"
          "# TYPE esb_http_requests_total counter\n";
@@ -75,6 +115,17 @@ std::string Metrics::Render(const std::map<std::string, int64_t>& env_states,
   out += "# HELP esb_errors_total Errors by kind.\n# TYPE esb_errors_total counter\n";
   for (const auto& [kind, n] : errors_)
     absl::StrAppend(&out, "esb_errors_total{kind=\"", kind, "\"} ", n, "\n");
+  out +=
+      "# HELP esb_egress_requests_total Egress requests by decision.\n"
+      "# TYPE esb_egress_requests_total counter\n";
+  for (const auto& [decision, n] : egress_decisions_)
+    absl::StrAppend(&out, "esb_egress_requests_total{decision=\"", LabelValue(decision), "\"} ", n,
+                    "\n");
+  out +=
+      "# HELP esb_dlp_hits_total Egress requests in which a DLP rule fired, by rule.\n"
+      "# TYPE esb_dlp_hits_total counter\n";
+  for (const auto& [rule, n] : dlp_hits_)
+    absl::StrAppend(&out, "esb_dlp_hits_total{rule=\"", LabelValue(rule), "\"} ", n, "\n");
   return out;
 }
 

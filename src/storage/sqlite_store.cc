@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <boost/json.hpp>
 #include <cctype>
 #include <chrono>
 #include <condition_variable>
@@ -28,6 +29,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "common/utf8.h"
 #include "common/util.h"
 #include "storage/store.h"
 
@@ -147,6 +149,65 @@ CREATE TABLE volumes (
   PRIMARY KEY (tenant, name)
 );
 )sql",
+    // v5: reserved for the egress policy, CA and intents of environments (issue 12, g-core's
+    // part; merged in its place). Empty here so that v6 below keeps its number.
+    R"sql(
+-- v5 placeholder
+)sql",
+    // v6: egress audit rows (issue 12). The audit row (action "egress", principal "proxy")
+    // keeps who/when/status/duration and a one-line summary in `detail` (so the existing
+    // search finds host and rules); this side table keeps the request's fields, deleted with
+    // its audit row (trigger: retention and row caps delete from `audit` only). tenant,
+    // environment_id and time_ms are repeated here so reports aggregate this table alone by
+    // its own indexes. egress_fts indexes host, path, headers and body (all after masking and
+    // redaction), scoped per tenant like audit_fts (v2). Independent of v5.
+    R"sql(
+CREATE TABLE audit_egress (
+  audit_id         INTEGER PRIMARY KEY NOT NULL,
+  tenant           TEXT NOT NULL,
+  environment_id   TEXT NOT NULL DEFAULT '',
+  time_ms          INTEGER NOT NULL,
+  intents          TEXT NOT NULL DEFAULT '[]',
+  method           TEXT NOT NULL DEFAULT '',
+  scheme           TEXT NOT NULL DEFAULT '',
+  host             TEXT NOT NULL DEFAULT '',
+  port             INTEGER NOT NULL DEFAULT 0,
+  path             TEXT NOT NULL DEFAULT '',
+  decision         TEXT NOT NULL DEFAULT '',
+  rule_ids         TEXT NOT NULL DEFAULT '[]',
+  reason           TEXT NOT NULL DEFAULT '',
+  bytes_up         INTEGER NOT NULL DEFAULT 0,
+  bytes_down       INTEGER NOT NULL DEFAULT 0,
+  added_latency_us INTEGER NOT NULL DEFAULT 0,
+  headers          TEXT NOT NULL DEFAULT '',
+  body             TEXT NOT NULL DEFAULT '',
+  body_bytes       INTEGER NOT NULL DEFAULT 0,
+  body_sha256      TEXT NOT NULL DEFAULT '',
+  scope            TEXT GENERATED ALWAYS AS ('t' || lower(hex(tenant))) VIRTUAL
+);
+CREATE INDEX audit_egress_by_tenant_time ON audit_egress(tenant, time_ms);
+CREATE INDEX audit_egress_by_tenant_env_time ON audit_egress(tenant, environment_id, time_ms);
+CREATE TRIGGER audit_egress_follow_delete AFTER DELETE ON audit BEGIN
+  DELETE FROM audit_egress WHERE audit_id = old.id;
+END;
+CREATE VIRTUAL TABLE egress_fts USING fts5(
+  scope, host, path, headers, body, content='audit_egress', content_rowid='audit_id',
+  tokenize='unicode61 remove_diacritics 2');
+CREATE TRIGGER egress_fts_insert AFTER INSERT ON audit_egress BEGIN
+  INSERT INTO egress_fts(rowid, scope, host, path, headers, body)
+    VALUES (new.audit_id, new.scope, new.host, new.path, new.headers, new.body);
+END;
+CREATE TRIGGER egress_fts_delete AFTER DELETE ON audit_egress BEGIN
+  INSERT INTO egress_fts(egress_fts, rowid, scope, host, path, headers, body)
+    VALUES ('delete', old.audit_id, old.scope, old.host, old.path, old.headers, old.body);
+END;
+CREATE TRIGGER egress_fts_update AFTER UPDATE ON audit_egress BEGIN
+  INSERT INTO egress_fts(egress_fts, rowid, scope, host, path, headers, body)
+    VALUES ('delete', old.audit_id, old.scope, old.host, old.path, old.headers, old.body);
+  INSERT INTO egress_fts(rowid, scope, host, path, headers, body)
+    VALUES (new.audit_id, new.scope, new.host, new.path, new.headers, new.body);
+END;
+)sql",
 };
 constexpr int kLatestVersion = static_cast<int>(sizeof(kMigrations) / sizeof(kMigrations[0]));
 
@@ -154,6 +215,14 @@ constexpr int kBusyTimeoutMs = 5000;
 // Stored caps of the audit fields a caller (URL path, request) can make long.
 constexpr size_t kMaxActionBytes = 64;
 constexpr size_t kMaxEnvironmentIdBytes = 64;
+// ... and of the egress fields (the sandbox chooses hosts, paths, headers and bodies).
+constexpr size_t kMaxEgressShortBytes = 32;  // method, scheme, decision
+constexpr size_t kMaxEgressHostBytes = 255;
+constexpr size_t kMaxEgressPathBytes = 4096;
+constexpr size_t kMaxEgressReasonBytes = 512;
+constexpr size_t kMaxEgressListItems = 32;  // intents, rule ids
+constexpr size_t kMaxEgressListItemBytes = 256;
+constexpr int kMaxReportDays = 400;
 // Rows deleted per statement by retention and row caps: each deletes its FTS rows too, and
 // holds the writer mutex meanwhile, so keep it short (~tens of ms).
 constexpr int kDeleteBatch = 500;
@@ -278,6 +347,7 @@ class Stmt {
                        static_cast<size_t>(sqlite3_column_bytes(stmt_, col)));
   }
   int64_t Int(int col) const { return sqlite3_column_int64(stmt_, col); }
+  double Double(int col) const { return sqlite3_column_double(stmt_, col); }
   bool IsNull(int col) const { return sqlite3_column_type(stmt_, col) == SQLITE_NULL; }
   int last_rc() const { return last_rc_; }
   const char* errmsg() const { return sqlite3_errmsg(db_); }
@@ -346,6 +416,27 @@ std::string CapField(std::string_view text, size_t max) {
   size_t cut = max;
   while (cut > 0 && (static_cast<unsigned char>(text[cut]) & 0xc0) == 0x80) --cut;
   return absl::StrCat(AbslView(text.substr(0, cut)), "…[truncated ", text.size() - cut, " bytes]");
+}
+
+// A list of strings as a JSON array (the stored form of intents and rule ids: reports split it
+// with json_each), at most kMaxEgressListItems items of at most kMaxEgressListItemBytes each.
+std::string ToJsonArray(const std::vector<std::string>& items) {
+  boost::json::array arr;
+  for (size_t i = 0; i < items.size() && i < kMaxEgressListItems; ++i) {
+    arr.emplace_back(SanitizeUtf8(CapField(items[i], kMaxEgressListItemBytes)));
+  }
+  return boost::json::serialize(arr);
+}
+
+std::vector<std::string> FromJsonArray(const std::string& text) {
+  std::vector<std::string> out;
+  boost::system::error_code ec;
+  boost::json::value v = boost::json::parse(text, ec);
+  if (ec || !v.is_array()) return out;
+  for (const auto& item : v.as_array()) {
+    if (item.is_string()) out.emplace_back(item.as_string());
+  }
+  return out;
 }
 
 // One SQLite connection with its prepared-statement cache and a deadline that its progress
@@ -743,6 +834,7 @@ class SqliteStore final : public Store {
     row.environment_id = CapField(e.environment_id, kMaxEnvironmentIdBytes);
     row.detail = CapField(e.detail, options_.max_detail_bytes);
     row.principal = CapField(e.principal, kMaxActionBytes);
+    if (row.egress) CapEgress(&*row.egress);
     const int64_t now = options_.now_ms();  // the rate is judged by the time of the call
     if (options_.write_behind_ms > 0) {
       {
@@ -761,22 +853,40 @@ class SqliteStore final : public Store {
     return AppendAuditLocked(row, now);
   }
 
+  // Cuts every egress field to its stored cap (cut marked), text as valid UTF-8.
+  static void CapEgress(EgressFields* f) {
+    f->method = CapField(SanitizeUtf8(f->method), kMaxEgressShortBytes);
+    f->scheme = CapField(SanitizeUtf8(f->scheme), kMaxEgressShortBytes);
+    f->decision = CapField(SanitizeUtf8(f->decision), kMaxEgressShortBytes);
+    f->host = CapField(SanitizeUtf8(f->host), kMaxEgressHostBytes);
+    f->path = CapField(SanitizeUtf8(f->path), kMaxEgressPathBytes);
+    f->reason = CapField(SanitizeUtf8(f->reason), kMaxEgressReasonBytes);
+    f->headers = CapField(SanitizeUtf8(f->headers), kMaxEgressHeadersBytes);
+    f->body = CapField(SanitizeUtf8(f->body), kMaxEgressBodyBytes);
+    f->body_sha256 = CapField(SanitizeUtf8(f->body_sha256), 2 * kMaxEgressShortBytes);
+    if (f->intents.size() > kMaxEgressListItems) f->intents.resize(kMaxEgressListItems);
+    if (f->rule_ids.size() > kMaxEgressListItems) f->rule_ids.resize(kMaxEgressListItems);
+  }
+
   // The rate limit, summaries and row cap of one audit row judged at `now`. Caller holds mu_.
   absl::Status AppendAuditLocked(const AuditEntry& row, int64_t now) {
     TenantAudit& t = tenants_[row.tenant];
-    // Token bucket, refilled by the time since the tenant's last row.
-    if (t.refill_ms == 0) {
-      t.tokens = options_.audit_burst;
-    } else if (now > t.refill_ms) {
-      t.tokens = std::min(options_.audit_burst,
-                          t.tokens + (now - t.refill_ms) * options_.audit_rate_per_s / 1000.0);
+    // Token bucket, refilled by the time since the tenant's last row; egress rows have theirs.
+    const bool egress = row.egress.has_value();
+    Bucket& b = egress ? t.egress : t.api;
+    const double burst = egress ? options_.egress_burst : options_.audit_burst;
+    const double rate = egress ? options_.egress_rate_per_s : options_.audit_rate_per_s;
+    if (b.refill_ms == 0) {
+      b.tokens = burst;
+    } else if (now > b.refill_ms) {
+      b.tokens = std::min(burst, b.tokens + (now - b.refill_ms) * rate / 1000.0);
     }
-    t.refill_ms = std::max(t.refill_ms, now);
-    if (t.tokens < 1) {
+    b.refill_ms = std::max(b.refill_ms, now);
+    if (b.tokens < 1) {
       Suppress(t, row, now);
       return absl::OkStatus();
     }
-    t.tokens -= 1;
+    b.tokens -= 1;
     // Summaries go out at most every kSuppressFlushMs per tenant (else each admitted row
     // would bring one along and double the rate).
     if (!t.suppressed.empty() && now - t.suppressed_since_ms >= kSuppressFlushMs) {
@@ -787,24 +897,20 @@ class SqliteStore final : public Store {
 
   absl::StatusOr<std::vector<AuditEntry>> QueryAudit(const AuditQuery& q) override {
     if (q.tenant.empty()) return absl::InvalidArgumentError("audit query needs a tenant");
-    {
-      // Searches see queued rows: only then do they wait for the writer's mutex.
-      bool queued;
-      {
-        std::lock_guard<std::mutex> lock(queue_mu_);
-        queued = !QueueEmptyLocked();
-      }
-      if (queued) {
-        std::lock_guard<std::mutex> lock(mu_);
-        FlushLocked().IgnoreError();
-      }
-    }
+    FlushIfQueued();
     if (q.limit < 1 || q.limit > kMaxAuditLimit) {
       return absl::InvalidArgumentError(
           absl::StrCat("audit limit must be between 1 and ", kMaxAuditLimit, ", got ", q.limit));
     }
     if (q.since_ms < 0 || q.until_ms < 0 || (q.until_ms != 0 && q.until_ms < q.since_ms)) {
       return absl::InvalidArgumentError("audit time range is empty or negative");
+    }
+    if (!q.kind.empty() && q.kind != "egress") {
+      return absl::InvalidArgumentError(
+          absl::StrCat("audit kind must be \"egress\" or empty, got \"", q.kind, "\""));
+    }
+    if (q.before_time_ms < 0 || q.before_id < 0) {
+      return absl::InvalidArgumentError("audit cursor is negative");
     }
     std::string fts;
     if (!q.keyword.empty()) {
@@ -814,62 +920,30 @@ class SqliteStore final : public Store {
       // the index only yields this tenant's rows.
       if (!user->empty()) fts = absl::StrCat("scope : ", ScopeToken(q.tenant), " AND (", *user, ")");
     }
+    const bool egress_only = q.kind == "egress" || !q.decision.empty();
     std::string sql =
-        "SELECT id, time_ms, tenant, environment_id, action, detail, exit_code, duration_ms, "
-        "bytes, status, principal FROM audit WHERE tenant = ?1 AND (?2 = 0 OR time_ms >= ?2) "
-        "AND (?3 = 0 OR time_ms <= ?3) AND (?4 = '' OR environment_id = ?4) ";
-    if (!fts.empty()) sql += "AND id IN (SELECT rowid FROM audit_fts WHERE audit_fts MATCH ?6) ";
-    sql += "ORDER BY time_ms DESC, id DESC LIMIT ?5";
-
-    // One search at a time per tenant (a second one waits, boundedly), so one tenant cannot
-    // hold every reader.
-    {
-      std::unique_lock<std::mutex> lock(readers_mu_);
-      if (!readers_cv_.wait_for(lock, std::chrono::milliseconds(options_.audit_query_timeout_ms),
-                                [&] { return !searching_.count(q.tenant); })) {
-        return absl::ResourceExhaustedError(
-            "an audit search of this tenant is already running; retry when it has finished");
-      }
-      searching_.insert(q.tenant);
+        "SELECT a.id, a.time_ms, a.tenant, a.environment_id, a.action, a.detail, a.exit_code, "
+        "a.duration_ms, a.bytes, a.status, a.principal, e.audit_id, e.intents, e.method, "
+        "e.scheme, e.host, e.port, e.path, e.decision, e.rule_ids, e.reason, e.bytes_up, "
+        "e.bytes_down, e.added_latency_us, e.headers, e.body, e.body_bytes, e.body_sha256 "
+        "FROM audit a LEFT JOIN audit_egress e ON e.audit_id = a.id "
+        "WHERE a.tenant = ?1 AND (?2 = 0 OR a.time_ms >= ?2) AND (?3 = 0 OR a.time_ms <= ?3) "
+        "AND (?4 = '' OR a.environment_id = ?4) "
+        "AND (?7 = 0 OR a.time_ms < ?7 OR (a.time_ms = ?7 AND a.id < ?8)) ";
+    // Suppressed summaries of egress rows (action "egress", no side row) are egress rows too:
+    // a flood stays visible. A decision only side rows have.
+    if (egress_only) sql += "AND a.action = 'egress' ";
+    if (!q.decision.empty()) sql += "AND e.decision = ?9 ";
+    if (!fts.empty()) {
+      sql +=
+          "AND (a.id IN (SELECT rowid FROM audit_fts WHERE audit_fts MATCH ?6) OR a.id IN "
+          "(SELECT rowid FROM egress_fts WHERE egress_fts MATCH ?6)) ";
     }
-    Cleanup done([&] {
-      {
-        std::lock_guard<std::mutex> lock(readers_mu_);
-        searching_.erase(q.tenant);
-      }
-      readers_cv_.notify_all();
-    });
-    // A reader connection (never the writer's mutex), or the writer for in-memory databases.
-    Conn* conn = nullptr;
-    std::unique_lock<std::mutex> writer_lock;
-    if (readers_.empty()) {
-      writer_lock = std::unique_lock<std::mutex>(mu_);
-      conn = &writer_;
-    } else {
-      std::unique_lock<std::mutex> lock(readers_mu_);
-      if (!readers_cv_.wait_for(lock, std::chrono::milliseconds(options_.audit_query_timeout_ms),
-                                [this] { return !free_readers_.empty(); })) {
-        return absl::UnavailableError("audit search is busy; retry shortly");
-      }
-      conn = free_readers_.back();
-      free_readers_.pop_back();
-    }
-    Cleanup release([&] {
-      conn->deadline_ms.store(0);
-      if (conn == &writer_) return;
-      {
-        std::lock_guard<std::mutex> lock(readers_mu_);
-        free_readers_.push_back(conn);
-      }
-      readers_cv_.notify_all();
-    });
-    conn->deadline_ms.store(MonotonicMs() + options_.audit_query_timeout_ms);
+    sql += "ORDER BY a.time_ms DESC, a.id DESC LIMIT ?5";
 
-    auto too_expensive = [&] {
-      return absl::DeadlineExceededError(absl::StrCat(
-          "audit query too expensive: stopped after ", options_.audit_query_timeout_ms,
-          " ms; narrow it (fewer terms, longer prefixes, a time range or an environment_id)"));
-    };
+    absl::StatusOr<std::unique_ptr<SearchSlot>> slot = BeginSearch(q.tenant);
+    if (!slot.ok()) return slot.status();
+    Conn* conn = (*slot)->conn();
     if (!fts.empty()) {
       // SQLite may never evaluate the MATCH when no row passes the other filters, so a bad
       // query would succeed on an empty log and fail on a full one: check it on its own.
@@ -877,14 +951,7 @@ class SqliteStore final : public Store {
       if (!check.ok()) return check.status();
       check->Bind(1, fts);
       absl::StatusOr<bool> row = check->Step();
-      if (!row.ok()) {
-        if ((check->last_rc() & 0xff) == SQLITE_INTERRUPT) return too_expensive();
-        if ((check->last_rc() & 0xff) == SQLITE_ERROR) {
-          return absl::InvalidArgumentError(
-              absl::StrCat("invalid audit search query '", q.keyword, "': ", check->errmsg()));
-        }
-        return row.status();
-      }
+      if (!row.ok()) return SearchFailure(*check, row.status(), q.keyword);
     }
     auto stmt = conn->Prepare(sql);
     if (!stmt.ok()) return stmt.status();
@@ -892,21 +959,16 @@ class SqliteStore final : public Store {
         .Bind(2, q.since_ms)
         .Bind(3, q.until_ms)
         .Bind(4, q.environment_id)
-        .Bind(5, q.limit);
+        .Bind(5, q.limit)
+        .Bind(7, q.before_time_ms)
+        .Bind(8, q.before_id);
     if (!fts.empty()) stmt->Bind(6, fts);
+    if (!q.decision.empty()) stmt->Bind(9, q.decision);
     std::vector<AuditEntry> out;
+    size_t body_budget = kMaxAuditResultBodyBytes;
     while (true) {
       absl::StatusOr<bool> row = stmt->Step();
-      if (!row.ok()) {
-        if ((stmt->last_rc() & 0xff) == SQLITE_INTERRUPT) return too_expensive();
-        // FTS5 reports bad query syntax ("fts5: syntax error near ...", "no such column")
-        // as a plain SQLITE_ERROR while stepping: that is the caller's mistake, not ours.
-        if (!fts.empty() && (stmt->last_rc() & 0xff) == SQLITE_ERROR) {
-          return absl::InvalidArgumentError(
-              absl::StrCat("invalid audit search query '", q.keyword, "': ", stmt->errmsg()));
-        }
-        return row.status();
-      }
+      if (!row.ok()) return SearchFailure(*stmt, row.status(), q.keyword);
       if (!*row) break;
       AuditEntry e;
       e.id = stmt->Int(0);
@@ -920,9 +982,139 @@ class SqliteStore final : public Store {
       e.bytes = stmt->Int(8);
       e.status = static_cast<int>(stmt->Int(9));
       e.principal = stmt->Text(10);
+      if (!stmt->IsNull(11)) {
+        EgressFields& f = e.egress.emplace();
+        f.intents = FromJsonArray(stmt->Text(12));
+        f.method = stmt->Text(13);
+        f.scheme = stmt->Text(14);
+        f.host = stmt->Text(15);
+        f.port = static_cast<int>(stmt->Int(16));
+        f.path = stmt->Text(17);
+        f.decision = stmt->Text(18);
+        f.rule_ids = FromJsonArray(stmt->Text(19));
+        f.reason = stmt->Text(20);
+        f.bytes_up = stmt->Int(21);
+        f.bytes_down = stmt->Int(22);
+        f.added_latency_us = stmt->Int(23);
+        f.headers = stmt->Text(24);
+        f.body = stmt->Text(25);
+        f.body_bytes = stmt->Int(26);
+        f.body_sha256 = stmt->Text(27);
+        if (f.body.size() > body_budget) {
+          f.body.clear();
+          f.body_omitted = true;
+        } else {
+          body_budget -= f.body.size();
+        }
+      }
       out.push_back(std::move(e));
     }
     return out;
+  }
+
+  absl::StatusOr<EgressReport> ReportEgress(const EgressReportQuery& q) override {
+    if (q.tenant.empty()) return absl::InvalidArgumentError("egress report needs a tenant");
+    if (q.from_ms < 0 || q.to_ms <= q.from_ms) {
+      return absl::InvalidArgumentError("egress report time range is empty or negative");
+    }
+    if (q.top_n < 1 || q.top_n > kMaxReportTopN) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("egress report top_n must be between 1 and ", kMaxReportTopN));
+    }
+    FlushIfQueued();
+    absl::StatusOr<std::unique_ptr<SearchSlot>> slot = BeginSearch(q.tenant);
+    if (!slot.ok()) return slot.status();
+    Conn* conn = (*slot)->conn();
+    // Every statement reads audit_egress e (by its (tenant, time_ms) index) with the same
+    // filter, ?1..?4; ?5 is a statement's LIMIT.
+    auto from = [](std::string_view tables) {
+      return absl::StrCat(" FROM ", AbslView(tables),
+                          " WHERE e.tenant = ?1 AND e.time_ms >= ?2 AND e.time_ms < ?3 "
+                          "AND (?4 = '' OR e.environment_id = ?4) ");
+    };
+    constexpr const char* kSums =
+        "count(*), total(e.decision = 'allowed'), total(e.decision = 'blocked'), "
+        "total(e.decision = 'redacted'), total(e.decision = 'opaque'), "
+        "total(e.decision = 'error'), total(e.bytes_up), total(e.bytes_down)";
+    auto run = [&](const std::string& sql, int64_t limit,
+                   const std::function<void(const Stmt&)>& each) -> absl::Status {
+      auto stmt = conn->Prepare(sql);
+      if (!stmt.ok()) return stmt.status();
+      stmt->Bind(1, q.tenant).Bind(2, q.from_ms).Bind(3, q.to_ms).Bind(4, q.environment_id);
+      if (limit > 0) stmt->Bind(5, limit);
+      while (true) {
+        absl::StatusOr<bool> row = stmt->Step();
+        if (!row.ok()) return SearchFailure(*stmt, row.status(), "");
+        if (!*row) return absl::OkStatus();
+        each(*stmt);
+      }
+    };
+    // total() is a float: sums of integers far below 2^53 convert back exactly.
+    auto num = [](const Stmt& s, int col) { return static_cast<int64_t>(s.Double(col)); };
+    auto summary = [&](const Stmt& s, int first, EgressReport::Summary* out) {
+      out->requests = s.Int(first);
+      out->allowed = num(s, first + 1);
+      out->blocked = num(s, first + 2);
+      out->redacted = num(s, first + 3);
+      out->opaque = num(s, first + 4);
+      out->errors = num(s, first + 5);
+      out->bytes_up = num(s, first + 6);
+      out->bytes_down = num(s, first + 7);
+    };
+    EgressReport r;
+    const std::string egress = from("audit_egress e");
+    const std::string rules = from("audit_egress e, json_each(e.rule_ids) j");
+    absl::Status st = run(absl::StrCat("SELECT ", kSums, egress), 0,
+                          [&](const Stmt& s) { summary(s, 0, &r.totals); });
+    if (st.ok()) {
+      st = run(absl::StrCat("SELECT e.environment_id, ", kSums, egress,
+                            "GROUP BY e.environment_id ORDER BY count(*) DESC, e.environment_id "
+                            "LIMIT ?5"),
+               kMaxReportEnvironments, [&](const Stmt& s) {
+                 EgressReport::Summary env;
+                 env.environment_id = s.Text(0);
+                 summary(s, 1, &env);
+                 r.environments.push_back(std::move(env));
+               });
+    }
+    if (st.ok()) {
+      // The rules that blocked: every rule id of a blocked row except the permitting ones.
+      st = run(absl::StrCat("SELECT j.value, count(*)", rules,
+                            "AND e.decision = 'blocked' AND substr(j.value, 1, 6) != 'allow:' "
+                            "AND substr(j.value, 1, 7) != 'intent:' AND j.value != 'mode:open' "
+                            "GROUP BY j.value ORDER BY count(*) DESC, j.value LIMIT ?5"),
+               q.top_n, [&](const Stmt& s) {
+                 r.blocks_by_rule.push_back({s.Text(0), s.Int(1)});
+               });
+    }
+    if (st.ok()) {
+      st = run(absl::StrCat("SELECT e.host, count(*), total(e.decision = 'blocked'), "
+                            "total(e.bytes_up), total(e.bytes_down)",
+                            egress, "GROUP BY e.host ORDER BY count(*) DESC, e.host LIMIT ?5"),
+               q.top_n, [&](const Stmt& s) {
+                 r.top_hosts.push_back({s.Text(0), s.Int(1), num(s, 2), num(s, 3), num(s, 4)});
+               });
+    }
+    if (st.ok()) {
+      st = run(absl::StrCat("SELECT j.value, count(*)", rules,
+                            "AND substr(j.value, 1, 4) = 'dlp:' "
+                            "GROUP BY j.value ORDER BY count(*) DESC, j.value LIMIT ?5"),
+               q.top_n, [&](const Stmt& s) {
+                 r.dlp_findings.push_back({s.Text(0), s.Int(1)});
+               });
+    }
+    if (st.ok()) {
+      // Days of a report are few (daily: 1, weekly: 7); the LIMIT only bounds a long range.
+      st = run(absl::StrCat("SELECT e.time_ms / 86400000 * 86400000 AS day, count(*), "
+                            "total(e.decision = 'blocked'), total(e.bytes_up), "
+                            "total(e.bytes_down)",
+                            egress, "GROUP BY day ORDER BY day LIMIT ?5"),
+               kMaxReportDays, [&](const Stmt& s) {
+                 r.days.push_back({s.Int(0), s.Int(1), num(s, 2), num(s, 3), num(s, 4)});
+               });
+    }
+    if (!st.ok()) return st;
+    return r;
   }
 
   absl::Status Maintain() override {
@@ -955,6 +1147,101 @@ class SqliteStore final : public Store {
 
  private:
   bool QueueEmptyLocked() const { return queued_audit_.empty() && queued_envs_.empty(); }
+
+  // Searches see queued rows: only then do they wait for the writer's mutex.
+  void FlushIfQueued() {
+    bool queued;
+    {
+      std::lock_guard<std::mutex> lock(queue_mu_);
+      queued = !QueueEmptyLocked();
+    }
+    if (queued) {
+      std::lock_guard<std::mutex> lock(mu_);
+      FlushLocked().IgnoreError();  // logged there
+    }
+  }
+
+  // A running audit search or report: the tenant's one search slot and a connection (a reader,
+  // or the writer for in-memory databases) with the search deadline set. Released when
+  // destroyed.
+  class SearchSlot {
+   public:
+    SearchSlot(SqliteStore* store, std::string tenant)
+        : store_(store), tenant_(std::move(tenant)) {}
+    SearchSlot(const SearchSlot&) = delete;
+    SearchSlot& operator=(const SearchSlot&) = delete;
+    ~SearchSlot() {
+      if (conn_ != nullptr) {
+        conn_->deadline_ms.store(0);
+        if (conn_ == &store_->writer_) {
+          writer_lock_.unlock();
+        } else {
+          std::lock_guard<std::mutex> lock(store_->readers_mu_);
+          store_->free_readers_.push_back(conn_);
+        }
+      }
+      {
+        std::lock_guard<std::mutex> lock(store_->readers_mu_);
+        store_->searching_.erase(tenant_);
+      }
+      store_->readers_cv_.notify_all();
+    }
+    Conn* conn() const { return conn_; }
+
+   private:
+    friend class SqliteStore;
+    SqliteStore* store_;
+    std::string tenant_;
+    Conn* conn_ = nullptr;
+    std::unique_lock<std::mutex> writer_lock_;
+  };
+
+  absl::StatusOr<std::unique_ptr<SearchSlot>> BeginSearch(const std::string& tenant) {
+    // One search at a time per tenant (a second one waits, boundedly), so one tenant cannot
+    // hold every reader.
+    {
+      std::unique_lock<std::mutex> lock(readers_mu_);
+      if (!readers_cv_.wait_for(lock, std::chrono::milliseconds(options_.audit_query_timeout_ms),
+                                [&] { return !searching_.count(tenant); })) {
+        return absl::ResourceExhaustedError(
+            "an audit search of this tenant is already running; retry when it has finished");
+      }
+      searching_.insert(tenant);
+    }
+    auto slot = std::make_unique<SearchSlot>(this, tenant);
+    // A reader connection (never the writer's mutex), or the writer for in-memory databases.
+    if (readers_.empty()) {
+      slot->writer_lock_ = std::unique_lock<std::mutex>(mu_);
+      slot->conn_ = &writer_;
+    } else {
+      std::unique_lock<std::mutex> lock(readers_mu_);
+      if (!readers_cv_.wait_for(lock, std::chrono::milliseconds(options_.audit_query_timeout_ms),
+                                [this] { return !free_readers_.empty(); })) {
+        return absl::UnavailableError("audit search is busy; retry shortly");
+      }
+      slot->conn_ = free_readers_.back();
+      free_readers_.pop_back();
+    }
+    slot->conn_->deadline_ms.store(MonotonicMs() + options_.audit_query_timeout_ms);
+    return slot;
+  }
+
+  // The error of a failed search statement: too expensive (stopped at its deadline), the
+  // caller's bad FTS syntax, or ours.
+  absl::Status SearchFailure(const Stmt& stmt, absl::Status status, std::string_view keyword) {
+    if ((stmt.last_rc() & 0xff) == SQLITE_INTERRUPT) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "audit query too expensive: stopped after ", options_.audit_query_timeout_ms,
+          " ms; narrow it (fewer terms, longer prefixes, a time range or an environment_id)"));
+    }
+    // FTS5 reports bad query syntax ("fts5: syntax error near ...", "no such column") as a
+    // plain SQLITE_ERROR while stepping: that is the caller's mistake, not ours.
+    if (!keyword.empty() && (stmt.last_rc() & 0xff) == SQLITE_ERROR) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("invalid audit search query '", AbslView(keyword), "': ", stmt.errmsg()));
+    }
+    return status;
+  }
 
   // The write-behind thread: once something is queued, waits write_behind_ms for more, then
   // writes it all in one transaction.
@@ -1009,18 +1296,6 @@ class SqliteStore final : public Store {
     return first;
   }
 
-  // Runs `f` when it goes out of scope.
-  class Cleanup {
-   public:
-    explicit Cleanup(std::function<void()> f) : f_(std::move(f)) {}
-    ~Cleanup() { f_(); }
-    Cleanup(const Cleanup&) = delete;
-    Cleanup& operator=(const Cleanup&) = delete;
-
-   private:
-    std::function<void()> f_;
-  };
-
   // Audit rows of one kind not stored one by one (over the rate limit).
   struct Suppressed {
     int64_t count = 0;
@@ -1029,10 +1304,14 @@ class SqliteStore final : public Store {
     int64_t bytes = 0;
     std::string first_detail;
   };
-  // Per-tenant audit accounting; guarded by mu_.
-  struct TenantAudit {
+  struct Bucket {
     double tokens = 0;
     int64_t refill_ms = 0;
+  };
+  // Per-tenant audit accounting; guarded by mu_.
+  struct TenantAudit {
+    Bucket api;         // audit rows of API calls and the daemon
+    Bucket egress;      // egress rows
     int64_t rows = -1;  // rows stored for the tenant; -1: not counted yet
     int64_t suppressed_since_ms = 0;
     // By (environment_id, action, status): a summary keeps its environment, so a search of
@@ -1095,6 +1374,11 @@ class SqliteStore final : public Store {
         .Bind(9, e.status)
         .Bind(10, e.principal);
     if (absl::Status s = stmt->Run(); !s.ok()) return s;
+    if (e.egress) {
+      if (absl::Status s = InsertEgress(sqlite3_last_insert_rowid(writer_.db), e); !s.ok()) {
+        return s;
+      }
+    }
     if (t.rows < 0) {
       auto count = Prepare("SELECT count(*) FROM audit WHERE tenant = ?1");
       if (!count.ok()) return count.status();
@@ -1120,6 +1404,39 @@ class SqliteStore final : public Store {
     if (absl::Status s = del->Run(); !s.ok()) return s;
     t.rows -= sqlite3_changes(writer_.db);
     return absl::OkStatus();
+  }
+
+  // The egress side row of audit row `id` (inside the caller's statement sequence; the FTS
+  // row is written by the trigger). Caller holds mu_.
+  absl::Status InsertEgress(int64_t id, const AuditEntry& e) {
+    const EgressFields& f = *e.egress;
+    auto stmt = Prepare(
+        "INSERT INTO audit_egress (audit_id, tenant, environment_id, time_ms, intents, method, "
+        "scheme, host, port, path, decision, rule_ids, reason, bytes_up, bytes_down, "
+        "added_latency_us, headers, body, body_bytes, body_sha256) VALUES (?1, ?2, ?3, ?4, ?5, "
+        "?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20)");
+    if (!stmt.ok()) return stmt.status();
+    stmt->Bind(1, id)
+        .Bind(2, e.tenant)
+        .Bind(3, e.environment_id)
+        .Bind(4, e.time_ms)
+        .Bind(5, ToJsonArray(f.intents))
+        .Bind(6, f.method)
+        .Bind(7, f.scheme)
+        .Bind(8, f.host)
+        .Bind(9, f.port)
+        .Bind(10, f.path)
+        .Bind(11, f.decision)
+        .Bind(12, ToJsonArray(f.rule_ids))
+        .Bind(13, f.reason)
+        .Bind(14, f.bytes_up)
+        .Bind(15, f.bytes_down)
+        .Bind(16, f.added_latency_us)
+        .Bind(17, f.headers)
+        .Bind(18, f.body)
+        .Bind(19, f.body_bytes)
+        .Bind(20, f.body_sha256);
+    return stmt->Run();
   }
 
   // Deletes audit rows and destroyed environments older than `cutoff_ms`, in short batches, a

@@ -43,6 +43,35 @@ struct ApiKeyRecord {
   bool revoked = false;
 };
 
+// The egress part of an audit row (action "egress", issue 12): one proxied request, refused
+// connection or opaque tunnel. Stored in the side table audit_egress (schema v6), deleted with
+// its audit row, and indexed for search (host, path, headers, body).
+struct EgressFields {
+  std::vector<std::string> intents;  // active intents (at most 32 stored)
+  std::string method;
+  std::string scheme;  // "http" | "https" | "tunnel"
+  std::string host;
+  int port = 0;
+  std::string path;
+  std::string decision;               // "allowed" | "blocked" | "redacted" | "opaque" | "error"
+  std::vector<std::string> rule_ids;  // at most 32 stored
+  std::string reason;
+  int64_t bytes_up = 0;
+  int64_t bytes_down = 0;
+  int64_t added_latency_us = 0;
+  std::string headers;        // "Name: value" lines, masked (stored <= kMaxEgressHeadersBytes)
+  std::string body;           // redacted body (stored <= kMaxEgressBodyBytes, cut marked)
+  int64_t body_bytes = 0;     // size of the original body
+  std::string body_sha256;    // of the original body
+  bool body_omitted = false;  // query results only: left out by the response size budget
+};
+
+inline constexpr size_t kMaxEgressHeadersBytes = 16 * 1024;
+inline constexpr size_t kMaxEgressBodyBytes = 64 * 1024;
+// An audit search returns at most this many bytes of egress bodies; later rows come without
+// theirs (body_omitted).
+inline constexpr size_t kMaxAuditResultBodyBytes = 4 * 1024 * 1024;
+
 struct AuditEntry {
   int64_t id = 0;
   int64_t time_ms = 0;
@@ -55,8 +84,9 @@ struct AuditEntry {
   int64_t bytes = 0;
   int status = 0;  // HTTP status of the call (the core's outcome mapped the API's way)
   // Who: an API key's public id ("key_..."), "dev" (no keys configured), "system" (the
-  // daemon itself: expiry, restart cleanup).
+  // daemon itself: expiry, restart cleanup), "proxy" (egress rows).
   std::string principal;
+  std::optional<EgressFields> egress;  // set for egress rows (action "egress")
 };
 
 // A persistent volume (issue 11): named per tenant; its contents live with the driver.
@@ -72,9 +102,68 @@ struct AuditQuery {
   int64_t since_ms = 0;        // 0 = unbounded
   int64_t until_ms = 0;        // 0 = unbounded
   std::string environment_id;  // empty = any
-  std::string keyword;         // FTS5 query over action + detail; empty = any
-  int limit = 100;             // 1..1000, newest first
+  // FTS5 query over action + detail, and over host, path, headers and body of egress rows;
+  // empty = any.
+  std::string keyword;
+  int limit = 100;       // 1..1000, newest first
+  std::string kind;      // "" = every row; "egress" = egress rows only
+  std::string decision;  // "" = any; else egress rows with this decision (implies egress)
+  // Keyset cursor: only rows older than (before_time_ms, before_id) in the result order; 0 =
+  // from the newest. The API encodes the last row's (time_ms, id) as its next cursor.
+  int64_t before_time_ms = 0;
+  int64_t before_id = 0;
 };
+
+// A compliance report over a tenant's egress rows in [from_ms, to_ms) (issue 12, P3-013).
+struct EgressReportQuery {
+  std::string tenant;          // required
+  std::string environment_id;  // "" = every environment of the tenant
+  int64_t from_ms = 0;
+  int64_t to_ms = 0;  // exclusive; > from_ms
+  int top_n = 20;     // rows of top hosts / rules (1..100)
+};
+
+struct EgressReport {
+  struct Summary {
+    std::string environment_id;  // "" in the totals
+    int64_t requests = 0;
+    int64_t allowed = 0;
+    int64_t blocked = 0;
+    int64_t redacted = 0;
+    int64_t opaque = 0;
+    int64_t errors = 0;
+    int64_t bytes_up = 0;
+    int64_t bytes_down = 0;
+  };
+  struct Count {
+    std::string key;  // a rule id or a host
+    int64_t count = 0;
+  };
+  struct Host {
+    std::string host;
+    int64_t requests = 0;
+    int64_t blocked = 0;
+    int64_t bytes_up = 0;
+    int64_t bytes_down = 0;
+  };
+  struct Day {
+    int64_t day_start_ms = 0;  // UTC midnight
+    int64_t requests = 0;
+    int64_t blocked = 0;
+    int64_t bytes_up = 0;
+    int64_t bytes_down = 0;
+  };
+  Summary totals;
+  std::vector<Summary> environments;  // busiest first, at most kMaxReportEnvironments
+  // Rules that blocked, busiest first: the rule ids of blocked rows except the permitting ones
+  // ("allow:", "intent:", "mode:open").
+  std::vector<Count> blocks_by_rule;
+  std::vector<Host> top_hosts;      // by requests
+  std::vector<Count> dlp_findings;  // rule ids starting "dlp:" on any row, by rows
+  std::vector<Day> days;            // one per UTC day with rows, oldest first
+};
+inline constexpr int kMaxReportEnvironments = 1000;
+inline constexpr int kMaxReportTopN = 100;
 
 // Limits that keep the audit log (and the environments history) bounded in size, and audit
 // searches bounded in cost, whatever a tenant does.
@@ -88,6 +177,10 @@ struct StoreOptions {
   // kind (with that environment_id).
   double audit_rate_per_s = 20;
   double audit_burst = 200;
+  // Egress rows (one per proxied request: a `pip install` makes hundreds) have their own,
+  // larger bucket per tenant, so they neither starve nor are starved by the API's rows.
+  double egress_rate_per_s = 200;
+  double egress_burst = 2000;
   // Stored size cap of `detail` (bytes, cut at a UTF-8 boundary, marked "…[truncated N bytes]").
   size_t max_detail_bytes = 1024;
   // An audit search that runs longer than this is stopped (DeadlineExceeded, "too expensive").
@@ -168,6 +261,11 @@ class Store {
   // Periodic upkeep (the manager's reaper calls it): writes pending "suppressed" summaries and
   // deletes rows past retention. Cheap when there is nothing to do.
   virtual absl::Status Maintain() = 0;
+  // Aggregates the tenant's egress rows (SQL, bounded by the audit search timeout); the same
+  // errors as QueryAudit for a bad query, one running at a time per tenant.
+  virtual absl::StatusOr<EgressReport> ReportEgress(const EgressReportQuery& query) {
+    return absl::UnimplementedError("egress reports are not supported by this store");
+  }
   // Number of audit rows of `tenant` (all tenants when empty); for tests and metrics.
   virtual absl::StatusOr<int64_t> CountAudit(const std::string& tenant) = 0;
 };
