@@ -12,12 +12,15 @@ std::string_view NetworkPolicyName(const NetworkPolicy& policy) {
   switch (policy.kind) {
     case NetworkPolicy::Kind::kNone:
       return "none";
+    case NetworkPolicy::Kind::kGoverned:
+      return "governed";
   }
   return "none";
 }
 
 std::optional<NetworkPolicy> ParseNetworkPolicy(std::string_view name) {
   if (name == "none") return NetworkPolicy{NetworkPolicy::Kind::kNone};
+  if (name == "governed") return NetworkPolicy{NetworkPolicy::Kind::kGoverned};
   return std::nullopt;
 }
 

@@ -22,13 +22,20 @@ namespace esb {
 
 // What an environment may reach over the network. Today only kNone (no network namespace
 // route at all); the egress-governance work adds the governed kinds and their rules here.
+// What the driver must build for an environment's network. kNone: loopback only, nothing else.
+// kGoverned (capability kEgress): loopback only too, in a network namespace the driver keeps
+// (so a listener can be opened in it for the egress proxy, core/egress.h); what may be reached
+// is the proxy's business (governance/policy.h), never the driver's.
 struct NetworkPolicy {
-  enum class Kind { kNone };
+  enum class Kind { kNone, kGoverned };
   Kind kind = Kind::kNone;
+  // kGoverned: the environment's CA certificate (PEM, public), for the sandbox's trust bundle.
+  // Set by the core before Create; not stored in the spec (the core keeps it with the policy).
+  std::string ca_cert_pem;
 
   bool operator==(const NetworkPolicy&) const = default;
 };
-// "none" <-> NetworkPolicy, at the API and storage edges.
+// "none" | "governed" <-> NetworkPolicy::Kind, at the storage edge (the API shows the policy).
 std::string_view NetworkPolicyName(const NetworkPolicy& policy);
 std::optional<NetworkPolicy> ParseNetworkPolicy(std::string_view name);
 
