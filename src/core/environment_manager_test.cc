@@ -559,6 +559,11 @@ class BlockingStore : public Store {
   absl::Status DeleteVolume(const std::string& tenant, const std::string& name) override {
     return inner_->DeleteVolume(tenant, name);
   }
+  absl::Status PutEgress(const EgressRecord& rec) override { return inner_->PutEgress(rec); }
+  absl::StatusOr<EgressRecord> GetEgress(const std::string& id) override {
+    return inner_->GetEgress(id);
+  }
+  absl::Status DeleteEgress(const std::string& id) override { return inner_->DeleteEgress(id); }
   absl::StatusOr<ApiKeyRecord> CreateApiKey(const std::string& tenant, const std::string& name,
                                             std::string* secret) override {
     return inner_->CreateApiKey(tenant, name, secret);
