@@ -64,6 +64,9 @@ std::string_view CapabilityHint(Capability capability) {
       return " (its environments have no shell; run Python with POST /environments/{id}/run)";
     case Capability::kPythonSession:
       return " (its environments run no Python cells; use /execute)";
+    case Capability::kEgress:
+      return " (its environments have no network at all: a network policy needs runtime "
+             "'container'; or create this one with \"network\": \"none\")";
     default:
       return "";
   }
@@ -129,6 +132,10 @@ absl::Status Driver::CreateVolume(const std::string&, int64_t) {
 
 absl::Status Driver::DeleteVolume(const std::string&) {
   return MissingCapabilityError(name(), Capability::kVolumes);
+}
+
+absl::StatusOr<UniqueFd> Driver::OpenEgressListener(const InstanceRef&) {
+  return MissingCapabilityError(name(), Capability::kEgress);
 }
 
 }  // namespace esb

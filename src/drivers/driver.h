@@ -17,6 +17,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/cord.h"
 #include "common/env_types.h"
+#include "common/util.h"
 
 namespace esb {
 
@@ -326,6 +327,10 @@ class Driver {
   // instance mounts it; OK when it does not exist). Mounting is Create's (EnvSpec::volumes).
   virtual absl::Status CreateVolume(const std::string& key, int64_t size_mb);
   virtual absl::Status DeleteVolume(const std::string& key);
+  // kEgress: a new listening TCP socket on 127.0.0.1:3128 inside the network namespace of the
+  // kGoverned environment `ref`, for the egress proxy (core/egress.h). Each call opens a fresh
+  // one (the previous one may have died with a proxy); the caller owns the descriptor.
+  virtual absl::StatusOr<UniqueFd> OpenEgressListener(const InstanceRef& ref);
 };
 
 }  // namespace esb
