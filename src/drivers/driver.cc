@@ -12,12 +12,15 @@ std::string_view NetworkPolicyName(const NetworkPolicy& policy) {
   switch (policy.kind) {
     case NetworkPolicy::Kind::kNone:
       return "none";
+    case NetworkPolicy::Kind::kGoverned:
+      return "governed";
   }
   return "none";
 }
 
 std::optional<NetworkPolicy> ParseNetworkPolicy(std::string_view name) {
   if (name == "none") return NetworkPolicy{NetworkPolicy::Kind::kNone};
+  if (name == "governed") return NetworkPolicy{NetworkPolicy::Kind::kGoverned};
   return std::nullopt;
 }
 
@@ -61,6 +64,9 @@ std::string_view CapabilityHint(Capability capability) {
       return " (its environments have no shell; run Python with POST /environments/{id}/run)";
     case Capability::kPythonSession:
       return " (its environments run no Python cells; use /execute)";
+    case Capability::kEgress:
+      return " (its environments have no network at all: a network policy needs runtime "
+             "'container'; or create this one with \"network\": \"none\")";
     default:
       return "";
   }
@@ -126,6 +132,10 @@ absl::Status Driver::CreateVolume(const std::string&, int64_t) {
 
 absl::Status Driver::DeleteVolume(const std::string&) {
   return MissingCapabilityError(name(), Capability::kVolumes);
+}
+
+absl::StatusOr<UniqueFd> Driver::OpenEgressListener(const InstanceRef&) {
+  return MissingCapabilityError(name(), Capability::kEgress);
 }
 
 }  // namespace esb

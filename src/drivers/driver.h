@@ -17,18 +17,26 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/cord.h"
 #include "common/env_types.h"
+#include "common/util.h"
 
 namespace esb {
 
 // What an environment may reach over the network. Today only kNone (no network namespace
 // route at all); the egress-governance work adds the governed kinds and their rules here.
+// What the driver must build for an environment's network. kNone: loopback only, nothing else.
+// kGoverned (capability kEgress): loopback only too, in a network namespace the driver keeps
+// (so a listener can be opened in it for the egress proxy, core/egress.h); what may be reached
+// is the proxy's business (governance/policy.h), never the driver's.
 struct NetworkPolicy {
-  enum class Kind { kNone };
+  enum class Kind { kNone, kGoverned };
   Kind kind = Kind::kNone;
+  // kGoverned: the environment's CA certificate (PEM, public), for the sandbox's trust bundle.
+  // Set by the core before Create; not stored in the spec (the core keeps it with the policy).
+  std::string ca_cert_pem;
 
   bool operator==(const NetworkPolicy&) const = default;
 };
-// "none" <-> NetworkPolicy, at the API and storage edges.
+// "none" | "governed" <-> NetworkPolicy::Kind, at the storage edge (the API shows the policy).
 std::string_view NetworkPolicyName(const NetworkPolicy& policy);
 std::optional<NetworkPolicy> ParseNetworkPolicy(std::string_view name);
 
@@ -319,6 +327,10 @@ class Driver {
   // instance mounts it; OK when it does not exist). Mounting is Create's (EnvSpec::volumes).
   virtual absl::Status CreateVolume(const std::string& key, int64_t size_mb);
   virtual absl::Status DeleteVolume(const std::string& key);
+  // kEgress: a new listening TCP socket on 127.0.0.1:3128 inside the network namespace of the
+  // kGoverned environment `ref`, for the egress proxy (core/egress.h). Each call opens a fresh
+  // one (the previous one may have died with a proxy); the caller owns the descriptor.
+  virtual absl::StatusOr<UniqueFd> OpenEgressListener(const InstanceRef& ref);
 };
 
 }  // namespace esb
