@@ -1,0 +1,3 @@
+#include "governance/tls/mitm.h"
+
+#include <gtest/gtest.h>
