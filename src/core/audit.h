@@ -8,6 +8,8 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "core/metrics.h"
@@ -56,12 +58,67 @@ struct AuditEvent {
   absl::Status outcome;
 };
 
+// What the egress proxy did with one request or connection.
+enum class EgressDecision {
+  kAllowed,   // forwarded as sent
+  kBlocked,   // refused by policy or DLP (403, or a refused CONNECT): nothing reached upstream
+  kRedacted,  // forwarded with DLP redactions applied
+  kOpaque,    // tunnelled without inspection (tls_exclude, tls_inspect=false)
+  kError,     // failed on the way (upstream unreachable, TLS failure, timeout, bad request)
+};
+std::string_view ToString(EgressDecision decision);  // "allowed", "blocked", ...
+std::optional<EgressDecision> ParseEgressDecision(std::string_view name);
+
+// The stored size cap of an egress row's body (after redaction); the hash is of the original.
+inline constexpr size_t kMaxEgressAuditBodyBytes = 64 * 1024;
+
+// One egress audit row in the making: one per proxied request, refused connection or opaque
+// tunnel. The proxy fills it (through esbd's EgressControl); AuditLog::RecordEgress stores it
+// in the one audit log (action "egress"), searchable with kind=egress and summed in /reports.
+struct EgressAuditRow {
+  int64_t time_ms = 0;  // unix ms when the request started; 0 = now
+  std::string tenant;   // the environment's tenant (required)
+  std::string environment_id;
+  std::vector<std::string> intents;  // names of the intents active for this request
+  std::string method;                // "GET", "POST", "CONNECT" (a refused or opaque tunnel)
+  std::string scheme;                // "http", "https" (inspected TLS), "tunnel" (opaque)
+  std::string host;                  // as the client asked (CONNECT target or URI host)
+  int port = 0;
+  std::string path;  // path and query as sent upstream (after redaction); "" for CONNECT
+  int status = 0;    // the status the client got (upstream's or the proxy's 403/421/502); 0: none
+  EgressDecision decision = EgressDecision::kAllowed;
+  // Every rule that decided or fired, e.g. "allow:*.pypi.org", "deny:evil.test",
+  // "intent:check-weather", "not_allowed", "private_address", "dlp:credit_card". Ids that
+  // start with "dlp:" are DLP findings (counted per type in reports and /metrics).
+  std::vector<std::string> rule_ids;
+  std::string reason;      // one line for a human: why blocked or failed ("" when allowed)
+  int64_t bytes_up = 0;    // request bytes sent by the client (headers + body)
+  int64_t bytes_down = 0;  // response bytes returned to the client
+  int64_t duration_ms = 0;
+  // Time the proxy itself added to the request (policy, DLP, TLS minting; excluding the
+  // upstream's own time), in microseconds: the /metrics added-latency histogram.
+  int64_t added_latency_us = 0;
+  // Request headers as sent upstream. RecordEgress masks them again with
+  // governance::MaskHeaderValue (the proxy should already have), so a row never stores a
+  // credential header in the clear.
+  std::vector<std::pair<std::string, std::string>> request_headers;
+  // The request body after DLP redaction; RecordEgress keeps at most
+  // kMaxEgressAuditBodyBytes of it (cut marked).
+  std::string body;
+  int64_t body_bytes = 0;   // size of the original (decoded) request body
+  std::string body_sha256;  // lowercase hex SHA-256 of the original body; "" when none
+};
+
 class AuditLog {
  public:
   AuditLog(Store* store, Metrics* metrics) : store_(store), metrics_(metrics) {}
   // Writes the row unless `caller` is a Step of an operation audited as a whole. A failed
   // write is counted and logged, never fails the action itself.
   void Record(const Caller& caller, const AuditEvent& event);
+  // Writes one egress row (principal "proxy") through the same store path (rate, caps,
+  // write-behind) and counts it in /metrics (decision, DLP hits per rule, added latency).
+  // Masks headers, caps the body; a failed write is counted and logged.
+  void RecordEgress(const EgressAuditRow& row);
 
  private:
   Store* store_;
