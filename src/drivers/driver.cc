@@ -12,6 +12,8 @@ std::string_view NetworkPolicyName(const NetworkPolicy& policy) {
   switch (policy.kind) {
     case NetworkPolicy::Kind::kNone:
       return "none";
+    case NetworkPolicy::Kind::kGoverned:
+      return "governed";
   }
   return "none";
 }
@@ -126,6 +128,10 @@ absl::Status Driver::CreateVolume(const std::string&, int64_t) {
 
 absl::Status Driver::DeleteVolume(const std::string&) {
   return MissingCapabilityError(name(), Capability::kVolumes);
+}
+
+absl::StatusOr<UniqueFd> Driver::OpenEgressListener(const InstanceRef&) {
+  return MissingCapabilityError(name(), Capability::kEgress);
 }
 
 }  // namespace esb

@@ -17,14 +17,18 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/cord.h"
 #include "common/env_types.h"
+#include "common/util.h"
 
 namespace esb {
 
-// What an environment may reach over the network. Today only kNone (no network namespace
-// route at all); the egress-governance work adds the governed kinds and their rules here.
+// What an environment may reach over the network. kNone: a network namespace with loopback
+// only, nothing else. kGoverned (issue 12): loopback only too, plus the egress proxy's listener
+// on 127.0.0.1:3128 (OpenEgressListener) and the proxy/CA variables; the rules themselves are
+// the core's and the proxy's (governance/policy.h), the driver only builds the namespace.
 struct NetworkPolicy {
-  enum class Kind { kNone };
+  enum class Kind { kNone, kGoverned };
   Kind kind = Kind::kNone;
+  std::string ca_cert_pem;  // kGoverned: the env CA's certificate (PEM)
 
   bool operator==(const NetworkPolicy&) const = default;
 };
@@ -319,6 +323,10 @@ class Driver {
   // instance mounts it; OK when it does not exist). Mounting is Create's (EnvSpec::volumes).
   virtual absl::Status CreateVolume(const std::string& key, int64_t size_mb);
   virtual absl::Status DeleteVolume(const std::string& key);
+  // kEgress: a new listening TCP socket on 127.0.0.1:3128 inside the network namespace of the
+  // kGoverned environment `ref`, for the egress proxy (core/egress.h). Each call opens a fresh
+  // one (the previous one may have died with a proxy); the caller owns the descriptor.
+  virtual absl::StatusOr<UniqueFd> OpenEgressListener(const InstanceRef& ref);
 };
 
 }  // namespace esb
