@@ -20,6 +20,7 @@ std::string_view NetworkPolicyName(const NetworkPolicy& policy) {
 
 std::optional<NetworkPolicy> ParseNetworkPolicy(std::string_view name) {
   if (name == "none") return NetworkPolicy{NetworkPolicy::Kind::kNone};
+  if (name == "governed") return NetworkPolicy{NetworkPolicy::Kind::kGoverned};
   return std::nullopt;
 }
 

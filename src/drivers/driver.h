@@ -21,18 +21,22 @@
 
 namespace esb {
 
-// What an environment may reach over the network. kNone: a network namespace with loopback
-// only, nothing else. kGoverned (issue 12): loopback only too, plus the egress proxy's listener
-// on 127.0.0.1:3128 (OpenEgressListener) and the proxy/CA variables; the rules themselves are
-// the core's and the proxy's (governance/policy.h), the driver only builds the namespace.
+// What an environment may reach over the network. Today only kNone (no network namespace
+// route at all); the egress-governance work adds the governed kinds and their rules here.
+// What the driver must build for an environment's network. kNone: loopback only, nothing else.
+// kGoverned (capability kEgress): loopback only too, in a network namespace the driver keeps
+// (so a listener can be opened in it for the egress proxy, core/egress.h); what may be reached
+// is the proxy's business (governance/policy.h), never the driver's.
 struct NetworkPolicy {
   enum class Kind { kNone, kGoverned };
   Kind kind = Kind::kNone;
-  std::string ca_cert_pem;  // kGoverned: the env CA's certificate (PEM)
+  // kGoverned: the environment's CA certificate (PEM, public), for the sandbox's trust bundle.
+  // Set by the core before Create; not stored in the spec (the core keeps it with the policy).
+  std::string ca_cert_pem;
 
   bool operator==(const NetworkPolicy&) const = default;
 };
-// "none" <-> NetworkPolicy, at the API and storage edges.
+// "none" | "governed" <-> NetworkPolicy::Kind, at the storage edge (the API shows the policy).
 std::string_view NetworkPolicyName(const NetworkPolicy& policy);
 std::optional<NetworkPolicy> ParseNetworkPolicy(std::string_view name);
 
