@@ -1,0 +1,1065 @@
+#include "governance/proxy/proxy.h"
+
+#include <fcntl.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <boost/asio/as_tuple.hpp>
+#include <boost/asio/co_spawn.hpp>
+#include <boost/asio/detached.hpp>
+#include <boost/asio/experimental/awaitable_operators.hpp>
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/post.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <boost/asio/strand.hpp>
+#include <boost/asio/this_coro.hpp>
+#include <boost/asio/use_awaitable.hpp>
+#include <boost/asio/write.hpp>
+#include <boost/beast/core.hpp>
+#include <boost/beast/http.hpp>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "common/util.h"
+#include "governance/audit_redact.h"
+#include "governance/dlp/dlp.h"
+#include "governance/policy.h"
+#include "governance/proxy/request.h"
+#include "governance/tls/ca.h"
+#include "governance/tls/context.h"
+#include "governance/tls/mitm.h"
+#include "storage/sqlite_store.h"
+
+namespace esb::governance::proxy {
+
+namespace beast = boost::beast;
+using tcp = asio::ip::tcp;
+using asio::awaitable;
+using Strand = asio::strand<asio::io_context::executor_type>;
+using namespace asio::experimental::awaitable_operators;
+constexpr auto kTuple = asio::as_tuple(asio::use_awaitable);
+using control::AuditEvent;
+
+namespace {
+
+template <class S>
+std::string_view SV(const S& s) {
+  return std::string_view(s.data(), s.size());
+}
+
+// What one environment is configured with at one moment (replaced whole by Update).
+struct EnvConfig {
+  std::string env_id;
+  std::string tenant;
+  EgressPolicy policy;
+  std::vector<ActiveIntent> intents;
+  std::shared_ptr<const dlp::Engine> dlp;  // nullptr: DLP off
+};
+
+absl::StatusOr<std::shared_ptr<const EnvConfig>> MakeConfig(std::string env_id, std::string tenant,
+                                                            EgressPolicy policy,
+                                                            std::vector<ActiveIntent> intents) {
+  auto c = std::make_shared<EnvConfig>();
+  c->env_id = std::move(env_id);
+  c->tenant = std::move(tenant);
+  absl::StatusOr<dlp::DlpConfig> dc = dlp::ParseDlpConfig(boost::json::value(policy.dlp));
+  if (!dc.ok()) return dc.status();
+  if (dc->enabled) {
+    absl::StatusOr<std::shared_ptr<const dlp::Engine>> engine = dlp::Engine::Compile(*dc);
+    if (!engine.ok()) return engine.status();
+    c->dlp = *std::move(engine);
+  }
+  c->policy = std::move(policy);
+  c->intents = std::move(intents);
+  return std::shared_ptr<const EnvConfig>(std::move(c));
+}
+
+std::vector<std::string> ActiveIntentNames(const EnvConfig& c, int64_t now) {
+  std::vector<std::string> out;
+  for (const ActiveIntent& i : c.intents) {
+    if (i.ActiveAt(now)) out.push_back(i.name);
+  }
+  return out;
+}
+
+// Replaces every finding's span of `text` with "[REDACTED:<rule>]" (for audit copies: no
+// matched text is ever recorded, whatever the rule's action).
+std::string MaskFindings(std::string_view text, const std::vector<dlp::Finding>& findings) {
+  std::string out;
+  size_t pos = 0;
+  for (const dlp::Finding& f : findings) {
+    if (f.offset < pos || f.offset + f.length > text.size()) continue;
+    out.append(text.substr(pos, f.offset - pos));
+    absl::StrAppend(&out, "[REDACTED:", f.rule_id, "]");
+    pos = f.offset + f.length;
+  }
+  out.append(text.substr(pos));
+  return out;
+}
+
+void AddFindings(AuditEvent& e, const dlp::Result& r) {
+  for (const dlp::Finding& f : r.findings) {
+    std::string where(dlp::WhereName(f.where));
+    std::string action(dlp::ActionName(f.action));
+    bool merged = false;
+    for (control::AuditFinding& a : e.findings) {
+      if (a.rule_id == f.rule_id && a.where == where && a.action == action) {
+        ++a.count;
+        merged = true;
+        break;
+      }
+    }
+    if (!merged) e.findings.push_back({f.rule_id, action, where, 1});
+    if (std::find(e.rule_ids.begin(), e.rule_ids.end(), f.rule_id) == e.rule_ids.end()) {
+      e.rule_ids.push_back(f.rule_id);
+    }
+  }
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+
+struct Conn;
+
+struct Env {
+  std::string id;
+  mutable std::mutex mu;
+  std::shared_ptr<const EnvConfig> config;           // guarded by mu
+  std::shared_ptr<tls::InterceptContext> intercept;  // nullptr: no CA → tunnels opaque
+  std::set<std::shared_ptr<Conn>> conns;             // guarded by mu
+  std::unique_ptr<tcp::acceptor> acceptor;           // used on `accept_strand`
+  std::optional<Strand> accept_strand;
+  std::atomic<bool> closed{false};
+
+  std::shared_ptr<const EnvConfig> Config() const {
+    std::lock_guard<std::mutex> lock(mu);
+    return config;
+  }
+};
+
+// One client connection. Its coroutine and every socket it opens run on `strand`.
+struct Conn {
+  explicit Conn(Strand s) : strand(std::move(s)) {}
+  Strand strand;
+  std::shared_ptr<Env> env;
+  // The sockets to close on Detach (raw pointers into the coroutine frame; strand only).
+  tcp::socket* client = nullptr;
+  tcp::socket* upstream = nullptr;
+  bool closed = false;  // strand only
+
+  void CloseOnStrand() {
+    closed = true;
+    boost::system::error_code ec;
+    if (client != nullptr) client->close(ec);
+    if (upstream != nullptr) upstream->close(ec);
+  }
+};
+
+struct Proxy::Impl : std::enable_shared_from_this<Proxy::Impl> {
+  ProxyOptions opts;
+  std::shared_ptr<Resolver> resolver;
+  AuditSink audit;
+  asio::io_context ioc;
+  std::optional<asio::executor_work_guard<asio::io_context::executor_type>> work;
+  std::vector<std::thread> threads;
+  std::shared_ptr<tls::UpstreamContext> upstream_tls;
+
+  std::mutex mu;
+  std::map<std::string, std::shared_ptr<Env>, std::less<>> envs;  // guarded by mu
+
+  std::atomic<int64_t> connections{0};
+  std::atomic<int64_t> requests_total{0};
+  std::atomic<int64_t> blocked_total{0};
+  int64_t started_mono = MonotonicMs();
+  std::atomic<bool> stopped{false};
+
+  int64_t Now() const { return opts.now_ms ? opts.now_ms() : NowUnixMs(); }
+
+  void Emit(AuditEvent e) {
+    requests_total.fetch_add(1);
+    if (e.decision == "blocked") blocked_total.fetch_add(1);
+    if (audit) audit(std::move(e));
+  }
+
+  awaitable<void> AcceptLoop(std::shared_ptr<Env> env);
+  awaitable<void> Session(std::shared_ptr<Conn> conn, tcp::socket socket);
+  void CloseEnv(const std::shared_ptr<Env>& env);
+};
+
+// ---------------------------------------------------------------------------------------------
+// Per-connection machinery
+
+namespace {
+
+// A started audit event plus the monotonic start time.
+struct Audit {
+  AuditEvent e;
+  int64_t start_mono = MonotonicMs();
+  void Finish(int status, std::string decision) {
+    e.status = status;
+    e.decision = std::move(decision);
+    e.duration_ms = MonotonicMs() - start_mono;
+  }
+};
+
+// Resolves and connects an upstream for `target`; on failure fills `refusal`.
+struct ConnectOutcome {
+  std::optional<beast::tcp_stream> stream;
+  Refusal refusal;
+};
+
+awaitable<ConnectOutcome> ConnectUpstream(Proxy::Impl& px, Conn& conn, const RequestTarget& t,
+                                          const Decision& decision) {
+  ConnectOutcome out;
+  std::vector<tcp::endpoint> endpoints;
+  bool explicit_allow = false;
+  if (t.host_is_ip) {
+    boost::system::error_code ec;
+    asio::ip::address a = asio::ip::make_address(t.host, ec);
+    if (ec) {
+      out.refusal = {400, "bad_request", "invalid IP address"};
+      co_return out;
+    }
+    endpoints.emplace_back(a, t.port);
+    // An IP literal an allow or intent rule names is explicitly allowed, private or not.
+    explicit_allow =
+        absl::StartsWith(decision.rule, "allow:") || absl::StartsWith(decision.rule, "intent:");
+  } else {
+    absl::StatusOr<Resolution> r = co_await px.resolver->Resolve(t.host, t.port);
+    if (!r.ok()) {
+      bool timeout = absl::IsDeadlineExceeded(r.status());
+      out.refusal = {timeout ? 504 : 502, timeout ? "resolve:timeout" : "resolve:failed",
+                     std::string(r.status().message())};
+      co_return out;
+    }
+    endpoints = std::move(r->endpoints);
+    explicit_allow = r->overridden;
+  }
+  if (!explicit_allow) {
+    std::string refused;
+    std::erase_if(endpoints, [&](const tcp::endpoint& e) {
+      if (!IsForbiddenAddress(e.address())) return false;
+      if (refused.empty()) refused = e.address().to_string();
+      return true;
+    });
+    if (endpoints.empty()) {
+      out.refusal = {403, "addr:private",
+                     absl::StrCat(t.host, " resolves to ", refused,
+                                  ", a private, loopback, link-local or metadata address the "
+                                  "sandbox may not reach")};
+      co_return out;
+    }
+  }
+  beast::tcp_stream stream(conn.strand);
+  stream.expires_after(px.opts.connect_timeout);
+  conn.upstream = &stream.socket();
+  auto [ec, ep] = co_await stream.async_connect(endpoints, kTuple);
+  conn.upstream = nullptr;
+  if (ec || conn.closed) {
+    out.refusal = {ec == beast::error::timeout ? 504 : 502, "upstream:connect_failed",
+                   absl::StrCat("cannot connect to ", t.host, ":", t.port, ": ",
+                                conn.closed ? "detached" : ec.message())};
+    co_return out;
+  }
+  stream.expires_never();
+  out.stream.emplace(std::move(stream));
+  co_return out;
+}
+
+template <class Stream>
+beast::tcp_stream& Lowest(Stream& s) {
+  return beast::get_lowest_layer(s);
+}
+
+template <class Stream>
+awaitable<bool> WriteResponse(Stream& client, http::response<http::string_body> res,
+                              std::chrono::milliseconds timeout) {
+  Lowest(client).expires_after(timeout);
+  auto [ec, n] = co_await http::async_write(client, res, kTuple);
+  co_return !ec;
+}
+
+// The upstream side of the request loop. Plain: one kept-alive TCP connection, replaced when the
+// target changes. Inspected tunnel: the fixed verified TLS stream of the tunnel.
+struct PlainUpstream {
+  std::optional<beast::tcp_stream> stream;
+  std::string key;
+  beast::flat_buffer buffer;
+  beast::tcp_stream& Stream() { return *stream; }
+  void Close() {
+    if (stream) {
+      boost::system::error_code ec;
+      stream->socket().shutdown(tcp::socket::shutdown_both, ec);
+      stream->close();
+    }
+    stream.reset();
+    buffer.clear();
+  }
+};
+
+struct TlsUpstream {
+  tls::SslStream* stream = nullptr;
+  beast::flat_buffer buffer;
+  bool broken = false;
+  tls::SslStream& Stream() { return *stream; }
+  void Close() { broken = true; }
+};
+
+// Reads one request head into `buffer` with the raw checks, then parses it into `parser`.
+// Returns an error refusal, or nullopt on success; `eof` set when the client closed cleanly.
+template <class Stream>
+awaitable<std::optional<Refusal>> ReadHead(Stream& client, beast::flat_buffer& buffer,
+                                           http::request_parser<http::empty_body>& parser,
+                                           bool* eof) {
+  *eof = false;
+  for (;;) {
+    std::string_view data(static_cast<const char*>(buffer.data().data()), buffer.size());
+    // Leading CRLFs before a request line are allowed (RFC 9112 §2.2).
+    size_t skip = 0;
+    while (skip + 1 < data.size() && data[skip] == '\r' && data[skip + 1] == '\n') skip += 2;
+    if (skip > 0) {
+      buffer.consume(skip);
+      continue;
+    }
+    size_t eoh = data.find("\r\n\r\n");
+    if (eoh != std::string_view::npos) {
+      std::string raw = CheckRawHead(data.substr(0, eoh + 4));
+      if (!raw.empty()) co_return Refusal{400, "bad_request", raw};
+      boost::system::error_code ec;
+      size_t used = parser.put(asio::buffer(data.data(), eoh + 4), ec);
+      if (ec || !parser.is_header_done()) {
+        co_return Refusal{
+            400, "bad_request",
+            absl::StrCat("malformed request head: ", ec ? ec.message() : "incomplete")};
+      }
+      buffer.consume(used);
+      co_return std::nullopt;
+    }
+    if (buffer.size() > kMaxHeaderBytes) {
+      co_return Refusal{431, "bad_request",
+                        absl::StrCat("request head larger than ", kMaxHeaderBytes, " bytes")};
+    }
+    auto [ec, n] = co_await client.async_read_some(buffer.prepare(4096), kTuple);
+    if (ec) {
+      *eof = true;  // closed, reset or timed out: nothing to answer
+      co_return std::nullopt;
+    }
+    buffer.commit(n);
+  }
+}
+
+}  // namespace
+
+// The request loop, over the client stream type (plain TCP or the inspected TLS stream) and
+// the upstream kind. Returns when the connection should end (or, on the proxy port, when a
+// CONNECT was read: *connect_out is then set and `head_out` holds it).
+struct LoopContext {
+  Proxy::Impl* px;
+  std::shared_ptr<Conn> conn;
+  std::shared_ptr<Env> env;
+  const TunnelTarget* tunnel = nullptr;  // inside an inspected tunnel
+};
+
+template <class Client, class Upstream>
+awaitable<void> RequestLoop(LoopContext& lc, Client& client, beast::flat_buffer& buffer,
+                            Upstream& upstream,
+                            std::unique_ptr<http::request_parser<http::empty_body>>* connect_out,
+                            std::optional<RequestTarget>* connect_target) {
+  Proxy::Impl& px = *lc.px;
+  Conn& conn = *lc.conn;
+  bool first = true;
+  for (;;) {
+    if (conn.closed) co_return;
+    Lowest(client).expires_after(first ? px.opts.header_timeout : px.opts.idle_timeout);
+    auto parser = std::make_unique<http::request_parser<http::empty_body>>();
+    ConfigureRequestParser(*parser);
+    bool eof = false;
+    std::optional<Refusal> bad = co_await ReadHead(client, buffer, *parser, &eof);
+    if (eof) co_return;
+    first = false;
+    std::shared_ptr<const EnvConfig> cfg = lc.env->Config();
+    int64_t now = px.Now();
+    Audit audit;
+    audit.e.time_ms = now;
+    audit.e.env_id = cfg->env_id;
+    audit.e.tenant = cfg->tenant;
+    audit.e.intents = ActiveIntentNames(*cfg, now);
+    audit.e.scheme = lc.tunnel != nullptr ? "https" : "http";
+    auto refuse = [&](const Refusal& r, bool keep_alive) -> awaitable<bool> {
+      unsigned version = parser->is_header_done() ? parser->get().version() : 11;
+      auto response = BlockResponse(r.status, r.rule, audit.e.host, r.reason, version, keep_alive);
+      if (std::find(audit.e.rule_ids.begin(), audit.e.rule_ids.end(), r.rule) ==
+          audit.e.rule_ids.end()) {
+        audit.e.rule_ids.insert(audit.e.rule_ids.begin(), r.rule);
+      }
+      audit.e.reason = r.reason;
+      audit.Finish(r.status, r.status == 403 || r.status == 421 ? "blocked" : "error");
+      px.Emit(std::move(audit.e));
+      bool ok = co_await WriteResponse(client, std::move(response), px.opts.idle_timeout);
+      co_return ok&& keep_alive;
+    };
+    if (bad) {
+      co_await refuse(*bad, false);
+      co_return;
+    }
+    http::request_header<>& head = parser->get();
+    audit.e.method = std::string(SV(head.method_string()));
+    std::variant<RequestTarget, Refusal> interpreted = InterpretHead(head, lc.tunnel);
+    if (auto* r = std::get_if<Refusal>(&interpreted)) {
+      co_await refuse(*r, false);
+      co_return;
+    }
+    RequestTarget target = std::get<RequestTarget>(std::move(interpreted));
+    audit.e.host = target.host;
+    audit.e.port = target.port;
+    audit.e.path = MaskUrlQuery(target.path);
+    if (target.connect) {
+      *connect_out = std::move(parser);
+      *connect_target = std::move(target);
+      co_return;
+    }
+    bool has_body = parser->content_length() ? *parser->content_length() > 0 : parser->chunked();
+    // Policy: decided again on every request (intents may have expired, Update may have run).
+    Decision d = Decide(cfg->policy, cfg->intents, now, target.host, target.port);
+    audit.e.rule_ids.push_back(d.rule);
+    if (!d.allowed) {
+      Refusal r{403, d.rule,
+                absl::StrCat(target.host, ":", target.port,
+                             " is not allowed by the environment's egress policy (", d.rule, ")")};
+      audit.e.rule_ids.clear();
+      if (!co_await refuse(r, !has_body && parser->keep_alive())) co_return;
+      continue;
+    }
+    // DLP on the URL and the headers. Redact rules change what is sent; the audit copy masks
+    // every finding's span whatever its action.
+    std::optional<dlp::Result> blocked;
+    bool redacted = false;
+    std::string target_path = target.path;
+    std::vector<std::pair<std::string, std::string>> header_redactions;  // name → new value
+    std::map<size_t, std::string> audit_values;  // header index → masked value
+    if (cfg->dlp) {
+      dlp::Result url = cfg->dlp->ScanText(target_path, dlp::Where::kUrl);
+      AddFindings(audit.e, url);
+      audit.e.path = MaskUrlQuery(MaskFindings(target_path, url.findings));
+      if (url.blocked()) {
+        blocked = std::move(url);
+      } else if (url.decision == dlp::Action::kRedact && url.redacted) {
+        target_path = *url.redacted;
+        redacted = true;
+      }
+      size_t index = 0;
+      for (auto it = head.begin(); it != head.end(); ++it, ++index) {
+        std::string_view value = SV(it->value());
+        dlp::Result h = cfg->dlp->ScanText(value, dlp::Where::kHeader);
+        if (h.findings.empty()) continue;
+        AddFindings(audit.e, h);
+        audit_values[index] = MaskFindings(value, h.findings);
+        if (h.blocked()) {
+          if (!blocked) blocked = std::move(h);
+        } else if (h.decision == dlp::Action::kRedact && h.redacted) {
+          header_redactions.emplace_back(std::string(SV(it->name_string())), *h.redacted);
+        }
+      }
+    }
+    {
+      std::string lines;
+      size_t index = 0;
+      for (auto it = head.begin(); it != head.end(); ++it, ++index) {
+        std::string_view name = SV(it->name_string());
+        auto masked = audit_values.find(index);
+        std::string line = absl::StrCat(
+            AbslView(name), ": ",
+            MaskHeaderValue(name, masked != audit_values.end() ? std::string_view(masked->second)
+                                                               : SV(it->value())),
+            "\n");
+        if (lines.size() + line.size() > control::kAuditHeadersCap) break;
+        lines += line;
+      }
+      audit.e.request_headers = std::move(lines);
+    }
+    for (auto& [name, value] : header_redactions) {
+      head.set(name, value);
+      redacted = true;
+    }
+    if (blocked) {
+      Refusal r{403, blocked->block_rule,
+                absl::StrCat("the request carries data the DLP policy blocks (",
+                             blocked->block_rule, "); nothing was sent upstream")};
+      co_await refuse(r, false);
+      co_return;
+    }
+    // The body: read whole (up to the cap) before anything goes upstream, so that a blocked
+    // body never reaches it.
+    if (has_body &&
+        absl::EqualsIgnoreCase(AbslView(SV(head[http::field::expect])), "100-continue")) {
+      Lowest(client).expires_after(px.opts.idle_timeout);
+      co_await asio::async_write(client, asio::buffer("HTTP/1.1 100 Continue\r\n\r\n", 25), kTuple);
+    }
+    http::request_parser<http::string_body> body_parser(std::move(*parser));
+    const int64_t cap = cfg->policy.max_body_bytes;
+    body_parser.body_limit(static_cast<uint64_t>(cap));
+    if (!body_parser.is_done()) {
+      Lowest(client).expires_after(px.opts.body_timeout);
+      auto [ec, n] = co_await http::async_read(client, buffer, body_parser, kTuple);
+      if (ec == http::error::body_limit) {
+        co_await refuse(Refusal{413, "body:too_large",
+                                absl::StrCat("request body larger than the policy's "
+                                             "max_body_bytes (",
+                                             cap, ")")},
+                        false);
+        co_return;
+      }
+      if (ec) {
+        audit.Finish(0, "error");
+        audit.e.reason = absl::StrCat("reading the request body: ", ec.message());
+        px.Emit(std::move(audit.e));
+        co_return;
+      }
+    }
+    http::request<http::string_body> req = body_parser.release();
+    std::string& body = req.body();
+    if (!body.empty()) audit.e.request_body_sha256 = Sha256Hex(body);
+    std::string audit_body;
+    if (cfg->dlp && !body.empty()) {
+      dlp::BodyInfo info;
+      info.where = dlp::Where::kBody;
+      info.content_type = std::string(SV(req[http::field::content_type]));
+      info.content_encoding = std::string(SV(req[http::field::content_encoding]));
+      std::unique_ptr<dlp::BodyScanner> scanner = cfg->dlp->NewBodyScanner(info);
+      scanner->Feed(body);
+      dlp::Result r = scanner->Finish();
+      AddFindings(audit.e, r);
+      if (r.decision == dlp::Action::kRedact && r.redacted) {
+        body = *std::move(r.redacted);
+        req.erase(http::field::content_encoding);
+        redacted = true;
+        audit_body = body;
+      } else if (info.content_encoding.empty() ||
+                 absl::EqualsIgnoreCase(info.content_encoding, "identity")) {
+        audit_body = MaskFindings(body, r.findings);
+      } else {
+        audit_body =
+            absl::StrCat("[", info.content_encoding, "-encoded body, ", body.size(), " bytes]");
+      }
+      if (r.blocked()) {
+        audit.e.request_body = audit_body.substr(0, control::kAuditBodyCap);
+        audit.e.request_body_truncated = audit_body.size() > control::kAuditBodyCap;
+        Refusal rr{403, r.block_rule,
+                   absl::StrCat("the request body carries data the DLP policy blocks (",
+                                r.block_rule, "); nothing was sent upstream")};
+        co_await refuse(rr, false);
+        co_return;
+      }
+    } else {
+      audit_body = body;
+    }
+    audit.e.request_body = audit_body.substr(0, control::kAuditBodyCap);
+    audit.e.request_body_truncated = audit_body.size() > control::kAuditBodyCap;
+    bool client_keep_alive = req.keep_alive();
+    target.path = target_path;
+    PrepareUpstreamHead(req.base(), target);
+    req.erase(http::field::transfer_encoding);
+    req.content_length(body.size());
+    if (body.empty() && (req.method() == http::verb::get || req.method() == http::verb::head)) {
+      req.erase(http::field::content_length);
+    }
+    bool head_request = req.method() == http::verb::head;
+
+    // Upstream: connect (plain) or reuse; send the request.
+    std::string key = absl::StrCat(target.host, ":", target.port);
+    boost::system::error_code werr;
+    for (int attempt = 0; attempt < 2; ++attempt) {
+      bool reused = false;
+      if constexpr (std::is_same_v<Upstream, PlainUpstream>) {
+        if (upstream.stream && upstream.key == key) {
+          reused = true;
+        } else {
+          upstream.Close();
+          ConnectOutcome c = co_await ConnectUpstream(px, conn, target, d);
+          if (!c.stream) {
+            if (!co_await refuse(c.refusal, false)) co_return;
+            co_return;
+          }
+          upstream.stream.emplace(std::move(*c.stream));
+          upstream.key = key;
+        }
+      } else {
+        if (upstream.broken) {
+          co_await refuse(Refusal{502, "upstream:closed", "the upstream closed the tunnel"}, false);
+          co_return;
+        }
+      }
+      conn.upstream = &Lowest(upstream.Stream()).socket();
+      Lowest(upstream.Stream()).expires_after(px.opts.upstream_timeout);
+      auto [ec, n] = co_await http::async_write(upstream.Stream(), req, kTuple);
+      werr = ec;
+      if (!ec) break;
+      upstream.Close();
+      if (!reused) break;  // a fresh connection failed: no retry
+    }
+    if (werr) {
+      co_await refuse(Refusal{502, "upstream:write_failed",
+                              absl::StrCat("sending the request upstream: ", werr.message())},
+                      false);
+      co_return;
+    }
+    audit.e.bytes_up = static_cast<int64_t>(body.size());
+
+    // The response: head (skipping 1xx), then the body streamed through.
+    std::optional<http::response_parser<http::buffer_body>> rp;
+    boost::system::error_code rerr;
+    for (int i = 0; i < 8; ++i) {
+      rp.emplace();
+      rp->header_limit(64 << 10);
+      rp->body_limit(boost::none);
+      if (head_request) rp->skip(true);
+      Lowest(upstream.Stream()).expires_after(px.opts.upstream_timeout);
+      auto [ec, n] =
+          co_await http::async_read_header(upstream.Stream(), upstream.buffer, *rp, kTuple);
+      rerr = ec;
+      if (ec) break;
+      int code = rp->get().result_int();
+      if (code >= 200 || code == 101) break;
+    }
+    if (rerr || rp->get().result_int() < 200) {
+      upstream.Close();
+      bool timeout = rerr == beast::error::timeout;
+      co_await refuse(Refusal{timeout ? 504 : 502, "upstream:bad_response",
+                              rerr ? absl::StrCat("reading the upstream response: ", rerr.message())
+                                   : "the upstream answered with an unsupported status"},
+                      false);
+      co_return;
+    }
+    auto& res = rp->get();
+    PrepareClientResponseHead(res.base());
+    bool keep_alive = client_keep_alive && !rp->need_eof();
+    res.keep_alive(keep_alive);
+    int status = res.result_int();
+    std::unique_ptr<dlp::BodyScanner> response_scanner;
+    if (cfg->dlp && cfg->dlp->config().scan_responses && !head_request) {
+      dlp::BodyInfo info;
+      info.where = dlp::Where::kResponseBody;
+      info.content_type = std::string(SV(res[http::field::content_type]));
+      info.content_encoding = std::string(SV(res[http::field::content_encoding]));
+      response_scanner = cfg->dlp->NewBodyScanner(info);
+    }
+    http::serializer<false, http::buffer_body> sr{res};
+    Lowest(client).expires_after(px.opts.idle_timeout);
+    auto [hec, hn] = co_await http::async_write_header(client, sr, kTuple);
+    bool relay_ok = !hec;
+    char chunk[16 << 10];
+    while (relay_ok) {
+      if (!rp->is_done()) {
+        res.body().data = chunk;
+        res.body().size = sizeof(chunk);
+        Lowest(upstream.Stream()).expires_after(px.opts.upstream_timeout);
+        auto [ec, n] = co_await http::async_read(upstream.Stream(), upstream.buffer, *rp, kTuple);
+        if (ec == http::error::need_buffer) ec = {};
+        if (ec) {
+          relay_ok = false;
+          audit.e.reason = absl::StrCat("upstream response body: ", ec.message());
+          break;
+        }
+        size_t got = sizeof(chunk) - res.body().size;
+        res.body().size = got;
+        res.body().data = chunk;
+        res.body().more = !rp->is_done();
+        audit.e.bytes_down += static_cast<int64_t>(got);
+        if (response_scanner) response_scanner->Feed(std::string_view(chunk, got));
+      } else {
+        res.body().data = nullptr;
+        res.body().size = 0;
+        res.body().more = false;
+      }
+      Lowest(client).expires_after(px.opts.idle_timeout);
+      auto [ec, n] = co_await http::async_write(client, sr, kTuple);
+      if (ec == http::error::need_buffer) ec = {};
+      if (ec) {
+        relay_ok = false;
+        audit.e.reason = absl::StrCat("client went away: ", ec.message());
+        break;
+      }
+      if (rp->is_done() && sr.is_done()) break;
+    }
+    if (response_scanner) AddFindings(audit.e, response_scanner->Finish());
+    if (!rp->keep_alive() || !relay_ok || !rp->is_done()) upstream.Close();
+    audit.Finish(status, !relay_ok ? "error" : redacted ? "redacted" : "allowed");
+    px.Emit(std::move(audit.e));
+    if (!relay_ok || !keep_alive) co_return;
+  }
+}
+
+namespace {
+
+// Copies bytes one way until EOF or error; then half-closes the other side.
+awaitable<void> Pump(tcp::socket& from, tcp::socket& to, int64_t* bytes,
+                     std::atomic<int64_t>* last_activity) {
+  std::vector<char> buf(32 << 10);
+  for (;;) {
+    auto [ec, n] = co_await from.async_read_some(asio::buffer(buf), kTuple);
+    if (ec || n == 0) break;
+    last_activity->store(MonotonicMs());
+    auto [wec, wn] = co_await asio::async_write(to, asio::buffer(buf.data(), n), kTuple);
+    if (wec) break;
+    *bytes += static_cast<int64_t>(n);
+  }
+  boost::system::error_code ec;
+  to.shutdown(tcp::socket::shutdown_send, ec);
+}
+
+awaitable<void> IdleWatch(std::atomic<int64_t>* last_activity, std::chrono::milliseconds idle) {
+  asio::steady_timer timer(co_await asio::this_coro::executor);
+  for (;;) {
+    int64_t left = last_activity->load() + idle.count() - MonotonicMs();
+    if (left <= 0) co_return;
+    timer.expires_after(std::chrono::milliseconds(std::min<int64_t>(left, 1000)));
+    auto [ec] = co_await timer.async_wait(kTuple);
+    if (ec) co_return;
+  }
+}
+
+}  // namespace
+
+awaitable<void> Proxy::Impl::Session(std::shared_ptr<Conn> conn, tcp::socket socket) {
+  std::shared_ptr<Env> env = conn->env;
+  beast::tcp_stream client(std::move(socket));
+  conn->client = &client.socket();
+  beast::flat_buffer buffer;
+  LoopContext lc{this, conn, env, nullptr};
+  std::unique_ptr<http::request_parser<http::empty_body>> connect;
+  std::optional<RequestTarget> target;
+  {
+    PlainUpstream upstream;
+    co_await RequestLoop(lc, client, buffer, upstream, &connect, &target);
+    upstream.Close();
+    conn->upstream = nullptr;
+  }
+  if (!connect || conn->closed) co_return;
+
+  // CONNECT host:port.
+  std::shared_ptr<const EnvConfig> cfg = env->Config();
+  int64_t now = Now();
+  Audit audit;
+  audit.e.time_ms = now;
+  audit.e.env_id = cfg->env_id;
+  audit.e.tenant = cfg->tenant;
+  audit.e.intents = ActiveIntentNames(*cfg, now);
+  audit.e.method = "CONNECT";
+  audit.e.host = target->host;
+  audit.e.port = target->port;
+  unsigned version = connect->get().version();
+  auto refuse = [&](const Refusal& r, std::string decision) -> awaitable<void> {
+    audit.e.rule_ids.insert(audit.e.rule_ids.begin(), r.rule);
+    audit.e.reason = r.reason;
+    audit.Finish(r.status, std::move(decision));
+    Emit(std::move(audit.e));
+    co_await WriteResponse(client,
+                           BlockResponse(r.status, r.rule, target->host, r.reason, version, false),
+                           opts.idle_timeout);
+  };
+  Decision d = Decide(cfg->policy, cfg->intents, now, target->host, target->port);
+  if (!d.allowed) {
+    audit.e.scheme = "https";
+    co_await refuse(
+        Refusal{403, d.rule,
+                absl::StrCat(target->host, ":", target->port,
+                             " is not allowed by the environment's egress policy (", d.rule, ")")},
+        "blocked");
+    co_return;
+  }
+  audit.e.rule_ids.push_back(d.rule);
+  bool inspect = env->intercept != nullptr && !TlsExcluded(cfg->policy, target->host, target->port);
+  audit.e.scheme = inspect ? "https" : "tunnel";
+  if (inspect && buffer.size() > 0) {
+    co_await refuse(
+        Refusal{400, "bad_request", "bytes sent after CONNECT before the proxy answered"}, "error");
+    co_return;
+  }
+  ConnectOutcome up = co_await ConnectUpstream(*this, *conn, *target, d);
+  if (!up.stream) {
+    co_await refuse(up.refusal, up.refusal.status == 403 ? "blocked" : "error");
+    co_return;
+  }
+  Lowest(client).expires_after(opts.idle_timeout);
+  static constexpr std::string_view kEstablished = "HTTP/1.1 200 Connection established\r\n\r\n";
+  auto [wec, wn] = co_await asio::async_write(
+      client, asio::buffer(kEstablished.data(), kEstablished.size()), kTuple);
+  if (wec) co_return;
+
+  if (!inspect) {
+    // Opaque tunnel: bytes both ways until both sides finish or it idles out.
+    beast::tcp_stream upstream = std::move(*up.stream);
+    client.expires_never();
+    upstream.expires_never();
+    conn->upstream = &upstream.socket();
+    int64_t up_bytes = 0, down_bytes = 0;
+    if (buffer.size() > 0) {
+      auto [ec, n] = co_await asio::async_write(upstream.socket(), buffer.data(), kTuple);
+      up_bytes += static_cast<int64_t>(buffer.size());
+      buffer.consume(buffer.size());
+      if (ec) co_return;
+    }
+    std::atomic<int64_t> last{MonotonicMs()};
+    co_await ((Pump(client.socket(), upstream.socket(), &up_bytes, &last) &&
+               Pump(upstream.socket(), client.socket(), &down_bytes, &last)) ||
+              IdleWatch(&last, opts.idle_timeout));
+    conn->upstream = nullptr;
+    audit.e.bytes_up = up_bytes;
+    audit.e.bytes_down = down_bytes;
+    audit.Finish(200, "opaque");
+    Emit(std::move(audit.e));
+    co_return;
+  }
+
+  // Inspected tunnel: our leaf towards the client, verified TLS upstream, then the request
+  // loop inside.
+  tls::MitmRequest mreq;
+  mreq.server_ctx = env->intercept;
+  mreq.upstream_ctx = upstream_tls;
+  mreq.target_host = target->host;
+  mreq.deadline = std::chrono::steady_clock::now() + opts.tls_handshake_timeout;
+  conn->client = nullptr;
+  tls::MitmResult m = co_await tls::AsyncIntercept(std::move(mreq), std::move(client),
+                                                   std::move(*up.stream), asio::use_awaitable);
+  if (!m.status.ok()) {
+    audit.e.rule_ids.insert(audit.e.rule_ids.begin(), m.rule);
+    audit.e.reason = std::string(m.status.message());
+    int status = m.rule == tls::kRuleSniMismatch ? 421 : 502;
+    audit.Finish(m.client ? status : 0, m.rule == tls::kRuleSniMismatch ? "blocked" : "error");
+    Emit(std::move(audit.e));
+    if (m.client) {
+      co_await WriteResponse(
+          *m.client,
+          BlockResponse(status, m.rule, target->host, std::string(m.status.message()), 11, false),
+          opts.idle_timeout);
+    }
+    co_return;
+  }
+  conn->client = &Lowest(*m.client).socket();
+  conn->upstream = &Lowest(*m.upstream).socket();
+  if (conn->closed) co_return;
+  TunnelTarget tunnel{target->host, target->port};
+  LoopContext inner{this, conn, env, &tunnel};
+  TlsUpstream tu;
+  tu.stream = m.upstream.get();
+  beast::flat_buffer tls_buffer;
+  std::unique_ptr<http::request_parser<http::empty_body>> unused;
+  std::optional<RequestTarget> unused_target;
+  co_await RequestLoop(inner, *m.client, tls_buffer, tu, &unused, &unused_target);
+  conn->client = nullptr;
+  conn->upstream = nullptr;
+  Lowest(*m.client).expires_after(std::chrono::seconds(2));
+  co_await m.client->async_shutdown(kTuple);
+}
+
+awaitable<void> Proxy::Impl::AcceptLoop(std::shared_ptr<Env> env) {
+  for (;;) {
+    Strand strand = asio::make_strand(ioc);
+    auto [ec, socket] = co_await env->acceptor->async_accept(strand, kTuple);
+    if (env->closed || stopped) co_return;
+    if (ec) {
+      if (ec == asio::error::operation_aborted || ec == asio::error::bad_descriptor) co_return;
+      // EMFILE and friends: back off instead of spinning.
+      asio::steady_timer t(co_await asio::this_coro::executor, std::chrono::milliseconds(100));
+      co_await t.async_wait(kTuple);
+      continue;
+    }
+    auto conn = std::make_shared<Conn>(strand);
+    conn->env = env;
+    {
+      std::lock_guard<std::mutex> lock(env->mu);
+      if (env->conns.size() >= opts.max_connections_per_env ||
+          connections.load() >= static_cast<int64_t>(opts.max_connections_total)) {
+        boost::system::error_code ignored;
+        socket.close(ignored);  // over the cap: refused at once (the client sees a reset)
+        continue;
+      }
+      env->conns.insert(conn);
+    }
+    connections.fetch_add(1);
+    auto self = shared_from_this();
+    asio::co_spawn(
+        strand, Session(conn, std::move(socket)), [self, conn, env](std::exception_ptr e) {
+          if (e) {
+            try {
+              std::rethrow_exception(e);
+            } catch (const std::exception& ex) {
+              LogWarn(absl::StrCat("esb-proxy: connection of ", env->id, " failed: ", ex.what()));
+            }
+          }
+          {
+            std::lock_guard<std::mutex> lock(env->mu);
+            env->conns.erase(conn);
+          }
+          self->connections.fetch_sub(1);
+        });
+  }
+}
+
+void Proxy::Impl::CloseEnv(const std::shared_ptr<Env>& env) {
+  env->closed = true;
+  asio::post(*env->accept_strand, [env] {
+    boost::system::error_code ec;
+    env->acceptor->close(ec);
+  });
+  std::set<std::shared_ptr<Conn>> conns;
+  {
+    std::lock_guard<std::mutex> lock(env->mu);
+    conns = env->conns;
+  }
+  for (const auto& c : conns) {
+    asio::post(c->strand, [c] { c->CloseOnStrand(); });
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+
+Proxy::Proxy(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+Proxy::~Proxy() { Stop(); }
+
+absl::StatusOr<std::unique_ptr<Proxy>> Proxy::Create(ProxyOptions options,
+                                                     std::shared_ptr<Resolver> resolver,
+                                                     AuditSink audit) {
+  auto impl = std::make_shared<Impl>();
+  impl->opts = std::move(options);
+  impl->resolver = std::move(resolver);
+  impl->audit = std::move(audit);
+  absl::StatusOr<std::shared_ptr<tls::UpstreamContext>> up =
+      tls::UpstreamContext::Create(impl->opts.upstream_ca_file, impl->opts.use_system_roots);
+  if (!up.ok()) return up.status();
+  impl->upstream_tls = *std::move(up);
+  impl->work.emplace(impl->ioc.get_executor());
+  for (int i = 0; i < std::max(1, impl->opts.threads); ++i) {
+    impl->threads.emplace_back([impl = impl.get()] { impl->ioc.run(); });
+  }
+  return std::unique_ptr<Proxy>(new Proxy(std::move(impl)));
+}
+
+void Proxy::Stop() {
+  if (impl_->stopped.exchange(true)) return;
+  std::map<std::string, std::shared_ptr<Env>, std::less<>> envs;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    envs.swap(impl_->envs);
+  }
+  for (auto& [id, env] : envs) impl_->CloseEnv(env);
+  impl_->work.reset();
+  impl_->ioc.stop();
+  for (std::thread& t : impl_->threads) {
+    if (t.joinable()) t.join();
+  }
+}
+
+absl::Status Proxy::Attach(control::Attach attach) {
+  UniqueFd fd = std::move(attach.received_listener);
+  if (!fd) {
+    // SECURITY: the proxy keeps its own copy of the listener; the caller still owns its fd.
+    int dup = fcntl(attach.listener_fd, F_DUPFD_CLOEXEC, 0);
+    if (dup < 0) return ErrnoStatus("dup listener");
+    fd.reset(dup);
+  }
+  int accepting = 0, type = 0, domain = 0;
+  socklen_t len = sizeof(int);
+  if (getsockopt(fd.get(), SOL_SOCKET, SO_ACCEPTCONN, &accepting, &len) != 0 || !accepting ||
+      getsockopt(fd.get(), SOL_SOCKET, SO_TYPE, &type, &len) != 0 || type != SOCK_STREAM ||
+      getsockopt(fd.get(), SOL_SOCKET, SO_DOMAIN, &domain, &len) != 0 ||
+      (domain != AF_INET && domain != AF_INET6)) {
+    return absl::InvalidArgumentError("attach: the passed fd is not a listening TCP socket");
+  }
+  absl::StatusOr<std::shared_ptr<const EnvConfig>> cfg =
+      MakeConfig(attach.env_id, attach.tenant, std::move(attach.policy), std::move(attach.intents));
+  if (!cfg.ok()) return cfg.status();
+  auto env = std::make_shared<Env>();
+  env->id = attach.env_id;
+  env->config = *std::move(cfg);
+  if (!attach.ca_cert_pem.empty()) {
+    absl::StatusOr<std::shared_ptr<const tls::Ca>> ca =
+        tls::Ca::FromPem(attach.ca_cert_pem, attach.ca_key_pem);
+    if (!ca.ok()) return ca.status();
+    absl::StatusOr<std::shared_ptr<tls::LeafMinter>> minter = tls::LeafMinter::Create(*ca);
+    if (!minter.ok()) return minter.status();
+    absl::StatusOr<std::shared_ptr<tls::InterceptContext>> ic =
+        tls::InterceptContext::Create(*std::move(minter));
+    if (!ic.ok()) return ic.status();
+    env->intercept = *std::move(ic);
+  }
+  env->accept_strand.emplace(asio::make_strand(impl_->ioc));
+  env->acceptor = std::make_unique<tcp::acceptor>(*env->accept_strand);
+  boost::system::error_code ec;
+  env->acceptor->assign(domain == AF_INET ? tcp::v4() : tcp::v6(), fd.get(), ec);
+  if (ec) return absl::InternalError(absl::StrCat("attach: ", ec.message()));
+  fd.release();
+  std::shared_ptr<Env> old;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    if (impl_->stopped) return absl::UnavailableError("proxy stopped");
+    auto& slot = impl_->envs[env->id];
+    old = std::move(slot);
+    slot = env;
+  }
+  if (old) impl_->CloseEnv(old);
+  asio::co_spawn(*env->accept_strand, impl_->AcceptLoop(env), asio::detached);
+  return absl::OkStatus();
+}
+
+absl::Status Proxy::Update(const control::Update& update) {
+  std::shared_ptr<Env> env;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    auto it = impl_->envs.find(update.env_id);
+    if (it == impl_->envs.end()) {
+      return absl::NotFoundError(
+          absl::StrCat("update: environment ", update.env_id, " is not attached"));
+    }
+    env = it->second;
+  }
+  std::shared_ptr<const EnvConfig> cur = env->Config();
+  absl::StatusOr<std::shared_ptr<const EnvConfig>> cfg =
+      MakeConfig(cur->env_id, cur->tenant, update.policy, update.intents);
+  if (!cfg.ok()) return cfg.status();
+  std::lock_guard<std::mutex> lock(env->mu);
+  env->config = *std::move(cfg);
+  return absl::OkStatus();
+}
+
+absl::Status Proxy::Detach(std::string_view env_id) {
+  std::shared_ptr<Env> env;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    auto it = impl_->envs.find(env_id);
+    if (it == impl_->envs.end()) {
+      return absl::NotFoundError(
+          absl::StrCat("detach: environment ", AbslView(env_id), " is not attached"));
+    }
+    env = std::move(it->second);
+    impl_->envs.erase(it);
+  }
+  impl_->CloseEnv(env);
+  return absl::OkStatus();
+}
+
+control::Health Proxy::Health() const {
+  control::Health h;
+  h.pid = getpid();
+  h.uptime_ms = MonotonicMs() - impl_->started_mono;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    h.environments = static_cast<int64_t>(impl_->envs.size());
+  }
+  h.connections = impl_->connections.load();
+  h.requests_total = impl_->requests_total.load();
+  h.blocked_total = impl_->blocked_total.load();
+  return h;
+}
+
+}  // namespace esb::governance::proxy
