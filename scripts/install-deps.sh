@@ -34,6 +34,17 @@ for p in "${OPTIONAL[@]}"; do
   dpkg-query -W -f='${Status}\n' "$p" 2>/dev/null | grep -q "install ok installed" || opt_missing+=("$p")
 done
 
+# esb-proxy (the egress proxy esbd starts) runs as a system user of its own: no login, no home,
+# not root, not a sandbox uid. Without it esbd uses the fixed id 1879048190 (docs/design.md).
+if ! getent passwd esb-proxy >/dev/null 2>&1; then
+  if [ "$(id -u)" -eq 0 ]; then
+    useradd --system --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin \
+      --user-group esb-proxy && echo "[deps] created system user esb-proxy"
+  else
+    echo "[deps] as root, create the egress proxy's user: useradd --system --user-group esb-proxy"
+  fi
+fi
+
 if [ ${#missing[@]} -eq 0 ] && [ ${#opt_missing[@]} -eq 0 ]; then
   echo "[deps] all Debian packages present"
   exit 0

@@ -31,10 +31,12 @@
 #include "common/util.h"
 #include "drivers/agent_client.h"
 #include "drivers/container/cgroups.h"
+#include "drivers/container/netns.h"
 #include "drivers/container/oci_spec.h"
 #include "drivers/container/runtime.h"
 #include "drivers/env_limits.h"
 #include "drivers/heavy_kernel.h"
+#include "governance/tls/ca.h"
 
 namespace esb {
 namespace container {
@@ -334,6 +336,8 @@ AgentClient::Connector SafeAgentConnector(std::string run_dir, int timeout_ms) {
 struct EnvPaths {
   std::string env_dir, bundle_config, run_dir, agent_log, runtime_log;
   std::string socket, container_id, cgroup_path;
+  std::string netns;   // governed environments: the bind-mounted network namespace
+  std::string userns;  // ... and its user namespace, bound only until the container runs
 };
 
 EnvPaths PathsFor(const ContainerDriverOptions& o, const std::string& id) {
@@ -349,6 +353,8 @@ EnvPaths PathsFor(const ContainerDriverOptions& o, const std::string& id) {
   char hash[9];
   snprintf(hash, sizeof(hash), "%08x", Fnv1a(o.state_dir));
   p.cgroup_path = absl::StrCat(o.cgroup_parent, "/", hash, "-", id);
+  p.netns = absl::StrCat(kNetnsDir, "/", hash, "-", id);
+  p.userns = p.netns + "@user";
   return p;
 }
 
@@ -406,6 +412,55 @@ std::string ShareDir(const std::string& state_dir) {
   return absl::StrCat(kShareParent, "/share-", hash);
 }
 
+// Removes the network namespaces of this state directory whose environment directory is gone
+// (a daemon or host crash between an environment's destroy and its netns removal).
+void ReclaimNetns(const ContainerDriverOptions& o) {
+  const std::string dir_prefix = std::string(kNetnsDir) + "/";
+  const std::string hash = PathsFor(o, "x").netns.substr(dir_prefix.size());  // "<hash>-x"
+  const std::string prefix = hash.substr(0, hash.size() - 1);                 // "<hash>-"
+  int freed = 0;
+  for (const std::string& name : ListNetns(prefix)) {
+    std::string id = name.substr(prefix.size());
+    if (absl::EndsWith(id, "@user")) id.resize(id.size() - 5);
+    if (!ValidateId(id).ok() || Exists(PathsFor(o, id).env_dir)) continue;
+    if (RemoveNetns(dir_prefix + name).ok()) ++freed;
+  }
+  if (freed > 0) {
+    LogInfo(absl::StrCat("container driver: removed ", freed,
+                         " network namespaces of "
+                         "environments that no longer exist (",
+                         kNetnsDir, ")"));
+  }
+}
+
+// A governed sandbox's trust bundle (system roots + its CA), bound read-only at
+// kCaBundleMountpoint: in the share, which the runtime can reach from inside a user namespace.
+std::string CaBundleFile(const std::string& state_dir, const std::string& id) {
+  return absl::StrCat(ShareDir(state_dir), "/ca-", id, ".pem");
+}
+
+// The variables of a governed sandbox: every client that honours the proxy variables goes
+// through the egress proxy's listener (nothing else is reachable), and TLS clients trust the
+// environment's CA through the bundle at kCaBundleMountpoint (governance/tls/ca.h).
+std::map<std::string, std::string> EgressEnv() {
+  const std::string proxy = absl::StrCat("http://", kEgressListenAddress, ":", kEgressListenPort);
+  const std::string local = absl::StrCat("localhost,", kEgressListenAddress);
+  std::map<std::string, std::string> env = {
+      {"HTTP_PROXY", proxy}, {"HTTPS_PROXY", proxy}, {"http_proxy", proxy}, {"https_proxy", proxy},
+      {"ALL_PROXY", proxy},  {"all_proxy", proxy},   {"NO_PROXY", local},   {"no_proxy", local}};
+  for (const auto& [name, value] : governance::tls::TrustEnvironment(kCaBundleMountpoint)) {
+    env[name] = value;
+  }
+  return env;
+}
+
+// A caller's base environment with the egress variables on top (a caller cannot point the
+// sandbox's clients elsewhere; there is nowhere else to go anyway).
+std::map<std::string, std::string> WithEgressEnv(std::map<std::string, std::string> env) {
+  for (auto& [name, value] : EgressEnv()) env[name] = value;
+  return env;
+}
+
 // The sandbox layout this driver creates, recorded in each instance's state. Layout 2 (issue
 // 9): the agent's socket is handed over as fd 3 (no writable /run/esb bind), its stdio is not
 // the host log, it checks SO_PEERCRED, and it runs from the share tmpfs. Instances of an older
@@ -422,6 +477,7 @@ struct InstanceState {
   uint64_t pid_start = 0;
   std::string cgroup_path;
   uint32_t userns_host_id = 0;  // first host id of its range; 0: no user namespace (host uids)
+  bool egress = false;          // governed network: its own netns (EnvPaths::netns) + proxy
 };
 
 std::string SerializeState(const InstanceState& s, const EnvPaths& p, const CgroupLayout& layout) {
@@ -439,6 +495,7 @@ std::string SerializeState(const InstanceState& s, const EnvPaths& p, const Cgro
       {"cgroup_dirs", dirs},
   };
   if (s.userns_host_id != 0) o["userns_host_id"] = s.userns_host_id;
+  if (s.egress) o["egress"] = true;
   return boost::json::serialize(o);
 }
 
@@ -469,6 +526,7 @@ InstanceState ParseState(const std::string& json, const std::string& default_run
       u && u->is_int64() && u->as_int64() > 0 && ValidRangeStart(u->as_int64())) {
     s.userns_host_id = static_cast<uint32_t>(u->as_int64());
   }
+  if (auto* e = o.if_contains("egress"); e && e->is_bool()) s.egress = e->as_bool();
   // The cgroup path is recomputed, not trusted from storage, unless it is under our parent.
   if (auto* c = o.if_contains("cgroup_path"); c && c->is_string()) {
     std::string path(c->as_string());
@@ -515,6 +573,7 @@ class ContainerDriver : public Driver {
   CapabilitySet Capabilities() const override {
     CapabilitySet caps{Capability::kExec, Capability::kFiles, Capability::kPythonSession};
     if (VolumesSupported()) caps.Add(Capability::kVolumes);
+    if (EgressSupported()) caps.Add(Capability::kEgress);
     return caps;
   }
   absl::Status CreateVolume(const std::string& key, int64_t size_mb) override;
@@ -537,6 +596,11 @@ class ContainerDriver : public Driver {
     }
     return !userns_.enabled || kind_ == RuntimeKind::kCrun;
   }
+
+  // Governed networks: the listener esbd opens in the sandbox's netns is a host kernel socket,
+  // which gVisor's own network stack never reaches.
+  bool EgressSupported() const { return kind_ != RuntimeKind::kRunsc; }
+  absl::StatusOr<UniqueFd> OpenEgressListener(const InstanceRef& ref) override;
 
   absl::StatusOr<InstanceRef> Create(const std::string& id, const EnvSpec& spec) override;
   absl::Status Destroy(const InstanceRef& ref) override;
@@ -581,6 +645,9 @@ class ContainerDriver : public Driver {
   absl::Status Configure(const InstanceRef& ref,
                          const std::map<std::string, std::string>& env) override {
     ESB_RETURN_IF_ERROR(ValidateId(ref.id));
+    if (ParseState(ref.state, RuntimeName(kind_), PathsFor(options_, ref.id)).egress) {
+      return AgentPtr(ref.id)->Configure(WithEgressEnv(env));
+    }
     return AgentPtr(ref.id)->Configure(env);
   }
 
@@ -607,7 +674,7 @@ class ContainerDriver : public Driver {
   const OciRuntime& Runtime(const std::string& name);
   absl::Status PrepareImage(const std::string& rootfs, const BundleParams& params);
   absl::Status WriteBundle(const std::string& id, const EnvSpec& spec, const EnvPaths& paths,
-                           const std::string& rootfs, uint32_t userns_host_id);
+                           const std::string& rootfs, uint32_t userns_host_id, bool egress);
   absl::Status WaitForAgent(const EnvPaths& paths, const InstanceState& state);
   absl::Status DestroyById(const std::string& id, const InstanceState& state);
   // Loop-mounts spec.volumes below the environment directory and adds their binds to `p`.
@@ -728,7 +795,7 @@ std::vector<IdMapping> RangeMappings(uint32_t host_id) {
 
 absl::Status ContainerDriver::WriteBundle(const std::string& id, const EnvSpec& spec,
                                           const EnvPaths& paths, const std::string& rootfs,
-                                          uint32_t userns_host_id) {
+                                          uint32_t userns_host_id, bool egress) {
   ESB_RETURN_IF_ERROR(container::MakeDir(paths.env_dir, 0700));
   ESB_RETURN_IF_ERROR(container::MakeDir(paths.run_dir, 0700));
   BundleParams p = BaseParams(rootfs, layout_, kind_);
@@ -777,6 +844,17 @@ absl::Status ContainerDriver::WriteBundle(const std::string& id, const EnvSpec& 
       return absl::FailedPreconditionError("agent binary changed on disk: restart esbd");
     }
   }
+  if (egress) {
+    // The netns esbd made (loopback only) and the trust bundle with the environment's CA.
+    p.netns_path = paths.netns;
+    if (userns_host_id != 0) p.userns_path = paths.userns;
+    absl::StatusOr<std::string> bundle =
+        governance::tls::CombinedBundle(rootfs + kCaBundleMountpoint, spec.network.ca_cert_pem);
+    if (!bundle.ok()) return bundle.status();
+    p.ca_bundle_file = CaBundleFile(options_.state_dir, id);
+    ESB_RETURN_IF_ERROR(WriteStringToFile(p.ca_bundle_file, *bundle, 0644));
+    for (const auto& [name, value] : EgressEnv()) p.env.push_back(name + "=" + value);
+  }
   if (!spec.volumes.empty()) ESB_RETURN_IF_ERROR(MountVolumes(spec, paths, rootfs, &p));
   // The files API reaches the volumes like the workspace: esbd names their roots on the agent's
   // command line (nothing inside the sandbox can change it).
@@ -817,6 +895,11 @@ absl::StatusOr<InstanceRef> ContainerDriver::Create(const std::string& id, const
   if (image == options_.images.end()) {
     return absl::InvalidArgumentError(absl::StrCat("unknown image '", spec.image, "'"));
   }
+  const bool egress = spec.network.kind == NetworkPolicy::Kind::kGoverned;
+  if (egress && !EgressSupported()) return MissingCapabilityError(name(), Capability::kEgress);
+  if (egress && spec.network.ca_cert_pem.empty()) {
+    return absl::InvalidArgumentError("a governed network needs the environment's CA certificate");
+  }
   if (!Claim(id)) return absl::FailedPreconditionError("environment " + id + " is busy");
   struct Releaser {
     ContainerDriver* d;
@@ -852,7 +935,18 @@ absl::StatusOr<InstanceRef> ContainerDriver::Create(const std::string& id, const
     if (!range.ok()) return fail(range.status());
     state.userns_host_id = *range;
   }
-  if (absl::Status s = WriteBundle(id, spec, paths, image->second, state.userns_host_id); !s.ok()) {
+  if (egress) {
+    state.egress = true;
+    // SECURITY: the sandbox joins a namespace with loopback only; its one way out is the
+    // listener esbd opens there for the egress proxy (OpenEgressListener).
+    if (absl::Status s =
+            CreateNetns(paths.netns, paths.userns, state.userns_host_id, kUsernsMapSize);
+        !s.ok()) {
+      return fail(s);
+    }
+  }
+  if (absl::Status s = WriteBundle(id, spec, paths, image->second, state.userns_host_id, egress);
+      !s.ok()) {
     return fail(s);
   }
   // SECURITY: the listening socket is the only descriptor of esbd that enters the container
@@ -868,6 +962,10 @@ absl::StatusOr<InstanceRef> ContainerDriver::Create(const std::string& id, const
       runtime.RunDetached(paths.container_id, paths.env_dir, paths.agent_log, paths.runtime_log,
                           options_.runtime_timeout_ms, listener ? listener.get() : -1);
   listener.reset();  // the container holds it now; esbd connects through the path
+  if (egress && state.userns_host_id != 0) {
+    // The container's processes keep the user namespace alive; its bind is not needed again.
+    if (absl::Status s = RemoveUserns(paths.userns); !s.ok()) return fail(s);
+  }
   if (!pid.ok()) return fail(pid.status());
   const int64_t t_run = MonotonicMs();
   state.pid = *pid;
@@ -878,8 +976,9 @@ absl::StatusOr<InstanceRef> ContainerDriver::Create(const std::string& id, const
                      " exited right after start: ", ReadTail(paths.agent_log))));
   }
   if (absl::Status s = WaitForAgent(paths, state); !s.ok()) return fail(s);
-  if (!spec.env.empty()) {
-    if (absl::Status s = AgentPtr(id)->Configure(spec.env); !s.ok()) return fail(s);
+  if (!spec.env.empty() || egress) {
+    absl::Status s = AgentPtr(id)->Configure(egress ? WithEgressEnv(spec.env) : spec.env);
+    if (!s.ok()) return fail(s);
   }
   const int64_t t_ready = MonotonicMs();
   LogDebug(absl::StrCat("container: created ", id, " in ", t_ready - t0, " ms (bundle ",
@@ -1044,6 +1143,15 @@ absl::Status ContainerDriver::DestroyById(const std::string& id, const InstanceS
       errno != ENOENT) {
     problems.push_back(absl::StrCat("umount ", paths.run_dir, ": ", strerror(errno)));
   }
+  // A governed sandbox's network namespace and trust bundle (its processes are gone by now;
+  // a listener still held by the egress proxy keeps the namespace alive until it is closed).
+  for (const std::string& ns : {paths.userns, paths.netns}) {
+    if (!Exists(ns)) continue;
+    if (absl::Status s = RemoveNetns(ns); !s.ok()) problems.push_back(std::string(s.message()));
+  }
+  if (const std::string ca = CaBundleFile(options_.state_dir, id); Exists(ca)) {
+    ::unlink(ca.c_str());
+  }
   const size_t before_volumes = problems.size();
   UnmountVolumes(paths, &problems);
   // A volume still mounted below the directory keeps it (RemoveTree never crosses a mount,
@@ -1099,6 +1207,11 @@ absl::Status ContainerDriver::Attach(const InstanceRef& ref) {
                                              " runs without a user "
                                              "namespace (this esbd maps sandbox uids)"));
   }
+  if (state.egress && !Exists(paths.netns)) {
+    // Without its bind mount no egress listener can be opened for the sandbox again.
+    return absl::FailedPreconditionError(absl::StrCat("the network namespace of environment ",
+                                                      ref.id, " (", paths.netns, ") is gone"));
+  }
   absl::Status ping = AgentPtr(ref.id)->Ping(2000);
   if (AgentProtocolOutdated(ping)) {
     // An agent of an older esbd still runs in this sandbox: it cannot serve this esbd.
@@ -1106,6 +1219,18 @@ absl::Status ContainerDriver::Attach(const InstanceRef& ref) {
     return SandboxOutdatedError(absl::StrCat("environment ", ref.id, ": ", ping.message()));
   }
   return ping;
+}
+
+absl::StatusOr<UniqueFd> ContainerDriver::OpenEgressListener(const InstanceRef& ref) {
+  ESB_RETURN_IF_ERROR(ValidateId(ref.id));
+  const EnvPaths paths = PathsFor(options_, ref.id);
+  if (!ParseState(ref.state, RuntimeName(kind_), paths).egress) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("environment ", ref.id, " has no governed network"));
+  }
+  // SECURITY: the descriptor handed out is a listener inside this environment's own netns (it
+  // is the environment's identity at the egress proxy); the caller owns and passes it on.
+  return OpenListenerInNetns(paths.netns);
 }
 
 absl::StatusOr<Usage> ContainerDriver::Stats(const InstanceRef& ref) {
@@ -1487,6 +1612,7 @@ absl::StatusOr<std::unique_ptr<Driver>> NewContainerDriver(ContainerDriverOption
     }
     container::ReclaimRanges(options);
   }
+  container::ReclaimNetns(options);
   struct stat st;
   if (options.agent_binary.empty() || ::stat(options.agent_binary.c_str(), &st) != 0 ||
       !S_ISREG(st.st_mode)) {
@@ -1627,6 +1753,11 @@ std::vector<std::string> FindContainerLeaks(const ContainerDriverOptions& option
     }
   }
   if (Exists(paths.env_dir)) leaks.push_back("directory " + paths.env_dir);
+  if (Exists(paths.netns)) leaks.push_back("network namespace " + paths.netns);
+  if (Exists(paths.userns)) leaks.push_back("user namespace " + paths.userns);
+  if (Exists(CaBundleFile(o.state_dir, ref.id))) {
+    leaks.push_back("trust bundle " + CaBundleFile(o.state_dir, ref.id));
+  }
   for (const auto& [host_id, owner] : ListRanges(o)) {
     if (owner == paths.env_dir) {
       leaks.push_back(absl::StrCat("user-namespace uid range ", host_id));

@@ -36,9 +36,11 @@
 #include "absl/strings/strip.h"
 #include "common/util.h"
 #include "drivers/container/cgroups.h"
+#include "drivers/container/netns.h"
 #include "drivers/container/oci_spec.h"
 #include "drivers/container/runtime.h"
 #include "drivers/container/seccomp_profile.h"
+#include "governance/tls/ca.h"
 #include "gtest/gtest.h"
 
 namespace esb {
@@ -511,6 +513,270 @@ TEST_F(ContainerDriverTest, NetworkIsLoopbackOnly) {
   // Loopback inside the sandbox works (its own, not the host's).
   ExecResult self = MustExec(ref, "bash -c 'exec 3<>/dev/tcp/127.0.0.1/9' 2>&1; echo rc=$?");
   EXPECT_TRUE(absl::StrContains(self.stdout_data, "refused")) << self.stdout_data;
+}
+
+// ---------------------------------------------------------------------------------------
+// Governed networks (issue 12): a netns esbd makes, the egress listener inside it.
+
+TEST(ContainerSpecTest, GovernedJoinsTheNetnsPathAndBindsTheTrustBundle) {
+  container::BundleParams p;
+  p.rootfs = "/img";
+  p.cgroups_path = "/esb/x";
+  std::string plain = boost::json::serialize(container::BuildOciConfig(p));
+  EXPECT_TRUE(absl::StrContains(plain, R"({"type":"network"})")) << plain;
+  EXPECT_FALSE(absl::StrContains(plain, "ca-certificates")) << plain;
+  p.netns_path = "/run/entersandbox/netns/abc-e1";
+  p.ca_bundle_file = "/run/entersandbox/share-x/ca-e1.pem";
+  boost::json::object c = container::BuildOciConfig(p);
+  std::string json = boost::json::serialize(c);
+  EXPECT_TRUE(
+      absl::StrContains(json, R"({"type":"network","path":"/run/entersandbox/netns/abc-e1"})"))
+      << json;
+  bool bound = false;
+  for (const auto& m : c["mounts"].as_array()) {
+    const auto& o = m.as_object();
+    if (o.at("destination").as_string() != "/etc/ssl/certs/ca-certificates.crt") continue;
+    bound = true;
+    EXPECT_EQ(o.at("source").as_string(), p.ca_bundle_file);
+    EXPECT_EQ(boost::json::serialize(o.at("options")),
+              R"(["bind","ro","nosuid","nodev","noexec"])");
+  }
+  EXPECT_TRUE(bound) << json;
+  std::vector<std::string> required = container::RequiredMountpoints(p);
+  EXPECT_NE(std::find(required.begin(), required.end(), "etc/ssl/certs/ca-certificates.crt"),
+            required.end());
+}
+
+TEST(NetnsTest, PathsOutsideTheNetnsDirectoryAreRefused) {
+  for (const char* bad : {"/tmp/x", "/run/entersandbox/netns/", "/run/entersandbox/netns/../x",
+                          "/run/entersandbox/netns/a/b", "/run/entersandbox/netns/.hidden"}) {
+    EXPECT_TRUE(absl::IsInvalidArgument(container::CreateNetns(bad))) << bad;
+    EXPECT_TRUE(absl::IsInvalidArgument(container::RemoveNetns(bad))) << bad;
+    EXPECT_TRUE(absl::IsInvalidArgument(container::OpenListenerInNetns(bad).status())) << bad;
+  }
+}
+
+// Connects to 127.0.0.1:port from inside the namespace at `path` (a helper thread joins it).
+int ConnectInNetns(const std::string& path, int port) {
+  int result = -1;
+  std::thread t([&] {
+    int ns = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (ns < 0 || setns(ns, CLONE_NEWNET) != 0) return;
+    close(ns);
+    int s = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in a = {};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(port);
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (connect(s, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0) {
+      result = s;
+    } else {
+      close(s);
+    }
+  });
+  t.join();
+  return result;
+}
+
+TEST(NetnsTest, ListenerLivesInTheNamespaceAndNotInEsbds) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root (creates network namespaces)";
+  const std::string path = absl::StrCat(container::kNetnsDir, "/test-", RandomHex(4));
+  const fs::path own_netns = fs::read_symlink("/proc/thread-self/ns/net");
+  ASSERT_TRUE(container::CreateNetns(path).ok());
+  EXPECT_TRUE(absl::IsAlreadyExists(container::CreateNetns(path)));
+  const int port = 20000 + static_cast<int>(MonotonicMs() % 20000);
+  absl::StatusOr<UniqueFd> listener = container::OpenListenerInNetns(path, "127.0.0.1", port);
+  ASSERT_TRUE(listener.ok()) << listener.status();
+  // The test's own (host) namespace has nothing there...
+  int host = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a = {};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(port);
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  EXPECT_NE(connect(host, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+  close(host);
+  // ...the namespace has, and the connection arrives on the listener esbd holds.
+  int inside = ConnectInNetns(path, port);
+  ASSERT_GE(inside, 0);
+  int accepted = accept(listener->get(), nullptr, nullptr);
+  EXPECT_GE(accepted, 0);
+  close(accepted);
+  close(inside);
+  // The calling thread never left its namespace.
+  EXPECT_EQ(fs::read_symlink("/proc/thread-self/ns/net"), own_netns);
+  // Closed listener: refused (fails closed); a fresh one can be opened at once.
+  listener->reset();
+  EXPECT_LT(ConnectInNetns(path, port), 0);
+  absl::StatusOr<UniqueFd> again = container::OpenListenerInNetns(path, "127.0.0.1", port);
+  EXPECT_TRUE(again.ok()) << again.status();
+  again->reset();
+  ASSERT_TRUE(container::RemoveNetns(path).ok());
+  EXPECT_FALSE(fs::exists(path));
+  EXPECT_TRUE(absl::IsNotFound(container::OpenListenerInNetns(path).status()));
+  EXPECT_TRUE(container::RemoveNetns(path).ok()) << "idempotent";
+}
+
+TEST(NetnsTest, APlainFileIsNeverJoined) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root";
+  const std::string path = absl::StrCat(container::kNetnsDir, "/test-", RandomHex(4));
+  fs::create_directories(container::kNetnsDir);
+  std::ofstream(path) << "";
+  absl::StatusOr<UniqueFd> l = container::OpenListenerInNetns(path);
+  EXPECT_TRUE(absl::IsFailedPrecondition(l.status())) << l.status();
+  EXPECT_TRUE(container::RemoveNetns(path).ok());
+}
+
+EnvSpec GovernedSpec(std::string* ca_pem) {
+  absl::StatusOr<governance::tls::CaPem> ca = governance::tls::GenerateCa("EnterSandBox test");
+  EXPECT_TRUE(ca.ok()) << ca.status();
+  EnvSpec spec;
+  spec.network.kind = NetworkPolicy::Kind::kGoverned;
+  spec.network.ca_cert_pem = ca.ok() ? ca->cert_pem : "";
+  if (ca_pem != nullptr) *ca_pem = spec.network.ca_cert_pem;
+  return spec;
+}
+
+std::string NetnsOf(const ContainerDriverOptions& o, const std::string& id) {
+  char hash[9];
+  uint32_t h = 2166136261u;
+  for (unsigned char c : o.state_dir) h = (h ^ c) * 16777619u;
+  snprintf(hash, sizeof(hash), "%08x", h);
+  return absl::StrCat(container::kNetnsDir, "/", hash, "-", id);
+}
+
+TEST_F(ContainerDriverTest, GovernedSandboxReachesOnlyTheEgressListener) {
+  ASSERT_TRUE(driver_->Capabilities().Has(Capability::kEgress));
+  HostListener host;
+  std::string ca_pem;
+  InstanceRef ref = MustCreate(GovernedSpec(&ca_pem));
+  const std::string netns = NetnsOf(options_, ref.id);
+  ASSERT_TRUE(fs::exists(netns));
+  // The sandbox (in its own user namespace, the default) sits in the netns esbd made.
+  struct stat st;
+  ASSERT_EQ(stat(netns.c_str(), &st), 0);
+  ExecResult r = MustExec(ref,
+                          "readlink /proc/self/ns/net; ls /sys/class/net; "
+                          "cat /sys/class/net/lo/flags; cat /proc/self/uid_map");
+  std::vector<std::string> lines = absl::StrSplit(r.stdout_data, '\n', absl::SkipEmpty());
+  ASSERT_GE(lines.size(), 4u) << r.stdout_data << r.stderr_data;
+  EXPECT_EQ(lines[0], absl::StrCat("net:[", st.st_ino, "]"));
+  EXPECT_EQ(lines[1], "lo") << "loopback only";
+  EXPECT_EQ(std::stoi(lines[2], nullptr, 16) & 1, 1) << "lo is up";
+  if (ContainerUsernsStatus(*driver_).enabled) {
+    EXPECT_FALSE(absl::StrContains(lines[3], " 0          0")) << "a user namespace: " << lines[3];
+  }
+  // The proxy variables and the trust bundle (the tiny image has no system bundle: the env CA).
+  ExecResult env = MustExec(ref,
+                            "env | grep -iE '^(https?|all|no)_proxy=|^SSL_CERT_FILE=';"
+                            "cat /etc/ssl/certs/ca-certificates.crt");
+  EXPECT_TRUE(absl::StrContains(env.stdout_data, "HTTPS_PROXY=http://127.0.0.1:3128\n"));
+  EXPECT_TRUE(absl::StrContains(env.stdout_data, "HTTP_PROXY=http://127.0.0.1:3128\n"));
+  EXPECT_TRUE(absl::StrContains(env.stdout_data, "ALL_PROXY=http://127.0.0.1:3128\n"));
+  EXPECT_TRUE(absl::StrContains(env.stdout_data, "NO_PROXY=localhost,127.0.0.1\n"));
+  EXPECT_TRUE(absl::StrContains(env.stdout_data, "https_proxy=http://127.0.0.1:3128\n"));
+  EXPECT_TRUE(
+      absl::StrContains(env.stdout_data, "SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt\n"));
+  EXPECT_TRUE(absl::StrContains(env.stdout_data, ca_pem)) << env.stdout_data;
+  // A caller's base environment cannot drop them.
+  ASSERT_TRUE(driver_->Configure(ref, {{"FOO", "bar"}, {"HTTPS_PROXY", "http://evil:1"}}).ok());
+  ExecResult env2 = MustExec(ref, "echo $FOO $HTTPS_PROXY");
+  EXPECT_EQ(env2.stdout_data, "bar http://127.0.0.1:3128\n");
+
+  // Nothing listens until esbd opens the listener: refused.
+  const std::string connect =
+      "timeout 5 bash -c 'exec 3<>/dev/tcp/127.0.0.1/3128; cat <&3' 2>&1;"
+      " echo rc=$?";
+  EXPECT_TRUE(absl::StrContains(MustExec(ref, connect).stdout_data, "refused"));
+  absl::StatusOr<UniqueFd> listener = driver_->OpenEgressListener(ref);
+  ASSERT_TRUE(listener.ok()) << listener.status();
+  std::thread server([fd = listener->get()] {
+    int c = accept(fd, nullptr, nullptr);
+    if (c >= 0) {
+      (void)!write(c, "via-listener\n", 13);
+      close(c);
+    }
+  });
+  ExecResult via = MustExec(ref, connect);
+  server.join();
+  EXPECT_TRUE(absl::StrContains(via.stdout_data, "via-listener\nrc=0")) << via.stdout_data;
+  // Bypass attempts: the host's loopback, a routable address, DNS over UDP.
+  for (const std::string& target : {absl::StrCat("127.0.0.1/", host.port()),
+                                    std::string("10.0.2.2/80"), std::string("8.8.8.8/53")}) {
+    ExecResult c =
+        MustExec(ref, "timeout 5 bash -c 'exec 3<>/dev/tcp/" + target + "' 2>&1; echo rc=$?");
+    EXPECT_FALSE(absl::StrContains(c.stdout_data, "rc=0")) << target << ": " << c.stdout_data;
+  }
+  ExecResult udp =
+      MustExec(ref, "timeout 5 bash -c 'echo x > /dev/udp/8.8.8.8/53' 2>&1; echo rc=$?");
+  EXPECT_FALSE(absl::StrContains(udp.stdout_data, "rc=0")) << udp.stdout_data;
+  // The listener closed (the proxy died): refused again, and a fresh one can be opened.
+  listener->reset();
+  EXPECT_TRUE(absl::StrContains(MustExec(ref, connect).stdout_data, "refused"));
+  absl::StatusOr<UniqueFd> again = driver_->OpenEgressListener(ref);
+  EXPECT_TRUE(again.ok()) << again.status();
+  again->reset();
+  DestroyAndCheckClean(ref);
+  EXPECT_FALSE(fs::exists(netns));
+}
+
+TEST_F(ContainerDriverTest, GovernedSandboxWithoutUserNamespaceToo) {
+  ContainerDriverOptions o = options_;
+  o.user_namespaces = false;
+  o.state_dir += "-nouserns";
+  auto driver = NewContainerDriver(o);
+  ASSERT_TRUE(driver.ok()) << driver.status();
+  absl::StatusOr<InstanceRef> ref = (*driver)->Create("g" + RandomHex(3), GovernedSpec(nullptr));
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  ExecRequest req;
+  req.command = "ls /sys/class/net; cat /proc/self/uid_map";
+  absl::StatusOr<ExecResult> r = (*driver)->Exec(*ref, req, nullptr);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(absl::StartsWith(r->stdout_data, "lo\n")) << r->stdout_data;
+  absl::StatusOr<UniqueFd> listener = (*driver)->OpenEgressListener(*ref);
+  EXPECT_TRUE(listener.ok()) << listener.status();
+  listener->reset();
+  EXPECT_TRUE((*driver)->Destroy(*ref).ok());
+  std::vector<std::string> leaks = FindContainerLeaks(o, *ref);
+  EXPECT_TRUE(leaks.empty()) << absl::StrJoin(leaks, "\n");
+}
+
+TEST_F(ContainerDriverTest, NonGovernedSandboxHasNoEgressNetnsOrVariables) {
+  InstanceRef ref = MustCreate();
+  EXPECT_FALSE(fs::exists(NetnsOf(options_, ref.id)));
+  EXPECT_FALSE(absl::StrContains(ref.state, "egress")) << ref.state;
+  std::string config;
+  ASSERT_TRUE(
+      ReadFileToString(absl::StrCat(options_.state_dir, "/envs/", ref.id, "/config.json"), &config)
+          .ok());
+  EXPECT_TRUE(absl::StrContains(config, R"({"type":"network"})")) << config;
+  EXPECT_FALSE(absl::StrContains(config, "PROXY")) << config;
+  EXPECT_FALSE(absl::StrContains(config, "ca-certificates")) << config;
+  ExecResult r = MustExec(ref, "env | grep -ci proxy; echo");
+  EXPECT_EQ(r.stdout_data, "0\n\n");
+  absl::StatusOr<UniqueFd> l = driver_->OpenEgressListener(ref);
+  EXPECT_TRUE(absl::IsFailedPrecondition(l.status())) << l.status();
+  DestroyAndCheckClean(ref);
+}
+
+TEST_F(ContainerDriverTest, GovernedNetnsSurvivesDriverRestartAndOrphansAreReclaimed) {
+  InstanceRef ref = MustCreate(GovernedSpec(nullptr));
+  const std::string orphan = NetnsOf(options_, "gone" + RandomHex(3));
+  ASSERT_TRUE(container::CreateNetns(orphan).ok());
+  ContainerDriverOptions o = options_;
+  o.probe = false;
+  auto fresh = NewContainerDriver(o);
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  EXPECT_FALSE(fs::exists(orphan)) << "the netns of an environment that no longer exists";
+  ASSERT_TRUE((*fresh)->Attach(ref).ok());
+  absl::StatusOr<UniqueFd> listener = (*fresh)->OpenEgressListener(ref);
+  EXPECT_TRUE(listener.ok()) << listener.status();
+  listener->reset();
+  // A governed sandbox whose netns vanished cannot be served again: not adopted.
+  ASSERT_TRUE(container::RemoveNetns(NetnsOf(options_, ref.id)).ok());
+  EXPECT_FALSE((*fresh)->Attach(ref).ok());
+  ASSERT_TRUE((*fresh)->Destroy(ref).ok());
+  EXPECT_TRUE(FindContainerLeaks(o, ref).empty());
+  live_.clear();
 }
 
 TEST_F(ContainerDriverTest, RootfsIsReadOnlyAndScratchSpaceWritable) {

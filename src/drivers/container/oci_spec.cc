@@ -37,6 +37,7 @@ std::vector<std::string> RequiredMountpoints(const BundleParams& p) {
   if (!p.agent_binary.empty()) v.push_back("sbin/esb-agent");
   if (!p.hostname_file.empty()) v.push_back("etc/hostname");
   if (!p.python_kernel_file.empty()) v.push_back("usr/lib/esb/kernel.py");
+  if (!p.ca_bundle_file.empty()) v.push_back(std::string(kCaBundleMountpoint).substr(1));
   for (const BindMount& b : p.extra_binds) {
     if (b.destination.size() > 1) v.push_back(b.destination.substr(1) + "/");
   }
@@ -111,6 +112,10 @@ object BuildOciConfig(const BundleParams& p) {
     mounts.push_back(Mount("/usr/lib/esb/kernel.py", "bind", p.python_kernel_file,
                            {"bind", "ro", "nosuid", "nodev", "noexec"}));
   }
+  if (!p.ca_bundle_file.empty()) {
+    mounts.push_back(Mount(kCaBundleMountpoint, "bind", p.ca_bundle_file,
+                           {"bind", "ro", "nosuid", "nodev", "noexec"}));
+  }
   for (const BindMount& b : p.extra_binds) {
     std::vector<std::string> opts = {"rbind", "nosuid", "nodev"};
     if (b.readonly) opts.push_back("ro");
@@ -127,9 +132,12 @@ object BuildOciConfig(const BundleParams& p) {
     mounts.push_back(Mount(b.destination, "bind", b.source, opts));
   }
 
-  // --- namespaces: a fresh network namespace has only loopback. With id mappings also a user
-  // namespace (created first by the runtime, so it owns all the others) ---
-  array namespaces = {object{{"type", "pid"}}, object{{"type", "network"}}, object{{"type", "ipc"}},
+  // --- namespaces: a fresh network namespace has only loopback (a governed sandbox joins the
+  // one esbd made, loopback only as well). With id mappings also a user namespace (created
+  // first by the runtime, so it owns all the others but the joined network namespace) ---
+  object network = {{"type", "network"}};
+  if (!p.netns_path.empty()) network["path"] = p.netns_path;
+  array namespaces = {object{{"type", "pid"}}, network, object{{"type", "ipc"}},
                       object{{"type", "uts"}}, object{{"type", "mount"}}};
   if (p.cgroup_namespace) namespaces.push_back(object{{"type", "cgroup"}});
   array id_mappings;
@@ -137,7 +145,11 @@ object BuildOciConfig(const BundleParams& p) {
     id_mappings.push_back(
         object{{"containerID", m.container_id}, {"hostID", m.host_id}, {"size", m.size}});
   }
-  if (!id_mappings.empty()) namespaces.push_back(object{{"type", "user"}});
+  if (!id_mappings.empty()) {
+    object user = {{"type", "user"}};
+    if (!p.userns_path.empty()) user["path"] = p.userns_path;
+    namespaces.push_back(user);
+  }
 
   // --- resources ---
   constexpr int64_t kPeriod = 100000;

@@ -24,6 +24,9 @@ struct VolumeBind {
   bool idmap = false;
 };
 
+// Where a governed sandbox finds its trust bundle (Debian's system bundle path).
+inline constexpr char kCaBundleMountpoint[] = "/etc/ssl/certs/ca-certificates.crt";
+
 // One extent of a user namespace's uid or gid map (OCI linux.uidMappings/gidMappings).
 struct IdMapping {
   uint32_t container_id = 0;
@@ -63,6 +66,15 @@ struct BundleParams {
   // (drivers/heavy_kernel.h), code the sandbox runs but cannot change ("" = none).
   std::string python_kernel_file;
   std::vector<BindMount> extra_binds;
+  // Non-empty: the container joins this network namespace (made by esbd with loopback only,
+  // drivers/container/netns.h) instead of getting a fresh one.
+  std::string netns_path;
+  // With netns_path and id_mappings: the user namespace esbd made with those mappings, which
+  // owns that network namespace (netns.h); the runtime joins it instead of creating one.
+  std::string userns_path;
+  // Host file bound read-only over /etc/ssl/certs/ca-certificates.crt: a governed sandbox's
+  // trust bundle (the system roots + its environment's CA) ("" = none).
+  std::string ca_bundle_file;
   // Non-empty: /mnt is a small tmpfs of the sandbox's own (the image is read-only, so the
   // runtime makes the mount points there) and each volume is bound at its destination.
   std::vector<VolumeBind> volume_binds;
