@@ -40,7 +40,28 @@ _SKIP_VARS = ("BASH", "BASHOPTS", "BASHPID", "BASH_ALIASES", "BASH_ARGC", "BASH_
 _ENV_FIELDS = {"image", "runtime", "cpu", "memory_mb", "pids", "disk_mb", "ttl_seconds", "env",
                "network", "volumes"}
 _RUN_FIELDS = {"code", "timeout_ms", "memory_limit_mb", "allowed_modules", "packages",
-               "figure_formats"}
+               "figure_formats", "intent"}
+_POLICY_FIELDS = {"mode", "allow", "deny", "tls_inspect", "tls_exclude", "dlp",
+                  "max_body_bytes"}
+FAKE_CA_PEM = ("-----BEGIN CERTIFICATE-----\nMIIBfakefakefakeFAKECAforthefakeesbd\n"
+               "-----END CERTIFICATE-----\n")
+
+
+def check_network(network: Any) -> Any:
+    """Like esbd: "none" or a policy object (docs/api.md "Network policy"), defaults filled."""
+    if network == "none":
+        return network
+    if not isinstance(network, dict):
+        raise ApiError(400, "bad_request", "network must be \"none\" or a policy object")
+    unknown = sorted(set(network) - _POLICY_FIELDS)
+    if unknown:
+        raise ApiError(400, "bad_request", f"network: unknown field '{unknown[0]}'")
+    if network.get("mode", "allowlist") not in ("allowlist", "open", "blocked"):
+        raise ApiError(400, "bad_request", "network.mode must be allowlist, open or blocked")
+    full = {"mode": "allowlist", "allow": [], "deny": [], "tls_inspect": True,
+            "tls_exclude": [], "dlp": {}, "max_body_bytes": 10 << 20}
+    full.update(network)
+    return full
 
 # Runs a cell like esbd's heavy kernel: executes the code and, when the last statement is an
 # expression, records its repr as "value" and, for anything that looks like a pandas
@@ -98,6 +119,8 @@ class FakeEnv:
     heartbeats: int = 0
     run_steps: int = 0
     reported: set = field(default_factory=set)  # artifact files already reported
+    network: Any = "none"
+    intents: dict = field(default_factory=dict)  # name -> {"intent", "allow", "expires_ms"}
 
     def record(self) -> dict[str, Any]:
         return {"environment_id": self.id,
@@ -139,6 +162,12 @@ class FakeEsbd:
         self.volumes: dict[tuple[str, str], dict[str, Any]] = {}
         self.requests: list[tuple[str, str]] = []
         self.run_bodies: list[dict[str, Any]] = []
+        self.execute_bodies: list[dict[str, Any]] = []
+        # The intent catalogue (esbd's config "intents"); which intents were active during
+        # each execute (name lists), so tests see a per-call intent applied.
+        self.intent_catalogue: dict[str, dict[str, Any]] = {
+            "check-weather": {"allow": ["weather.example"]}}
+        self.intents_during_execute: list[list[str]] = []
         self.create_bodies: list[dict[str, Any]] = []
         self.audit: list[dict[str, Any]] = []
         self.next_figures: list[tuple[Optional[str], bytes]] = []
@@ -234,8 +263,9 @@ class FakeEsbd:
                 self.volumes[(tenant, v["name"])]["mounted_by"] = env_id
         ws = os.path.realpath(os.path.join(self.root, env_id))
         os.makedirs(ws)
+        network = check_network(body.get("network", "none"))
         env = FakeEnv(env_id, tenant, ws, os.path.join(self.root, env_id + ".state"),
-                      dict(body), expires_at=now_iso(ttl))
+                      dict(body), expires_at=now_iso(ttl), network=network)
         with self.lock:
             self.envs[env_id] = env
             self.create_bodies.append(dict(body))
@@ -439,6 +469,25 @@ class _Handler(BaseHTTPRequestHandler):
                 return self.send_json(200, {"error": False, "expires_at": env.expires_at})
             if rest == ["execute"] and method == "POST":
                 return self.execute(env, self.json_body())
+            if rest == ["network"] and method == "GET":
+                return self.send_json(200, {"network": env.network})
+            if rest == ["network"] and method == "PUT":
+                body = self.json_body()
+                self._fields(body, {"network"})
+                env.network = check_network(body.get("network"))
+                return self.send_json(200, {"network": env.network})
+            if rest == ["ca.pem"] and method == "GET":
+                if env.network == "none":
+                    raise ApiError(404, "not_found", "this environment has no network policy")
+                raw = FAKE_CA_PEM.encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-pem-file")
+                self.send_header("Content-Length", str(len(raw)))
+                self.end_headers()
+                self.wfile.write(raw)
+                return None
+            if rest[:1] == ["intents"]:
+                return self.intents(env, method, rest[1:])
             if rest == ["run"] and method == "POST":
                 return self.run_code(tenant, self.json_body(), env)
             if rest == ["files", "write"] and method == "POST":
@@ -513,6 +562,41 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(f"event: {name}\ndata: {json.dumps(data)}\n\n".encode())
         self.wfile.flush()
 
+    def active_intents(self, env: FakeEnv) -> list[dict[str, Any]]:
+        now = int(time.time() * 1000)
+        for name in [n for n, i in env.intents.items() if i["expires_ms"] <= now]:
+            del env.intents[name]
+        return [env.intents[n] for n in sorted(env.intents)]
+
+    def check_intent(self, env: Optional[FakeEnv], name: Any) -> None:
+        if not isinstance(name, str) or name not in self.esbd.intent_catalogue:
+            raise ApiError(400, "bad_request", f"intent {name!r} is not in the catalogue")
+        if env is not None and env.network == "none":
+            raise ApiError(400, "bad_request", "intents need a network policy (network is "
+                           "\"none\")")
+
+    def intents(self, env: FakeEnv, method: str, rest: list[str]) -> None:
+        if not rest and method == "GET":
+            return self.send_json(200, {"intents": self.active_intents(env)})
+        if not rest and method == "POST":
+            body = self.json_body()
+            self._fields(body, {"intent", "ttl_seconds"})
+            self.check_intent(env, body.get("intent"))
+            ttl = body.get("ttl_seconds", 3600)
+            if not isinstance(ttl, int) or isinstance(ttl, bool) or not 1 <= ttl <= 604800:
+                raise ApiError(400, "bad_request", "ttl_seconds must be 1..604800")
+            name = body["intent"]
+            record = {"intent": name, "allow": self.esbd.intent_catalogue[name]["allow"],
+                      "expires_ms": int(time.time() * 1000) + ttl * 1000}
+            env.intents[name] = record
+            return self.send_json(201, record)
+        if len(rest) == 1 and method == "DELETE":
+            self.active_intents(env)
+            if env.intents.pop(rest[0], None) is None:
+                raise ApiError(404, "not_found", f"intent {rest[0]} is not active")
+            return self.send_json(200, {"error": False, "message": "Intent deactivated."})
+        raise ApiError(405, "method_not_allowed", "Method not allowed.")
+
     def run_code(self, tenant: str, body: dict[str, Any], env: Optional[FakeEnv] = None) -> None:
         esbd = self.esbd
         esbd.run_bodies.append(body)
@@ -520,6 +604,8 @@ class _Handler(BaseHTTPRequestHandler):
         unknown = sorted(set(body) - allowed)
         if unknown:
             raise ApiError(400, "bad_request", f"Unknown field '{unknown[0]}'.")
+        if "intent" in body:
+            self.check_intent(env, body["intent"])
         code = body.get("code")
         if not isinstance(code, str):
             raise ApiError(400, "bad_request", "'code' must be a string.")
@@ -684,9 +770,15 @@ class _Handler(BaseHTTPRequestHandler):
         return bufs, truncated, timed_out
 
     def execute(self, env: FakeEnv, body: dict[str, Any]) -> None:
-        unknown = sorted(set(body) - {"command", "timeout_seconds", "env"})
+        unknown = sorted(set(body) - {"command", "timeout_seconds", "env", "intent"})
         if unknown:
             raise ApiError(400, "bad_request", f"Unknown field '{unknown[0]}'.")
+        self.esbd.execute_bodies.append(body)
+        if "intent" in body:
+            self.check_intent(env, body["intent"])
+        self.esbd.intents_during_execute.append(
+            sorted({i["intent"] for i in self.active_intents(env)}
+                   | ({body["intent"]} if "intent" in body else set())))
         command = body.get("command")
         if not isinstance(command, str) or not command:
             raise ApiError(400, "bad_request", "'command' must be a non-empty string.")
