@@ -345,13 +345,11 @@ class AsyncSandbox:
                   on_stdout: Optional[AsyncOutputHandler] = None,
                   on_stderr: Optional[AsyncOutputHandler] = None,
                   on_install: Optional[AsyncOutputHandler] = None,
-                  stream: Optional[bool] = None,
-                  intent: Optional[str] = None) -> SandboxResult:
+                  stream: Optional[bool] = None) -> SandboxResult:
         """Run Python ``code`` once; see :meth:`agentbox.Sandbox.run`. Callbacks may be
         coroutine functions; giving one makes the request stream."""
         return await _run_cancellable(self.sync.run, code, asyncio.get_running_loop(),
-                                      on_stdout, on_stderr, on_install, stream, config=config,
-                                      intent=intent)
+                                      on_stdout, on_stderr, on_install, stream, config=config)
 
     async def download_artifact(self, artifact: Union[Artifact, Mapping[str, Any]]) -> bytes:
         """The bytes of an artifact from a run's result."""

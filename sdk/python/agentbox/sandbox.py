@@ -694,7 +694,10 @@ class Environment:
 
     def set_network(self, policy: NetworkPolicy) -> Union[str, dict[str, Any]]:
         """Replace the network policy live (``PUT /environments/{id}/network``); new
-        connections and requests follow it at once. Returns the policy as stored."""
+        connections and requests follow it at once. Returns the policy as stored. Whether an
+        environment has egress at all is fixed at create: ``"none"`` on a governed one (or a
+        policy on a ``"none"`` one) raises :class:`Conflict`; to cut all egress set
+        ``{"mode": "blocked"}``."""
         body = {"network": _check_network(policy, "set_network")}
         return _network_from_answer(self._transport.json(
             "PUT", f"/environments/{quote_id(self.environment_id)}/network", body))
@@ -712,8 +715,11 @@ class Environment:
     def activate_intent(self, name: str, *, ttl_seconds: Optional[int] = None
                         ) -> dict[str, Any]:
         """``POST /environments/{id}/intents``: activate a catalogue intent (until
-        ``ttl_seconds`` pass, the daemon's default if omitted, or until
-        :meth:`deactivate_intent`); returns the daemon's record of it."""
+        ``ttl_seconds`` pass — the daemon's default, 300 s, if omitted — or until
+        :meth:`deactivate_intent`). Activating an active intent extends it. Returns the
+        daemon's answer: ``{"environment_id", "network", "intents": [...]}``. An intent not in
+        the catalogue raises :class:`InvalidArgument`; on a ``"none"`` environment,
+        :class:`Conflict`."""
         _check_intent(name, "activate_intent")
         body: dict[str, Any] = {"intent": name}
         if ttl_seconds is not None:
@@ -736,7 +742,8 @@ class Environment:
         return True
 
     def intents(self) -> list[dict[str, Any]]:
-        """``GET /environments/{id}/intents``: the intents active now, with their expiry."""
+        """``GET /environments/{id}/intents``: the intents active now (``{"intent", "allow",
+        "scope": "environment"|"call", "expires_at", "expires_in_seconds"}``)."""
         answer = self._transport.json(
             "GET", f"/environments/{quote_id(self.environment_id)}/intents")
         found = answer.get("intents")
@@ -829,8 +836,8 @@ class Environment:
 class IntentScope:
     """``with env.intent("check-weather"):`` — activates the intent on entry (``POST
     .../intents``) and deactivates it on exit (``DELETE .../intents/{name}``), also when the
-    block raises. ``info`` holds the daemon's record from the activation (e.g. the allowed
-    hosts and the expiry)."""
+    block raises. ``info`` holds the daemon's answer to the activation (``{"environment_id",
+    "network", "intents": [...]}``, each intent with its hosts and expiry)."""
 
     def __init__(self, env: Environment, name: str, ttl_seconds: Optional[int]) -> None:
         _check_intent(name, "intent")
@@ -908,8 +915,7 @@ class Sandbox:
             on_stdout: Optional[OutputHandler] = None,
             on_stderr: Optional[OutputHandler] = None,
             on_install: Optional[OutputHandler] = None, stream: Optional[bool] = None,
-            cancel: Optional[CancelToken] = None,
-            intent: Optional[str] = None) -> SandboxResult:
+            cancel: Optional[CancelToken] = None) -> SandboxResult:
         """Run Python ``code`` once, in a fresh sandbox, and return its output.
 
         Uses ``POST /run`` when the daemon has it. A daemon without it (404/405), or whose
@@ -927,8 +933,6 @@ class Sandbox:
             on_install: called with pip's output while ``config.packages`` install.
             stream: force streaming on (or off) regardless of callbacks.
             cancel: a :class:`CancelToken` to abort from another thread (implies streaming).
-            intent: an intent name from the daemon's catalogue, active for this run only
-                (sent as ``"intent"``; the daemon's default network policy applies).
 
         Returns:
             the :class:`SandboxResult`; its ``artifacts`` (figures, files under
@@ -938,14 +942,11 @@ class Sandbox:
         cfg = config or self.config
         if not isinstance(code, str):
             raise InvalidArgument("run: code must be a string")
-        _check_intent(intent, "run")
         streaming = stream if stream is not None else (
             on_stdout is not None or on_stderr is not None or on_install is not None
             or cancel is not None)
         if self._has_run_endpoint is not False:
             payload = _run_payload(code, cfg, runtime=True)
-            if intent:
-                payload["intent"] = intent
             try:
                 answer, elapsed = _run_python(
                     self._transport, "/run", payload,
@@ -966,7 +967,7 @@ class Sandbox:
                 self._has_run_endpoint = True
                 return SandboxResult.from_run_answer(answer, elapsed_ms=elapsed)
         return self._run_in_environment(code, cfg, on_stdout=on_stdout, on_stderr=on_stderr,
-                                         cancel=cancel, intent=intent)
+                                         cancel=cancel)
 
     # -- artifacts --------------------------------------------------------------------------
     def download_artifact(self, artifact: Union[Artifact, Mapping[str, Any]]) -> bytes:
@@ -1000,8 +1001,7 @@ class Sandbox:
     def _run_in_environment(self, code: str, cfg: SandboxConfig, *,
                             on_stdout: Optional[OutputHandler] = None,
                             on_stderr: Optional[OutputHandler] = None,
-                            cancel: Optional[CancelToken] = None,
-                            intent: Optional[str] = None) -> SandboxResult:
+                            cancel: Optional[CancelToken] = None) -> SandboxResult:
         started = time.monotonic()
         seconds = max(1, math.ceil(cfg.timeout_ms / 1000.0))
         options: dict[str, Any] = {"ttl_seconds": min(86400, max(60, seconds + 120))}
@@ -1025,7 +1025,7 @@ class Sandbox:
             env.files.write(script, code)
             result = env.commands.run(f"python3 {shlex.quote(script)}", timeout=seconds,
                                       on_stdout=on_stdout, on_stderr=on_stderr,
-                                      cancel=cancel, intent=intent)
+                                      cancel=cancel)
             exception = parse_traceback(result.stderr) if result.exit_code != 0 else None
             return SandboxResult(stdout=result.stdout, stderr=result.stderr,
                                  exit_code=result.exit_code, error=result.exit_code != 0,

@@ -120,7 +120,7 @@ class FakeEnv:
     run_steps: int = 0
     reported: set = field(default_factory=set)  # artifact files already reported
     network: Any = "none"
-    intents: dict = field(default_factory=dict)  # name -> {"intent", "allow", "expires_ms"}
+    intents: dict = field(default_factory=dict)  # name -> docs/api.md's intent object
 
     def record(self) -> dict[str, Any]:
         return {"environment_id": self.id,
@@ -470,12 +470,16 @@ class _Handler(BaseHTTPRequestHandler):
             if rest == ["execute"] and method == "POST":
                 return self.execute(env, self.json_body())
             if rest == ["network"] and method == "GET":
-                return self.send_json(200, {"network": env.network})
+                return self.send_json(200, self.network_answer(env))
             if rest == ["network"] and method == "PUT":
                 body = self.json_body()
                 self._fields(body, {"network"})
-                env.network = check_network(body.get("network"))
-                return self.send_json(200, {"network": env.network})
+                network = check_network(body.get("network"))
+                if (network == "none") != (env.network == "none"):
+                    raise ApiError(409, "conflict", "whether an environment has egress is "
+                                   "fixed at create")
+                env.network = network
+                return self.send_json(200, self.network_answer(env))
             if rest == ["ca.pem"] and method == "GET":
                 if env.network == "none":
                     raise ApiError(404, "not_found", "this environment has no network policy")
@@ -563,38 +567,54 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.flush()
 
     def active_intents(self, env: FakeEnv) -> list[dict[str, Any]]:
-        now = int(time.time() * 1000)
-        for name in [n for n, i in env.intents.items() if i["expires_ms"] <= now]:
+        now = time.time()
+        for name in [n for n, i in env.intents.items() if i["_expires"] <= now]:
             del env.intents[name]
-        return [env.intents[n] for n in sorted(env.intents)]
+        return [{k: v for k, v in env.intents[n].items() if not k.startswith("_")}
+                | {"expires_in_seconds": max(0, int(env.intents[n]["_expires"] - now))}
+                for n in sorted(env.intents)]
+
+    def network_answer(self, env: FakeEnv) -> dict[str, Any]:
+        """GET /environments/{id}/network (also the answer of PUT and of the intent calls)."""
+        return {"environment_id": env.id, "network": env.network,
+                "intents": self.active_intents(env)}
 
     def check_intent(self, env: Optional[FakeEnv], name: Any) -> None:
+        if env is None:  # like esbd: a one-shot run has no network to open
+            raise ApiError(400, "bad_request", "'intent' needs an environment with a network "
+                           "policy; POST /run has none")
         if not isinstance(name, str) or name not in self.esbd.intent_catalogue:
-            raise ApiError(400, "bad_request", f"intent {name!r} is not in the catalogue")
-        if env is not None and env.network == "none":
-            raise ApiError(400, "bad_request", "intents need a network policy (network is "
-                           "\"none\")")
+            raise ApiError(400, "bad_request", f"intent {name!r} is not in the catalogue "
+                           f"({', '.join(sorted(self.esbd.intent_catalogue))})")
+        if env.network == "none":
+            raise ApiError(409, "conflict", "intents need a governed environment (its network "
+                           "is \"none\")")
 
     def intents(self, env: FakeEnv, method: str, rest: list[str]) -> None:
         if not rest and method == "GET":
-            return self.send_json(200, {"intents": self.active_intents(env)})
+            return self.send_json(200, {
+                "environment_id": env.id, "intents": self.active_intents(env),
+                "available": [{"intent": n, **d} for n, d in
+                              sorted(self.esbd.intent_catalogue.items())]})
         if not rest and method == "POST":
             body = self.json_body()
             self._fields(body, {"intent", "ttl_seconds"})
             self.check_intent(env, body.get("intent"))
-            ttl = body.get("ttl_seconds", 3600)
+            ttl = body.get("ttl_seconds", 300)
             if not isinstance(ttl, int) or isinstance(ttl, bool) or not 1 <= ttl <= 604800:
                 raise ApiError(400, "bad_request", "ttl_seconds must be 1..604800")
             name = body["intent"]
-            record = {"intent": name, "allow": self.esbd.intent_catalogue[name]["allow"],
-                      "expires_ms": int(time.time() * 1000) + ttl * 1000}
-            env.intents[name] = record
-            return self.send_json(201, record)
+            expires = time.time() + ttl
+            env.intents[name] = {"intent": name,
+                                 "allow": self.esbd.intent_catalogue[name]["allow"],
+                                 "scope": "environment", "expires_at": now_iso(ttl),
+                                 "_expires": expires}
+            return self.send_json(200, self.network_answer(env))
         if len(rest) == 1 and method == "DELETE":
             self.active_intents(env)
             if env.intents.pop(rest[0], None) is None:
                 raise ApiError(404, "not_found", f"intent {rest[0]} is not active")
-            return self.send_json(200, {"error": False, "message": "Intent deactivated."})
+            return self.send_json(200, self.network_answer(env))
         raise ApiError(405, "method_not_allowed", "Method not allowed.")
 
     def run_code(self, tenant: str, body: dict[str, Any], env: Optional[FakeEnv] = None) -> None:

@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from agentbox import AsyncSandbox, IntentScope, InvalidArgument, Sandbox, SandboxNotFound
+from agentbox import (AsyncSandbox, Conflict, IntentScope, InvalidArgument, Sandbox,
+                      SandboxNotFound)
 
 POLICY = {"mode": "allowlist", "allow": ["pypi.test", "*.git.test"], "deny": ["evil.test"]}
 
@@ -26,6 +27,11 @@ def test_create_without_network_sends_none_of_it_and_reads_none(fake):
     with Sandbox.create(url=fake.url) as env:
         assert "network" not in fake.create_bodies[-1]
         assert env.network == "none"
+        assert env.set_network("none") == "none"
+        with pytest.raises(Conflict):  # egress or not is fixed at create
+            env.set_network(POLICY)
+        with pytest.raises(Conflict):
+            env.activate_intent("check-weather")
     with Sandbox.create(url=fake.url, network="none") as env:
         assert fake.create_bodies[-1]["network"] == "none"
 
@@ -51,7 +57,8 @@ def test_set_network_replaces_the_policy_live(fake):
         assert env.network["mode"] == "blocked"
         env.network = {"mode": "open", "deny": ["evil.test"]}  # the property setter
         assert env.network["mode"] == "open"
-        assert env.set_network("none") == "none" and env.network == "none"
+        with pytest.raises(Conflict):  # a governed environment stays governed
+            env.set_network("none")
         puts = [r for r in fake.requests if r == ("PUT", f"/environments/{env.id}/network")]
         assert len(puts) == 3
         with pytest.raises(InvalidArgument):
@@ -63,9 +70,10 @@ def test_intent_context_manager_activates_then_deactivates(fake):
         assert env.intents() == []
         with env.intent("check-weather", ttl_seconds=120) as scope:
             assert isinstance(scope, IntentScope)
-            assert scope.info["intent"] == "check-weather"
-            assert scope.info["allow"] == ["weather.example"]
-            assert scope.info["expires_ms"] > time.time() * 1000 + 100_000
+            assert scope.info["environment_id"] == env.id
+            (active,) = scope.info["intents"]
+            assert active["intent"] == "check-weather" and active["allow"] == ["weather.example"]
+            assert active["expires_in_seconds"] > 100
             assert [i["intent"] for i in env.intents()] == ["check-weather"]
             env.commands.run("true")
         assert env.intents() == []
@@ -106,7 +114,7 @@ def test_unknown_intent_and_bad_ttl_are_errors(fake):
             env.intent("")
 
 
-def test_intent_on_a_command_run_code_and_one_shot_run(fake_run):
+def test_intent_on_a_command_and_run_code(fake_run):
     box = Sandbox(url=fake_run.url)
     with box.create(network=POLICY) as env:
         env.commands.run("true", intent="check-weather")
@@ -118,20 +126,9 @@ def test_intent_on_a_command_run_code_and_one_shot_run(fake_run):
         assert fake_run.run_bodies[-1]["intent"] == "check-weather"
         with pytest.raises(InvalidArgument):
             env.commands.run("true", intent="")
-    box.run("print(1)", intent="check-weather")
-    assert fake_run.run_bodies[-1]["intent"] == "check-weather"
-    box.run("print(1)")
-    assert "intent" not in fake_run.run_bodies[-1]
-
-
-def test_intent_reaches_the_environment_fallback_of_run(fake):
-    # No POST /run: the SDK runs the code in a temporary environment; the intent goes with the
-    # command (the daemon refuses it there: that environment has no network policy).
-    with pytest.raises(InvalidArgument) as info:
-        Sandbox(url=fake.url).run("print(1)", intent="check-weather")
-    assert "network" in str(info.value)
-    assert fake.execute_bodies[-1]["intent"] == "check-weather"
-    assert fake.live() == []
+    with box.create() as env:  # no network policy: the daemon refuses the intent
+        with pytest.raises(Conflict):
+            env.commands.run("true", intent="check-weather")
 
 
 def test_ca_pem_returns_the_environment_ca(fake):
@@ -152,7 +149,7 @@ def test_async_twins(fake):
             assert (await env.set_network({"mode": "blocked"}))["mode"] == "blocked"
             await env.set_network(POLICY)
             async with env.intent("check-weather", ttl_seconds=60) as scope:
-                assert scope.info["intent"] == "check-weather"
+                assert scope.info["intents"][0]["intent"] == "check-weather"
                 assert [i["intent"] for i in await env.intents()] == ["check-weather"]
                 await env.commands.run("true")
             assert await env.intents() == []
