@@ -148,14 +148,15 @@ class EgressE2eTest : public ::testing::Test {
     };
     return match(Rows(env, [&](const auto& rows) { return !match(rows).empty(); }));
   }
-  std::vector<json::object> RowsWithHost(const std::string& env, const std::string& host) {
+  std::vector<json::object> RowsWithHost(const std::string& env, const std::string& host,
+                                         size_t at_least = 1) {
     auto match = [&](const std::vector<json::object>& rows) {
       std::vector<json::object> out;
       for (const json::object& row : rows)
         if (Str(row, "host") == host) out.push_back(row);
       return out;
     };
-    return match(Rows(env, [&](const auto& rows) { return !match(rows).empty(); }));
+    return match(Rows(env, [&](const auto& rows) { return match(rows).size() >= at_least; }));
   }
   // Whether the upstream ever answered a request whose path contains `marker`.
   static bool UpstreamSaw(const std::string& marker) {
@@ -228,7 +229,7 @@ TEST_F(EgressE2eTest, DeniedDomainIsRefusedWith403AndTheRule) {
   EXPECT_NE(out.find("403"), out.rfind("403")) << out;
   EXPECT_FALSE(UpstreamSaw("denied-http-marker"));
   EXPECT_FALSE(UpstreamSaw("denied-https-marker"));
-  std::vector<json::object> rows = RowsWithHost(env, "denied.test");
+  std::vector<json::object> rows = RowsWithHost(env, "denied.test", 2);
   ASSERT_GE(rows.size(), 2u);
   for (const json::object& row : rows) {
     EXPECT_EQ(Str(row, "decision"), "blocked") << json::serialize(row);
@@ -291,7 +292,7 @@ TEST_F(EgressE2eTest, RedirectToADeniedHostIsRefused) {
   EXPECT_NE(out.find("rc=56"), std::string::npos) << out;
   EXPECT_TRUE(UpstreamSaw("/redirect?to=https://evil.test"));  // the first hop went
   EXPECT_FALSE(UpstreamSaw("redirect-stolen"));
-  EXPECT_GE(RowsWithHost(env, "evil.test").size(), 2u);
+  EXPECT_GE(RowsWithHost(env, "evil.test", 2).size(), 2u);
 }
 
 TEST_F(EgressE2eTest, HostHeaderOrSniDifferentFromTheConnectTargetIsRefused) {
@@ -317,7 +318,10 @@ TEST_F(EgressE2eTest, HostHeaderOrSniDifferentFromTheConnectTargetIsRefused) {
                     "https://echo.test/host-mismatch-marker; python3 sni.py");
   const std::string out = r.str("stdout");
   EXPECT_EQ(out.rfind("421\n", 0), 0u) << r.body;
-  EXPECT_NE(out.find("refused"), std::string::npos) << r.body;
+  // The proxy refuses the handshake, or completes it and answers 421 itself.
+  EXPECT_TRUE(out.find("refused") != std::string::npos ||
+              out.find("answer b'HTTP/1.1 421") != std::string::npos)
+      << r.body;
   EXPECT_FALSE(UpstreamSaw("host-mismatch-marker"));
   EXPECT_FALSE(UpstreamSaw("sni-mismatch-marker"));
   bool sni_row = false;
