@@ -14,8 +14,8 @@ PKGS=(
   crun runc debootstrap iproute2 util-linux procps
   # persistent volumes (an ext4 file system per volume, loop-mounted)
   e2fsprogs
-  # python SDK tests
-  python3 python3-pytest
+  # python SDK tests; the egress tests' fixtures (pip and git against a local HTTPS upstream)
+  python3 python3-pytest python3-pip
   # nano tier (CPython -> wasm32-wasi -> wasm2c)
   clang-14 lld-14 llvm-14 wabt wasi-libc libclang-rt-14-dev-wasm32 dpkg-dev
   # (nodejs/npm: added below only when no npm is on PATH)

@@ -18,19 +18,31 @@ if [ -d sdk/python/tests ]; then
   # Two tenants, so the SDK's bad-credential and tenant-isolation cases run too.
   KEY_A="esb_e2e_alice_$(head -c 12 /dev/urandom | od -An -tx1 | tr -d ' \n')"
   KEY_B="esb_e2e_bob_$(head -c 12 /dev/urandom | od -An -tx1 | tr -d ' \n')"
-  printf '{"keys": [{"key": "%s", "tenant": "alice"}, {"key": "%s", "tenant": "bob"}]}\n' \
+  # An intent for the network tests (test_e2e_network.py): "check-weather" allows
+  # weather.example, which esbd's proxy sends to the egress tests' local upstream.
+  printf '{"keys": [{"key": "%s", "tenant": "alice"}, {"key": "%s", "tenant": "bob"}],
+  "intents": {"check-weather": {"allow": ["weather.example"]}}}\n' \
     "$KEY_A" "$KEY_B" > "$STATE/config.json"
+  mkdir -p "$STATE/upstream"
+  coproc UPSTREAM { exec python3 tests/integration/egress/upstream.py "$STATE/upstream"; }
+  UPSTREAM_PORT=""
+  read -r -t 30 _ UPSTREAM_PORT <&"${UPSTREAM[0]}" || true
+  [ -n "$UPSTREAM_PORT" ] || { log "the egress test upstream did not start"; status=1; }
   "$BUILD_DIR/esbd" --listen "127.0.0.1:$PORT" --state-dir "$STATE" --unix-socket none \
-    --config "$STATE/config.json" >"$STATE/esbd.log" 2>&1 &
+    --config "$STATE/config.json" \
+    --egress-resolve "weather.example=127.0.0.1:${UPSTREAM_PORT:-9}" \
+    --egress-upstream-ca "$STATE/upstream/root.pem" >"$STATE/esbd.log" 2>&1 &
   ESBD_PID=$!
   if wait_healthy "http://127.0.0.1:$PORT" 60; then
     AGENTBOX_E2E_URL="http://127.0.0.1:$PORT" AGENTBOX_E2E_API_KEY="$KEY_A" \
-      AGENTBOX_E2E_API_KEY_2="$KEY_B" /usr/bin/python3 -m pytest -q sdk/python/tests \
+      AGENTBOX_E2E_API_KEY_2="$KEY_B" AGENTBOX_E2E_EGRESS_HOST=weather.example \
+      AGENTBOX_E2E_INTENT=check-weather /usr/bin/python3 -m pytest -q sdk/python/tests \
       || status=1
   else
     log "esbd did not start; its log:"; cat "$STATE/esbd.log"; status=1
   fi
   kill -TERM "$ESBD_PID" 2>/dev/null; wait "$ESBD_PID" 2>/dev/null
+  [ -n "${UPSTREAM_PID:-}" ] && { kill "$UPSTREAM_PID" 2>/dev/null; wait "$UPSTREAM_PID" 2>/dev/null; }
   # Environments survive esbd by design; tear down what the tests left behind.
   "$BUILD_DIR/esbd" --state-dir "$STATE" --image "default=$ESBD_IMAGE_DEFAULT" cleanup >/dev/null 2>&1 || true
   rm -rf "$STATE"

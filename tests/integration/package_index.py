@@ -68,38 +68,40 @@ REQUESTS = []
 LOCK = threading.Lock()
 
 
+def serve(path):
+    """Answers a GET of `path` (query stripped): (status, body, content type). Also used by
+    egress/upstream.py, which serves the same index over HTTPS."""
+    if path == "/_requests":
+        with LOCK:
+            return 200, json.dumps(REQUESTS).encode(), "application/json"
+    with LOCK:
+        REQUESTS.append(path)
+    parts = [p for p in path.split("/") if p]
+    if len(parts) == 2 and parts[0] == "simple" and parts[1] in WHEELS:
+        links = "".join(
+            '<a href="/files/%s#sha256=%s">%s</a><br>\n'
+            % (fn, hashlib.sha256(data).hexdigest(), fn)
+            for fn, data in sorted(WHEELS[parts[1]].items()))
+        page = "<!DOCTYPE html><html><body>\n%s</body></html>\n" % links
+        return 200, page.encode(), "text/html"
+    if len(parts) == 2 and parts[0] == "files":
+        for files in WHEELS.values():
+            if parts[1] in files:
+                return 200, files[parts[1]], "application/octet-stream"
+    return 404, b"not found\n", "text/plain"
+
+
 class Handler(http.server.BaseHTTPRequestHandler):
     def log_message(self, *args):
         pass
 
-    def answer(self, code, body, ctype):
+    def do_GET(self):
+        code, body, ctype = serve(self.path.split("?")[0])
         self.send_response(code)
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
-
-    def do_GET(self):
-        path = self.path.split("?")[0]
-        if path == "/_requests":
-            with LOCK:
-                body = json.dumps(REQUESTS).encode()
-            return self.answer(200, body, "application/json")
-        with LOCK:
-            REQUESTS.append(path)
-        parts = [p for p in path.split("/") if p]
-        if len(parts) == 2 and parts[0] == "simple" and parts[1] in WHEELS:
-            links = "".join(
-                '<a href="/files/%s#sha256=%s">%s</a><br>\n'
-                % (fn, hashlib.sha256(data).hexdigest(), fn)
-                for fn, data in sorted(WHEELS[parts[1]].items()))
-            body = ("<!DOCTYPE html><html><body>\n%s</body></html>\n" % links).encode()
-            return self.answer(200, body, "text/html")
-        if len(parts) == 2 and parts[0] == "files":
-            for files in WHEELS.values():
-                if parts[1] in files:
-                    return self.answer(200, files[parts[1]], "application/octet-stream")
-        return self.answer(404, b"not found\n", "text/plain")
 
 
 def main():

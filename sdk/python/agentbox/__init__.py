@@ -24,17 +24,18 @@ from .errors import (AuthError, Cancelled, CommandExitError, CommandTimeout,  # 
 from .models import (Artifact, CommandResult, EntryInfo, ExecutionError,  # noqa: E402
                      SandboxConfig, SandboxResult, Table, WriteInfo)
 from .sandbox import (Artifacts, CancelToken, Commands, Environment, Files,  # noqa: E402
-                      Sandbox)
+                      IntentScope, NetworkPolicy, Sandbox)
 from .aio import (AsyncArtifacts, AsyncCommands, AsyncEnvironment, AsyncFiles,  # noqa: E402
-                  AsyncSandbox)
+                  AsyncIntentScope, AsyncSandbox)
 from . import tools, workflow  # noqa: E402
 
 __all__ = [
     "__version__",
     "Sandbox", "SandboxConfig", "SandboxResult", "ExecutionError", "Artifact", "Table",
     "Environment", "Commands", "Files", "Artifacts", "CommandResult", "EntryInfo",
-    "WriteInfo", "CancelToken", "Cancelled",
+    "WriteInfo", "CancelToken", "Cancelled", "IntentScope", "NetworkPolicy",
     "AsyncSandbox", "AsyncEnvironment", "AsyncCommands", "AsyncFiles", "AsyncArtifacts",
+    "AsyncIntentScope",
     "SandboxError", "InvalidArgument", "AuthError", "PermissionDenied", "SandboxNotFound",
     "Conflict", "PayloadTooLarge", "InsufficientStorage", "RateLimited", "ServerError",
     "Unavailable", "SandboxTimeout", "DaemonUnreachable", "CommandExitError", "CommandTimeout",

@@ -17,10 +17,10 @@ from typing import (Any, BinaryIO, Callable, Literal, Mapping, Optional, Sequenc
 from .models import (Artifact, CommandResult, EntryInfo, SandboxConfig, SandboxResult,
                      WriteInfo)
 from ._http import CancelToken
-from .sandbox import Environment, PathLike, Sandbox
+from .sandbox import Environment, NetworkPolicy, PathLike, Sandbox
 
 __all__ = ["AsyncSandbox", "AsyncEnvironment", "AsyncCommands", "AsyncFiles",
-           "AsyncArtifacts"]
+           "AsyncArtifacts", "AsyncIntentScope"]
 
 AsyncOutputHandler = Callable[[str], Any]
 """A streaming callback for the async client: a function or coroutine function taking a
@@ -56,7 +56,8 @@ class AsyncCommands:
                   on_stdout: Optional[AsyncOutputHandler] = None,
                   on_stderr: Optional[AsyncOutputHandler] = None,
                   stream: Optional[bool] = None, check: bool = False,
-                  request_timeout: Optional[float] = None) -> CommandResult:
+                  request_timeout: Optional[float] = None,
+                  intent: Optional[str] = None) -> CommandResult:
         """Run ``cmd`` in the environment; same arguments and result as
         :meth:`agentbox.Commands.run`. Callbacks may be coroutine functions. Streams by
         default, so that cancelling the awaiting task drops the connection and the daemon
@@ -68,7 +69,7 @@ class AsyncCommands:
                 self._sync.run, cmd, timeout=timeout, envs=envs,
                 on_stdout=_on_loop(loop, on_stdout), on_stderr=_on_loop(loop, on_stderr),
                 stream=True if stream is None else stream, check=check,
-                request_timeout=request_timeout, cancel=token)
+                request_timeout=request_timeout, cancel=token, intent=intent)
         except asyncio.CancelledError:
             token.cancel()  # drop the connection: esbd kills the command
             raise
@@ -212,16 +213,50 @@ class AsyncEnvironment:
                        on_stderr: Optional[AsyncOutputHandler] = None,
                        on_install: Optional[AsyncOutputHandler] = None,
                        stream: Optional[bool] = None,
-                       request_timeout: Optional[float] = None) -> SandboxResult:
+                       request_timeout: Optional[float] = None,
+                       intent: Optional[str] = None) -> SandboxResult:
         """Run Python in the environment's stateful interpreter; see
         :meth:`agentbox.Environment.run_code`. Callbacks may be coroutine functions."""
         return await _run_cancellable(
             self.sync.run_code, code, asyncio.get_running_loop(), on_stdout, on_stderr,
             on_install, stream, timeout_ms=timeout_ms, memory_limit_mb=memory_limit_mb,
             allowed_modules=allowed_modules, packages=packages, figure_formats=figure_formats,
-            request_timeout=request_timeout)
+            request_timeout=request_timeout, intent=intent)
 
     run = run_code
+
+    # -- network governance (see agentbox.Environment) --------------------------------------
+    async def get_network(self) -> Union[str, dict[str, Any]]:
+        """The network policy now (``"none"`` or the policy dict); the async spelling of
+        :attr:`agentbox.Environment.network`."""
+        return await asyncio.to_thread(lambda: self.sync.network)
+
+    async def set_network(self, policy: NetworkPolicy) -> Union[str, dict[str, Any]]:
+        """Replace the network policy live; returns it as stored."""
+        return await asyncio.to_thread(self.sync.set_network, policy)
+
+    def intent(self, name: str, *, ttl_seconds: Optional[int] = None) -> "AsyncIntentScope":
+        """``async with env.intent("check-weather"):`` — the intent is active inside the
+        block; see :meth:`agentbox.Environment.intent`."""
+        return AsyncIntentScope(self.sync.intent(name, ttl_seconds=ttl_seconds))
+
+    async def activate_intent(self, name: str, *, ttl_seconds: Optional[int] = None
+                              ) -> dict[str, Any]:
+        """Activate a catalogue intent; returns the daemon's record."""
+        return await asyncio.to_thread(
+            lambda: self.sync.activate_intent(name, ttl_seconds=ttl_seconds))
+
+    async def deactivate_intent(self, name: str) -> bool:
+        """Deactivate an intent (False if it was not active)."""
+        return await asyncio.to_thread(self.sync.deactivate_intent, name)
+
+    async def intents(self) -> list[dict[str, Any]]:
+        """The intents active now."""
+        return await asyncio.to_thread(self.sync.intents)
+
+    async def ca_pem(self) -> str:
+        """The environment's CA certificate (PEM)."""
+        return await asyncio.to_thread(self.sync.ca_pem)
 
     async def info(self) -> dict[str, Any]:
         """Fetch the environment record."""
@@ -247,6 +282,25 @@ class AsyncEnvironment:
     def closed(self) -> bool:
         """True once the environment was deleted by this client."""
         return self.sync.closed
+
+
+class AsyncIntentScope:
+    """The ``async with`` twin of :class:`agentbox.IntentScope`."""
+
+    def __init__(self, scope: Any) -> None:
+        self.sync = scope
+
+    @property
+    def info(self) -> dict[str, Any]:
+        """The daemon's record from the activation."""
+        return self.sync.info
+
+    async def __aenter__(self) -> "AsyncIntentScope":
+        await asyncio.to_thread(self.sync.__enter__)
+        return self
+
+    async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        await asyncio.to_thread(self.sync.__exit__, exc_type, exc, tb)
 
 
 class _AsyncCreate:

@@ -24,12 +24,18 @@ from .models import (Artifact, CommandResult, EntryInfo, SandboxConfig, SandboxR
                      WriteInfo, check_figure_formats, parse_artifacts, parse_traceback)
 
 __all__ = ["Sandbox", "Environment", "Commands", "Files", "Artifacts", "OutputHandler",
-           "CancelToken"]
+           "CancelToken", "IntentScope", "NetworkPolicy"]
 
 OutputHandler = Callable[[str], Any]
 """A streaming callback: receives each chunk of output text as it arrives."""
 
 PathLike = Union[str, "os.PathLike[str]"]
+
+NetworkPolicy = Union[str, Mapping[str, Any]]
+"""An environment's network: ``"none"`` (no network at all, the default) or a policy dict
+such as ``{"mode": "allowlist", "allow": ["pypi.org", "*.github.com"], "deny": [...],
+"tls_inspect": True, "dlp": {...}}`` (docs/api.md "Network policy"); egress then goes only
+through esbd's governance proxy."""
 
 #: Bytes up to this size go through the JSON ``files/write`` endpoint as base64; larger ones
 #: through the raw ``PUT files/raw`` endpoint (JSON bodies are capped at 16 MiB).
@@ -37,6 +43,39 @@ RAW_WRITE_THRESHOLD = 8 * 1024 * 1024
 _CHUNK = 64 * 1024
 _T = TypeVar("_T")
 _R = TypeVar("_R")
+
+
+def _check_network(network: Any, what: str) -> Union[str, dict[str, Any]]:
+    """``network`` as it goes on the wire: ``"none"`` or a copy of the policy dict. The
+    policy's content is the daemon's to validate (it answers 400 with the field at fault)."""
+    if isinstance(network, str):
+        if network != "none":
+            raise InvalidArgument(f'{what}: network must be "none" or a policy dict such as '
+                                  '{"mode": "allowlist", "allow": ["pypi.org"]}, not '
+                                  f"{network!r}")
+        return network
+    if isinstance(network, Mapping):
+        return dict(network)
+    raise InvalidArgument(f'{what}: network must be "none" or a policy dict, not '
+                          f"{type(network).__name__}")
+
+
+def _network_from_answer(answer: Mapping[str, Any]) -> Union[str, dict[str, Any]]:
+    """The policy from a ``GET``/``PUT /environments/{id}/network`` answer (``{"network":
+    "none" | {...}}``)."""
+    network = answer.get("network")
+    if isinstance(network, (str, dict)):
+        return network
+    raise SandboxError(f"esbd answered a network request without 'network': {answer!r:.200}")
+
+
+def _check_intent(intent: Any, what: str) -> Optional[str]:
+    if intent is None:
+        return None
+    if not isinstance(intent, str) or not intent:
+        raise InvalidArgument(f"{what}: intent must be a non-empty string (an intent name "
+                              "from the daemon's catalogue)")
+    return intent
 
 
 def _env_url(url: Optional[str]) -> str:
@@ -77,7 +116,8 @@ class Commands:
             on_stdout: Optional[OutputHandler] = None,
             on_stderr: Optional[OutputHandler] = None, stream: Optional[bool] = None,
             check: bool = False, request_timeout: Optional[float] = None,
-            cancel: Optional[CancelToken] = None) -> CommandResult:
+            cancel: Optional[CancelToken] = None,
+            intent: Optional[str] = None) -> CommandResult:
         """Run ``cmd`` with ``bash`` as ``appuser`` in the environment's session.
 
         The session is stateful: ``cd``, ``export``, shell variables and functions persist
@@ -101,6 +141,9 @@ class Commands:
                 drops the connection, the daemon kills the command, and this call raises
                 :class:`agentbox.Cancelled`. Implies streaming (the daemon notices a
                 streaming client leave at once).
+            intent: the name of an intent from the daemon's catalogue, active for this
+                command only (its hosts are allowed while the command runs; see
+                :meth:`Environment.intent`). Needs a network policy on the environment.
 
         Returns:
             the :class:`CommandResult`.
@@ -109,6 +152,8 @@ class Commands:
             raise InvalidArgument("commands.run: cmd must be a non-empty string")
         seconds = max(1, math.ceil(float(timeout)))
         payload: dict[str, Any] = {"command": cmd, "timeout_seconds": seconds}
+        if _check_intent(intent, "commands.run"):
+            payload["intent"] = intent
         if envs:
             payload["env"] = {str(k): str(v) for k, v in envs.items()}
         path = f"/environments/{quote_id(self._env.environment_id)}/execute"
@@ -584,7 +629,8 @@ class Environment:
                  on_stderr: Optional[OutputHandler] = None,
                  on_install: Optional[OutputHandler] = None, stream: Optional[bool] = None,
                  request_timeout: Optional[float] = None,
-                 cancel: Optional[CancelToken] = None) -> SandboxResult:
+                 cancel: Optional[CancelToken] = None,
+                 intent: Optional[str] = None) -> SandboxResult:
         """Run Python ``code`` in the environment's stateful interpreter
         (``POST /environments/{id}/run``): globals, imports and definitions persist between
         calls, like notebook cells.
@@ -603,6 +649,7 @@ class Environment:
             request_timeout: HTTP timeout in seconds (default: the time limit plus 30 s,
                 plus 300 s when ``packages`` are given).
             cancel: a :class:`CancelToken` to abort from another thread (implies streaming).
+            intent: an intent name from the daemon's catalogue, active for this cell only.
 
         Returns:
             a :class:`SandboxResult` with ``value`` (the final expression's ``repr``),
@@ -615,6 +662,8 @@ class Environment:
                             allowed_modules=allowed_modules, packages=packages,
                             figure_formats=figure_formats)  # validates every option
         payload = _run_payload(code, cfg, runtime=False)
+        if _check_intent(intent, "run_code"):
+            payload["intent"] = intent
         streaming = stream if stream is not None else (
             on_stdout is not None or on_stderr is not None or on_install is not None
             or cancel is not None)
@@ -629,6 +678,84 @@ class Environment:
         return SandboxResult.from_run_answer(answer, elapsed_ms=elapsed)
 
     run = run_code
+
+    # -- network governance ---------------------------------------------------------------
+    @property
+    def network(self) -> Union[str, dict[str, Any]]:
+        """The environment's network policy as the daemon holds it now (``GET
+        /environments/{id}/network``): ``"none"`` or the policy dict, defaults filled in.
+        Assigning to it is :meth:`set_network`."""
+        return _network_from_answer(self._transport.json(
+            "GET", f"/environments/{quote_id(self.environment_id)}/network"))
+
+    @network.setter
+    def network(self, policy: NetworkPolicy) -> None:
+        self.set_network(policy)
+
+    def set_network(self, policy: NetworkPolicy) -> Union[str, dict[str, Any]]:
+        """Replace the network policy live (``PUT /environments/{id}/network``); new
+        connections and requests follow it at once. Returns the policy as stored. Whether an
+        environment has egress at all is fixed at create: ``"none"`` on a governed one (or a
+        policy on a ``"none"`` one) raises :class:`Conflict`; to cut all egress set
+        ``{"mode": "blocked"}``."""
+        body = {"network": _check_network(policy, "set_network")}
+        return _network_from_answer(self._transport.json(
+            "PUT", f"/environments/{quote_id(self.environment_id)}/network", body))
+
+    def intent(self, name: str, *, ttl_seconds: Optional[int] = None) -> "IntentScope":
+        """A context manager that keeps the catalogue intent ``name`` active while its block
+        runs: its hosts join the allowlist on entry and leave it on exit (or when
+        ``ttl_seconds`` runs out, whichever comes first)::
+
+            with env.intent("check-weather", ttl_seconds=300):
+                env.commands.run("curl -s https://weather.example/today")
+        """
+        return IntentScope(self, name, ttl_seconds)
+
+    def activate_intent(self, name: str, *, ttl_seconds: Optional[int] = None
+                        ) -> dict[str, Any]:
+        """``POST /environments/{id}/intents``: activate a catalogue intent (until
+        ``ttl_seconds`` pass — the daemon's default, 300 s, if omitted — or until
+        :meth:`deactivate_intent`). Activating an active intent extends it. Returns the
+        daemon's answer: ``{"environment_id", "network", "intents": [...]}``. An intent not in
+        the catalogue raises :class:`InvalidArgument`; on a ``"none"`` environment,
+        :class:`Conflict`."""
+        _check_intent(name, "activate_intent")
+        body: dict[str, Any] = {"intent": name}
+        if ttl_seconds is not None:
+            if isinstance(ttl_seconds, bool) or not isinstance(ttl_seconds, int) \
+                    or ttl_seconds < 1:
+                raise InvalidArgument("activate_intent: ttl_seconds must be a positive int")
+            body["ttl_seconds"] = ttl_seconds
+        return self._transport.json(
+            "POST", f"/environments/{quote_id(self.environment_id)}/intents", body)
+
+    def deactivate_intent(self, name: str) -> bool:
+        """``DELETE /environments/{id}/intents/{name}``. True if it was active, False if the
+        daemon did not have it (already expired or never activated)."""
+        _check_intent(name, "deactivate_intent")
+        try:
+            self._transport.json("DELETE", f"/environments/{quote_id(self.environment_id)}"
+                                 f"/intents/{quote_id(name)}")
+        except SandboxNotFound:
+            return False
+        return True
+
+    def intents(self) -> list[dict[str, Any]]:
+        """``GET /environments/{id}/intents``: the intents active now (``{"intent", "allow",
+        "scope": "environment"|"call", "expires_at", "expires_in_seconds"}``)."""
+        answer = self._transport.json(
+            "GET", f"/environments/{quote_id(self.environment_id)}/intents")
+        found = answer.get("intents")
+        return [i for i in found if isinstance(i, dict)] if isinstance(found, list) else []
+
+    def ca_pem(self) -> str:
+        """``GET /environments/{id}/ca.pem``: the environment's own CA certificate (PEM), the
+        one its governance proxy signs inspected TLS with; the sandbox already trusts it."""
+        data = _download(self._transport, f"/environments/{quote_id(self.environment_id)}"
+                         "/ca.pem", None, None)
+        assert isinstance(data, bytes)
+        return data.decode("ascii", "replace")
 
     def info(self) -> dict[str, Any]:
         """Fetch the environment record (state, limits, timestamps, usage)."""
@@ -704,6 +831,38 @@ class Environment:
     def closed(self) -> bool:
         """True once :meth:`close` or :meth:`kill` succeeded."""
         return self._closed
+
+
+class IntentScope:
+    """``with env.intent("check-weather"):`` — activates the intent on entry (``POST
+    .../intents``) and deactivates it on exit (``DELETE .../intents/{name}``), also when the
+    block raises. ``info`` holds the daemon's answer to the activation (``{"environment_id",
+    "network", "intents": [...]}``, each intent with its hosts and expiry)."""
+
+    def __init__(self, env: Environment, name: str, ttl_seconds: Optional[int]) -> None:
+        _check_intent(name, "intent")
+        self.env = env
+        self.name = name
+        self.ttl_seconds = ttl_seconds
+        self.info: dict[str, Any] = {}
+
+    def __repr__(self) -> str:
+        return f"IntentScope({self.name!r}, environment={self.env.environment_id!r})"
+
+    def __enter__(self) -> "IntentScope":
+        self.info = self.env.activate_intent(self.name, ttl_seconds=self.ttl_seconds)
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.env.deactivate_intent(self.name)  # False when the TTL already ended it
+            return
+        try:
+            self.env.deactivate_intent(self.name)
+        except SandboxError as cleanup:  # never hide the body's own exception
+            warnings.warn(f"agentbox: could not deactivate intent {self.name!r} on "
+                          f"{self.env.environment_id}: {cleanup}", RuntimeWarning,
+                          stacklevel=2)
 
 
 def _run_payload(code: str, cfg: SandboxConfig, *, runtime: bool) -> dict[str, Any]:
@@ -913,7 +1072,8 @@ class Sandbox:
                runtime: Optional[str] = None, cpu: Optional[float] = None,
                memory_mb: Optional[int] = None, pids: Optional[int] = None,
                disk_mb: Optional[int] = None, ttl_seconds: Optional[int] = None,
-               envs: Optional[Mapping[str, str]] = None, network: Optional[str] = None,
+               envs: Optional[Mapping[str, str]] = None,
+               network: Optional[NetworkPolicy] = None,
                volumes: Optional[Sequence[Mapping[str, Any]]] = None,
                keep_alive: Union[bool, float] = False, url: Optional[str] = None,
                api_key: Optional[str] = None, request_timeout: float = 30.0) -> Environment:
@@ -927,7 +1087,11 @@ class Sandbox:
             image: rootfs image name. runtime: ``"container"``, ``"gvisor"``, ``"nano"``,
                 ``"auto"`` or ``"microvm"``; ``"heavy"`` is accepted as ``"container"``.
             cpu, memory_mb, pids, disk_mb: resource limits. ttl_seconds: lease length.
-            envs: environment variables for every command. network: ``"none"``.
+            envs: environment variables for every command.
+            network: ``"none"`` (the daemon's default: no network) or a policy dict, e.g.
+                ``{"mode": "allowlist", "allow": ["pypi.org", "files.pythonhosted.org"]}``:
+                egress then goes only through esbd's governance proxy (allow/deny rules,
+                TLS inspection, DLP, audit); see :attr:`Environment.network`.
             volumes: persistent volumes to mount, e.g. ``[{"name": "data", "path":
                 "/mnt/data", "read_only": False}]`` (see :meth:`create_volume`).
             keep_alive: ``True`` (heartbeat every ttl/3 s, at most 60 s) or an interval in
@@ -947,9 +1111,11 @@ class Sandbox:
             runtime = "container"
         for key, value in (("image", image), ("runtime", runtime), ("cpu", cpu),
                            ("memory_mb", memory_mb), ("pids", pids), ("disk_mb", disk_mb),
-                           ("ttl_seconds", ttl_seconds), ("network", network)):
+                           ("ttl_seconds", ttl_seconds)):
             if value is not None:
                 options[key] = value
+        if network is not None:
+            options["network"] = _check_network(network, "create")
         if envs:
             options["env"] = {str(k): str(v) for k, v in envs.items()}
         if volumes:

@@ -40,7 +40,28 @@ _SKIP_VARS = ("BASH", "BASHOPTS", "BASHPID", "BASH_ALIASES", "BASH_ARGC", "BASH_
 _ENV_FIELDS = {"image", "runtime", "cpu", "memory_mb", "pids", "disk_mb", "ttl_seconds", "env",
                "network", "volumes"}
 _RUN_FIELDS = {"code", "timeout_ms", "memory_limit_mb", "allowed_modules", "packages",
-               "figure_formats"}
+               "figure_formats", "intent"}
+_POLICY_FIELDS = {"mode", "allow", "deny", "tls_inspect", "tls_exclude", "dlp",
+                  "max_body_bytes"}
+FAKE_CA_PEM = ("-----BEGIN CERTIFICATE-----\nMIIBfakefakefakeFAKECAforthefakeesbd\n"
+               "-----END CERTIFICATE-----\n")
+
+
+def check_network(network: Any) -> Any:
+    """Like esbd: "none" or a policy object (docs/api.md "Network policy"), defaults filled."""
+    if network == "none":
+        return network
+    if not isinstance(network, dict):
+        raise ApiError(400, "bad_request", "network must be \"none\" or a policy object")
+    unknown = sorted(set(network) - _POLICY_FIELDS)
+    if unknown:
+        raise ApiError(400, "bad_request", f"network: unknown field '{unknown[0]}'")
+    if network.get("mode", "allowlist") not in ("allowlist", "open", "blocked"):
+        raise ApiError(400, "bad_request", "network.mode must be allowlist, open or blocked")
+    full = {"mode": "allowlist", "allow": [], "deny": [], "tls_inspect": True,
+            "tls_exclude": [], "dlp": {}, "max_body_bytes": 10 << 20}
+    full.update(network)
+    return full
 
 # Runs a cell like esbd's heavy kernel: executes the code and, when the last statement is an
 # expression, records its repr as "value" and, for anything that looks like a pandas
@@ -98,6 +119,8 @@ class FakeEnv:
     heartbeats: int = 0
     run_steps: int = 0
     reported: set = field(default_factory=set)  # artifact files already reported
+    network: Any = "none"
+    intents: dict = field(default_factory=dict)  # name -> docs/api.md's intent object
 
     def record(self) -> dict[str, Any]:
         return {"environment_id": self.id,
@@ -139,6 +162,12 @@ class FakeEsbd:
         self.volumes: dict[tuple[str, str], dict[str, Any]] = {}
         self.requests: list[tuple[str, str]] = []
         self.run_bodies: list[dict[str, Any]] = []
+        self.execute_bodies: list[dict[str, Any]] = []
+        # The intent catalogue (esbd's config "intents"); which intents were active during
+        # each execute (name lists), so tests see a per-call intent applied.
+        self.intent_catalogue: dict[str, dict[str, Any]] = {
+            "check-weather": {"allow": ["weather.example"]}}
+        self.intents_during_execute: list[list[str]] = []
         self.create_bodies: list[dict[str, Any]] = []
         self.audit: list[dict[str, Any]] = []
         self.next_figures: list[tuple[Optional[str], bytes]] = []
@@ -234,8 +263,9 @@ class FakeEsbd:
                 self.volumes[(tenant, v["name"])]["mounted_by"] = env_id
         ws = os.path.realpath(os.path.join(self.root, env_id))
         os.makedirs(ws)
+        network = check_network(body.get("network", "none"))
         env = FakeEnv(env_id, tenant, ws, os.path.join(self.root, env_id + ".state"),
-                      dict(body), expires_at=now_iso(ttl))
+                      dict(body), expires_at=now_iso(ttl), network=network)
         with self.lock:
             self.envs[env_id] = env
             self.create_bodies.append(dict(body))
@@ -439,6 +469,29 @@ class _Handler(BaseHTTPRequestHandler):
                 return self.send_json(200, {"error": False, "expires_at": env.expires_at})
             if rest == ["execute"] and method == "POST":
                 return self.execute(env, self.json_body())
+            if rest == ["network"] and method == "GET":
+                return self.send_json(200, self.network_answer(env))
+            if rest == ["network"] and method == "PUT":
+                body = self.json_body()
+                self._fields(body, {"network"})
+                network = check_network(body.get("network"))
+                if (network == "none") != (env.network == "none"):
+                    raise ApiError(409, "conflict", "whether an environment has egress is "
+                                   "fixed at create")
+                env.network = network
+                return self.send_json(200, self.network_answer(env))
+            if rest == ["ca.pem"] and method == "GET":
+                if env.network == "none":
+                    raise ApiError(404, "not_found", "this environment has no network policy")
+                raw = FAKE_CA_PEM.encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-pem-file")
+                self.send_header("Content-Length", str(len(raw)))
+                self.end_headers()
+                self.wfile.write(raw)
+                return None
+            if rest[:1] == ["intents"]:
+                return self.intents(env, method, rest[1:])
             if rest == ["run"] and method == "POST":
                 return self.run_code(tenant, self.json_body(), env)
             if rest == ["files", "write"] and method == "POST":
@@ -513,6 +566,57 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(f"event: {name}\ndata: {json.dumps(data)}\n\n".encode())
         self.wfile.flush()
 
+    def active_intents(self, env: FakeEnv) -> list[dict[str, Any]]:
+        now = time.time()
+        for name in [n for n, i in env.intents.items() if i["_expires"] <= now]:
+            del env.intents[name]
+        return [{k: v for k, v in env.intents[n].items() if not k.startswith("_")}
+                | {"expires_in_seconds": max(0, int(env.intents[n]["_expires"] - now))}
+                for n in sorted(env.intents)]
+
+    def network_answer(self, env: FakeEnv) -> dict[str, Any]:
+        """GET /environments/{id}/network (also the answer of PUT and of the intent calls)."""
+        return {"environment_id": env.id, "network": env.network,
+                "intents": self.active_intents(env)}
+
+    def check_intent(self, env: Optional[FakeEnv], name: Any) -> None:
+        if env is None:  # like esbd: a one-shot run has no network to open
+            raise ApiError(400, "bad_request", "'intent' needs an environment with a network "
+                           "policy; POST /run has none")
+        if not isinstance(name, str) or name not in self.esbd.intent_catalogue:
+            raise ApiError(400, "bad_request", f"intent {name!r} is not in the catalogue "
+                           f"({', '.join(sorted(self.esbd.intent_catalogue))})")
+        if env.network == "none":
+            raise ApiError(409, "conflict", "intents need a governed environment (its network "
+                           "is \"none\")")
+
+    def intents(self, env: FakeEnv, method: str, rest: list[str]) -> None:
+        if not rest and method == "GET":
+            return self.send_json(200, {
+                "environment_id": env.id, "intents": self.active_intents(env),
+                "available": [{"intent": n, **d} for n, d in
+                              sorted(self.esbd.intent_catalogue.items())]})
+        if not rest and method == "POST":
+            body = self.json_body()
+            self._fields(body, {"intent", "ttl_seconds"})
+            self.check_intent(env, body.get("intent"))
+            ttl = body.get("ttl_seconds", 300)
+            if not isinstance(ttl, int) or isinstance(ttl, bool) or not 1 <= ttl <= 604800:
+                raise ApiError(400, "bad_request", "ttl_seconds must be 1..604800")
+            name = body["intent"]
+            expires = time.time() + ttl
+            env.intents[name] = {"intent": name,
+                                 "allow": self.esbd.intent_catalogue[name]["allow"],
+                                 "scope": "environment", "expires_at": now_iso(ttl),
+                                 "_expires": expires}
+            return self.send_json(200, self.network_answer(env))
+        if len(rest) == 1 and method == "DELETE":
+            self.active_intents(env)
+            if env.intents.pop(rest[0], None) is None:
+                raise ApiError(404, "not_found", f"intent {rest[0]} is not active")
+            return self.send_json(200, self.network_answer(env))
+        raise ApiError(405, "method_not_allowed", "Method not allowed.")
+
     def run_code(self, tenant: str, body: dict[str, Any], env: Optional[FakeEnv] = None) -> None:
         esbd = self.esbd
         esbd.run_bodies.append(body)
@@ -520,6 +624,8 @@ class _Handler(BaseHTTPRequestHandler):
         unknown = sorted(set(body) - allowed)
         if unknown:
             raise ApiError(400, "bad_request", f"Unknown field '{unknown[0]}'.")
+        if "intent" in body:
+            self.check_intent(env, body["intent"])
         code = body.get("code")
         if not isinstance(code, str):
             raise ApiError(400, "bad_request", "'code' must be a string.")
@@ -684,9 +790,15 @@ class _Handler(BaseHTTPRequestHandler):
         return bufs, truncated, timed_out
 
     def execute(self, env: FakeEnv, body: dict[str, Any]) -> None:
-        unknown = sorted(set(body) - {"command", "timeout_seconds", "env"})
+        unknown = sorted(set(body) - {"command", "timeout_seconds", "env", "intent"})
         if unknown:
             raise ApiError(400, "bad_request", f"Unknown field '{unknown[0]}'.")
+        self.esbd.execute_bodies.append(body)
+        if "intent" in body:
+            self.check_intent(env, body["intent"])
+        self.esbd.intents_during_execute.append(
+            sorted({i["intent"] for i in self.active_intents(env)}
+                   | ({body["intent"]} if "intent" in body else set())))
         command = body.get("command")
         if not isinstance(command, str) or not command:
             raise ApiError(400, "bad_request", "'command' must be a non-empty string.")
