@@ -25,10 +25,8 @@
 namespace esb::governance::dlp {
 namespace {
 
-// Vectorscan ids ≥ this are registered secret values (id - base = index); ids in
-// [kAnchoredIdBase, kSecretIdBase) are anchored detect patterns (id - base = index).
+// Vectorscan ids ≥ this are registered secret values (id - base = index).
 constexpr unsigned kSecretIdBase = 1u << 20;
-constexpr unsigned kAnchoredIdBase = 1u << 19;
 // Bounds the work per rule and view (a body full of near-miss candidates).
 constexpr size_t kMaxCandidatesPerRule = 10000;
 constexpr size_t kMaxFindings = 1000;
@@ -185,8 +183,8 @@ struct Engine::Impl {
   mutable std::mutex scratch_mu;
   mutable std::vector<hs_scratch_t*> scratch_pool;
 
-  std::vector<std::pair<int, size_t>> anchored;        // anchored pattern → (rule, back)
-  int card_rule = -1, ssn_rule = -1, email_rule = -1;  // hand-scanned (Vectorscan mode)
+  // Hand-scanned rules (Vectorscan mode; -1: disabled or RE2-only).
+  int card_rule = -1, ssn_rule = -1, phone_rule = -1, iban_rule = -1, email_rule = -1;
 
   std::unique_ptr<RE2::Set> set;
   std::vector<int> set_rule;  // set index → rule index (< 0: secret value -1-index)
@@ -217,7 +215,8 @@ struct Engine::Impl {
 
   void ScanView(const View& view, Where where, std::vector<Finding>* out) const;
   using AddFn = std::function<void(int rule, size_t begin, size_t end)>;
-  void ScanDigitChains(std::string_view text, const AddFn& add) const;
+  void ScanNumbers(std::string_view text, const AddFn& add) const;
+  void LocateAnchored(int rule, std::string_view text, size_t start, const AddFn& add) const;
   void ScanEmails(std::string_view text, const AddFn& add) const;
   std::vector<View> Views(std::string_view text, Where where, size_t plus_from,
                           std::string_view boundary) const;
@@ -230,7 +229,6 @@ void Engine::Impl::ScanView(const View& view, Where where, std::vector<Finding>*
   if (text.empty()) return;
   std::vector<char> rule_hit(rules.size(), 0);
   std::vector<char> secret_hit(secrets.size(), 0);
-  std::vector<std::pair<uint32_t, uint32_t>> anchored_ends;
   bool any = false;
 
   if (db != nullptr) {
@@ -238,17 +236,12 @@ void Engine::Impl::ScanView(const View& view, Where where, std::vector<Finding>*
       std::vector<char>* rules;
       std::vector<char>* secrets;
       bool* any;
-      std::vector<std::pair<uint32_t, uint32_t>>* starts;  // (anchored index, end)
-    } hits{&rule_hit, &secret_hit, &any, &anchored_ends};
-    auto on_match = [](unsigned int id, unsigned long long, unsigned long long to, unsigned int,
+    } hits{&rule_hit, &secret_hit, &any};
+    auto on_match = [](unsigned int id, unsigned long long, unsigned long long, unsigned int,
                        void* ctx) -> int {
       auto* h = static_cast<Hits*>(ctx);
       if (id >= kSecretIdBase) {
         (*h->secrets)[id - kSecretIdBase] = 1;
-      } else if (id >= kAnchoredIdBase) {
-        if (h->starts->size() < kMaxCandidatesPerRule) {
-          h->starts->emplace_back(id - kAnchoredIdBase, static_cast<uint32_t>(to));
-        }
       } else {
         (*h->rules)[id] = 1;
       }
@@ -284,7 +277,8 @@ void Engine::Impl::ScanView(const View& view, Where where, std::vector<Finding>*
       any = true;
     }
   }
-  const bool hand_scanned = card_rule >= 0 || ssn_rule >= 0 || email_rule >= 0;
+  const bool hand_scanned =
+      card_rule >= 0 || ssn_rule >= 0 || email_rule >= 0 || phone_rule >= 0 || iban_rule >= 0;
   if (!any && !hand_scanned) return;
 
   ValidateContext context;
@@ -338,42 +332,13 @@ void Engine::Impl::ScanView(const View& view, Where where, std::vector<Finding>*
       }
     }
   }
-  // Anchored rules: locate only where a detect pattern says a match may start.
-  if (!anchored_ends.empty()) {
-    std::vector<std::pair<int, size_t>> starts;
-    for (const auto& [index, end] : anchored_ends) {
-      const auto& [rule, back] = anchored[index];
-      if (end >= back) starts.emplace_back(rule, end - back);
-    }
-    std::sort(starts.begin(), starts.end());
-    starts.erase(std::unique(starts.begin(), starts.end()), starts.end());
-    re2::StringPiece input(text.data(), text.size());
-    for (const auto& [r, start] : starts) {
-      const Rule& rule = rules[r];
-      re2::StringPiece groups[3];
-      const int ngroups = 1 + std::min(rule.groups, 2);
-      if (!rule.locate->Match(input, start, text.size(), RE2::ANCHOR_START, groups, ngroups)) {
-        continue;
-      }
-      re2::StringPiece span = groups[0];
-      for (int g = 1; g < ngroups; ++g) {
-        if (groups[g].data() != nullptr) {
-          span = groups[g];
-          break;
-        }
-      }
-      size_t begin = static_cast<size_t>(span.data() - text.data());
-      size_t end = begin + span.size();
-      if (rule.validate == nullptr || rule.validate(text, &begin, &end, context)) {
-        add(rule.id, rule.action, rule.kind, begin, end);
-      }
-    }
-  }
   if (hand_scanned) {
     const AddFn add_rule = [&](int r, size_t begin, size_t end) {
       add(rules[r].id, rules[r].action, rules[r].kind, begin, end);
     };
-    if (card_rule >= 0 || ssn_rule >= 0) ScanDigitChains(text, add_rule);
+    if (card_rule >= 0 || ssn_rule >= 0 || phone_rule >= 0 || iban_rule >= 0) {
+      ScanNumbers(text, add_rule);
+    }
     if (email_rule >= 0) ScanEmails(text, add_rule);
   }
   for (size_t s = 0; s < secrets.size(); ++s) {
@@ -425,14 +390,79 @@ inline uint32_t WordMask16(const char* t) {
 }
 #endif
 
+#if defined(__SSE2__)
+// Bit i set: t[i] is an ASCII capital letter.
+inline uint32_t UpperMask16(const char* t) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(t));
+  const __m128i a = _mm_sub_epi8(v, _mm_set1_epi8('A'));
+  return static_cast<uint32_t>(
+      _mm_movemask_epi8(_mm_cmpeq_epi8(_mm_min_epu8(a, _mm_set1_epi8(25)), a)));
+}
+#endif
+
+inline bool IsUpperByte(char c) { return c >= 'A' && c <= 'Z'; }
+
+// Where an IBAN can start: \b[A-Z]{2}\d{2}.
+inline bool IsIbanStart(const char* t, size_t n, size_t p) {
+  return p + 4 <= n && IsUpperByte(t[p]) && IsUpperByte(t[p + 1]) && IsDigitByte(t[p + 2]) &&
+         IsDigitByte(t[p + 3]) && (p == 0 || !IsWordByte(t[p - 1]));
+}
+
+// Digits in the phone-shaped run at t[i] ([0-9 .()-], at most 24 bytes).
+inline size_t PhoneDigits(const char* t, size_t i, size_t n) {
+  size_t digits = 0;
+  for (size_t p = i; p < n && p < i + 24; ++p) {
+    const char c = t[p];
+    if (IsDigitByte(c)) {
+      ++digits;
+    } else if (c != ' ' && c != '.' && c != '-' && c != '(' && c != ')') {
+      break;
+    }
+  }
+  return digits;
+}
+
+// Length of the phone context word (any case) at t, 0 if none.
+inline size_t PhoneWordAt(const char* t, size_t avail) {
+  static constexpr std::string_view kWords[] = {"phone", "tel",  "mobile",  "cell",
+                                                "fax",   "call", "whatsapp"};
+  const char first = static_cast<char>(t[0] | 0x20);
+  if (first != 'p' && first != 't' && first != 'm' && first != 'c' && first != 'f' &&
+      first != 'w') {
+    return 0;
+  }
+  for (std::string_view word : kWords) {
+    if (word.size() > avail || word[0] != first) continue;
+    size_t k = 1;
+    while (k < word.size() && static_cast<char>(t[k] | 0x20) == word[k]) ++k;
+    if (k == word.size()) return word.size();
+  }
+  return 0;
+}
+
 // Calls f(i) for each digit t[i] whose previous byte is not a word byte (where a \b-anchored
 // number can start), in order; f returns the offset to continue from (≥ i + 1).
-template <typename F>
-inline void ForEachNumberStart(const char* t, size_t n, F&& f) {
+template <typename F, typename G>
+inline void ForEachNumberStart(const char* t, size_t n, bool ibans, F&& f, G&& iban) {
   size_t i = 0;
 #if defined(__SSE2__)
   size_t resume = 0;
   for (size_t b = 0; b + 16 <= n; b += 16) {
+    if (ibans) {
+      uint32_t upper = UpperMask16(t + b);
+      if (upper != 0) {
+        if (b >= 1 && b + 19 <= n) {
+          upper &= UpperMask16(t + b + 1) & DigitMask16(t + b + 2) & DigitMask16(t + b + 3) &
+                   ~WordMask16(t + b - 1);
+          for (; upper != 0; upper &= upper - 1)
+            iban(b + static_cast<size_t>(__builtin_ctz(upper)));
+        } else {
+          for (size_t p = b; p < b + 16; ++p) {
+            if (IsIbanStart(t, n, p)) iban(p);
+          }
+        }
+      }
+    }
     const uint32_t digits = DigitMask16(t + b);
     if (digits == 0) continue;
     const uint32_t word = WordMask16(t + b);
@@ -445,7 +475,19 @@ inline void ForEachNumberStart(const char* t, size_t n, F&& f) {
       resume = f(pos);
     }
   }
-  i = std::max(resume, n - n % 16);
+  const size_t tail = n - n % 16;
+  if (ibans) {
+    for (size_t p = tail; p < n; ++p) {
+      if (IsIbanStart(t, n, p)) iban(p);
+    }
+  }
+  i = std::max(resume, tail);
+#else
+  if (ibans) {
+    for (size_t p = 0; p < n; ++p) {
+      if (IsIbanStart(t, n, p)) iban(p);
+    }
+  }
 #endif
   for (; i < n; ++i) {
     if (IsDigitByte(t[i]) && (i == 0 || !IsWordByte(t[i - 1]))) i = f(i) - 1;
@@ -468,14 +510,42 @@ inline size_t SkipWhile(const char* t, size_t i, size_t n, bool digits) {
 
 }  // namespace
 
-// Digit groups joined by single ' ' or '-' form a chain. The card pattern
-// \b(?:\d[ -]?){12,18}\d\b matches whole groups only (\b), so its candidates are, for each
-// group that can start one (non-word byte before it), the longest run of groups with 13–19
-// digits that ends before a non-word byte; a rejected candidate moves the start one group on
-// (as the RE2 search from the next byte would). The SSN pattern's candidates are three
-// groups of 3, 2 and 4 digits with one kind of separator. Same candidates as the RE2 locate
-// patterns (DlpCorpusTest cross-checks both engines), without a regex pass over the text.
-void Engine::Impl::ScanDigitChains(std::string_view text, const AddFn& add) const {
+// Runs `rule`'s locate pattern anchored at `start`; a validated match is a finding.
+void Engine::Impl::LocateAnchored(int r, std::string_view text, size_t start,
+                                  const AddFn& add) const {
+  const Rule& rule = rules[r];
+  re2::StringPiece input(text.data(), text.size());
+  re2::StringPiece groups[3];
+  const int ngroups = 1 + std::min(rule.groups, 2);
+  if (!rule.locate->Match(input, start, text.size(), RE2::ANCHOR_START, groups, ngroups)) return;
+  re2::StringPiece span = groups[0];
+  for (int g = 1; g < ngroups; ++g) {
+    if (groups[g].data() != nullptr) {
+      span = groups[g];
+      break;
+    }
+  }
+  size_t begin = static_cast<size_t>(span.data() - text.data());
+  size_t end = begin + span.size();
+  if (rule.validate == nullptr || rule.validate(text, &begin, &end, ValidateContext{})) {
+    add(r, begin, end);
+  }
+}
+
+// One pass for the number-shaped rules, without a regex pass over the text: SIMD masks find
+// where a \b-anchored number can start (a digit after a non-word byte) and where an IBAN can
+// (\b[A-Z]{2}\d{2}); a digit run inside a word ("a1b2", base64) starts nothing.
+//  - Cards: digit groups joined by single ' ' or '-' form a chain. \b(?:\d[ -]?){12,18}\d\b
+//    matches whole groups only, so its candidates are, per start group, the longest run of
+//    groups with 13–19 digits that ends before a non-word byte; a rejected candidate moves
+//    the start one group on (as the RE2 search from the next byte would).
+//  - SSN: three groups of 3, 2 and 4 digits with one kind of separator.
+//  - Phone: a number after '+' or '(' (not after a byte the validator rejects), or with a
+//    context word within 20 bytes before it, and ≥ 10 digits in the next 24 bytes: the phone
+//    pattern runs anchored at the '+', '(' or word.
+//  - IBAN: the IBAN pattern runs anchored at each possible start.
+// The same candidates as the RE2 patterns over the whole text (DlpCorpusTest cross-checks).
+void Engine::Impl::ScanNumbers(std::string_view text, const AddFn& add) const {
   constexpr size_t kMaxGroups = 64;
   const size_t n = text.size();
   const char* t = text.data();
@@ -484,9 +554,8 @@ void Engine::Impl::ScanDigitChains(std::string_view text, const AddFn& add) cons
   };
   Group groups[kMaxGroups];
   const ValidateContext context;
-  // Only chains that start where a number can start matter: a digit run inside a word
-  // ("a1b2", base64) neither starts a candidate nor continues a chain.
-  ForEachNumberStart(t, n, [&](size_t i) -> size_t {
+  auto on_iban = [&](size_t p) { LocateAnchored(iban_rule, text, p, add); };
+  auto on_number = [&](size_t i) -> size_t {
     size_t count = 0;
     size_t j = i;
     for (;;) {
@@ -502,7 +571,7 @@ void Engine::Impl::ScanDigitChains(std::string_view text, const AddFn& add) cons
     }
     // groups[0] is startable by construction; later groups follow a separator.
     auto endable = [&](size_t g) { return groups[g].end == n || !IsWordByte(t[groups[g].end]); };
-    if (card_rule >= 0 && count * 19 >= 13) {
+    if (card_rule >= 0 && groups[count - 1].end - groups[0].begin >= 13) {
       for (size_t k = 0; k < count;) {
         size_t digits = 0;
         int best = -1;
@@ -533,8 +602,31 @@ void Engine::Impl::ScanDigitChains(std::string_view text, const AddFn& add) cons
         if (rules[ssn_rule].validate(text, &begin, &end, context)) add(ssn_rule, begin, end);
       }
     }
+    if (phone_rule >= 0) {
+      const char before = i > 0 ? t[i - 1] : 0;
+      const bool marked = (before == '+' || before == '(') &&
+                          (i < 2 || !(IsWordByte(t[i - 2]) || t[i - 2] == '.' || t[i - 2] == '/' ||
+                                      t[i - 2] == '+' || t[i - 2] == '-'));
+      const size_t digits = PhoneDigits(t, i, n);
+      if (marked && digits >= 9) {
+        LocateAnchored(phone_rule, text, i - 1, add);
+      } else if (!marked && digits >= 10) {
+        // A context word ending within 20 bytes of [^0-9+(\n] before the number.
+        size_t from = i;
+        while (from > 0 && i - from < 28) {
+          const char c = t[from - 1];
+          if (IsDigitByte(c) || c == '+' || c == '(' || c == '\n') break;
+          --from;
+        }
+        for (size_t w = from; w < i; ++w) {
+          const size_t len = PhoneWordAt(t + w, i - w);
+          if (len > 0 && i - (w + len) <= 20) LocateAnchored(phone_rule, text, w, add);
+        }
+      }
+    }
     return std::max(j, i + 1);
-  });
+  };
+  ForEachNumberStart(t, n, iban_rule >= 0, on_number, on_iban);
 }
 
 // The e-mail pattern's candidates around each '@': the local part runs back to the start of
@@ -829,20 +921,18 @@ absl::StatusOr<std::shared_ptr<const Engine>> Engine::Compile(const DlpConfig& c
     const int index = static_cast<int>(impl->rules.size());
     if (engine_options.vectorscan && def.fast != FastScan::kRegex) {
       rule.fast = def.fast;
-      if (def.fast == FastScan::kDigitChains && rule.id == "dlp:credit_card") {
-        impl->card_rule = index;
-      } else if (def.fast == FastScan::kDigitChains && rule.id == "dlp:us_ssn") {
-        impl->ssn_rule = index;
-      } else if (def.fast == FastScan::kEmail) {
-        impl->email_rule = index;
-      } else if (def.fast == FastScan::kAnchored) {
-        for (const AnchoredDetect& a : def.anchored) {
-          hs_patterns.push_back(a.pattern);
-          hs_ids.push_back(kAnchoredIdBase + static_cast<unsigned>(impl->anchored.size()));
-          impl->anchored.emplace_back(index, a.back);
-        }
-      } else {
-        return absl::InternalError("dlp: built-in rule " + rule.id + ": no fast scanner");
+      switch (def.fast) {
+        case FastScan::kNumbers:
+          if (rule.id == "dlp:credit_card") impl->card_rule = index;
+          if (rule.id == "dlp:us_ssn") impl->ssn_rule = index;
+          if (rule.id == "dlp:phone") impl->phone_rule = index;
+          if (rule.id == "dlp:iban") impl->iban_rule = index;
+          break;
+        case FastScan::kEmail:
+          impl->email_rule = index;
+          break;
+        case FastScan::kRegex:
+          break;
       }
     } else if (def.detect.empty()) {
       std::string error;
@@ -912,12 +1002,7 @@ absl::StatusOr<std::shared_ptr<const Engine>> Engine::Compile(const DlpConfig& c
   }
   if (!hs_patterns.empty()) {
     std::vector<const char*> expressions;
-    std::vector<unsigned> flags;
-    for (unsigned id : hs_ids) {
-      // Anchored patterns report every match end (each is a candidate start).
-      const bool anchored = id >= kAnchoredIdBase && id < kSecretIdBase;
-      flags.push_back(anchored ? 0u : HS_FLAG_SINGLEMATCH);
-    }
+    std::vector<unsigned> flags(hs_patterns.size(), HS_FLAG_SINGLEMATCH);
     for (const std::string& p : hs_patterns) expressions.push_back(p.c_str());
     hs_compile_error_t* error = nullptr;
     if (hs_compile_multi(expressions.data(), flags.data(), hs_ids.data(),
