@@ -556,6 +556,15 @@ void Engine::Impl::ScanNumbers(std::string_view text, const AddFn& add) const {
   const ValidateContext context;
   auto on_iban = [&](size_t p) { LocateAnchored(iban_rule, text, p, add); };
   auto on_number = [&](size_t i) -> size_t {
+    // Every candidate needs ≥ 10 bytes of [0-9 .()-] from its first digit (a card 13, an SSN
+    // 11, a phone 10 digits): most numbers in text are shorter and end here.
+    size_t run = i;
+    while (run < n && run - i < 10) {
+      const char c = t[run];
+      if (!IsDigitByte(c) && c != ' ' && c != '.' && c != '-' && c != '(' && c != ')') break;
+      ++run;
+    }
+    if (run - i < 10) return i + 1;
     size_t count = 0;
     size_t j = i;
     for (;;) {
