@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <sys/resource.h>
 
+#include <chrono>
 #include <thread>
 
 #include "governance/dlp/dlp_test_util.h"
@@ -643,12 +644,61 @@ TEST(DlpCorpusTest, VectorscanAndRe2OnlyEnginesAgreeAndFindEveryPlant) {
     const Result b = (*re2_only)->ScanText(body, Where::kBody);
     EXPECT_EQ(Describe(a), Describe(b)) << "body " << i;
     EXPECT_TRUE(Has(a, kPlantRule[i % 15])) << "body " << i << ": " << Describe(a);
-    if (i % 9 == 0) EXPECT_TRUE(Has(a, "dlp:secret:PLANTED")) << "body " << i;
+    if (i % 9 == 0) {
+      EXPECT_TRUE(Has(a, "dlp:secret:PLANTED")) << "body " << i;
+    }
     total += a.findings.size();
   }
   // Near-misses in the corpus (random digits, base64) must not swamp the plants: at most a few
   // extra findings per body.
   EXPECT_LT(total, 45u * 3) << "false positives in the mixed corpus";
+}
+
+}  // namespace
+}  // namespace esb::governance::dlp
+
+namespace esb::governance::dlp {
+namespace {
+
+// Pathological 1 MiB texts (a hostile body crafted to make the scanner quadratic) finish in
+// well under a second per engine; the bound is generous for a loaded machine.
+TEST(DlpAttackTest, PathologicalBodiesScanInLinearTime) {
+  const size_t size = 1 << 20;
+  std::string digits_chain;  // "1 1 1 1 …": one endless chain of one-digit groups
+  while (digits_chain.size() < size) digits_chain += "1 ";
+  std::string phone_words;  // a context word before every number
+  while (phone_words.size() < size) phone_words += "call 415 555 2671 4 ";
+  const std::vector<std::pair<std::string, std::string>> bodies = {
+      {"long local part", std::string(size, 'a') + "@x"},
+      {"many @", std::string(size / 2, '@') + std::string(size / 2, 'a')},
+      {"digits", std::string(size, '7')},
+      {"one-digit groups", digits_chain},
+      {"phone words", phone_words},
+      {"base64 run",
+       testing::Token("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/", size,
+                      99) +
+           " aws secret"},
+      {"escapes", std::string(size / 6, 'x') +
+                      [] {
+                        std::string e;
+                        while (e.size() < (1 << 19)) e += "\\u0041%41";
+                        return e;
+                      }()},
+  };
+  DlpConfig config;
+  config.max_body_bytes = 4 << 20;
+  for (bool vectorscan : {true, false}) {
+    auto engine = Engine::Compile(config, EngineOptions{.vectorscan = vectorscan});
+    ASSERT_TRUE(engine.ok());
+    for (const auto& [name, body] : bodies) {
+      const auto start = std::chrono::steady_clock::now();
+      const Result result = (*engine)->ScanText(body, Where::kBody);
+      const double seconds =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      EXPECT_LT(seconds, 5.0) << name << (vectorscan ? " (vectorscan)" : " (re2)");
+      EXPECT_LE(result.findings.size(), 1000u) << name;
+    }
+  }
 }
 
 }  // namespace
