@@ -30,6 +30,8 @@ constexpr unsigned kSecretIdBase = 1u << 20;
 // Bounds the work per rule and view (a body full of near-miss candidates).
 constexpr size_t kMaxCandidatesPerRule = 10000;
 constexpr size_t kMaxFindings = 1000;
+// Bytes of [0-9 .()-] every number-shaped candidate has from its first digit.
+constexpr size_t kMinNumberRun = 10;
 // A rejected candidate up to this long is searched again from its second byte.
 constexpr size_t kMaxRescanMatch = 64;
 constexpr size_t kMaxMultipartParts = 1000;
@@ -400,6 +402,21 @@ inline uint32_t UpperMask16(const char* t) {
 }
 #endif
 
+#if defined(__SSE2__)
+// Bit i set: t[i] is one of [0-9 .()-] (a byte a phone, card or SSN candidate can contain).
+inline uint32_t NumberishMask16(const char* t) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(t));
+  const __m128i d = _mm_sub_epi8(v, _mm_set1_epi8('0'));
+  __m128i m = _mm_cmpeq_epi8(_mm_min_epu8(d, _mm_set1_epi8(9)), d);
+  m = _mm_or_si128(m, _mm_cmpeq_epi8(v, _mm_set1_epi8(' ')));
+  m = _mm_or_si128(m, _mm_cmpeq_epi8(v, _mm_set1_epi8('.')));
+  m = _mm_or_si128(m, _mm_cmpeq_epi8(v, _mm_set1_epi8('-')));
+  m = _mm_or_si128(m, _mm_cmpeq_epi8(v, _mm_set1_epi8('(')));
+  m = _mm_or_si128(m, _mm_cmpeq_epi8(v, _mm_set1_epi8(')')));
+  return static_cast<uint32_t>(_mm_movemask_epi8(m));
+}
+#endif
+
 inline bool IsUpperByte(char c) { return c >= 'A' && c <= 'Z'; }
 
 // Where an IBAN can start: \b[A-Z]{2}\d{2}.
@@ -442,8 +459,10 @@ inline size_t PhoneWordAt(const char* t, size_t avail) {
 
 // Calls f(i) for each digit t[i] whose previous byte is not a word byte (where a \b-anchored
 // number can start), in order; f returns the offset to continue from (≥ i + 1).
+// Starts followed by fewer than min_run (≤ 16) bytes of [0-9 .()-] may be skipped.
 template <typename F, typename G>
-inline void ForEachNumberStart(const char* t, size_t n, bool ibans, F&& f, G&& iban) {
+inline void ForEachNumberStart(const char* t, size_t n, bool ibans, size_t min_run, F&& f,
+                               G&& iban) {
   size_t i = 0;
 #if defined(__SSE2__)
   size_t resume = 0;
@@ -468,6 +487,17 @@ inline void ForEachNumberStart(const char* t, size_t n, bool ibans, F&& f, G&& i
     const uint32_t word = WordMask16(t + b);
     const uint32_t prev_word = (word << 1) | (b > 0 && IsWordByte(t[b - 1]) ? 1u : 0u);
     uint32_t starts = digits & ~prev_word & 0xffff;
+    if (starts != 0 && min_run > 1 && b + 32 <= n) {
+      // Keep the starts followed by ≥ min_run bytes of [0-9 .()-] (the callback ignores the
+      // others anyway): runs of ones by doubling.
+      const uint32_t m = NumberishMask16(t + b) | (NumberishMask16(t + b + 16) << 16);
+      uint32_t run = m;  // bit i: bytes i..i+k-1 all numberish, k doubling up to 8
+      run &= run >> 1;
+      run &= run >> 2;
+      run &= run >> 4;
+      for (size_t k = 8; k < min_run; ++k) run &= m >> k;
+      starts &= run;
+    }
     while (starts != 0) {
       const size_t pos = b + static_cast<size_t>(__builtin_ctz(starts));
       starts &= starts - 1;
@@ -559,12 +589,12 @@ void Engine::Impl::ScanNumbers(std::string_view text, const AddFn& add) const {
     // Every candidate needs ≥ 10 bytes of [0-9 .()-] from its first digit (a card 13, an SSN
     // 11, a phone 10 digits): most numbers in text are shorter and end here.
     size_t run = i;
-    while (run < n && run - i < 10) {
+    while (run < n && run - i < kMinNumberRun) {
       const char c = t[run];
       if (!IsDigitByte(c) && c != ' ' && c != '.' && c != '-' && c != '(' && c != ')') break;
       ++run;
     }
-    if (run - i < 10) return i + 1;
+    if (run - i < kMinNumberRun) return i + 1;
     size_t count = 0;
     size_t j = i;
     for (;;) {
@@ -635,7 +665,7 @@ void Engine::Impl::ScanNumbers(std::string_view text, const AddFn& add) const {
     }
     return std::max(j, i + 1);
   };
-  ForEachNumberStart(t, n, iban_rule >= 0, on_number, on_iban);
+  ForEachNumberStart(t, n, iban_rule >= 0, kMinNumberRun, on_number, on_iban);
 }
 
 // The e-mail pattern's candidates around each '@': the local part runs back to the start of
