@@ -133,17 +133,19 @@ std::string LowerAscii(std::string_view s) {
   return out;
 }
 
-// A view of the scanned text: the text itself or one decoding of it.
+// A view of the scanned text: the text itself or one decoding of it. The offset map back to
+// the scanned text is built only when a finding needs it (a map is 4 bytes per byte).
 struct View {
-  std::string storage;  // decoded bytes (empty for the text itself)
   std::string_view text;
-  std::string layer;
-  OffsetMap map;           // empty: identity
-  size_t base_offset = 0;  // added to map entries (multipart parts)
+  std::string_view layer;
+  size_t base_offset = 0;               // added to mapped offsets (multipart parts)
+  std::function<OffsetMap()> make_map;  // empty: identity
+  mutable OffsetMap map;
 
   // Span of text[begin, end) in the scanned text.
   std::pair<size_t, size_t> ToBase(size_t begin, size_t end) const {
-    if (map.empty()) return {base_offset + begin, base_offset + end};
+    if (!make_map) return {base_offset + begin, base_offset + end};
+    if (map.empty()) map = make_map();
     return {base_offset + map[begin], base_offset + map[end]};
   }
 };
@@ -220,8 +222,8 @@ struct Engine::Impl {
   void ScanNumbers(std::string_view text, const AddFn& add) const;
   void LocateAnchored(int rule, std::string_view text, size_t start, const AddFn& add) const;
   void ScanEmails(std::string_view text, const AddFn& add) const;
-  std::vector<View> Views(std::string_view text, Where where, size_t plus_from,
-                          std::string_view boundary) const;
+  void ScanViews(std::string_view text, Where where, size_t plus_from, std::string_view boundary,
+                 std::vector<Finding>* out) const;
   Result Scan(std::string_view text, Where where, size_t plus_from, std::string_view boundary,
               std::vector<Finding> extra) const;
 };
@@ -291,7 +293,7 @@ void Engine::Impl::ScanView(const View& view, Where where, std::vector<Finding>*
     if (out->size() >= kMaxFindings) return;
     if (!allow.empty() && allow.count(std::string(text.substr(begin, end - begin))) > 0) return;
     auto [b, e] = view.ToBase(begin, end);
-    out->push_back(Finding{id, action, kind, where, view.layer, b, e - b});
+    out->push_back(Finding{id, action, kind, where, std::string(view.layer), b, e - b});
   };
   // The access key rule runs first: its result is the secret key rule's context.
   std::vector<size_t> order;
@@ -708,82 +710,101 @@ void Engine::Impl::ScanEmails(std::string_view text, const AddFn& add) const {
   }
 }
 
-std::vector<View> Engine::Impl::Views(std::string_view text, Where where, size_t plus_from,
-                                      std::string_view boundary) const {
-  std::vector<View> views;
-  views.push_back(View{{}, text, "", {}, 0});
+void Engine::Impl::ScanViews(std::string_view text, Where where, size_t plus_from,
+                             std::string_view boundary, std::vector<Finding>* out) const {
+  // One view at a time (built, scanned, dropped): at most the text and two decodings live.
+  ScanView(View{text, "", 0, {}}, where, out);
   const bool has_plus = plus_from != std::string_view::npos && HasByte(text, '+');
   if (HasByte(text, '%') || has_plus) {
-    View url;
-    if (UrlDecode(text, plus_from, &url.storage, &url.map)) {
-      url.text = url.storage;
-      url.layer = "url";
-      views.push_back(std::move(url));
+    std::string url;
+    if (UrlDecode(text, plus_from, &url, nullptr)) {
+      const auto url_map = [text, plus_from] {
+        std::string decoded;
+        OffsetMap map;
+        UrlDecode(text, plus_from, &decoded, &map);
+        return std::make_pair(std::move(decoded), std::move(map));
+      };
+      ScanView(View{url, "url", 0, [url_map] { return url_map().second; }}, where, out);
+      if (HasByte(url, '\\')) {
+        std::string both;
+        if (JsonUnescape(url, &both, nullptr)) {
+          ScanView(View{both, "url+json", 0,
+                        [url_map] {
+                          auto [decoded, outer] = url_map();
+                          std::string unescaped;
+                          OffsetMap inner;
+                          JsonUnescape(decoded, &unescaped, &inner);
+                          return Compose(inner, outer);
+                        }},
+                   where, out);
+        }
+      }
     }
   }
   if (HasByte(text, '\\')) {
-    View json;
-    if (JsonUnescape(text, &json.storage, &json.map)) {
-      json.text = json.storage;
-      json.layer = "json";
-      if (HasByte(json.text, '%')) {
-        View both;
-        OffsetMap inner;
-        if (UrlDecode(json.text, std::string_view::npos, &both.storage, &inner)) {
-          both.text = both.storage;
-          both.layer = "json+url";
-          both.map = Compose(inner, json.map);
-          views.push_back(std::move(both));
+    std::string json;
+    if (JsonUnescape(text, &json, nullptr)) {
+      const auto json_map = [text] {
+        std::string decoded;
+        OffsetMap map;
+        JsonUnescape(text, &decoded, &map);
+        return std::make_pair(std::move(decoded), std::move(map));
+      };
+      ScanView(View{json, "json", 0, [json_map] { return json_map().second; }}, where, out);
+      if (HasByte(json, '%')) {
+        std::string both;
+        if (UrlDecode(json, std::string_view::npos, &both, nullptr)) {
+          ScanView(View{both, "json+url", 0,
+                        [json_map] {
+                          auto [decoded, outer] = json_map();
+                          std::string unescaped;
+                          OffsetMap inner;
+                          UrlDecode(decoded, std::string_view::npos, &unescaped, &inner);
+                          return Compose(inner, outer);
+                        }},
+                   where, out);
         }
       }
-      views.push_back(std::move(json));
-    }
-  }
-  if (views.size() > 1 && views[1].layer == "url" && HasByte(views[1].text, '\\')) {
-    View both;
-    OffsetMap inner;
-    if (JsonUnescape(views[1].text, &both.storage, &inner)) {
-      both.text = both.storage;
-      both.layer = "url+json";
-      both.map = Compose(inner, views[1].map);
-      views.push_back(std::move(both));
     }
   }
   if (!boundary.empty()) {
     absl::StatusOr<std::vector<MultipartPart>> parts =
         ParseMultipart(text, boundary, kMaxMultipartParts);
-    if (parts.ok()) {
-      for (const MultipartPart& part : *parts) {
-        const std::string_view body = text.substr(part.offset, part.length);
-        if (part.content_transfer_encoding == "base64") {
-          View decoded;
-          if (Base64Decode(body, &decoded.storage, &decoded.map)) {
-            decoded.text = decoded.storage;
-            decoded.layer = "multipart+base64";
-            decoded.base_offset = part.offset;
-            views.push_back(std::move(decoded));
-          }
-        } else if (part.content_type == "application/x-www-form-urlencoded" && HasByte(body, '+')) {
-          View decoded;
-          if (UrlDecode(body, 0, &decoded.storage, &decoded.map)) {
-            decoded.text = decoded.storage;
-            decoded.layer = "multipart+url";
-            decoded.base_offset = part.offset;
-            views.push_back(std::move(decoded));
-          }
+    if (!parts.ok()) return;
+    for (const MultipartPart& part : *parts) {
+      const std::string_view body = text.substr(part.offset, part.length);
+      std::string decoded;
+      if (part.content_transfer_encoding == "base64") {
+        if (Base64Decode(body, &decoded, nullptr)) {
+          ScanView(View{decoded, "multipart+base64", part.offset,
+                        [body] {
+                          std::string tmp;
+                          OffsetMap map;
+                          Base64Decode(body, &tmp, &map);
+                          return map;
+                        }},
+                   where, out);
+        }
+      } else if (part.content_type == "application/x-www-form-urlencoded" && HasByte(body, '+')) {
+        if (UrlDecode(body, 0, &decoded, nullptr)) {
+          ScanView(View{decoded, "multipart+url", part.offset,
+                        [body] {
+                          std::string tmp;
+                          OffsetMap map;
+                          UrlDecode(body, 0, &tmp, &map);
+                          return map;
+                        }},
+                   where, out);
         }
       }
     }
   }
-  return views;
 }
 
 Result Engine::Impl::Scan(std::string_view text, Where where, size_t plus_from,
                           std::string_view boundary, std::vector<Finding> extra) const {
   std::vector<Finding> findings = std::move(extra);
-  for (const View& view : Views(text, where, plus_from, boundary)) {
-    ScanView(view, where, &findings);
-  }
+  ScanViews(text, where, plus_from, boundary, &findings);
   // One finding per rule and span: the same match seen in several views is kept once.
   std::stable_sort(findings.begin(), findings.end(), [](const Finding& a, const Finding& b) {
     return a.offset != b.offset ? a.offset < b.offset : a.length > b.length;

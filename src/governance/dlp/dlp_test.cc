@@ -329,6 +329,17 @@ TEST(DlpDecodedViewTest, JsonEscapedSecretIsFoundAndRedactedInTheSource) {
   EXPECT_EQ(*result.redacted, R"({"id": "[REDACTED:dlp:aws_access_key]"})");
 }
 
+TEST(DlpDecodedViewTest, ShortHeaderValuesDecodedAndRedacted) {
+  // Short decoded views (in-object string storage) are scanned and mapped back correctly.
+  auto engine = MakeEngine(R"({"secrets": [{"name": "K", "value": "s3cr3t-x"}]})");
+  for (const char* value : {"s3cr3t%2Dx", "s3cr3t\\u002dx", "a=s3cr3t%2dx;"}) {
+    Result result = engine->ScanText(value, Where::kHeader);
+    ASSERT_TRUE(Has(result, "dlp:secret:K")) << value << ": " << Describe(result);
+    ASSERT_TRUE(result.redacted.has_value());
+    EXPECT_EQ(result.redacted->find("s3cr3t"), std::string::npos) << *result.redacted;
+  }
+}
+
 TEST(DlpDecodedViewTest, UrlEncodedEmailRedactedInTheSource) {
   auto engine = MakeEngine(R"({"rules": {"email": "redact"}})");
   Result result = engine->ScanText("/u?to=alice%40example.com&x=1", Where::kUrl);
