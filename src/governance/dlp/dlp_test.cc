@@ -714,3 +714,60 @@ TEST(DlpAttackTest, PathologicalBodiesScanInLinearTime) {
 
 }  // namespace
 }  // namespace esb::governance::dlp
+
+namespace esb::governance::dlp {
+namespace {
+
+// Hostile bodies: random bytes and corrupted valid encodings, fed in random pieces, never crash
+// or hang the scanner (run under ASan/UBSan too) and always end in a decision.
+TEST(DlpAttackTest, CorruptedAndRandomBodiesNeverCrash) {
+  uint64_t x = 12345;
+  auto next = [&x] {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    return x;
+  };
+  const std::string plain = testing::MixedText(4096, 5, 3) + "\\u0041%41\\n";
+  const std::string boundary = "BOUNDARY";
+  const std::string multipart = "--" + boundary + "\r\nContent-Transfer-Encoding: base64\r\n\r\n" +
+                                "aGVsbG8gd29ybGQ=\r\n--" + boundary + "--\r\n";
+  const char* encodings[] = {"", "gzip", "deflate", "br", "gzip, br"};
+  for (int iteration = 0; iteration < 300; ++iteration) {
+    const char* encoding = encodings[next() % std::size(encodings)];
+    std::string wire = iteration % 3 == 0 ? multipart : plain;
+    if (std::string_view(encoding) == "gzip") wire = testing::Gzip(wire);
+    if (std::string_view(encoding) == "deflate") wire = testing::RawDeflate(wire);
+    if (std::string_view(encoding) == "br") wire = testing::Brotli(wire);
+    if (std::string_view(encoding) == "gzip, br") wire = testing::Brotli(testing::Gzip(wire));
+    const bool chunked = next() % 2 == 0;
+    if (chunked) wire = testing::Chunked(wire, 1 + next() % 100);
+    if (iteration % 4 != 0) {  // corrupt a few bytes (or, every 4th, leave it valid)
+      for (int k = 0; k < 1 + static_cast<int>(next() % 4); ++k) {
+        wire[next() % wire.size()] = static_cast<char>(next());
+      }
+    }
+    if (iteration % 10 == 9) {
+      static constexpr char kBytes[] = "\x00\x01\xff\r\n%\\-@+0123456789ab";
+      wire = testing::Token(std::string_view(kBytes, sizeof(kBytes) - 1), 5000, next());
+    }
+    const std::string content_type =
+        iteration % 3 == 0 ? "multipart/form-data; boundary=" + boundary : "text/plain";
+    auto scanner = Default().NewBodyScanner({Where::kBody, content_type, encoding, chunked});
+    for (size_t i = 0; i < wire.size();) {
+      const size_t piece = 1 + next() % 700;
+      scanner->Feed(std::string_view(wire).substr(i, piece));
+      i += piece;
+    }
+    const Result result = scanner->Finish();
+    if (iteration % 4 == 0 && iteration % 10 != 9) {
+      EXPECT_FALSE(Has(result, "dlp:undecodable")) << iteration << " " << encoding;
+    }
+    for (const Finding& f : result.findings) {
+      EXPECT_LE(f.offset + f.length, 64u * 1024 * 1024) << iteration;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace esb::governance::dlp
