@@ -1,8 +1,10 @@
 // The DLP engine: one Vectorscan database (detect-only) for the literal-anchored secret rules
-// and registered secret values, one RE2::Set for the PII rules and custom patterns, then per
-// hit rule an RE2 locate pass and the rule's validator. Texts are scanned as given and in their
-// decoded views (URL, JSON escapes, base64 multipart parts); findings map back to the given
-// text so that redaction replaces the escaped bytes too.
+// and registered secret values, then per hit rule an RE2 locate pass; one number scan for
+// cards, SSN, phone and IBAN and one '@' scan for e-mail (FastScan in rules.h); one RE2::Set
+// for custom patterns (with EngineOptions{.vectorscan = false}: for every rule). Each
+// candidate goes through its rule's validator. Texts are scanned as given and in their decoded
+// views (URL, JSON escapes, base64 multipart parts); findings map back to the given text so
+// that redaction replaces the escaped bytes too.
 #include "governance/dlp/dlp.h"
 
 #include <hs/hs.h>

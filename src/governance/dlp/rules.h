@@ -1,6 +1,6 @@
-// The built-in detectors' definitions (internal to the DLP library and its bench): each rule's
-// Vectorscan detect patterns (literal-anchored secrets) or none (the rule goes to the RE2::Set),
-// the RE2 pattern that locates matches, and the validator that accepts a located candidate.
+// The built-in detectors' definitions (internal to the DLP library): each rule's Vectorscan
+// detect patterns (literal-anchored secrets) or how else it is found (FastScan), the RE2
+// pattern that locates matches, and the validator that accepts a located candidate.
 #pragma once
 
 #include <cstddef>
