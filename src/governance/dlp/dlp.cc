@@ -29,6 +29,11 @@ namespace {
 
 // Vectorscan ids ≥ this are registered secret values (id - base = index).
 constexpr unsigned kSecretIdBase = 1u << 20;
+// Vectorscan ids in [kPhoneWordIdBase, kSecretIdBase): phone context words (index into
+// kPhoneWords), reported at every match.
+constexpr unsigned kPhoneWordIdBase = 1u << 19;
+constexpr std::string_view kPhoneWords[] = {"phone", "tel",  "mobile",  "cell",
+                                            "fax",   "call", "whatsapp"};
 // Bounds the work per rule and view (a body full of near-miss candidates).
 constexpr size_t kMaxCandidatesPerRule = 10000;
 constexpr size_t kMaxFindings = 1000;
@@ -235,6 +240,7 @@ void Engine::Impl::ScanView(const View& view, Where where, std::vector<Finding>*
   if (text.empty()) return;
   std::vector<char> rule_hit(rules.size(), 0);
   std::vector<char> secret_hit(secrets.size(), 0);
+  std::vector<size_t> phone_words;  // where a phone context word starts
   bool any = false;
 
   if (db != nullptr) {
@@ -242,12 +248,18 @@ void Engine::Impl::ScanView(const View& view, Where where, std::vector<Finding>*
       std::vector<char>* rules;
       std::vector<char>* secrets;
       bool* any;
-    } hits{&rule_hit, &secret_hit, &any};
-    auto on_match = [](unsigned int id, unsigned long long, unsigned long long, unsigned int,
+      std::vector<size_t>* phone_words;
+    } hits{&rule_hit, &secret_hit, &any, &phone_words};
+    auto on_match = [](unsigned int id, unsigned long long, unsigned long long to, unsigned int,
                        void* ctx) -> int {
       auto* h = static_cast<Hits*>(ctx);
       if (id >= kSecretIdBase) {
         (*h->secrets)[id - kSecretIdBase] = 1;
+      } else if (id >= kPhoneWordIdBase) {
+        if (h->phone_words->size() < kMaxCandidatesPerRule) {
+          h->phone_words->push_back(to - kPhoneWords[id - kPhoneWordIdBase].size());
+        }
+        return 0;  // a word alone is no hit
       } else {
         (*h->rules)[id] = 1;
       }
@@ -346,6 +358,8 @@ void Engine::Impl::ScanView(const View& view, Where where, std::vector<Finding>*
       ScanNumbers(text, add_rule);
     }
     if (email_rule >= 0) ScanEmails(text, add_rule);
+    // Phone numbers after a context word: the phone pattern anchored at each word.
+    for (size_t w : phone_words) LocateAnchored(phone_rule, text, w, add_rule);
   }
   for (size_t s = 0; s < secrets.size(); ++s) {
     if (!secret_hit[s]) continue;
@@ -441,24 +455,6 @@ inline size_t PhoneDigits(const char* t, size_t i, size_t n) {
     }
   }
   return digits;
-}
-
-// Length of the phone context word (any case) at t, 0 if none.
-inline size_t PhoneWordAt(const char* t, size_t avail) {
-  static constexpr std::string_view kWords[] = {"phone", "tel",  "mobile",  "cell",
-                                                "fax",   "call", "whatsapp"};
-  const char first = static_cast<char>(t[0] | 0x20);
-  if (first != 'p' && first != 't' && first != 'm' && first != 'c' && first != 'f' &&
-      first != 'w') {
-    return 0;
-  }
-  for (std::string_view word : kWords) {
-    if (word.size() > avail || word[0] != first) continue;
-    size_t k = 1;
-    while (k < word.size() && static_cast<char>(t[k] | 0x20) == word[k]) ++k;
-    if (k == word.size()) return word.size();
-  }
-  return 0;
 }
 
 // Calls f(i) for each digit t[i] whose previous byte is not a word byte (where a \b-anchored
@@ -574,9 +570,9 @@ void Engine::Impl::LocateAnchored(int r, std::string_view text, size_t start,
 //    groups with 13–19 digits that ends before a non-word byte; a rejected candidate moves
 //    the start one group on (as the RE2 search from the next byte would).
 //  - SSN: three groups of 3, 2 and 4 digits with one kind of separator.
-//  - Phone: a number after '+' or '(' (not after a byte the validator rejects), or with a
-//    context word within 20 bytes before it, and ≥ 10 digits in the next 24 bytes: the phone
-//    pattern runs anchored at the '+', '(' or word.
+//  - Phone: a number after '+' or '(' (not after a byte the validator rejects) with ≥ 9
+//    digits in the next 24 bytes: the phone pattern runs anchored at the '+' or '('. (After a
+//    context word: Vectorscan reports each word and the pattern runs anchored there.)
 //  - IBAN: the IBAN pattern runs anchored at each possible start.
 // The same candidates as the RE2 patterns over the whole text (DlpCorpusTest cross-checks).
 void Engine::Impl::ScanNumbers(std::string_view text, const AddFn& add) const {
@@ -650,22 +646,8 @@ void Engine::Impl::ScanNumbers(std::string_view text, const AddFn& add) const {
       const bool marked = (before == '+' || before == '(') &&
                           (i < 2 || !(IsWordByte(t[i - 2]) || t[i - 2] == '.' || t[i - 2] == '/' ||
                                       t[i - 2] == '+' || t[i - 2] == '-'));
-      const size_t digits = PhoneDigits(t, i, n);
-      if (marked && digits >= 9) {
-        LocateAnchored(phone_rule, text, i - 1, add);
-      } else if (!marked && digits >= 10) {
-        // A context word ending within 20 bytes of [^0-9+(\n] before the number.
-        size_t from = i;
-        while (from > 0 && i - from < 28) {
-          const char c = t[from - 1];
-          if (IsDigitByte(c) || c == '+' || c == '(' || c == '\n') break;
-          --from;
-        }
-        for (size_t w = from; w < i; ++w) {
-          const size_t len = PhoneWordAt(t + w, i - w);
-          if (len > 0 && i - (w + len) <= 20) LocateAnchored(phone_rule, text, w, add);
-        }
-      }
+      // (Numbers after a context word are found from the words: see ScanView.)
+      if (marked && PhoneDigits(t, i, n) >= 9) LocateAnchored(phone_rule, text, i - 1, add);
     }
     return std::max(j, i + 1);
   };
@@ -987,7 +969,13 @@ absl::StatusOr<std::shared_ptr<const Engine>> Engine::Compile(const DlpConfig& c
         case FastScan::kNumbers:
           if (rule.id == "dlp:credit_card") impl->card_rule = index;
           if (rule.id == "dlp:us_ssn") impl->ssn_rule = index;
-          if (rule.id == "dlp:phone") impl->phone_rule = index;
+          if (rule.id == "dlp:phone") {
+            impl->phone_rule = index;
+            for (size_t w = 0; w < std::size(kPhoneWords); ++w) {
+              hs_patterns.push_back("(?i)" + std::string(kPhoneWords[w]));
+              hs_ids.push_back(kPhoneWordIdBase + static_cast<unsigned>(w));
+            }
+          }
           if (rule.id == "dlp:iban") impl->iban_rule = index;
           break;
         case FastScan::kEmail:
@@ -1064,7 +1052,12 @@ absl::StatusOr<std::shared_ptr<const Engine>> Engine::Compile(const DlpConfig& c
   }
   if (!hs_patterns.empty()) {
     std::vector<const char*> expressions;
-    std::vector<unsigned> flags(hs_patterns.size(), HS_FLAG_SINGLEMATCH);
+    std::vector<unsigned> flags;
+    for (unsigned id : hs_ids) {
+      // Phone context words report every occurrence (each is a candidate start).
+      const bool word = id >= kPhoneWordIdBase && id < kSecretIdBase;
+      flags.push_back(word ? 0u : HS_FLAG_SINGLEMATCH);
+    }
     for (const std::string& p : hs_patterns) expressions.push_back(p.c_str());
     hs_compile_error_t* error = nullptr;
     if (hs_compile_multi(expressions.data(), flags.data(), hs_ids.data(),
