@@ -467,9 +467,13 @@ inline void ForEachNumberStart(const char* t, size_t n, bool ibans, size_t min_r
 #if defined(__SSE2__)
   size_t resume = 0;
   for (size_t b = 0; b + 16 <= n; b += 16) {
+    const uint32_t digits = DigitMask16(t + b);
     if (ibans) {
       uint32_t upper = UpperMask16(t + b);
-      if (upper != 0) {
+      // Two capitals then a digit (bits 14–15: the rest is in the next block): most blocks
+      // of text have none, and skip the exact masks.
+      const uint32_t maybe = upper & ((upper >> 1) | 0x8000) & ((digits >> 2) | 0xc000);
+      if (maybe != 0) {
         if (b >= 1 && b + 19 <= n) {
           upper &= UpperMask16(t + b + 1) & DigitMask16(t + b + 2) & DigitMask16(t + b + 3) &
                    ~WordMask16(t + b - 1);
@@ -482,7 +486,6 @@ inline void ForEachNumberStart(const char* t, size_t n, bool ibans, size_t min_r
         }
       }
     }
-    const uint32_t digits = DigitMask16(t + b);
     if (digits == 0) continue;
     const uint32_t word = WordMask16(t + b);
     const uint32_t prev_word = (word << 1) | (b > 0 && IsWordByte(t[b - 1]) ? 1u : 0u);
