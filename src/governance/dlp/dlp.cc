@@ -466,7 +466,50 @@ inline void ForEachNumberStart(const char* t, size_t n, bool ibans, size_t min_r
   size_t i = 0;
 #if defined(__SSE2__)
   size_t resume = 0;
-  for (size_t b = 0; b + 16 <= n; b += 16) {
+  size_t b = 0;
+  // 64 bytes per step (with 16 bytes of look-ahead): fewer branches per byte.
+  auto mask64 = [t](uint32_t (*mask16)(const char*), size_t at) {
+    return static_cast<uint64_t>(mask16(t + at)) |
+           static_cast<uint64_t>(mask16(t + at + 16)) << 16 |
+           static_cast<uint64_t>(mask16(t + at + 32)) << 32 |
+           static_cast<uint64_t>(mask16(t + at + 48)) << 48;
+  };
+  for (; b + 80 <= n; b += 64) {
+    const uint64_t digits = mask64(DigitMask16, b);
+    const uint64_t next_digits = DigitMask16(t + b + 64);
+    uint64_t upper = 0;
+    if (ibans) upper = mask64(UpperMask16, b);
+    if (digits == 0 && upper == 0) continue;
+    const uint64_t word = mask64(WordMask16, b);
+    const uint64_t prev_word = (word << 1) | (b > 0 && IsWordByte(t[b - 1]) ? 1u : 0u);
+    if (upper != 0) {
+      const uint64_t next_upper = UpperMask16(t + b + 64);
+      uint64_t starts = upper & ((upper >> 1) | (next_upper << 63)) &
+                        ((digits >> 2) | (next_digits << 62)) &
+                        ((digits >> 3) | (next_digits << 61)) & ~prev_word;
+      for (; starts != 0; starts &= starts - 1) {
+        iban(b + static_cast<size_t>(__builtin_ctzll(starts)));
+      }
+    }
+    uint64_t starts = digits & ~prev_word;
+    if (starts == 0) continue;
+    if (min_run > 1) {
+      const unsigned __int128 m = static_cast<unsigned __int128>(mask64(NumberishMask16, b)) |
+                                  static_cast<unsigned __int128>(NumberishMask16(t + b + 64)) << 64;
+      unsigned __int128 run = m;  // bit i: bytes i..i+k-1 numberish, k doubling up to 8
+      run &= run >> 1;
+      run &= run >> 2;
+      run &= run >> 4;
+      for (size_t k = 8; k < min_run; ++k) run &= m >> k;
+      starts &= static_cast<uint64_t>(run);
+    }
+    for (; starts != 0; starts &= starts - 1) {
+      const size_t pos = b + static_cast<size_t>(__builtin_ctzll(starts));
+      if (pos < resume) continue;
+      resume = f(pos);
+    }
+  }
+  for (; b + 16 <= n; b += 16) {
     const uint32_t digits = DigitMask16(t + b);
     if (ibans) {
       uint32_t upper = UpperMask16(t + b);

@@ -771,3 +771,34 @@ TEST(DlpAttackTest, CorruptedAndRandomBodiesNeverCrash) {
 
 }  // namespace
 }  // namespace esb::governance::dlp
+
+namespace esb::governance::dlp {
+namespace {
+
+// The number scan works on 64- and 16-byte blocks: every sample at every offset across block
+// boundaries is found, and both engines agree.
+TEST(DlpCorpusTest, NumberSamplesAtEveryOffset) {
+  auto re2_only = Engine::Compile(DlpConfig{}, EngineOptions{.vectorscan = false});
+  ASSERT_TRUE(re2_only.ok());
+  const std::pair<const char*, std::string> samples[] = {{"dlp:credit_card", "4111 1111 1111 1111"},
+                                                         {"dlp:credit_card", "5555555555554444"},
+                                                         {"dlp:us_ssn", "536-22-8745"},
+                                                         {"dlp:iban", "DE89370400440532013000"},
+                                                         {"dlp:phone", "+1 415 555 2671"},
+                                                         {"dlp:phone", "(415) 555-2671"},
+                                                         {"dlp:email", "bob@example.org"}};
+  for (const auto& [rule, sample] : samples) {
+    for (size_t offset = 0; offset < 150; ++offset) {
+      // x…x, a space, the sample, a space, y…y (offset 0: the sample starts the text).
+      const std::string text =
+          std::string(offset, 'x') + (offset > 0 ? " " : "") + sample + " " + std::string(200, 'y');
+      const Result a = Default().ScanText(text, Where::kBody);
+      const Result b = (*re2_only)->ScanText(text, Where::kBody);
+      ASSERT_TRUE(Has(a, rule)) << rule << " at " << offset << ": " << Describe(a);
+      ASSERT_EQ(Describe(a), Describe(b)) << rule << " at " << offset;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace esb::governance::dlp
