@@ -9,6 +9,10 @@
 #   bash bench/run.sh exec-trace   where one exec's time goes: `perf trace` of esbd and the agent
 #                                  during 40 execs, summarised by bench/exec_timeline.py
 #                                  (BENCH_TRACE_OUT=FILE keeps the raw trace)
+#   bash bench/run.sh dlp [...]    DLP throughput (bench/dlp_bench.cc, no daemon): the default
+#                                  rule set on 64 KiB mixed-text bodies, MB/s per core, vs
+#                                  RE2::Set over the same rules and corpus in the same run
+#                                  (arguments go to dlp_bench: --bodies N --rounds R --config J)
 # Transport knobs (environment): BENCH_ROWS (which rows, default "healthz exec sse idle";
 # "exec-ab" adds the exec row against a second daemon with audit.write_behind_ms 0, alternating),
 # BENCH_EXEC_GAP_MS (pause between exec calls, 0), BENCH_IDLE_CONNS (10000), BENCH_SSE_STREAMS (1000), BENCH_SSE_BODY (JSON for POST /run;
@@ -23,7 +27,13 @@ case "${1:-}" in
   mixed) shift; set -- --bench mixed "$@"; MODE=python ;;
   transport) shift; MODE=transport ;;
   exec-trace) shift; MODE=exec-trace ;;
+  dlp) shift; MODE=dlp ;;
 esac
+if [ "$MODE" = dlp ]; then
+  cmake --build "$BUILD_DIR" --target dlp_bench >/dev/null
+  log "dlp: load average $(cut -d' ' -f1-3 /proc/loadavg); $(nproc) cores"
+  exec "$BUILD_DIR/dlp_bench" "$@"
+fi
 load_images_env
 
 PIDS=()

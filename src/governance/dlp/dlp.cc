@@ -1,8 +1,10 @@
 // The DLP engine: one Vectorscan database (detect-only) for the literal-anchored secret rules
-// and registered secret values, one RE2::Set for the PII rules and custom patterns, then per
-// hit rule an RE2 locate pass and the rule's validator. Texts are scanned as given and in their
-// decoded views (URL, JSON escapes, base64 multipart parts); findings map back to the given
-// text so that redaction replaces the escaped bytes too.
+// and registered secret values, then per hit rule an RE2 locate pass; one number scan for
+// cards, SSN, phone and IBAN and one '@' scan for e-mail (FastScan in rules.h); one RE2::Set
+// for custom patterns (with EngineOptions{.vectorscan = false}: for every rule). Each
+// candidate goes through its rule's validator. Texts are scanned as given and in their decoded
+// views (URL, JSON escapes, base64 multipart parts); findings map back to the given text so
+// that redaction replaces the escaped bytes too.
 #include "governance/dlp/dlp.h"
 
 #include <hs/hs.h>
@@ -25,13 +27,18 @@
 namespace esb::governance::dlp {
 namespace {
 
-// Vectorscan ids ≥ this are registered secret values (id - base = index); ids in
-// [kAnchoredIdBase, kSecretIdBase) are anchored detect patterns (id - base = index).
+// Vectorscan ids ≥ this are registered secret values (id - base = index).
 constexpr unsigned kSecretIdBase = 1u << 20;
-constexpr unsigned kAnchoredIdBase = 1u << 19;
+// Vectorscan ids in [kPhoneWordIdBase, kSecretIdBase): phone context words (index into
+// kPhoneWords), reported at every match.
+constexpr unsigned kPhoneWordIdBase = 1u << 19;
+constexpr std::string_view kPhoneWords[] = {"phone", "tel",  "mobile",  "cell",
+                                            "fax",   "call", "whatsapp"};
 // Bounds the work per rule and view (a body full of near-miss candidates).
 constexpr size_t kMaxCandidatesPerRule = 10000;
 constexpr size_t kMaxFindings = 1000;
+// Bytes of [0-9 .()-] every number-shaped candidate has from its first digit.
+constexpr size_t kMinNumberRun = 10;
 // A rejected candidate up to this long is searched again from its second byte.
 constexpr size_t kMaxRescanMatch = 64;
 constexpr size_t kMaxMultipartParts = 1000;
@@ -133,17 +140,19 @@ std::string LowerAscii(std::string_view s) {
   return out;
 }
 
-// A view of the scanned text: the text itself or one decoding of it.
+// A view of the scanned text: the text itself or one decoding of it. The offset map back to
+// the scanned text is built only when a finding needs it (a map is 4 bytes per byte).
 struct View {
-  std::string storage;  // decoded bytes (empty for the text itself)
   std::string_view text;
-  std::string layer;
-  OffsetMap map;           // empty: identity
-  size_t base_offset = 0;  // added to map entries (multipart parts)
+  std::string_view layer;
+  size_t base_offset = 0;               // added to mapped offsets (multipart parts)
+  std::function<OffsetMap()> make_map;  // empty: identity
+  mutable OffsetMap map;
 
   // Span of text[begin, end) in the scanned text.
   std::pair<size_t, size_t> ToBase(size_t begin, size_t end) const {
-    if (map.empty()) return {base_offset + begin, base_offset + end};
+    if (!make_map) return {base_offset + begin, base_offset + end};
+    if (map.empty()) map = make_map();
     return {base_offset + map[begin], base_offset + map[end]};
   }
 };
@@ -185,8 +194,8 @@ struct Engine::Impl {
   mutable std::mutex scratch_mu;
   mutable std::vector<hs_scratch_t*> scratch_pool;
 
-  std::vector<std::pair<int, size_t>> anchored;        // anchored pattern → (rule, back)
-  int card_rule = -1, ssn_rule = -1, email_rule = -1;  // hand-scanned (Vectorscan mode)
+  // Hand-scanned rules (Vectorscan mode; -1: disabled or RE2-only).
+  int card_rule = -1, ssn_rule = -1, phone_rule = -1, iban_rule = -1, email_rule = -1;
 
   std::unique_ptr<RE2::Set> set;
   std::vector<int> set_rule;  // set index → rule index (< 0: secret value -1-index)
@@ -217,10 +226,11 @@ struct Engine::Impl {
 
   void ScanView(const View& view, Where where, std::vector<Finding>* out) const;
   using AddFn = std::function<void(int rule, size_t begin, size_t end)>;
-  void ScanDigitChains(std::string_view text, const AddFn& add) const;
+  void ScanNumbers(std::string_view text, const AddFn& add) const;
+  void LocateAnchored(int rule, std::string_view text, size_t start, const AddFn& add) const;
   void ScanEmails(std::string_view text, const AddFn& add) const;
-  std::vector<View> Views(std::string_view text, Where where, size_t plus_from,
-                          std::string_view boundary) const;
+  void ScanViews(std::string_view text, Where where, size_t plus_from, std::string_view boundary,
+                 std::vector<Finding>* out) const;
   Result Scan(std::string_view text, Where where, size_t plus_from, std::string_view boundary,
               std::vector<Finding> extra) const;
 };
@@ -230,7 +240,7 @@ void Engine::Impl::ScanView(const View& view, Where where, std::vector<Finding>*
   if (text.empty()) return;
   std::vector<char> rule_hit(rules.size(), 0);
   std::vector<char> secret_hit(secrets.size(), 0);
-  std::vector<std::pair<uint32_t, uint32_t>> anchored_ends;
+  std::vector<size_t> phone_words;  // where a phone context word starts
   bool any = false;
 
   if (db != nullptr) {
@@ -238,17 +248,18 @@ void Engine::Impl::ScanView(const View& view, Where where, std::vector<Finding>*
       std::vector<char>* rules;
       std::vector<char>* secrets;
       bool* any;
-      std::vector<std::pair<uint32_t, uint32_t>>* starts;  // (anchored index, end)
-    } hits{&rule_hit, &secret_hit, &any, &anchored_ends};
+      std::vector<size_t>* phone_words;
+    } hits{&rule_hit, &secret_hit, &any, &phone_words};
     auto on_match = [](unsigned int id, unsigned long long, unsigned long long to, unsigned int,
                        void* ctx) -> int {
       auto* h = static_cast<Hits*>(ctx);
       if (id >= kSecretIdBase) {
         (*h->secrets)[id - kSecretIdBase] = 1;
-      } else if (id >= kAnchoredIdBase) {
-        if (h->starts->size() < kMaxCandidatesPerRule) {
-          h->starts->emplace_back(id - kAnchoredIdBase, static_cast<uint32_t>(to));
+      } else if (id >= kPhoneWordIdBase) {
+        if (h->phone_words->size() < kMaxCandidatesPerRule) {
+          h->phone_words->push_back(to - kPhoneWords[id - kPhoneWordIdBase].size());
         }
+        return 0;  // a word alone is no hit
       } else {
         (*h->rules)[id] = 1;
       }
@@ -284,7 +295,8 @@ void Engine::Impl::ScanView(const View& view, Where where, std::vector<Finding>*
       any = true;
     }
   }
-  const bool hand_scanned = card_rule >= 0 || ssn_rule >= 0 || email_rule >= 0;
+  const bool hand_scanned =
+      card_rule >= 0 || ssn_rule >= 0 || email_rule >= 0 || phone_rule >= 0 || iban_rule >= 0;
   if (!any && !hand_scanned) return;
 
   ValidateContext context;
@@ -295,7 +307,7 @@ void Engine::Impl::ScanView(const View& view, Where where, std::vector<Finding>*
     if (out->size() >= kMaxFindings) return;
     if (!allow.empty() && allow.count(std::string(text.substr(begin, end - begin))) > 0) return;
     auto [b, e] = view.ToBase(begin, end);
-    out->push_back(Finding{id, action, kind, where, view.layer, b, e - b});
+    out->push_back(Finding{id, action, kind, where, std::string(view.layer), b, e - b});
   };
   // The access key rule runs first: its result is the secret key rule's context.
   std::vector<size_t> order;
@@ -338,43 +350,16 @@ void Engine::Impl::ScanView(const View& view, Where where, std::vector<Finding>*
       }
     }
   }
-  // Anchored rules: locate only where a detect pattern says a match may start.
-  if (!anchored_ends.empty()) {
-    std::vector<std::pair<int, size_t>> starts;
-    for (const auto& [index, end] : anchored_ends) {
-      const auto& [rule, back] = anchored[index];
-      if (end >= back) starts.emplace_back(rule, end - back);
-    }
-    std::sort(starts.begin(), starts.end());
-    starts.erase(std::unique(starts.begin(), starts.end()), starts.end());
-    re2::StringPiece input(text.data(), text.size());
-    for (const auto& [r, start] : starts) {
-      const Rule& rule = rules[r];
-      re2::StringPiece groups[3];
-      const int ngroups = 1 + std::min(rule.groups, 2);
-      if (!rule.locate->Match(input, start, text.size(), RE2::ANCHOR_START, groups, ngroups)) {
-        continue;
-      }
-      re2::StringPiece span = groups[0];
-      for (int g = 1; g < ngroups; ++g) {
-        if (groups[g].data() != nullptr) {
-          span = groups[g];
-          break;
-        }
-      }
-      size_t begin = static_cast<size_t>(span.data() - text.data());
-      size_t end = begin + span.size();
-      if (rule.validate == nullptr || rule.validate(text, &begin, &end, context)) {
-        add(rule.id, rule.action, rule.kind, begin, end);
-      }
-    }
-  }
   if (hand_scanned) {
     const AddFn add_rule = [&](int r, size_t begin, size_t end) {
       add(rules[r].id, rules[r].action, rules[r].kind, begin, end);
     };
-    if (card_rule >= 0 || ssn_rule >= 0) ScanDigitChains(text, add_rule);
+    if (card_rule >= 0 || ssn_rule >= 0 || phone_rule >= 0 || iban_rule >= 0) {
+      ScanNumbers(text, add_rule);
+    }
     if (email_rule >= 0) ScanEmails(text, add_rule);
+    // Phone numbers after a context word: the phone pattern anchored at each word.
+    for (size_t w : phone_words) LocateAnchored(phone_rule, text, w, add_rule);
   }
   for (size_t s = 0; s < secrets.size(); ++s) {
     if (!secret_hit[s]) continue;
@@ -425,19 +410,144 @@ inline uint32_t WordMask16(const char* t) {
 }
 #endif
 
+#if defined(__SSE2__)
+// Bit i set: t[i] is an ASCII capital letter.
+inline uint32_t UpperMask16(const char* t) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(t));
+  const __m128i a = _mm_sub_epi8(v, _mm_set1_epi8('A'));
+  return static_cast<uint32_t>(
+      _mm_movemask_epi8(_mm_cmpeq_epi8(_mm_min_epu8(a, _mm_set1_epi8(25)), a)));
+}
+#endif
+
+#if defined(__SSE2__)
+// Bit i set: t[i] is one of [0-9 .()-] (a byte a phone, card or SSN candidate can contain).
+inline uint32_t NumberishMask16(const char* t) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(t));
+  const __m128i d = _mm_sub_epi8(v, _mm_set1_epi8('0'));
+  __m128i m = _mm_cmpeq_epi8(_mm_min_epu8(d, _mm_set1_epi8(9)), d);
+  m = _mm_or_si128(m, _mm_cmpeq_epi8(v, _mm_set1_epi8(' ')));
+  m = _mm_or_si128(m, _mm_cmpeq_epi8(v, _mm_set1_epi8('.')));
+  m = _mm_or_si128(m, _mm_cmpeq_epi8(v, _mm_set1_epi8('-')));
+  m = _mm_or_si128(m, _mm_cmpeq_epi8(v, _mm_set1_epi8('(')));
+  m = _mm_or_si128(m, _mm_cmpeq_epi8(v, _mm_set1_epi8(')')));
+  return static_cast<uint32_t>(_mm_movemask_epi8(m));
+}
+#endif
+
+#if defined(__SSE2__)
+// Four 16-byte masks as one 64-bit mask (a template argument, so that it inlines).
+template <uint32_t (*kMask16)(const char*)>
+inline uint64_t Mask64(const char* t) {
+  return static_cast<uint64_t>(kMask16(t)) | static_cast<uint64_t>(kMask16(t + 16)) << 16 |
+         static_cast<uint64_t>(kMask16(t + 32)) << 32 |
+         static_cast<uint64_t>(kMask16(t + 48)) << 48;
+}
+#endif
+
+inline bool IsUpperByte(char c) { return c >= 'A' && c <= 'Z'; }
+
+// Where an IBAN can start: \b[A-Z]{2}\d{2}.
+inline bool IsIbanStart(const char* t, size_t n, size_t p) {
+  return p + 4 <= n && IsUpperByte(t[p]) && IsUpperByte(t[p + 1]) && IsDigitByte(t[p + 2]) &&
+         IsDigitByte(t[p + 3]) && (p == 0 || !IsWordByte(t[p - 1]));
+}
+
+// Digits in the phone-shaped run at t[i] ([0-9 .()-], at most 24 bytes).
+inline size_t PhoneDigits(const char* t, size_t i, size_t n) {
+  size_t digits = 0;
+  for (size_t p = i; p < n && p < i + 24; ++p) {
+    const char c = t[p];
+    if (IsDigitByte(c)) {
+      ++digits;
+    } else if (c != ' ' && c != '.' && c != '-' && c != '(' && c != ')') {
+      break;
+    }
+  }
+  return digits;
+}
+
 // Calls f(i) for each digit t[i] whose previous byte is not a word byte (where a \b-anchored
 // number can start), in order; f returns the offset to continue from (≥ i + 1).
-template <typename F>
-inline void ForEachNumberStart(const char* t, size_t n, F&& f) {
+// Starts followed by fewer than min_run (≤ 16) bytes of [0-9 .()-] may be skipped.
+template <typename F, typename G>
+inline void ForEachNumberStart(const char* t, size_t n, bool ibans, size_t min_run, F&& f,
+                               G&& iban) {
   size_t i = 0;
 #if defined(__SSE2__)
   size_t resume = 0;
-  for (size_t b = 0; b + 16 <= n; b += 16) {
+  size_t b = 0;
+  // 64 bytes per step (with 16 bytes of look-ahead): fewer branches per byte.
+  for (; b + 80 <= n; b += 64) {
+    const uint64_t digits = Mask64<DigitMask16>(t + b);
+    const uint64_t next_digits = DigitMask16(t + b + 64);
+    uint64_t upper = 0;
+    if (ibans) upper = Mask64<UpperMask16>(t + b);
+    if (digits == 0 && upper == 0) continue;
+    const uint64_t word = Mask64<WordMask16>(t + b);
+    const uint64_t prev_word = (word << 1) | (b > 0 && IsWordByte(t[b - 1]) ? 1u : 0u);
+    if (upper != 0) {
+      const uint64_t next_upper = UpperMask16(t + b + 64);
+      uint64_t starts = upper & ((upper >> 1) | (next_upper << 63)) &
+                        ((digits >> 2) | (next_digits << 62)) &
+                        ((digits >> 3) | (next_digits << 61)) & ~prev_word;
+      for (; starts != 0; starts &= starts - 1) {
+        iban(b + static_cast<size_t>(__builtin_ctzll(starts)));
+      }
+    }
+    uint64_t starts = digits & ~prev_word;
+    if (starts == 0) continue;
+    if (min_run > 1) {
+      const unsigned __int128 m = static_cast<unsigned __int128>(Mask64<NumberishMask16>(t + b)) |
+                                  static_cast<unsigned __int128>(NumberishMask16(t + b + 64)) << 64;
+      unsigned __int128 run = m;  // bit i: bytes i..i+k-1 numberish, k doubling up to 8
+      run &= run >> 1;
+      run &= run >> 2;
+      run &= run >> 4;
+      for (size_t k = 8; k < min_run; ++k) run &= m >> k;
+      starts &= static_cast<uint64_t>(run);
+    }
+    for (; starts != 0; starts &= starts - 1) {
+      const size_t pos = b + static_cast<size_t>(__builtin_ctzll(starts));
+      if (pos < resume) continue;
+      resume = f(pos);
+    }
+  }
+  for (; b + 16 <= n; b += 16) {
     const uint32_t digits = DigitMask16(t + b);
+    if (ibans) {
+      uint32_t upper = UpperMask16(t + b);
+      // Two capitals then a digit (bits 14–15: the rest is in the next block): most blocks
+      // of text have none, and skip the exact masks.
+      const uint32_t maybe = upper & ((upper >> 1) | 0x8000) & ((digits >> 2) | 0xc000);
+      if (maybe != 0) {
+        if (b >= 1 && b + 19 <= n) {
+          upper &= UpperMask16(t + b + 1) & DigitMask16(t + b + 2) & DigitMask16(t + b + 3) &
+                   ~WordMask16(t + b - 1);
+          for (; upper != 0; upper &= upper - 1)
+            iban(b + static_cast<size_t>(__builtin_ctz(upper)));
+        } else {
+          for (size_t p = b; p < b + 16; ++p) {
+            if (IsIbanStart(t, n, p)) iban(p);
+          }
+        }
+      }
+    }
     if (digits == 0) continue;
     const uint32_t word = WordMask16(t + b);
     const uint32_t prev_word = (word << 1) | (b > 0 && IsWordByte(t[b - 1]) ? 1u : 0u);
     uint32_t starts = digits & ~prev_word & 0xffff;
+    if (starts != 0 && min_run > 1 && b + 32 <= n) {
+      // Keep the starts followed by ≥ min_run bytes of [0-9 .()-] (the callback ignores the
+      // others anyway): runs of ones by doubling.
+      const uint32_t m = NumberishMask16(t + b) | (NumberishMask16(t + b + 16) << 16);
+      uint32_t run = m;  // bit i: bytes i..i+k-1 all numberish, k doubling up to 8
+      run &= run >> 1;
+      run &= run >> 2;
+      run &= run >> 4;
+      for (size_t k = 8; k < min_run; ++k) run &= m >> k;
+      starts &= run;
+    }
     while (starts != 0) {
       const size_t pos = b + static_cast<size_t>(__builtin_ctz(starts));
       starts &= starts - 1;
@@ -445,7 +555,19 @@ inline void ForEachNumberStart(const char* t, size_t n, F&& f) {
       resume = f(pos);
     }
   }
-  i = std::max(resume, n - n % 16);
+  const size_t tail = n - n % 16;
+  if (ibans) {
+    for (size_t p = tail; p < n; ++p) {
+      if (IsIbanStart(t, n, p)) iban(p);
+    }
+  }
+  i = std::max(resume, tail);
+#else
+  if (ibans) {
+    for (size_t p = 0; p < n; ++p) {
+      if (IsIbanStart(t, n, p)) iban(p);
+    }
+  }
 #endif
   for (; i < n; ++i) {
     if (IsDigitByte(t[i]) && (i == 0 || !IsWordByte(t[i - 1]))) i = f(i) - 1;
@@ -468,14 +590,42 @@ inline size_t SkipWhile(const char* t, size_t i, size_t n, bool digits) {
 
 }  // namespace
 
-// Digit groups joined by single ' ' or '-' form a chain. The card pattern
-// \b(?:\d[ -]?){12,18}\d\b matches whole groups only (\b), so its candidates are, for each
-// group that can start one (non-word byte before it), the longest run of groups with 13–19
-// digits that ends before a non-word byte; a rejected candidate moves the start one group on
-// (as the RE2 search from the next byte would). The SSN pattern's candidates are three
-// groups of 3, 2 and 4 digits with one kind of separator. Same candidates as the RE2 locate
-// patterns (DlpCorpusTest cross-checks both engines), without a regex pass over the text.
-void Engine::Impl::ScanDigitChains(std::string_view text, const AddFn& add) const {
+// Runs `rule`'s locate pattern anchored at `start`; a validated match is a finding.
+void Engine::Impl::LocateAnchored(int r, std::string_view text, size_t start,
+                                  const AddFn& add) const {
+  const Rule& rule = rules[r];
+  re2::StringPiece input(text.data(), text.size());
+  re2::StringPiece groups[3];
+  const int ngroups = 1 + std::min(rule.groups, 2);
+  if (!rule.locate->Match(input, start, text.size(), RE2::ANCHOR_START, groups, ngroups)) return;
+  re2::StringPiece span = groups[0];
+  for (int g = 1; g < ngroups; ++g) {
+    if (groups[g].data() != nullptr) {
+      span = groups[g];
+      break;
+    }
+  }
+  size_t begin = static_cast<size_t>(span.data() - text.data());
+  size_t end = begin + span.size();
+  if (rule.validate == nullptr || rule.validate(text, &begin, &end, ValidateContext{})) {
+    add(r, begin, end);
+  }
+}
+
+// One pass for the number-shaped rules, without a regex pass over the text: SIMD masks find
+// where a \b-anchored number can start (a digit after a non-word byte) and where an IBAN can
+// (\b[A-Z]{2}\d{2}); a digit run inside a word ("a1b2", base64) starts nothing.
+//  - Cards: digit groups joined by single ' ' or '-' form a chain. \b(?:\d[ -]?){12,18}\d\b
+//    matches whole groups only, so its candidates are, per start group, the longest run of
+//    groups with 13–19 digits that ends before a non-word byte; a rejected candidate moves
+//    the start one group on (as the RE2 search from the next byte would).
+//  - SSN: three groups of 3, 2 and 4 digits with one kind of separator.
+//  - Phone: a number after '+' or '(' (not after a byte the validator rejects) with ≥ 9
+//    digits in the next 24 bytes: the phone pattern runs anchored at the '+' or '('. (After a
+//    context word: Vectorscan reports each word and the pattern runs anchored there.)
+//  - IBAN: the IBAN pattern runs anchored at each possible start.
+// The same candidates as the RE2 patterns over the whole text (DlpCorpusTest cross-checks).
+void Engine::Impl::ScanNumbers(std::string_view text, const AddFn& add) const {
   constexpr size_t kMaxGroups = 64;
   const size_t n = text.size();
   const char* t = text.data();
@@ -484,9 +634,17 @@ void Engine::Impl::ScanDigitChains(std::string_view text, const AddFn& add) cons
   };
   Group groups[kMaxGroups];
   const ValidateContext context;
-  // Only chains that start where a number can start matter: a digit run inside a word
-  // ("a1b2", base64) neither starts a candidate nor continues a chain.
-  ForEachNumberStart(t, n, [&](size_t i) -> size_t {
+  auto on_iban = [&](size_t p) { LocateAnchored(iban_rule, text, p, add); };
+  auto on_number = [&](size_t i) -> size_t {
+    // Every candidate needs ≥ 10 bytes of [0-9 .()-] from its first digit (a card 13, an SSN
+    // 11, a phone 10 digits): most numbers in text are shorter and end here.
+    size_t run = i;
+    while (run < n && run - i < kMinNumberRun) {
+      const char c = t[run];
+      if (!IsDigitByte(c) && c != ' ' && c != '.' && c != '-' && c != '(' && c != ')') break;
+      ++run;
+    }
+    if (run - i < kMinNumberRun) return i + 1;
     size_t count = 0;
     size_t j = i;
     for (;;) {
@@ -502,7 +660,7 @@ void Engine::Impl::ScanDigitChains(std::string_view text, const AddFn& add) cons
     }
     // groups[0] is startable by construction; later groups follow a separator.
     auto endable = [&](size_t g) { return groups[g].end == n || !IsWordByte(t[groups[g].end]); };
-    if (card_rule >= 0 && count * 19 >= 13) {
+    if (card_rule >= 0 && groups[count - 1].end - groups[0].begin >= 13) {
       for (size_t k = 0; k < count;) {
         size_t digits = 0;
         int best = -1;
@@ -533,8 +691,17 @@ void Engine::Impl::ScanDigitChains(std::string_view text, const AddFn& add) cons
         if (rules[ssn_rule].validate(text, &begin, &end, context)) add(ssn_rule, begin, end);
       }
     }
+    if (phone_rule >= 0) {
+      const char before = i > 0 ? t[i - 1] : 0;
+      const bool marked = (before == '+' || before == '(') &&
+                          (i < 2 || !(IsWordByte(t[i - 2]) || t[i - 2] == '.' || t[i - 2] == '/' ||
+                                      t[i - 2] == '+' || t[i - 2] == '-'));
+      // (Numbers after a context word are found from the words: see ScanView.)
+      if (marked && PhoneDigits(t, i, n) >= 9) LocateAnchored(phone_rule, text, i - 1, add);
+    }
     return std::max(j, i + 1);
-  });
+  };
+  ForEachNumberStart(t, n, iban_rule >= 0, kMinNumberRun, on_number, on_iban);
 }
 
 // The e-mail pattern's candidates around each '@': the local part runs back to the start of
@@ -577,82 +744,101 @@ void Engine::Impl::ScanEmails(std::string_view text, const AddFn& add) const {
   }
 }
 
-std::vector<View> Engine::Impl::Views(std::string_view text, Where where, size_t plus_from,
-                                      std::string_view boundary) const {
-  std::vector<View> views;
-  views.push_back(View{{}, text, "", {}, 0});
+void Engine::Impl::ScanViews(std::string_view text, Where where, size_t plus_from,
+                             std::string_view boundary, std::vector<Finding>* out) const {
+  // One view at a time (built, scanned, dropped): at most the text and two decodings live.
+  ScanView(View{text, "", 0, {}}, where, out);
   const bool has_plus = plus_from != std::string_view::npos && HasByte(text, '+');
   if (HasByte(text, '%') || has_plus) {
-    View url;
-    if (UrlDecode(text, plus_from, &url.storage, &url.map)) {
-      url.text = url.storage;
-      url.layer = "url";
-      views.push_back(std::move(url));
+    std::string url;
+    if (UrlDecode(text, plus_from, &url, nullptr)) {
+      const auto url_map = [text, plus_from] {
+        std::string decoded;
+        OffsetMap map;
+        UrlDecode(text, plus_from, &decoded, &map);
+        return std::make_pair(std::move(decoded), std::move(map));
+      };
+      ScanView(View{url, "url", 0, [url_map] { return url_map().second; }}, where, out);
+      if (HasByte(url, '\\')) {
+        std::string both;
+        if (JsonUnescape(url, &both, nullptr)) {
+          ScanView(View{both, "url+json", 0,
+                        [url_map] {
+                          auto [decoded, outer] = url_map();
+                          std::string unescaped;
+                          OffsetMap inner;
+                          JsonUnescape(decoded, &unescaped, &inner);
+                          return Compose(inner, outer);
+                        }},
+                   where, out);
+        }
+      }
     }
   }
   if (HasByte(text, '\\')) {
-    View json;
-    if (JsonUnescape(text, &json.storage, &json.map)) {
-      json.text = json.storage;
-      json.layer = "json";
-      if (HasByte(json.text, '%')) {
-        View both;
-        OffsetMap inner;
-        if (UrlDecode(json.text, std::string_view::npos, &both.storage, &inner)) {
-          both.text = both.storage;
-          both.layer = "json+url";
-          both.map = Compose(inner, json.map);
-          views.push_back(std::move(both));
+    std::string json;
+    if (JsonUnescape(text, &json, nullptr)) {
+      const auto json_map = [text] {
+        std::string decoded;
+        OffsetMap map;
+        JsonUnescape(text, &decoded, &map);
+        return std::make_pair(std::move(decoded), std::move(map));
+      };
+      ScanView(View{json, "json", 0, [json_map] { return json_map().second; }}, where, out);
+      if (HasByte(json, '%')) {
+        std::string both;
+        if (UrlDecode(json, std::string_view::npos, &both, nullptr)) {
+          ScanView(View{both, "json+url", 0,
+                        [json_map] {
+                          auto [decoded, outer] = json_map();
+                          std::string unescaped;
+                          OffsetMap inner;
+                          UrlDecode(decoded, std::string_view::npos, &unescaped, &inner);
+                          return Compose(inner, outer);
+                        }},
+                   where, out);
         }
       }
-      views.push_back(std::move(json));
-    }
-  }
-  if (views.size() > 1 && views[1].layer == "url" && HasByte(views[1].text, '\\')) {
-    View both;
-    OffsetMap inner;
-    if (JsonUnescape(views[1].text, &both.storage, &inner)) {
-      both.text = both.storage;
-      both.layer = "url+json";
-      both.map = Compose(inner, views[1].map);
-      views.push_back(std::move(both));
     }
   }
   if (!boundary.empty()) {
     absl::StatusOr<std::vector<MultipartPart>> parts =
         ParseMultipart(text, boundary, kMaxMultipartParts);
-    if (parts.ok()) {
-      for (const MultipartPart& part : *parts) {
-        const std::string_view body = text.substr(part.offset, part.length);
-        if (part.content_transfer_encoding == "base64") {
-          View decoded;
-          if (Base64Decode(body, &decoded.storage, &decoded.map)) {
-            decoded.text = decoded.storage;
-            decoded.layer = "multipart+base64";
-            decoded.base_offset = part.offset;
-            views.push_back(std::move(decoded));
-          }
-        } else if (part.content_type == "application/x-www-form-urlencoded" && HasByte(body, '+')) {
-          View decoded;
-          if (UrlDecode(body, 0, &decoded.storage, &decoded.map)) {
-            decoded.text = decoded.storage;
-            decoded.layer = "multipart+url";
-            decoded.base_offset = part.offset;
-            views.push_back(std::move(decoded));
-          }
+    if (!parts.ok()) return;
+    for (const MultipartPart& part : *parts) {
+      const std::string_view body = text.substr(part.offset, part.length);
+      std::string decoded;
+      if (part.content_transfer_encoding == "base64") {
+        if (Base64Decode(body, &decoded, nullptr)) {
+          ScanView(View{decoded, "multipart+base64", part.offset,
+                        [body] {
+                          std::string tmp;
+                          OffsetMap map;
+                          Base64Decode(body, &tmp, &map);
+                          return map;
+                        }},
+                   where, out);
+        }
+      } else if (part.content_type == "application/x-www-form-urlencoded" && HasByte(body, '+')) {
+        if (UrlDecode(body, 0, &decoded, nullptr)) {
+          ScanView(View{decoded, "multipart+url", part.offset,
+                        [body] {
+                          std::string tmp;
+                          OffsetMap map;
+                          UrlDecode(body, 0, &tmp, &map);
+                          return map;
+                        }},
+                   where, out);
         }
       }
     }
   }
-  return views;
 }
 
 Result Engine::Impl::Scan(std::string_view text, Where where, size_t plus_from,
                           std::string_view boundary, std::vector<Finding> extra) const {
   std::vector<Finding> findings = std::move(extra);
-  for (const View& view : Views(text, where, plus_from, boundary)) {
-    ScanView(view, where, &findings);
-  }
+  ScanViews(text, where, plus_from, boundary, &findings);
   // One finding per rule and span: the same match seen in several views is kept once.
   std::stable_sort(findings.begin(), findings.end(), [](const Finding& a, const Finding& b) {
     return a.offset != b.offset ? a.offset < b.offset : a.length > b.length;
@@ -829,20 +1015,24 @@ absl::StatusOr<std::shared_ptr<const Engine>> Engine::Compile(const DlpConfig& c
     const int index = static_cast<int>(impl->rules.size());
     if (engine_options.vectorscan && def.fast != FastScan::kRegex) {
       rule.fast = def.fast;
-      if (def.fast == FastScan::kDigitChains && rule.id == "dlp:credit_card") {
-        impl->card_rule = index;
-      } else if (def.fast == FastScan::kDigitChains && rule.id == "dlp:us_ssn") {
-        impl->ssn_rule = index;
-      } else if (def.fast == FastScan::kEmail) {
-        impl->email_rule = index;
-      } else if (def.fast == FastScan::kAnchored) {
-        for (const AnchoredDetect& a : def.anchored) {
-          hs_patterns.push_back(a.pattern);
-          hs_ids.push_back(kAnchoredIdBase + static_cast<unsigned>(impl->anchored.size()));
-          impl->anchored.emplace_back(index, a.back);
-        }
-      } else {
-        return absl::InternalError("dlp: built-in rule " + rule.id + ": no fast scanner");
+      switch (def.fast) {
+        case FastScan::kNumbers:
+          if (rule.id == "dlp:credit_card") impl->card_rule = index;
+          if (rule.id == "dlp:us_ssn") impl->ssn_rule = index;
+          if (rule.id == "dlp:phone") {
+            impl->phone_rule = index;
+            for (size_t w = 0; w < std::size(kPhoneWords); ++w) {
+              hs_patterns.push_back("(?i)" + std::string(kPhoneWords[w]));
+              hs_ids.push_back(kPhoneWordIdBase + static_cast<unsigned>(w));
+            }
+          }
+          if (rule.id == "dlp:iban") impl->iban_rule = index;
+          break;
+        case FastScan::kEmail:
+          impl->email_rule = index;
+          break;
+        case FastScan::kRegex:
+          break;
       }
     } else if (def.detect.empty()) {
       std::string error;
@@ -914,9 +1104,9 @@ absl::StatusOr<std::shared_ptr<const Engine>> Engine::Compile(const DlpConfig& c
     std::vector<const char*> expressions;
     std::vector<unsigned> flags;
     for (unsigned id : hs_ids) {
-      // Anchored patterns report every match end (each is a candidate start).
-      const bool anchored = id >= kAnchoredIdBase && id < kSecretIdBase;
-      flags.push_back(anchored ? 0u : HS_FLAG_SINGLEMATCH);
+      // Phone context words report every occurrence (each is a candidate start).
+      const bool word = id >= kPhoneWordIdBase && id < kSecretIdBase;
+      flags.push_back(word ? 0u : HS_FLAG_SINGLEMATCH);
     }
     for (const std::string& p : hs_patterns) expressions.push_back(p.c_str());
     hs_compile_error_t* error = nullptr;

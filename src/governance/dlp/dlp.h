@@ -2,11 +2,13 @@
 // payment data and PII in URLs, headers and bodies, after decoding them (URL-encoding, JSON
 // escapes, gzip/deflate/br, chunked, multipart), and decides per rule: block, redact or log.
 //
-// Shape (docs/design.md "DLP"): literal-anchored secret rules and registered secret values are
-// detected by one Vectorscan database (detect-only); PII rules and custom patterns by one
-// RE2::Set; a hit is then located with the rule's RE2 and checked by its validator in code
-// (Luhn, mod-97, SSN ranges, entropy, context words, the EXAMPLE allowlist). An Engine is
-// compiled once per policy version and is immutable: share it across threads.
+// Shape (docs/design.md "Egress DLP"): literal-anchored secret rules and registered secret
+// values are detected by one Vectorscan database (detect-only), then located with the rule's
+// RE2; number-shaped PII (cards, SSN, phone, IBAN) and e-mail by hand-written scanners that
+// produce the same candidates as the rules' RE2 patterns; custom patterns by one RE2::Set.
+// Every candidate is checked by its validator in code (Luhn, mod-97, SSN ranges, entropy,
+// context words, the EXAMPLE allowlist). An Engine is compiled once per policy version and is
+// immutable: share it across threads.
 //
 // Results never contain the matched text: a Finding is a rule id, an action and a span.
 //

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <sys/resource.h>
 
+#include <chrono>
 #include <thread>
 
 #include "governance/dlp/dlp_test_util.h"
@@ -328,6 +329,17 @@ TEST(DlpDecodedViewTest, JsonEscapedSecretIsFoundAndRedactedInTheSource) {
   EXPECT_EQ(*result.redacted, R"({"id": "[REDACTED:dlp:aws_access_key]"})");
 }
 
+TEST(DlpDecodedViewTest, ShortHeaderValuesDecodedAndRedacted) {
+  // Short decoded views (in-object string storage) are scanned and mapped back correctly.
+  auto engine = MakeEngine(R"({"secrets": [{"name": "K", "value": "s3cr3t-x"}]})");
+  for (const char* value : {"s3cr3t%2Dx", "s3cr3t\\u002dx", "a=s3cr3t%2dx;"}) {
+    Result result = engine->ScanText(value, Where::kHeader);
+    ASSERT_TRUE(Has(result, "dlp:secret:K")) << value << ": " << Describe(result);
+    ASSERT_TRUE(result.redacted.has_value());
+    EXPECT_EQ(result.redacted->find("s3cr3t"), std::string::npos) << *result.redacted;
+  }
+}
+
 TEST(DlpDecodedViewTest, UrlEncodedEmailRedactedInTheSource) {
   auto engine = MakeEngine(R"({"rules": {"email": "redact"}})");
   Result result = engine->ScanText("/u?to=alice%40example.com&x=1", Where::kUrl);
@@ -643,12 +655,149 @@ TEST(DlpCorpusTest, VectorscanAndRe2OnlyEnginesAgreeAndFindEveryPlant) {
     const Result b = (*re2_only)->ScanText(body, Where::kBody);
     EXPECT_EQ(Describe(a), Describe(b)) << "body " << i;
     EXPECT_TRUE(Has(a, kPlantRule[i % 15])) << "body " << i << ": " << Describe(a);
-    if (i % 9 == 0) EXPECT_TRUE(Has(a, "dlp:secret:PLANTED")) << "body " << i;
+    if (i % 9 == 0) {
+      EXPECT_TRUE(Has(a, "dlp:secret:PLANTED")) << "body " << i;
+    }
     total += a.findings.size();
   }
   // Near-misses in the corpus (random digits, base64) must not swamp the plants: at most a few
   // extra findings per body.
   EXPECT_LT(total, 45u * 3) << "false positives in the mixed corpus";
+}
+
+}  // namespace
+}  // namespace esb::governance::dlp
+
+namespace esb::governance::dlp {
+namespace {
+
+// Pathological 1 MiB texts (a hostile body crafted to make the scanner quadratic) finish in
+// well under a second per engine; the bound is generous for a loaded machine.
+TEST(DlpAttackTest, PathologicalBodiesScanInLinearTime) {
+  const size_t size = 1 << 20;
+  std::string digits_chain;  // "1 1 1 1 …": one endless chain of one-digit groups
+  while (digits_chain.size() < size) digits_chain += "1 ";
+  std::string phone_words;  // a context word before every number
+  while (phone_words.size() < size) phone_words += "call 415 555 2671 4 ";
+  const std::vector<std::pair<std::string, std::string>> bodies = {
+      {"long local part", std::string(size, 'a') + "@x"},
+      {"many @", std::string(size / 2, '@') + std::string(size / 2, 'a')},
+      {"digits", std::string(size, '7')},
+      {"one-digit groups", digits_chain},
+      {"phone words", phone_words},
+      {"base64 run",
+       testing::Token("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/", size,
+                      99) +
+           " aws secret"},
+      {"escapes", std::string(size / 6, 'x') +
+                      [] {
+                        std::string e;
+                        while (e.size() < (1 << 19)) e += "\\u0041%41";
+                        return e;
+                      }()},
+  };
+  DlpConfig config;
+  config.max_body_bytes = 4 << 20;
+  for (bool vectorscan : {true, false}) {
+    auto engine = Engine::Compile(config, EngineOptions{.vectorscan = vectorscan});
+    ASSERT_TRUE(engine.ok());
+    for (const auto& [name, body] : bodies) {
+      const auto start = std::chrono::steady_clock::now();
+      const Result result = (*engine)->ScanText(body, Where::kBody);
+      const double seconds =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      EXPECT_LT(seconds, 5.0) << name << (vectorscan ? " (vectorscan)" : " (re2)");
+      EXPECT_LE(result.findings.size(), 1000u) << name;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace esb::governance::dlp
+
+namespace esb::governance::dlp {
+namespace {
+
+// Hostile bodies: random bytes and corrupted valid encodings, fed in random pieces, never crash
+// or hang the scanner (run under ASan/UBSan too) and always end in a decision.
+TEST(DlpAttackTest, CorruptedAndRandomBodiesNeverCrash) {
+  uint64_t x = 12345;
+  auto next = [&x] {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    return x;
+  };
+  const std::string plain = testing::MixedText(4096, 5, 3) + "\\u0041%41\\n";
+  const std::string boundary = "BOUNDARY";
+  const std::string multipart = "--" + boundary + "\r\nContent-Transfer-Encoding: base64\r\n\r\n" +
+                                "aGVsbG8gd29ybGQ=\r\n--" + boundary + "--\r\n";
+  const char* encodings[] = {"", "gzip", "deflate", "br", "gzip, br"};
+  for (int iteration = 0; iteration < 300; ++iteration) {
+    const char* encoding = encodings[next() % std::size(encodings)];
+    std::string wire = iteration % 3 == 0 ? multipart : plain;
+    if (std::string_view(encoding) == "gzip") wire = testing::Gzip(wire);
+    if (std::string_view(encoding) == "deflate") wire = testing::RawDeflate(wire);
+    if (std::string_view(encoding) == "br") wire = testing::Brotli(wire);
+    if (std::string_view(encoding) == "gzip, br") wire = testing::Brotli(testing::Gzip(wire));
+    const bool chunked = next() % 2 == 0;
+    if (chunked) wire = testing::Chunked(wire, 1 + next() % 100);
+    if (iteration % 4 != 0) {  // corrupt a few bytes (or, every 4th, leave it valid)
+      for (int k = 0; k < 1 + static_cast<int>(next() % 4); ++k) {
+        wire[next() % wire.size()] = static_cast<char>(next());
+      }
+    }
+    if (iteration % 10 == 9) {
+      static constexpr char kBytes[] = "\x00\x01\xff\r\n%\\-@+0123456789ab";
+      wire = testing::Token(std::string_view(kBytes, sizeof(kBytes) - 1), 5000, next());
+    }
+    const std::string content_type =
+        iteration % 3 == 0 ? "multipart/form-data; boundary=" + boundary : "text/plain";
+    auto scanner = Default().NewBodyScanner({Where::kBody, content_type, encoding, chunked});
+    for (size_t i = 0; i < wire.size();) {
+      const size_t piece = 1 + next() % 700;
+      scanner->Feed(std::string_view(wire).substr(i, piece));
+      i += piece;
+    }
+    const Result result = scanner->Finish();
+    if (iteration % 4 == 0 && iteration % 10 != 9) {
+      EXPECT_FALSE(Has(result, "dlp:undecodable")) << iteration << " " << encoding;
+    }
+    for (const Finding& f : result.findings) {
+      EXPECT_LE(f.offset + f.length, 64u * 1024 * 1024) << iteration;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace esb::governance::dlp
+
+namespace esb::governance::dlp {
+namespace {
+
+// The number scan works on 64- and 16-byte blocks: every sample at every offset across block
+// boundaries is found, and both engines agree.
+TEST(DlpCorpusTest, NumberSamplesAtEveryOffset) {
+  auto re2_only = Engine::Compile(DlpConfig{}, EngineOptions{.vectorscan = false});
+  ASSERT_TRUE(re2_only.ok());
+  const std::pair<const char*, std::string> samples[] = {{"dlp:credit_card", "4111 1111 1111 1111"},
+                                                         {"dlp:credit_card", "5555555555554444"},
+                                                         {"dlp:us_ssn", "536-22-8745"},
+                                                         {"dlp:iban", "DE89370400440532013000"},
+                                                         {"dlp:phone", "+1 415 555 2671"},
+                                                         {"dlp:phone", "(415) 555-2671"},
+                                                         {"dlp:email", "bob@example.org"}};
+  for (const auto& [rule, sample] : samples) {
+    for (size_t offset = 0; offset < 150; ++offset) {
+      // x…x, a space, the sample, a space, y…y (offset 0: the sample starts the text).
+      const std::string text =
+          std::string(offset, 'x') + (offset > 0 ? " " : "") + sample + " " + std::string(200, 'y');
+      const Result a = Default().ScanText(text, Where::kBody);
+      const Result b = (*re2_only)->ScanText(text, Where::kBody);
+      ASSERT_TRUE(Has(a, rule)) << rule << " at " << offset << ": " << Describe(a);
+      ASSERT_EQ(Describe(a), Describe(b)) << rule << " at " << offset;
+    }
+  }
 }
 
 }  // namespace

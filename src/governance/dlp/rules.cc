@@ -175,7 +175,7 @@ const std::vector<RuleDef>& BuiltinRuleDefs() {
   // Detect patterns avoid bounded repeats before a literal (Vectorscan slows down or fails to
   // compile them, governance notes C1); lengths are checked by the locate pattern and validator.
   static const auto* defs = new std::vector<RuleDef>{
-      {"dlp:credit_card", {}, R"(\b(?:\d[ -]?){12,18}\d\b)", CreditCard, FastScan::kDigitChains},
+      {"dlp:credit_card", {}, R"(\b(?:\d[ -]?){12,18}\d\b)", CreditCard, FastScan::kNumbers},
       {"dlp:aws_access_key",
        {"(?:AKIA|ASIA|ABIA|ACCA|A3T[A-Z0-9])[A-Z2-7]{16}"},
        R"(\b((?:AKIA|ASIA|ABIA|ACCA|A3T[A-Z0-9])[A-Z2-7]{16})\b)",
@@ -221,13 +221,8 @@ const std::vector<RuleDef>& BuiltinRuleDefs() {
        {},
        R"(\b[A-Z]{2}\d{2}(?: ?[A-Z0-9]{4}){2,7}(?: ?[A-Z0-9]{1,4})?\b)",
        Iban,
-       FastScan::kAnchored,
-       {{R"(\b[A-Z]{2}\d{2})", 4}}},
-      {"dlp:us_ssn",
-       {},
-       R"(\b(?:\d{3}-\d{2}-\d{4}|\d{3} \d{2} \d{4})\b)",
-       Ssn,
-       FastScan::kDigitChains},
+       FastScan::kNumbers},
+      {"dlp:us_ssn", {}, R"(\b(?:\d{3}-\d{2}-\d{4}|\d{3} \d{2} \d{4})\b)", Ssn, FastScan::kNumbers},
       {"dlp:email",
        {},
        R"([A-Za-z0-9._%+\-]+@[A-Za-z0-9\-]+(?:\.[A-Za-z0-9\-]+)*\.[A-Za-z]{2,})",
@@ -241,17 +236,7 @@ const std::vector<RuleDef>& BuiltinRuleDefs() {
        R"(|\(\d{2,4}\)[ .\-]?\d{2,4}(?:[ .\-]?\d{2,4}){1,3}))"
        R"(|(?i:phone|tel|mobile|cell|fax|call|whatsapp)[^0-9+(\n]{0,20}(\d[\d .\-]{8,18}\d))",
        Phone,
-       FastScan::kAnchored,
-       // Not after a byte the validator rejects before a number (base64 "…x+5…" is common).
-       {{R"((?:^|[^A-Za-z0-9_./+\-])\+\d)", 2},
-        {R"((?:^|[^A-Za-z0-9_./+\-])\(\d)", 2},
-        {"(?i)phone", 5},
-        {"(?i)tel", 3},
-        {"(?i)mobile", 6},
-        {"(?i)cell", 4},
-        {"(?i)fax", 3},
-        {"(?i)call", 4},
-        {"(?i)whatsapp", 8}}},
+       FastScan::kNumbers},
   };
   return *defs;
 }

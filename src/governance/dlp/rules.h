@@ -1,6 +1,6 @@
-// The built-in detectors' definitions (internal to the DLP library and its bench): each rule's
-// Vectorscan detect patterns (literal-anchored secrets) or none (the rule goes to the RE2::Set),
-// the RE2 pattern that locates matches, and the validator that accepts a located candidate.
+// The built-in detectors' definitions (internal to the DLP library): each rule's Vectorscan
+// detect patterns (literal-anchored secrets) or how else it is found (FastScan), the RE2
+// pattern that locates matches, and the validator that accepts a located candidate.
 #pragma once
 
 #include <cstddef>
@@ -26,17 +26,10 @@ using Validator = bool (*)(std::string_view view, size_t* begin, size_t* end,
 // How the Vectorscan engine finds a rule's candidates (EngineOptions{.vectorscan = false}
 // ignores this: every rule is then found by the RE2::Set and located over the whole text).
 enum class FastScan : uint8_t {
-  kRegex,        // `detect` in Vectorscan (or, if empty, `locate` in the RE2::Set), then
-                 // `locate` over the whole text
-  kAnchored,     // `anchored` patterns in Vectorscan report where a match may start; `locate`
-                 // runs anchored there only
-  kDigitChains,  // hand-written scan of digit groups (cards, SSN): same candidates as `locate`
-  kEmail,        // hand-written scan around each '@': same candidates as `locate`
-};
-
-struct AnchoredDetect {
-  std::string pattern;  // Vectorscan; reported at every match end
-  size_t back = 0;      // the candidate starts this many bytes before the reported end
+  kRegex,    // `detect` in Vectorscan (or, if empty, `locate` in the RE2::Set), then `locate`
+             // over the whole text
+  kNumbers,  // the engine's number scan (cards, SSN, phone, IBAN): same candidates as `locate`
+  kEmail,    // the engine's scan around each '@': same candidates as `locate`
 };
 
 struct RuleDef {
@@ -48,7 +41,6 @@ struct RuleDef {
   std::string locate;
   Validator validate = nullptr;  // nullptr: every located match is a finding
   FastScan fast = FastScan::kRegex;
-  std::vector<AnchoredDetect> anchored;  // FastScan::kAnchored
 };
 
 // In BuiltinRules() order, without the policy rules.
