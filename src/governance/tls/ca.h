@@ -44,7 +44,7 @@ struct CaPem {
 
 // A fresh CA: P-256 key, self-signed, subject CN=`common_name` O=EnterSandBox, basicConstraints
 // critical CA:TRUE pathlen:0, keyUsage critical keyCertSign|cRLSign, subject key id, a random
-// 128-bit serial, valid from one hour ago (clock skew) for 10 years. `common_name` must be
+// 126-bit serial, valid from one hour ago (clock skew) for 10 years. `common_name` must be
 // 1..64 printable ASCII characters (e.g. "EnterSandBox env env-1a2b"); else InvalidArgument.
 absl::StatusOr<CaPem> GenerateCa(std::string_view common_name);
 
@@ -102,9 +102,10 @@ struct LeafOptions {
 // CONNECT lines and ClientHellos.
 absl::StatusOr<std::string> NormalizeHost(std::string_view host);
 
-// Mints leaves signed by one CA: subject CN=<host> (when ≤64 chars), SAN dNSName or iPAddress,
-// CA:FALSE, keyUsage digitalSignature, extendedKeyUsage serverAuth, authority key id, random
-// serial, valid from one hour ago for LeafOptions::validity (capped at the CA's notAfter).
+// Mints leaves signed by one CA: SAN dNSName or iPAddress = the host, subject CN=<host> when
+// ≤ 64 chars (else an empty subject and a critical SAN), CA:FALSE, keyUsage digitalSignature,
+// extendedKeyUsage serverAuth, authority key id, random serial, valid from one hour ago for
+// LeafOptions::validity (capped at the CA's notAfter).
 // One P-256 key for all leaves of this minter (minting then costs one signature, ~0.3 ms).
 // Thread-safe.
 class LeafMinter {
