@@ -107,7 +107,7 @@ absl::StatusOr<std::string> NormalizeHost(std::string_view host);
 // extendedKeyUsage serverAuth, authority key id, random serial, valid from one hour ago for
 // LeafOptions::validity (capped at the CA's notAfter).
 // One P-256 key for all leaves of this minter (minting then costs one signature, ~0.3 ms).
-// Thread-safe.
+// Thread-safe; one mint at a time, so concurrent first tunnels to a host share one leaf.
 class LeafMinter {
  public:
   static absl::StatusOr<std::shared_ptr<LeafMinter>> Create(std::shared_ptr<const Ca> ca,
@@ -126,10 +126,15 @@ class LeafMinter {
 
  private:
   absl::StatusOr<std::shared_ptr<const Leaf>> Mint(const std::string& host) const;
+  bool Fresh(const Leaf& leaf, std::chrono::system_clock::time_point now) const;
+  // The cached leaf if fresh (and marks it most recently used), else nullptr.
+  std::shared_ptr<const Leaf> Lookup(const std::string& host,
+                                     std::chrono::system_clock::time_point now);
 
   std::shared_ptr<const Ca> ca_;
   std::shared_ptr<EVP_PKEY> key_;
   LeafOptions options_;
+  std::mutex mint_mu_;  // serializes minting (taken before mu_, never while holding it)
   mutable std::mutex mu_;
   // LRU: most recently used at the front.
   std::list<std::shared_ptr<const Leaf>> lru_;
