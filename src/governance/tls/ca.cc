@@ -378,25 +378,29 @@ absl::StatusOr<std::shared_ptr<const Leaf>> LeafMinter::Mint(const std::string& 
   return std::shared_ptr<const Leaf>(std::move(leaf));
 }
 
+// Fresh enough: more than half of the validity left (or capped by the CA's end and still valid).
+bool LeafMinter::Fresh(const Leaf& leaf, std::chrono::system_clock::time_point now) const {
+  return leaf.not_after - now > options_.validity / 2 ||
+         (leaf.not_after >= ca_->not_after() && leaf.not_after > now);
+}
+
+std::shared_ptr<const Leaf> LeafMinter::Lookup(const std::string& host,
+                                               std::chrono::system_clock::time_point now) {
+  std::lock_guard lock(mu_);
+  auto it = index_.find(host);
+  if (it == index_.end() || !Fresh(**it->second, now)) return nullptr;
+  lru_.splice(lru_.begin(), lru_, it->second);
+  return *it->second;
+}
+
 absl::StatusOr<std::shared_ptr<const Leaf>> LeafMinter::LeafFor(std::string_view host_in) {
   auto host = NormalizeHost(host_in);
   if (!host.ok()) return host.status();
-  const Clock::time_point now = Clock::now();
-  {
-    std::lock_guard lock(mu_);
-    auto it = index_.find(*host);
-    if (it != index_.end()) {
-      const std::shared_ptr<const Leaf>& leaf = *it->second;
-      // Fresh enough: more than half of the validity left (or the CA's end is near anyway).
-      if (leaf->not_after - now > options_.validity / 2 ||
-          (leaf->not_after >= ca_->not_after() && leaf->not_after > now)) {
-        lru_.splice(lru_.begin(), lru_, it->second);
-        return leaf;
-      }
-    }
-  }
-  // Minted outside the lock (one signature); two racing threads may both mint, which only costs
-  // a signature: the later insert wins.
+  if (auto leaf = Lookup(*host, Clock::now())) return leaf;
+  // One mint at a time per minter (a burst of tunnels to a new host mints once); cache hits take
+  // only mu_ and never wait for a signature.
+  std::lock_guard mint_lock(mint_mu_);
+  if (auto leaf = Lookup(*host, Clock::now())) return leaf;
   auto minted = Mint(*host);
   if (!minted.ok()) return minted.status();
   std::lock_guard lock(mu_);

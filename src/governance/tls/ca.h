@@ -44,7 +44,7 @@ struct CaPem {
 
 // A fresh CA: P-256 key, self-signed, subject CN=`common_name` O=EnterSandBox, basicConstraints
 // critical CA:TRUE pathlen:0, keyUsage critical keyCertSign|cRLSign, subject key id, a random
-// 128-bit serial, valid from one hour ago (clock skew) for 10 years. `common_name` must be
+// 126-bit serial, valid from one hour ago (clock skew) for 10 years. `common_name` must be
 // 1..64 printable ASCII characters (e.g. "EnterSandBox env env-1a2b"); else InvalidArgument.
 absl::StatusOr<CaPem> GenerateCa(std::string_view common_name);
 
@@ -102,11 +102,12 @@ struct LeafOptions {
 // CONNECT lines and ClientHellos.
 absl::StatusOr<std::string> NormalizeHost(std::string_view host);
 
-// Mints leaves signed by one CA: subject CN=<host> (when ≤64 chars), SAN dNSName or iPAddress,
-// CA:FALSE, keyUsage digitalSignature, extendedKeyUsage serverAuth, authority key id, random
-// serial, valid from one hour ago for LeafOptions::validity (capped at the CA's notAfter).
+// Mints leaves signed by one CA: SAN dNSName or iPAddress = the host, subject CN=<host> when
+// ≤ 64 chars (else an empty subject and a critical SAN), CA:FALSE, keyUsage digitalSignature,
+// extendedKeyUsage serverAuth, authority key id, random serial, valid from one hour ago for
+// LeafOptions::validity (capped at the CA's notAfter).
 // One P-256 key for all leaves of this minter (minting then costs one signature, ~0.3 ms).
-// Thread-safe.
+// Thread-safe; one mint at a time, so concurrent first tunnels to a host share one leaf.
 class LeafMinter {
  public:
   static absl::StatusOr<std::shared_ptr<LeafMinter>> Create(std::shared_ptr<const Ca> ca,
@@ -125,10 +126,15 @@ class LeafMinter {
 
  private:
   absl::StatusOr<std::shared_ptr<const Leaf>> Mint(const std::string& host) const;
+  bool Fresh(const Leaf& leaf, std::chrono::system_clock::time_point now) const;
+  // The cached leaf if fresh (and marks it most recently used), else nullptr.
+  std::shared_ptr<const Leaf> Lookup(const std::string& host,
+                                     std::chrono::system_clock::time_point now);
 
   std::shared_ptr<const Ca> ca_;
   std::shared_ptr<EVP_PKEY> key_;
   LeafOptions options_;
+  std::mutex mint_mu_;  // serializes minting (taken before mu_, never while holding it)
   mutable std::mutex mu_;
   // LRU: most recently used at the front.
   std::list<std::shared_ptr<const Leaf>> lru_;

@@ -281,6 +281,22 @@ TEST(LeafMinterTest, IsThreadSafe) {
   EXPECT_GE((*minter)->minted(), 12u);
 }
 
+TEST(LeafMinterTest, ConcurrentFirstRequestsForOneHostMintOnce) {
+  auto minter = LeafMinter::Create(NewCa());
+  ASSERT_TRUE(minter.ok());
+  std::vector<std::thread> threads;
+  std::vector<const Leaf*> seen(8);
+  for (int t = 0; t < 8; ++t) {
+    threads.emplace_back([&, t] {
+      auto leaf = (*minter)->LeafFor("burst.test");
+      seen[t] = leaf.ok() ? leaf->get() : nullptr;
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ((*minter)->minted(), 1u);
+  for (const Leaf* leaf : seen) EXPECT_EQ(leaf, seen[0]);
+}
+
 TEST(LeafMinterTest, RefusesHostsThatAreNotNames) {
   auto minter = LeafMinter::Create(NewCa());
   ASSERT_TRUE(minter.ok());

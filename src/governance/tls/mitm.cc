@@ -96,6 +96,8 @@ class Intercept : public std::enable_shared_from_this<Intercept> {
     if (ec) {
       long verify = SSL_get_verify_result(result_.upstream->native_handle());
       result_.upstream.reset();
+      // The client stays usable for the proxy's answer, under the proxy's own deadlines.
+      beast::get_lowest_layer(*result_.client).expires_never();
       if (ec == beast::error::timeout) {
         return Finish(absl::DeadlineExceededError(
                           absl::StrCat("timed out in the TLS handshake with ", state_.target_host)),
