@@ -89,8 +89,8 @@ void ApiService::RegisterNetwork(
     if (!body.ok()) return body.error();
     JsonFields f(body.value());
     std::string name = f.RequiredString("intent");
-    int64_t ttl = f.OptionalInt("ttl_seconds", governance::kDefaultIntentTtlSeconds, 1,
-                                governance::kMaxIntentTtlSeconds);
+    // Absent: the default (300 s, or the intent's max_ttl_seconds if lower; the core's).
+    int64_t ttl = f.OptionalInt("ttl_seconds", 0, 1, governance::kMaxIntentTtlSeconds);
     if (!f.ok()) return f.ErrorResponse();
     if (absl::Status st = governance::ValidateIntentName(name); !st.ok())
       return ErrorResponse(400, "bad_request", absl::StrCat("'intent': ", st.message()));

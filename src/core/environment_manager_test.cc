@@ -988,6 +988,10 @@ TEST_F(EgressManagerTest, IntentsActivateExtendExpireAndDeactivate) {
   EXPECT_EQ(m->DeactivateIntent("acme", id, "check-weather").status().code(),
             absl::StatusCode::kNotFound);
   EXPECT_EQ(store->GetEgress(id)->intents_json, "[]");
+  // No TTL given (0): the default, 300 s.
+  auto dflt = m->ActivateIntent("acme", id, "pip", 0);
+  ASSERT_TRUE(dflt.ok()) << dflt.status();
+  EXPECT_EQ(dflt->intents[0].intent.expires_ms, clock.load() + 300'000);
   // Intents on a "none" environment: a conflict.
   auto plain = m->Create("acme", EnvSpec{}, 0);
   EXPECT_EQ(m->ActivateIntent("acme", plain->record.id, "pip", 10).status().code(),
