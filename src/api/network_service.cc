@@ -31,7 +31,7 @@ json::object RenderNetwork(const std::string& id, const NetworkInfo& info) {
     o["intents"] = json::array();
     return o;
   }
-  o["network"] = governance::ToJson(info.policy);
+  o["network"] = governance::ToDisplayJson(info.policy);
   json::array intents;
   const int64_t now = NowUnixMs();
   for (const IntentInfo& i : info.intents) intents.push_back(RenderIntent(i, now));

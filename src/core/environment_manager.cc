@@ -317,7 +317,8 @@ absl::StatusOr<EnvironmentInfo> EnvironmentManager::Create(const Caller& caller,
        .action = "environment.create",
        .detail = absl::StrCat(
            "runtime=", AbslView(ToString(spec.runtime)), " image=", spec.image,
-           egress ? absl::StrCat(" network=", json::serialize(governance::ToJson(*egress))) : ""),
+           egress ? absl::StrCat(" network=", json::serialize(governance::ToDisplayJson(*egress)))
+                  : ""),
        .duration_ms = MonotonicMs() - t0,
        .outcome = info.status()});
   return info;

@@ -213,11 +213,12 @@ absl::StatusOr<NetworkInfo> EnvironmentManager::SetNetwork(const Caller& caller,
     if (absl::Status st = CommitEgressLocked(e); !st.ok()) return st;
     return NetworkInfoLocked(e, Now());
   }();
-  audit_.Record(caller, {.environment_id = id,
-                         .action = "network.update",
-                         .detail = policy ? json::serialize(governance::ToJson(*policy)) : "none",
-                         .duration_ms = MonotonicMs() - t0,
-                         .outcome = result.status()});
+  audit_.Record(caller,
+                {.environment_id = id,
+                 .action = "network.update",
+                 .detail = policy ? json::serialize(governance::ToDisplayJson(*policy)) : "none",
+                 .duration_ms = MonotonicMs() - t0,
+                 .outcome = result.status()});
   return result;
 }
 
