@@ -31,7 +31,7 @@ json::object RenderNetwork(const std::string& id, const NetworkInfo& info) {
     o["intents"] = json::array();
     return o;
   }
-  o["network"] = governance::ToJson(info.policy);
+  o["network"] = governance::ToDisplayJson(info.policy);
   json::array intents;
   const int64_t now = NowUnixMs();
   for (const IntentInfo& i : info.intents) intents.push_back(RenderIntent(i, now));
@@ -89,8 +89,8 @@ void ApiService::RegisterNetwork(
     if (!body.ok()) return body.error();
     JsonFields f(body.value());
     std::string name = f.RequiredString("intent");
-    int64_t ttl = f.OptionalInt("ttl_seconds", governance::kDefaultIntentTtlSeconds, 1,
-                                governance::kMaxIntentTtlSeconds);
+    // Absent: the default (300 s, or the intent's max_ttl_seconds if lower; the core's).
+    int64_t ttl = f.OptionalInt("ttl_seconds", 0, 1, governance::kMaxIntentTtlSeconds);
     if (!f.ok()) return f.ErrorResponse();
     if (absl::Status st = governance::ValidateIntentName(name); !st.ok())
       return ErrorResponse(400, "bad_request", absl::StrCat("'intent': ", st.message()));

@@ -258,7 +258,7 @@ json::object ApiService::RenderEnvironment(const EnvironmentInfo& info, bool wit
                               {"memory_mb", info.spec.memory_mb},
                               {"pids", info.spec.pids},
                               {"disk_mb", info.spec.disk_mb}}},
-      {"network", info.egress ? json::value(governance::ToJson(*info.egress))
+      {"network", info.egress ? json::value(governance::ToDisplayJson(*info.egress))
                               : json::value(NetworkPolicyName(info.spec.network))},
       {"ttl_seconds", info.ttl_s},
       {"created_at", Time(r.created_ms)},

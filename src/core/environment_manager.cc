@@ -188,6 +188,19 @@ absl::Status EnvironmentManager::Start() {
       destroy_retry_.push_back(env);
     }
   }
+  if (attached || cleaned) {
+    LogInfo(absl::StrCat("recovered state: ", attached, " environment(s) re-attached, ", cleaned,
+                         " cleaned up"));
+  }
+  {
+    // Re-attached environments are published with their owner outside the mutable record
+    // (before any request or the reaper can see them).
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [id, e] : envs_) {
+      std::lock_guard<std::mutex> elock(e->mu);  // not contended: nothing else runs yet
+      e->tenant = e->record.tenant;
+    }
+  }
   // Governed environments: their policy, intents and CA come back from the store, and they
   // go back to the proxy (before any request can reach them).
   {
@@ -203,19 +216,6 @@ absl::Status EnvironmentManager::Start() {
         e->governed = true;
         if (e->record.state == EnvState::kRunning) ReattachEgress(*e);
       }
-    }
-  }
-  if (attached || cleaned) {
-    LogInfo(absl::StrCat("recovered state: ", attached, " environment(s) re-attached, ", cleaned,
-                         " cleaned up"));
-  }
-  {
-    // Re-attached environments are published with their owner outside the mutable record
-    // (before any request or the reaper can see them).
-    std::lock_guard<std::mutex> lock(mu_);
-    for (auto& [id, e] : envs_) {
-      std::lock_guard<std::mutex> elock(e->mu);  // not contended: nothing else runs yet
-      e->tenant = e->record.tenant;
     }
   }
   {
@@ -317,7 +317,8 @@ absl::StatusOr<EnvironmentInfo> EnvironmentManager::Create(const Caller& caller,
        .action = "environment.create",
        .detail = absl::StrCat(
            "runtime=", AbslView(ToString(spec.runtime)), " image=", spec.image,
-           egress ? absl::StrCat(" network=", json::serialize(governance::ToJson(*egress))) : ""),
+           egress ? absl::StrCat(" network=", json::serialize(governance::ToDisplayJson(*egress)))
+                  : ""),
        .duration_ms = MonotonicMs() - t0,
        .outcome = info.status()});
   return info;

@@ -215,8 +215,8 @@ class EnvironmentManager {
   // governed one, or a policy for a "none" one, is Aborted (409) naming the way out.
   absl::StatusOr<NetworkInfo> SetNetwork(const Caller& caller, const std::string& id,
                                          const governance::EgressPolicy* policy);
-  // Activates intent `name` of the tenant's catalogue until now + ttl_s (default
-  // kDefaultIntentTtlSeconds, at most the intent's max_ttl_seconds); activating an active one
+  // Activates intent `name` of the tenant's catalogue until now + ttl_s (0: the default,
+  // kDefaultIntentTtlSeconds capped at the intent's max_ttl_seconds); activating an active one
   // extends it (never shortens). Audited as network.intent.activate. InvalidArgument for an
   // unknown intent or a bad TTL, Aborted (409) on a "none" environment, ResourceExhausted over
   // governance::kMaxActiveIntents.

@@ -171,9 +171,9 @@ void EnvironmentManager::ReattachEgress(LiveEnv& env) {
                           "egress stays off"));
     return;
   }
-  absl::Status st = options_.egress->Attach(EgressAttachment{
-      id, env.tenant.empty() ? env.record.tenant : env.tenant, env.policy,
-      EffectiveIntentsLocked(env, Now()), env.ca.cert_pem, env.ca.key_pem, ListenerOpener(env)});
+  absl::Status st = options_.egress->Attach(
+      EgressAttachment{id, env.tenant, env.policy, EffectiveIntentsLocked(env, Now()),
+                       env.ca.cert_pem, env.ca.key_pem, ListenerOpener(env)});
   if (!st.ok()) {
     metrics_->CountError("egress");
     LogError(absl::StrCat("environment ", id,
@@ -213,11 +213,12 @@ absl::StatusOr<NetworkInfo> EnvironmentManager::SetNetwork(const Caller& caller,
     if (absl::Status st = CommitEgressLocked(e); !st.ok()) return st;
     return NetworkInfoLocked(e, Now());
   }();
-  audit_.Record(caller, {.environment_id = id,
-                         .action = "network.update",
-                         .detail = policy ? json::serialize(governance::ToJson(*policy)) : "none",
-                         .duration_ms = MonotonicMs() - t0,
-                         .outcome = result.status()});
+  audit_.Record(caller,
+                {.environment_id = id,
+                 .action = "network.update",
+                 .detail = policy ? json::serialize(governance::ToDisplayJson(*policy)) : "none",
+                 .duration_ms = MonotonicMs() - t0,
+                 .outcome = result.status()});
   return result;
 }
 
@@ -240,6 +241,8 @@ absl::StatusOr<NetworkInfo> EnvironmentManager::ActivateIntent(const Caller& cal
           "unknown intent '", name.substr(0, 64),
           "' (the catalogue has: ", names.empty() ? "none" : absl::StrJoin(names, ", "), ")"));
     }
+    if (ttl_s == 0)
+      ttl_s = std::min(governance::kDefaultIntentTtlSeconds, def->second.max_ttl_seconds);
     if (ttl_s < 1 || ttl_s > def->second.max_ttl_seconds)
       return absl::InvalidArgumentError(absl::StrCat(
           "'ttl_seconds' must be 1..", def->second.max_ttl_seconds, " for intent '", name, "'"));

@@ -988,6 +988,10 @@ TEST_F(EgressManagerTest, IntentsActivateExtendExpireAndDeactivate) {
   EXPECT_EQ(m->DeactivateIntent("acme", id, "check-weather").status().code(),
             absl::StatusCode::kNotFound);
   EXPECT_EQ(store->GetEgress(id)->intents_json, "[]");
+  // No TTL given (0): the default, 300 s.
+  auto dflt = m->ActivateIntent("acme", id, "pip", 0);
+  ASSERT_TRUE(dflt.ok()) << dflt.status();
+  EXPECT_EQ(dflt->intents[0].intent.expires_ms, clock.load() + 300'000);
   // Intents on a "none" environment: a conflict.
   auto plain = m->Create("acme", EnvSpec{}, 0);
   EXPECT_EQ(m->ActivateIntent("acme", plain->record.id, "pip", 10).status().code(),
@@ -1139,6 +1143,20 @@ TEST_F(EgressManagerTest, EveryNetworkChangeIsOneAuditRow) {
                            "network.intent.deactivate", "execute", "network.intent.call"}));
   EXPECT_FALSE(m->ActivateIntent(who, id, "nope", 10).ok());
   EXPECT_EQ(actions().back(), "network.intent.activate") << "a refusal is recorded too";
+  // A registered DLP secret reaches the proxy and the store, never the audit log.
+  governance::EgressPolicy secret =
+      Policy(R"({"dlp": {"secrets": [{"name": "TOKEN", "value": "s3cr3t-value-123"}]}})");
+  ASSERT_TRUE(m->SetNetwork(who, id, &secret).ok());
+  AuditQuery q;
+  q.tenant = "acme";
+  q.limit = 1;
+  auto row = store->QueryAudit(q);
+  ASSERT_TRUE(row.ok() && !row->empty());
+  EXPECT_EQ((*row)[0].action, "network.update");
+  EXPECT_EQ((*row)[0].detail.find("s3cr3t"), std::string::npos) << (*row)[0].detail;
+  EXPECT_NE(store->GetEgress(id)->policy_json.find("s3cr3t-value-123"), std::string::npos);
+  EXPECT_NE(boost::json::serialize(governance::ToJson(egress.attached[id].policy)).find("s3cr3t"),
+            std::string::npos);
   m->Stop();
 }
 

@@ -61,6 +61,9 @@ absl::StatusOr<RecoveryOutcome> RecoverEnvironments(Store* store,
     rec.destroyed_ms = now_ms;
     rec.destroy_reason = reason;
     persist(rec);
+    // A governed environment's egress state (its CA key) goes with it (no-op for the others).
+    if (absl::Status st = store->DeleteEgress(rec.id); !st.ok())
+      LogError(absl::StrCat("deleting egress state of ", rec.id, ": ", st.ToString()));
     out.destroyed.push_back(rec.id);
   }
   return out;

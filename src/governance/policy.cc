@@ -338,6 +338,18 @@ json::object ToJson(const EgressPolicy& policy) {
   return out;
 }
 
+json::object ToDisplayJson(const EgressPolicy& policy) {
+  json::object out = ToJson(policy);
+  if (json::array* secrets = out["dlp"].as_object().if_contains("secrets")
+                                 ? out["dlp"].as_object()["secrets"].if_array()
+                                 : nullptr) {
+    for (json::value& s : *secrets) {
+      if (json::object* o = s.if_object(); o && o->contains("value")) (*o)["value"] = "***";
+    }
+  }
+  return out;
+}
+
 bool TlsExcluded(const EgressPolicy& policy, std::string_view host, uint16_t port) {
   if (!policy.tls_inspect) return true;
   bool is_ip = false;

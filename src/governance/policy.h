@@ -93,7 +93,10 @@ absl::StatusOr<EgressPolicy> ParseEgressPolicy(const boost::json::value& value);
 // Same, on top of `base` (fields absent in `value` keep base's values): tenant/daemon defaults.
 absl::StatusOr<EgressPolicy> ParseEgressPolicy(const boost::json::value& value,
                                                const EgressPolicy& base);
-boost::json::object ToJson(const EgressPolicy& policy);
+boost::json::object ToJson(const EgressPolicy& policy);  // complete (store, proxy)
+// The same for people and logs (API answers, audit details): the values of registered DLP
+// secrets (`dlp.secrets[].value`) are shown as "***" (they are write-only).
+boost::json::object ToDisplayJson(const EgressPolicy& policy);
 // Whether a CONNECT to host:port is tunnelled without TLS inspection: tls_inspect is off, or a
 // tls_exclude rule matches.
 bool TlsExcluded(const EgressPolicy& policy, std::string_view host, uint16_t port);

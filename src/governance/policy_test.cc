@@ -223,6 +223,18 @@ TEST(PolicyTest, RoundTripsThroughJson) {
   EXPECT_TRUE(TlsExcluded(p, "anything.test", 443));  // tls_inspect false
 }
 
+TEST(PolicyTest, DisplayJsonHidesRegisteredSecretValues) {
+  EgressPolicy p = MustParse(
+      R"({"dlp": {"secrets": [{"name": "DB_PASSWORD", "value": "hunter2-very-secret"}]}})");
+  EXPECT_NE(json::serialize(ToJson(p)).find("hunter2-very-secret"), std::string::npos)
+      << "the complete form keeps it (store, proxy)";
+  std::string shown = json::serialize(ToDisplayJson(p));
+  EXPECT_EQ(shown.find("hunter2"), std::string::npos) << shown;
+  EXPECT_NE(shown.find(R"({"name":"DB_PASSWORD","value":"***"})"), std::string::npos) << shown;
+  EXPECT_EQ(json::serialize(ToDisplayJson(MustParse("{}"))),
+            json::serialize(ToJson(MustParse("{}"))));
+}
+
 TEST(PolicyTest, DefaultsAndBase) {
   EgressPolicy p = MustParse("{}");
   EXPECT_EQ(p.mode, EgressMode::kAllowlist);

@@ -208,7 +208,7 @@ absl::StatusOr<RunPlan> RunPipeline::Prepare(const Caller& caller, RunSpec spec)
 absl::StatusOr<RunOutcome> RunPipeline::Execute(const Caller& caller, const RunPlan& plan,
                                                 const RunStreams& streams) const {
   const int64_t t0 = MonotonicMs();
-  absl::StatusOr<RunOutcome> outcome;
+  absl::Status refused;
   std::unique_ptr<EnvironmentManager::CallIntent> call_intent;  // ends when the run does
   if (!plan.spec.intent.empty()) {
     auto begun = deps_.manager->BeginCallIntent(caller, plan.spec.environment_id, plan.spec.intent,
@@ -216,9 +216,10 @@ absl::StatusOr<RunOutcome> RunPipeline::Execute(const Caller& caller, const RunP
     if (begun.ok())
       call_intent = *std::move(begun);
     else
-      outcome = begun.status();
+      refused = begun.status();
   }
-  if (outcome.ok() || plan.spec.intent.empty()) outcome = ExecutePlan(caller.Step(), plan, streams);
+  absl::StatusOr<RunOutcome> outcome = refused.ok() ? ExecutePlan(caller.Step(), plan, streams)
+                                                    : absl::StatusOr<RunOutcome>(refused);
   deps_.manager->audit().Record(
       caller,
       {.environment_id = plan.spec.environment_id,

@@ -416,5 +416,62 @@ TEST_F(RunPipelineTest, ARunIsOneAuditRowWithItsCallerAndTier) {
   EXPECT_EQ(rows[0].status, 503);
 }
 
+// Issue 12: "intent" on an environment run is active for the run only (pushed to the proxy
+// before, removed after), and refused before anything runs when it cannot be.
+class RecordingEgress : public EgressControl {
+ public:
+  absl::Status Attach(const EgressAttachment&) override { return absl::OkStatus(); }
+  absl::Status Update(const std::string&, const governance::EgressPolicy&,
+                      const std::vector<governance::ActiveIntent>& intents) override {
+    std::string names;
+    for (const auto& i : intents) names += i.name + ";";
+    pushed.push_back(names);
+    return absl::OkStatus();
+  }
+  void Detach(const std::string&) override {}
+  EgressHealth Health() const override { return EgressHealth{}; }
+  std::vector<std::string> pushed;  // the intents of each Update
+};
+
+TEST_F(RunPipelineTest, AnIntentIsActiveForTheRunOnly) {
+  FakeTier governed{
+      "container",
+      {Capability::kExec, Capability::kFiles, Capability::kPythonSession, Capability::kEgress}};
+  RecordingEgress egress;
+  ManagerOptions opts;
+  opts.pool_size = 0;
+  opts.egress = &egress;
+  opts.make_ca = []() -> absl::StatusOr<EgressCaPem> { return EgressCaPem{"CERT", "KEY"}; };
+  opts.egress_config.intents =
+      *governance::ParseIntentCatalogue(boost::json::parse(R"({"pip": {"allow": ["pypi.test"]}})"));
+  drivers = {{"nano", &nano}, {"container", &governed}};
+  manager = std::make_unique<EnvironmentManager>(store.get(), drivers, &metrics, opts);
+  pipeline = std::make_unique<RunPipeline>(RunDeps{.manager = manager.get()});
+  governance::EgressPolicy policy;
+  EnvSpec spec;
+  spec.runtime = DriverKind::kContainer;
+  auto env = manager->Create("acme", spec, 0, &policy);
+  ASSERT_TRUE(env.ok()) << env.status();
+  RunSpec s = Code("import urllib.request");
+  s.environment_id = env->record.id;
+  s.intent = "pip";
+  auto o = Run(s);
+  ASSERT_TRUE(o.ok()) << o.status();
+  ASSERT_EQ(governed.runs.size(), 1u) << "the run ran";
+  EXPECT_EQ(egress.pushed, (std::vector<std::string>{"pip;", ""}));
+  // Unknown intent: refused, nothing runs, the run's row records it.
+  s.intent = "nope";
+  EXPECT_EQ(Run(s).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(governed.runs.size(), 1u);
+  EXPECT_EQ(AuditRows()[0].action, "run");
+  EXPECT_EQ(AuditRows()[0].status, 400);
+  // One-shot runs have no network.
+  RunSpec once = Code("1");
+  once.intent = "pip";
+  auto refused = pipeline->Prepare("acme", once);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("needs an environment"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace esb::run
