@@ -38,7 +38,7 @@ TEST(ConfigTest, LoadsPackagesAndArtifacts) {
       "timeout_seconds": 30, "cache_dir": "/var/cache/wheels", "ca_file": "/etc/corp-ca.pem"},
       "artifacts": {"ttl_seconds": 120, "max_artifact_mb": 5, "max_tenant_mb": 50},
       "audit": {"retention_days": 7, "rate_per_second": 5, "query_timeout_ms": 250,
-                "egress_rate_per_second": 50, "egress_burst": 500}})");
+                "egress_rate_per_second": 50, "egress_burst": 500, "egress_stored_mb": 64}})");
   ASSERT_TRUE(LoadConfigFile(path, &c).ok());
   EXPECT_EQ(c.packages.index_url, "http://127.0.0.1:3141/simple/");
   ASSERT_EQ(c.packages.allowed_hosts.size(), 1u);
@@ -57,6 +57,7 @@ TEST(ConfigTest, LoadsPackagesAndArtifacts) {
   EXPECT_EQ(c.audit.query_timeout_ms, 250);
   EXPECT_EQ(c.audit.egress_rate_per_second, 50);
   EXPECT_EQ(c.audit.egress_burst, 500);
+  EXPECT_EQ(c.audit.egress_stored_mb, 64);
   std::remove(path.c_str());
 }
 
