@@ -79,10 +79,28 @@ void AuditLog::RecordEgress(const EgressAuditRow& row) {
   f.bytes_up = row.bytes_up;
   f.bytes_down = row.bytes_down;
   f.added_latency_us = row.added_latency_us;
-  for (const auto& [name, value] : row.request_headers) {
-    absl::StrAppend(&f.headers, name, ": ", governance::MaskHeaderValue(name, value), "\n");
+  std::string_view rest = row.request_headers;
+  while (!rest.empty()) {
+    const size_t nl = rest.find('\n');
+    std::string_view line = rest.substr(0, nl);
+    rest = nl == std::string_view::npos ? std::string_view() : rest.substr(nl + 1);
+    if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
+    if (line.empty()) continue;
+    const size_t colon = line.find(':');
+    if (colon == std::string_view::npos) {
+      // Not a header line: nothing tells what it holds, so nothing of it is kept.
+      absl::StrAppend(&f.headers, "[masked]\n");
+      continue;
+    }
+    std::string_view name = line.substr(0, colon);
+    std::string_view value = line.substr(colon + 1);
+    while (!value.empty() && (value.front() == ' ' || value.front() == '\t'))
+      value.remove_prefix(1);
+    absl::StrAppend(&f.headers, AbslView(name), ": ", governance::MaskHeaderValue(name, value),
+                    "\n");
   }
   f.body = row.body;  // the store caps it at kMaxEgressBodyBytes (cut marked)
+  if (row.body_truncated) f.body += "…[truncated]";
   f.body_bytes = row.body_bytes;
   f.body_sha256 = row.body_sha256;
   // The one-line summary in `detail` makes the row readable (and searchable) like any other.

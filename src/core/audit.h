@@ -92,20 +92,22 @@ struct EgressAuditRow {
   // start with "dlp:" are DLP findings (counted per type in reports and /metrics).
   std::vector<std::string> rule_ids;
   std::string reason;      // one line for a human: why blocked or failed ("" when allowed)
-  int64_t bytes_up = 0;    // request bytes sent by the client (headers + body)
-  int64_t bytes_down = 0;  // response bytes returned to the client
+  int64_t bytes_up = 0;    // request body bytes sent upstream (after redaction)
+  int64_t bytes_down = 0;  // response body bytes returned to the client
   int64_t duration_ms = 0;
   // Time the proxy itself added to the request (policy, DLP, TLS minting; excluding the
   // upstream's own time), in microseconds: the /metrics added-latency histogram; 0: unknown.
   int64_t added_latency_us = 0;
-  // Request headers as sent upstream. RecordEgress masks them again with
+  // Request headers as sent upstream, "Name: value" lines separated by "\n" (the proxy's
+  // control::AuditEvent form). RecordEgress masks every line again with
   // governance::MaskHeaderValue (the proxy should already have), so a row never stores a
   // credential header in the clear.
-  std::vector<std::pair<std::string, std::string>> request_headers;
+  std::string request_headers;
   // The request body after DLP redaction; RecordEgress keeps at most
   // kMaxEgressAuditBodyBytes of it (cut marked).
   std::string body;
-  int64_t body_bytes = 0;   // size of the original (decoded) request body
+  bool body_truncated = false;  // the proxy already cut `body` (marked as cut when stored)
+  int64_t body_bytes = 0;       // size of the original (decoded) request body; 0: unknown
   std::string body_sha256;  // lowercase hex SHA-256 of the original body; "" when none
 };
 

@@ -125,6 +125,12 @@ absl::Status ParseAudit(const json::value& v, AuditConfig* a) {
     else if (kv.key() == "max_rows_per_tenant") st = GetInt(kv.value(), key, &a->max_rows_per_tenant);
     else if (kv.key() == "rate_per_second") st = GetInt(kv.value(), key, &a->rate_per_second);
     else if (kv.key() == "burst") st = GetInt(kv.value(), key, &a->burst);
+    else if (kv.key() == "egress_rate_per_second")
+      st = GetInt(kv.value(), key, &a->egress_rate_per_second);
+    else if (kv.key() == "egress_burst")
+      st = GetInt(kv.value(), key, &a->egress_burst);
+    else if (kv.key() == "egress_stored_mb")
+      st = GetInt(kv.value(), key, &a->egress_stored_mb);
     else if (kv.key() == "max_detail_bytes") st = GetInt(kv.value(), key, &a->max_detail_bytes);
     else if (kv.key() == "query_timeout_ms") st = GetInt(kv.value(), key, &a->query_timeout_ms);
     else if (kv.key() == "write_behind_ms") st = GetInt(kv.value(), key, &a->write_behind_ms);
@@ -136,6 +142,10 @@ absl::Status ParseAudit(const json::value& v, AuditConfig* a) {
   if (a->max_rows_per_tenant < 100) return TypeError("audit.max_rows_per_tenant", "100 or more");
   if (a->rate_per_second < 1) return TypeError("audit.rate_per_second", "1 or more");
   if (a->burst < 1) return TypeError("audit.burst", "1 or more");
+  if (a->egress_rate_per_second < 1) return TypeError("audit.egress_rate_per_second", "1 or more");
+  if (a->egress_burst < 1) return TypeError("audit.egress_burst", "1 or more");
+  if (a->egress_stored_mb < 0 || a->egress_stored_mb > (1 << 20))
+    return TypeError("audit.egress_stored_mb", "0..1048576");
   if (a->max_detail_bytes < 64 || a->max_detail_bytes > 65536)
     return TypeError("audit.max_detail_bytes", "64..65536");
   if (a->write_behind_ms < 0 || a->write_behind_ms > 1000)

@@ -45,6 +45,10 @@ struct AuditConfig {
   int64_t max_rows_per_tenant = 100000;
   int64_t rate_per_second = 20;           // per tenant; over it similar rows are summarised
   int64_t burst = 200;
+  // Egress rows (one per request through the egress proxy) have their own bucket per tenant.
+  int64_t egress_rate_per_second = 200;
+  int64_t egress_burst = 2000;
+  int64_t egress_stored_mb = 256;  // per tenant: egress headers + bodies kept (then rows only)
   int64_t max_detail_bytes = 1024;
   int64_t query_timeout_ms = 500;         // an audit search running longer answers 503
   // Audit rows and exec counters are committed this long after the action, off its reply

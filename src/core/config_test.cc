@@ -37,7 +37,8 @@ TEST(ConfigTest, LoadsPackagesAndArtifacts) {
       "allowed_hosts": ["files.example.org"], "index_ttl_seconds": 60, "max_wheel_mb": 10, "max_cache_mb": 500,
       "timeout_seconds": 30, "cache_dir": "/var/cache/wheels", "ca_file": "/etc/corp-ca.pem"},
       "artifacts": {"ttl_seconds": 120, "max_artifact_mb": 5, "max_tenant_mb": 50},
-      "audit": {"retention_days": 7, "rate_per_second": 5, "query_timeout_ms": 250}})");
+      "audit": {"retention_days": 7, "rate_per_second": 5, "query_timeout_ms": 250,
+                "egress_rate_per_second": 50, "egress_burst": 500, "egress_stored_mb": 64}})");
   ASSERT_TRUE(LoadConfigFile(path, &c).ok());
   EXPECT_EQ(c.packages.index_url, "http://127.0.0.1:3141/simple/");
   ASSERT_EQ(c.packages.allowed_hosts.size(), 1u);
@@ -54,24 +55,24 @@ TEST(ConfigTest, LoadsPackagesAndArtifacts) {
   EXPECT_EQ(c.audit.retention_days, 7);
   EXPECT_EQ(c.audit.rate_per_second, 5);
   EXPECT_EQ(c.audit.query_timeout_ms, 250);
+  EXPECT_EQ(c.audit.egress_rate_per_second, 50);
+  EXPECT_EQ(c.audit.egress_burst, 500);
+  EXPECT_EQ(c.audit.egress_stored_mb, 64);
   std::remove(path.c_str());
 }
 
 TEST(ConfigTest, RejectsUnknownKeysWrongTypesAndWeakKeys) {
   DaemonConfig c;
-  for (const char* bad : {R"({"listne": "x"})", R"({"pool_size": "two"})", R"([1,2])",
-                          R"({"keys": [{"key": "short", "tenant": "a"}]})",
-                          R"({"defaults": {"memroy_mb": 1}})", "{not json",
-                          R"({"packages": {"index": "http://x/"}})",
-                          R"({"packages": {"index_url": "ftp://x/"}})",
-                          R"({"packages": {"allowed_hosts": "x"}})",
-                          R"({"packages": {"max_cache_mb": -1}})",
-                          R"({"packages": {"max_wheel_mb": 0}})",
-                          R"({"artifacts": {"ttl_seconds": -1}})",
-                          R"({"audit": {"retention_days": 0}})",
-                          R"({"audit": {"rate_per_second": 0}})",
-                          R"({"audit": {"query_timeout_ms": 0}})",
-                          R"({"audit": {"retention": 3}})"}) {
+  for (const char* bad :
+       {R"({"listne": "x"})", R"({"pool_size": "two"})", R"([1,2])",
+        R"({"keys": [{"key": "short", "tenant": "a"}]})", R"({"defaults": {"memroy_mb": 1}})",
+        "{not json", R"({"packages": {"index": "http://x/"}})",
+        R"({"packages": {"index_url": "ftp://x/"}})", R"({"packages": {"allowed_hosts": "x"}})",
+        R"({"packages": {"max_cache_mb": -1}})", R"({"packages": {"max_wheel_mb": 0}})",
+        R"({"artifacts": {"ttl_seconds": -1}})", R"({"audit": {"retention_days": 0}})",
+        R"({"audit": {"rate_per_second": 0}})", R"({"audit": {"egress_rate_per_second": 0}})",
+        R"({"audit": {"egress_burst": -5}})", R"({"audit": {"query_timeout_ms": 0}})",
+        R"({"audit": {"retention": 3}})"}) {
     std::string path = TempFile(bad);
     absl::Status st = LoadConfigFile(path, &c);
     EXPECT_TRUE(absl::IsInvalidArgument(st)) << bad << " → " << st;

@@ -72,10 +72,9 @@ TEST(RecordEgressTest, StoresTheRowWithCredentialsMaskedAndCountsMetrics) {
   row.rule_ids = {"allow:api.example", "dlp:aws_access_key"};
   row.bytes_up = 100;
   row.added_latency_us = 300;
-  row.request_headers = {{"Authorization", "Bearer SECRET-BEARER"},
-                         {"Cookie", "sid=SECRET-COOKIE"},
-                         {"X-Api-Key", "SECRET-KEY"},
-                         {"Content-Type", "application/json"}};
+  row.request_headers =
+      "Authorization: Bearer SECRET-BEARER\r\nCookie: sid=SECRET-COOKIE\nX-Api-Key:SECRET-KEY\n"
+      "Content-Type: application/json\nSECRET-NOT-A-HEADER-LINE\n";
   row.body = "{\"k\":\"[REDACTED:dlp:aws_access_key]\"}";
   row.body_bytes = 40;
   row.body_sha256 = std::string(64, 'c');
@@ -96,7 +95,7 @@ TEST(RecordEgressTest, StoresTheRowWithCredentialsMaskedAndCountsMetrics) {
   EXPECT_EQ(e.egress->path, "/v1/upload?access_token=[masked]&x=1");
   EXPECT_EQ(e.egress->headers,
             "Authorization: Bearer [masked]\nCookie: sid=[masked]\nX-Api-Key: [masked]\n"
-            "Content-Type: application/json\n");
+            "Content-Type: application/json\n[masked]\n");
   for (const std::string& text : {e.detail, e.egress->headers, e.egress->path, e.egress->body}) {
     EXPECT_EQ(text.find("SECRET"), std::string::npos) << text;
   }
@@ -110,6 +109,30 @@ TEST(RecordEgressTest, StoresTheRowWithCredentialsMaskedAndCountsMetrics) {
             std::string::npos);
   EXPECT_NE(m.find("esb_egress_added_latency_seconds_bucket{le=\"0.00025\"} 0\n"),
             std::string::npos);
+}
+
+TEST(RecordEgressTest, ABodyTheProxyCutIsMarkedAsCut) {
+  auto store = Store::Open(":memory:");
+  ASSERT_TRUE(store.ok());
+  Metrics metrics;
+  AuditLog audit(store->get(), &metrics);
+  EgressAuditRow row;
+  row.tenant = "acme";
+  row.host = "x.test";
+  row.body = "abc";
+  row.body_truncated = true;
+  audit.RecordEgress(row);
+  row.body_truncated = false;
+  row.host = "y.test";
+  audit.RecordEgress(row);
+  AuditQuery q;
+  q.tenant = "acme";
+  q.kind = "egress";
+  auto rows = (*store)->QueryAudit(q);
+  ASSERT_TRUE(rows.ok() && rows->size() == 2u);
+  for (const AuditEntry& e : *rows) {
+    EXPECT_EQ(e.egress->body, e.egress->host == "x.test" ? "abc…[truncated]" : "abc");
+  }
 }
 
 TEST(RecordEgressTest, ARowWithoutATenantIsNotStoredAndIsCountedAsAnError) {

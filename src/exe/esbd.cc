@@ -204,6 +204,9 @@ int main(int argc, char** argv) {
   sopts.max_audit_rows_per_tenant = config.audit.max_rows_per_tenant;
   sopts.audit_rate_per_s = static_cast<double>(config.audit.rate_per_second);
   sopts.audit_burst = static_cast<double>(config.audit.burst);
+  sopts.egress_rate_per_s = static_cast<double>(config.audit.egress_rate_per_second);
+  sopts.egress_burst = static_cast<double>(config.audit.egress_burst);
+  sopts.max_egress_stored_bytes_per_tenant = config.audit.egress_stored_mb << 20;
   sopts.max_detail_bytes = static_cast<size_t>(config.audit.max_detail_bytes);
   sopts.audit_query_timeout_ms = config.audit.query_timeout_ms;
   sopts.write_behind_ms = config.audit.write_behind_ms;

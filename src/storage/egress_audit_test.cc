@@ -413,6 +413,49 @@ TEST(EgressAuditStoreTest, RowCapAndRetentionDeleteTheSideRowsAndTheirIndex) {
   EXPECT_EQ(RawQuery(path, "PRAGMA integrity_check"), "ok");
 }
 
+// A tenant that sends 64 KiB bodies at the egress rate would store max_audit_rows_per_tenant ×
+// 80 KiB; its stored headers and bodies have a budget instead, freed as rows go.
+TEST(EgressAuditStoreTest, StoredBodiesHaveAPerTenantBudget) {
+  StoreOptions o;
+  o.write_behind_ms = 0;
+  o.max_egress_stored_bytes_per_tenant = 100'000;
+  o.max_audit_rows_per_tenant = 100;
+  auto store = Open(":memory:", o);
+  const std::string body(40'000, 'b');
+  auto add = [&](const std::string& tenant, int i) {
+    AuditEntry e = Egress(tenant, "e", kNov20 + i, absl::StrCat("h", i, ".test"), "allowed", {}, 1,
+                          1, "/", "X-H: v\n", body);
+    e.egress->body_sha256 = std::string(64, 'f');
+    ASSERT_TRUE(store->AppendAudit(e).ok());
+  };
+  for (int i = 0; i < 3; ++i) add("acme", i);
+  add("globex", 0);  // another tenant's budget is its own
+  AuditQuery q;
+  q.tenant = "acme";
+  q.limit = 1000;
+  auto rows = store->QueryAudit(q);
+  ASSERT_TRUE(rows.ok() && rows->size() == 3u);
+  EXPECT_EQ((*rows)[2].egress->body, body);
+  EXPECT_EQ((*rows)[1].egress->body, body);
+  EXPECT_EQ((*rows)[0].egress->body, kEgressBudgetFullMarker) << "the third is over 100 kB";
+  EXPECT_EQ((*rows)[0].egress->headers, "");
+  EXPECT_EQ((*rows)[0].egress->host, "h2.test") << "the row itself is kept";
+  EXPECT_EQ((*rows)[0].egress->body_bytes, 40'000);
+  EXPECT_EQ((*rows)[0].egress->body_sha256, std::string(64, 'f'));
+  q.tenant = "globex";
+  EXPECT_EQ((*store->QueryAudit(q))[0].egress->body, body);
+  // Many small rows push the big ones out (row cap 100): the budget is free again.
+  for (int i = 0; i < 100; ++i) {
+    ASSERT_TRUE(
+        store->AppendAudit(Egress("acme", "e", kNov20 + 100 + i, "s.test", "allowed", {}, 1, 1))
+            .ok());
+  }
+  add("acme", 1000);
+  q.tenant = "acme";
+  q.limit = 1;
+  EXPECT_EQ((*store->QueryAudit(q))[0].egress->body, body);
+}
+
 // A database written by the previous release (schema v4, audit rows already there) migrates
 // to the latest schema: old rows stay searchable, egress rows are stored and found.
 TEST(EgressAuditStoreTest, MigrationFromV4AddsTheEgressTables) {

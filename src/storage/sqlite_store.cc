@@ -168,7 +168,8 @@ CREATE TABLE env_egress (
     // its audit row (trigger: retention and row caps delete from `audit` only). tenant,
     // environment_id and time_ms are repeated here so reports aggregate this table alone by
     // its own indexes. egress_fts indexes host, path, headers and body (all after masking and
-    // redaction), scoped per tenant like audit_fts (v2). Independent of v5.
+    // redaction), scoped per tenant like audit_fts (v2). stored_bytes (headers + body as
+    // stored) is what the per-tenant budget of stored egress text counts. Independent of v5.
     R"sql(
 CREATE TABLE audit_egress (
   audit_id         INTEGER PRIMARY KEY NOT NULL,
@@ -191,6 +192,7 @@ CREATE TABLE audit_egress (
   body             TEXT NOT NULL DEFAULT '',
   body_bytes       INTEGER NOT NULL DEFAULT 0,
   body_sha256      TEXT NOT NULL DEFAULT '',
+  stored_bytes     INTEGER NOT NULL DEFAULT 0,
   scope            TEXT GENERATED ALWAYS AS ('t' || lower(hex(tenant))) VIRTUAL
 );
 CREATE INDEX audit_egress_by_tenant_time ON audit_egress(tenant, time_ms);
@@ -1359,6 +1361,9 @@ class SqliteStore final : public Store {
     Bucket api;         // audit rows of API calls and the daemon
     Bucket egress;      // egress rows
     int64_t rows = -1;  // rows stored for the tenant; -1: not counted yet
+    // Bytes of egress headers and bodies stored for the tenant; -1: not counted yet (after
+    // rows were deleted: recounted on the next egress row).
+    int64_t egress_stored_bytes = -1;
     int64_t suppressed_since_ms = 0;
     // By (environment_id, action, status): a summary keeps its environment, so a search of
     // one environment's audit finds the flood against it.
@@ -1421,7 +1426,7 @@ class SqliteStore final : public Store {
         .Bind(10, e.principal);
     if (absl::Status s = stmt->Run(); !s.ok()) return s;
     if (e.egress) {
-      if (absl::Status s = InsertEgress(sqlite3_last_insert_rowid(writer_.db), e); !s.ok()) {
+      if (absl::Status s = InsertEgress(sqlite3_last_insert_rowid(writer_.db), e, t); !s.ok()) {
         return s;
       }
     }
@@ -1449,18 +1454,39 @@ class SqliteStore final : public Store {
     del->Bind(1, e.tenant).Bind(2, batch);
     if (absl::Status s = del->Run(); !s.ok()) return s;
     t.rows -= sqlite3_changes(writer_.db);
+    t.egress_stored_bytes = -1;  // some of them may have been egress rows
     return absl::OkStatus();
   }
 
   // The egress side row of audit row `id` (inside the caller's statement sequence; the FTS
   // row is written by the trigger). Caller holds mu_.
-  absl::Status InsertEgress(int64_t id, const AuditEntry& e) {
+  absl::Status InsertEgress(int64_t id, const AuditEntry& e, TenantAudit& t) {
     const EgressFields& f = *e.egress;
+    // The tenant's budget of stored egress headers and bodies: beyond it a row keeps its
+    // fields, sizes and hash but not its headers and body (the row cap alone would let a
+    // tenant store max_audit_rows_per_tenant × 80 KiB).
+    if (t.egress_stored_bytes < 0) {
+      auto sum = Prepare("SELECT total(stored_bytes) FROM audit_egress WHERE tenant = ?1");
+      if (!sum.ok()) return sum.status();
+      sum->Bind(1, e.tenant);
+      absl::StatusOr<bool> row = sum->Step();
+      if (!row.ok()) return row.status();
+      t.egress_stored_bytes = *row ? static_cast<int64_t>(sum->Double(0)) : 0;
+    }
+    std::string_view headers = f.headers;
+    std::string_view body = f.body;
+    if (t.egress_stored_bytes + static_cast<int64_t>(headers.size() + body.size()) >
+        options_.max_egress_stored_bytes_per_tenant) {
+      headers = "";
+      body = kEgressBudgetFullMarker;
+    }
+    const int64_t stored = static_cast<int64_t>(headers.size() + body.size());
+    t.egress_stored_bytes += stored;
     auto stmt = Prepare(
         "INSERT INTO audit_egress (audit_id, tenant, environment_id, time_ms, intents, method, "
         "scheme, host, port, path, decision, rule_ids, reason, bytes_up, bytes_down, "
-        "added_latency_us, headers, body, body_bytes, body_sha256) VALUES (?1, ?2, ?3, ?4, ?5, "
-        "?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20)");
+        "added_latency_us, headers, body, body_bytes, body_sha256, stored_bytes) VALUES (?1, ?2, "
+        "?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20, ?21)");
     if (!stmt.ok()) return stmt.status();
     stmt->Bind(1, id)
         .Bind(2, e.tenant)
@@ -1478,10 +1504,11 @@ class SqliteStore final : public Store {
         .Bind(14, f.bytes_up)
         .Bind(15, f.bytes_down)
         .Bind(16, f.added_latency_us)
-        .Bind(17, f.headers)
-        .Bind(18, f.body)
+        .Bind(17, headers)
+        .Bind(18, body)
         .Bind(19, f.body_bytes)
-        .Bind(20, f.body_sha256);
+        .Bind(20, f.body_sha256)
+        .Bind(21, stored);
     return stmt->Run();
   }
 
@@ -1511,7 +1538,10 @@ class SqliteStore final : public Store {
       }
     }
     if (audit_deleted > 0) {
-      for (auto& [tenant, t] : tenants_) t.rows = -1;  // recount on the next insert
+      for (auto& [tenant, t] : tenants_) {
+        t.rows = -1;  // recount on the next insert
+        t.egress_stored_bytes = -1;
+      }
     }
     return absl::OkStatus();
   }

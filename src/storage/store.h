@@ -67,6 +67,10 @@ struct EgressFields {
 };
 
 inline constexpr size_t kMaxEgressHeadersBytes = 16 * 1024;
+// What an egress row stores instead of its headers and body once the tenant's budget
+// (StoreOptions::max_egress_stored_bytes_per_tenant) is full.
+inline constexpr char kEgressBudgetFullMarker[] =
+    "[headers and body not stored: the tenant's audit budget for egress bodies is full]";
 inline constexpr size_t kMaxEgressBodyBytes = 64 * 1024;
 // An audit search returns at most this many bytes of egress bodies; later rows come without
 // theirs (body_omitted).
@@ -193,6 +197,10 @@ struct StoreOptions {
   // larger bucket per tenant, so they neither starve nor are starved by the API's rows.
   double egress_rate_per_s = 200;
   double egress_burst = 2000;
+  // Per tenant: egress headers and bodies stored at most (bytes, as stored). Beyond it new egress
+  // rows keep every field, size and hash but say kEgressBudgetFullMarker instead of their headers
+  // and body; rows deleted by the row cap or retention free their share.
+  int64_t max_egress_stored_bytes_per_tenant = 256LL << 20;
   // Stored size cap of `detail` (bytes, cut at a UTF-8 boundary, marked "…[truncated N bytes]").
   size_t max_detail_bytes = 1024;
   // An audit search that runs longer than this is stopped (DeadlineExceeded, "too expensive").

@@ -44,6 +44,11 @@ check "cat" "line one" "$("$ESB" cat "$ENV" t.txt)"
 check "ls lists it" 1 "$("$ESB" ls | grep -c "$ENV")"
 check "logs show the exec" 1 "$("$ESB" logs "$ENV" | grep -c 'exit 5')"
 check "audit search" 1 "$("$ESB" audit --q blob.bin --json | python3 -c 'import json,sys; print(min(1,len(json.load(sys.stdin)["entries"])))')"
+check "audit --kind egress (none yet)" 0 "$("$ESB" audit --kind egress --json | python3 -c 'import json,sys; print(len(json.load(sys.stdin)["entries"]))')"
+check "report json" 0 "$("$ESB" report --period weekly --format json | python3 -c 'import json,sys; print(json.load(sys.stdin)["totals"]["requests"])')"
+check "report html is a page" 1 "$("$ESB" report --format html | grep -c '^<!DOCTYPE html>')"
+check "report csv header" "section,name,requests,allowed,blocked,redacted,opaque,errors,bytes_up,bytes_down" "$("$ESB" report --format csv | head -1 | tr -d '\r')"
+check "report tables" 1 "$("$ESB" report | grep -c '^Daily egress report')"
 "$ESB" rm "$ENV" >/dev/null
 check "rm then exec fails" 1 "$("$ESB" exec "$ENV" -- true >/dev/null 2>&1; echo $?)"
 "$ESB" rm env_doesnotexist >/dev/null 2>&1

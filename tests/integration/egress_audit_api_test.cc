@@ -67,7 +67,7 @@ class EgressAuditApiTest : public ::testing::Test {
       AuditLog audit(store->get(), &metrics);
       EgressAuditRow a = Row("good", t_, "env_a", "pypi.org", EgressDecision::kAllowed,
                              {"allow:pypi.org"}, 200, 300, 9000);
-      a.request_headers = {{"Authorization", "Bearer SECRET-TOKEN-1"}, {"User-Agent", "pip/23.0"}};
+      a.request_headers = "Authorization: Bearer SECRET-TOKEN-1\nUser-Agent: pip/23.0\n";
       audit.RecordEgress(a);
       audit.RecordEgress(Row("good", t_ + 1, "env_a", "evil.test", EgressDecision::kBlocked,
                              {"not_allowed"}, 403, 120, 0));
