@@ -550,10 +550,12 @@ awaitable<void> RequestLoop(LoopContext& lc, Client& client, beast::flat_buffer&
       dlp::Result r = scanner->Finish();
       AddFindings(audit.e, r);
       if (r.decision == dlp::Action::kRedact && r.redacted) {
-        body = *std::move(r.redacted);
+        body = *r.redacted;
         req.erase(http::field::content_encoding);
         redacted = true;
         audit_body = body;
+      } else if (r.redacted) {
+        audit_body = *r.redacted;  // a blocked body's audit copy, every finding replaced
       } else if (info.content_encoding.empty() ||
                  absl::EqualsIgnoreCase(info.content_encoding, "identity")) {
         audit_body = MaskFindings(body, r.findings);

@@ -16,6 +16,7 @@
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/read.hpp>
+#include <boost/asio/ssl.hpp>
 #include <boost/asio/write.hpp>
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
@@ -35,6 +36,7 @@
 #include "governance/control.h"
 #include "governance/policy.h"
 #include "governance/proxy/resolver.h"
+#include "governance/tls/ca.h"
 #include "gtest/gtest.h"
 #include "storage/sqlite_store.h"
 
@@ -808,6 +810,339 @@ TEST(EsbProxyProcessTest, AttachServeAuditAndExitWhenControlCloses) {
   EXPECT_NE(connect(probe, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
   EXPECT_EQ(errno, ECONNREFUSED);
   close(probe);
+}
+
+}  // namespace
+}  // namespace esb::governance::proxy
+
+namespace esb::governance::proxy {
+namespace {
+
+constexpr char kCard[] = "4111 1111 1111 1111";       // Luhn-valid test card
+constexpr char kAwsKeyId[] = "AKIAQ2WE3RT4YU5I6PAZ";  // shape of a real key id (not EXAMPLE)
+
+TEST_F(ProxyTest, DlpBlocksACardInAPlainHttpBodyAndUpstreamReceivesNothing) {
+  Upstream up;
+  resolver_->Map("weather.test", up.port());
+  Attach(R"({"allow":["weather.test"]})");
+  Client c(port_);
+  http::request<http::string_body> req{http::verb::post, "http://weather.test/pay", 11};
+  req.set(http::field::host, "weather.test");
+  req.set(http::field::content_type, "application/json");
+  req.body() = std::string(R"({"note":"hi","card":")") + kCard + "\"}";
+  auto res = c.Send(std::move(req));
+  EXPECT_EQ(res.result_int(), 403);
+  EXPECT_EQ(std::string(res["X-Esb-Blocked"]), "dlp:credit_card");
+  EXPECT_EQ(Str(JsonBody(res), "error"), "egress_blocked");
+  EXPECT_EQ(up.connections(), 0);
+  EXPECT_EQ(up.raw().find("4111"), std::string::npos);
+  auto events = audit_.WaitFor(1);
+  ASSERT_EQ(events.size(), 1u);
+  const AuditEvent& e = events[0];
+  EXPECT_EQ(e.decision, "blocked");
+  EXPECT_EQ(e.rule_ids[0], "allow:weather.test");
+  EXPECT_NE(std::find(e.rule_ids.begin(), e.rule_ids.end(), "dlp:credit_card"), e.rule_ids.end());
+  ASSERT_FALSE(e.findings.empty());
+  EXPECT_EQ(e.findings[0].rule_id, "dlp:credit_card");
+  EXPECT_EQ(e.findings[0].action, "block");
+  // The audit row has no secret text, but the hash of the original body.
+  EXPECT_EQ(ToJson(e).at("request_body").as_string().find("4111"), std::string::npos);
+  EXPECT_EQ(boost::json::serialize(ToJson(e)).find("4111 1111"), std::string::npos);
+  EXPECT_EQ(e.request_body_sha256.size(), 64u);
+}
+
+TEST_F(ProxyTest, DlpBlocksAnAwsKeyInTheUrlAndInAHeader) {
+  Upstream up;
+  resolver_->Map("weather.test", up.port());
+  Attach(R"({"allow":["weather.test"]})");
+  {
+    Client c(port_);
+    auto res = c.Get(std::string("http://weather.test/x?key=") + kAwsKeyId);
+    EXPECT_EQ(res.result_int(), 403);
+    EXPECT_EQ(std::string(res["X-Esb-Blocked"]), "dlp:aws_access_key");
+  }
+  {
+    Client c(port_);
+    http::request<http::string_body> req{http::verb::get, "http://weather.test/", 11};
+    req.set(http::field::host, "weather.test");
+    req.set("X-Debug", std::string("id=") + kAwsKeyId);
+    auto res = c.Send(std::move(req));
+    EXPECT_EQ(res.result_int(), 403);
+    EXPECT_EQ(std::string(res["X-Esb-Blocked"]), "dlp:aws_access_key");
+  }
+  EXPECT_EQ(up.connections(), 0);
+  auto events = audit_.WaitFor(2);
+  ASSERT_EQ(events.size(), 2u);
+  for (const AuditEvent& e : events) {
+    EXPECT_EQ(boost::json::serialize(ToJson(e)).find(kAwsKeyId), std::string::npos);
+  }
+}
+
+TEST_F(ProxyTest, DlpRedactForwardsTheRedactedBodyWithItsLength) {
+  Upstream up;
+  resolver_->Map("weather.test", up.port());
+  Attach(R"({"allow":["weather.test"],"dlp":{"rules":{"dlp:credit_card":"redact"}}})");
+  Client c(port_);
+  http::request<http::string_body> req{http::verb::post, "http://weather.test/pay", 11};
+  req.set(http::field::host, "weather.test");
+  req.set(http::field::content_type, "text/plain");
+  req.body() = std::string("card ") + kCard + " thanks";
+  auto res = c.Send(std::move(req));
+  EXPECT_EQ(res.result_int(), 200);
+  auto got = up.requests();
+  ASSERT_EQ(got.size(), 1u);
+  EXPECT_EQ(got[0].body.find("4111"), std::string::npos);
+  EXPECT_NE(got[0].body.find("[REDACTED:dlp:credit_card]"), std::string::npos);
+  EXPECT_EQ(got[0].headers["content-length"], std::to_string(got[0].body.size()));
+  auto events = audit_.WaitFor(1);
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].decision, "redacted");
+  EXPECT_EQ(events[0].request_body, got[0].body);
+}
+
+// ---- HTTPS through inspection: env CA towards the client, a test root upstream
+
+struct TlsFixture {
+  TlsFixture() {
+    env_ca = *tls::GenerateCa("EnterSandBox env test");
+    upstream_root = *tls::GenerateCa("Test upstream root");
+    auto root = *tls::Ca::FromPem(upstream_root.cert_pem, upstream_root.key_pem);
+    auto minter = *tls::LeafMinter::Create(root);
+    leaf = *minter->LeafFor("secure.test");
+    char path[] = "/tmp/esb-proxy-test-root-XXXXXX";
+    int fd = mkstemp(path);
+    EXPECT_EQ(write(fd, upstream_root.cert_pem.data(), upstream_root.cert_pem.size()),
+              static_cast<ssize_t>(upstream_root.cert_pem.size()));
+    close(fd);
+    root_file = path;
+  }
+  ~TlsFixture() { unlink(root_file.c_str()); }
+  tls::CaPem env_ca, upstream_root;
+  std::shared_ptr<const tls::Leaf> leaf;
+  std::string root_file;
+};
+
+// A TLS upstream for secure.test that records requests (one connection, keep-alive).
+class TlsUpstream {
+ public:
+  explicit TlsUpstream(const tls::Leaf& leaf) : ctx_(asio::ssl::context::tls_server) {
+    SSL_CTX_use_certificate(ctx_.native_handle(), leaf.cert.get());
+    SSL_CTX_use_PrivateKey(ctx_.native_handle(), leaf.key.get());
+    acceptor_.open(tcp::v4());
+    acceptor_.bind(tcp::endpoint(asio::ip::make_address("127.0.0.1"), 0));
+    acceptor_.listen();
+    port_ = acceptor_.local_endpoint().port();
+    thread_ = std::thread([this] {
+      tcp::socket s(ioc_);
+      boost::system::error_code ec;
+      acceptor_.accept(s, ec);
+      if (ec) return;
+      ++connections_;
+      asio::ssl::stream<tcp::socket> tls(std::move(s), ctx_);
+      tls.handshake(asio::ssl::stream_base::server, ec);
+      if (ec) return;
+      beast::flat_buffer buf;
+      for (;;) {
+        http::request<http::string_body> req;
+        http::read(tls, buf, req, ec);
+        if (ec) return;
+        {
+          std::lock_guard<std::mutex> l(mu_);
+          requests_.push_back(std::string(req.target()) + " " +
+                              std::string(req[http::field::host]) + " " + req.body());
+        }
+        http::response<http::string_body> res{http::status::ok, 11};
+        res.body() = "secure hello";
+        res.keep_alive(req.keep_alive());
+        res.prepare_payload();
+        http::write(tls, res, ec);
+        if (ec) return;
+      }
+    });
+  }
+  ~TlsUpstream() {
+    ::shutdown(acceptor_.native_handle(), SHUT_RDWR);
+    thread_.join();
+  }
+  uint16_t port() const { return port_; }
+  int connections() const { return connections_; }
+  std::vector<std::string> requests() {
+    std::lock_guard<std::mutex> l(mu_);
+    return requests_;
+  }
+
+ private:
+  asio::io_context ioc_;
+  asio::ssl::context ctx_;
+  tcp::acceptor acceptor_{ioc_};
+  uint16_t port_ = 0;
+  std::atomic<int> connections_{0};
+  std::thread thread_;
+  std::mutex mu_;
+  std::vector<std::string> requests_;
+};
+
+class InspectedProxyTest : public ProxyTest {
+ protected:
+  void SetUp() override {
+    resolver_ = std::make_shared<FakeResolver>();
+    ProxyOptions o;
+    o.threads = 2;
+    o.idle_timeout = std::chrono::milliseconds(3000);
+    o.upstream_ca_file = tls_.root_file;
+    o.use_system_roots = false;
+    o.now_ms = [this] { return now_.load(); };
+    auto p = Proxy::Create(o, resolver_, [this](AuditEvent e) { audit_.Add(std::move(e)); });
+    ASSERT_TRUE(p.ok()) << p.status();
+    proxy_ = *std::move(p);
+  }
+  void AttachWithCa(const std::string& policy_json) {
+    UniqueFd listener = Listen(&port_);
+    control::Attach a;
+    a.env_id = "env-1";
+    a.tenant = "t1";
+    a.policy = Policy(policy_json);
+    a.ca_cert_pem = tls_.env_ca.cert_pem;
+    a.ca_key_pem = tls_.env_ca.key_pem;
+    a.listener_fd = listener.get();
+    absl::Status s = proxy_->Attach(std::move(a));
+    ASSERT_TRUE(s.ok()) << s;
+  }
+  TlsFixture tls_;
+};
+
+// A client that CONNECTs through the proxy and speaks TLS trusting only the env CA.
+class TlsClient {
+ public:
+  TlsClient(uint16_t proxy_port, const std::string& env_ca_pem, const std::string& target)
+      : ctx_(asio::ssl::context::tls_client), plain_(proxy_port) {
+    ctx_.add_certificate_authority(asio::buffer(env_ca_pem));
+    ctx_.set_verify_mode(asio::ssl::verify_peer);
+    std::string host = target.substr(0, target.find(':'));
+    plain_.WriteRaw("CONNECT " + target + " HTTP/1.1\r\nHost: " + target + "\r\n\r\n");
+    connect_status_ = plain_.ReadConnect().result_int();
+    if (connect_status_ != 200) return;
+    tls_.emplace(plain_.socket(), ctx_);
+    SSL_set_tlsext_host_name(tls_->native_handle(), host.c_str());
+    tls_->set_verify_callback(asio::ssl::host_name_verification(host));
+    boost::system::error_code ec;
+    tls_->handshake(asio::ssl::stream_base::client, ec);
+    handshake_ok_ = !ec;
+  }
+  int connect_status() const { return connect_status_; }
+  bool handshake_ok() const { return handshake_ok_; }
+  http::response<http::string_body> Send(http::request<http::string_body> req) {
+    req.prepare_payload();
+    boost::system::error_code ec;
+    http::write(*tls_, req, ec);
+    http::response<http::string_body> res;
+    http::read(*tls_, buf_, res, ec);
+    if (ec) res.result(599);
+    return res;
+  }
+
+ private:
+  asio::ssl::context ctx_;
+  Client plain_;
+  std::optional<asio::ssl::stream<tcp::socket&>> tls_;
+  beast::flat_buffer buf_;
+  int connect_status_ = 0;
+  bool handshake_ok_ = false;
+};
+
+TEST_F(InspectedProxyTest, HttpsIsInspectedForwardedVerifiedAndAuditedPerRequest) {
+  TlsUpstream up(*tls_.leaf);
+  resolver_->Map("secure.test", up.port());
+  AttachWithCa(R"({"allow":["secure.test"]})");
+  TlsClient c(port_, tls_.env_ca.cert_pem, "secure.test:443");
+  ASSERT_EQ(c.connect_status(), 200);
+  ASSERT_TRUE(c.handshake_ok()) << "the client does not trust the leaf minted by the env CA";
+  for (int i = 0; i < 2; ++i) {  // keep-alive inside the tunnel
+    http::request<http::string_body> req{http::verb::get, "/api/v1?i=" + std::to_string(i), 11};
+    req.set(http::field::host, "secure.test");
+    auto res = c.Send(std::move(req));
+    EXPECT_EQ(res.result_int(), 200);
+    EXPECT_EQ(res.body(), "secure hello");
+  }
+  EXPECT_EQ(up.connections(), 1);
+  ASSERT_EQ(up.requests().size(), 2u);
+  EXPECT_EQ(up.requests()[0], "/api/v1?i=0 secure.test ");
+  auto events = audit_.WaitFor(2);
+  ASSERT_EQ(events.size(), 2u);
+  EXPECT_EQ(events[0].scheme, "https");
+  EXPECT_EQ(events[0].path, "/api/v1?i=0");
+  EXPECT_EQ(events[0].port, 443);
+  EXPECT_EQ(events[0].decision, "allowed");
+}
+
+TEST_F(InspectedProxyTest, HostHeaderNotMatchingTheConnectTargetGets421) {
+  TlsUpstream up(*tls_.leaf);
+  resolver_->Map("secure.test", up.port());
+  AttachWithCa(R"({"allow":["secure.test","evil.test"]})");
+  TlsClient c(port_, tls_.env_ca.cert_pem, "secure.test:443");
+  ASSERT_TRUE(c.handshake_ok());
+  http::request<http::string_body> req{http::verb::get, "/", 11};
+  req.set(http::field::host, "evil.test");  // domain fronting inside an allowed tunnel
+  auto res = c.Send(std::move(req));
+  EXPECT_EQ(res.result_int(), 421);
+  EXPECT_TRUE(up.requests().empty());
+  auto events = audit_.WaitFor(1);
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].decision, "blocked");
+  EXPECT_EQ(events[0].rule_ids[0], "tls:host_mismatch");
+}
+
+TEST_F(InspectedProxyTest, DlpBlocksAnAwsKeyInAnHttpsBodyAndUpstreamReceivesNothing) {
+  TlsUpstream up(*tls_.leaf);
+  resolver_->Map("secure.test", up.port());
+  AttachWithCa(R"({"allow":["secure.test"]})");
+  TlsClient c(port_, tls_.env_ca.cert_pem, "secure.test:443");
+  ASSERT_TRUE(c.handshake_ok());
+  http::request<http::string_body> req{http::verb::post, "/upload", 11};
+  req.set(http::field::host, "secure.test");
+  req.set(http::field::content_type, "application/x-www-form-urlencoded");
+  req.body() = std::string("aws_access_key_id=") + kAwsKeyId + "&x=1";
+  auto res = c.Send(std::move(req));
+  EXPECT_EQ(res.result_int(), 403);
+  EXPECT_EQ(std::string(res["X-Esb-Blocked"]), "dlp:aws_access_key");
+  EXPECT_TRUE(up.requests().empty());
+  auto events = audit_.WaitFor(1);
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].scheme, "https");
+  EXPECT_EQ(boost::json::serialize(ToJson(events[0])).find(kAwsKeyId), std::string::npos);
+}
+
+TEST_F(InspectedProxyTest, ExcludedHostIsTunnelledOpaque) {
+  TlsUpstream up(*tls_.leaf);
+  resolver_->Map("secure.test", up.port());
+  AttachWithCa(R"({"allow":["secure.test"],"tls_exclude":["secure.test"]})");
+  {
+    // The client sees the upstream's own certificate (it trusts the upstream root here).
+    asio::ssl::context ctx(asio::ssl::context::tls_client);
+    ctx.add_certificate_authority(asio::buffer(tls_.upstream_root.cert_pem));
+    ctx.set_verify_mode(asio::ssl::verify_peer);
+    Client plain(port_);
+    plain.WriteRaw("CONNECT secure.test:443 HTTP/1.1\r\nHost: secure.test:443\r\n\r\n");
+    ASSERT_EQ(plain.ReadConnect().result_int(), 200);
+    asio::ssl::stream<tcp::socket&> s(plain.socket(), ctx);
+    SSL_set_tlsext_host_name(s.native_handle(), "secure.test");
+    boost::system::error_code ec;
+    s.handshake(asio::ssl::stream_base::client, ec);
+    ASSERT_FALSE(ec) << ec.message();
+    http::request<http::string_body> req{http::verb::get, "/", 11};
+    req.set(http::field::host, "secure.test");
+    req.keep_alive(false);
+    http::write(s, req, ec);
+    http::response<http::string_body> res;
+    beast::flat_buffer b;
+    http::read(s, b, res, ec);
+    EXPECT_EQ(res.result_int(), 200);
+    s.shutdown(ec);
+  }
+  auto events = audit_.WaitFor(1);
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].decision, "opaque");
+  EXPECT_EQ(events[0].scheme, "tunnel");
 }
 
 }  // namespace
