@@ -6,6 +6,9 @@
 #   bash bench/run.sh transport    only the transport rows (issue 10): 10,000 idle keep-alive
 #                                  connections, 1,000 concurrent SSE streams, /healthz req/s vs
 #                                  a Beast hello-world server, exec `echo hi` vs fork+exec
+#   bash bench/run.sh egress       esb-proxy's added p50 per keep-alive request and per new TLS
+#                                  connection vs direct to the same local upstream, same run
+#                                  (bench/egress_bench.cc; args: BENCH_EGRESS_N, BENCH_EGRESS_TLS_N)
 #   bash bench/run.sh exec-trace   where one exec's time goes: `perf trace` of esbd and the agent
 #                                  during 40 execs, summarised by bench/exec_timeline.py
 #                                  (BENCH_TRACE_OUT=FILE keeps the raw trace)
@@ -28,6 +31,7 @@ case "${1:-}" in
   transport) shift; MODE=transport ;;
   exec-trace) shift; MODE=exec-trace ;;
   dlp) shift; MODE=dlp ;;
+  egress) shift; MODE=egress ;;
 esac
 if [ "$MODE" = dlp ]; then
   cmake --build "$BUILD_DIR" --target dlp_bench >/dev/null
@@ -184,7 +188,15 @@ run_exec_trace() {
   curl -fsS -X DELETE "http://127.0.0.1:$PORT/environments/$env" >/dev/null
 }
 
+run_egress() {
+  cmake --build "$BUILD_DIR" --target egress_bench >/dev/null
+  log "load average before: $(cut -d' ' -f1-3 /proc/loadavg)"
+  "$BUILD_DIR/egress_bench" "${BENCH_EGRESS_N:-4000}" "${BENCH_EGRESS_TLS_N:-400}"
+  log "load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
+}
+
 case "$MODE" in
+  egress) run_egress ;;
   python) run_python "$@" ;;
   transport) run_transport ;;
   exec-trace) run_exec_trace ;;

@@ -234,7 +234,8 @@ awaitable<ConnectOutcome> ConnectUpstream(Proxy::Impl& px, Conn& conn, const Req
     explicit_allow =
         absl::StartsWith(decision.rule, "allow:") || absl::StartsWith(decision.rule, "intent:");
   } else {
-    absl::StatusOr<Resolution> r = co_await px.resolver->Resolve(t.host, t.port);
+    std::string host = t.host;
+    absl::StatusOr<Resolution> r = co_await px.resolver->Resolve(std::move(host), t.port);
     if (!r.ok()) {
       bool timeout = absl::IsDeadlineExceeded(r.status());
       out.refusal = {timeout ? 504 : 502, timeout ? "resolve:timeout" : "resolve:failed",
@@ -331,6 +332,10 @@ awaitable<std::optional<Refusal>> ReadHead(Stream& client, beast::flat_buffer& b
       continue;
     }
     size_t eoh = data.find("\r\n\r\n");
+    if (eoh != std::string_view::npos && eoh + 4 > kMaxHeaderBytes) {
+      co_return Refusal{431, "bad_request",
+                        absl::StrCat("request head larger than ", kMaxHeaderBytes, " bytes")};
+    }
     if (eoh != std::string_view::npos) {
       std::string raw = CheckRawHead(data.substr(0, eoh + 4));
       if (!raw.empty()) co_return Refusal{400, "bad_request", raw};
@@ -499,23 +504,29 @@ awaitable<void> RequestLoop(LoopContext& lc, Client& client, beast::flat_buffer&
     }
     // The body: read whole (up to the cap) before anything goes upstream, so that a blocked
     // body never reaches it.
+    const int64_t cap = cfg->policy.max_body_bytes;
+    if (parser->content_length() && *parser->content_length() > static_cast<uint64_t>(cap)) {
+      Refusal r{413, "body:too_large",
+                absl::StrCat("request body larger than the policy's max_body_bytes (", cap, ")")};
+      co_await refuse(r, false);
+      co_return;
+    }
     if (has_body &&
         absl::EqualsIgnoreCase(AbslView(SV(head[http::field::expect])), "100-continue")) {
       Lowest(client).expires_after(px.opts.idle_timeout);
       co_await asio::async_write(client, asio::buffer("HTTP/1.1 100 Continue\r\n\r\n", 25), kTuple);
     }
     http::request_parser<http::string_body> body_parser(std::move(*parser));
-    const int64_t cap = cfg->policy.max_body_bytes;
+    // Beast checks the limit of a Content-Length body when the head is parsed (done above);
+    // chunked bodies are checked as they arrive.
     body_parser.body_limit(static_cast<uint64_t>(cap));
     if (!body_parser.is_done()) {
       Lowest(client).expires_after(px.opts.body_timeout);
       auto [ec, n] = co_await http::async_read(client, buffer, body_parser, kTuple);
       if (ec == http::error::body_limit) {
-        co_await refuse(Refusal{413, "body:too_large",
-                                absl::StrCat("request body larger than the policy's "
-                                             "max_body_bytes (",
-                                             cap, ")")},
-                        false);
+        Refusal r{413, "body:too_large",
+                  absl::StrCat("request body larger than the policy's max_body_bytes (", cap, ")")};
+        co_await refuse(r, false);
         co_return;
       }
       if (ec) {
@@ -539,10 +550,12 @@ awaitable<void> RequestLoop(LoopContext& lc, Client& client, beast::flat_buffer&
       dlp::Result r = scanner->Finish();
       AddFindings(audit.e, r);
       if (r.decision == dlp::Action::kRedact && r.redacted) {
-        body = *std::move(r.redacted);
+        body = *r.redacted;
         req.erase(http::field::content_encoding);
         redacted = true;
         audit_body = body;
+      } else if (r.redacted) {
+        audit_body = *r.redacted;  // a blocked body's audit copy, every finding replaced
       } else if (info.content_encoding.empty() ||
                  absl::EqualsIgnoreCase(info.content_encoding, "identity")) {
         audit_body = MaskFindings(body, r.findings);
@@ -594,7 +607,8 @@ awaitable<void> RequestLoop(LoopContext& lc, Client& client, beast::flat_buffer&
         }
       } else {
         if (upstream.broken) {
-          co_await refuse(Refusal{502, "upstream:closed", "the upstream closed the tunnel"}, false);
+          Refusal r{502, "upstream:closed", "the upstream closed the tunnel"};
+          co_await refuse(r, false);
           co_return;
         }
       }
@@ -607,9 +621,9 @@ awaitable<void> RequestLoop(LoopContext& lc, Client& client, beast::flat_buffer&
       if (!reused) break;  // a fresh connection failed: no retry
     }
     if (werr) {
-      co_await refuse(Refusal{502, "upstream:write_failed",
-                              absl::StrCat("sending the request upstream: ", werr.message())},
-                      false);
+      Refusal r{502, "upstream:write_failed",
+                absl::StrCat("sending the request upstream: ", werr.message())};
+      co_await refuse(r, false);
       co_return;
     }
     audit.e.bytes_up = static_cast<int64_t>(body.size());
@@ -633,10 +647,10 @@ awaitable<void> RequestLoop(LoopContext& lc, Client& client, beast::flat_buffer&
     if (rerr || rp->get().result_int() < 200) {
       upstream.Close();
       bool timeout = rerr == beast::error::timeout;
-      co_await refuse(Refusal{timeout ? 504 : 502, "upstream:bad_response",
-                              rerr ? absl::StrCat("reading the upstream response: ", rerr.message())
-                                   : "the upstream answered with an unsupported status"},
-                      false);
+      Refusal r{timeout ? 504 : 502, "upstream:bad_response",
+                rerr ? absl::StrCat("reading the upstream response: ", rerr.message())
+                     : "the upstream answered with an unsupported status"};
+      co_await refuse(r, false);
       co_return;
     }
     auto& res = rp->get();
@@ -757,31 +771,31 @@ awaitable<void> Proxy::Impl::Session(std::shared_ptr<Conn> conn, tcp::socket soc
   audit.e.host = target->host;
   audit.e.port = target->port;
   unsigned version = connect->get().version();
-  auto refuse = [&](const Refusal& r, std::string decision) -> awaitable<void> {
+  // Arguments of co_await expressions are named locals throughout: GCC 12 miscompiles class
+  // temporaries there (see governance/tls/mitm.h).
+  auto refuse = [&](const Refusal& r, const char* decision) -> awaitable<void> {
     audit.e.rule_ids.insert(audit.e.rule_ids.begin(), r.rule);
     audit.e.reason = r.reason;
-    audit.Finish(r.status, std::move(decision));
+    audit.Finish(r.status, decision);
     Emit(std::move(audit.e));
-    co_await WriteResponse(client,
-                           BlockResponse(r.status, r.rule, target->host, r.reason, version, false),
-                           opts.idle_timeout);
+    auto response = BlockResponse(r.status, r.rule, target->host, r.reason, version, false);
+    co_await WriteResponse(client, std::move(response), opts.idle_timeout);
   };
   Decision d = Decide(cfg->policy, cfg->intents, now, target->host, target->port);
   if (!d.allowed) {
     audit.e.scheme = "https";
-    co_await refuse(
-        Refusal{403, d.rule,
-                absl::StrCat(target->host, ":", target->port,
-                             " is not allowed by the environment's egress policy (", d.rule, ")")},
-        "blocked");
+    Refusal r{403, d.rule,
+              absl::StrCat(target->host, ":", target->port,
+                           " is not allowed by the environment's egress policy (", d.rule, ")")};
+    co_await refuse(r, "blocked");
     co_return;
   }
   audit.e.rule_ids.push_back(d.rule);
   bool inspect = env->intercept != nullptr && !TlsExcluded(cfg->policy, target->host, target->port);
   audit.e.scheme = inspect ? "https" : "tunnel";
   if (inspect && buffer.size() > 0) {
-    co_await refuse(
-        Refusal{400, "bad_request", "bytes sent after CONNECT before the proxy answered"}, "error");
+    Refusal r{400, "bad_request", "bytes sent after CONNECT before the proxy answered"};
+    co_await refuse(r, "error");
     co_return;
   }
   ConnectOutcome up = co_await ConnectUpstream(*this, *conn, *target, d);
@@ -837,10 +851,9 @@ awaitable<void> Proxy::Impl::Session(std::shared_ptr<Conn> conn, tcp::socket soc
     audit.Finish(m.client ? status : 0, m.rule == tls::kRuleSniMismatch ? "blocked" : "error");
     Emit(std::move(audit.e));
     if (m.client) {
-      co_await WriteResponse(
-          *m.client,
-          BlockResponse(status, m.rule, target->host, std::string(m.status.message()), 11, false),
-          opts.idle_timeout);
+      auto response =
+          BlockResponse(status, m.rule, target->host, std::string(m.status.message()), 11, false);
+      co_await WriteResponse(*m.client, std::move(response), opts.idle_timeout);
     }
     co_return;
   }

@@ -1,0 +1,1149 @@
+// esb-proxy end to end, in-process and as a subprocess, without root: the proxy serves a
+// loopback listener the test attaches, names map to local upstreams on 127.0.0.1 through the
+// resolver, and the upstreams record every request they receive (to prove blocked requests
+// never arrived).
+#include "governance/proxy/proxy.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <boost/asio/connect.hpp>
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/read.hpp>
+#include <boost/asio/ssl.hpp>
+#include <boost/asio/write.hpp>
+#include <boost/beast/core.hpp>
+#include <boost/beast/http.hpp>
+#include <boost/json.hpp>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/util.h"
+#include "governance/control.h"
+#include "governance/policy.h"
+#include "governance/proxy/resolver.h"
+#include "governance/tls/ca.h"
+#include "gtest/gtest.h"
+#include "storage/sqlite_store.h"
+
+namespace esb::governance::proxy {
+namespace {
+
+namespace beast = boost::beast;
+namespace http = beast::http;
+using tcp = asio::ip::tcp;
+using control::AuditEvent;
+
+// ---- a recording HTTP upstream on 127.0.0.1:0 (thread per connection, Beast sync)
+
+struct Received {
+  std::string method, target, host, body;
+  std::map<std::string, std::string> headers;  // lower-case names
+};
+
+class Upstream {
+ public:
+  using Handler = std::function<http::response<http::string_body>(const Received&)>;
+  explicit Upstream(Handler handler = nullptr) : handler_(std::move(handler)) {
+    acceptor_.open(tcp::v4());
+    acceptor_.set_option(tcp::acceptor::reuse_address(true));
+    acceptor_.bind(tcp::endpoint(asio::ip::make_address("127.0.0.1"), 0));
+    acceptor_.listen();
+    port_ = acceptor_.local_endpoint().port();
+    thread_ = std::thread([this] { AcceptLoop(); });
+  }
+  ~Upstream() {
+    stopping_ = true;
+    boost::system::error_code ec;
+    ::shutdown(acceptor_.native_handle(), SHUT_RDWR);  // wakes the blocking accept()
+    thread_.join();
+    acceptor_.close(ec);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto& s : sockets_) s->shutdown(tcp::socket::shutdown_both, ec);
+    }
+    for (std::thread& t : conns_) t.join();
+  }
+  uint16_t port() const { return port_; }
+  std::vector<Received> requests() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return requests_;
+  }
+  int connections() const { return accepted_.load(); }
+  // Everything the upstream received, raw (for "the secret never arrived").
+  std::string raw() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return raw_;
+  }
+
+ private:
+  void AcceptLoop() {
+    for (;;) {
+      auto s = std::make_shared<tcp::socket>(ioc_);
+      boost::system::error_code ec;
+      acceptor_.accept(*s, ec);
+      if (ec || stopping_) return;
+      ++accepted_;
+      std::lock_guard<std::mutex> lock(mu_);
+      sockets_.push_back(s);
+      conns_.emplace_back([this, s] { Serve(*s); });
+    }
+  }
+  void Serve(tcp::socket& s) {
+    beast::flat_buffer buf;
+    for (;;) {
+      http::request<http::string_body> req;
+      boost::system::error_code ec;
+      http::read(s, buf, req, ec);
+      if (ec) return;
+      Received r;
+      r.method = std::string(req.method_string());
+      r.target = std::string(req.target());
+      r.body = req.body();
+      for (const auto& f : req) {
+        std::string n(f.name_string());
+        for (char& c : n) c = static_cast<char>(tolower(c));
+        r.headers[n] = std::string(f.value());
+      }
+      r.host = r.headers["host"];
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        requests_.push_back(r);
+        std::ostringstream os;
+        os << req;
+        raw_ += os.str();
+      }
+      http::response<http::string_body> res;
+      if (handler_) {
+        res = handler_(r);
+      } else {
+        res.result(200);
+        res.set(http::field::content_type, "text/plain");
+        res.body() = "hello from upstream " + r.target;
+      }
+      res.version(11);
+      res.keep_alive(req.keep_alive());
+      res.prepare_payload();
+      http::write(s, res, ec);
+      if (ec || !req.keep_alive()) return;
+    }
+  }
+
+  Handler handler_;
+  asio::io_context ioc_;
+  tcp::acceptor acceptor_{ioc_};
+  uint16_t port_ = 0;
+  std::atomic<bool> stopping_{false};
+  std::atomic<int> accepted_{0};
+  std::thread thread_;
+  std::mutex mu_;
+  std::vector<std::shared_ptr<tcp::socket>> sockets_;
+  std::vector<std::thread> conns_;
+  std::vector<Received> requests_;
+  std::string raw_;
+};
+
+// ---- the resolver the tests inject: names → endpoints, with or without "explicitly allowed"
+
+class FakeResolver : public Resolver {
+ public:
+  void Map(std::string name, uint16_t port, bool overridden = true,
+           std::string address = "127.0.0.1") {
+    std::lock_guard<std::mutex> lock(mu_);
+    map_[name] = {tcp::endpoint(asio::ip::make_address(address), port), overridden};
+  }
+  asio::awaitable<absl::StatusOr<Resolution>> Resolve(std::string host, uint16_t port) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = map_.find(host);
+    if (it == map_.end()) co_return absl::NotFoundError("cannot resolve '" + host + "'");
+    Resolution r;
+    r.endpoints.push_back(it->second.first);
+    r.overridden = it->second.second;
+    co_return r;
+  }
+
+ private:
+  std::mutex mu_;
+  std::map<std::string, std::pair<tcp::endpoint, bool>> map_;
+};
+
+// ---- audit capture
+
+class AuditLog {
+ public:
+  void Add(AuditEvent e) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      events_.push_back(std::move(e));
+    }
+    cv_.notify_all();
+  }
+  // Waits until at least n events arrived (2 s), returns them.
+  std::vector<AuditEvent> WaitFor(size_t n) {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait_for(lock, std::chrono::seconds(2), [&] { return events_.size() >= n; });
+    return events_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<AuditEvent> events_;
+};
+
+// ---- a listener like the one esbd opens in the env's netns (here: loopback, port 0)
+
+UniqueFd Listen(uint16_t* port) {
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  EXPECT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+  EXPECT_EQ(listen(fd, 64), 0);
+  socklen_t len = sizeof(a);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  *port = ntohs(a.sin_port);
+  return UniqueFd(fd);
+}
+
+EgressPolicy Policy(const std::string& json) {
+  absl::StatusOr<EgressPolicy> p = ParseEgressPolicy(boost::json::parse(json));
+  EXPECT_TRUE(p.ok()) << p.status();
+  return p.ok() ? *p : EgressPolicy{};
+}
+
+// ---- a client of the proxy (sync Beast over its own io_context)
+
+class Client {
+ public:
+  explicit Client(uint16_t port) {
+    socket_.connect(tcp::endpoint(asio::ip::make_address("127.0.0.1"), port));
+  }
+  http::response<http::string_body> Send(http::request<http::string_body> req) {
+    req.prepare_payload();
+    http::write(socket_, req);
+    return Read();
+  }
+  http::response<http::string_body> Get(const std::string& url) {
+    http::request<http::string_body> req{http::verb::get, url, 11};
+    req.set(http::field::host, HostOf(url));
+    return Send(std::move(req));
+  }
+  void WriteRaw(std::string_view bytes) { asio::write(socket_, asio::buffer(bytes)); }
+  http::response<http::string_body> Read() {
+    http::response<http::string_body> res;
+    boost::system::error_code ec;
+    http::read(socket_, buf_, res, ec);
+    if (ec) res.result(599);  // the proxy closed without an answer
+    return res;
+  }
+  // Reads a CONNECT answer (no body).
+  http::response<http::empty_body> ReadConnect() {
+    http::response_parser<http::empty_body> p;
+    p.skip(true);
+    boost::system::error_code ec;
+    http::read_header(socket_, buf_, p, ec);
+    http::response<http::empty_body> res = p.release();
+    if (ec) res.result(599);
+    return res;
+  }
+  tcp::socket& socket() { return socket_; }
+  beast::flat_buffer& buffer() { return buf_; }
+  // True if the proxy closed the connection (EOF within 2 s).
+  bool ClosedByPeer() {
+    timeval tv{2, 0};
+    setsockopt(socket_.native_handle(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    char c;
+    return recv(socket_.native_handle(), &c, 1, 0) == 0;
+  }
+
+ private:
+  static std::string HostOf(const std::string& url) {
+    size_t s = url.find("://");
+    std::string rest = url.substr(s + 3);
+    return rest.substr(0, rest.find('/'));
+  }
+  asio::io_context ioc_;
+  tcp::socket socket_{ioc_};
+  beast::flat_buffer buf_;
+};
+
+// ---- fixture: an in-process proxy with one attached environment
+
+class ProxyTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    resolver_ = std::make_shared<FakeResolver>();
+    ProxyOptions o;
+    o.threads = 2;
+    o.header_timeout = std::chrono::milliseconds(2000);
+    o.idle_timeout = std::chrono::milliseconds(2000);
+    o.use_system_roots = false;
+    o.now_ms = [this] { return now_.load(); };
+    absl::StatusOr<std::unique_ptr<Proxy>> p =
+        Proxy::Create(o, resolver_, [this](AuditEvent e) { audit_.Add(std::move(e)); });
+    ASSERT_TRUE(p.ok()) << p.status();
+    proxy_ = *std::move(p);
+  }
+
+  void Attach(const std::string& policy_json, std::vector<ActiveIntent> intents = {}) {
+    UniqueFd listener = Listen(&port_);
+    control::Attach a;
+    a.env_id = "env-1";
+    a.tenant = "t1";
+    a.policy = Policy(policy_json);
+    a.intents = std::move(intents);
+    a.listener_fd = listener.get();
+    ASSERT_TRUE(proxy_->Attach(std::move(a)).ok());
+  }
+
+  void Update(const std::string& policy_json, std::vector<ActiveIntent> intents = {}) {
+    control::Update u;
+    u.env_id = "env-1";
+    u.policy = Policy(policy_json);
+    u.intents = std::move(intents);
+    ASSERT_TRUE(proxy_->Update(u).ok());
+  }
+
+  std::atomic<int64_t> now_{1'700'000'000'000};
+  std::shared_ptr<FakeResolver> resolver_;
+  AuditLog audit_;
+  std::unique_ptr<Proxy> proxy_;
+  uint16_t port_ = 0;
+};
+
+boost::json::object JsonBody(const http::response<http::string_body>& res) {
+  boost::json::error_code ec;
+  boost::json::value v = boost::json::parse(res.body(), ec);
+  if (ec || !v.is_object()) return {};
+  return v.as_object();
+}
+
+std::string Str(const boost::json::object& o, const char* key) {
+  const boost::json::value* v = o.if_contains(key);
+  return v && v->is_string() ? std::string(v->as_string()) : "";
+}
+
+TEST_F(ProxyTest, AllowedHostIsForwardedAndAudited) {
+  Upstream up;
+  resolver_->Map("weather.test", up.port());
+  Attach(R"({"mode":"allowlist","allow":["weather.test"],"dlp":{"enabled":false}})");
+  Client c(port_);
+  auto res = c.Get("http://weather.test/forecast?city=paris");
+  EXPECT_EQ(res.result_int(), 200);
+  EXPECT_EQ(res.body(), "hello from upstream /forecast?city=paris");
+  std::vector<Received> got = up.requests();
+  ASSERT_EQ(got.size(), 1u);
+  EXPECT_EQ(got[0].target, "/forecast?city=paris");  // origin-form upstream
+  EXPECT_EQ(got[0].host, "weather.test");
+  auto events = audit_.WaitFor(1);
+  ASSERT_EQ(events.size(), 1u);
+  const AuditEvent& e = events[0];
+  EXPECT_EQ(e.env_id, "env-1");
+  EXPECT_EQ(e.tenant, "t1");
+  EXPECT_EQ(e.method, "GET");
+  EXPECT_EQ(e.scheme, "http");
+  EXPECT_EQ(e.host, "weather.test");
+  EXPECT_EQ(e.port, 80);
+  EXPECT_EQ(e.path, "/forecast?city=paris");
+  EXPECT_EQ(e.status, 200);
+  EXPECT_EQ(e.decision, "allowed");
+  ASSERT_FALSE(e.rule_ids.empty());
+  EXPECT_EQ(e.rule_ids[0], "allow:weather.test");
+  EXPECT_EQ(e.bytes_down, static_cast<int64_t>(res.body().size()));
+  EXPECT_EQ(e.time_ms, now_.load());
+}
+
+TEST_F(ProxyTest, DeniedHostGets403WithExplainingJsonAndNothingReachesUpstream) {
+  Upstream up;
+  resolver_->Map("evil.test", up.port());
+  Attach(R"({"mode":"allowlist","allow":["weather.test"]})");
+  Client c(port_);
+  auto res = c.Get("http://evil.test/steal");
+  EXPECT_EQ(res.result_int(), 403);
+  EXPECT_EQ(std::string(res["X-Esb-Blocked"]), "not_allowed");
+  EXPECT_EQ(std::string(res[http::field::content_type]), "application/json");
+  boost::json::object body = JsonBody(res);
+  EXPECT_EQ(Str(body, "error"), "egress_blocked");
+  EXPECT_EQ(Str(body, "rule"), "not_allowed");
+  EXPECT_EQ(Str(body, "host"), "evil.test");
+  EXPECT_NE(Str(body, "reason").find("evil.test"), std::string::npos);
+  EXPECT_NE(Str(body, "hint").find("will not help"), std::string::npos);
+  EXPECT_EQ(up.connections(), 0);
+  auto events = audit_.WaitFor(1);
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].decision, "blocked");
+  EXPECT_EQ(events[0].status, 403);
+  EXPECT_EQ(events[0].rule_ids, std::vector<std::string>{"not_allowed"});
+  // A policy block without a body keeps the connection usable.
+  resolver_->Map("weather.test", up.port());
+  EXPECT_EQ(c.Get("http://weather.test/").result_int(), 200);
+}
+
+TEST_F(ProxyTest, DenyWinsOverAllow) {
+  Upstream up;
+  resolver_->Map("bad.weather.test", up.port());
+  resolver_->Map("api.weather.test", up.port());
+  Attach(R"({"allow":["*.weather.test"],"deny":["bad.weather.test"]})");
+  Client c(port_);
+  auto res = c.Get("http://bad.weather.test/");
+  EXPECT_EQ(res.result_int(), 403);
+  EXPECT_EQ(std::string(res["X-Esb-Blocked"]), "deny:bad.weather.test");
+  EXPECT_EQ(c.Get("http://api.weather.test/").result_int(), 200);
+  EXPECT_EQ(up.requests().size(), 1u);
+}
+
+TEST_F(ProxyTest, WildcardMatchesSubdomainsNotTheApex) {
+  Upstream up;
+  resolver_->Map("weather.test", up.port());
+  resolver_->Map("a.b.weather.test", up.port());
+  Attach(R"({"allow":["*.weather.test"]})");
+  Client c(port_);
+  EXPECT_EQ(c.Get("http://a.b.weather.test/").result_int(), 200);
+  EXPECT_EQ(c.Get("http://weather.test/").result_int(), 403);
+}
+
+TEST_F(ProxyTest, PortRuleAllowsOnlyThatPort) {
+  Upstream up;
+  resolver_->Map("weather.test", up.port());  // any requested port goes to the upstream
+  Attach(R"({"allow":["weather.test:8080"]})");
+  Client c(port_);
+  EXPECT_EQ(c.Get("http://weather.test:8080/").result_int(), 200);
+  auto res = c.Get("http://weather.test/");
+  EXPECT_EQ(res.result_int(), 403);
+  EXPECT_EQ(std::string(res["X-Esb-Blocked"]), "not_allowed");
+}
+
+TEST_F(ProxyTest, NameResolvingToPrivateAddressIsRefused) {
+  Upstream up;
+  // Resolved (not an override): 127.0.0.1 is loopback, refused even in mode open.
+  resolver_->Map("internal.test", up.port(), /*overridden=*/false);
+  resolver_->Map("metadata.test", 80, /*overridden=*/false, "169.254.169.254");
+  Attach(R"({"mode":"open"})");
+  Client c(port_);
+  auto res = c.Get("http://internal.test/");
+  EXPECT_EQ(res.result_int(), 403);
+  EXPECT_EQ(std::string(res["X-Esb-Blocked"]), "addr:private");
+  EXPECT_NE(Str(JsonBody(res), "reason").find("127.0.0.1"), std::string::npos);
+  Client c2(port_);
+  auto meta = c2.Get("http://metadata.test/latest/meta-data/");
+  EXPECT_EQ(meta.result_int(), 403);
+  EXPECT_EQ(std::string(meta["X-Esb-Blocked"]), "addr:private");
+  EXPECT_EQ(up.connections(), 0);
+  auto events = audit_.WaitFor(2);
+  ASSERT_EQ(events.size(), 2u);
+  EXPECT_EQ(events[0].decision, "blocked");
+  EXPECT_EQ(events[0].rule_ids[0], "addr:private");
+}
+
+TEST_F(ProxyTest, IpLiteralIsJudgedAsAnIpRule) {
+  Upstream up;
+  std::string url = "http://127.0.0.1:" + std::to_string(up.port()) + "/";
+  // A name rule does not cover an IP literal.
+  Attach(R"({"allow":["weather.test"]})");
+  {
+    Client c(port_);
+    auto res = c.Get(url);
+    EXPECT_EQ(res.result_int(), 403);
+    EXPECT_EQ(std::string(res["X-Esb-Blocked"]), "not_allowed");
+  }
+  // Mode open does not open private addresses.
+  Update(R"({"mode":"open"})");
+  {
+    Client c(port_);
+    auto res = c.Get(url);
+    EXPECT_EQ(res.result_int(), 403);
+    EXPECT_EQ(std::string(res["X-Esb-Blocked"]), "addr:private");
+  }
+  EXPECT_EQ(up.connections(), 0);
+  // An allow rule naming the IP literal explicitly allows it.
+  Update(R"({"allow":["127.0.0.1"]})");
+  {
+    Client c(port_);
+    EXPECT_EQ(c.Get(url).result_int(), 200);
+  }
+}
+
+TEST_F(ProxyTest, IntentAllowsOnlyUntilItExpiresEvenOnAKeptAliveConnection) {
+  Upstream up;
+  resolver_->Map("weather.test", up.port());
+  ActiveIntent intent;
+  intent.name = "check-weather";
+  intent.allow.push_back(*ParseHostRule("weather.test"));
+  intent.expires_ms = now_.load() + 1000;
+  Attach(R"({"allow":[]})", {intent});
+  Client c(port_);
+  auto res = c.Get("http://weather.test/");
+  EXPECT_EQ(res.result_int(), 200);
+  now_ += 1000;  // expired AT expires_ms; same connection, next request
+  auto later = c.Get("http://weather.test/");
+  EXPECT_EQ(later.result_int(), 403);
+  EXPECT_EQ(std::string(later["X-Esb-Blocked"]), "not_allowed");
+  auto events = audit_.WaitFor(2);
+  ASSERT_EQ(events.size(), 2u);
+  EXPECT_EQ(events[0].rule_ids[0], "intent:check-weather");
+  EXPECT_EQ(events[0].intents, std::vector<std::string>{"check-weather"});
+  EXPECT_TRUE(events[1].intents.empty());
+  EXPECT_EQ(up.requests().size(), 1u);
+}
+
+TEST_F(ProxyTest, UpdateRevokesOnTheNextKeptAliveRequest) {
+  Upstream up;
+  resolver_->Map("weather.test", up.port());
+  Attach(R"({"allow":["weather.test"]})");
+  Client c(port_);
+  EXPECT_EQ(c.Get("http://weather.test/").result_int(), 200);
+  Update(R"({"allow":["weather.test"],"deny":["weather.test"]})");
+  auto res = c.Get("http://weather.test/");
+  EXPECT_EQ(res.result_int(), 403);
+  EXPECT_EQ(std::string(res["X-Esb-Blocked"]), "deny:weather.test");
+}
+
+TEST_F(ProxyTest, RedirectToDeniedHostIsCheckedAgain) {
+  Upstream up([](const Received& r) {
+    http::response<http::string_body> res{http::status::found, 11};
+    res.set(http::field::location, "http://evil.test/collect");
+    return res;
+  });
+  resolver_->Map("weather.test", up.port());
+  resolver_->Map("evil.test", up.port());
+  Attach(R"({"allow":["weather.test"]})");
+  Client c(port_);
+  auto res = c.Get("http://weather.test/go");
+  EXPECT_EQ(res.result_int(), 302);
+  std::string location(res[http::field::location]);
+  EXPECT_EQ(location, "http://evil.test/collect");
+  // The client follows the redirect: its second request is decided on its own.
+  auto second = c.Get(location);
+  EXPECT_EQ(second.result_int(), 403);
+  EXPECT_EQ(std::string(second["X-Esb-Blocked"]), "not_allowed");
+  EXPECT_EQ(up.requests().size(), 1u);
+}
+
+TEST_F(ProxyTest, PostBodyIsForwardedWithLengthAndHopByHopHeadersRemoved) {
+  Upstream up;
+  resolver_->Map("weather.test", up.port());
+  Attach(R"({"allow":["weather.test"],"dlp":{"enabled":false}})");
+  Client c(port_);
+  http::request<http::string_body> req{http::verb::post, "http://weather.test/submit", 11};
+  req.set(http::field::host, "weather.test");
+  req.set("Proxy-Authorization", "Basic c2VjcmV0");
+  req.set(http::field::connection, "keep-alive, X-Private");
+  req.set("X-Private", "hop");
+  req.chunked(true);
+  req.body() = "a=1&b=2";
+  auto res = c.Send(std::move(req));
+  EXPECT_EQ(res.result_int(), 200);
+  auto got = up.requests();
+  ASSERT_EQ(got.size(), 1u);
+  EXPECT_EQ(got[0].body, "a=1&b=2");
+  EXPECT_EQ(got[0].headers["content-length"], "7");
+  EXPECT_EQ(got[0].headers.count("transfer-encoding"), 0u);
+  EXPECT_EQ(got[0].headers.count("proxy-authorization"), 0u);
+  EXPECT_EQ(got[0].headers.count("x-private"), 0u);
+  auto events = audit_.WaitFor(1);
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].request_body, "a=1&b=2");
+  EXPECT_EQ(events[0].bytes_up, 7);
+  EXPECT_EQ(events[0].request_body_sha256, Sha256Hex("a=1&b=2"));
+  // Credential headers are masked in the audit.
+  EXPECT_EQ(events[0].request_headers.find("c2VjcmV0"), std::string::npos);
+}
+
+TEST_F(ProxyTest, BodyOverThePolicyCapIsRefusedAndNothingReachesUpstream) {
+  Upstream up;
+  resolver_->Map("weather.test", up.port());
+  Attach(R"({"allow":["weather.test"],"max_body_bytes":1024,"dlp":{"enabled":false}})");
+  Client c(port_);
+  http::request<http::string_body> req{http::verb::post, "http://weather.test/upload", 11};
+  req.set(http::field::host, "weather.test");
+  req.body() = std::string(4096, 'x');
+  auto res = c.Send(std::move(req));
+  EXPECT_EQ(res.result_int(), 413);
+  EXPECT_EQ(up.connections(), 0);
+}
+
+TEST_F(ProxyTest, MalformedHeadsGet4xxNotACrash) {
+  Attach(R"({"mode":"open"})");
+  struct Case {
+    const char* raw;
+    int status;
+  } cases[] = {
+      {"GET /relative HTTP/1.1\r\nHost: x\r\n\r\n", 400},  // origin-form on the proxy port
+      {"GET https://weather.test/ HTTP/1.1\r\nHost: weather.test\r\n\r\n", 400},
+      {"GET http://user:pw@weather.test/ HTTP/1.1\r\nHost: weather.test\r\n\r\n", 400},
+      {"POST http://w.test/ HTTP/1.1\r\nHost: w.test\r\nContent-Length: 1\r\n"
+       "Transfer-Encoding: chunked\r\n\r\n",
+       400},
+      {"GET http://w.test/ HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n", 400},
+      {"GET http://w.test/ HTTP/1.1\r\nHost: w.test\r\nX: a\r\n folded\r\n\r\n", 400},
+      {"GET http://w.test/ HTTP/1.1\r\nHost: w.test\r\nUpgrade: websocket\r\n"
+       "Connection: Upgrade\r\n\r\n",
+       501},
+      {"CONNECT weather.test HTTP/1.1\r\nHost: weather.test\r\n\r\n", 400},
+      {"GARBAGE\r\n\r\n", 400},
+  };
+  for (const Case& k : cases) {
+    Client c(port_);
+    c.WriteRaw(k.raw);
+    auto res = c.Read();
+    EXPECT_EQ(res.result_int(), k.status) << k.raw;
+  }
+  // An over-long head: 431.
+  Client c(port_);
+  c.WriteRaw("GET http://w.test/ HTTP/1.1\r\nX: " + std::string(20000, 'a') + "\r\n\r\n");
+  EXPECT_EQ(c.Read().result_int(), 431);
+}
+
+TEST_F(ProxyTest, ConnectToDeniedHostIsRefusedAndAudited) {
+  Attach(R"({"allow":["weather.test"]})");
+  Client c(port_);
+  c.WriteRaw("CONNECT evil.test:443 HTTP/1.1\r\nHost: evil.test:443\r\n\r\n");
+  auto res = c.Read();
+  EXPECT_EQ(res.result_int(), 403);
+  EXPECT_EQ(std::string(res["X-Esb-Blocked"]), "not_allowed");
+  auto events = audit_.WaitFor(1);
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].method, "CONNECT");
+  EXPECT_EQ(events[0].host, "evil.test");
+  EXPECT_EQ(events[0].port, 443);
+  EXPECT_EQ(events[0].decision, "blocked");
+}
+
+TEST_F(ProxyTest, OpaqueTunnelRelaysBytesAndIsAuditedAsOpaque) {
+  // A raw TCP echo upstream.
+  asio::io_context ioc;
+  tcp::acceptor acc(ioc, tcp::endpoint(asio::ip::make_address("127.0.0.1"), 0));
+  std::thread echo([&] {
+    tcp::socket s(ioc);
+    acc.accept(s);
+    char buf[256];
+    boost::system::error_code ec;
+    size_t n = s.read_some(asio::buffer(buf), ec);
+    if (!ec) asio::write(s, asio::buffer(buf, n), ec);
+  });
+  resolver_->Map("pinned.test", acc.local_endpoint().port());
+  Attach(R"({"allow":["pinned.test"],"tls_inspect":false})");
+  {
+    Client c(port_);
+    c.WriteRaw("CONNECT pinned.test:443 HTTP/1.1\r\nHost: pinned.test:443\r\n\r\n");
+    EXPECT_EQ(c.ReadConnect().result_int(), 200);
+    c.WriteRaw("ping-through-tunnel");
+    char buf[64];
+    size_t n = asio::read(c.socket(), asio::buffer(buf, 19));
+    EXPECT_EQ(std::string(buf, n), "ping-through-tunnel");
+  }
+  echo.join();
+  auto events = audit_.WaitFor(1);
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].decision, "opaque");
+  EXPECT_EQ(events[0].scheme, "tunnel");
+  EXPECT_EQ(events[0].bytes_up, 19);
+  EXPECT_EQ(events[0].bytes_down, 19);
+  EXPECT_EQ(events[0].rule_ids[0], "allow:pinned.test");
+}
+
+TEST_F(ProxyTest, DetachClosesTheListenerAndLiveConnections) {
+  Upstream up;
+  resolver_->Map("weather.test", up.port());
+  Attach(R"({"allow":["weather.test"]})");
+  Client c(port_);
+  EXPECT_EQ(c.Get("http://weather.test/").result_int(), 200);
+  ASSERT_TRUE(proxy_->Detach("env-1").ok());
+  EXPECT_TRUE(c.ClosedByPeer());
+  EXPECT_TRUE(absl::IsNotFound(proxy_->Detach("env-1")));
+  EXPECT_EQ(proxy_->Health().environments, 0);
+}
+
+TEST_F(ProxyTest, PerEnvironmentConnectionCap) {
+  resolver_ = std::make_shared<FakeResolver>();
+  ProxyOptions o;
+  o.max_connections_per_env = 2;
+  o.use_system_roots = false;
+  auto p = Proxy::Create(o, resolver_, nullptr);
+  ASSERT_TRUE(p.ok());
+  proxy_ = *std::move(p);
+  Attach(R"({"mode":"open"})");
+  Client a(port_), b(port_);
+  // Let the proxy accept both before the third.
+  for (int i = 0; i < 100 && proxy_->Health().connections < 2; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_EQ(proxy_->Health().connections, 2);
+  Client third(port_);
+  EXPECT_TRUE(third.ClosedByPeer());
+}
+
+TEST_F(ProxyTest, AttachRefusesAnFdThatIsNotAListener) {
+  int sv[2];
+  ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM, 0, sv), 0);
+  control::Attach a;
+  a.env_id = "env-x";
+  a.listener_fd = sv[0];
+  absl::Status s = proxy_->Attach(std::move(a));
+  EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+  close(sv[0]);
+  close(sv[1]);
+}
+
+// ---- esb-proxy as a subprocess, driven through the control protocol like esbd does
+
+TEST(EsbProxyProcessTest, AttachServeAuditAndExitWhenControlCloses) {
+  Upstream up;
+  int sv[2];
+  ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+  std::string resolve = "weather.test=127.0.0.1:" + std::to_string(up.port());
+  std::string binary = ESB_PROXY_BINARY;
+  ASSERT_EQ(access(binary.c_str(), X_OK), 0) << binary << " is not built";
+  pid_t pid = fork();
+  if (pid == 0) {
+    int fd = dup(sv[1]);  // without CLOEXEC
+    std::string fd_text = std::to_string(fd);
+    execl(binary.c_str(), binary.c_str(), "--control-fd", fd_text.c_str(), "--egress-resolve",
+          resolve.c_str(), "--threads", "1", nullptr);
+    _exit(127);
+  }
+  close(sv[1]);
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<AuditEvent> events;
+  std::vector<control::Result> results;
+  int healths = 0;
+  bool closed = false;
+  control::ControlClient::Callbacks cb;
+  cb.on_audit = [&](AuditEvent e) {
+    std::lock_guard<std::mutex> l(mu);
+    events.push_back(std::move(e));
+    cv.notify_all();
+  };
+  cb.on_health = [&](const control::Health& h) {
+    std::lock_guard<std::mutex> l(mu);
+    ++healths;
+    cv.notify_all();
+  };
+  cb.on_result = [&](const control::Result& r) {
+    std::lock_guard<std::mutex> l(mu);
+    results.push_back(r);
+    cv.notify_all();
+  };
+  cb.on_closed = [&](const absl::Status&) {
+    std::lock_guard<std::mutex> l(mu);
+    closed = true;
+    cv.notify_all();
+  };
+  auto client = std::make_unique<control::ControlClient>(UniqueFd(sv[0]), cb);
+  auto wait = [&](auto pred) {
+    std::unique_lock<std::mutex> l(mu);
+    return cv.wait_for(l, std::chrono::seconds(5), pred);
+  };
+  EXPECT_TRUE(wait([&] { return healths >= 1; })) << "no health report at start";
+
+  uint16_t port = 0;
+  UniqueFd listener = Listen(&port);
+  control::Attach a;
+  a.env_id = "env-p";
+  a.tenant = "t";
+  a.policy = Policy(R"({"allow":["weather.test"],"dlp":{"enabled":false}})");
+  a.listener_fd = listener.get();
+  absl::StatusOr<uint32_t> seq = client->Attach(a);
+  ASSERT_TRUE(seq.ok()) << seq.status();
+  listener.reset();  // the proxy holds its own copy now
+  ASSERT_TRUE(wait([&] { return !results.empty(); }));
+  EXPECT_EQ(results[0].seq, *seq);
+  EXPECT_TRUE(results[0].ok) << results[0].error;
+  {
+    Client c(port);
+    EXPECT_EQ(c.Get("http://weather.test/x").result_int(), 200);
+    EXPECT_EQ(c.Get("http://evil.test/x").result_int(), 403);
+  }
+  ASSERT_TRUE(wait([&] { return events.size() >= 2; }));
+  EXPECT_EQ(events[0].env_id, "env-p");
+  EXPECT_EQ(events[0].decision, "allowed");
+  EXPECT_EQ(events[1].decision, "blocked");
+
+  // Update over the control socket: now weather.test is denied too.
+  control::Update u{"env-p", Policy(R"({"allow":["weather.test"],"deny":["weather.test"]})"), {}};
+  ASSERT_TRUE(client->Update(u).ok());
+  ASSERT_TRUE(wait([&] { return results.size() >= 2; }));
+  EXPECT_TRUE(results[1].ok);
+  {
+    Client c(port);
+    EXPECT_EQ(c.Get("http://weather.test/x").result_int(), 403);
+  }
+  // Updating an unknown env is an error result, not a crash.
+  ASSERT_TRUE(client->Update(control::Update{"nope", Policy("{}"), {}}).ok());
+  ASSERT_TRUE(wait([&] { return results.size() >= 3; }));
+  EXPECT_FALSE(results[2].ok);
+
+  // esbd goes away: the proxy exits and the sandbox's listener is closed (fail closed).
+  client.reset();
+  int status = 0;
+  pid_t r = 0;
+  for (int i = 0; i < 500 && (r = waitpid(pid, &status, WNOHANG)) == 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  if (r == 0) {
+    kill(pid, SIGKILL);
+    waitpid(pid, &status, 0);
+  }
+  EXPECT_EQ(r, pid) << "esb-proxy did not exit when the control socket closed";
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  int probe = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = htons(port);
+  EXPECT_NE(connect(probe, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  EXPECT_EQ(errno, ECONNREFUSED);
+  close(probe);
+}
+
+}  // namespace
+}  // namespace esb::governance::proxy
+
+namespace esb::governance::proxy {
+namespace {
+
+constexpr char kCard[] = "4111 1111 1111 1111";       // Luhn-valid test card
+constexpr char kAwsKeyId[] = "AKIAQ2WE3RT4YU5I6PAZ";  // shape of a real key id (not EXAMPLE)
+
+TEST_F(ProxyTest, DlpBlocksACardInAPlainHttpBodyAndUpstreamReceivesNothing) {
+  Upstream up;
+  resolver_->Map("weather.test", up.port());
+  Attach(R"({"allow":["weather.test"]})");
+  Client c(port_);
+  http::request<http::string_body> req{http::verb::post, "http://weather.test/pay", 11};
+  req.set(http::field::host, "weather.test");
+  req.set(http::field::content_type, "application/json");
+  req.body() = std::string(R"({"note":"hi","card":")") + kCard + "\"}";
+  auto res = c.Send(std::move(req));
+  EXPECT_EQ(res.result_int(), 403);
+  EXPECT_EQ(std::string(res["X-Esb-Blocked"]), "dlp:credit_card");
+  EXPECT_EQ(Str(JsonBody(res), "error"), "egress_blocked");
+  EXPECT_EQ(up.connections(), 0);
+  EXPECT_EQ(up.raw().find("4111"), std::string::npos);
+  auto events = audit_.WaitFor(1);
+  ASSERT_EQ(events.size(), 1u);
+  const AuditEvent& e = events[0];
+  EXPECT_EQ(e.decision, "blocked");
+  EXPECT_EQ(e.rule_ids[0], "allow:weather.test");
+  EXPECT_NE(std::find(e.rule_ids.begin(), e.rule_ids.end(), "dlp:credit_card"), e.rule_ids.end());
+  ASSERT_FALSE(e.findings.empty());
+  EXPECT_EQ(e.findings[0].rule_id, "dlp:credit_card");
+  EXPECT_EQ(e.findings[0].action, "block");
+  // The audit row has no secret text, but the hash of the original body.
+  EXPECT_EQ(ToJson(e).at("request_body").as_string().find("4111"), std::string::npos);
+  EXPECT_EQ(boost::json::serialize(ToJson(e)).find("4111 1111"), std::string::npos);
+  EXPECT_EQ(e.request_body_sha256.size(), 64u);
+}
+
+TEST_F(ProxyTest, DlpBlocksAnAwsKeyInTheUrlAndInAHeader) {
+  Upstream up;
+  resolver_->Map("weather.test", up.port());
+  Attach(R"({"allow":["weather.test"]})");
+  {
+    Client c(port_);
+    auto res = c.Get(std::string("http://weather.test/x?key=") + kAwsKeyId);
+    EXPECT_EQ(res.result_int(), 403);
+    EXPECT_EQ(std::string(res["X-Esb-Blocked"]), "dlp:aws_access_key");
+  }
+  {
+    Client c(port_);
+    http::request<http::string_body> req{http::verb::get, "http://weather.test/", 11};
+    req.set(http::field::host, "weather.test");
+    req.set("X-Debug", std::string("id=") + kAwsKeyId);
+    auto res = c.Send(std::move(req));
+    EXPECT_EQ(res.result_int(), 403);
+    EXPECT_EQ(std::string(res["X-Esb-Blocked"]), "dlp:aws_access_key");
+  }
+  EXPECT_EQ(up.connections(), 0);
+  auto events = audit_.WaitFor(2);
+  ASSERT_EQ(events.size(), 2u);
+  for (const AuditEvent& e : events) {
+    EXPECT_EQ(boost::json::serialize(ToJson(e)).find(kAwsKeyId), std::string::npos);
+  }
+}
+
+TEST_F(ProxyTest, DlpRedactForwardsTheRedactedBodyWithItsLength) {
+  Upstream up;
+  resolver_->Map("weather.test", up.port());
+  Attach(R"({"allow":["weather.test"],"dlp":{"rules":{"dlp:credit_card":"redact"}}})");
+  Client c(port_);
+  http::request<http::string_body> req{http::verb::post, "http://weather.test/pay", 11};
+  req.set(http::field::host, "weather.test");
+  req.set(http::field::content_type, "text/plain");
+  req.body() = std::string("card ") + kCard + " thanks";
+  auto res = c.Send(std::move(req));
+  EXPECT_EQ(res.result_int(), 200);
+  auto got = up.requests();
+  ASSERT_EQ(got.size(), 1u);
+  EXPECT_EQ(got[0].body.find("4111"), std::string::npos);
+  EXPECT_NE(got[0].body.find("[REDACTED:dlp:credit_card]"), std::string::npos);
+  EXPECT_EQ(got[0].headers["content-length"], std::to_string(got[0].body.size()));
+  auto events = audit_.WaitFor(1);
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].decision, "redacted");
+  EXPECT_EQ(events[0].request_body, got[0].body);
+}
+
+// ---- HTTPS through inspection: env CA towards the client, a test root upstream
+
+struct TlsFixture {
+  TlsFixture() {
+    env_ca = *tls::GenerateCa("EnterSandBox env test");
+    upstream_root = *tls::GenerateCa("Test upstream root");
+    auto root = *tls::Ca::FromPem(upstream_root.cert_pem, upstream_root.key_pem);
+    auto minter = *tls::LeafMinter::Create(root);
+    leaf = *minter->LeafFor("secure.test");
+    char path[] = "/tmp/esb-proxy-test-root-XXXXXX";
+    int fd = mkstemp(path);
+    EXPECT_EQ(write(fd, upstream_root.cert_pem.data(), upstream_root.cert_pem.size()),
+              static_cast<ssize_t>(upstream_root.cert_pem.size()));
+    close(fd);
+    root_file = path;
+  }
+  ~TlsFixture() { unlink(root_file.c_str()); }
+  tls::CaPem env_ca, upstream_root;
+  std::shared_ptr<const tls::Leaf> leaf;
+  std::string root_file;
+};
+
+// A TLS upstream for secure.test that records requests (one connection, keep-alive).
+class TlsUpstream {
+ public:
+  explicit TlsUpstream(const tls::Leaf& leaf) : ctx_(asio::ssl::context::tls_server) {
+    SSL_CTX_use_certificate(ctx_.native_handle(), leaf.cert.get());
+    SSL_CTX_use_PrivateKey(ctx_.native_handle(), leaf.key.get());
+    acceptor_.open(tcp::v4());
+    acceptor_.bind(tcp::endpoint(asio::ip::make_address("127.0.0.1"), 0));
+    acceptor_.listen();
+    port_ = acceptor_.local_endpoint().port();
+    thread_ = std::thread([this] {
+      tcp::socket s(ioc_);
+      boost::system::error_code ec;
+      acceptor_.accept(s, ec);
+      if (ec) return;
+      ++connections_;
+      asio::ssl::stream<tcp::socket> tls(std::move(s), ctx_);
+      tls.handshake(asio::ssl::stream_base::server, ec);
+      if (ec) return;
+      beast::flat_buffer buf;
+      for (;;) {
+        http::request<http::string_body> req;
+        http::read(tls, buf, req, ec);
+        if (ec) return;
+        {
+          std::lock_guard<std::mutex> l(mu_);
+          requests_.push_back(std::string(req.target()) + " " +
+                              std::string(req[http::field::host]) + " " + req.body());
+        }
+        http::response<http::string_body> res{http::status::ok, 11};
+        res.body() = "secure hello";
+        res.keep_alive(req.keep_alive());
+        res.prepare_payload();
+        http::write(tls, res, ec);
+        if (ec) return;
+      }
+    });
+  }
+  ~TlsUpstream() {
+    ::shutdown(acceptor_.native_handle(), SHUT_RDWR);
+    thread_.join();
+  }
+  uint16_t port() const { return port_; }
+  int connections() const { return connections_; }
+  std::vector<std::string> requests() {
+    std::lock_guard<std::mutex> l(mu_);
+    return requests_;
+  }
+
+ private:
+  asio::io_context ioc_;
+  asio::ssl::context ctx_;
+  tcp::acceptor acceptor_{ioc_};
+  uint16_t port_ = 0;
+  std::atomic<int> connections_{0};
+  std::thread thread_;
+  std::mutex mu_;
+  std::vector<std::string> requests_;
+};
+
+class InspectedProxyTest : public ProxyTest {
+ protected:
+  void SetUp() override {
+    resolver_ = std::make_shared<FakeResolver>();
+    ProxyOptions o;
+    o.threads = 2;
+    o.idle_timeout = std::chrono::milliseconds(3000);
+    o.upstream_ca_file = tls_.root_file;
+    o.use_system_roots = false;
+    o.now_ms = [this] { return now_.load(); };
+    auto p = Proxy::Create(o, resolver_, [this](AuditEvent e) { audit_.Add(std::move(e)); });
+    ASSERT_TRUE(p.ok()) << p.status();
+    proxy_ = *std::move(p);
+  }
+  void AttachWithCa(const std::string& policy_json) {
+    UniqueFd listener = Listen(&port_);
+    control::Attach a;
+    a.env_id = "env-1";
+    a.tenant = "t1";
+    a.policy = Policy(policy_json);
+    a.ca_cert_pem = tls_.env_ca.cert_pem;
+    a.ca_key_pem = tls_.env_ca.key_pem;
+    a.listener_fd = listener.get();
+    absl::Status s = proxy_->Attach(std::move(a));
+    ASSERT_TRUE(s.ok()) << s;
+  }
+  TlsFixture tls_;
+};
+
+// A client that CONNECTs through the proxy and speaks TLS trusting only the env CA.
+class TlsClient {
+ public:
+  TlsClient(uint16_t proxy_port, const std::string& env_ca_pem, const std::string& target)
+      : ctx_(asio::ssl::context::tls_client), plain_(proxy_port) {
+    ctx_.add_certificate_authority(asio::buffer(env_ca_pem));
+    ctx_.set_verify_mode(asio::ssl::verify_peer);
+    std::string host = target.substr(0, target.find(':'));
+    plain_.WriteRaw("CONNECT " + target + " HTTP/1.1\r\nHost: " + target + "\r\n\r\n");
+    connect_status_ = plain_.ReadConnect().result_int();
+    if (connect_status_ != 200) return;
+    tls_.emplace(plain_.socket(), ctx_);
+    SSL_set_tlsext_host_name(tls_->native_handle(), host.c_str());
+    tls_->set_verify_callback(asio::ssl::host_name_verification(host));
+    boost::system::error_code ec;
+    tls_->handshake(asio::ssl::stream_base::client, ec);
+    handshake_ok_ = !ec;
+  }
+  int connect_status() const { return connect_status_; }
+  bool handshake_ok() const { return handshake_ok_; }
+  http::response<http::string_body> Send(http::request<http::string_body> req) {
+    req.prepare_payload();
+    boost::system::error_code ec;
+    http::write(*tls_, req, ec);
+    http::response<http::string_body> res;
+    http::read(*tls_, buf_, res, ec);
+    if (ec) res.result(599);
+    return res;
+  }
+
+ private:
+  asio::ssl::context ctx_;
+  Client plain_;
+  std::optional<asio::ssl::stream<tcp::socket&>> tls_;
+  beast::flat_buffer buf_;
+  int connect_status_ = 0;
+  bool handshake_ok_ = false;
+};
+
+TEST_F(InspectedProxyTest, HttpsIsInspectedForwardedVerifiedAndAuditedPerRequest) {
+  TlsUpstream up(*tls_.leaf);
+  resolver_->Map("secure.test", up.port());
+  AttachWithCa(R"({"allow":["secure.test"]})");
+  TlsClient c(port_, tls_.env_ca.cert_pem, "secure.test:443");
+  ASSERT_EQ(c.connect_status(), 200);
+  ASSERT_TRUE(c.handshake_ok()) << "the client does not trust the leaf minted by the env CA";
+  for (int i = 0; i < 2; ++i) {  // keep-alive inside the tunnel
+    http::request<http::string_body> req{http::verb::get, "/api/v1?i=" + std::to_string(i), 11};
+    req.set(http::field::host, "secure.test");
+    auto res = c.Send(std::move(req));
+    EXPECT_EQ(res.result_int(), 200);
+    EXPECT_EQ(res.body(), "secure hello");
+  }
+  EXPECT_EQ(up.connections(), 1);
+  ASSERT_EQ(up.requests().size(), 2u);
+  EXPECT_EQ(up.requests()[0], "/api/v1?i=0 secure.test ");
+  auto events = audit_.WaitFor(2);
+  ASSERT_EQ(events.size(), 2u);
+  EXPECT_EQ(events[0].scheme, "https");
+  EXPECT_EQ(events[0].path, "/api/v1?i=0");
+  EXPECT_EQ(events[0].port, 443);
+  EXPECT_EQ(events[0].decision, "allowed");
+}
+
+TEST_F(InspectedProxyTest, HostHeaderNotMatchingTheConnectTargetGets421) {
+  TlsUpstream up(*tls_.leaf);
+  resolver_->Map("secure.test", up.port());
+  AttachWithCa(R"({"allow":["secure.test","evil.test"]})");
+  TlsClient c(port_, tls_.env_ca.cert_pem, "secure.test:443");
+  ASSERT_TRUE(c.handshake_ok());
+  http::request<http::string_body> req{http::verb::get, "/", 11};
+  req.set(http::field::host, "evil.test");  // domain fronting inside an allowed tunnel
+  auto res = c.Send(std::move(req));
+  EXPECT_EQ(res.result_int(), 421);
+  EXPECT_TRUE(up.requests().empty());
+  auto events = audit_.WaitFor(1);
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].decision, "blocked");
+  EXPECT_EQ(events[0].rule_ids[0], "tls:host_mismatch");
+}
+
+TEST_F(InspectedProxyTest, DlpBlocksAnAwsKeyInAnHttpsBodyAndUpstreamReceivesNothing) {
+  TlsUpstream up(*tls_.leaf);
+  resolver_->Map("secure.test", up.port());
+  AttachWithCa(R"({"allow":["secure.test"]})");
+  TlsClient c(port_, tls_.env_ca.cert_pem, "secure.test:443");
+  ASSERT_TRUE(c.handshake_ok());
+  http::request<http::string_body> req{http::verb::post, "/upload", 11};
+  req.set(http::field::host, "secure.test");
+  req.set(http::field::content_type, "application/x-www-form-urlencoded");
+  req.body() = std::string("aws_access_key_id=") + kAwsKeyId + "&x=1";
+  auto res = c.Send(std::move(req));
+  EXPECT_EQ(res.result_int(), 403);
+  EXPECT_EQ(std::string(res["X-Esb-Blocked"]), "dlp:aws_access_key");
+  EXPECT_TRUE(up.requests().empty());
+  auto events = audit_.WaitFor(1);
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].scheme, "https");
+  EXPECT_EQ(boost::json::serialize(ToJson(events[0])).find(kAwsKeyId), std::string::npos);
+}
+
+TEST_F(InspectedProxyTest, ExcludedHostIsTunnelledOpaque) {
+  TlsUpstream up(*tls_.leaf);
+  resolver_->Map("secure.test", up.port());
+  AttachWithCa(R"({"allow":["secure.test"],"tls_exclude":["secure.test"]})");
+  {
+    // The client sees the upstream's own certificate (it trusts the upstream root here).
+    asio::ssl::context ctx(asio::ssl::context::tls_client);
+    ctx.add_certificate_authority(asio::buffer(tls_.upstream_root.cert_pem));
+    ctx.set_verify_mode(asio::ssl::verify_peer);
+    Client plain(port_);
+    plain.WriteRaw("CONNECT secure.test:443 HTTP/1.1\r\nHost: secure.test:443\r\n\r\n");
+    ASSERT_EQ(plain.ReadConnect().result_int(), 200);
+    asio::ssl::stream<tcp::socket&> s(plain.socket(), ctx);
+    SSL_set_tlsext_host_name(s.native_handle(), "secure.test");
+    boost::system::error_code ec;
+    s.handshake(asio::ssl::stream_base::client, ec);
+    ASSERT_FALSE(ec) << ec.message();
+    http::request<http::string_body> req{http::verb::get, "/", 11};
+    req.set(http::field::host, "secure.test");
+    req.keep_alive(false);
+    http::write(s, req, ec);
+    http::response<http::string_body> res;
+    beast::flat_buffer b;
+    http::read(s, b, res, ec);
+    EXPECT_EQ(res.result_int(), 200);
+    s.shutdown(ec);
+  }
+  auto events = audit_.WaitFor(1);
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].decision, "opaque");
+  EXPECT_EQ(events[0].scheme, "tunnel");
+}
+
+}  // namespace
+}  // namespace esb::governance::proxy
