@@ -145,7 +145,12 @@ RunHandler MakeRunHandler(const run::RunPipeline* pipeline) {
     std::vector<std::string> allowed;
     if (string_list("allowed_modules", &allowed)) spec.allowed_modules = allowed;
     string_list("figure_formats", &spec.figure_formats);
+    spec.intent = f.OptionalString("intent", "");  // active for this run only
     if (!f.ok()) return f.ErrorResponse();
+    if (!spec.intent.empty()) {
+      if (absl::Status st = governance::ValidateIntentName(spec.intent); !st.ok())
+        return ErrorResponse(400, "bad_request", absl::StrCat("'intent': ", st.message()));
+    }
     if (spec.code.size() > (4 << 20))
       return ErrorResponse(413, "payload_too_large", "'code' is longer than 4 MiB");
 

@@ -255,7 +255,8 @@ json::object ApiService::RenderEnvironment(const EnvironmentInfo& info, bool wit
                               {"memory_mb", info.spec.memory_mb},
                               {"pids", info.spec.pids},
                               {"disk_mb", info.spec.disk_mb}}},
-      {"network", std::string(NetworkPolicyName(info.spec.network))},
+      {"network", info.egress ? json::value(governance::ToJson(*info.egress))
+                              : json::value(NetworkPolicyName(info.spec.network))},
       {"ttl_seconds", info.ttl_s},
       {"created_at", Time(r.created_ms)},
       {"last_used_at", Time(r.last_used_ms)},
@@ -306,7 +307,7 @@ void ApiService::Register(Router& router) {
   // buffered; POST bodies must be JSON (CheckJsonContentType).
   auto add = [this, &router](std::string method, std::string_view pattern, auto fn,
                              RouteOptions opts = {}) {
-    const bool json_body = method == "POST" && !opts.stream_body;
+    const bool json_body = (method == "POST" || method == "PUT") && !opts.stream_body;
     opts.accepts_body = json_body || opts.stream_body;  // the others answer a body with 413
     opts.before_body = [this, json_body](Request& req) { return Admit(req, json_body); };
     router.Add(
@@ -458,6 +459,9 @@ void ApiService::Register(Router& router) {
   };
   add("POST", "/run", run);
   add("POST", "/environments/{id}/run", run);
+  RegisterNetwork([&add](std::string method, std::string_view pattern, RouteFn fn) {
+    add(std::move(method), pattern, std::move(fn));
+  });
 }
 
 json::object RenderArtifact(const ArtifactMeta& m) {
@@ -548,8 +552,15 @@ Response ApiService::CreateEnvironment(Request& req, const Caller& caller) {
   spec.disk_mb = int_limit(limits.disk_mb, d.disk_mb);
   int64_t ttl = f.OptionalInt("ttl_seconds", 0, 10, 86400);
   spec.env = f.OptionalStringMap("env", 256);
-  // Every name the API accepts is a policy the core knows (ParseNetworkPolicy).
-  spec.network = *ParseNetworkPolicy(f.OptionalEnum("network", "none", {"none"}));
+  // "none" or a policy object (laid over the tenant's default: the core's config).
+  std::optional<governance::EgressPolicy> egress;
+  if (const json::value* network = f.OptionalValue("network"); network && !network->is_null()) {
+    auto parsed = ParseNetwork(*network, caller.tenant);
+    if (parsed.ok())
+      egress = *std::move(parsed);
+    else
+      f.Fail(std::string(parsed.status().message()));
+  }
   if (const json::value* vols = f.OptionalValue("volumes"); vols && !vols->is_null()) {
     // Shape only here; names, paths and ownership are the core's (ClaimVolumes).
     if (!vols->is_array() || vols->as_array().size() > 64) {
@@ -599,7 +610,7 @@ Response ApiService::CreateEnvironment(Request& req, const Caller& caller) {
   // Heavy tiers boot a rootfs image; the nano tier has its interpreter built in.
   if (driver->tier == DriverRegistry::Tier::kHeavy && !options_.images.count(spec.image))
     return ErrorResponse(400, "bad_request", absl::StrCat("unknown image '", spec.image, "'"));
-  auto info = manager_->Create(caller, spec, ttl);
+  auto info = manager_->Create(caller, spec, ttl, egress ? &*egress : nullptr);
   if (!info.ok()) return StatusResponse(info.status());
   json::object o = RenderEnvironment(*info, false);
   o["pooled"] = info->pooled;
@@ -614,7 +625,12 @@ Response ApiService::Execute(Request& req, const Caller& caller) {
   exec.command = f.RequiredString("command");
   exec.timeout = std::chrono::seconds(f.OptionalInt("timeout_seconds", 60, 1, 3600));
   exec.env = f.OptionalStringMap("env", 256);
+  // An intent active for this call only (docs/api.md "Intents").
+  std::string intent = f.OptionalString("intent", "");
   if (!f.ok()) return f.ErrorResponse();
+  if (absl::Status st = intent.empty() ? absl::OkStatus() : governance::ValidateIntentName(intent);
+      !st.ok())
+    return ErrorResponse(400, "bad_request", absl::StrCat("'intent': ", st.message()));
   if (exec.command.empty()) return ErrorResponse(400, "bad_request", "'command' is empty");
   if (exec.command.size() > (1 << 20))
     return ErrorResponse(413, "payload_too_large", "'command' is longer than 1 MiB");
@@ -631,9 +647,9 @@ Response ApiService::Execute(Request& req, const Caller& caller) {
           info.ok() ? absl::NotFoundError(absl::StrCat("environment ", id, " is ",
                                                        AbslView(ToString(info->record.state))))
                     : info.status());
-    return Response::Sse([this, caller, id, exec](ResponseWriter& w) {
+    return Response::Sse([this, caller, id, exec, intent](ResponseWriter& w) {
       SseOutput out(w);
-      auto result = manager_->Exec(caller, id, exec, out.Sink());
+      auto result = manager_->Exec(caller, id, exec, out.Sink(), intent);
       if (!result.ok()) {
         Response err = StatusResponse(result.status());
         w.WriteEvent("error",
@@ -647,7 +663,7 @@ Response ApiService::Execute(Request& req, const Caller& caller) {
 
   // Non-streaming: still notice a client that went away, and kill its command.
   auto sink = [&req](Stream, std::string_view) { return !req.ClientGone(); };
-  auto result = manager_->Exec(caller, id, exec, sink);
+  auto result = manager_->Exec(caller, id, exec, sink, intent);
   if (!result.ok()) return StatusResponse(result.status());
   return JsonResponse(200, ResultJson(*result));
 }

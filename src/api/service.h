@@ -6,6 +6,7 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -81,6 +82,13 @@ class ApiService {
   Response RemoveFile(Request& req, const Caller& caller);
   Response RenameFile(Request& req, const Caller& caller);
   boost::json::object RenderEnvironment(const EnvironmentInfo& info, bool with_usage);
+  // Egress governance (network_service.cc): GET/PUT /environments/{id}/network, the intents
+  // routes and GET /environments/{id}/ca.pem.
+  using RouteFn = std::function<Response(Request&, const Caller&)>;
+  void RegisterNetwork(const std::function<void(std::string, std::string_view, RouteFn)>& add);
+  // A `network` value: "none" (nullopt) or a policy object, laid over the tenant's default.
+  absl::StatusOr<std::optional<governance::EgressPolicy>> ParseNetwork(
+      const boost::json::value& value, const std::string& tenant);
 
   EnvironmentManager* manager_;
   Store* store_;

@@ -4,6 +4,7 @@
 #include <boost/json.hpp>
 #include <utility>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/host_memory.h"
@@ -141,6 +142,79 @@ absl::Status ParseAudit(const json::value& v, AuditConfig* a) {
     return TypeError("audit.write_behind_ms", "0 (synchronous)..1000");
   if (a->query_timeout_ms < 10 || a->query_timeout_ms > 60000)
     return TypeError("audit.query_timeout_ms", "10..60000");
+  return absl::OkStatus();
+}
+
+absl::Status CheckResolveTarget(const std::string& where, const std::string& name,
+                                const std::string& target) {
+  auto rule = governance::ParseHostRule(name);
+  if (!rule.ok() || rule->kind != governance::HostRule::Kind::kExact || rule->port)
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": '", name, "' must be a host name (no '*.', no port)"));
+  std::string host;
+  uint16_t port = 0;
+  if (!ParseListen(target, &host, &port).ok() || port == 0)
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": '", target, "' for ", name, " must be HOST:PORT (port 1..65535)"));
+  return absl::OkStatus();
+}
+
+absl::Status EgressConfigError(const std::string& where, const absl::Status& st) {
+  return absl::InvalidArgumentError(absl::StrCat("config: ", where, ": ", st.message()));
+}
+
+absl::Status ParseEgress(const json::value& v, EgressConfig* e) {
+  if (!v.is_object()) return TypeError("egress", "an object");
+  const json::object& o = v.as_object();
+  // "default" first: the tenants' defaults are laid over it, whatever the key order.
+  if (const json::value* d = o.if_contains("default")) {
+    auto policy = governance::ParseEgressPolicy(*d, e->default_policy);
+    if (!policy.ok()) return EgressConfigError("egress.default", policy.status());
+    e->default_policy = *std::move(policy);
+  }
+  for (const auto& kv : o) {
+    std::string key = absl::StrCat("egress.", std::string(kv.key()));
+    absl::Status st;
+    if (kv.key() == "default") {
+      continue;
+    } else if (kv.key() == "upstream_ca") {
+      st = GetString(kv.value(), key, &e->upstream_ca);
+    } else if (kv.key() == "resolve") {
+      if (!kv.value().is_object()) return TypeError(key, "an object of NAME → \"HOST:PORT\"");
+      for (const auto& r : kv.value().as_object()) {
+        if (!r.value().is_string()) return TypeError(key, "an object of NAME → \"HOST:PORT\"");
+        std::string name = absl::AsciiStrToLower(std::string(r.key()));
+        std::string target(r.value().as_string());
+        if (st = CheckResolveTarget(absl::StrCat("config: ", key), name, target); !st.ok())
+          return st;
+        e->resolve[name] = target;
+      }
+    } else if (kv.key() == "tenants") {
+      if (!kv.value().is_object()) return TypeError(key, "an object of tenant → settings");
+      for (const auto& t : kv.value().as_object()) {
+        std::string tenant(t.key());
+        std::string where = absl::StrCat(key, ".", tenant);
+        if (!t.value().is_object()) return TypeError(where, "an object {default, intents}");
+        for (const auto& f : t.value().as_object()) {
+          std::string fk = absl::StrCat(where, ".", std::string(f.key()));
+          if (f.key() == "default") {
+            auto policy = governance::ParseEgressPolicy(f.value(), e->default_policy);
+            if (!policy.ok()) return EgressConfigError(fk, policy.status());
+            e->tenant_default_policy[tenant] = *std::move(policy);
+          } else if (f.key() == "intents") {
+            auto catalogue = governance::ParseIntentCatalogue(f.value());
+            if (!catalogue.ok()) return EgressConfigError(fk, catalogue.status());
+            e->tenant_intents[tenant] = *std::move(catalogue);
+          } else {
+            return absl::InvalidArgumentError(absl::StrCat("config: unknown key '", fk, "'"));
+          }
+        }
+      }
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat("config: unknown key '", key, "'"));
+    }
+    if (!st.ok()) return st;
+  }
   return absl::OkStatus();
 }
 
@@ -283,7 +357,15 @@ absl::Status LoadConfigFile(const std::string& path, DaemonConfig* c) {
     else if (key == "packages") st = ParsePackages(v, &c->packages);
     else if (key == "artifacts") st = ParseArtifacts(v, &c->artifacts);
     else if (key == "audit") st = ParseAudit(v, &c->audit);
-    else if (key == "images") {
+    else if (key == "egress")
+      st = ParseEgress(v, &c->egress);
+    else if (key == "intents") {
+      auto catalogue = governance::ParseIntentCatalogue(v);
+      if (!catalogue.ok())
+        st = EgressConfigError("intents", catalogue.status());
+      else
+        c->egress.intents = *std::move(catalogue);
+    } else if (key == "images") {
       if (!v.is_object()) return TypeError(key, "an object of name → rootfs directory");
       for (const auto& img : v.as_object()) {
         std::string dir;
@@ -368,6 +450,31 @@ absl::Status ApplyEnvironment(const std::function<const char*(const char*)>& get
     if (!absl::SimpleAtoi(v, &c->default_ttl_s) || c->default_ttl_s <= 0)
       return absl::InvalidArgumentError("ESBD_DEFAULT_TTL must be a positive integer (s)");
   }
+  return absl::OkStatus();
+}
+
+const governance::EgressPolicy& EgressConfig::DefaultPolicyFor(const std::string& tenant) const {
+  auto it = tenant_default_policy.find(tenant);
+  return it == tenant_default_policy.end() ? default_policy : it->second;
+}
+
+governance::IntentCatalogue EgressConfig::IntentsFor(const std::string& tenant) const {
+  governance::IntentCatalogue out = intents;
+  if (auto it = tenant_intents.find(tenant); it != tenant_intents.end()) {
+    for (const auto& [name, def] : it->second) out[name] = def;
+  }
+  return out;
+}
+
+absl::Status AddEgressResolve(std::string_view spec, EgressConfig* egress) {
+  size_t eq = spec.find('=');
+  if (eq == std::string_view::npos || eq == 0)
+    return absl::InvalidArgumentError(
+        absl::StrCat("--egress-resolve needs NAME=HOST:PORT, got '", AbslView(spec), "'"));
+  std::string name = absl::AsciiStrToLower(std::string(spec.substr(0, eq)));
+  std::string target(spec.substr(eq + 1));
+  if (absl::Status st = CheckResolveTarget("--egress-resolve", name, target); !st.ok()) return st;
+  egress->resolve[name] = target;
   return absl::OkStatus();
 }
 

@@ -9,6 +9,7 @@
 
 #include "absl/status/status.h"
 #include "drivers/driver.h"
+#include "governance/policy.h"
 
 namespace esb {
 
@@ -50,6 +51,32 @@ struct AuditConfig {
   // (StoreOptions::write_behind_ms; a crash may lose this interval of them). 0: synchronous.
   int64_t write_behind_ms = 50;
 };
+
+// Egress governance (issue 12; docs/api.md "Network policy"). Config file:
+//   "egress": {"resolve": {"NAME": "HOST:PORT"}, "upstream_ca": "FILE",
+//              "default": {policy}, "tenants": {"TENANT": {"default": {policy},
+//                                                          "intents": {catalogue}}}},
+//   "intents": {catalogue}
+struct EgressConfig {
+  // The proxy sends NAME to HOST:PORT instead of resolving it (tests, air-gapped sites); such a
+  // name counts as explicitly allowed to reach a private address. --egress-resolve adds to it.
+  std::map<std::string, std::string> resolve;
+  std::string upstream_ca;  // extra roots (PEM) the proxy trusts upstream; --egress-upstream-ca
+  // The daemon's base policy: a create's (or PUT's) policy object is laid over it, field by
+  // field (fields the request leaves out take these values; `"network": {}` is this policy).
+  governance::EgressPolicy default_policy;
+  // Per tenant, laid over default_policy the same way.
+  std::map<std::string, governance::EgressPolicy> tenant_default_policy;
+  // The intent catalogue; per tenant, entries of the same name replace the daemon's, others add.
+  governance::IntentCatalogue intents;
+  std::map<std::string, governance::IntentCatalogue> tenant_intents;
+
+  // The policy a tenant's requests are laid over, and the tenant's intent catalogue.
+  const governance::EgressPolicy& DefaultPolicyFor(const std::string& tenant) const;
+  governance::IntentCatalogue IntentsFor(const std::string& tenant) const;
+};
+// Checks and adds one NAME=HOST:PORT override (the --egress-resolve syntax).
+absl::Status AddEgressResolve(std::string_view spec, EgressConfig* egress);
 
 struct DaemonConfig {
   std::string listen = "127.0.0.1:8080";
@@ -121,6 +148,7 @@ struct DaemonConfig {
   PackagesConfig packages;
   ArtifactsConfig artifacts;
   AuditConfig audit;
+  EgressConfig egress;
   std::string log_level = "info";
 };
 

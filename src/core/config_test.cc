@@ -198,6 +198,69 @@ TEST(ConfigTest, UserNamespaceKeysAreSettableAndValidated) {
   }
 }
 
+TEST(ConfigTest, EgressSectionAndIntentCatalogue) {
+  DaemonConfig c;
+  // "tenants" before "default" on purpose: tenant defaults are laid over the daemon's anyway.
+  std::string path = TempFile(R"({
+      "intents": {"check-weather": {"allow": ["weather.test", "*.weather.test"]},
+                  "pip": {"allow": ["pypi.test"], "max_ttl_seconds": 600}},
+      "egress": {
+        "tenants": {"acme": {"default": {"allow": ["acme.test"]},
+                             "intents": {"pip": {"allow": ["mirror.acme.test"]},
+                                         "deploy": {"allow": ["deploy.acme.test:443"]}}}},
+        "default": {"deny": ["*.evil.test"], "tls_inspect": false},
+        "resolve": {"Weather.Test": "127.0.0.1:18080"},
+        "upstream_ca": "/etc/test-root.pem"}})");
+  absl::Status st = LoadConfigFile(path, &c);
+  ASSERT_TRUE(st.ok()) << st;
+  EXPECT_EQ(c.egress.resolve.at("weather.test"), "127.0.0.1:18080");
+  EXPECT_EQ(c.egress.upstream_ca, "/etc/test-root.pem");
+  EXPECT_EQ(c.egress.default_policy.deny.size(), 1u);
+  EXPECT_FALSE(c.egress.default_policy.tls_inspect);
+  const governance::EgressPolicy& acme = c.egress.DefaultPolicyFor("acme");
+  EXPECT_EQ(acme.allow.size(), 1u);
+  EXPECT_EQ(acme.deny.size(), 1u) << "laid over the daemon default";
+  EXPECT_FALSE(acme.tls_inspect);
+  EXPECT_TRUE(c.egress.DefaultPolicyFor("other").allow.empty());
+  auto acme_intents = c.egress.IntentsFor("acme");
+  EXPECT_EQ(acme_intents.size(), 3u);
+  EXPECT_EQ(acme_intents.at("pip").allow[0].text, "mirror.acme.test") << "tenant entry replaces";
+  EXPECT_EQ(acme_intents.at("check-weather").allow.size(), 2u) << "daemon entry kept";
+  EXPECT_EQ(c.egress.IntentsFor("other").size(), 2u);
+  EXPECT_EQ(c.egress.IntentsFor("other").at("pip").max_ttl_seconds, 600);
+  std::remove(path.c_str());
+}
+
+TEST(ConfigTest, BadEgressConfigIsAnErrorNamingTheKey) {
+  struct Case {
+    const char* json;
+    const char* message;
+  } cases[] = {
+      {R"({"egress": []})", "'egress' must be an object"},
+      {R"({"egress": {"bogus": 1}})", "unknown key 'egress.bogus'"},
+      {R"({"egress": {"default": {"mode": "wide"}}})", "egress.default: network.mode"},
+      {R"({"egress": {"default": {"allow": ["*"]}}})", "egress.default: network.allow[0]"},
+      {R"({"egress": {"resolve": {"a.test": "nohost"}}})", "must be HOST:PORT"},
+      {R"({"egress": {"resolve": {"*.a.test": "127.0.0.1:1"}}})", "must be a host name"},
+      {R"({"egress": {"resolve": {"a.test": 5}}})", "egress.resolve"},
+      {R"({"egress": {"upstream_ca": 5}})", "'egress.upstream_ca' must be a string"},
+      {R"({"egress": {"tenants": {"acme": {"x": 1}}}})", "unknown key 'egress.tenants.acme.x'"},
+      {R"({"egress": {"tenants": {"acme": {"intents": {"X": {"allow": ["a.test"]}}}}}})",
+       "egress.tenants.acme.intents"},
+      {R"({"intents": {"w": {"allow": []}}})", "intents: intents.w.allow must list"},
+      {R"({"intents": {"w": {"allow": ["a.test"], "ttl": 1}}})", "unknown field"},
+  };
+  for (const Case& k : cases) {
+    DaemonConfig c;
+    std::string path = TempFile(k.json);
+    absl::Status st = LoadConfigFile(path, &c);
+    EXPECT_FALSE(st.ok()) << k.json;
+    EXPECT_NE(std::string(st.message()).find(k.message), std::string::npos)
+        << k.json << " -> " << st;
+    std::remove(path.c_str());
+  }
+}
+
 TEST(ConfigTest, EnvironmentOverrides) {
   std::map<std::string, std::string> env{{"ESBD_LISTEN", "127.0.0.1:1"},
                                          {"ESBD_POOL_SIZE", "0"},

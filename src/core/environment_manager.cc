@@ -188,6 +188,23 @@ absl::Status EnvironmentManager::Start() {
       destroy_retry_.push_back(env);
     }
   }
+  // Governed environments: their policy, intents and CA come back from the store, and they
+  // go back to the proxy (before any request can reach them).
+  {
+    std::vector<std::shared_ptr<LiveEnv>> all;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto& [id, e] : envs_) all.push_back(e);
+      for (auto& e : destroy_retry_) all.push_back(e);
+    }
+    for (auto& e : all) {
+      auto spec = SpecFromJson(e->record.spec_json, nullptr);
+      if (spec.ok() && spec->network.kind == NetworkPolicy::Kind::kGoverned) {
+        e->governed = true;
+        if (e->record.state == EnvState::kRunning) ReattachEgress(*e);
+      }
+    }
+  }
   if (attached || cleaned) {
     LogInfo(absl::StrCat("recovered state: ", attached, " environment(s) re-attached, ", cleaned,
                          " cleaned up"));
@@ -290,22 +307,49 @@ std::shared_ptr<EnvironmentManager::LiveEnv> EnvironmentManager::TakePooled(
 }
 
 absl::StatusOr<EnvironmentInfo> EnvironmentManager::Create(const Caller& caller,
-                                                           const EnvSpec& spec, int64_t ttl_s) {
+                                                           const EnvSpec& spec, int64_t ttl_s,
+                                                           const governance::EgressPolicy* egress) {
   const int64_t t0 = MonotonicMs();
-  absl::StatusOr<EnvironmentInfo> info = CreateEnvironment(caller.tenant, spec, ttl_s);
-  audit_.Record(caller, {.environment_id = info.ok() ? info->record.id : "",
-                         .action = "environment.create",
-                         .detail = absl::StrCat("runtime=", AbslView(ToString(spec.runtime)),
-                                                " image=", spec.image),
-                         .duration_ms = MonotonicMs() - t0,
-                         .outcome = info.status()});
+  absl::StatusOr<EnvironmentInfo> info = CreateEnvironment(caller.tenant, spec, ttl_s, egress);
+  audit_.Record(
+      caller,
+      {.environment_id = info.ok() ? info->record.id : "",
+       .action = "environment.create",
+       .detail = absl::StrCat(
+           "runtime=", AbslView(ToString(spec.runtime)), " image=", spec.image,
+           egress ? absl::StrCat(" network=", json::serialize(governance::ToJson(*egress))) : ""),
+       .duration_ms = MonotonicMs() - t0,
+       .outcome = info.status()});
   return info;
 }
 
-absl::StatusOr<EnvironmentInfo> EnvironmentManager::CreateEnvironment(const std::string& tenant,
-                                                                      const EnvSpec& requested,
-                                                                      int64_t ttl_s) {
+absl::StatusOr<EnvironmentInfo> EnvironmentManager::CreateEnvironment(
+    const std::string& tenant, const EnvSpec& requested, int64_t ttl_s,
+    const governance::EgressPolicy* egress) {
   EnvSpec spec = requested;
+  spec.network = NetworkPolicy{};
+  // A governed network: the runtime must be able to build it, the daemon must have a proxy to
+  // hand it to, and the environment gets its own CA (its certificate goes to the driver for the
+  // sandbox's trust bundle; the pair to the proxy).
+  std::optional<EgressCaPem> ca;
+  if (egress != nullptr) {
+    auto d = drivers_.find(spec.runtime);
+    if (d == drivers_.end())
+      return absl::InvalidArgumentError(absl::StrCat("runtime '", AbslView(ToString(spec.runtime)),
+                                                     "' is not available on this host"));
+    if (!d->second->Capabilities().Has(Capability::kEgress))
+      return MissingCapabilityError(d->second->name(), Capability::kEgress);
+    if (options_.egress == nullptr || !options_.make_ca)
+      return absl::UnavailableError(
+          "egress is not available on this daemon (no egress proxy): create the environment "
+          "with \"network\": \"none\"");
+    auto made = options_.make_ca();
+    if (!made.ok())
+      return absl::UnavailableError(
+          absl::StrCat("cannot make the environment's CA: ", made.status().message()));
+    ca = *std::move(made);
+    spec.network = NetworkPolicy{NetworkPolicy::Kind::kGoverned, ca->cert_pem};
+  }
   // Volumes are claimed for this create until the environment exists (then for its id), so
   // a concurrent create or delete of the same volume is refused rather than racing.
   std::string volume_claim;
@@ -404,6 +448,15 @@ absl::StatusOr<EnvironmentInfo> EnvironmentManager::CreateEnvironment(const std:
     metrics_->creates_cold++;
   }
   metrics_->create_duration.Observe((MonotonicMs() - start) / 1000.0);
+  if (egress != nullptr) {
+    // Not published yet: nobody else can see it. A failed attach destroys it (fail closed).
+    if (absl::Status st = AttachNewEgress(*env, *egress, *ca); !st.ok()) {
+      env->tenant = tenant;
+      DestroyLive(env, "egress_attach_failed");
+      return absl::UnavailableError(
+          absl::StrCat("the egress proxy did not take the environment: ", st.message()));
+    }
+  }
   EnvironmentRecord snapshot;
   {
     std::lock_guard<std::mutex> elock(env->mu);
@@ -419,7 +472,9 @@ absl::StatusOr<EnvironmentInfo> EnvironmentManager::CreateEnvironment(const std:
     }
     volume_claim.clear();
   }
-  return InfoOf(snapshot, pooled);
+  EnvironmentInfo info = InfoOf(snapshot, pooled);
+  if (env->governed) info.egress = *egress;
+  return info;
 }
 
 absl::StatusOr<std::shared_ptr<EnvironmentManager::LiveEnv>> EnvironmentManager::Lookup(
@@ -463,6 +518,7 @@ void EnvironmentManager::DestroyLive(const std::shared_ptr<LiveEnv>& env,
   // A heartbeat or exec that finishes now cannot write an older state over this one: every
   // write of a live environment is a snapshot taken in persist_mu order (PersistLive).
   PersistLive(*env);
+  if (env->governed && options_.egress != nullptr) options_.egress->Detach(rec.id);
   absl::Status st = env->driver->Destroy(env->ref);
   if (!st.ok()) {
     LogError(absl::StrCat("destroying ", rec.id, " failed (will retry): ", st.ToString()));
@@ -478,6 +534,13 @@ void EnvironmentManager::DestroyLive(const std::shared_ptr<LiveEnv>& env,
   }
   PersistLive(*env);
   ReleaseVolumes(rec.id);  // the driver unmounted them: free for the next environment
+  if (env->governed) {
+    // The CA key must not outlive its environment.
+    if (absl::Status del = store_->DeleteEgress(rec.id); !del.ok()) {
+      metrics_->CountError("store");
+      LogError(absl::StrCat("deleting egress state of ", rec.id, ": ", del.ToString()));
+    }
+  }
 }
 
 Driver* EnvironmentManager::VolumeDriver() const {
@@ -711,7 +774,12 @@ absl::StatusOr<EnvironmentInfo> EnvironmentManager::Get(const Caller& caller,
       std::lock_guard<std::mutex> elock(env->mu);
       snapshot = env->record;
     }
-    return InfoOf(snapshot, false);
+    EnvironmentInfo info = InfoOf(snapshot, false);
+    if (env->governed) {
+      std::lock_guard<std::mutex> glock(env->egress_mu);
+      info.egress = env->policy;
+    }
+    return info;
   }
   auto rec = store_->GetEnvironment(id);
   if (!rec.ok() || rec->tenant != tenant)
@@ -731,9 +799,16 @@ absl::StatusOr<std::vector<EnvironmentInfo>> EnvironmentManager::List(const Call
       if (e->tenant == tenant) mine.push_back(e);
     }
   }
+  std::map<std::string, governance::EgressPolicy> policies;
   for (const auto& e : mine) {
-    std::lock_guard<std::mutex> elock(e->mu);
-    live[e->record.id] = e->record;
+    {
+      std::lock_guard<std::mutex> elock(e->mu);
+      live[e->record.id] = e->record;
+    }
+    if (e->governed) {
+      std::lock_guard<std::mutex> glock(e->egress_mu);
+      policies[e->record.id] = e->policy;
+    }
   }
   auto stored = store_->ListEnvironments(tenant, include_destroyed);
   if (!stored.ok()) return stored.status();
@@ -749,6 +824,9 @@ absl::StatusOr<std::vector<EnvironmentInfo>> EnvironmentManager::List(const Call
     }
   }
   for (const auto& [id, rec] : live) out.push_back(InfoOf(rec, false));
+  for (EnvironmentInfo& info : out) {
+    if (auto it = policies.find(info.record.id); it != policies.end()) info.egress = it->second;
+  }
   std::sort(out.begin(), out.end(), [](const EnvironmentInfo& a, const EnvironmentInfo& b) {
     return a.record.created_ms > b.record.created_ms;
   });
@@ -791,8 +869,17 @@ absl::StatusOr<std::shared_ptr<EnvironmentManager::LiveEnv>> EnvironmentManager:
 
 absl::StatusOr<ExecResult> EnvironmentManager::Exec(const Caller& caller, const std::string& id,
                                                     const ExecRequest& request,
-                                                    const OutputSink& sink) {
+                                                    const OutputSink& sink,
+                                                    const std::string& intent) {
   auto env = LookupFor(caller, id, Capability::kExec);
+  std::unique_ptr<CallIntent> call_intent;  // removed when the call returns, however it ends
+  if (env.ok() && !intent.empty()) {
+    auto begun = BeginCallIntent(caller, id, intent, request.timeout.count(), "execute");
+    if (begun.ok())
+      call_intent = *std::move(begun);
+    else
+      env = begun.status();
+  }
   if (!env.ok()) {
     if (!IsEnvironmentNotFound(env.status()))
       audit_.Record(caller, {.environment_id = id,

@@ -19,6 +19,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -27,6 +28,8 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "core/audit.h"
+#include "core/config.h"
+#include "core/egress.h"
 #include "core/metrics.h"
 #include "drivers/driver.h"
 #include "storage/store.h"
@@ -37,6 +40,12 @@ namespace esb {
 // same), marked so that callers can tell it from NotFound for a file inside an environment.
 absl::Status EnvironmentNotFoundError(std::string_view message);
 bool IsEnvironmentNotFound(const absl::Status& status);
+
+// A governed environment's CA as PEM (the key is a secret: never logged, never in a sandbox).
+struct EgressCaPem {
+  std::string cert_pem;
+  std::string key_pem;
+};
 
 struct ManagerOptions {
   int64_t default_ttl_s = 900;
@@ -55,6 +64,13 @@ struct ManagerOptions {
   int max_volumes_per_tenant = 16;
   int max_volumes_per_environment = 8;
   std::function<int64_t()> now_ms;  // injectable clock; defaults to NowUnixMs
+  // Egress governance (issue 12). `egress` carries governed environments to the proxy (not
+  // owned; nullptr: a create with a network policy answers 503); `make_ca` makes each governed
+  // environment's CA (PEM pair; nullptr: 503 likewise); `egress_config` holds the default
+  // policies and the intent catalogues.
+  EgressControl* egress = nullptr;
+  std::function<absl::StatusOr<EgressCaPem>()> make_ca;
+  EgressConfig egress_config;
 };
 
 // Snapshot of one environment for the API.
@@ -63,6 +79,22 @@ struct EnvironmentInfo {
   EnvSpec spec;
   int64_t ttl_s = 0;
   bool pooled = false;  // served from the warm pool
+  // A live governed environment's current policy (spec.network.kind == kGoverned).
+  std::optional<governance::EgressPolicy> egress;
+};
+
+// An intent active on an environment, as the API lists it.
+struct IntentInfo {
+  governance::ActiveIntent intent;
+  // "environment": activated through the API until expiry; "call": for one execute/run call.
+  std::string scope;
+};
+
+// A governed environment's network as the API shows it.
+struct NetworkInfo {
+  bool governed = false;  // false: network "none" (nothing else is set)
+  governance::EgressPolicy policy;
+  std::vector<IntentInfo> intents;  // unexpired, environment ones first, by name
 };
 
 // A volume for the API: the record and the environment that mounts it ("" when none).
@@ -87,7 +119,11 @@ class EnvironmentManager {
   // running (they survive a daemon restart).
   void Stop();
 
-  absl::StatusOr<EnvironmentInfo> Create(const Caller& caller, const EnvSpec& spec, int64_t ttl_s);
+  // `egress`: the environment's network policy (nullptr: network "none"); the runtime needs the
+  // egress capability (else MissingCapabilityError, 400), the daemon an egress proxy (else
+  // Unavailable, 503). The API lays the request over DefaultEgressPolicy(tenant).
+  absl::StatusOr<EnvironmentInfo> Create(const Caller& caller, const EnvSpec& spec, int64_t ttl_s,
+                                         const governance::EgressPolicy* egress = nullptr);
   absl::Status Destroy(const Caller& caller, const std::string& id,
                        const std::string& reason = "deleted");
   absl::StatusOr<EnvironmentInfo> Get(const Caller& caller, const std::string& id);
@@ -95,8 +131,10 @@ class EnvironmentManager {
   // Extends the lease to now + ttl (ttl_s <= 0: the environment's own ttl). Returns expiry.
   absl::StatusOr<int64_t> Heartbeat(const Caller& caller, const std::string& id, int64_t ttl_s);
 
+  // `intent`: an intent of the tenant's catalogue active for this call only (BeginCallIntent).
   absl::StatusOr<ExecResult> Exec(const Caller& caller, const std::string& id,
-                                  const ExecRequest& request, const OutputSink& sink);
+                                  const ExecRequest& request, const OutputSink& sink,
+                                  const std::string& intent = "");
   absl::Status WriteFile(const Caller& caller, const std::string& id, const std::string& path,
                          std::string_view data, int64_t offset, bool truncate);
   absl::StatusOr<FileChunk> ReadFile(const Caller& caller, const std::string& id,
@@ -165,6 +203,60 @@ class EnvironmentManager {
   absl::StatusOr<std::vector<VolumeInfo>> ListVolumes(const Caller& caller);
   absl::Status DeleteVolume(const Caller& caller, const std::string& name);
 
+  // --- Egress governance (issue 12; docs/api.md "Network policy", "Intents") ---
+  // What a tenant's policy objects are laid over (config egress.default / egress.tenants).
+  const governance::EgressPolicy& DefaultEgressPolicy(const std::string& tenant) const {
+    return options_.egress_config.DefaultPolicyFor(tenant);
+  }
+  absl::StatusOr<NetworkInfo> GetNetwork(const Caller& caller, const std::string& id);
+  // Replaces a governed environment's policy live (stored, pushed to the proxy; audited as
+  // network.update). policy == nullptr means "none". Whether an environment is governed is
+  // fixed at create (its network namespace and proxy listener exist or not): "none" for a
+  // governed one, or a policy for a "none" one, is Aborted (409) naming the way out.
+  absl::StatusOr<NetworkInfo> SetNetwork(const Caller& caller, const std::string& id,
+                                         const governance::EgressPolicy* policy);
+  // Activates intent `name` of the tenant's catalogue until now + ttl_s (default
+  // kDefaultIntentTtlSeconds, at most the intent's max_ttl_seconds); activating an active one
+  // extends it (never shortens). Audited as network.intent.activate. InvalidArgument for an
+  // unknown intent or a bad TTL, Aborted (409) on a "none" environment, ResourceExhausted over
+  // governance::kMaxActiveIntents.
+  absl::StatusOr<NetworkInfo> ActivateIntent(const Caller& caller, const std::string& id,
+                                             const std::string& name, int64_t ttl_s);
+  // Ends an environment-scoped intent (NotFound when it is not active). Audited as
+  // network.intent.deactivate.
+  absl::StatusOr<NetworkInfo> DeactivateIntent(const Caller& caller, const std::string& id,
+                                               const std::string& name);
+  // The environment CA's certificate (PEM); NotFound for a "none" environment.
+  absl::StatusOr<std::string> CaCertificate(const Caller& caller, const std::string& id);
+
+  // An intent active for one execute/run call: activated by BeginCallIntent, removed (and
+  // pushed to the proxy) when this is destroyed, whatever the call's outcome. One audit row
+  // (network.intent.call) when it ends. Its expiry (the call's deadline plus a grace) also
+  // bounds it should the removal never run (a crash).
+  class CallIntent {
+   public:
+    ~CallIntent();
+    CallIntent(const CallIntent&) = delete;
+    CallIntent& operator=(const CallIntent&) = delete;
+
+   private:
+    friend class EnvironmentManager;
+    CallIntent() = default;
+    EnvironmentManager* manager_ = nullptr;
+    std::shared_ptr<LiveEnv> env_;
+    Caller caller_{""};
+    std::string name_, action_;
+    int64_t start_ms_ = 0;
+  };
+  // `max_call_ms`: the call's own timeout. `action`: what it is for ("execute", "run"). A
+  // refusal (unknown intent, a "none" environment, the proxy refusing) writes no row: the
+  // call's own row records it.
+  absl::StatusOr<std::unique_ptr<CallIntent>> BeginCallIntent(const Caller& caller,
+                                                              const std::string& id,
+                                                              const std::string& name,
+                                                              int64_t max_call_ms,
+                                                              const std::string& action);
+
   // The runtime of a live environment of the caller's tenant.
   absl::StatusOr<DriverKind> RuntimeOf(const Caller& caller, const std::string& id);
   // What runtime `runtime` can do (empty set: no such driver).
@@ -193,6 +285,19 @@ class EnvironmentManager {
     InstanceRef ref;
     DriverKind kind = DriverKind::kContainer;
     Driver* driver = nullptr;
+    // Egress (governed environments): `governed` is set before publication, never changed.
+    // egress_mu serialises a change of policy or intents with its store write and proxy push
+    // (in that order); never taken under mu_ or mu.
+    bool governed = false;
+    std::mutex egress_mu;
+    governance::EgressPolicy policy;
+    std::vector<governance::ActiveIntent> intents;  // environment-scoped (stored)
+    struct CallScoped {
+      int refs = 0;
+      governance::ActiveIntent intent;  // expires_ms: the latest call's deadline + grace
+    };
+    std::map<std::string, CallScoped> call_intents;  // per execute/run call (not stored)
+    EgressCaPem ca;
   };
 
   int64_t Now() const { return options_.now_ms(); }
@@ -209,7 +314,25 @@ class EnvironmentManager {
   void Touch(LiveEnv& env);
   // Create without its audit row (Create writes it, whatever happens here).
   absl::StatusOr<EnvironmentInfo> CreateEnvironment(const std::string& tenant, const EnvSpec& spec,
-                                                    int64_t ttl_s);
+                                                    int64_t ttl_s,
+                                                    const governance::EgressPolicy* egress);
+  // Egress helpers (environment_manager_egress.cc). The *Locked ones need env.egress_mu.
+  // Drops expired environment-scoped intents (true if any was dropped).
+  bool PruneIntentsLocked(LiveEnv& env, int64_t now);
+  std::vector<governance::ActiveIntent> EffectiveIntentsLocked(const LiveEnv& env,
+                                                               int64_t now) const;
+  NetworkInfo NetworkInfoLocked(const LiveEnv& env, int64_t now) const;
+  absl::Status PersistEgressLocked(const LiveEnv& env);
+  // Stores, then pushes the current state to the proxy.
+  absl::Status CommitEgressLocked(LiveEnv& env);
+  // Makes a freshly created environment governed: CA already in spec, state stored, attached.
+  absl::Status AttachNewEgress(LiveEnv& env, const governance::EgressPolicy& policy,
+                               const EgressCaPem& ca);
+  // After a restart: reloads a governed environment's state from the store and re-attaches it.
+  void ReattachEgress(LiveEnv& env);
+  // EgressAttachment::open_listener for `env` (Driver::OpenEgressListener on its instance).
+  static std::function<absl::StatusOr<UniqueFd>()> ListenerOpener(const LiveEnv& env);
+  void EndCallIntent(CallIntent& call);
   absl::StatusOr<std::shared_ptr<LiveEnv>> CreateInstance(const EnvSpec& spec,
                                                           const std::string& tenant, EnvState state,
                                                           int64_t ttl_s);

@@ -30,6 +30,7 @@ class FakeDriver : public Driver {
     if (fail_create) return absl::InternalError("boom");
     alive.insert(id);
     ++creates;
+    networks[id] = spec.network;
     for (const VolumeMount& v : spec.volumes) mounted_keys.push_back(v.key + ":" + v.path);
     return InstanceRef{id, "container", absl::StrCat("{\"id\":\"", id, "\"}")};
   }
@@ -46,6 +47,8 @@ class FakeDriver : public Driver {
   }
   absl::StatusOr<ExecResult> Exec(const InstanceRef& ref, const ExecRequest& req,
                                   const OutputSink& sink) override {
+    if (on_exec) on_exec();
+    if (fail_exec) return absl::InternalError("exec broke");
     ExecResult r;
     r.exit_code = 0;
     r.stdout_data = req.command;
@@ -107,6 +110,9 @@ class FakeDriver : public Driver {
   std::map<std::string, std::map<std::string, std::string>> configured;
   int creates = 0;
   bool fail_create = false;
+  bool fail_exec = false;
+  std::function<void()> on_exec;
+  std::map<std::string, NetworkPolicy> networks;  // what each Create was asked to build
   std::atomic<int> create_delay_ms{0};
 };
 
@@ -559,6 +565,11 @@ class BlockingStore : public Store {
   absl::Status DeleteVolume(const std::string& tenant, const std::string& name) override {
     return inner_->DeleteVolume(tenant, name);
   }
+  absl::Status PutEgress(const EgressRecord& rec) override { return inner_->PutEgress(rec); }
+  absl::StatusOr<EgressRecord> GetEgress(const std::string& id) override {
+    return inner_->GetEgress(id);
+  }
+  absl::Status DeleteEgress(const std::string& id) override { return inner_->DeleteEgress(id); }
   absl::StatusOr<ApiKeyRecord> CreateApiKey(const std::string& tenant, const std::string& name,
                                             std::string* secret) override {
     return inner_->CreateApiKey(tenant, name, secret);
@@ -744,6 +755,390 @@ TEST_F(ManagerTest, MissingCapabilityIsRefusedNamingIt) {
   EXPECT_TRUE(IsMissingCapability(driver.Resume(ref)));
   EXPECT_TRUE(IsMissingCapability(driver.RunCode(&ref, RunRequest{}, nullptr).status()));
   EXPECT_NE(driver.Pause(ref).message().find("'pause'"), std::string::npos);
+  m->Stop();
+}
+
+// ---- Egress governance (issue 12) ----
+
+// Records what the core hands to the proxy.
+class FakeEgress : public EgressControl {
+ public:
+  absl::Status Attach(const EgressAttachment& a) override {
+    std::lock_guard<std::mutex> lock(mu);
+    if (!attach_status.ok()) return attach_status;
+    attached[a.env_id] = a;
+    ++attaches;
+    return absl::OkStatus();
+  }
+  absl::Status Update(const std::string& id, const governance::EgressPolicy& policy,
+                      const std::vector<governance::ActiveIntent>& intents) override {
+    std::lock_guard<std::mutex> lock(mu);
+    ++updates;
+    attached[id].policy = policy;
+    attached[id].intents = intents;
+    return update_status;
+  }
+  void Detach(const std::string& id) override {
+    std::lock_guard<std::mutex> lock(mu);
+    detached.push_back(id);
+    attached.erase(id);
+  }
+  EgressHealth Health() const override { return EgressHealth{}; }
+  std::vector<std::string> IntentNames(const std::string& id) {
+    std::lock_guard<std::mutex> lock(mu);
+    std::vector<std::string> out;
+    for (const auto& i : attached[id].intents) out.push_back(i.name);
+    return out;
+  }
+  std::mutex mu;
+  std::map<std::string, EgressAttachment> attached;
+  std::vector<std::string> detached;
+  int attaches = 0, updates = 0;
+  absl::Status attach_status, update_status;
+};
+
+governance::EgressPolicy Policy(std::string_view json) {
+  auto p = governance::ParseEgressPolicy(boost::json::parse(json));
+  EXPECT_TRUE(p.ok()) << p.status();
+  return p.ok() ? *p : governance::EgressPolicy{};
+}
+
+class EgressManagerTest : public ManagerTest {
+ protected:
+  std::unique_ptr<EnvironmentManager> MakeGoverned(std::atomic<int64_t>* clock,
+                                                   bool with_proxy = true) {
+    ManagerOptions opts;
+    opts.pool_size = 0;
+    opts.reaper_interval_ms = 20;
+    opts.health_interval_ms = 50;
+    opts.default_ttl_s = 3600;
+    if (clock) opts.now_ms = [clock] { return clock->load(); };
+    if (with_proxy) opts.egress = &egress;
+    opts.make_ca = [this]() -> absl::StatusOr<EgressCaPem> {
+      ++cas;
+      return EgressCaPem{absl::StrCat("CERT-", cas), absl::StrCat("KEY-", cas)};
+    };
+    auto catalogue = governance::ParseIntentCatalogue(boost::json::parse(
+        R"({"check-weather": {"allow": ["*.weather.test"], "max_ttl_seconds": 600},
+            "pip": {"allow": ["pypi.test"]}})"));
+    EXPECT_TRUE(catalogue.ok());
+    opts.egress_config.intents = *catalogue;
+    return std::make_unique<EnvironmentManager>(
+        store.get(), std::map<std::string, Driver*>{{"container", &driver}}, &metrics, opts);
+  }
+  void SetUp() override {
+    ManagerTest::SetUp();
+    driver.capabilities.Add(Capability::kEgress);
+  }
+  FakeEgress egress;
+  int cas = 0;
+};
+
+TEST_F(EgressManagerTest, GovernedCreateMakesACaBuildsTheNetnsAndAttaches) {
+  auto m = MakeGoverned(nullptr);
+  ASSERT_TRUE(m->Start().ok());
+  governance::EgressPolicy policy = Policy(R"({"allow": ["pypi.test"]})");
+  auto info = m->Create("acme", EnvSpec{}, 0, &policy);
+  ASSERT_TRUE(info.ok()) << info.status();
+  const std::string id = info->record.id;
+  ASSERT_TRUE(info->egress.has_value());
+  EXPECT_TRUE(*info->egress == policy);
+  EXPECT_EQ(driver.networks[id].kind, NetworkPolicy::Kind::kGoverned);
+  EXPECT_EQ(driver.networks[id].ca_cert_pem, "CERT-1") << "the driver gets the CA cert";
+  ASSERT_EQ(egress.attached.count(id), 1u);
+  EXPECT_EQ(egress.attached[id].tenant, "acme");
+  EXPECT_EQ(egress.attached[id].ca_key_pem, "KEY-1");
+  EXPECT_TRUE(egress.attached[id].policy == policy);
+  EXPECT_EQ(*m->CaCertificate("acme", id), "CERT-1");
+  auto stored = store->GetEgress(id);
+  ASSERT_TRUE(stored.ok());
+  EXPECT_EQ(stored->ca_key_pem, "KEY-1");
+  auto got = m->Get("acme", id);
+  ASSERT_TRUE(got.ok());
+  ASSERT_TRUE(got->egress.has_value());
+  EXPECT_EQ(got->spec.network.kind, NetworkPolicy::Kind::kGoverned);
+  // A "none" environment is untouched: no CA, no netns, no proxy.
+  auto plain = m->Create("acme", EnvSpec{}, 0);
+  ASSERT_TRUE(plain.ok());
+  EXPECT_EQ(driver.networks[plain->record.id].kind, NetworkPolicy::Kind::kNone);
+  EXPECT_FALSE(plain->egress.has_value());
+  EXPECT_EQ(m->CaCertificate("acme", plain->record.id).status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(egress.attached.count(plain->record.id), 0u);
+  EXPECT_EQ(cas, 1);
+  // Destroy: detached from the proxy, the CA key gone from the store.
+  ASSERT_TRUE(m->Destroy("acme", id).ok());
+  EXPECT_EQ(egress.detached, std::vector<std::string>{id});
+  EXPECT_EQ(store->GetEgress(id).status().code(), absl::StatusCode::kNotFound);
+  m->Stop();
+}
+
+TEST_F(EgressManagerTest, RuntimeWithoutEgressOrDaemonWithoutProxyIsRefused) {
+  governance::EgressPolicy policy = Policy(R"({"allow": ["pypi.test"]})");
+  {
+    auto m = MakeGoverned(nullptr, /*with_proxy=*/false);
+    ASSERT_TRUE(m->Start().ok());
+    auto r = m->Create("acme", EnvSpec{}, 0, &policy);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable) << r.status();
+    EXPECT_NE(r.status().message().find("no egress proxy"), std::string::npos);
+    m->Stop();
+  }
+  driver.capabilities = CapabilitySet{Capability::kExec};  // like nano and gVisor today
+  auto m = MakeGoverned(nullptr);
+  ASSERT_TRUE(m->Start().ok());
+  auto r = m->Create("acme", EnvSpec{}, 0, &policy);
+  EXPECT_TRUE(IsMissingCapability(r.status())) << r.status();
+  EXPECT_NE(r.status().message().find("'egress'"), std::string::npos) << r.status();
+  EXPECT_NE(r.status().message().find("runtime 'container'"), std::string::npos) << r.status();
+  EXPECT_EQ(driver.creates, 0);
+  EXPECT_EQ(cas, 0);
+  m->Stop();
+}
+
+TEST_F(EgressManagerTest, AFailedAttachDestroysTheEnvironment) {
+  auto m = MakeGoverned(nullptr);
+  ASSERT_TRUE(m->Start().ok());
+  egress.attach_status = absl::UnavailableError("proxy down");
+  governance::EgressPolicy policy;
+  auto r = m->Create("acme", EnvSpec{}, 0, &policy);
+  ASSERT_EQ(r.status().code(), absl::StatusCode::kUnavailable) << r.status();
+  EXPECT_NE(r.status().message().find("proxy down"), std::string::npos);
+  ASSERT_EQ(driver.destroyed.size(), 1u);
+  EXPECT_TRUE(driver.alive.empty());
+  EXPECT_EQ(store->GetEgress(driver.destroyed[0]).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(m->List("acme", false)->empty());
+  m->Stop();
+}
+
+TEST_F(EgressManagerTest, NetworkIsReplacedLiveButItsKindIsFixedAtCreate) {
+  auto m = MakeGoverned(nullptr);
+  ASSERT_TRUE(m->Start().ok());
+  governance::EgressPolicy policy = Policy(R"({"allow": ["pypi.test"]})");
+  auto gov = m->Create("acme", EnvSpec{}, 0, &policy);
+  auto plain = m->Create("acme", EnvSpec{}, 0);
+  ASSERT_TRUE(gov.ok() && plain.ok());
+  const std::string id = gov->record.id;
+  governance::EgressPolicy blocked = Policy(R"({"mode": "blocked"})");
+  auto set = m->SetNetwork("acme", id, &blocked);
+  ASSERT_TRUE(set.ok()) << set.status();
+  EXPECT_TRUE(set->policy == blocked);
+  EXPECT_TRUE(egress.attached[id].policy == blocked) << "pushed to the proxy";
+  EXPECT_TRUE(m->GetNetwork("acme", id)->policy == blocked);
+  EXPECT_NE(store->GetEgress(id)->policy_json.find("blocked"), std::string::npos) << "stored";
+  auto to_none = m->SetNetwork("acme", id, nullptr);
+  EXPECT_EQ(to_none.status().code(), absl::StatusCode::kAborted);
+  EXPECT_NE(to_none.status().message().find("\"mode\": \"blocked\""), std::string::npos);
+  auto to_policy = m->SetNetwork("acme", plain->record.id, &policy);
+  EXPECT_EQ(to_policy.status().code(), absl::StatusCode::kAborted) << to_policy.status();
+  EXPECT_TRUE(m->SetNetwork("acme", plain->record.id, nullptr).ok()) << "none stays none";
+  EXPECT_FALSE(m->GetNetwork("acme", plain->record.id)->governed);
+  // The proxy refusing the change: 503, but the change is stored (a re-attach sends it).
+  egress.update_status = absl::UnavailableError("proxy restarting");
+  auto failed = m->SetNetwork("acme", id, &policy);
+  EXPECT_EQ(failed.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_NE(store->GetEgress(id)->policy_json.find("pypi.test"), std::string::npos);
+  m->Stop();
+}
+
+TEST_F(EgressManagerTest, IntentsActivateExtendExpireAndDeactivate) {
+  std::atomic<int64_t> clock{1'000'000};
+  auto m = MakeGoverned(&clock);
+  ASSERT_TRUE(m->Start().ok());
+  governance::EgressPolicy policy = Policy(R"({"allow": ["pypi.test"]})");
+  auto gov = m->Create("acme", EnvSpec{}, 0, &policy);
+  ASSERT_TRUE(gov.ok());
+  const std::string id = gov->record.id;
+  auto unknown = m->ActivateIntent("acme", id, "nope", 60);
+  EXPECT_EQ(unknown.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(unknown.status().message().find("check-weather, pip"), std::string::npos)
+      << unknown.status();
+  auto too_long = m->ActivateIntent("acme", id, "check-weather", 601);
+  EXPECT_EQ(too_long.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(too_long.status().message().find("1..600"), std::string::npos);
+  auto on = m->ActivateIntent("acme", id, "check-weather", 100);
+  ASSERT_TRUE(on.ok()) << on.status();
+  ASSERT_EQ(on->intents.size(), 1u);
+  EXPECT_EQ(on->intents[0].intent.expires_ms, 1'100'000);
+  EXPECT_EQ(on->intents[0].scope, "environment");
+  ASSERT_EQ(egress.attached[id].intents.size(), 1u);
+  // What the proxy decides with what it was given: allowed until the exact expiry instant.
+  auto decide = [&](int64_t now) {
+    return governance::Decide(egress.attached[id].policy, egress.attached[id].intents, now,
+                              "api.weather.test", 443);
+  };
+  EXPECT_EQ(decide(1'099'999).rule, "intent:check-weather");
+  EXPECT_EQ(decide(1'100'000).rule, "not_allowed");
+  // Several at once; re-activation extends, never shortens.
+  ASSERT_TRUE(m->ActivateIntent("acme", id, "pip", 30).ok());
+  ASSERT_TRUE(m->ActivateIntent("acme", id, "check-weather", 10).ok());
+  EXPECT_EQ(m->GetNetwork("acme", id)->intents[0].intent.expires_ms, 1'100'000);
+  ASSERT_TRUE(m->ActivateIntent("acme", id, "check-weather", 200).ok());
+  EXPECT_EQ(m->GetNetwork("acme", id)->intents[0].intent.expires_ms, 1'200'000);
+  EXPECT_EQ(egress.IntentNames(id), (std::vector<std::string>{"check-weather", "pip"}));
+  // Expiry: pip (30 s) is gone from the listing after its TTL.
+  clock += 30'000;
+  auto later = m->GetNetwork("acme", id);
+  ASSERT_EQ(later->intents.size(), 1u);
+  EXPECT_EQ(later->intents[0].intent.name, "check-weather");
+  // Explicit deactivation.
+  auto off = m->DeactivateIntent("acme", id, "check-weather");
+  ASSERT_TRUE(off.ok());
+  EXPECT_TRUE(off->intents.empty());
+  EXPECT_TRUE(egress.IntentNames(id).empty());
+  EXPECT_EQ(m->DeactivateIntent("acme", id, "check-weather").status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(store->GetEgress(id)->intents_json, "[]");
+  // Intents on a "none" environment: a conflict.
+  auto plain = m->Create("acme", EnvSpec{}, 0);
+  EXPECT_EQ(m->ActivateIntent("acme", plain->record.id, "pip", 10).status().code(),
+            absl::StatusCode::kAborted);
+  m->Stop();
+}
+
+TEST_F(EgressManagerTest, ActiveIntentsAreCapped) {
+  std::string catalogue = "{";
+  for (size_t i = 0; i <= governance::kMaxActiveIntents; ++i)
+    catalogue += absl::StrCat(i ? "," : "", "\"i", i, "\": {\"allow\": [\"a.test\"]}");
+  catalogue += "}";
+  auto m = MakeGoverned(nullptr);
+  // Replace the catalogue with a larger one (options are copied at construction: rebuild).
+  ManagerOptions opts = m->options();
+  opts.egress_config.intents = *governance::ParseIntentCatalogue(boost::json::parse(catalogue));
+  m = std::make_unique<EnvironmentManager>(
+      store.get(), std::map<std::string, Driver*>{{"container", &driver}}, &metrics, opts);
+  ASSERT_TRUE(m->Start().ok());
+  governance::EgressPolicy policy;
+  auto gov = m->Create("acme", EnvSpec{}, 0, &policy);
+  ASSERT_TRUE(gov.ok());
+  for (size_t i = 0; i < governance::kMaxActiveIntents; ++i)
+    ASSERT_TRUE(m->ActivateIntent("acme", gov->record.id, absl::StrCat("i", i), 60).ok());
+  auto over = m->ActivateIntent("acme", gov->record.id,
+                                absl::StrCat("i", governance::kMaxActiveIntents), 60);
+  EXPECT_EQ(over.status().code(), absl::StatusCode::kResourceExhausted);
+  m->Stop();
+}
+
+TEST_F(EgressManagerTest, CallIntentIsActiveOnlyDuringTheCallEvenWhenItFails) {
+  auto m = MakeGoverned(nullptr);
+  ASSERT_TRUE(m->Start().ok());
+  governance::EgressPolicy policy;
+  auto gov = m->Create("acme", EnvSpec{}, 0, &policy);
+  ASSERT_TRUE(gov.ok());
+  const std::string id = gov->record.id;
+  std::vector<std::string> during;
+  driver.on_exec = [&] { during = egress.IntentNames(id); };
+  ASSERT_TRUE(
+      m->Exec("acme", id, ExecRequest{"curl https://api.weather.test"}, nullptr, "check-weather")
+          .ok());
+  EXPECT_EQ(during, std::vector<std::string>{"check-weather"});
+  EXPECT_TRUE(egress.IntentNames(id).empty()) << "removed after the call";
+  EXPECT_TRUE(m->GetNetwork("acme", id)->intents.empty());
+  driver.fail_exec = true;
+  during.clear();
+  EXPECT_FALSE(m->Exec("acme", id, ExecRequest{"x"}, nullptr, "check-weather").ok());
+  EXPECT_EQ(during, std::vector<std::string>{"check-weather"});
+  EXPECT_TRUE(egress.IntentNames(id).empty()) << "removed after a failed call too";
+  driver.fail_exec = false;
+  // An environment-scoped activation of the same intent outlives the call.
+  ASSERT_TRUE(m->ActivateIntent("acme", id, "check-weather", 60).ok());
+  ASSERT_TRUE(m->Exec("acme", id, ExecRequest{"x"}, nullptr, "check-weather").ok());
+  EXPECT_EQ(during, (std::vector<std::string>{"check-weather", "check-weather"}));
+  EXPECT_EQ(egress.IntentNames(id), std::vector<std::string>{"check-weather"});
+  // Unknown intent, or on a "none" environment: refused before the command runs.
+  during.clear();
+  auto unknown = m->Exec("acme", id, ExecRequest{"x"}, nullptr, "nope");
+  EXPECT_EQ(unknown.status().code(), absl::StatusCode::kInvalidArgument);
+  auto plain = m->Create("acme", EnvSpec{}, 0);
+  auto none = m->Exec("acme", plain->record.id, ExecRequest{"x"}, nullptr, "pip");
+  EXPECT_EQ(none.status().code(), absl::StatusCode::kAborted);
+  EXPECT_TRUE(during.empty()) << "the command never ran";
+  m->Stop();
+}
+
+TEST_F(EgressManagerTest, PolicyIntentsAndCaSurviveARestart) {
+  std::atomic<int64_t> clock{NowUnixMs()};
+  std::string id;
+  {
+    auto m = MakeGoverned(&clock);
+    ASSERT_TRUE(m->Start().ok());
+    governance::EgressPolicy policy = Policy(R"({"allow": ["pypi.test"]})");
+    auto gov = m->Create("acme", EnvSpec{}, 0, &policy);
+    ASSERT_TRUE(gov.ok());
+    id = gov->record.id;
+    governance::EgressPolicy open = Policy(R"({"mode": "open", "deny": ["*.evil.test"]})");
+    ASSERT_TRUE(m->SetNetwork("acme", id, &open).ok());
+    ASSERT_TRUE(m->ActivateIntent("acme", id, "check-weather", 600).ok());
+    ASSERT_TRUE(m->ActivateIntent("acme", id, "pip", 10).ok());
+    m->Stop();
+  }
+  egress.attached.clear();
+  clock += 20'000;  // pip has expired meanwhile
+  auto m = MakeGoverned(&clock);
+  ASSERT_TRUE(m->Start().ok());
+  ASSERT_EQ(egress.attached.count(id), 1u) << "re-attached at start";
+  const EgressAttachment& a = egress.attached[id];
+  EXPECT_EQ(a.policy.mode, governance::EgressMode::kOpen);
+  EXPECT_EQ(a.ca_cert_pem, "CERT-1");
+  EXPECT_EQ(a.ca_key_pem, "KEY-1");
+  ASSERT_EQ(a.intents.size(), 1u);
+  EXPECT_EQ(a.intents[0].name, "check-weather");
+  EXPECT_EQ(*m->CaCertificate("acme", id), "CERT-1");
+  auto net = m->GetNetwork("acme", id);
+  ASSERT_TRUE(net.ok());
+  EXPECT_EQ(net->policy.deny.size(), 1u);
+  EXPECT_EQ(cas, 1) << "no new CA";
+  m->Stop();
+}
+
+TEST_F(EgressManagerTest, AnotherTenantsEnvironmentIsNotFoundOnEveryNetworkRoute) {
+  auto m = MakeGoverned(nullptr);
+  ASSERT_TRUE(m->Start().ok());
+  governance::EgressPolicy policy;
+  auto gov = m->Create("acme", EnvSpec{}, 0, &policy);
+  ASSERT_TRUE(gov.ok());
+  const std::string id = gov->record.id;
+  governance::EgressPolicy open = Policy(R"({"mode": "open"})");
+  EXPECT_TRUE(IsEnvironmentNotFound(m->GetNetwork("evil", id).status()));
+  EXPECT_TRUE(IsEnvironmentNotFound(m->SetNetwork("evil", id, &open).status()));
+  EXPECT_TRUE(IsEnvironmentNotFound(m->ActivateIntent("evil", id, "pip", 10).status()));
+  EXPECT_TRUE(IsEnvironmentNotFound(m->DeactivateIntent("evil", id, "pip").status()));
+  EXPECT_TRUE(IsEnvironmentNotFound(m->CaCertificate("evil", id).status()));
+  EXPECT_TRUE(
+      IsEnvironmentNotFound(m->Exec("evil", id, ExecRequest{"x"}, nullptr, "pip").status()));
+  EXPECT_EQ(egress.attached[id].policy.mode, governance::EgressMode::kAllowlist) << "unchanged";
+  EXPECT_EQ(*store->CountAudit("evil"), 0);
+  m->Stop();
+}
+
+TEST_F(EgressManagerTest, EveryNetworkChangeIsOneAuditRow) {
+  auto m = MakeGoverned(nullptr);
+  ASSERT_TRUE(m->Start().ok());
+  const Caller who("acme", "key_abc", "rest");
+  governance::EgressPolicy policy;
+  auto gov = m->Create(who, EnvSpec{}, 0, &policy);
+  ASSERT_TRUE(gov.ok());
+  const std::string id = gov->record.id;
+  auto actions = [&]() {
+    AuditQuery q;
+    q.tenant = "acme";
+    q.limit = 100;
+    std::vector<std::string> out;
+    auto rows = store->QueryAudit(q);
+    EXPECT_TRUE(rows.ok()) << rows.status();
+    if (rows.ok())
+      for (const AuditEntry& e : *rows) out.insert(out.begin(), e.action);
+    return out;
+  };
+  ASSERT_TRUE(m->SetNetwork(who, id, &policy).ok());
+  ASSERT_TRUE(m->ActivateIntent(who, id, "pip", 10).ok());
+  ASSERT_TRUE(m->DeactivateIntent(who, id, "pip").ok());
+  ASSERT_TRUE(m->Exec(who, id, ExecRequest{"x"}, nullptr, "pip").ok());
+  ASSERT_TRUE(m->GetNetwork(who, id).ok());  // a read: no row
+  EXPECT_EQ(actions(), (std::vector<std::string>{
+                           "environment.create", "network.update", "network.intent.activate",
+                           "network.intent.deactivate", "execute", "network.intent.call"}));
+  EXPECT_FALSE(m->ActivateIntent(who, id, "nope", 10).ok());
+  EXPECT_EQ(actions().back(), "network.intent.activate") << "a refusal is recorded too";
   m->Stop();
 }
 

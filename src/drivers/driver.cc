@@ -64,6 +64,9 @@ std::string_view CapabilityHint(Capability capability) {
       return " (its environments have no shell; run Python with POST /environments/{id}/run)";
     case Capability::kPythonSession:
       return " (its environments run no Python cells; use /execute)";
+    case Capability::kEgress:
+      return " (its environments have no network at all: a network policy needs runtime "
+             "'container'; or create this one with \"network\": \"none\")";
     default:
       return "";
   }

@@ -266,6 +266,10 @@ int main(int argc, char** argv) {
   mopts.max_volume_mb = config.max_volume_mb;
   mopts.max_volumes_per_tenant = config.max_volumes_per_tenant;
   mopts.default_spec = config.defaults;
+  // Egress governance: defaults and intent catalogues. The proxy hand-over (mopts.egress) and
+  // the per-environment CA (mopts.make_ca) are wired with esb-proxy (core/egress.h); until
+  // then a create with a network policy answers 503.
+  mopts.egress_config = config.egress;
   esb::EnvironmentManager manager(store->get(), registry.Available(), &metrics, mopts);
   if (absl::Status st = manager.Start(); !st.ok())
     return Fail(absl::StrCat("starting the environment manager: ", st.ToString()));

@@ -14,11 +14,17 @@ Usage:
        [--image NAME=ROOTFS_DIR]... [--image-cache DIR] [--runtime auto|crun|runc]
        [--pool-size N] [--default-ttl SECONDS] [--log-level debug|info|warn|error]
        [--python-wasm DIR] [--nano-worker PATH] [--router-rules FILE]
+       [--egress-resolve NAME=HOST:PORT]... [--egress-upstream-ca FILE]
   esbd keys add --tenant TENANT [--name NAME]     create an API key (printed once)
   esbd keys list                                  list API keys (ids, tenants; never secrets)
   esbd keys revoke KEY_ID                         revoke a key
   esbd cleanup                                    destroy every environment recorded in the
                                                   state dir (the daemon must not be running)
+
+Egress (environments created with a network policy): --egress-resolve makes the egress proxy
+send NAME to HOST:PORT instead of resolving it (tests, air-gapped sites; config
+egress.resolve); --egress-upstream-ca adds PEM roots the proxy trusts upstream (config
+egress.upstream_ca).
 
 Images: with no --image / --python-wasm (or their variables), esbd runs the newest complete
 build `make images` wrote to the image cache (--image-cache, ESB_CACHE_DIR, default
@@ -102,7 +108,7 @@ absl::StatusOr<CommandLine> ParseCommandLine(
         {"runtime", &c->container_runtime}, {"log-level", &c->log_level},
         {"agent-binary", &c->agent_binary}, {"python-wasm", &c->python_wasm},
         {"nano-worker", &c->nano_worker},   {"router-rules", &c->router_rules},
-        {"image-cache", &c->image_cache},
+        {"image-cache", &c->image_cache},   {"egress-upstream-ca", &c->egress.upstream_ca},
     };
     bool matched = false;
     std::string value;
@@ -123,6 +129,11 @@ absl::StatusOr<CommandLine> ParseCommandLine(
       if (eq == std::string::npos || eq == 0)
         return absl::InvalidArgumentError("--image needs NAME=ROOTFS_DIR");
       c->images[value.substr(0, eq)] = value.substr(eq + 1);
+      continue;
+    }
+    if (took = TakeValue(args, &i, "egress-resolve", &value); !took.ok()) return took.status();
+    if (*took) {
+      if (absl::Status st = AddEgressResolve(value, &c->egress); !st.ok()) return st;
       continue;
     }
     if (took = TakeValue(args, &i, "pool-size", &value); !took.ok()) return took.status();

@@ -108,6 +108,39 @@ TEST(FlagsTest, MistakesAreErrorsNamingTheFlag) {
   }
 }
 
+TEST(FlagsTest, EgressResolveIsRepeatableAndUpstreamCaIsSet) {
+  DaemonConfig c;
+  auto cl = Parse({"--egress-resolve", "weather.test=127.0.0.1:18080",
+                   "--egress-resolve=Git.Test=[::1]:8443", "--egress-upstream-ca", "/ca.pem"},
+                  &c);
+  ASSERT_TRUE(cl.ok()) << cl.status();
+  EXPECT_EQ(c.egress.resolve.size(), 2u);
+  EXPECT_EQ(c.egress.resolve.at("weather.test"), "127.0.0.1:18080");
+  EXPECT_EQ(c.egress.resolve.at("git.test"), "[::1]:8443");
+  EXPECT_EQ(c.egress.upstream_ca, "/ca.pem");
+  EXPECT_NE(std::string(kEsbdUsage).find("--egress-resolve NAME=HOST:PORT"), std::string::npos);
+
+  struct Case {
+    std::string arg;
+    std::string message;
+  } bad[] = {
+      {"weather.test", "--egress-resolve needs NAME=HOST:PORT"},
+      {"=127.0.0.1:1", "--egress-resolve needs NAME=HOST:PORT"},
+      {"weather.test=127.0.0.1", "must be HOST:PORT"},
+      {"weather.test=127.0.0.1:0", "must be HOST:PORT"},
+      {"weather.test=127.0.0.1:99999", "must be HOST:PORT"},
+      {"*.weather.test=127.0.0.1:1", "must be a host name"},
+      {"weather.test:443=127.0.0.1:1", "must be a host name"},
+  };
+  for (const Case& k : bad) {
+    DaemonConfig d;
+    auto r = Parse({"--egress-resolve", k.arg}, &d);
+    ASSERT_FALSE(r.ok()) << k.arg;
+    EXPECT_NE(std::string(r.status().message()).find(k.message), std::string::npos)
+        << k.arg << ": " << r.status();
+  }
+}
+
 TEST(FlagsTest, HelpAndVersion) {
   DaemonConfig c;
   auto h = Parse({"-h"}, &c);

@@ -39,6 +39,7 @@ inline constexpr size_t kMaxIntentNameLength = 63;  // [a-z0-9][a-z0-9._-]*
 inline constexpr size_t kMaxIntentsInCatalogue = 256;
 inline constexpr size_t kMaxActiveIntents = 32;  // per environment, at once
 inline constexpr int64_t kMaxIntentTtlSeconds = 7 * 24 * 3600;
+inline constexpr int64_t kDefaultIntentTtlSeconds = 300;  // an activation without ttl_seconds
 inline constexpr int64_t kDefaultMaxBodyBytes = 10ll << 20;
 inline constexpr int64_t kMaxMaxBodyBytes = 1ll << 30;
 inline constexpr size_t kMaxDlpJsonBytes = 256 << 10;  // the serialised `dlp` object

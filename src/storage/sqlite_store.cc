@@ -147,6 +147,19 @@ CREATE TABLE volumes (
   PRIMARY KEY (tenant, name)
 );
 )sql",
+    // v5: egress governance (issue 12): per governed environment its policy, CA (PEM pair) and
+    // explicitly activated intents with their expiry, so all three survive a restart.
+    R"sql(
+CREATE TABLE env_egress (
+  env_id       TEXT PRIMARY KEY NOT NULL,
+  tenant       TEXT NOT NULL,
+  policy_json  TEXT NOT NULL,
+  intents_json TEXT NOT NULL DEFAULT '[]',
+  ca_cert_pem  TEXT NOT NULL DEFAULT '',
+  ca_key_pem   TEXT NOT NULL DEFAULT '',
+  updated_ms   INTEGER NOT NULL DEFAULT 0
+);
+)sql",
 };
 constexpr int kLatestVersion = static_cast<int>(sizeof(kMigrations) / sizeof(kMigrations[0]));
 
@@ -626,6 +639,44 @@ class SqliteStore final : public Store {
       return absl::NotFoundError(absl::StrCat("volume ", name, " not found"));
     }
     return absl::OkStatus();
+  }
+
+  absl::Status PutEgress(const EgressRecord& rec) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto stmt = Prepare(
+        "INSERT OR REPLACE INTO env_egress (env_id, tenant, policy_json, intents_json, "
+        "ca_cert_pem, ca_key_pem, updated_ms) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)");
+    if (!stmt.ok()) return stmt.status();
+    stmt->Bind(1, rec.env_id)
+        .Bind(2, rec.tenant)
+        .Bind(3, rec.policy_json)
+        .Bind(4, rec.intents_json)
+        .Bind(5, rec.ca_cert_pem)
+        .Bind(6, rec.ca_key_pem)
+        .Bind(7, rec.updated_ms);
+    return stmt->Run();
+  }
+
+  absl::StatusOr<EgressRecord> GetEgress(const std::string& env_id) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto stmt = Prepare(
+        "SELECT env_id, tenant, policy_json, intents_json, ca_cert_pem, ca_key_pem, updated_ms "
+        "FROM env_egress WHERE env_id = ?1");
+    if (!stmt.ok()) return stmt.status();
+    stmt->Bind(1, env_id);
+    absl::StatusOr<bool> row = stmt->Step();
+    if (!row.ok()) return row.status();
+    if (!*row) return absl::NotFoundError(absl::StrCat("no egress state for ", env_id));
+    return EgressRecord{stmt->Text(0), stmt->Text(1), stmt->Text(2), stmt->Text(3),
+                        stmt->Text(4), stmt->Text(5), stmt->Int(6)};
+  }
+
+  absl::Status DeleteEgress(const std::string& env_id) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto stmt = Prepare("DELETE FROM env_egress WHERE env_id = ?1");
+    if (!stmt.ok()) return stmt.status();
+    stmt->Bind(1, env_id);
+    return stmt->Run();
   }
 
   absl::StatusOr<ApiKeyRecord> CreateApiKey(const std::string& tenant, const std::string& name,

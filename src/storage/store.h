@@ -67,6 +67,18 @@ struct VolumeRecord {
   int64_t created_ms = 0;
 };
 
+// The egress state of a governed environment (issue 12): what survives an esbd restart. One row
+// per environment, deleted with it (the CA key must not outlive the environment).
+struct EgressRecord {
+  std::string env_id;
+  std::string tenant;
+  std::string policy_json;   // governance::ToJson(EgressPolicy)
+  std::string intents_json;  // JSON array of governance::ToJson(ActiveIntent), with expiry
+  std::string ca_cert_pem;
+  std::string ca_key_pem;  // secret
+  int64_t updated_ms = 0;
+};
+
 struct AuditQuery {
   std::string tenant;          // required: callers only see their own tenant
   int64_t since_ms = 0;        // 0 = unbounded
@@ -143,6 +155,12 @@ class Store {
   // One tenant's volumes (every tenant's when `tenant` is empty), ordered by tenant, name.
   virtual absl::StatusOr<std::vector<VolumeRecord>> ListVolumes(const std::string& tenant) = 0;
   virtual absl::Status DeleteVolume(const std::string& tenant, const std::string& name) = 0;
+
+  // Egress state (EgressRecord): insert or replace; NotFound for an environment without one;
+  // deleting a missing one is fine.
+  virtual absl::Status PutEgress(const EgressRecord& rec) = 0;
+  virtual absl::StatusOr<EgressRecord> GetEgress(const std::string& env_id) = 0;
+  virtual absl::Status DeleteEgress(const std::string& env_id) = 0;
 
   // API keys: only a SHA-256 of the secret is stored. Returns the new record and the secret
   // (shown once) via `secret`.

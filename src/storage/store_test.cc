@@ -162,6 +162,34 @@ TEST(StoreTest, VolumesAreNamedPerTenant) {
   EXPECT_EQ(store->ListVolumes("evil")->size(), 1u) << "the other tenant's volume stays";
 }
 
+TEST(StoreTest, EgressStateSurvivesReopenAndIsDeletedWithTheEnvironment) {
+  TempDir dir;
+  const std::string path = dir.File("state.db");
+  {
+    auto store = OpenOrDie(path);
+    ASSERT_NE(store, nullptr);
+    EXPECT_EQ(store->GetEgress("env_1").status().code(), absl::StatusCode::kNotFound);
+    EgressRecord rec{"env_1", "acme", R"({"mode":"allowlist"})", R"([{"intent":"x"}])", "CERT",
+                     "KEY",   42};
+    ASSERT_TRUE(store->PutEgress(rec).ok());
+    rec.policy_json = R"({"mode":"open"})";
+    ASSERT_TRUE(store->PutEgress(rec).ok()) << "replace";
+  }
+  auto store = OpenOrDie(path);
+  ASSERT_NE(store, nullptr);
+  auto got = store->GetEgress("env_1");
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->tenant, "acme");
+  EXPECT_EQ(got->policy_json, R"({"mode":"open"})");
+  EXPECT_EQ(got->intents_json, R"([{"intent":"x"}])");
+  EXPECT_EQ(got->ca_cert_pem, "CERT");
+  EXPECT_EQ(got->ca_key_pem, "KEY");
+  EXPECT_EQ(got->updated_ms, 42);
+  ASSERT_TRUE(store->DeleteEgress("env_1").ok());
+  EXPECT_EQ(store->GetEgress("env_1").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(store->DeleteEgress("env_1").ok()) << "idempotent";
+}
+
 TEST(StoreTest, ListEnvironmentsIsTenantScoped) {
   auto store = OpenOrDie(":memory:");
   ASSERT_NE(store, nullptr);

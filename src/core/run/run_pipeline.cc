@@ -118,6 +118,10 @@ absl::StatusOr<RunPlan> RunPipeline::Prepare(const Caller& caller, RunSpec spec)
       return absl::InvalidArgumentError(absl::StrCat(
           "'figure_formats' entries must be \"png\" or \"svg\", not \"", fmt.substr(0, 40), "\""));
   if (spec.figure_formats.empty()) spec.figure_formats = {"png"};
+  if (!spec.intent.empty() && one_shot)
+    return absl::InvalidArgumentError(
+        "'intent' needs an environment with a network policy (POST /environments/{id}/run): "
+        "one-shot runs have no network");
   if (spec.runtime.empty()) spec.runtime = one_shot ? "auto" : "nano";
   if (spec.runtime != "auto" && spec.runtime != "nano" && spec.runtime != "heavy" &&
       spec.runtime != "container")
@@ -204,7 +208,17 @@ absl::StatusOr<RunPlan> RunPipeline::Prepare(const Caller& caller, RunSpec spec)
 absl::StatusOr<RunOutcome> RunPipeline::Execute(const Caller& caller, const RunPlan& plan,
                                                 const RunStreams& streams) const {
   const int64_t t0 = MonotonicMs();
-  absl::StatusOr<RunOutcome> outcome = ExecutePlan(caller.Step(), plan, streams);
+  absl::StatusOr<RunOutcome> outcome;
+  std::unique_ptr<EnvironmentManager::CallIntent> call_intent;  // ends when the run does
+  if (!plan.spec.intent.empty()) {
+    auto begun = deps_.manager->BeginCallIntent(caller, plan.spec.environment_id, plan.spec.intent,
+                                                plan.spec.timeout_ms, "run");
+    if (begun.ok())
+      call_intent = *std::move(begun);
+    else
+      outcome = begun.status();
+  }
+  if (outcome.ok() || plan.spec.intent.empty()) outcome = ExecutePlan(caller.Step(), plan, streams);
   deps_.manager->audit().Record(
       caller,
       {.environment_id = plan.spec.environment_id,

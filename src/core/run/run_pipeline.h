@@ -62,6 +62,9 @@ struct RunSpec {
   std::vector<std::string> figure_formats{"png"};
   // A policy check on what the code imports (static, like the router): not a sandbox boundary.
   std::optional<std::vector<std::string>> allowed_modules;
+  // An intent of the tenant's catalogue active for this run only (environment runs on a
+  // governed environment; EnvironmentManager::BeginCallIntent).
+  std::string intent;
 };
 
 // Where output goes while the code runs: the code's own stdout/stderr, and pip's output while
