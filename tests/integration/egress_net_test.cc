@@ -152,6 +152,21 @@ TEST_F(EgressNetTest, AllowedHostThroughTheProxyAndNothingElse) {
       "s.sendto(b'x', ('8.8.8.8', 53))\" 2>&1; echo rc=$?");
   EXPECT_TRUE(absl::StrContains(udp.str("stdout"), "Network is unreachable")) << udp.body;
   EXPECT_EQ(upstream_.served(), served);
+  // Every request through the proxy is one egress row in the audit log, written by esbd (the
+  // one audit path) for this environment: the allowed one and the blocked one.
+  bool allowed = false, blocked = false;
+  ASSERT_TRUE(WaitFor([&] {
+    HttpResult audit = daemon_.Call("GET", "/audit?kind=egress&environment_id=" + env);
+    if (audit.status != 200) return false;
+    for (const json::value& row : audit.obj().at("entries").as_array()) {
+      const json::object& e = row.as_object().at("egress").as_object();
+      if (e.at("host").as_string() == "upstream.test" && e.at("decision").as_string() == "allowed")
+        allowed = true;
+      if (e.at("host").as_string() == "denied.test" && e.at("decision").as_string() == "blocked")
+        blocked = true;
+    }
+    return allowed && blocked;
+  })) << daemon_.Call("GET", "/audit?kind=egress").body;
 }
 
 TEST_F(EgressNetTest, KilledProxyFailsClosedIsReportedAndRestarted) {
