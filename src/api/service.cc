@@ -339,12 +339,28 @@ void ApiService::Register(Router& router) {
     for (const auto& [name, st] : options_.userns) {
       userns[name] = json::object{{"enabled", st.first}, {"reason", st.second}};
     }
-    return JsonResponse(200, json::object{{"status", "ok"},
-                                          {"version", ESB_VERSION},
-                                          {"drivers", std::move(drivers)},
-                                          {"unavailable", std::move(unavailable)},
-                                          {"userns", std::move(userns)},
-                                          {"pool_ready", manager_->PoolReady()}});
+    json::object health = {{"status", "ok"},
+                           {"version", ESB_VERSION},
+                           {"drivers", std::move(drivers)},
+                           {"unavailable", std::move(unavailable)},
+                           {"userns", std::move(userns)},
+                           {"pool_ready", manager_->PoolReady()}};
+    if (options_.egress != nullptr) {
+      // The egress proxy (docs/design.md "Governed networks"): while it is down, governed
+      // sandboxes' egress fails closed; esbd restarts it.
+      const EgressHealth e = options_.egress->Health();
+      health["egress"] = json::object{{"state", e.state},
+                                      {"detail", e.detail},
+                                      {"pid", e.pid},
+                                      {"restarts", e.restarts},
+                                      {"since", e.since_ms > 0 ? FormatRfc3339(e.since_ms) : ""},
+                                      {"environments", e.environments},
+                                      {"attached", e.attached},
+                                      {"connections", e.connections},
+                                      {"requests_total", e.requests_total},
+                                      {"blocked_total", e.blocked_total}};
+    }
+    return JsonResponse(200, std::move(health));
   });
 
   router.Add("GET", "/metrics", [this](Request& req) {

@@ -15,6 +15,7 @@
 #include "core/artifact_store.h"
 #include "core/config.h"
 #include "core/driver_registry.h"
+#include "core/egress.h"
 #include "core/environment_manager.h"
 #include "core/metrics.h"
 #include "drivers/env_limits.h"
@@ -35,6 +36,8 @@ struct ServiceOptions {
   const DriverRegistry* drivers = nullptr;
   // /healthz "userns": per container driver, whether sandboxes get user namespaces, and why.
   std::map<std::string, std::pair<bool, std::string>> userns;
+  // /healthz "egress": the egress proxy's state (core/egress.h). Not owned; null: not shown.
+  const EgressControl* egress = nullptr;
 };
 
 // Handler for POST /run and POST /environments/{id}/run (api/run_service.h builds it);

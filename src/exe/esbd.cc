@@ -28,6 +28,7 @@
 #include "common/util.h"
 #include "core/config.h"
 #include "core/driver_registry.h"
+#include "core/egress_proxy.h"
 #include "core/environment_manager.h"
 #include "core/image_discovery.h"
 #include "core/metrics.h"
@@ -36,6 +37,7 @@
 #include "drivers/nano/nano_driver.h"
 #include "exe/flags.h"
 #include "exe/keys_command.h"
+#include "governance/tls/ca.h"
 #include "router/rules.h"
 #include "storage/store.h"
 
@@ -141,6 +143,29 @@ void RegisterDrivers(const esb::DaemonConfig& config, const std::string& state_d
       esb::LogInfo(absl::StrCat("runtime ", e.name, " unavailable: ", e.unavailable));
     }
   }
+}
+
+// The egress proxy's options: esb-proxy next to esbd, the config's resolve overrides and
+// upstream roots, and its own uid/gid (the user esb-proxy, else a fixed id below the sandbox
+// ranges: refused if the configured ranges cover it).
+esb::ProxyEgressOptions EgressOptions(const esb::DaemonConfig& config) {
+  esb::ProxyEgressOptions o;
+  o.proxy_binary = SelfDir() + "/esb-proxy";
+  for (const auto& [name, target] : config.egress.resolve) o.resolve.push_back(name + "=" + target);
+  o.upstream_ca = config.egress.upstream_ca;
+  const esb::ProxyIdentity id = esb::FindProxyIdentity();
+  const int64_t base = config.userns_uid_base;
+  const int64_t end = base + std::min<int64_t>(4096, ((1LL << 31) - base) / 65536) * 65536;
+  if (config.user_namespaces && id.uid >= base && id.uid < end) {
+    esb::LogWarn(absl::StrCat("egress: the proxy's ", id.source, " lies in the sandbox uid ",
+                              "ranges (userns_uid_base ", base, "): create the esb-proxy user"));
+    o.uid = o.gid = 0;  // Start refuses: egress disabled
+  } else {
+    o.uid = id.uid;
+    o.gid = id.gid;
+    esb::LogInfo(absl::StrCat("egress: esb-proxy runs as ", id.source, " (uid ", id.uid, ")"));
+  }
+  return o;
 }
 
 // `esbd cleanup`: the restart-cleanup policy with every environment destroyed.
@@ -269,10 +294,25 @@ int main(int argc, char** argv) {
   mopts.max_volume_mb = config.max_volume_mb;
   mopts.max_volumes_per_tenant = config.max_volumes_per_tenant;
   mopts.default_spec = config.defaults;
-  // Egress governance: defaults and intent catalogues. The proxy hand-over (mopts.egress) and
-  // the per-environment CA (mopts.make_ca) are wired with esb-proxy (core/egress.h); until
-  // then a create with a network policy answers 503.
+  // Egress governance: defaults and intent catalogues; esb-proxy beside esbd, started and
+  // supervised as its own unprivileged user (core/egress_proxy.h), and a CA per governed
+  // environment (governance/tls/ca.h). Its audit rows go through the one audit path.
   mopts.egress_config = config.egress;
+  esb::AuditLog egress_audit(store->get(), &metrics);
+  esb::ProxyEgressControl egress(
+      EgressOptions(config),
+      [&egress_audit](const esb::EgressAuditRow& row) { egress_audit.RecordEgress(row); });
+  if (absl::Status st = egress.Start(); !st.ok()) {
+    esb::LogWarn(absl::StrCat(st.message(), ": environments with a network policy are refused"));
+  }
+  mopts.egress = &egress;
+  service_options.egress = &egress;
+  mopts.make_ca = []() -> absl::StatusOr<esb::EgressCaPem> {
+    absl::StatusOr<esb::governance::tls::CaPem> ca =
+        esb::governance::tls::GenerateCa("EnterSandBox environment CA");
+    if (!ca.ok()) return ca.status();
+    return esb::EgressCaPem{ca->cert_pem, ca->key_pem};
+  };
   esb::EnvironmentManager manager(store->get(), registry.Available(), &metrics, mopts);
   if (absl::Status st = manager.Start(); !st.ok())
     return Fail(absl::StrCat("starting the environment manager: ", st.ToString()));
@@ -415,6 +455,9 @@ int main(int argc, char** argv) {
   if (nano_warmup.joinable()) nano_warmup.join();
   server.Stop();
   manager.Stop();
+  // The proxy goes with esbd (its listeners close: governed sandboxes fail closed until the
+  // next esbd re-attaches them).
+  egress.Stop();
   esb::LogInfo("bye");
   return 0;
 }
