@@ -113,15 +113,14 @@ EgressAuditRow ToAuditRow(const control::AuditEvent& event, const std::string& t
   row.bytes_up = event.bytes_up;
   row.bytes_down = event.bytes_down;
   row.duration_ms = event.duration_ms;
-  for (absl::string_view line : absl::StrSplit(event.request_headers, '\n', absl::SkipEmpty())) {
-    const size_t colon = line.find(':');
-    if (colon == absl::string_view::npos || colon == 0) continue;
-    row.request_headers.emplace_back(
-        std::string(absl::StripAsciiWhitespace(line.substr(0, colon))),
-        std::string(absl::StripAsciiWhitespace(line.substr(colon + 1))));
-  }
+  row.scheme = event.scheme;
+  row.reason = event.reason;
+  row.request_headers = event.request_headers;  // RecordEgress masks every line again
   row.body = event.request_body;
-  row.body_bytes = static_cast<int64_t>(event.request_body.size());
+  row.body_truncated = event.request_body_truncated;
+  // The event carries the redacted body; its size is the original's only when nothing was cut.
+  row.body_bytes = event.request_body_truncated ? 0
+                                                : static_cast<int64_t>(event.request_body.size());
   row.body_sha256 = event.request_body_sha256;
   return row;
 }
