@@ -272,6 +272,10 @@ awaitable<ConnectOutcome> ConnectUpstream(Proxy::Impl& px, Conn& conn, const Req
     co_return out;
   }
   stream.expires_never();
+  boost::system::error_code ignored;
+  // Heads and bodies go out in separate writes: without TCP_NODELAY each small write would
+  // wait for the peer's delayed ACK (40 ms per request).
+  stream.socket().set_option(tcp::no_delay(true), ignored);
   out.stream.emplace(std::move(stream));
   co_return out;
 }
@@ -746,6 +750,8 @@ awaitable<void> IdleWatch(std::atomic<int64_t>* last_activity, std::chrono::mill
 awaitable<void> Proxy::Impl::Session(std::shared_ptr<Conn> conn, tcp::socket socket) {
   std::shared_ptr<Env> env = conn->env;
   beast::tcp_stream client(std::move(socket));
+  boost::system::error_code ignored;
+  client.socket().set_option(tcp::no_delay(true), ignored);
   conn->client = &client.socket();
   beast::flat_buffer buffer;
   LoopContext lc{this, conn, env, nullptr};
