@@ -395,6 +395,8 @@ void ProxyEgressControl::ReattachAll(const std::shared_ptr<Client>& client, uint
     if (generation != generation_) return;
     // From here on Attach sends new attachments itself; every earlier one is in `all`.
     serving_ = true;
+    attach_wait_expired_ = false;
+    cv_.notify_all();  // an Attach waiting for the proxy sends its own attachment now
     for (const auto& [id, entry] : entries_) all.push_back(entry.attachment);
   }
   int ok = 0;
@@ -467,10 +469,21 @@ absl::Status ProxyEgressControl::Attach(const EgressAttachment& attachment) {
   uint64_t generation = 0;
   bool was_attached = false;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock(mu_);
     if (!started_ || stopping_) {
       return absl::UnavailableError(
           absl::StrCat("egress is not available on this daemon: ", health_.detail));
+    }
+    if (!serving_ && !attach_wait_expired_) {
+      // The proxy is (re)starting (e.g. right after esbd started): wait for it a bounded time
+      // so a new environment has working egress when its create returns. Past that the entry
+      // is kept and ReattachAll sends it once the proxy is up (fails closed until then); only
+      // one caller per outage waits, so a proxy that never comes up cannot stall every create.
+      if (!cv_.wait_for(lock, std::chrono::milliseconds(options_.attach_wait_ms),
+                        [&] { return serving_ || stopping_; })) {
+        attach_wait_expired_ = true;
+      }
+      if (stopping_) return absl::UnavailableError("egress is stopping");
     }
     auto it = entries_.find(attachment.env_id);
     was_attached = it != entries_.end() && it->second.attached && serving_;

@@ -40,6 +40,9 @@ struct ProxyEgressOptions {
   int64_t max_backoff_ms = 5000;
   int64_t stable_after_ms = 10000;   // a proxy up this long resets the backoff
   int64_t ready_timeout_ms = 10000;  // from start to its first Health (ready)
+  // How long an Attach waits for a (re)starting proxy before it keeps the attachment for
+  // later (one waiter per outage).
+  int64_t attach_wait_ms = 10000;
   int64_t result_timeout_ms = 5000;  // an attach/update/detach's Result
 };
 
@@ -118,6 +121,7 @@ class ProxyEgressControl : public EgressControl {
   std::string close_reason_;
   // The current proxy is up and ReattachAll took its list: Attach sends new ones itself.
   bool serving_ = false;
+  bool attach_wait_expired_ = false;  // an Attach waited for the proxy in vain this outage
   std::map<uint32_t, governance::control::Result> results_;  // of the current generation
   EgressHealth health_;
   std::thread supervisor_;

@@ -9,6 +9,8 @@
 #include <type_traits>
 
 #include "absl/strings/str_cat.h"
+#include "common/utf8.h"
+#include "common/util.h"
 
 namespace esb::governance::control {
 namespace {
@@ -135,31 +137,44 @@ absl::Status ChannelError(std::string_view what, const std::string& error) {
 }  // namespace
 
 json::object ToJson(const AuditEvent& e) {
+  // SECURITY: these strings come from sandbox traffic (targets, header values, bodies) and may
+  // hold any bytes; esbd's JSON parser refuses invalid UTF-8, so they are made valid here (an
+  // invalid byte becomes U+FFFD). Before, one request with a 0xFF byte closed the control
+  // channel and restarted the proxy for every tenant.
+  auto text = [](const std::string& v) { return SanitizeUtf8(v); };
+  auto texts = [&](const std::vector<std::string>& v) {
+    std::vector<std::string> out;
+    out.reserve(v.size());
+    for (const std::string& x : v) out.push_back(text(x));
+    return StringsToJson(out);
+  };
   json::array findings;
   for (const AuditFinding& f : e.findings) {
-    findings.emplace_back(json::object{
-        {"rule_id", f.rule_id}, {"action", f.action}, {"where", f.where}, {"count", f.count}});
+    findings.emplace_back(json::object{{"rule_id", text(f.rule_id)},
+                                       {"action", text(f.action)},
+                                       {"where", text(f.where)},
+                                       {"count", f.count}});
   }
   return json::object{{"time_ms", e.time_ms},
-                      {"env_id", e.env_id},
-                      {"tenant", e.tenant},
-                      {"intents", StringsToJson(e.intents)},
-                      {"method", e.method},
-                      {"scheme", e.scheme},
-                      {"host", e.host},
+                      {"env_id", text(e.env_id)},
+                      {"tenant", text(e.tenant)},
+                      {"intents", texts(e.intents)},
+                      {"method", text(e.method)},
+                      {"scheme", text(e.scheme)},
+                      {"host", text(e.host)},
                       {"port", e.port},
-                      {"path", e.path},
+                      {"path", text(e.path)},
                       {"status", e.status},
-                      {"decision", e.decision},
-                      {"rule_ids", StringsToJson(e.rule_ids)},
-                      {"reason", e.reason},
+                      {"decision", text(e.decision)},
+                      {"rule_ids", texts(e.rule_ids)},
+                      {"reason", text(e.reason)},
                       {"bytes_up", e.bytes_up},
                       {"bytes_down", e.bytes_down},
                       {"duration_ms", e.duration_ms},
-                      {"request_headers", e.request_headers},
-                      {"request_body", e.request_body},
+                      {"request_headers", text(e.request_headers)},
+                      {"request_body", text(e.request_body)},
                       {"request_body_truncated", e.request_body_truncated},
-                      {"request_body_sha256", e.request_body_sha256},
+                      {"request_body_sha256", text(e.request_body_sha256)},
                       {"findings", std::move(findings)}};
 }
 
@@ -456,6 +471,16 @@ void ControlClient::ReadLoop() {
   for (;;) {
     absl::StatusOr<ToEsbd> m = channel_.ReceiveToEsbd();
     if (!m.ok()) {
+      // A well-framed message esbd cannot use (bad JSON, bad field) is dropped: the proxy
+      // parses sandbox traffic, and one odd event must not cut every tenant's egress. Only a
+      // framing or socket error ends the channel.
+      if (m.status().code() == absl::StatusCode::kInvalidArgument) {
+        if (uint64_t n = dropped_.Hit()) {
+          LogWarn(absl::StrCat("egress control: dropped a message from esb-proxy (", n,
+                               " so far): ", m.status().message()));
+        }
+        continue;
+      }
       if (callbacks_.on_closed) callbacks_.on_closed(m.status());
       return;
     }

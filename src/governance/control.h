@@ -41,6 +41,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "boost/json.hpp"
+#include "common/log_throttle.h"
 #include "common/protocol.h"
 #include "common/util.h"
 #include "governance/policy.h"
@@ -203,6 +204,7 @@ class ControlClient {
 
   ControlChannel channel_;
   Callbacks callbacks_;
+  LogThrottle dropped_;  // messages dropped as unusable (ReadLoop)
   std::thread reader_;
 };
 

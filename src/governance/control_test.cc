@@ -8,6 +8,8 @@
 #include <unistd.h>
 
 #include <boost/json.hpp>
+#include <condition_variable>
+#include <mutex>
 
 #include "common/protocol.h"
 #include "gtest/gtest.h"
@@ -161,6 +163,66 @@ TEST(ControlChannelTest, MalformedMessagesAreErrors) {
   ASSERT_EQ(write(sv[1], "\x00\x00\x00\x05garbage", 12), 12);
   EXPECT_FALSE(esbd.ReceiveToEsbd().ok());
   close(sv[1]);
+}
+
+// Attack: sandbox traffic with bytes that are not UTF-8 (a 0xFF in the target, a binary body)
+// ends up in an audit event. Before, esbd's parser refused the event, closed the control
+// channel and the proxy restarted for every tenant; now the event arrives, made valid.
+TEST(ControlChannelTest, AuditEventWithInvalidUtf8ArrivesValid) {
+  Pair p;
+  AuditEvent e;
+  e.env_id = "e1";
+  e.method = "GET";
+  e.host = "x.test";
+  e.path = std::string("/\xff\xfe", 3);
+  e.request_headers = "X-Bin: \x80\xc3\n";
+  e.request_body = std::string("\x00\xff\x01", 3);
+  e.decision = "blocked";
+  ASSERT_TRUE(p.proxy->Send(ToEsbd(e)).ok());
+  absl::StatusOr<ToEsbd> m = p.esbd->ReceiveToEsbd();
+  ASSERT_TRUE(m.ok()) << m.status();
+  const AuditEvent* got = std::get_if<AuditEvent>(&*m);
+  ASSERT_NE(got, nullptr);
+  EXPECT_EQ(got->host, "x.test");
+  EXPECT_EQ(got->path, "/\xEF\xBF\xBD\xEF\xBF\xBD");  // each bad byte is U+FFFD
+  EXPECT_NE(got->request_headers.find("X-Bin: "), std::string::npos);
+  EXPECT_EQ(got->request_body.size(), 1u + 3u + 1u);  // NUL, U+FFFD, 0x01
+}
+
+// A well-framed message esbd cannot parse is dropped; the channel keeps working (only framing
+// or socket errors end it).
+TEST(ControlClientTest, UnusableMessageIsDroppedAndTheChannelStaysUp) {
+  int sv[2];
+  ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+  std::mutex mu;
+  std::condition_variable cv;
+  int healths = 0;
+  bool closed = false;
+  ControlClient::Callbacks cb;
+  cb.on_health = [&](const Health&) {
+    std::lock_guard<std::mutex> lock(mu);
+    ++healths;
+    cv.notify_all();
+  };
+  cb.on_closed = [&](const absl::Status&) {
+    std::lock_guard<std::mutex> lock(mu);
+    closed = true;
+    cv.notify_all();
+  };
+  ControlClient client(UniqueFd(sv[0]), cb);
+  proto::Frame bad;
+  bad.type = proto::FrameType::kRequest;
+  bad.stream = 1;
+  bad.header = boost::json::object{{"op", "audit"}};
+  bad.payload = "{\"host\":\"\xff\"}";  // invalid UTF-8: the parser refuses it
+  std::string err;
+  ASSERT_TRUE(proto::WriteFrame(sv[1], bad, &err)) << err;
+  ControlChannel proxy{UniqueFd(sv[1])};
+  ASSERT_TRUE(proxy.Send(ToEsbd(Health{})).ok());
+  std::unique_lock<std::mutex> lock(mu);
+  ASSERT_TRUE(cv.wait_for(lock, std::chrono::seconds(5), [&] { return healths > 0 || closed; }));
+  EXPECT_EQ(healths, 1);
+  EXPECT_FALSE(closed);
 }
 
 TEST(ControlChannelTest, PeerCloseIsUnavailable) {

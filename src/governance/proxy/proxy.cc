@@ -431,6 +431,12 @@ awaitable<void> RequestLoop(LoopContext& lc, Client& client, beast::flat_buffer&
     audit.e.host = target.host;
     audit.e.port = target.port;
     audit.e.path = MaskUrlQuery(target.path);
+    if (cfg->dlp && !target.connect) {
+      // Before any row is emitted (a refused request is audited too): the row never keeps a
+      // secret that was in the URL, whatever the policy decides next.
+      audit.e.path = MaskUrlQuery(
+          MaskFindings(target.path, cfg->dlp->ScanText(target.path, dlp::Where::kUrl).findings));
+    }
     if (target.connect) {
       *connect_out = std::move(parser);
       *connect_target = std::move(target);
@@ -520,6 +526,7 @@ awaitable<void> RequestLoop(LoopContext& lc, Client& client, beast::flat_buffer&
       Lowest(client).expires_after(px.opts.idle_timeout);
       co_await asio::async_write(client, asio::buffer("HTTP/1.1 100 Continue\r\n\r\n", 25), kTuple);
     }
+    const auto head_fields = std::distance(head.begin(), head.end());
     http::request_parser<http::string_body> body_parser(std::move(*parser));
     // Beast checks the limit of a Content-Length body when the head is parsed (done above);
     // chunked bodies are checked as they arrive.
@@ -541,6 +548,24 @@ awaitable<void> RequestLoop(LoopContext& lc, Client& client, beast::flat_buffer&
       }
     }
     http::request<http::string_body> req = body_parser.release();
+    // SECURITY: Beast adds a chunked body's trailer fields to the message's fields; they would
+    // go upstream as headers that DLP never scanned and the audit never saw. Refused.
+    if (std::distance(req.begin(), req.end()) != head_fields) {
+      // (Named, not a temporary in the co_await: GCC 12 miscompiles those; see tls/mitm.h.)
+      Refusal r{400, "request:trailers",
+                "chunked trailer fields are not accepted by the egress proxy"};
+      co_await refuse(r, false);
+      co_return;
+    }
+    // SECURITY: DLP decodes the body by one Content-Encoding and one Content-Type; a second
+    // field (which an upstream may combine with the first) would have it scan other bytes
+    // than the upstream decodes.
+    if (req.count(http::field::content_encoding) > 1 || req.count(http::field::content_type) > 1) {
+      Refusal r{400, "request:duplicate_fields",
+                "more than one Content-Encoding or Content-Type field"};
+      co_await refuse(r, false);
+      co_return;
+    }
     std::string& body = req.body();
     if (!body.empty()) audit.e.request_body_sha256 = Sha256Hex(body);
     std::string audit_body;

@@ -878,6 +878,57 @@ TEST_F(ProxyTest, DlpBlocksAnAwsKeyInTheUrlAndInAHeader) {
   }
 }
 
+// Attack: a secret sent in a chunked TRAILER field. Beast merges trailers into the message's
+// fields after the body, so before they went upstream unscanned and unaudited. Now 400, and
+// nothing reaches the upstream.
+TEST_F(ProxyTest, ChunkedTrailerFieldsAreRefusedAndNothingReachesUpstream) {
+  Upstream up;
+  resolver_->Map("weather.test", up.port());
+  Attach(R"({"allow":["weather.test"]})");
+  Client c(port_);
+  c.WriteRaw(std::string("POST http://weather.test/t HTTP/1.1\r\nHost: weather.test\r\n"
+                         "Transfer-Encoding: chunked\r\n\r\n2\r\nhi\r\n0\r\nX-Leak: ") +
+             kAwsKeyId + "\r\n\r\n");
+  auto res = c.Read();
+  EXPECT_EQ(res.result_int(), 400);
+  EXPECT_EQ(Str(JsonBody(res), "rule"), "request:trailers");
+  EXPECT_EQ(up.connections(), 0);
+  EXPECT_EQ(up.raw().find(kAwsKeyId), std::string::npos);
+}
+
+// Attack: "Content-Encoding: identity" then "Content-Encoding: gzip" over a gzip body: DLP
+// would read the first and scan compressed bytes while an upstream may decode gzip. 400.
+TEST_F(ProxyTest, DuplicateContentEncodingIsRefused) {
+  Upstream up;
+  resolver_->Map("weather.test", up.port());
+  Attach(R"({"allow":["weather.test"]})");
+  Client c(port_);
+  c.WriteRaw(
+      "POST http://weather.test/t HTTP/1.1\r\nHost: weather.test\r\n"
+      "Content-Encoding: identity\r\nContent-Encoding: gzip\r\nContent-Length: 2\r\n"
+      "\r\nhi");
+  auto res = c.Read();
+  EXPECT_EQ(res.result_int(), 400);
+  EXPECT_EQ(Str(JsonBody(res), "rule"), "request:duplicate_fields");
+  EXPECT_EQ(up.connections(), 0);
+}
+
+// A refused request is audited too: its row must not keep a card number from its URL.
+TEST_F(ProxyTest, DeniedRequestsAuditRowHasNoSecretFromItsUrl) {
+  Attach(R"({"allow":["weather.test"]})");
+  std::string digits(kCard);
+  digits.erase(std::remove(digits.begin(), digits.end(), ' '), digits.end());
+  Client c(port_);
+  auto res = c.Get("http://denied.test/?q=" + digits);
+  EXPECT_EQ(res.result_int(), 403);
+  auto events = audit_.WaitFor(1);
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].decision, "blocked");
+  const std::string row = boost::json::serialize(ToJson(events[0]));
+  EXPECT_EQ(row.find(kCard), std::string::npos) << row;
+  EXPECT_EQ(row.find(digits), std::string::npos) << row;
+}
+
 TEST_F(ProxyTest, DlpRedactForwardsTheRedactedBodyWithItsLength) {
   Upstream up;
   resolver_->Map("weather.test", up.port());
