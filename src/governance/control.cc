@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "absl/strings/str_cat.h"
+#include "common/fd_passing.h"
 #include "common/utf8.h"
 #include "common/util.h"
 
@@ -260,31 +261,12 @@ absl::Status ControlChannel::SendFrame(std::string_view op, const json::object& 
   if (next_seq_ == 0) next_seq_ = 1;
   if (seq != nullptr) *seq = frame.stream;
   std::string bytes = proto::EncodeFrame(frame);
-  std::string_view rest = bytes;
-  if (pass_fd >= 0) {
-    // SECURITY: the listener fd crosses to the proxy attached to this frame's first byte, so the
-    // receiver pairs it with exactly this attach (fds are claimed in order).
-    iovec iov{const_cast<char*>(rest.data()), 1};
-    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-    msghdr msg{};
-    msg.msg_iov = &iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control;
-    msg.msg_controllen = sizeof(control);
-    cmsghdr* c = CMSG_FIRSTHDR(&msg);
-    c->cmsg_level = SOL_SOCKET;
-    c->cmsg_type = SCM_RIGHTS;
-    c->cmsg_len = CMSG_LEN(sizeof(int));
-    std::memcpy(CMSG_DATA(c), &pass_fd, sizeof(int));
-    ssize_t n;
-    do {
-      n = sendmsg(fd_.get(), &msg, MSG_NOSIGNAL);
-    } while (n < 0 && errno == EINTR);
-    if (n != 1) return ChannelError("send", n < 0 ? strerror(errno) : "short write");
-    rest.remove_prefix(1);
-  }
   std::string error;
-  if (!proto::WriteAll(fd_.get(), rest, &error)) return ChannelError("send", error);
+  // SECURITY: the listener fd crosses to the proxy attached to this frame's first byte, so the
+  // receiver pairs it with exactly this attach (fds are claimed in order).
+  bool ok = pass_fd >= 0 ? proto::WriteAllWithFd(fd_.get(), bytes, pass_fd, &error)
+                         : proto::WriteAll(fd_.get(), bytes, &error);
+  if (!ok) return ChannelError("send", error);
   return absl::OkStatus();
 }
 

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <string>
 
+#include "common/fd_passing.h"
 #include "common/protocol.h"
 
 namespace esb::nano {
@@ -116,24 +117,7 @@ bool SendMsg(int fd, proto::FrameType type, const Msg& msg, int pass_fd) {
   // with its first bytes.
   std::string wire = proto::EncodeFrame(frame);
   // SECURITY: the only fd ever passed is a fresh socketpair end for a new worker.
-  iovec iov{wire.data(), wire.size()};
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-  msghdr mh{};
-  mh.msg_iov = &iov;
-  mh.msg_iovlen = 1;
-  mh.msg_control = control;
-  mh.msg_controllen = sizeof(control);
-  cmsghdr* c = CMSG_FIRSTHDR(&mh);
-  c->cmsg_level = SOL_SOCKET;
-  c->cmsg_type = SCM_RIGHTS;
-  c->cmsg_len = CMSG_LEN(sizeof(int));
-  std::memcpy(CMSG_DATA(c), &pass_fd, sizeof(int));
-  ssize_t n;
-  do {
-    n = sendmsg(fd, &mh, MSG_NOSIGNAL);
-  } while (n < 0 && errno == EINTR);
-  if (n <= 0) return false;
-  if (!proto::WriteAll(fd, std::string_view(wire).substr(static_cast<size_t>(n)), &error)) {
+  if (!proto::WriteAllWithFd(fd, wire, pass_fd, &error)) {
     if (errno == 0) errno = EPIPE;
     return false;
   }
