@@ -3,16 +3,13 @@
 #include <array>
 #include <cctype>
 
+#include "absl/strings/ascii.h"
+#include "common/util.h"
+
 namespace esb::governance {
 namespace {
 
 constexpr std::string_view kMasked = "[masked]";
-
-std::string Lower(std::string_view s) {
-  std::string out(s);
-  for (char& c : out) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  return out;
-}
 
 std::string_view Trim(std::string_view s) {
   while (!s.empty() && (s.front() == ' ' || s.front() == '\t')) s.remove_prefix(1);
@@ -33,7 +30,7 @@ std::string MaskCookiePair(std::string_view pair) {
 bool IsSensitiveHeader(std::string_view name) {
   static constexpr std::array<std::string_view, 9> kWords = {
       "key", "token", "secret", "password", "passwd", "session", "auth", "credential", "signature"};
-  const std::string lower = Lower(name);
+  const std::string lower = absl::AsciiStrToLower(AbslView(name));
   if (lower == "cookie" || lower == "set-cookie") return true;  // authorization: "auth" below
   for (std::string_view w : kWords) {
     if (lower.find(w) != std::string::npos) return true;
@@ -43,7 +40,7 @@ bool IsSensitiveHeader(std::string_view name) {
 
 std::string MaskHeaderValue(std::string_view name, std::string_view value) {
   if (!IsSensitiveHeader(name)) return std::string(value);
-  const std::string lower = Lower(name);
+  const std::string lower = absl::AsciiStrToLower(AbslView(name));
   if (lower == "authorization" || lower == "proxy-authorization") {
     // Keep a scheme (letters, digits, '-', at most 32) so a reader sees Basic vs Bearer.
     std::string_view v = Trim(value);

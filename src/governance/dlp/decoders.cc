@@ -6,6 +6,9 @@
 #include <algorithm>
 #include <cctype>
 
+#include "absl/strings/ascii.h"
+#include "common/util.h"
+
 namespace esb::governance::dlp {
 namespace {
 
@@ -14,12 +17,6 @@ int HexValue(char c) {
   if (c >= 'a' && c <= 'f') return c - 'a' + 10;
   if (c >= 'A' && c <= 'F') return c - 'A' + 10;
   return -1;
-}
-
-std::string Lower(std::string_view s) {
-  std::string out(s);
-  for (char& c : out) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  return out;
 }
 
 std::string_view Trim(std::string_view s) {
@@ -493,7 +490,7 @@ absl::StatusOr<std::vector<std::unique_ptr<StreamStage>>> NewContentDecoders(
   std::string_view rest = content_encoding;
   while (!rest.empty()) {
     const size_t comma = rest.find(',');
-    const std::string coding = Lower(Trim(rest.substr(0, comma)));
+    const std::string coding = absl::AsciiStrToLower(AbslView(Trim(rest.substr(0, comma))));
     rest = comma == std::string_view::npos ? std::string_view() : rest.substr(comma + 1);
     if (coding.empty() || coding == "identity") continue;
     codings.push_back(coding);
@@ -517,7 +514,7 @@ absl::StatusOr<std::vector<std::unique_ptr<StreamStage>>> NewContentDecoders(
 }
 
 std::string MultipartBoundary(std::string_view content_type) {
-  const std::string lower = Lower(content_type);
+  const std::string lower = absl::AsciiStrToLower(AbslView(content_type));
   if (lower.rfind("multipart/", 0) != 0) return "";
   size_t pos = lower.find("boundary=");
   while (pos != std::string::npos && pos > 0 && lower[pos - 1] != ';' && lower[pos - 1] != ' ' &&
@@ -574,8 +571,8 @@ absl::StatusOr<std::vector<MultipartPart>> ParseMultipart(std::string_view body,
       headers = eol == std::string_view::npos ? std::string_view() : headers.substr(eol + 2);
       const size_t colon = line.find(':');
       if (colon == std::string_view::npos) continue;
-      const std::string name = Lower(Trim(line.substr(0, colon)));
-      const std::string value = Lower(Trim(line.substr(colon + 1)));
+      const std::string name = absl::AsciiStrToLower(AbslView(Trim(line.substr(0, colon))));
+      const std::string value = absl::AsciiStrToLower(AbslView(Trim(line.substr(colon + 1))));
       if (name == "content-type") {
         part.content_type = std::string(Trim(std::string_view(value).substr(0, value.find(';'))));
       } else if (name == "content-transfer-encoding") {

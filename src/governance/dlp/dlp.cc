@@ -27,6 +27,14 @@
 namespace esb::governance::dlp {
 namespace {
 
+// The span a match reports: the first capture that took part in it, else the whole match.
+re2::StringPiece ReportedSpan(const re2::StringPiece* groups, int ngroups) {
+  for (int g = 1; g < ngroups; ++g) {
+    if (groups[g].data() != nullptr) return groups[g];
+  }
+  return groups[0];
+}
+
 // Vectorscan ids ≥ this are registered secret values (id - base = index).
 constexpr unsigned kSecretIdBase = 1u << 20;
 // Vectorscan ids in [kPhoneWordIdBase, kSecretIdBase): phone context words (index into
@@ -324,14 +332,7 @@ void Engine::Impl::ScanView(const View& view, Where where, std::vector<Finding>*
     size_t pos = 0;
     for (size_t n = 0; n < kMaxCandidatesPerRule && pos <= text.size(); ++n) {
       if (!rule.locate->Match(input, pos, text.size(), RE2::UNANCHORED, groups, ngroups)) break;
-      // The span is the first capture that took part in the match, else the whole match.
-      re2::StringPiece span = groups[0];
-      for (int g = 1; g < ngroups; ++g) {
-        if (groups[g].data() != nullptr) {
-          span = groups[g];
-          break;
-        }
-      }
+      const re2::StringPiece span = ReportedSpan(groups, ngroups);
       size_t begin = static_cast<size_t>(span.data() - text.data());
       size_t end = begin + span.size();
       const size_t match_end =
@@ -598,13 +599,7 @@ void Engine::Impl::LocateAnchored(int r, std::string_view text, size_t start,
   re2::StringPiece groups[3];
   const int ngroups = 1 + std::min(rule.groups, 2);
   if (!rule.locate->Match(input, start, text.size(), RE2::ANCHOR_START, groups, ngroups)) return;
-  re2::StringPiece span = groups[0];
-  for (int g = 1; g < ngroups; ++g) {
-    if (groups[g].data() != nullptr) {
-      span = groups[g];
-      break;
-    }
-  }
+  const re2::StringPiece span = ReportedSpan(groups, ngroups);
   size_t begin = static_cast<size_t>(span.data() - text.data());
   size_t end = begin + span.size();
   if (rule.validate == nullptr || rule.validate(text, &begin, &end, ValidateContext{})) {
