@@ -19,6 +19,7 @@
 #include <boost/asio/write.hpp>
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -759,9 +760,16 @@ awaitable<void> Pump(tcp::socket& from, tcp::socket& to, int64_t* bytes,
   to.shutdown(tcp::socket::shutdown_send, ec);
 }
 
-awaitable<void> IdleWatch(std::atomic<int64_t>* last_activity, std::chrono::milliseconds idle) {
+// Ends when the tunnel idles out, or (checked at least once a second) when `still_allowed`
+// says the policy no longer allows it (*revoked = true).
+awaitable<void> IdleWatch(std::atomic<int64_t>* last_activity, std::chrono::milliseconds idle,
+                          const std::function<bool()>* still_allowed, bool* revoked) {
   asio::steady_timer timer(co_await asio::this_coro::executor);
   for (;;) {
+    if (!(*still_allowed)()) {
+      *revoked = true;
+      co_return;
+    }
     int64_t left = last_activity->load() + idle.count() - MonotonicMs();
     if (left <= 0) co_return;
     timer.expires_after(std::chrono::milliseconds(std::min<int64_t>(left, 1000)));
@@ -854,10 +862,25 @@ awaitable<void> Proxy::Impl::Session(std::shared_ptr<Conn> conn, tcp::socket soc
       if (ec) co_return;
     }
     std::atomic<int64_t> last{MonotonicMs()};
+    // SECURITY: nothing inside an opaque tunnel is re-decided per request, so the tunnel itself
+    // is: once the policy or the active intents no longer allow its target (an intent expired,
+    // PUT /network changed the rules) it is closed within a second instead of living on until
+    // it idles out.
+    const std::string tunnel_host = target->host;
+    const uint16_t tunnel_port = target->port;
+    const std::function<bool()> still_allowed = [this, env, tunnel_host, tunnel_port] {
+      std::shared_ptr<const EnvConfig> c = env->Config();
+      return Decide(c->policy, c->intents, Now(), tunnel_host, tunnel_port).allowed;
+    };
+    bool revoked = false;
     co_await ((Pump(client.socket(), upstream.socket(), &up_bytes, &last) &&
                Pump(upstream.socket(), client.socket(), &down_bytes, &last)) ||
-              IdleWatch(&last, opts.idle_timeout));
+              IdleWatch(&last, opts.idle_timeout, &still_allowed, &revoked));
     conn->upstream = nullptr;
+    if (revoked) {
+      audit.e.rule_ids.push_back("revoked");
+      audit.e.reason = "tunnel closed: the policy no longer allows its target";
+    }
     audit.e.bytes_up = up_bytes;
     audit.e.bytes_down = down_bytes;
     audit.Finish(200, "opaque");

@@ -657,6 +657,54 @@ TEST_F(ProxyTest, OpaqueTunnelRelaysBytesAndIsAuditedAsOpaque) {
   EXPECT_EQ(events[0].rule_ids[0], "allow:pinned.test");
 }
 
+// Attack: open an opaque tunnel while an intent allows the host and keep it busy after the
+// intent expires (or after PUT /network revoked the host). Nothing inside an opaque tunnel is
+// re-decided per request, so the tunnel itself is closed within about a second.
+TEST_F(ProxyTest, OpaqueTunnelIsClosedOnceThePolicyNoLongerAllowsIt) {
+  asio::io_context ioc;
+  tcp::acceptor acc(ioc, tcp::endpoint(asio::ip::make_address("127.0.0.1"), 0));
+  std::thread echo([&] {
+    tcp::socket s(ioc);
+    acc.accept(s);
+    char buf[256];
+    boost::system::error_code ec;
+    for (;;) {
+      size_t n = s.read_some(asio::buffer(buf), ec);
+      if (ec) break;
+      asio::write(s, asio::buffer(buf, n), ec);
+      if (ec) break;
+    }
+  });
+  resolver_->Map("pinned.test", acc.local_endpoint().port());
+  Attach(R"({"allow":["pinned.test"],"tls_inspect":false})");
+  Client c(port_);
+  c.WriteRaw("CONNECT pinned.test:443 HTTP/1.1\r\nHost: pinned.test:443\r\n\r\n");
+  ASSERT_EQ(c.ReadConnect().result_int(), 200);
+  c.WriteRaw("before");
+  char buf[64];
+  ASSERT_EQ(asio::read(c.socket(), asio::buffer(buf, 6)), 6u);
+  Update(R"({"allow":["other.test"],"tls_inspect":false})");
+  // The proxy closes the tunnel: a read ends (EOF or reset) within a few seconds although the
+  // echo upstream would keep answering.
+  auto start = std::chrono::steady_clock::now();
+  boost::system::error_code ec;
+  for (int i = 0; i < 50 && !ec; ++i) {
+    asio::write(c.socket(), asio::buffer("x", 1), ec);
+    if (!ec) c.socket().read_some(asio::buffer(buf, 1), ec);
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_TRUE(ec) << "the tunnel was still open 5 s after the policy revoked its host";
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(4));
+  c.socket().close();
+  acc.close();
+  echo.join();
+  auto events = audit_.WaitFor(1);
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].decision, "opaque");
+  EXPECT_NE(std::find(events[0].rule_ids.begin(), events[0].rule_ids.end(), "revoked"),
+            events[0].rule_ids.end());
+}
+
 TEST_F(ProxyTest, DetachClosesTheListenerAndLiveConnections) {
   Upstream up;
   resolver_->Map("weather.test", up.port());
