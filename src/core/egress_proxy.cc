@@ -477,8 +477,9 @@ absl::Status ProxyEgressControl::Attach(const EgressAttachment& attachment) {
     if (!serving_ && !attach_wait_expired_) {
       // The proxy is (re)starting (e.g. right after esbd started): wait for it a bounded time
       // so a new environment has working egress when its create returns. Past that the entry
-      // is kept and ReattachAll sends it once the proxy is up (fails closed until then); only
-      // one caller per outage waits, so a proxy that never comes up cannot stall every create.
+      // is kept and ReattachAll sends it once the proxy is up (fails closed until then). Once
+      // one wait has expired in an outage later callers do not wait, so a proxy that never
+      // comes up cannot stall every create.
       if (!cv_.wait_for(lock, std::chrono::milliseconds(options_.attach_wait_ms),
                         [&] { return serving_ || stopping_; })) {
         attach_wait_expired_ = true;
