@@ -337,18 +337,22 @@ TEST(LyingAgentTest, ConnectionLostMidCallFailsEveryPendingCallPromptly) {
 }
 
 // A peer that reads its socket just fast enough to never stall a write for 30 s (64 KiB every
+// 200 ms, for 15 s) and never answers.
+void TrickleReader(int fd) {
+  WriteAll(fd, Hello());
+  const int64_t stop = proto::MonotonicMs() + 15000;
+  std::string buf(64 * 1024, '\0');
+  while (proto::MonotonicMs() < stop) {
+    if (::read(fd, buf.data(), buf.size()) <= 0) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+}
+
+// A peer that reads its socket just fast enough to never stall a write for 30 s (64 KiB every
 // 200 ms) must not hold a call past the call's deadline: before, a 16 MiB request took ~50 s
 // to trickle out, and every other call on the connection waited behind it for the write lock.
 TEST(LyingAgentTest, TrickleReadingAgentCannotHoldACallPastItsDeadline) {
-  LyingAgent agent([](int fd) {
-    WriteAll(fd, Hello());
-    const int64_t stop = proto::MonotonicMs() + 15000;
-    std::string buf(64 * 1024, '\0');
-    while (proto::MonotonicMs() < stop) {
-      if (::read(fd, buf.data(), buf.size()) <= 0) return;
-      std::this_thread::sleep_for(std::chrono::milliseconds(200));
-    }
-  });
+  LyingAgent agent(TrickleReader);
   AgentClient client = agent.Client();
   ASSERT_TRUE(client.Capabilities().ok());
   auto start = std::chrono::steady_clock::now();
@@ -373,15 +377,7 @@ TEST(LyingAgentTest, TrickleReadingAgentCannotHoldACallPastItsDeadline) {
 // frame and can never answer, so the waiting call fails then too instead of at its own 30 s
 // deadline. (Seen under load: the order above flipped and the stat took 30.3 s.)
 TEST(LyingAgentTest, BrokenWriteFailsCallsAlreadyWaitingForAnswers) {
-  LyingAgent agent([](int fd) {
-    WriteAll(fd, Hello());
-    const int64_t stop = proto::MonotonicMs() + 15000;
-    std::string buf(64 * 1024, '\0');
-    while (proto::MonotonicMs() < stop) {
-      if (::read(fd, buf.data(), buf.size()) <= 0) return;
-      std::this_thread::sleep_for(std::chrono::milliseconds(200));
-    }
-  });
+  LyingAgent agent(TrickleReader);
   AgentClient client = agent.Client();
   ASSERT_TRUE(client.Capabilities().ok());
   auto start = std::chrono::steady_clock::now();

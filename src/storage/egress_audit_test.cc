@@ -12,6 +12,7 @@
 #include "gtest/gtest.h"
 #include "storage/sqlite_store.h"
 #include "storage/store.h"
+#include "storage/store_test_util.h"
 
 namespace esb {
 namespace {
@@ -19,42 +20,9 @@ namespace {
 constexpr int64_t kDay = 86'400'000;
 constexpr int64_t kNov20 = 1795132800000;  // 2026-11-20T00:00:00Z
 
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = (std::filesystem::temp_directory_path() / "esb_egress_XXXXXX").string();
-    EXPECT_NE(mkdtemp(tmpl.data()), nullptr);
-    path_ = tmpl;
-  }
-  ~TempDir() { std::filesystem::remove_all(path_); }
-  std::string File(const std::string& name) const { return path_ + "/" + name; }
-
- private:
-  std::string path_;
-};
-
-std::string RawQuery(const std::string& path, const std::string& sql) {
-  sqlite3* db = nullptr;
-  EXPECT_EQ(sqlite3_open_v2(path.c_str(), &db, SQLITE_OPEN_READWRITE, nullptr), SQLITE_OK);
-  sqlite3_stmt* stmt = nullptr;
-  std::string out;
-  if (sqlite3_prepare_v2(db, sql.c_str(), -1, &stmt, nullptr) == SQLITE_OK &&
-      sqlite3_step(stmt) == SQLITE_ROW && sqlite3_column_text(stmt, 0) != nullptr) {
-    out = reinterpret_cast<const char*>(sqlite3_column_text(stmt, 0));
-  }
-  sqlite3_finalize(stmt);
-  sqlite3_close(db);
-  return out;
-}
-
-void RawExec(const std::string& path, const std::string& sql) {
-  sqlite3* db = nullptr;
-  ASSERT_EQ(sqlite3_open_v2(path.c_str(), &db, SQLITE_OPEN_READWRITE, nullptr), SQLITE_OK);
-  char* err = nullptr;
-  EXPECT_EQ(sqlite3_exec(db, sql.c_str(), nullptr, nullptr, &err), SQLITE_OK) << err;
-  sqlite3_free(err);
-  sqlite3_close(db);
-}
+using store_test::RawExec;
+using store_test::RawQuery;
+using store_test::TempDir;
 
 AuditEntry Egress(const std::string& tenant, const std::string& env, int64_t t,
                   const std::string& host, const std::string& decision,
