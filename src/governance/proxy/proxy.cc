@@ -432,11 +432,12 @@ awaitable<void> RequestLoop(LoopContext& lc, Client& client, beast::flat_buffer&
     audit.e.host = target.host;
     audit.e.port = target.port;
     audit.e.path = MaskUrlQuery(target.path);
+    // The URL is scanned once, before any row is emitted (a refused request is audited too):
+    // the row never keeps a secret that was in the URL, whatever the policy decides next.
+    std::optional<dlp::Result> url_scan;
     if (cfg->dlp && !target.connect) {
-      // Before any row is emitted (a refused request is audited too): the row never keeps a
-      // secret that was in the URL, whatever the policy decides next.
-      audit.e.path = MaskUrlQuery(
-          MaskFindings(target.path, cfg->dlp->ScanText(target.path, dlp::Where::kUrl).findings));
+      url_scan = cfg->dlp->ScanText(target.path, dlp::Where::kUrl);
+      audit.e.path = MaskUrlQuery(MaskFindings(target.path, url_scan->findings));
     }
     if (target.connect) {
       *connect_out = std::move(parser);
@@ -463,9 +464,8 @@ awaitable<void> RequestLoop(LoopContext& lc, Client& client, beast::flat_buffer&
     std::vector<std::pair<std::string, std::string>> header_redactions;  // name → new value
     std::map<size_t, std::string> audit_values;  // header index → masked value
     if (cfg->dlp) {
-      dlp::Result url = cfg->dlp->ScanText(target_path, dlp::Where::kUrl);
+      dlp::Result url = *std::move(url_scan);  // scanned above (target_path is target.path)
       AddFindings(audit.e, url);
-      audit.e.path = MaskUrlQuery(MaskFindings(target_path, url.findings));
       if (url.blocked()) {
         blocked = std::move(url);
       } else if (url.decision == dlp::Action::kRedact && url.redacted) {
