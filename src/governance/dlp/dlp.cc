@@ -19,6 +19,7 @@
 #include <mutex>
 #include <unordered_set>
 
+#include "governance/dlp/classify.h"
 #include "governance/dlp/decoders.h"
 #include "governance/dlp/rules.h"
 #include "re2/re2.h"
@@ -45,8 +46,6 @@ constexpr std::string_view kPhoneWords[] = {"phone", "tel",  "mobile",  "cell",
 // Bounds the work per rule and view (a body full of near-miss candidates).
 constexpr size_t kMaxCandidatesPerRule = 10000;
 constexpr size_t kMaxFindings = 1000;
-// Bytes of [0-9 .()-] every number-shaped candidate has from its first digit.
-constexpr size_t kMinNumberRun = 10;
 // A rejected candidate up to this long is searched again from its second byte.
 constexpr size_t kMaxRescanMatch = 64;
 constexpr size_t kMaxMultipartParts = 1000;
@@ -197,7 +196,11 @@ struct Engine::Impl {
   std::map<std::string, Action, std::less<>> actions;  // every rule id → action
   std::unordered_set<std::string> allow;
 
-  hs_database_t* db = nullptr;
+  // Two Vectorscan databases, scanned one after the other with one scratch: the case-sensitive
+  // patterns, and the caseless words ("(?i)secret", the phone context words). One database
+  // with both ran at half the speed of the two on the DLP bench corpus (short caseless
+  // literals among the case-sensitive ones slow Vectorscan's literal matcher down).
+  hs_database_t* dbs[2] = {nullptr, nullptr};
   hs_scratch_t* scratch_prototype = nullptr;
   mutable std::mutex scratch_mu;
   mutable std::vector<hs_scratch_t*> scratch_pool;
@@ -211,7 +214,9 @@ struct Engine::Impl {
   ~Impl() {
     for (hs_scratch_t* s : scratch_pool) hs_free_scratch(s);
     if (scratch_prototype != nullptr) hs_free_scratch(scratch_prototype);
-    if (db != nullptr) hs_free_database(db);
+    for (hs_database_t* db : dbs) {
+      if (db != nullptr) hs_free_database(db);
+    }
   }
 
   hs_scratch_t* AcquireScratch() const {
@@ -232,9 +237,17 @@ struct Engine::Impl {
     scratch_pool.push_back(s);
   }
 
-  void ScanView(const View& view, Where where, std::vector<Finding>* out) const;
+  // What the number scan saw of a text's bytes (known = false: it did not run).
+  struct TextBytes {
+    bool known = false;
+    bool at = true;      // a '@'
+    bool escape = true;  // a '%' or '\\'
+  };
+  // `bytes`, if given, receives what the number scan saw of the view's bytes.
+  void ScanView(const View& view, Where where, std::vector<Finding>* out,
+                TextBytes* bytes = nullptr) const;
   using AddFn = std::function<void(int rule, size_t begin, size_t end)>;
-  void ScanNumbers(std::string_view text, const AddFn& add) const;
+  void ScanNumbers(std::string_view text, const AddFn& add, TextBytes* bytes) const;
   void LocateAnchored(int rule, std::string_view text, size_t start, const AddFn& add) const;
   void ScanEmails(std::string_view text, const AddFn& add) const;
   void ScanViews(std::string_view text, Where where, size_t plus_from, std::string_view boundary,
@@ -243,7 +256,8 @@ struct Engine::Impl {
               std::vector<Finding> extra) const;
 };
 
-void Engine::Impl::ScanView(const View& view, Where where, std::vector<Finding>* out) const {
+void Engine::Impl::ScanView(const View& view, Where where, std::vector<Finding>* out,
+                            TextBytes* bytes) const {
   const std::string_view text = view.text;
   if (text.empty()) return;
   std::vector<char> rule_hit(rules.size(), 0);
@@ -251,7 +265,7 @@ void Engine::Impl::ScanView(const View& view, Where where, std::vector<Finding>*
   std::vector<size_t> phone_words;  // where a phone context word starts
   bool any = false;
 
-  if (db != nullptr) {
+  if (dbs[0] != nullptr || dbs[1] != nullptr) {
     struct Hits {
       std::vector<char>* rules;
       std::vector<char>* secrets;
@@ -275,8 +289,14 @@ void Engine::Impl::ScanView(const View& view, Where where, std::vector<Finding>*
       return 0;
     };
     hs_scratch_t* scratch = AcquireScratch();
-    if (scratch == nullptr || hs_scan(db, text.data(), static_cast<unsigned>(text.size()), 0,
-                                      scratch, on_match, &hits) != HS_SUCCESS) {
+    bool ok = scratch != nullptr;
+    for (hs_database_t* db : dbs) {
+      if (ok && db != nullptr) {
+        ok = hs_scan(db, text.data(), static_cast<unsigned>(text.size()), 0, scratch, on_match,
+                     &hits) == HS_SUCCESS;
+      }
+    }
+    if (!ok) {
       // Cannot happen short of memory exhaustion; fail towards scanning everything.
       std::fill(rule_hit.begin(), rule_hit.end(), 1);
       std::fill(secret_hit.begin(), secret_hit.end(), 1);
@@ -355,10 +375,12 @@ void Engine::Impl::ScanView(const View& view, Where where, std::vector<Finding>*
     const AddFn add_rule = [&](int r, size_t begin, size_t end) {
       add(rules[r].id, rules[r].action, rules[r].kind, begin, end);
     };
+    TextBytes seen;
     if (card_rule >= 0 || ssn_rule >= 0 || phone_rule >= 0 || iban_rule >= 0) {
-      ScanNumbers(text, add_rule);
+      ScanNumbers(text, add_rule, &seen);
+      if (bytes != nullptr) *bytes = seen;
     }
-    if (email_rule >= 0) ScanEmails(text, add_rule);
+    if (email_rule >= 0 && seen.at) ScanEmails(text, add_rule);
     // Phone numbers after a context word: the phone pattern anchored at each word.
     for (size_t w : phone_words) LocateAnchored(phone_rule, text, w, add_rule);
   }
@@ -398,62 +420,6 @@ inline uint32_t DigitMask16(const char* t) {
 }
 #endif
 
-#if defined(__SSE2__)
-// Bit i set: t[i] is a word byte ([0-9A-Za-z_]).
-inline uint32_t WordMask16(const char* t) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(t));
-  const __m128i d = _mm_sub_epi8(v, _mm_set1_epi8('0'));
-  const __m128i digit = _mm_cmpeq_epi8(_mm_min_epu8(d, _mm_set1_epi8(9)), d);
-  const __m128i a = _mm_sub_epi8(_mm_or_si128(v, _mm_set1_epi8(0x20)), _mm_set1_epi8('a'));
-  const __m128i alpha = _mm_cmpeq_epi8(_mm_min_epu8(a, _mm_set1_epi8(25)), a);
-  const __m128i under = _mm_cmpeq_epi8(v, _mm_set1_epi8('_'));
-  return static_cast<uint32_t>(_mm_movemask_epi8(_mm_or_si128(_mm_or_si128(digit, alpha), under)));
-}
-#endif
-
-#if defined(__SSE2__)
-// Bit i set: t[i] is an ASCII capital letter.
-inline uint32_t UpperMask16(const char* t) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(t));
-  const __m128i a = _mm_sub_epi8(v, _mm_set1_epi8('A'));
-  return static_cast<uint32_t>(
-      _mm_movemask_epi8(_mm_cmpeq_epi8(_mm_min_epu8(a, _mm_set1_epi8(25)), a)));
-}
-#endif
-
-#if defined(__SSE2__)
-// Bit i set: t[i] is one of [0-9 .()-] (a byte a phone, card or SSN candidate can contain).
-inline uint32_t NumberishMask16(const char* t) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(t));
-  const __m128i d = _mm_sub_epi8(v, _mm_set1_epi8('0'));
-  __m128i m = _mm_cmpeq_epi8(_mm_min_epu8(d, _mm_set1_epi8(9)), d);
-  m = _mm_or_si128(m, _mm_cmpeq_epi8(v, _mm_set1_epi8(' ')));
-  m = _mm_or_si128(m, _mm_cmpeq_epi8(v, _mm_set1_epi8('.')));
-  m = _mm_or_si128(m, _mm_cmpeq_epi8(v, _mm_set1_epi8('-')));
-  m = _mm_or_si128(m, _mm_cmpeq_epi8(v, _mm_set1_epi8('(')));
-  m = _mm_or_si128(m, _mm_cmpeq_epi8(v, _mm_set1_epi8(')')));
-  return static_cast<uint32_t>(_mm_movemask_epi8(m));
-}
-#endif
-
-#if defined(__SSE2__)
-// Four 16-byte masks as one 64-bit mask (a template argument, so that it inlines).
-template <uint32_t (*kMask16)(const char*)>
-inline uint64_t Mask64(const char* t) {
-  return static_cast<uint64_t>(kMask16(t)) | static_cast<uint64_t>(kMask16(t + 16)) << 16 |
-         static_cast<uint64_t>(kMask16(t + 32)) << 32 |
-         static_cast<uint64_t>(kMask16(t + 48)) << 48;
-}
-#endif
-
-inline bool IsUpperByte(char c) { return c >= 'A' && c <= 'Z'; }
-
-// Where an IBAN can start: \b[A-Z]{2}\d{2}.
-inline bool IsIbanStart(const char* t, size_t n, size_t p) {
-  return p + 4 <= n && IsUpperByte(t[p]) && IsUpperByte(t[p + 1]) && IsDigitByte(t[p + 2]) &&
-         IsDigitByte(t[p + 3]) && (p == 0 || !IsWordByte(t[p - 1]));
-}
-
 // Digits in the phone-shaped run at t[i] ([0-9 .()-], at most 24 bytes).
 inline size_t PhoneDigits(const char* t, size_t i, size_t n) {
   size_t digits = 0;
@@ -466,113 +432,6 @@ inline size_t PhoneDigits(const char* t, size_t i, size_t n) {
     }
   }
   return digits;
-}
-
-// Calls f(i) for each digit t[i] whose previous byte is not a word byte (where a \b-anchored
-// number can start), in order; f returns the offset to continue from (≥ i + 1).
-// Starts followed by fewer than min_run (≤ 16) bytes of [0-9 .()-] may be skipped.
-template <typename F, typename G>
-inline void ForEachNumberStart(const char* t, size_t n, bool ibans, size_t min_run, F&& f,
-                               G&& iban) {
-  size_t i = 0;
-#if defined(__SSE2__)
-  size_t resume = 0;
-  size_t b = 0;
-  // 64 bytes per step (with 16 bytes of look-ahead): fewer branches per byte.
-  for (; b + 80 <= n; b += 64) {
-    const uint64_t digits = Mask64<DigitMask16>(t + b);
-    const uint64_t next_digits = DigitMask16(t + b + 64);
-    uint64_t upper = 0;
-    if (ibans) upper = Mask64<UpperMask16>(t + b);
-    if (digits == 0 && upper == 0) continue;
-    const uint64_t word = Mask64<WordMask16>(t + b);
-    const uint64_t prev_word = (word << 1) | (b > 0 && IsWordByte(t[b - 1]) ? 1u : 0u);
-    if (upper != 0) {
-      const uint64_t next_upper = UpperMask16(t + b + 64);
-      uint64_t starts = upper & ((upper >> 1) | (next_upper << 63)) &
-                        ((digits >> 2) | (next_digits << 62)) &
-                        ((digits >> 3) | (next_digits << 61)) & ~prev_word;
-      for (; starts != 0; starts &= starts - 1) {
-        iban(b + static_cast<size_t>(__builtin_ctzll(starts)));
-      }
-    }
-    uint64_t starts = digits & ~prev_word;
-    if (starts == 0) continue;
-    if (min_run > 1) {
-      const unsigned __int128 m = static_cast<unsigned __int128>(Mask64<NumberishMask16>(t + b)) |
-                                  static_cast<unsigned __int128>(NumberishMask16(t + b + 64)) << 64;
-      unsigned __int128 run = m;  // bit i: bytes i..i+k-1 numberish, k doubling up to 8
-      run &= run >> 1;
-      run &= run >> 2;
-      run &= run >> 4;
-      for (size_t k = 8; k < min_run; ++k) run &= m >> k;
-      starts &= static_cast<uint64_t>(run);
-    }
-    for (; starts != 0; starts &= starts - 1) {
-      const size_t pos = b + static_cast<size_t>(__builtin_ctzll(starts));
-      if (pos < resume) continue;
-      resume = f(pos);
-    }
-  }
-  for (; b + 16 <= n; b += 16) {
-    const uint32_t digits = DigitMask16(t + b);
-    if (ibans) {
-      uint32_t upper = UpperMask16(t + b);
-      // Two capitals then a digit (bits 14–15: the rest is in the next block): most blocks
-      // of text have none, and skip the exact masks.
-      const uint32_t maybe = upper & ((upper >> 1) | 0x8000) & ((digits >> 2) | 0xc000);
-      if (maybe != 0) {
-        if (b >= 1 && b + 19 <= n) {
-          upper &= UpperMask16(t + b + 1) & DigitMask16(t + b + 2) & DigitMask16(t + b + 3) &
-                   ~WordMask16(t + b - 1);
-          for (; upper != 0; upper &= upper - 1)
-            iban(b + static_cast<size_t>(__builtin_ctz(upper)));
-        } else {
-          for (size_t p = b; p < b + 16; ++p) {
-            if (IsIbanStart(t, n, p)) iban(p);
-          }
-        }
-      }
-    }
-    if (digits == 0) continue;
-    const uint32_t word = WordMask16(t + b);
-    const uint32_t prev_word = (word << 1) | (b > 0 && IsWordByte(t[b - 1]) ? 1u : 0u);
-    uint32_t starts = digits & ~prev_word & 0xffff;
-    if (starts != 0 && min_run > 1 && b + 32 <= n) {
-      // Keep the starts followed by ≥ min_run bytes of [0-9 .()-] (the callback ignores the
-      // others anyway): runs of ones by doubling.
-      const uint32_t m = NumberishMask16(t + b) | (NumberishMask16(t + b + 16) << 16);
-      uint32_t run = m;  // bit i: bytes i..i+k-1 all numberish, k doubling up to 8
-      run &= run >> 1;
-      run &= run >> 2;
-      run &= run >> 4;
-      for (size_t k = 8; k < min_run; ++k) run &= m >> k;
-      starts &= run;
-    }
-    while (starts != 0) {
-      const size_t pos = b + static_cast<size_t>(__builtin_ctz(starts));
-      starts &= starts - 1;
-      if (pos < resume) continue;
-      resume = f(pos);
-    }
-  }
-  const size_t tail = n - n % 16;
-  if (ibans) {
-    for (size_t p = tail; p < n; ++p) {
-      if (IsIbanStart(t, n, p)) iban(p);
-    }
-  }
-  i = std::max(resume, tail);
-#else
-  if (ibans) {
-    for (size_t p = 0; p < n; ++p) {
-      if (IsIbanStart(t, n, p)) iban(p);
-    }
-  }
-#endif
-  for (; i < n; ++i) {
-    if (IsDigitByte(t[i]) && (i == 0 || !IsWordByte(t[i - 1]))) i = f(i) - 1;
-  }
 }
 
 // First i' ≥ i with t[i'] a digit (== want) or n.
@@ -607,9 +466,13 @@ void Engine::Impl::LocateAnchored(int r, std::string_view text, size_t start,
   }
 }
 
-// One pass for the number-shaped rules, without a regex pass over the text: SIMD masks find
-// where a \b-anchored number can start (a digit after a non-word byte) and where an IBAN can
-// (\b[A-Z]{2}\d{2}); a digit run inside a word ("a1b2", base64) starts nothing.
+// One pass for the number-shaped rules, without a regex pass over the text: the byte-class
+// masks of each 64-byte block (classify.h) give where a \b-anchored number can start (a digit
+// after a non-word byte; a digit run inside a word, "a1b2" or base64, starts nothing) and where
+// an IBAN can (\b[A-Z]{2}\d{2}), and keep only the number starts that can begin a candidate:
+// ≥ 13 bytes of [0-9 -] (every card, and every chain with an SSN after its first group), the
+// SSN shape ddd-dd-dddd / ddd dd dddd, or a phone marker '+' / '(' before ≥ 10 bytes of
+// [0-9 .()-]. A kept start is parsed as a chain of digit groups:
 //  - Cards: digit groups joined by single ' ' or '-' form a chain. \b(?:\d[ -]?){12,18}\d\b
 //    matches whole groups only, so its candidates are, per start group, the longest run of
 //    groups with 13–19 digits that ends before a non-word byte; a rejected candidate moves
@@ -619,8 +482,12 @@ void Engine::Impl::LocateAnchored(int r, std::string_view text, size_t start,
 //    digits in the next 24 bytes: the phone pattern runs anchored at the '+' or '('. (After a
 //    context word: Vectorscan reports each word and the pattern runs anchored there.)
 //  - IBAN: the IBAN pattern runs anchored at each possible start.
-// The same candidates as the RE2 patterns over the whole text (DlpCorpusTest cross-checks).
-void Engine::Impl::ScanNumbers(std::string_view text, const AddFn& add) const {
+// A dropped start yields no candidate, and lies in no kept start's chain (a chain's later
+// starts have shorter [0-9 -] runs, and an SSN after the first group makes the chain ≥ 13
+// bytes), so the candidates are the same as the RE2 patterns' over the whole text
+// (DlpCorpusTest cross-checks). Also reports whether the text has a '@' (e-mail candidates)
+// and a '%' or '\\' (decoded views).
+void Engine::Impl::ScanNumbers(std::string_view text, const AddFn& add, TextBytes* bytes) const {
   constexpr size_t kMaxGroups = 64;
   const size_t n = text.size();
   const char* t = text.data();
@@ -629,17 +496,8 @@ void Engine::Impl::ScanNumbers(std::string_view text, const AddFn& add) const {
   };
   Group groups[kMaxGroups];
   const ValidateContext context;
-  auto on_iban = [&](size_t p) { LocateAnchored(iban_rule, text, p, add); };
+  // The chain of digit groups from the kept start i; returns where the next start may be.
   auto on_number = [&](size_t i) -> size_t {
-    // Every candidate needs ≥ 10 bytes of [0-9 .()-] from its first digit (a card 13, an SSN
-    // 11, a phone 10 digits): most numbers in text are shorter and end here.
-    size_t run = i;
-    while (run < n && run - i < kMinNumberRun) {
-      const char c = t[run];
-      if (!IsDigitByte(c) && c != ' ' && c != '.' && c != '-' && c != '(' && c != ')') break;
-      ++run;
-    }
-    if (run - i < kMinNumberRun) return i + 1;
     size_t count = 0;
     size_t j = i;
     for (;;) {
@@ -696,7 +554,61 @@ void Engine::Impl::ScanNumbers(std::string_view text, const AddFn& add) const {
     }
     return std::max(j, i + 1);
   };
-  ForEachNumberStart(t, n, iban_rule >= 0, kMinNumberRun, on_number, on_iban);
+  using Bits = unsigned __int128;  // a block's masks with the next block's as look-ahead
+  const bool ibans = iban_rule >= 0;
+  const bool phones = phone_rule >= 0;
+  BlockMasks cur, next;
+  ClassifyBlock(text, 0, &cur);
+  uint64_t at = 0, escape = 0;
+  uint64_t word_before = 0;    // bit 0: the byte before the block is a word byte
+  uint64_t marker_before = 0;  // bit 0: ... is '+' or '('
+  size_t resume = 0;           // starts before this are inside a parsed chain
+  for (size_t b = 0; b < n; b += 64) {
+    if (b + 64 < n) {
+      ClassifyBlock(text, b + 64, &next);
+    } else {
+      next = BlockMasks{};
+    }
+    at |= cur.at;
+    escape |= cur.escape;
+    const uint64_t not_after_word = ~((cur.word << 1) | word_before);
+    if (ibans && cur.upper != 0) {
+      uint64_t starts = cur.upper & ((cur.upper >> 1) | (next.upper << 63)) &
+                        ((cur.digit >> 2) | (next.digit << 62)) &
+                        ((cur.digit >> 3) | (next.digit << 61)) & not_after_word;
+      for (; starts != 0; starts &= starts - 1) {
+        LocateAnchored(iban_rule, text, b + static_cast<size_t>(__builtin_ctzll(starts)), add);
+      }
+    }
+    uint64_t starts = cur.digit & not_after_word;
+    if (starts != 0) {
+      const Bits d = cur.digit | static_cast<Bits>(next.digit) << 64;
+      const Bits sep = cur.card_sep | static_cast<Bits>(next.card_sep) << 64;
+      const Bits c = d | sep;  // [0-9 -]
+      // Bit i of run<k>: bytes i..i+k-1 are all in the class.
+      const Bits c2 = c & (c >> 1), c4 = c2 & (c2 >> 2), c8 = c4 & (c4 >> 4);
+      Bits keep = c8 & (c4 >> 8) & (c >> 12);  // 13
+      keep |= d & (d >> 1) & (d >> 2) & (sep >> 3) & (d >> 4) & (d >> 5) & (sep >> 6) & (d >> 7) &
+              (d >> 8) & (d >> 9) & (d >> 10);  // ddd-dd-dddd
+      if (phones) {
+        const Bits m = c | cur.num_sep | static_cast<Bits>(next.num_sep) << 64;  // [0-9 .()-]
+        const Bits m2 = m & (m >> 1), m4 = m2 & (m2 >> 2), m8 = m4 & (m4 >> 4);
+        keep |= m8 & (m2 >> 8) & ((cur.marker << 1) | marker_before);  // 10 after '+' or '('
+      }
+      starts &= static_cast<uint64_t>(keep);
+      for (; starts != 0; starts &= starts - 1) {
+        const size_t pos = b + static_cast<size_t>(__builtin_ctzll(starts));
+        if (pos < resume) continue;
+        resume = on_number(pos);
+      }
+    }
+    word_before = cur.word >> 63;
+    marker_before = cur.marker >> 63;
+    cur = next;
+  }
+  bytes->known = true;
+  bytes->at = at != 0;
+  bytes->escape = escape != 0;
 }
 
 // The e-mail pattern's candidates around each '@': the local part runs back to the start of
@@ -742,9 +654,10 @@ void Engine::Impl::ScanEmails(std::string_view text, const AddFn& add) const {
 void Engine::Impl::ScanViews(std::string_view text, Where where, size_t plus_from,
                              std::string_view boundary, std::vector<Finding>* out) const {
   // One view at a time (built, scanned, dropped): at most the text and two decodings live.
-  ScanView(View{text, "", 0, {}}, where, out);
+  TextBytes seen;
+  ScanView(View{text, "", 0, {}}, where, out, &seen);
   const bool has_plus = plus_from != std::string_view::npos && HasByte(text, '+');
-  if (HasByte(text, '%') || has_plus) {
+  if ((seen.escape && HasByte(text, '%')) || has_plus) {
     std::string url;
     if (UrlDecode(text, plus_from, &url, nullptr)) {
       const auto url_map = [text, plus_from] {
@@ -770,7 +683,7 @@ void Engine::Impl::ScanViews(std::string_view text, Where where, size_t plus_fro
       }
     }
   }
-  if (HasByte(text, '\\')) {
+  if (seen.escape && HasByte(text, '\\')) {
     std::string json;
     if (JsonUnescape(text, &json, nullptr)) {
       const auto json_map = [text] {
@@ -1095,29 +1008,35 @@ absl::StatusOr<std::shared_ptr<const Engine>> Engine::Compile(const DlpConfig& c
     if (!set->Compile()) return absl::InternalError("dlp: RE2::Set compile failed (memory)");
     impl->set = std::move(set);
   }
-  if (!hs_patterns.empty()) {
+  for (int caseless = 0; caseless < 2; ++caseless) {
     std::vector<const char*> expressions;
     std::vector<unsigned> flags;
-    for (unsigned id : hs_ids) {
+    std::vector<unsigned> ids;
+    for (size_t i = 0; i < hs_patterns.size(); ++i) {
+      const unsigned id = hs_ids[i];
       // Phone context words report every occurrence (each is a candidate start).
       const bool word = id >= kPhoneWordIdBase && id < kSecretIdBase;
+      if ((word || hs_patterns[i].rfind("(?i)", 0) == 0) != (caseless == 1)) continue;
+      expressions.push_back(hs_patterns[i].c_str());
       flags.push_back(word ? 0u : HS_FLAG_SINGLEMATCH);
+      ids.push_back(id);
     }
-    for (const std::string& p : hs_patterns) expressions.push_back(p.c_str());
+    if (expressions.empty()) continue;
     hs_compile_error_t* error = nullptr;
-    if (hs_compile_multi(expressions.data(), flags.data(), hs_ids.data(),
+    if (hs_compile_multi(expressions.data(), flags.data(), ids.data(),
                          static_cast<unsigned>(expressions.size()), HS_MODE_BLOCK, nullptr,
-                         &impl->db, &error) != HS_SUCCESS) {
+                         &impl->dbs[caseless], &error) != HS_SUCCESS) {
       std::string message = error != nullptr && error->message != nullptr ? error->message : "?";
       const int which = error != nullptr ? error->expression : -1;
       hs_free_compile_error(error);
       // A secret value's pattern is never shown (it is the secret, hex-escaped).
-      if (which >= 0 && hs_ids[which] >= kSecretIdBase) {
+      if (which >= 0 && ids[which] >= kSecretIdBase) {
         return absl::InternalError("dlp: Vectorscan rejected a secret value: " + message);
       }
       return absl::InternalError("dlp: Vectorscan compile failed: " + message);
     }
-    if (hs_alloc_scratch(impl->db, &impl->scratch_prototype) != HS_SUCCESS) {
+    // One scratch large enough for both databases.
+    if (hs_alloc_scratch(impl->dbs[caseless], &impl->scratch_prototype) != HS_SUCCESS) {
       return absl::InternalError("dlp: hs_alloc_scratch failed");
     }
   }
