@@ -21,12 +21,12 @@ constexpr uint8_t kUnder = 1u << 2;     // high 5, low 15: '_'
 constexpr uint8_t kCardSep = 1u << 3;   // high 2, low 0 or 13: ' ', '-'
 constexpr uint8_t kNumSep = 1u << 4;    // high 2, low 8, 9 or 14: '(', ')', '.'
 constexpr uint8_t kMarker = 1u << 5;    // high 2, low 8 or 11: '(', '+'
-constexpr uint8_t kHigh45 = 1u << 6;    // high 4 or 5 (with a letter bit: A-Z)
+constexpr uint8_t kWord = kDigit | kLetterAO | kLetterPZ | kUnder;
 
 constexpr std::array<uint8_t, 16> LowTable() {
   std::array<uint8_t, 16> t{};
   for (int l = 0; l < 16; ++l) {
-    uint8_t bits = kHigh45;
+    uint8_t bits = 0;
     if (l <= 9) bits |= kDigit;
     if (l >= 1) bits |= kLetterAO;
     if (l <= 10) bits |= kLetterPZ;
@@ -43,8 +43,8 @@ constexpr std::array<uint8_t, 16> HighTable() {
   std::array<uint8_t, 16> t{};
   t[2] = kCardSep | kNumSep | kMarker;
   t[3] = kDigit;
-  t[4] = kLetterAO | kHigh45;
-  t[5] = kLetterPZ | kUnder | kHigh45;
+  t[4] = kLetterAO;
+  t[5] = kLetterPZ | kUnder;
   t[6] = kLetterAO;
   t[7] = kLetterPZ;
   return t;  // 8-15 (bytes ≥ 0x80): no class
@@ -53,31 +53,22 @@ constexpr std::array<uint8_t, 16> HighTable() {
 constexpr std::array<uint8_t, 16> kLow = LowTable();
 constexpr std::array<uint8_t, 16> kHigh = HighTable();
 
-// The block's masks from its per-class-bit masks.
-void Finish(uint64_t digit, uint64_t ao, uint64_t pz, uint64_t under, uint64_t card_sep,
-            uint64_t num_sep, uint64_t marker, uint64_t high45, uint64_t at, uint64_t escape,
-            BlockMasks* out) {
-  out->digit = digit;
-  out->word = digit | ao | pz | under;
-  out->upper = (ao | pz) & high45;
-  out->card_sep = card_sep;
-  out->num_sep = num_sep;
-  out->marker = marker;
-  out->at = at;
-  out->escape = escape;
-}
-
-void ClassifyBytes(const char* t, size_t n, BlockMasks* out) {
-  uint64_t m[8] = {};
-  uint64_t at = 0, escape = 0;
+// n ≤ 64 bytes at t.
+void ClassifyBytes(const char* t, size_t n, BlockMasks* out, ClassifySeen* seen) {
+  *out = BlockMasks{};
   for (size_t i = 0; i < n; ++i) {
     const auto c = static_cast<unsigned char>(t[i]);
     const uint8_t bits = kLow[c & 15] & kHigh[c >> 4];
-    for (int k = 0; k < 8; ++k) m[k] |= static_cast<uint64_t>((bits >> k) & 1) << i;
-    at |= static_cast<uint64_t>(c == '@') << i;
-    escape |= static_cast<uint64_t>(c == '%' || c == '\\') << i;
+    const uint64_t bit = uint64_t{1} << i;
+    if (bits & kDigit) out->digit |= bit;
+    if (bits & kWord) out->word |= bit;
+    if (c >= 'A' && c <= 'Z') out->upper |= bit;
+    if (bits & kCardSep) out->card_sep |= bit;
+    if (bits & kNumSep) out->num_sep |= bit;
+    if (bits & kMarker) out->marker |= bit;
+    seen->at |= c == '@';
+    seen->escape |= c == '%' || c == '\\';
   }
-  Finish(m[7], m[0], m[1], m[2], m[3], m[4], m[5], m[6], at, escape, out);
 }
 
 #if defined(__x86_64__)
@@ -93,35 +84,42 @@ __attribute__((target("avx2"), always_inline)) inline uint64_t Movemask(__m256i 
   return static_cast<uint32_t>(_mm256_movemask_epi8(x));
 }
 
-// 64 readable bytes at t.
-__attribute__((target("avx2"))) void ClassifyAvx2(const char* t, BlockMasks* out) {
+// `count` blocks of 64 readable bytes from t.
+__attribute__((target("avx2"))) void ClassifyAvx2(const char* t, size_t count, BlockMasks* out,
+                                                  ClassifySeen* seen) {
   const __m256i low_table = _mm256_load_si256(reinterpret_cast<const __m256i*>(kLow32.data()));
   const __m256i high_table = _mm256_load_si256(reinterpret_cast<const __m256i*>(kHigh32.data()));
   const __m256i nibble = _mm256_set1_epi8(0x0f);
-  uint64_t m[8] = {};
-  uint64_t at = 0, escape = 0;
-  for (int half = 0; half < 2; ++half) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 32 * half));
-    const __m256i low = _mm256_and_si256(v, nibble);
-    const __m256i high = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
-    const __m256i cls = _mm256_and_si256(_mm256_shuffle_epi8(low_table, low),
-                                         _mm256_shuffle_epi8(high_table, high));
-    const int shift = 32 * half;
-    // Bit k of each byte to bit 7 (a 16-bit shift moves no bit across a byte's bit 7).
-    m[7] |= Movemask(cls) << shift;
-    m[6] |= Movemask(_mm256_slli_epi16(cls, 1)) << shift;
-    m[5] |= Movemask(_mm256_slli_epi16(cls, 2)) << shift;
-    m[4] |= Movemask(_mm256_slli_epi16(cls, 3)) << shift;
-    m[3] |= Movemask(_mm256_slli_epi16(cls, 4)) << shift;
-    m[2] |= Movemask(_mm256_slli_epi16(cls, 5)) << shift;
-    m[1] |= Movemask(_mm256_slli_epi16(cls, 6)) << shift;
-    m[0] |= Movemask(_mm256_slli_epi16(cls, 7)) << shift;
-    at |= Movemask(_mm256_cmpeq_epi8(v, _mm256_set1_epi8('@'))) << shift;
-    escape |= Movemask(_mm256_or_si256(_mm256_cmpeq_epi8(v, _mm256_set1_epi8('%')),
-                                       _mm256_cmpeq_epi8(v, _mm256_set1_epi8('\\'))))
-              << shift;
+  const __m256i word_bits = _mm256_set1_epi8(static_cast<char>(kWord));
+  const __m256i zero = _mm256_setzero_si256();
+  __m256i at = zero, escape = zero;
+  for (size_t k = 0; k < count; ++k, t += 64) {
+    BlockMasks m;
+    for (int half = 0; half < 2; ++half) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 32 * half));
+      const __m256i low = _mm256_and_si256(v, nibble);
+      const __m256i high = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+      const __m256i cls = _mm256_and_si256(_mm256_shuffle_epi8(low_table, low),
+                                           _mm256_shuffle_epi8(high_table, high));
+      const int shift = 32 * half;
+      // A class bit k to each byte's bit 7 (a 16-bit shift moves no bit across it).
+      m.digit |= Movemask(cls) << shift;
+      m.word |= (~Movemask(_mm256_cmpeq_epi8(_mm256_and_si256(cls, word_bits), zero)) & 0xffffffffu)
+                << shift;
+      m.upper |= Movemask(_mm256_and_si256(_mm256_cmpgt_epi8(v, _mm256_set1_epi8('A' - 1)),
+                                           _mm256_cmpgt_epi8(_mm256_set1_epi8('Z' + 1), v)))
+                 << shift;
+      m.card_sep |= Movemask(_mm256_slli_epi16(cls, 4)) << shift;
+      m.num_sep |= Movemask(_mm256_slli_epi16(cls, 3)) << shift;
+      m.marker |= Movemask(_mm256_slli_epi16(cls, 2)) << shift;
+      at = _mm256_or_si256(at, _mm256_cmpeq_epi8(v, _mm256_set1_epi8('@')));
+      escape = _mm256_or_si256(escape, _mm256_cmpeq_epi8(v, _mm256_set1_epi8('%')));
+      escape = _mm256_or_si256(escape, _mm256_cmpeq_epi8(v, _mm256_set1_epi8('\\')));
+    }
+    out[k] = m;
   }
-  Finish(m[7], m[0], m[1], m[2], m[3], m[4], m[5], m[6], at, escape, out);
+  seen->at |= Movemask(at) != 0;
+  seen->escape |= Movemask(escape) != 0;
 }
 
 const bool kHasAvx2 = __builtin_cpu_supports("avx2");
@@ -131,26 +129,34 @@ constexpr bool kHasAvx2 = false;
 
 }  // namespace
 
-void ClassifyBlock(std::string_view text, size_t offset, BlockMasks* out) {
+void ClassifyBlocks(std::string_view text, size_t offset, size_t count, BlockMasks* out,
+                    ClassifySeen* seen) {
 #if defined(__x86_64__)
   if (kHasAvx2) {
-    if (offset + 64 <= text.size()) {
-      ClassifyAvx2(text.data() + offset, out);
-    } else {
+    const size_t available = offset < text.size() ? text.size() - offset : 0;
+    const size_t full = std::min(count, available / 64);
+    if (full > 0) ClassifyAvx2(text.data() + offset, full, out, seen);
+    if (full < count) {
+      // The partial last block, padded with classless NUL bytes; then empty blocks.
       char padded[64] = {};
-      const size_t n = offset < text.size() ? text.size() - offset : 0;
-      if (n > 0) std::memcpy(padded, text.data() + offset, n);
-      ClassifyAvx2(padded, out);
+      const size_t rest = available - 64 * full;
+      if (rest > 0)
+        std::memcpy(padded, text.data() + offset + 64 * full, std::min<size_t>(rest, 64));
+      ClassifyAvx2(padded, 1, out + full, seen);
+      for (size_t k = full + 1; k < count; ++k) out[k] = BlockMasks{};
     }
     return;
   }
 #endif
-  ClassifyBlockPortable(text, offset, out);
+  ClassifyBlocksPortable(text, offset, count, out, seen);
 }
 
-void ClassifyBlockPortable(std::string_view text, size_t offset, BlockMasks* out) {
-  const size_t n = offset < text.size() ? std::min<size_t>(64, text.size() - offset) : 0;
-  ClassifyBytes(n > 0 ? text.data() + offset : text.data(), n, out);
+void ClassifyBlocksPortable(std::string_view text, size_t offset, size_t count, BlockMasks* out,
+                            ClassifySeen* seen) {
+  for (size_t k = 0; k < count; ++k, offset += 64) {
+    const size_t n = offset < text.size() ? std::min<size_t>(64, text.size() - offset) : 0;
+    ClassifyBytes(n > 0 ? text.data() + offset : text.data(), n, out + k, seen);
+  }
 }
 
 bool ClassifyUsesAvx2() { return kHasAvx2; }

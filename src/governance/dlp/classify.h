@@ -21,17 +21,24 @@ struct BlockMasks {
   uint64_t card_sep = 0;  // ' ' or '-' (what joins the digit groups of a card or SSN)
   uint64_t num_sep = 0;   // '.', '(' or ')' (what else a phone number contains)
   uint64_t marker = 0;    // '+' or '(' (what starts a phone number without a context word)
-  uint64_t at = 0;        // '@'
-  uint64_t escape = 0;    // '%' or '\\' (a decoded view may differ from the text)
 };
 
-// The masks of text[offset, offset + 64) (fewer bytes at the end of the text).
-void ClassifyBlock(std::string_view text, size_t offset, BlockMasks* out);
+// Whether the classified bytes had a '@' (e-mail candidates) or a '%' or '\\' (a decoded view
+// may differ from the text); ORed in by each call.
+struct ClassifySeen {
+  bool at = false;
+  bool escape = false;
+};
 
-// The one-byte-at-a-time implementation (what ClassifyBlock uses without AVX2); for the tests.
-void ClassifyBlockPortable(std::string_view text, size_t offset, BlockMasks* out);
+// The masks of the `count` blocks text[offset + 64 k, offset + 64 (k + 1)) into out[k].
+void ClassifyBlocks(std::string_view text, size_t offset, size_t count, BlockMasks* out,
+                    ClassifySeen* seen);
 
-// Whether ClassifyBlock uses AVX2 on this CPU.
+// The one-byte-at-a-time implementation (what ClassifyBlocks uses without AVX2); for the tests.
+void ClassifyBlocksPortable(std::string_view text, size_t offset, size_t count, BlockMasks* out,
+                            ClassifySeen* seen);
+
+// Whether ClassifyBlocks uses AVX2 on this CPU.
 bool ClassifyUsesAvx2();
 
 }  // namespace esb::governance::dlp

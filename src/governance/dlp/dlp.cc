@@ -470,9 +470,9 @@ void Engine::Impl::LocateAnchored(int r, std::string_view text, size_t start,
 // masks of each 64-byte block (classify.h) give where a \b-anchored number can start (a digit
 // after a non-word byte; a digit run inside a word, "a1b2" or base64, starts nothing) and where
 // an IBAN can (\b[A-Z]{2}\d{2}), and keep only the number starts that can begin a candidate:
-// ≥ 13 bytes of [0-9 -] (every card, and every chain with an SSN after its first group), the
-// SSN shape ddd-dd-dddd / ddd dd dddd, or a phone marker '+' / '(' before ≥ 10 bytes of
-// [0-9 .()-]. A kept start is parsed as a chain of digit groups:
+// ≥ 13 bytes of [0-9 -] (every card, and every chain with an SSN after its first group), 11
+// bytes of [0-9 -] with a ' ' or '-' at 3 and 6 (an SSN's shape), or a phone marker '+' / '('
+// before ≥ 10 bytes of [0-9 .()-]. A kept start is parsed as a chain of digit groups:
 //  - Cards: digit groups joined by single ' ' or '-' form a chain. \b(?:\d[ -]?){12,18}\d\b
 //    matches whole groups only, so its candidates are, per start group, the longest run of
 //    groups with 13–19 digits that ends before a non-word byte; a rejected candidate moves
@@ -557,43 +557,43 @@ void Engine::Impl::ScanNumbers(std::string_view text, const AddFn& add, TextByte
   using Bits = unsigned __int128;  // a block's masks with the next block's as look-ahead
   const bool ibans = iban_rule >= 0;
   const bool phones = phone_rule >= 0;
-  BlockMasks cur, next;
-  ClassifyBlock(text, 0, &cur);
-  uint64_t at = 0, escape = 0;
+  constexpr size_t kBatch = 16;  // blocks classified per call (+ 1 of look-ahead)
+  BlockMasks masks[kBatch + 1];
+  ClassifySeen seen;
   uint64_t word_before = 0;    // bit 0: the byte before the block is a word byte
   uint64_t marker_before = 0;  // bit 0: ... is '+' or '('
   size_t resume = 0;           // starts before this are inside a parsed chain
-  for (size_t b = 0; b < n; b += 64) {
-    if (b + 64 < n) {
-      ClassifyBlock(text, b + 64, &next);
-    } else {
-      next = BlockMasks{};
-    }
-    at |= cur.at;
-    escape |= cur.escape;
-    const uint64_t not_after_word = ~((cur.word << 1) | word_before);
-    if (ibans && cur.upper != 0) {
-      uint64_t starts = cur.upper & ((cur.upper >> 1) | (next.upper << 63)) &
-                        ((cur.digit >> 2) | (next.digit << 62)) &
-                        ((cur.digit >> 3) | (next.digit << 61)) & not_after_word;
-      for (; starts != 0; starts &= starts - 1) {
-        LocateAnchored(iban_rule, text, b + static_cast<size_t>(__builtin_ctzll(starts)), add);
+  for (size_t base = 0; base < n; base += 64 * kBatch) {
+    const size_t blocks = std::min(kBatch, (n - base + 63) / 64);
+    ClassifyBlocks(text, base, blocks + 1, masks, &seen);
+    for (size_t k = 0; k < blocks; ++k) {
+      const BlockMasks& cur = masks[k];
+      const BlockMasks& next = masks[k + 1];
+      const size_t b = base + 64 * k;
+      const uint64_t not_after_word = ~((cur.word << 1) | word_before);
+      const uint64_t after_marker = (cur.marker << 1) | marker_before;
+      word_before = cur.word >> 63;
+      marker_before = cur.marker >> 63;
+      if (ibans && cur.upper != 0) {
+        uint64_t starts = cur.upper & ((cur.upper >> 1) | (next.upper << 63)) &
+                          ((cur.digit >> 2) | (next.digit << 62)) &
+                          ((cur.digit >> 3) | (next.digit << 61)) & not_after_word;
+        for (; starts != 0; starts &= starts - 1) {
+          LocateAnchored(iban_rule, text, b + static_cast<size_t>(__builtin_ctzll(starts)), add);
+        }
       }
-    }
-    uint64_t starts = cur.digit & not_after_word;
-    if (starts != 0) {
-      const Bits d = cur.digit | static_cast<Bits>(next.digit) << 64;
+      uint64_t starts = cur.digit & not_after_word;
+      if (starts == 0) continue;
       const Bits sep = cur.card_sep | static_cast<Bits>(next.card_sep) << 64;
-      const Bits c = d | sep;  // [0-9 -]
-      // Bit i of run<k>: bytes i..i+k-1 are all in the class.
+      const Bits c = cur.digit | sep | static_cast<Bits>(next.digit) << 64;  // [0-9 -]
+      // Bit i of a run of k: bytes i..i+k-1 are all in the class.
       const Bits c2 = c & (c >> 1), c4 = c2 & (c2 >> 2), c8 = c4 & (c4 >> 4);
-      Bits keep = c8 & (c4 >> 8) & (c >> 12);  // 13
-      keep |= d & (d >> 1) & (d >> 2) & (sep >> 3) & (d >> 4) & (d >> 5) & (sep >> 6) & (d >> 7) &
-              (d >> 8) & (d >> 9) & (d >> 10);  // ddd-dd-dddd
-      if (phones) {
+      Bits keep = c8 & (c4 >> 8) & (c >> 12);                        // 13 bytes
+      keep |= c8 & (c2 >> 8) & (c >> 10) & (sep >> 3) & (sep >> 6);  // ddd-dd-dddd's shape
+      if (phones && (starts & after_marker) != 0) {
         const Bits m = c | cur.num_sep | static_cast<Bits>(next.num_sep) << 64;  // [0-9 .()-]
         const Bits m2 = m & (m >> 1), m4 = m2 & (m2 >> 2), m8 = m4 & (m4 >> 4);
-        keep |= m8 & (m2 >> 8) & ((cur.marker << 1) | marker_before);  // 10 after '+' or '('
+        keep |= m8 & (m2 >> 8) & after_marker;  // 10 bytes after '+' or '('
       }
       starts &= static_cast<uint64_t>(keep);
       for (; starts != 0; starts &= starts - 1) {
@@ -602,13 +602,10 @@ void Engine::Impl::ScanNumbers(std::string_view text, const AddFn& add, TextByte
         resume = on_number(pos);
       }
     }
-    word_before = cur.word >> 63;
-    marker_before = cur.marker >> 63;
-    cur = next;
   }
   bytes->known = true;
-  bytes->at = at != 0;
-  bytes->escape = escape != 0;
+  bytes->at = seen.at;
+  bytes->escape = seen.escape;
 }
 
 // The e-mail pattern's candidates around each '@': the local part runs back to the start of
