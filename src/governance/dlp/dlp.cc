@@ -182,6 +182,7 @@ struct Engine::Impl {
     int groups = 0;
     Validator validate = nullptr;
     FastScan fast = FastScan::kRegex;  // kRegex unless compiled with Vectorscan
+    LocateFrom locate_from = nullptr;  // RuleDef::locate_from with Vectorscan, else nullptr
   };
   struct Secret {
     std::string id;
@@ -263,6 +264,9 @@ void Engine::Impl::ScanView(const View& view, Where where, std::vector<Finding>*
   std::vector<char> rule_hit(rules.size(), 0);
   std::vector<char> secret_hit(secrets.size(), 0);
   std::vector<size_t> phone_words;  // where a phone context word starts
+  // Per rule, the end of its first detect match (rules with a locate_from, and the secret
+  // key's context word; SIZE_MAX: unknown).
+  std::vector<size_t> first_end(rules.size(), SIZE_MAX);
   bool any = false;
 
   if (dbs[0] != nullptr || dbs[1] != nullptr) {
@@ -271,7 +275,8 @@ void Engine::Impl::ScanView(const View& view, Where where, std::vector<Finding>*
       std::vector<char>* secrets;
       bool* any;
       std::vector<size_t>* phone_words;
-    } hits{&rule_hit, &secret_hit, &any, &phone_words};
+      std::vector<size_t>* first_end;
+    } hits{&rule_hit, &secret_hit, &any, &phone_words, &first_end};
     auto on_match = [](unsigned int id, unsigned long long, unsigned long long to, unsigned int,
                        void* ctx) -> int {
       auto* h = static_cast<Hits*>(ctx);
@@ -284,6 +289,8 @@ void Engine::Impl::ScanView(const View& view, Where where, std::vector<Finding>*
         return 0;  // a word alone is no hit
       } else {
         (*h->rules)[id] = 1;
+        size_t& first = (*h->first_end)[id];
+        first = std::min(first, static_cast<size_t>(to));
       }
       *h->any = true;
       return 0;
@@ -349,7 +356,20 @@ void Engine::Impl::ScanView(const View& view, Where where, std::vector<Finding>*
     re2::StringPiece input(text.data(), text.size());
     re2::StringPiece groups[3];
     const int ngroups = 1 + std::min(rule.groups, 2);
+    // No locate match starts before locate_from (the RE2 search from there finds the same
+    // matches as from the start of the text).
     size_t pos = 0;
+    if (rule.locate_from != nullptr && first_end[r] != SIZE_MAX) {
+      pos = rule.locate_from(text, first_end[r]);
+    }
+    // The secret key without an access key id in the text: the validator wants "secret" in the
+    // 256 bytes before the value, so no finding starts before the first "secret" ends, and a
+    // rejected candidate (≤ 42 bytes) resumes one byte on: the search from just before the
+    // word sees the same candidates from there on as the search from the start.
+    if (static_cast<int>(r) == aws_secret_rule && !context.aws_key_id_present &&
+        first_end[r] != SIZE_MAX) {
+      pos = first_end[r] > 7 ? first_end[r] - 7 : 0;
+    }
     for (size_t n = 0; n < kMaxCandidatesPerRule && pos <= text.size(); ++n) {
       if (!rule.locate->Match(input, pos, text.size(), RE2::UNANCHORED, groups, ngroups)) break;
       const re2::StringPiece span = ReportedSpan(groups, ngroups);
@@ -918,6 +938,7 @@ absl::StatusOr<std::shared_ptr<const Engine>> Engine::Compile(const DlpConfig& c
     rule.groups = rule.locate->NumberOfCapturingGroups();
     rule.validate = def.validate;
     const int index = static_cast<int>(impl->rules.size());
+    if (engine_options.vectorscan) rule.locate_from = def.locate_from;
     if (engine_options.vectorscan && def.fast != FastScan::kRegex) {
       rule.fast = def.fast;
       switch (def.fast) {
@@ -1015,7 +1036,12 @@ absl::StatusOr<std::shared_ptr<const Engine>> Engine::Compile(const DlpConfig& c
       const bool word = id >= kPhoneWordIdBase && id < kSecretIdBase;
       if ((word || hs_patterns[i].rfind("(?i)", 0) == 0) != (caseless == 1)) continue;
       expressions.push_back(hs_patterns[i].c_str());
-      flags.push_back(word ? 0u : HS_FLAG_SINGLEMATCH);
+      // So do the rules whose locate pass starts near their first detect match: Vectorscan
+      // does not promise to report a single match first that ends first.
+      const bool all_ends =
+          !word && id < kSecretIdBase &&
+          (impl->rules[id].locate_from != nullptr || static_cast<int>(id) == impl->aws_secret_rule);
+      flags.push_back(word || all_ends ? 0u : HS_FLAG_SINGLEMATCH);
       ids.push_back(id);
     }
     if (expressions.empty()) continue;

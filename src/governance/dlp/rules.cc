@@ -169,6 +169,32 @@ bool Phone(std::string_view view, size_t* begin, size_t* end, const ValidateCont
   }
 }
 
+// Locate passes that start near the first detect match (RuleDef::locate_from).
+// Patterns whose locate match starts at most N bytes before the end of the detect match in it.
+template <size_t N>
+size_t Reach(std::string_view, size_t first_end) {
+  return first_end > N ? first_end - N : 0;
+}
+
+bool IsTokenByte(char c) { return IsWordChar(c) || c == '-'; }  // [A-Za-z0-9_\-]
+
+// Start of the run of [A-Za-z0-9_\-] bytes that ends at `end`.
+size_t TokenRunStart(std::string_view text, size_t end) {
+  while (end > 0 && IsTokenByte(text[end - 1])) --end;
+  return end;
+}
+
+// "sk-…T3BlbkFJ": the match's bytes before the marker are all [A-Za-z0-9_\-] ("sk-" too).
+size_t OpenAiFrom(std::string_view text, size_t first_end) {
+  return first_end >= 8 ? TokenRunStart(text, first_end - 8) : 0;
+}
+
+// "eyJ….eyJ": the detect match is the byte before the match's first '.' and ".eyJ"; the match
+// starts in the run of [A-Za-z0-9_\-] before that '.'.
+size_t JwtFrom(std::string_view text, size_t first_end) {
+  return first_end >= 4 ? TokenRunStart(text, first_end - 4) : 0;
+}
+
 }  // namespace
 
 const std::vector<RuleDef>& BuiltinRuleDefs() {
@@ -179,7 +205,9 @@ const std::vector<RuleDef>& BuiltinRuleDefs() {
       {"dlp:aws_access_key",
        {"(?:AKIA|ASIA|ABIA|ACCA|A3T[A-Z0-9])[A-Z2-7]{16}"},
        R"(\b((?:AKIA|ASIA|ABIA|ACCA|A3T[A-Z0-9])[A-Z2-7]{16})\b)",
-       AwsKeyId},
+       AwsKeyId,
+       FastScan::kRegex,
+       Reach<20>},
       // Also run when an access key id is present (see the engine).
       {"dlp:aws_secret_key",
        {"(?i)secret"},
@@ -188,35 +216,51 @@ const std::vector<RuleDef>& BuiltinRuleDefs() {
       {"dlp:github_token",
        {"gh[pousr]_[A-Za-z0-9]{36}", "github_pat_[A-Za-z0-9_]{82}"},
        R"((?:gh[pousr]_[A-Za-z0-9]{36}|github_pat_[A-Za-z0-9_]{82})\b)",
-       MinEntropy3},
+       MinEntropy3,
+       FastScan::kRegex,
+       Reach<93>},
       {"dlp:slack_token",
        {"xox[baprse]-[0-9A-Za-z]{10}"},
        R"(xox[baprse]-[0-9A-Za-z]{10,}(?:-[0-9A-Za-z]+)+)",
-       MinEntropy3},
+       MinEntropy3,
+       FastScan::kRegex,
+       Reach<15>},
       {"dlp:slack_webhook",
        {R"(hooks\.slack\.com/(?:services|workflows|triggers)/)"},
        R"(hooks\.slack\.com/(?:services|workflows|triggers)/[A-Za-z0-9+/_]{20,})",
-       nullptr},
+       nullptr,
+       FastScan::kRegex,
+       Reach<26>},
       {"dlp:google_api_key",
        {"AIza[0-9A-Za-z_\\-]{35}"},
        R"((AIza[0-9A-Za-z_\-]{35})(?:[^0-9A-Za-z_\-]|$))",
-       GoogleApiKey},
+       GoogleApiKey,
+       FastScan::kRegex,
+       Reach<39>},
       {"dlp:openai_api_key",
        {"T3BlbkFJ"},
        R"(sk-(?:(?:proj|svcacct|admin)-)?[A-Za-z0-9_\-]+T3BlbkFJ[A-Za-z0-9_\-]+)",
-       OpenAi},
+       OpenAi,
+       FastScan::kRegex,
+       OpenAiFrom},
       {"dlp:anthropic_api_key",
        {"sk-ant-(?:api03|admin01)-"},
        R"((sk-ant-(?:api03|admin01)-[A-Za-z0-9_\-]{93}AA)(?:[^A-Za-z0-9_\-]|$))",
-       nullptr},
+       nullptr,
+       FastScan::kRegex,
+       Reach<15>},
       {"dlp:private_key",
        {"PRIVATE KEY(?: BLOCK)?-----"},
        R"(-----BEGIN[ A-Z0-9_-]{0,100}PRIVATE KEY(?: BLOCK)?-----)",
-       PrivateKey},
+       PrivateKey,
+       FastScan::kRegex,
+       Reach<132>},
       {"dlp:jwt",
        {"[A-Za-z0-9_\\-]\\.eyJ"},
        R"(eyJ[A-Za-z0-9_\-]+\.eyJ[A-Za-z0-9_\-]+\.[A-Za-z0-9_\-]*)",
-       Jwt},
+       Jwt,
+       FastScan::kRegex,
+       JwtFrom},
       {"dlp:iban",
        {},
        R"(\b[A-Z]{2}\d{2}(?: ?[A-Z0-9]{4}){2,7}(?: ?[A-Z0-9]{1,4})?\b)",

@@ -23,6 +23,10 @@ struct ValidateContext {
 using Validator = bool (*)(std::string_view view, size_t* begin, size_t* end,
                            const ValidateContext& context);
 
+// The earliest offset in `text` where a locate match can start, given that the first detect
+// match ends at `first_end`.
+using LocateFrom = size_t (*)(std::string_view text, size_t first_end);
+
 // How the Vectorscan engine finds a rule's candidates (EngineOptions{.vectorscan = false}
 // ignores this: every rule is then found by the RE2::Set and located over the whole text).
 enum class FastScan : uint8_t {
@@ -41,6 +45,10 @@ struct RuleDef {
   std::string locate;
   Validator validate = nullptr;  // nullptr: every located match is a finding
   FastScan fast = FastScan::kRegex;
+  // With Vectorscan: where the locate pass may start, given the end of the first detect match
+  // in the text (every locate match contains a detect match, so none starts before this);
+  // nullptr: at the start of the text.
+  LocateFrom locate_from = nullptr;
 };
 
 // In BuiltinRules() order, without the policy rules.
