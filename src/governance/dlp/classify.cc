@@ -72,13 +72,14 @@ void ClassifyBytes(const char* t, size_t n, BlockMasks* out, ClassifySeen* seen)
 }
 
 #if defined(__x86_64__)
-constexpr std::array<uint8_t, 32> Twice(const std::array<uint8_t, 16>& t) {
-  std::array<uint8_t, 32> out{};
-  for (int i = 0; i < 16; ++i) out[i] = out[i + 16] = t[i];
+// A table repeated in each 16-byte lane of a 512-bit vector (a shuffle looks up within lanes).
+constexpr std::array<uint8_t, 64> Lanes(const std::array<uint8_t, 16>& t) {
+  std::array<uint8_t, 64> out{};
+  for (int i = 0; i < 64; ++i) out[i] = t[i % 16];
   return out;
 }
-alignas(32) constexpr std::array<uint8_t, 32> kLow32 = Twice(kLow);
-alignas(32) constexpr std::array<uint8_t, 32> kHigh32 = Twice(kHigh);
+alignas(64) constexpr std::array<uint8_t, 64> kLowLanes = Lanes(kLow);
+alignas(64) constexpr std::array<uint8_t, 64> kHighLanes = Lanes(kHigh);
 
 __attribute__((target("avx2"), always_inline)) inline uint64_t Movemask(__m256i x) {
   return static_cast<uint32_t>(_mm256_movemask_epi8(x));
@@ -87,8 +88,8 @@ __attribute__((target("avx2"), always_inline)) inline uint64_t Movemask(__m256i 
 // `count` blocks of 64 readable bytes from t.
 __attribute__((target("avx2"))) void ClassifyAvx2(const char* t, size_t count, BlockMasks* out,
                                                   ClassifySeen* seen) {
-  const __m256i low_table = _mm256_load_si256(reinterpret_cast<const __m256i*>(kLow32.data()));
-  const __m256i high_table = _mm256_load_si256(reinterpret_cast<const __m256i*>(kHigh32.data()));
+  const __m256i low_table = _mm256_load_si256(reinterpret_cast<const __m256i*>(kLowLanes.data()));
+  const __m256i high_table = _mm256_load_si256(reinterpret_cast<const __m256i*>(kHighLanes.data()));
   const __m256i nibble = _mm256_set1_epi8(0x0f);
   const __m256i word_bits = _mm256_set1_epi8(static_cast<char>(kWord));
   const __m256i zero = _mm256_setzero_si256();
@@ -122,43 +123,106 @@ __attribute__((target("avx2"))) void ClassifyAvx2(const char* t, size_t count, B
   seen->escape |= Movemask(escape) != 0;
 }
 
-const bool kHasAvx2 = __builtin_cpu_supports("avx2");
+// `count` blocks of 64 readable bytes from t.
+__attribute__((target("avx512bw"))) void ClassifyAvx512(const char* t, size_t count,
+                                                        BlockMasks* out, ClassifySeen* seen) {
+  const __m512i low_table = _mm512_load_si512(kLowLanes.data());
+  const __m512i high_table = _mm512_load_si512(kHighLanes.data());
+  const __m512i nibble = _mm512_set1_epi8(0x0f);
+  __mmask64 at = 0, escape = 0;
+  for (size_t k = 0; k < count; ++k, t += 64) {
+    const __m512i v = _mm512_loadu_si512(t);
+    const __m512i low = _mm512_and_si512(v, nibble);
+    const __m512i high = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+    const __m512i cls = _mm512_and_si512(_mm512_shuffle_epi8(low_table, low),
+                                         _mm512_shuffle_epi8(high_table, high));
+    BlockMasks& m = out[k];
+    m.digit = _mm512_movepi8_mask(cls);
+    m.word = _mm512_test_epi8_mask(cls, _mm512_set1_epi8(static_cast<char>(kWord)));
+    m.upper = _mm512_cmple_epu8_mask(_mm512_sub_epi8(v, _mm512_set1_epi8('A')),
+                                     _mm512_set1_epi8('Z' - 'A'));
+    m.card_sep = _mm512_test_epi8_mask(cls, _mm512_set1_epi8(kCardSep));
+    m.num_sep = _mm512_test_epi8_mask(cls, _mm512_set1_epi8(kNumSep));
+    m.marker = _mm512_test_epi8_mask(cls, _mm512_set1_epi8(kMarker));
+    at |= _mm512_cmpeq_epi8_mask(v, _mm512_set1_epi8('@'));
+    escape |= _mm512_cmpeq_epi8_mask(v, _mm512_set1_epi8('%')) |
+              _mm512_cmpeq_epi8_mask(v, _mm512_set1_epi8('\\'));
+  }
+  seen->at |= at != 0;
+  seen->escape |= escape != 0;
+}
+
+bool CpuHas(bool avx512) {
+  __builtin_cpu_init();  // (may run before libgcc's constructor that does it)
+  return avx512 ? __builtin_cpu_supports("avx512bw") : __builtin_cpu_supports("avx2");
+}
+const bool kHasAvx2 = CpuHas(false);
+const bool kHasAvx512 = CpuHas(true);
 #else
 constexpr bool kHasAvx2 = false;
+constexpr bool kHasAvx512 = false;
 #endif
+
+using BlocksFn = void (*)(const char* t, size_t count, BlockMasks* out, ClassifySeen* seen);
+
+void ClassifyPortable(const char* t, size_t count, BlockMasks* out, ClassifySeen* seen) {
+  for (size_t k = 0; k < count; ++k) ClassifyBytes(t + 64 * k, 64, out + k, seen);
+}
+
+BlocksFn Implementation(ClassifyImpl impl) {
+#if defined(__x86_64__)
+  if (impl == ClassifyImpl::kAvx512) return ClassifyAvx512;
+  if (impl == ClassifyImpl::kAvx2) return ClassifyAvx2;
+#endif
+  return ClassifyPortable;
+}
+
+const ClassifyImpl kBest = kHasAvx512 ? ClassifyImpl::kAvx512
+                           : kHasAvx2 ? ClassifyImpl::kAvx2
+                                      : ClassifyImpl::kPortable;
+const BlocksFn kBestFn = Implementation(kBest);
+
+// Full blocks straight from the text, the partial last one padded with classless NUL bytes,
+// then empty blocks.
+void Classify(BlocksFn fn, std::string_view text, size_t offset, size_t count, BlockMasks* out,
+              ClassifySeen* seen) {
+  const size_t available = offset < text.size() ? text.size() - offset : 0;
+  const size_t full = std::min(count, available / 64);
+  if (full > 0) fn(text.data() + offset, full, out, seen);
+  if (full < count) {
+    char padded[64] = {};
+    const size_t rest = available - 64 * full;
+    if (rest > 0) std::memcpy(padded, text.data() + offset + 64 * full, std::min<size_t>(rest, 64));
+    fn(padded, 1, out + full, seen);
+    for (size_t k = full + 1; k < count; ++k) out[k] = BlockMasks{};
+  }
+}
 
 }  // namespace
 
+bool ClassifySupported(ClassifyImpl impl) {
+  switch (impl) {
+    case ClassifyImpl::kPortable:
+      return true;
+    case ClassifyImpl::kAvx2:
+      return kHasAvx2;
+    case ClassifyImpl::kAvx512:
+      return kHasAvx512;
+  }
+  return false;
+}
+
+ClassifyImpl ClassifyBest() { return kBest; }
+
 void ClassifyBlocks(std::string_view text, size_t offset, size_t count, BlockMasks* out,
                     ClassifySeen* seen) {
-#if defined(__x86_64__)
-  if (kHasAvx2) {
-    const size_t available = offset < text.size() ? text.size() - offset : 0;
-    const size_t full = std::min(count, available / 64);
-    if (full > 0) ClassifyAvx2(text.data() + offset, full, out, seen);
-    if (full < count) {
-      // The partial last block, padded with classless NUL bytes; then empty blocks.
-      char padded[64] = {};
-      const size_t rest = available - 64 * full;
-      if (rest > 0)
-        std::memcpy(padded, text.data() + offset + 64 * full, std::min<size_t>(rest, 64));
-      ClassifyAvx2(padded, 1, out + full, seen);
-      for (size_t k = full + 1; k < count; ++k) out[k] = BlockMasks{};
-    }
-    return;
-  }
-#endif
-  ClassifyBlocksPortable(text, offset, count, out, seen);
+  Classify(kBestFn, text, offset, count, out, seen);
 }
 
-void ClassifyBlocksPortable(std::string_view text, size_t offset, size_t count, BlockMasks* out,
-                            ClassifySeen* seen) {
-  for (size_t k = 0; k < count; ++k, offset += 64) {
-    const size_t n = offset < text.size() ? std::min<size_t>(64, text.size() - offset) : 0;
-    ClassifyBytes(n > 0 ? text.data() + offset : text.data(), n, out + k, seen);
-  }
+void ClassifyBlocksWith(ClassifyImpl impl, std::string_view text, size_t offset, size_t count,
+                        BlockMasks* out, ClassifySeen* seen) {
+  Classify(ClassifySupported(impl) ? Implementation(impl) : ClassifyPortable, text, offset, count,
+           out, seen);
 }
-
-bool ClassifyUsesAvx2() { return kHasAvx2; }
 
 }  // namespace esb::governance::dlp

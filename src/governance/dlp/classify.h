@@ -2,8 +2,8 @@
 // hand-written scanners (number-shaped rules, e-mail) find their candidate starts with a few
 // shifts and ANDs on these masks instead of looking at every byte. One table lookup per byte
 // (two nibble tables ANDed: every class is a rectangle of high × low nibbles), done with
-// AVX2 shuffles when the CPU has them (chosen at run time), else one byte at a time; both give
-// the same masks (classify_test.cc).
+// AVX-512BW or AVX2 shuffles when the CPU has them (chosen at run time), else one byte at a
+// time; all give the same masks (classify_test.cc).
 #pragma once
 
 #include <cstddef>
@@ -30,15 +30,18 @@ struct ClassifySeen {
   bool escape = false;
 };
 
+// The implementations: one byte at a time, AVX2 shuffles, AVX-512BW shuffles and mask tests.
+enum class ClassifyImpl : uint8_t { kPortable, kAvx2, kAvx512 };
+// Whether this CPU (and build) has `impl`.
+bool ClassifySupported(ClassifyImpl impl);
+// The fastest supported implementation (what ClassifyBlocks uses).
+ClassifyImpl ClassifyBest();
+
 // The masks of the `count` blocks text[offset + 64 k, offset + 64 (k + 1)) into out[k].
 void ClassifyBlocks(std::string_view text, size_t offset, size_t count, BlockMasks* out,
                     ClassifySeen* seen);
-
-// The one-byte-at-a-time implementation (what ClassifyBlocks uses without AVX2); for the tests.
-void ClassifyBlocksPortable(std::string_view text, size_t offset, size_t count, BlockMasks* out,
-                            ClassifySeen* seen);
-
-// Whether ClassifyBlocks uses AVX2 on this CPU.
-bool ClassifyUsesAvx2();
+// The same with a given supported implementation (the tests compare them).
+void ClassifyBlocksWith(ClassifyImpl impl, std::string_view text, size_t offset, size_t count,
+                        BlockMasks* out, ClassifySeen* seen);
 
 }  // namespace esb::governance::dlp

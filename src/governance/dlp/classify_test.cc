@@ -1,5 +1,6 @@
-// The byte-class masks (classify.h): the AVX2 and the portable implementations agree on every
-// byte value at every position, and the classes are what their comments say.
+// The byte-class masks (classify.h): every implementation this CPU has agrees with the portable
+// one on every byte value at every position, on random text, batches and tails, and the classes
+// are what their comments say.
 #include "governance/dlp/classify.h"
 
 #include <gtest/gtest.h>
@@ -25,12 +26,29 @@ void ExpectSame(const ClassifySeen& a, const ClassifySeen& b, const std::string&
   EXPECT_EQ(a.escape, b.escape) << what;
 }
 
+// The SIMD implementations this CPU has (each is compared with the portable one).
+std::vector<ClassifyImpl> Fast() {
+  std::vector<ClassifyImpl> out;
+  for (ClassifyImpl impl : {ClassifyImpl::kAvx2, ClassifyImpl::kAvx512}) {
+    if (ClassifySupported(impl)) {
+      out.push_back(impl);
+    } else {
+      std::printf("note: this CPU has no %s: not compared\n",
+                  impl == ClassifyImpl::kAvx2 ? "AVX2" : "AVX-512BW");
+    }
+  }
+  return out;
+}
+
+std::string Name(ClassifyImpl impl) { return impl == ClassifyImpl::kAvx2 ? "avx2" : "avx512"; }
+
 TEST(DlpClassifyTest, EveryByteValueHasItsClasses) {
+  const std::vector<ClassifyImpl> fast = Fast();
   for (int c = 0; c < 256; ++c) {
     const std::string text(1, static_cast<char>(c));
     BlockMasks m;
     ClassifySeen seen;
-    ClassifyBlocksPortable(text, 0, 1, &m, &seen);
+    ClassifyBlocksWith(ClassifyImpl::kPortable, text, 0, 1, &m, &seen);
     const bool digit = c >= '0' && c <= '9';
     const bool upper = c >= 'A' && c <= 'Z';
     const bool word = digit || upper || (c >= 'a' && c <= 'z') || c == '_';
@@ -42,30 +60,33 @@ TEST(DlpClassifyTest, EveryByteValueHasItsClasses) {
     EXPECT_EQ(m.marker, c == '+' || c == '(' ? 1u : 0u) << c;
     EXPECT_EQ(seen.at, c == '@') << c;
     EXPECT_EQ(seen.escape, c == '%' || c == '\\') << c;
-    // The dispatched implementation (AVX2 where the CPU has it) on a full block: the byte at
-    // every position, and past the end of a short text nothing.
-    for (size_t pos = 0; pos < 64; pos += 9) {
-      std::string block(64, '\x80');
-      block[pos] = static_cast<char>(c);
-      BlockMasks fast, slow;
-      ClassifySeen fast_seen, slow_seen;
-      ClassifyBlocks(block, 0, 1, &fast, &fast_seen);
-      ClassifyBlocksPortable(block, 0, 1, &slow, &slow_seen);
-      const std::string what = "byte " + std::to_string(c) + " at " + std::to_string(pos);
-      ExpectSame(fast, slow, what);
-      ExpectSame(fast_seen, slow_seen, what);
+    for (ClassifyImpl impl : fast) {
+      // The byte at every 9th position of a full block of classless 0x80 bytes.
+      for (size_t pos = 0; pos < 64; pos += 9) {
+        std::string block(64, '\x80');
+        block[pos] = static_cast<char>(c);
+        BlockMasks a, b;
+        ClassifySeen a_seen, b_seen;
+        ClassifyBlocksWith(impl, block, 0, 1, &a, &a_seen);
+        ClassifyBlocksWith(ClassifyImpl::kPortable, block, 0, 1, &b, &b_seen);
+        const std::string what =
+            Name(impl) + ": byte " + std::to_string(c) + " at " + std::to_string(pos);
+        ExpectSame(a, b, what);
+        ExpectSame(a_seen, b_seen, what);
+      }
+      // A one-byte text: its block, then a block past the end with nothing in it.
+      BlockMasks short_text[2];
+      ClassifySeen short_seen;
+      ClassifyBlocksWith(impl, text, 0, 2, short_text, &short_seen);
+      const std::string what = Name(impl) + ": one-byte text " + std::to_string(c);
+      ExpectSame(short_text[0], m, what);
+      ExpectSame(short_text[1], BlockMasks{}, what + ", past the end");
+      ExpectSame(short_seen, seen, what);
     }
-    BlockMasks short_fast[2];
-    ClassifySeen short_seen;
-    ClassifyBlocks(text, 0, 2, short_fast, &short_seen);
-    ExpectSame(short_fast[0], m, "short text, byte " + std::to_string(c));
-    ExpectSame(short_fast[1], BlockMasks{}, "past a short text, byte " + std::to_string(c));
-    ExpectSame(short_seen, seen, "short text, byte " + std::to_string(c));
   }
 }
 
-TEST(DlpClassifyTest, RandomBlocksAndTailsAgree) {
-  if (!ClassifyUsesAvx2()) std::printf("note: no AVX2 here: both sides are the portable code\n");
+TEST(DlpClassifyTest, RandomBlocksBatchesAndTailsAgree) {
   uint64_t x = 88172645463325252ull;
   std::string text(4096 + 37, '\0');
   for (char& c : text) {
@@ -74,19 +95,30 @@ TEST(DlpClassifyTest, RandomBlocksAndTailsAgree) {
     x ^= x << 17;
     c = static_cast<char>(x);
   }
+  const std::vector<ClassifyImpl> fast = Fast();
   // Batches of 1..20 blocks from every 13th offset, running past the end.
   for (size_t offset = 0; offset < text.size(); offset += 13) {
     const size_t count = 1 + offset % 20;
-    std::vector<BlockMasks> fast(count), slow(count);
-    ClassifySeen fast_seen, slow_seen;
-    ClassifyBlocks(text, offset, count, fast.data(), &fast_seen);
-    ClassifyBlocksPortable(text, offset, count, slow.data(), &slow_seen);
-    for (size_t k = 0; k < count; ++k) {
-      ExpectSame(fast[k], slow[k],
-                 "offset " + std::to_string(offset) + " block " + std::to_string(k));
+    std::vector<BlockMasks> want(count);
+    ClassifySeen want_seen;
+    ClassifyBlocksWith(ClassifyImpl::kPortable, text, offset, count, want.data(), &want_seen);
+    for (ClassifyImpl impl : fast) {
+      std::vector<BlockMasks> got(count);
+      ClassifySeen got_seen;
+      ClassifyBlocksWith(impl, text, offset, count, got.data(), &got_seen);
+      const std::string what = Name(impl) + ": offset " + std::to_string(offset);
+      for (size_t k = 0; k < count; ++k) {
+        ExpectSame(got[k], want[k], what + " block " + std::to_string(k));
+      }
+      ExpectSame(got_seen, want_seen, what);
     }
-    ExpectSame(fast_seen, slow_seen, "offset " + std::to_string(offset));
   }
+  // ClassifyBlocks is the best implementation; past the end there is nothing.
+  BlockMasks a, b;
+  ClassifySeen a_seen, b_seen;
+  ClassifyBlocks(text, 64, 1, &a, &a_seen);
+  ClassifyBlocksWith(ClassifyBest(), text, 64, 1, &b, &b_seen);
+  ExpectSame(a, b, "ClassifyBlocks");
   BlockMasks past;
   ClassifySeen past_seen;
   ClassifyBlocks(text, text.size(), 1, &past, &past_seen);

@@ -802,3 +802,128 @@ TEST(DlpCorpusTest, NumberSamplesAtEveryOffset) {
 
 }  // namespace
 }  // namespace esb::governance::dlp
+
+namespace esb::governance::dlp {
+namespace {
+
+const Engine& Re2Only() {
+  static const std::shared_ptr<const Engine> engine = [] {
+    auto compiled = Engine::Compile(DlpConfig{}, EngineOptions{.vectorscan = false});
+    EXPECT_TRUE(compiled.ok()) << compiled.status();
+    return *compiled;
+  }();
+  return *engine;
+}
+
+// The number scan classifies 64-byte blocks, 16 per call with one block of look-ahead: number
+// samples straddling a block edge, a batch edge (1024) and the end of the text, after a word
+// byte (no \b: nothing) or after a separator, are found exactly as by the RE2-only engine.
+TEST(DlpCorpusTest, NumberCandidatesAtBlockAndBatchEdgesAndTheEndOfTheText) {
+  const std::pair<const char*, std::string> samples[] = {
+      {"dlp:credit_card", "4111 1111 1111 1111"},
+      {"dlp:credit_card", "4111-1111-1111-1111"},
+      {"dlp:credit_card", "378282246310005"},
+      {"dlp:us_ssn", "536-22-8745"},
+      {"dlp:us_ssn", "536 22 8745"},
+      {"dlp:us_ssn", "12 536-22-8745"},  // an SSN after the chain's first group
+      {"dlp:iban", "DE89 3704 0044 0532 0130 00"},
+      {"dlp:phone", "+44 20 7946 0958"},
+      {"dlp:phone", "(415) 555-2671"},
+      {"dlp:phone", "tel: 415 555 2671"},
+  };
+  for (const auto& [rule, sample] : samples) {
+    for (size_t edge : {64, 128, 1024, 2048}) {
+      for (size_t back = 0; back <= sample.size() + 1; ++back) {
+        if (back > edge) continue;
+        const size_t offset = edge - back;  // the sample crosses the edge
+        for (char before : {' ', 'x', '+', '\n'}) {
+          const std::string filler =
+              offset == 0 ? "" : std::string(offset - 1, 'y') + std::string(1, before);
+          for (const std::string& after : {std::string(" tail"), std::string()}) {
+            const std::string text = filler + sample + after;
+            const Result a = Default().ScanText(text, Where::kBody);
+            const Result b = Re2Only().ScanText(text, Where::kBody);
+            ASSERT_EQ(Describe(a), Describe(b))
+                << rule << " at " << offset << " after '" << before << "'";
+            if (before == ' ' || offset == 0) {
+              ASSERT_TRUE(Has(a, rule)) << rule << " at " << offset << ": " << Describe(a);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// Decoded views run only when the text has a '%' or '\\' (seen by the block classifier): one at
+// the start, at a block or batch edge, or as the text's last bytes still opens its view.
+TEST(DlpDecodedViewTest, EscapesAnywhereOpenTheDecodedViews) {
+  const std::string encoded = "alice%40example.com";
+  for (size_t offset : {0, 1, 50, 63, 64, 1000, 1017, 1023, 1024, 1030, 2047}) {
+    for (const std::string& after : {std::string(" end"), std::string()}) {
+      const std::string text =
+          (offset == 0 ? "" : std::string(offset - 1, 'x') + " ") + encoded + after;
+      const Result a = Default().ScanText(text, Where::kBody);
+      ASSERT_TRUE(Has(a, "dlp:email")) << offset << ": " << Describe(a);
+      EXPECT_EQ(a.findings[0].layer, "url") << offset;
+      EXPECT_EQ(Describe(a), Describe(Re2Only().ScanText(text, Where::kBody))) << offset;
+    }
+  }
+  // A JSON-escaped card whose only backslashes are the text's last bytes' neighbours.
+  for (size_t offset : {0, 1009, 1010, 1011}) {
+    const std::string text = std::string(offset, ' ') + "4111\\u00201111\\u00201111\\u00201111";
+    const Result a = Default().ScanText(text, Where::kBody);
+    ASSERT_TRUE(Has(a, "dlp:credit_card")) << offset << ": " << Describe(a);
+    EXPECT_EQ(Describe(a), Describe(Re2Only().ScanText(text, Where::kBody))) << offset;
+  }
+}
+
+// The RE2 locate pass of a Vectorscan rule starts near the rule's first detect match
+// (RuleDef::locate_from): near-misses before a valid sample, a sample at the very start of the
+// text, long token runs before a JWT or an OpenAI key's marker, a PEM header with a long label,
+// an AWS secret before or after its context word with and without a key id: the same findings
+// as the RE2-only engine, which searches from the start.
+TEST(DlpCorpusTest, LocatePassesStartingNearTheFirstDetectMatchFindTheSame) {
+  const std::string run(300, 'a');
+  const std::string jwt_bad = "eyJhbGciOiJub25lIn0.eyJ4IjoxfQ.";  // header without "alg"
+  const std::vector<std::pair<std::string, std::string>> texts = {
+      {"github at the start", GithubToken() + " x"},
+      {"github near-miss then valid", "ghp_" + std::string(36, 'a') + " " + GithubToken()},
+      {"slack token at the end", "token " + SlackToken()},
+      {"two google keys", GoogleApiKey() + " " + GoogleApiKey()},
+      {"aws key after a word byte, then a valid one", "x" + AwsKeyId() + " " + AwsKeyId()},
+      {"jwt after a long token run", run + Jwt()},
+      {"jwt after a long token run and a space", run + " " + Jwt()},
+      {"invalid jwt then valid", jwt_bad + " " + Jwt()},
+      {"openai with token bytes before", run + OpenAiKey()},
+      {"openai at the start", OpenAiKey()},
+      {"anthropic at the start", AnthropicKey() + " x"},
+      {"private key with a long label",
+       "-----BEGIN " + std::string(80, 'X') + " PRIVATE KEY-----\n" + std::string(80, 'Q') +
+           "\n-----END " + std::string(80, 'X') + " PRIVATE KEY-----"},
+      {"slack webhook twice", SlackWebhook() + " " + SlackWebhook()},
+      {"aws secret before its context word", AwsSecret() + " aws secret access key"},
+      {"aws secret after its context word", "aws secret access key: " + AwsSecret()},
+      {"aws secret far before a key id", AwsSecret() + std::string(2000, ' ') + AwsKeyId()},
+  };
+  for (const auto& [name, text] : texts) {
+    for (const std::string& prefix : {std::string(), std::string(1500, '.') + " "}) {
+      const std::string body = prefix + text;
+      const Result a = Default().ScanText(body, Where::kBody);
+      const Result b = Re2Only().ScanText(body, Where::kBody);
+      EXPECT_EQ(Describe(a), Describe(b)) << name << (prefix.empty() ? "" : " (after 1500 B)");
+    }
+  }
+  // And the positive cases are found at all.
+  EXPECT_TRUE(Has(Default().ScanText(jwt_bad + " " + Jwt(), Where::kBody), "dlp:jwt"));
+  EXPECT_TRUE(Has(Default().ScanText(run + " " + Jwt(), Where::kBody), "dlp:jwt"));
+  EXPECT_TRUE(Has(Default().ScanText(OpenAiKey(), Where::kBody), "dlp:openai_api_key"));
+  EXPECT_TRUE(Has(Default().ScanText("aws secret access key: " + AwsSecret(), Where::kBody),
+                  "dlp:aws_secret_key"));
+  EXPECT_TRUE(
+      Has(Default().ScanText(AwsSecret() + std::string(2000, ' ') + AwsKeyId(), Where::kBody),
+          "dlp:aws_secret_key"));
+}
+
+}  // namespace
+}  // namespace esb::governance::dlp
