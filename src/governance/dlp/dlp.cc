@@ -574,11 +574,12 @@ void Engine::Impl::ScanNumbers(std::string_view text, const AddFn& add, TextByte
     }
     return std::max(j, i + 1);
   };
-  using Bits = unsigned __int128;  // a block's masks with the next block's as look-ahead
   const bool ibans = iban_rule >= 0;
   const bool phones = phone_rule >= 0;
   constexpr size_t kBatch = 16;  // blocks classified per call (+ 1 of look-ahead)
   BlockMasks masks[kBatch + 1];
+  uint64_t iban_starts[kBatch];
+  uint64_t number_starts[kBatch];
   ClassifySeen seen;
   uint64_t word_before = 0;    // bit 0: the byte before the block is a word byte
   uint64_t marker_before = 0;  // bit 0: ... is '+' or '('
@@ -586,38 +587,47 @@ void Engine::Impl::ScanNumbers(std::string_view text, const AddFn& add, TextByte
   for (size_t base = 0; base < n; base += 64 * kBatch) {
     const size_t blocks = std::min(kBatch, (n - base + 63) / 64);
     ClassifyBlocks(text, base, blocks + 1, masks, &seen);
+    // The starts of every block of the batch first (no branches: the blocks pipeline), then
+    // the candidates in text order.
     for (size_t k = 0; k < blocks; ++k) {
       const BlockMasks& cur = masks[k];
       const BlockMasks& next = masks[k + 1];
-      const size_t b = base + 64 * k;
-      const uint64_t not_after_word = ~((cur.word << 1) | word_before);
-      const uint64_t after_marker = (cur.marker << 1) | marker_before;
+      // Bits s.. of the block's mask with the next block's as look-ahead (0 < s < 64).
+      const auto ahead = [](uint64_t lo, uint64_t hi, int s) { return lo >> s | hi << (64 - s); };
+      const uint64_t not_after_word = ~(cur.word << 1 | word_before);
+      const uint64_t after_marker = cur.marker << 1 | marker_before;
       word_before = cur.word >> 63;
       marker_before = cur.marker >> 63;
-      if (ibans && cur.upper != 0) {
-        uint64_t starts = cur.upper & ((cur.upper >> 1) | (next.upper << 63)) &
-                          ((cur.digit >> 2) | (next.digit << 62)) &
-                          ((cur.digit >> 3) | (next.digit << 61)) & not_after_word;
-        for (; starts != 0; starts &= starts - 1) {
-          LocateAnchored(iban_rule, text, b + static_cast<size_t>(__builtin_ctzll(starts)), add);
-        }
+      iban_starts[k] = ibans ? cur.upper & ahead(cur.upper, next.upper, 1) &
+                                   ahead(cur.digit, next.digit, 2) &
+                                   ahead(cur.digit, next.digit, 3) & not_after_word
+                             : 0;
+      // Runs: bit i of x<k> is set when bytes i..i+k-1 are all in the class (the look-ahead
+      // halves hold the first bits of the next block's runs, enough for these shifts).
+      const uint64_t sep = cur.card_sep, sep_hi = next.card_sep;
+      const uint64_t c1 = cur.digit | sep, c1_hi = next.digit | sep_hi;  // [0-9 -]
+      const uint64_t c2 = c1 & ahead(c1, c1_hi, 1), c2_hi = c1_hi & c1_hi >> 1;
+      const uint64_t c4 = c2 & ahead(c2, c2_hi, 2), c4_hi = c2_hi & c2_hi >> 2;
+      const uint64_t c8 = c4 & ahead(c4, c4_hi, 4);
+      uint64_t keep = c8 & ahead(c4, c4_hi, 8) & ahead(c1, c1_hi, 12);  // 13 bytes
+      keep |= c8 & ahead(c2, c2_hi, 8) & ahead(c1, c1_hi, 10) & ahead(sep, sep_hi, 3) &
+              ahead(sep, sep_hi, 6);  // ddd-dd-dddd's shape
+      if (phones) {
+        const uint64_t m1 = c1 | cur.num_sep, m1_hi = c1_hi | next.num_sep;  // [0-9 .()-]
+        const uint64_t m2 = m1 & ahead(m1, m1_hi, 1), m2_hi = m1_hi & m1_hi >> 1;
+        const uint64_t m4 = m2 & ahead(m2, m2_hi, 2), m4_hi = m2_hi & m2_hi >> 2;
+        const uint64_t m8 = m4 & ahead(m4, m4_hi, 4);
+        keep |= m8 & ahead(m2, m2_hi, 8) & after_marker;  // 10 bytes after '+' or '('
       }
-      uint64_t starts = cur.digit & not_after_word;
-      if (starts == 0) continue;
-      const Bits sep = cur.card_sep | static_cast<Bits>(next.card_sep) << 64;
-      const Bits c = cur.digit | sep | static_cast<Bits>(next.digit) << 64;  // [0-9 -]
-      // Bit i of a run of k: bytes i..i+k-1 are all in the class.
-      const Bits c2 = c & (c >> 1), c4 = c2 & (c2 >> 2), c8 = c4 & (c4 >> 4);
-      Bits keep = c8 & (c4 >> 8) & (c >> 12);                        // 13 bytes
-      keep |= c8 & (c2 >> 8) & (c >> 10) & (sep >> 3) & (sep >> 6);  // ddd-dd-dddd's shape
-      if (phones && (starts & after_marker) != 0) {
-        const Bits m = c | cur.num_sep | static_cast<Bits>(next.num_sep) << 64;  // [0-9 .()-]
-        const Bits m2 = m & (m >> 1), m4 = m2 & (m2 >> 2), m8 = m4 & (m4 >> 4);
-        keep |= m8 & (m2 >> 8) & after_marker;  // 10 bytes after '+' or '('
+      number_starts[k] = cur.digit & not_after_word & keep;
+    }
+    for (size_t k = 0; k < blocks; ++k) {
+      const size_t b = base + 64 * k;
+      for (uint64_t s = iban_starts[k]; s != 0; s &= s - 1) {
+        LocateAnchored(iban_rule, text, b + static_cast<size_t>(__builtin_ctzll(s)), add);
       }
-      starts &= static_cast<uint64_t>(keep);
-      for (; starts != 0; starts &= starts - 1) {
-        const size_t pos = b + static_cast<size_t>(__builtin_ctzll(starts));
+      for (uint64_t s = number_starts[k]; s != 0; s &= s - 1) {
+        const size_t pos = b + static_cast<size_t>(__builtin_ctzll(s));
         if (pos < resume) continue;
         resume = on_number(pos);
       }

@@ -57,13 +57,15 @@ bool LuhnValid(std::string_view text) {
 }
 
 bool CardNumberValid(std::string_view text) {
-  std::string digits;
+  char buffer[20];  // no allocation per candidate: the number scan calls this a lot
+  size_t n = 0;
   char separator = 0;
   size_t group = 0;
   size_t groups = 0;
   for (char c : text) {
     if (IsDigit(c)) {
-      digits.push_back(c);
+      if (n == sizeof(buffer)) return false;  // > 19 digits
+      buffer[n++] = c;
       ++group;
       continue;
     }
@@ -75,8 +77,8 @@ bool CardNumberValid(std::string_view text) {
     ++groups;
   }
   if (separator != 0 && groups < 2) return false;  // "411111111111 1111": not a card layout
-  const size_t n = digits.size();
   if (n < 13 || n > 19) return false;
+  const std::string_view digits(buffer, n);
   if (digits.find_first_not_of(digits[0]) == std::string::npos) return false;
   bool network = false;
   const int p1 = Prefix(digits, 1), p2 = Prefix(digits, 2), p3 = Prefix(digits, 3),
