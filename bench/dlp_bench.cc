@@ -2,10 +2,14 @@
 // (thread CPU time, so other load on the machine does not count), the engine (Vectorscan for
 // secrets, the number and e-mail scanners for PII, RE2 to locate and validators)
 // vs the same engine with every detect pattern in one RE2::Set, same corpus, same run,
-// alternating rounds. Also the secret-only and PII-only rule subsets, to show where time goes.
-//   dlp_bench [--bodies N] [--body-kib K] [--rounds R] [--config DLP_JSON] [--profile 1]
+// alternating rounds. Also the secret-only and PII-only rule subsets, to show where time goes,
+// and the default set on a second corpus: chat-style JSON request bodies (prose and code with
+// JSON escapes, so the JSON view is decoded and scanned too; dlp_test_util.h ChatJson).
+//   dlp_bench [--bodies N] [--body-kib K] [--rounds R] [--config DLP_JSON [--corpus chat]]
+//             [--profile 1]
 // --profile 1 runs only our engine (for `perf record`; no baseline, no ratio).
-// --config replaces the three rule sets by one DLP config (e.g. '{"rules": {"phone": "off"}}').
+// --config replaces the rule sets by one DLP config (e.g. '{"rules": {"phone": "off"}}') on
+// the mixed corpus (--corpus chat: on the chat corpus).
 #include <time.h>
 
 #include <algorithm>
@@ -69,18 +73,21 @@ int main(int argc, char** argv) {
   int rounds = 3;
   std::string only_config;
   bool profile = false;
+  bool chat_only = false;
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!std::strcmp(argv[i], "--bodies")) n_bodies = std::stoul(argv[i + 1]);
     if (!std::strcmp(argv[i], "--body-kib")) body_kib = std::stoul(argv[i + 1]);
     if (!std::strcmp(argv[i], "--rounds")) rounds = std::stoi(argv[i + 1]);
     if (!std::strcmp(argv[i], "--config")) only_config = argv[i + 1];
     if (!std::strcmp(argv[i], "--profile")) profile = std::strcmp(argv[i + 1], "0") != 0;
+    if (!std::strcmp(argv[i], "--corpus")) chat_only = !std::strcmp(argv[i + 1], "chat");
   }
-  std::vector<std::string> bodies;
+  std::vector<std::string> bodies, chat;
   for (size_t i = 0; i < n_bodies; ++i) {
     // A planted sample in every 4th body, cycling through the 15 detectors.
-    bodies.push_back(
-        dlp::testing::MixedText(body_kib * 1024, i + 1, i % 4 == 0 ? static_cast<int>(i / 4) : -1));
+    const int plant = i % 4 == 0 ? static_cast<int>(i / 4) : -1;
+    bodies.push_back(dlp::testing::MixedText(body_kib * 1024, i + 1, plant));
+    chat.push_back(dlp::testing::ChatJson(body_kib * 1024, i + 1, plant));
   }
   if (FILE* f = std::fopen("/proc/loadavg", "r")) {
     char buf[64] = {};
@@ -89,7 +96,8 @@ int main(int argc, char** argv) {
   }
   std::printf(
       "corpus: %zu bodies x %zu KiB of mixed text (seeded; ~15%% numeric tokens, hex, "
-      "base64, JSON punctuation), a planted sample in every 4th body\n",
+      "base64, JSON punctuation), a planted sample in every 4th body; the chat corpus: as many "
+      "chat-style JSON bodies of prose and code with JSON escapes, same plants\n",
       n_bodies, body_kib);
 
   const char* kPii = R"("credit_card": "off", "iban": "off", "us_ssn": "off", "email": "off",
@@ -101,13 +109,15 @@ int main(int argc, char** argv) {
   struct Set {
     std::string name;
     std::string json;
+    const std::vector<std::string>* corpus;
   };
   std::vector<Set> sets = {
-      {"all 15 rules (default)", "{}"},
-      {"10 secret rules", std::string("{\"rules\": {") + kPii + "}}"},
-      {"5 PII/financial rules", std::string("{\"rules\": {") + kSecrets + "}}"},
+      {"all 15 rules (default)", "{}", &bodies},
+      {"10 secret rules", std::string("{\"rules\": {") + kPii + "}}", &bodies},
+      {"5 PII/financial rules", std::string("{\"rules\": {") + kSecrets + "}}", &bodies},
+      {"chat JSON, all 15 rules", "{}", &chat},
   };
-  if (!only_config.empty()) sets = {{"--config", only_config}};
+  if (!only_config.empty()) sets = {{"--config", only_config, chat_only ? &chat : &bodies}};
   std::printf("%-24s | %-28s | %9s | %9s | %8s\n", "rule set", "engine", "min MB/s", "med MB/s",
               "findings");
   std::printf("%s\n", std::string(90, '-').c_str());
@@ -117,8 +127,8 @@ int main(int argc, char** argv) {
     std::vector<double> vs_rates, re2_rates;
     size_t vs_findings = 0, re2_findings = 0;
     for (int r = 0; r < rounds; ++r) {
-      const Round a = ScanAll(*vs, bodies);
-      const Round b = profile ? Round{1, a.findings} : ScanAll(*re2, bodies);
+      const Round a = ScanAll(*vs, *set.corpus);
+      const Round b = profile ? Round{1, a.findings} : ScanAll(*re2, *set.corpus);
       vs_rates.push_back(a.mb_per_s);
       re2_rates.push_back(b.mb_per_s);
       vs_findings = a.findings;

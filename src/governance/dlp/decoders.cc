@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cstring>
+#include <numeric>
 
 #include "absl/strings/ascii.h"
 #include "common/util.h"
@@ -51,6 +53,17 @@ void MapTo(size_t out_before, const std::string& out, uint32_t src, OffsetMap* m
   for (size_t i = out_before; i < out.size(); ++i) map->push_back(src);
 }
 
+// Appends in[from, to) unchanged, each byte mapped to itself: the bulk of a text between its
+// escapes (one copy instead of a byte at a time).
+void CopyRun(std::string_view in, size_t from, size_t to, std::string* out, OffsetMap* map) {
+  out->append(in.data() + from, to - from);
+  if (map == nullptr) return;
+  const size_t at = map->size();
+  map->resize(at + (to - from));
+  std::iota(map->begin() + static_cast<std::ptrdiff_t>(at), map->end(),
+            static_cast<uint32_t>(from));
+}
+
 int ParseHex4(std::string_view s) {
   if (s.size() < 4) return -1;
   int v = 0;
@@ -73,6 +86,13 @@ bool UrlDecode(std::string_view in, size_t plus_from, std::string* out, OffsetMa
     map->reserve(in.size() + 1);
   }
   for (size_t i = 0; i < in.size();) {
+    if (in[i] != '%' && in[i] != '+') {
+      size_t run = i + 1;
+      while (run < in.size() && in[run] != '%' && in[run] != '+') ++run;
+      CopyRun(in, i, run, out, map);
+      i = run;
+      continue;
+    }
     const size_t before = out->size();
     const char c = in[i];
     if (c == '%' && i + 2 < in.size() && HexValue(in[i + 1]) >= 0 && HexValue(in[i + 2]) >= 0) {
@@ -104,8 +124,17 @@ bool JsonUnescape(std::string_view in, std::string* out, OffsetMap* map) {
     map->reserve(in.size() + 1);
   }
   for (size_t i = 0; i < in.size();) {
+    if (in[i] != '\\') {
+      const void* escape = std::memchr(in.data() + i, '\\', in.size() - i);
+      const size_t run = escape == nullptr
+                             ? in.size()
+                             : static_cast<size_t>(static_cast<const char*>(escape) - in.data());
+      CopyRun(in, i, run, out, map);
+      i = run;
+      continue;
+    }
     const size_t before = out->size();
-    if (in[i] != '\\' || i + 1 >= in.size()) {
+    if (i + 1 >= in.size()) {
       out->push_back(in[i]);
       MapTo(before, *out, static_cast<uint32_t>(i), map);
       ++i;

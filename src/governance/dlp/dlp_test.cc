@@ -927,3 +927,41 @@ TEST(DlpCorpusTest, LocatePassesStartingNearTheFirstDetectMatchFindTheSame) {
 
 }  // namespace
 }  // namespace esb::governance::dlp
+
+namespace esb::governance::dlp {
+namespace {
+
+// The bench's second corpus (chat-style JSON with escapes: the JSON view is scanned too): both
+// engines agree and every planted sample is found, in the raw text or the JSON view.
+TEST(DlpCorpusTest, ChatJsonCorpusEnginesAgreeAndFindEveryPlant) {
+  static const char* kPlantRule[] = {"dlp:credit_card",
+                                     "dlp:aws_access_key",
+                                     "dlp:aws_secret_key",
+                                     "dlp:github_token",
+                                     "dlp:slack_token",
+                                     "dlp:slack_webhook",
+                                     "dlp:google_api_key",
+                                     "dlp:openai_api_key",
+                                     "dlp:anthropic_api_key",
+                                     "dlp:private_key",
+                                     "dlp:jwt",
+                                     "dlp:iban",
+                                     "dlp:us_ssn",
+                                     "dlp:email",
+                                     "dlp:phone"};
+  auto re2_only = Engine::Compile(DlpConfig{}, EngineOptions{.vectorscan = false});
+  ASSERT_TRUE(re2_only.ok());
+  size_t total = 0;
+  for (int i = 0; i < 30; ++i) {
+    const std::string body = testing::ChatJson(16 * 1024, 500 + i, i);
+    const Result a = Default().ScanText(body, Where::kBody);
+    const Result b = (*re2_only)->ScanText(body, Where::kBody);
+    EXPECT_EQ(Describe(a), Describe(b)) << "body " << i;
+    EXPECT_TRUE(Has(a, kPlantRule[i % 15])) << "body " << i << ": " << Describe(a);
+    total += a.findings.size();
+  }
+  EXPECT_LT(total, 30u * 3) << "false positives in the chat corpus";
+}
+
+}  // namespace
+}  // namespace esb::governance::dlp

@@ -206,4 +206,92 @@ inline std::string MixedText(size_t size, uint64_t seed, int plant = -1) {
   return out;
 }
 
+// JSON request bodies of a chat-style API (what an agent sends to a model or posts to a web
+// API), `size` bytes, deterministic in `seed`: an envelope, then messages whose content is
+// English prose and code with the JSON escapes such text has ("\n" ending every line, "\""
+// around quoted words, "\t"), ~3 % numeric tokens. Unlike MixedText it has '\\': the JSON
+// view is decoded and scanned too. plant >= 0 plants PlantSample(plant), JSON-escaped, inside
+// a message.
+inline std::string ChatJson(size_t size, uint64_t seed, int plant = -1) {
+  static constexpr std::string_view kWords[] = {
+      "the",      "a",        "to",      "of",     "and",     "in",     "is",    "it",
+      "that",     "for",      "you",     "with",   "this",    "on",     "can",   "file",
+      "function", "returns",  "error",   "when",   "we",      "should", "use",   "data",
+      "please",   "explain",  "why",     "test",   "fails",   "here",   "code",  "output",
+      "install",  "package",  "version", "run",    "command", "change", "value", "list",
+      "request",  "response", "server",  "client", "example", "method", "class", "object"};
+  static constexpr std::string_view kCode[] = {
+      "def handler(event, context):",
+      "    result = compute(items, limit=10)",
+      "    for i in range(len(rows)):",
+      "        print(f\\\"row {i}: {rows[i]}\\\")",
+      "import os, sys, json",
+      "if __name__ == \\\"__main__\\\":",
+      "\\treturn nil, err",
+      "const x = await fetch(url, {method: \\\"POST\\\"});",
+      "}",
+      "    except KeyError as e:"};
+  uint64_t x = seed * 0x9e3779b97f4a7c15ull + 11;
+  auto next = [&x] {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    return x;
+  };
+  std::string out = R"({"model": "chat-large", "temperature": 0.2, "messages": [)";
+  out.reserve(size + 4096);
+  const size_t plant_at = plant >= 0 ? next() % (size > 1024 ? size - 1024 : 1) : std::string::npos;
+  bool planted = false;
+  while (out.size() < size) {
+    out +=
+        next() % 2 ? R"({"role": "user", "content": ")" : R"({"role": "assistant", "content": ")";
+    const size_t end = out.size() + 300 + next() % 2500;
+    while (out.size() < end) {
+      if (!planted && out.size() >= plant_at) {
+        std::string sample = PlantSample(static_cast<size_t>(plant));
+        std::string escaped;
+        for (char c : sample) {
+          if (c == '\n') {
+            escaped += "\\n";
+          } else {
+            if (c == '"' || c == '\\') escaped += '\\';
+            escaped += c;
+          }
+        }
+        out += " " + escaped + " ";
+        planted = true;
+      }
+      const uint64_t r = next() % 100;
+      if (r < 8) {  // a few lines of code
+        out += "\\n```\\n";
+        for (uint64_t lines = 2 + next() % 6; lines > 0; --lines) {
+          out += kCode[next() % std::size(kCode)];
+          out += "\\n";
+        }
+        out += "```\\n";
+      } else {  // a sentence
+        const uint64_t words = 4 + next() % 16;
+        for (uint64_t w = 0; w < words; ++w) {
+          const uint64_t t = next() % 100;
+          if (t < 3) {
+            out += std::to_string(next() % 2000);
+          } else if (t < 5) {
+            out += "\\\"";
+            out += kWords[next() % std::size(kWords)];
+            out += "\\\"";
+          } else {
+            std::string word(kWords[next() % std::size(kWords)]);
+            if (w == 0) word[0] = static_cast<char>(word[0] - 'a' + 'A');
+            out += word;
+          }
+          out += w + 1 < words ? " " : (next() % 4 == 0 ? ".\\n" : ". ");
+        }
+      }
+    }
+    out += R"("}, )";
+  }
+  out.resize(size);
+  return out;
+}
+
 }  // namespace esb::governance::dlp::testing
