@@ -1,6 +1,8 @@
-// The DLP engine: one Vectorscan database (detect-only) for the literal-anchored secret rules
-// and registered secret values, then per hit rule an RE2 locate pass; one number scan for
-// cards, SSN, phone and IBAN and one '@' scan for e-mail (FastScan in rules.h); one RE2::Set
+// The DLP engine: two Vectorscan databases (detect-only: case-sensitive patterns and caseless
+// words) for the literal-anchored secret rules and registered secret values, then per hit rule
+// an RE2 locate pass from near its first detect match; one number scan over byte-class masks
+// (classify.h) for cards, SSN, phone and IBAN and one '@' scan for e-mail (FastScan in
+// rules.h); one RE2::Set
 // for custom patterns (with EngineOptions{.vectorscan = false}: for every rule). Each
 // candidate goes through its rule's validator. Texts are scanned as given and in their decoded
 // views (URL, JSON escapes, base64 multipart parts); findings map back to the given text so

@@ -3,9 +3,10 @@
 // escapes, gzip/deflate/br, chunked, multipart), and decides per rule: block, redact or log.
 //
 // Shape (docs/design.md "Egress DLP"): literal-anchored secret rules and registered secret
-// values are detected by one Vectorscan database (detect-only), then located with the rule's
-// RE2; number-shaped PII (cards, SSN, phone, IBAN) and e-mail by hand-written scanners that
-// produce the same candidates as the rules' RE2 patterns; custom patterns by one RE2::Set.
+// values are detected by Vectorscan (detect-only), then located with the rule's RE2;
+// number-shaped PII (cards, SSN, phone, IBAN) and e-mail by hand-written scanners over SIMD
+// byte-class masks that produce the same candidates as the rules' RE2 patterns; custom
+// patterns by one RE2::Set.
 // Every candidate is checked by its validator in code (Luhn, mod-97, SSN ranges, entropy,
 // context words, the EXAMPLE allowlist). An Engine is compiled once per policy version and is
 // immutable: share it across threads.
