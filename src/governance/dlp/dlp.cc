@@ -2,11 +2,10 @@
 // words) for the literal-anchored secret rules and registered secret values, then per hit rule
 // an RE2 locate pass from near its first detect match; one number scan over byte-class masks
 // (classify.h) for cards, SSN, phone and IBAN and one '@' scan for e-mail (FastScan in
-// rules.h); one RE2::Set
-// for custom patterns (with EngineOptions{.vectorscan = false}: for every rule). Each
-// candidate goes through its rule's validator. Texts are scanned as given and in their decoded
-// views (URL, JSON escapes, base64 multipart parts); findings map back to the given text so
-// that redaction replaces the escaped bytes too.
+// rules.h); one RE2::Set for custom patterns (with EngineOptions{.vectorscan = false}: for
+// every rule). Each candidate goes through its rule's validator. Texts are scanned as given and in
+// their decoded views (URL, JSON escapes, base64 multipart parts); findings map back to the given
+// text so that redaction replaces the escaped bytes too.
 #include "governance/dlp/dlp.h"
 
 #include <hs/hs.h>
@@ -266,9 +265,10 @@ void Engine::Impl::ScanView(const View& view, Where where, std::vector<Finding>*
   std::vector<char> rule_hit(rules.size(), 0);
   std::vector<char> secret_hit(secrets.size(), 0);
   std::vector<size_t> phone_words;  // where a phone context word starts
-  // Per rule, the end of its first detect match (rules with a locate_from, and the secret
-  // key's context word; SIZE_MAX: unknown).
+  // Per rule, the ends of its first and last detect matches (rules with a locate_from, and the
+  // secret key's context word; SIZE_MAX and 0: unknown).
   std::vector<size_t> first_end(rules.size(), SIZE_MAX);
+  std::vector<size_t> last_end(rules.size(), 0);
   bool any = false;
 
   if (dbs[0] != nullptr || dbs[1] != nullptr) {
@@ -278,7 +278,8 @@ void Engine::Impl::ScanView(const View& view, Where where, std::vector<Finding>*
       bool* any;
       std::vector<size_t>* phone_words;
       std::vector<size_t>* first_end;
-    } hits{&rule_hit, &secret_hit, &any, &phone_words, &first_end};
+      std::vector<size_t>* last_end;
+    } hits{&rule_hit, &secret_hit, &any, &phone_words, &first_end, &last_end};
     auto on_match = [](unsigned int id, unsigned long long, unsigned long long to, unsigned int,
                        void* ctx) -> int {
       auto* h = static_cast<Hits*>(ctx);
@@ -293,6 +294,8 @@ void Engine::Impl::ScanView(const View& view, Where where, std::vector<Finding>*
         (*h->rules)[id] = 1;
         size_t& first = (*h->first_end)[id];
         first = std::min(first, static_cast<size_t>(to));
+        size_t& last = (*h->last_end)[id];
+        last = std::max(last, static_cast<size_t>(to));
       }
       *h->any = true;
       return 0;
@@ -360,19 +363,25 @@ void Engine::Impl::ScanView(const View& view, Where where, std::vector<Finding>*
     const int ngroups = 1 + std::min(rule.groups, 2);
     // No locate match starts before locate_from (the RE2 search from there finds the same
     // matches as from the start of the text).
+    // And none starts at or after the end of the last detect match (it would contain a later
+    // one): the search stops there instead of running on to the end of the text.
     size_t pos = 0;
+    size_t stop = SIZE_MAX;
     if (rule.locate_from != nullptr && first_end[r] != SIZE_MAX) {
       pos = rule.locate_from(text, first_end[r]);
+      stop = last_end[r];
     }
     // The secret key without an access key id in the text: the validator wants "secret" in the
     // 256 bytes before the value, so no finding starts before the first "secret" ends, and a
     // rejected candidate (≤ 42 bytes) resumes one byte on: the search from just before the
     // word sees the same candidates from there on as the search from the start.
+    // Nor does one start more than 256 bytes after the last "secret" ends.
     if (static_cast<int>(r) == aws_secret_rule && !context.aws_key_id_present &&
         first_end[r] != SIZE_MAX) {
       pos = first_end[r] > 7 ? first_end[r] - 7 : 0;
+      stop = last_end[r] + 256;
     }
-    for (size_t n = 0; n < kMaxCandidatesPerRule && pos <= text.size(); ++n) {
+    for (size_t n = 0; n < kMaxCandidatesPerRule && pos <= text.size() && pos < stop; ++n) {
       if (!rule.locate->Match(input, pos, text.size(), RE2::UNANCHORED, groups, ngroups)) break;
       const re2::StringPiece span = ReportedSpan(groups, ngroups);
       size_t begin = static_cast<size_t>(span.data() - text.data());

@@ -905,6 +905,18 @@ TEST(DlpCorpusTest, LocatePassesStartingNearTheFirstDetectMatchFindTheSame) {
       {"aws secret before its context word", AwsSecret() + " aws secret access key"},
       {"aws secret after its context word", "aws secret access key: " + AwsSecret()},
       {"aws secret far before a key id", AwsSecret() + std::string(2000, ' ') + AwsKeyId()},
+      // The search stops after the last detect match (+ 256 bytes for the secret's word).
+      {"valid github, then a near-miss far after",
+       GithubToken() + std::string(3000, ' ') + "ghp_" + std::string(36, 'a')},
+      {"two slack tokens far apart", SlackToken() + std::string(5000, '.') + " " + SlackToken()},
+      {"aws secret 200 bytes after its word", "aws secret:" + std::string(200, ' ') + AwsSecret()},
+      {"aws secret 250 bytes after its word", "aws secret:" + std::string(244, ' ') + AwsSecret()},
+      {"aws secret 300 bytes after its word", "aws secret:" + std::string(300, ' ') + AwsSecret()},
+      {"aws secret after a rejected candidate 160 bytes after its word",
+       "aws secret" + std::string(160, ' ') + std::string(40, 'A') + " " + AwsSecret()},
+      {"two slack tokens adjacent", SlackToken() + " " + SlackToken()},
+      {"two aws secret words, value after the second",
+       "aws secret" + std::string(3000, ' ') + "aws secret= " + AwsSecret()},
   };
   for (const auto& [name, text] : texts) {
     for (const std::string& prefix : {std::string(), std::string(1500, '.') + " "}) {
