@@ -2,6 +2,8 @@
 
 #if defined(__x86_64__)
 #include <immintrin.h>
+#elif defined(__SSE2__)
+#include <emmintrin.h>
 #endif
 
 #include <algorithm>
@@ -53,22 +55,52 @@ constexpr std::array<uint8_t, 16> HighTable() {
 constexpr std::array<uint8_t, 16> kLow = LowTable();
 constexpr std::array<uint8_t, 16> kHigh = HighTable();
 
-// n ≤ 64 bytes at t.
-void ClassifyBytes(const char* t, size_t n, BlockMasks* out, ClassifySeen* seen) {
-  *out = BlockMasks{};
-  for (size_t i = 0; i < n; ++i) {
-    const auto c = static_cast<unsigned char>(t[i]);
+// One byte's classes for the portable code, one bit each.
+constexpr uint8_t kByteDigit = 1, kByteWord = 2, kByteUpper = 4, kByteCardSep = 8, kByteNumSep = 16,
+                  kByteMarker = 32, kByteAt = 64, kByteEscape = 128;
+
+constexpr std::array<uint8_t, 256> ByteTable() {
+  std::array<uint8_t, 256> t{};
+  for (int c = 0; c < 256; ++c) {
     const uint8_t bits = kLow[c & 15] & kHigh[c >> 4];
-    const uint64_t bit = uint64_t{1} << i;
-    if (bits & kDigit) out->digit |= bit;
-    if (bits & kWord) out->word |= bit;
-    if (c >= 'A' && c <= 'Z') out->upper |= bit;
-    if (bits & kCardSep) out->card_sep |= bit;
-    if (bits & kNumSep) out->num_sep |= bit;
-    if (bits & kMarker) out->marker |= bit;
-    seen->at |= c == '@';
-    seen->escape |= c == '%' || c == '\\';
+    uint8_t out = 0;
+    if (bits & kDigit) out |= kByteDigit;
+    if (bits & kWord) out |= kByteWord;
+    if (c >= 'A' && c <= 'Z') out |= kByteUpper;
+    if (bits & kCardSep) out |= kByteCardSep;
+    if (bits & kNumSep) out |= kByteNumSep;
+    if (bits & kMarker) out |= kByteMarker;
+    if (c == '@') out |= kByteAt;
+    if (c == '%' || c == '\\') out |= kByteEscape;
+    t[c] = out;
   }
+  return t;
+}
+constexpr std::array<uint8_t, 256> kByteTable = ByteTable();
+
+// 64 bytes at t, a table lookup per byte; 8 bytes' class bytes at a time are turned into 8-bit
+// masks with a multiply (bit 0 of byte j to bit j of the top byte: no carries).
+void ClassifyBytes(const char* t, BlockMasks* out, ClassifySeen* seen) {
+  *out = BlockMasks{};
+  uint64_t any = 0;
+  for (int g = 0; g < 8; ++g) {
+    uint64_t w = 0;
+    for (int j = 0; j < 8; ++j) {
+      w |= static_cast<uint64_t>(kByteTable[static_cast<unsigned char>(t[8 * g + j])]) << (8 * j);
+    }
+    any |= w;
+    const auto bits = [w, g](int k) -> uint64_t {
+      return (((w >> k) & 0x0101010101010101ull) * 0x0102040810204080ull >> 56) << (8 * g);
+    };
+    out->digit |= bits(0);
+    out->word |= bits(1);
+    out->upper |= bits(2);
+    out->card_sep |= bits(3);
+    out->num_sep |= bits(4);
+    out->marker |= bits(5);
+  }
+  seen->at |= (any & 0x4040404040404040ull) != 0;
+  seen->escape |= (any & 0x8080808080808080ull) != 0;
 }
 
 #if defined(__x86_64__)
@@ -152,6 +184,45 @@ __attribute__((target("avx512bw"))) void ClassifyAvx512(const char* t, size_t co
   seen->escape |= escape != 0;
 }
 
+#if defined(__SSE2__)
+inline uint64_t Movemask16(__m128i x) { return static_cast<uint32_t>(_mm_movemask_epi8(x)); }
+
+// lo <= v <= hi per byte (unsigned).
+inline __m128i InRange(__m128i v, char lo, char hi) {
+  const __m128i d = _mm_sub_epi8(v, _mm_set1_epi8(lo));
+  return _mm_cmpeq_epi8(_mm_min_epu8(d, _mm_set1_epi8(static_cast<char>(hi - lo))), d);
+}
+
+// `count` blocks of 64 readable bytes from t; compares (SSE2 has no byte shuffle).
+void ClassifySse2(const char* t, size_t count, BlockMasks* out, ClassifySeen* seen) {
+  __m128i at = _mm_setzero_si128(), escape = _mm_setzero_si128();
+  for (size_t k = 0; k < count; ++k, t += 64) {
+    BlockMasks m;
+    for (int q = 0; q < 4; ++q) {
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 16 * q));
+      const auto eq = [v](char c) { return _mm_cmpeq_epi8(v, _mm_set1_epi8(c)); };
+      const __m128i digit = InRange(v, '0', '9');
+      const __m128i upper = InRange(v, 'A', 'Z');
+      const __m128i word =
+          _mm_or_si128(_mm_or_si128(digit, upper), _mm_or_si128(InRange(v, 'a', 'z'), eq('_')));
+      const __m128i paren = eq('(');
+      const int shift = 16 * q;
+      m.digit |= Movemask16(digit) << shift;
+      m.word |= Movemask16(word) << shift;
+      m.upper |= Movemask16(upper) << shift;
+      m.card_sep |= Movemask16(_mm_or_si128(eq(' '), eq('-'))) << shift;
+      m.num_sep |= Movemask16(_mm_or_si128(_mm_or_si128(eq('.'), paren), eq(')'))) << shift;
+      m.marker |= Movemask16(_mm_or_si128(eq('+'), paren)) << shift;
+      at = _mm_or_si128(at, eq('@'));
+      escape = _mm_or_si128(escape, _mm_or_si128(eq('%'), eq('\\')));
+    }
+    out[k] = m;
+  }
+  seen->at |= Movemask16(at) != 0;
+  seen->escape |= Movemask16(escape) != 0;
+}
+#endif
+
 bool CpuHas(bool avx512) {
   __builtin_cpu_init();  // (may run before libgcc's constructor that does it)
   return avx512 ? __builtin_cpu_supports("avx512bw") : __builtin_cpu_supports("avx2");
@@ -166,7 +237,7 @@ constexpr bool kHasAvx512 = false;
 using BlocksFn = void (*)(const char* t, size_t count, BlockMasks* out, ClassifySeen* seen);
 
 void ClassifyPortable(const char* t, size_t count, BlockMasks* out, ClassifySeen* seen) {
-  for (size_t k = 0; k < count; ++k) ClassifyBytes(t + 64 * k, 64, out + k, seen);
+  for (size_t k = 0; k < count; ++k) ClassifyBytes(t + 64 * k, out + k, seen);
 }
 
 BlocksFn Implementation(ClassifyImpl impl) {
@@ -174,11 +245,21 @@ BlocksFn Implementation(ClassifyImpl impl) {
   if (impl == ClassifyImpl::kAvx512) return ClassifyAvx512;
   if (impl == ClassifyImpl::kAvx2) return ClassifyAvx2;
 #endif
+#if defined(__SSE2__)
+  if (impl == ClassifyImpl::kSse2) return ClassifySse2;
+#endif
   return ClassifyPortable;
 }
 
+#if defined(__SSE2__)
+constexpr bool kHasSse2 = true;
+#else
+constexpr bool kHasSse2 = false;
+#endif
+
 const ClassifyImpl kBest = kHasAvx512 ? ClassifyImpl::kAvx512
                            : kHasAvx2 ? ClassifyImpl::kAvx2
+                           : kHasSse2 ? ClassifyImpl::kSse2
                                       : ClassifyImpl::kPortable;
 const BlocksFn kBestFn = Implementation(kBest);
 
@@ -204,6 +285,8 @@ bool ClassifySupported(ClassifyImpl impl) {
   switch (impl) {
     case ClassifyImpl::kPortable:
       return true;
+    case ClassifyImpl::kSse2:
+      return kHasSse2;
     case ClassifyImpl::kAvx2:
       return kHasAvx2;
     case ClassifyImpl::kAvx512:

@@ -2,8 +2,8 @@
 // hand-written scanners (number-shaped rules, e-mail) find their candidate starts with a few
 // shifts and ANDs on these masks instead of looking at every byte. One table lookup per byte
 // (two nibble tables ANDed: every class is a rectangle of high × low nibbles), done with
-// AVX-512BW or AVX2 shuffles when the CPU has them (chosen at run time), else one byte at a
-// time; all give the same masks (classify_test.cc).
+// AVX-512BW or AVX2 shuffles when the CPU has them (chosen at run time), else SSE2 compares
+// (x86-64), else one byte at a time; all give the same masks (classify_test.cc).
 #pragma once
 
 #include <cstddef>
@@ -30,8 +30,9 @@ struct ClassifySeen {
   bool escape = false;
 };
 
-// The implementations: one byte at a time, AVX2 shuffles, AVX-512BW shuffles and mask tests.
-enum class ClassifyImpl : uint8_t { kPortable, kAvx2, kAvx512 };
+// The implementations: one byte at a time (any CPU), SSE2 compares (every x86-64), AVX2
+// shuffles, AVX-512BW shuffles and mask tests.
+enum class ClassifyImpl : uint8_t { kPortable, kSse2, kAvx2, kAvx512 };
 // Whether this CPU (and build) has `impl`.
 bool ClassifySupported(ClassifyImpl impl);
 // The fastest supported implementation (what ClassifyBlocks uses).

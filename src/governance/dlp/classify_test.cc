@@ -26,21 +26,32 @@ void ExpectSame(const ClassifySeen& a, const ClassifySeen& b, const std::string&
   EXPECT_EQ(a.escape, b.escape) << what;
 }
 
+std::string Name(ClassifyImpl impl) {
+  switch (impl) {
+    case ClassifyImpl::kSse2:
+      return "sse2";
+    case ClassifyImpl::kAvx2:
+      return "avx2";
+    case ClassifyImpl::kAvx512:
+      return "avx512";
+    case ClassifyImpl::kPortable:
+      break;
+  }
+  return "portable";
+}
+
 // The SIMD implementations this CPU has (each is compared with the portable one).
 std::vector<ClassifyImpl> Fast() {
   std::vector<ClassifyImpl> out;
-  for (ClassifyImpl impl : {ClassifyImpl::kAvx2, ClassifyImpl::kAvx512}) {
+  for (ClassifyImpl impl : {ClassifyImpl::kSse2, ClassifyImpl::kAvx2, ClassifyImpl::kAvx512}) {
     if (ClassifySupported(impl)) {
       out.push_back(impl);
     } else {
-      std::printf("note: this CPU has no %s: not compared\n",
-                  impl == ClassifyImpl::kAvx2 ? "AVX2" : "AVX-512BW");
+      std::printf("note: this CPU (or build) has no %s: not compared\n", Name(impl).c_str());
     }
   }
   return out;
 }
-
-std::string Name(ClassifyImpl impl) { return impl == ClassifyImpl::kAvx2 ? "avx2" : "avx512"; }
 
 TEST(DlpClassifyTest, EveryByteValueHasItsClasses) {
   const std::vector<ClassifyImpl> fast = Fast();
