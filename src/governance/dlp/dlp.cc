@@ -239,9 +239,8 @@ struct Engine::Impl {
     scratch_pool.push_back(s);
   }
 
-  // What the number scan saw of a text's bytes (known = false: it did not run).
+  // What the number scan saw of a text's bytes (both true, "maybe", when it did not run).
   struct TextBytes {
-    bool known = false;
     bool at = true;      // a '@'
     bool escape = true;  // a '%' or '\\'
   };
@@ -362,9 +361,8 @@ void Engine::Impl::ScanView(const View& view, Where where, std::vector<Finding>*
     re2::StringPiece groups[3];
     const int ngroups = 1 + std::min(rule.groups, 2);
     // No locate match starts before locate_from (the RE2 search from there finds the same
-    // matches as from the start of the text).
-    // And none starts at or after the end of the last detect match (it would contain a later
-    // one): the search stops there instead of running on to the end of the text.
+    // matches as from the start of the text), nor at or after the end of the last detect match
+    // (it would contain a later one): the search stops there, not at the end of the text.
     size_t pos = 0;
     size_t stop = SIZE_MAX;
     if (rule.locate_from != nullptr && first_end[r] != SIZE_MAX) {
@@ -374,8 +372,8 @@ void Engine::Impl::ScanView(const View& view, Where where, std::vector<Finding>*
     // The secret key without an access key id in the text: the validator wants "secret" in the
     // 256 bytes before the value, so no finding starts before the first "secret" ends, and a
     // rejected candidate (≤ 42 bytes) resumes one byte on: the search from just before the
-    // word sees the same candidates from there on as the search from the start.
-    // Nor does one start more than 256 bytes after the last "secret" ends.
+    // word sees the same candidates from there on as the search from the start. Nor does a
+    // finding start more than 256 bytes after the last "secret" ends.
     if (static_cast<int>(r) == aws_secret_rule && !context.aws_key_id_present &&
         first_end[r] != SIZE_MAX) {
       pos = first_end[r] > 7 ? first_end[r] - 7 : 0;
@@ -644,7 +642,6 @@ void Engine::Impl::ScanNumbers(std::string_view text, const AddFn& add, TextByte
       }
     }
   }
-  bytes->known = true;
   bytes->at = seen.at;
   bytes->escape = seen.escape;
 }
