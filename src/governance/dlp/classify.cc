@@ -223,15 +223,23 @@ void ClassifySse2(const char* t, size_t count, BlockMasks* out, ClassifySeen* se
 }
 #endif
 
-bool CpuHas(bool avx512) {
-  __builtin_cpu_init();  // (may run before libgcc's constructor that does it)
-  return avx512 ? __builtin_cpu_supports("avx512bw") : __builtin_cpu_supports("avx2");
+// What the CPU has, asked once (function-local statics: safe from any static initializer).
+struct Cpu {
+  bool avx2;
+  bool avx512;
+};
+const Cpu& Features() {
+  static const Cpu cpu = [] {
+    __builtin_cpu_init();
+    return Cpu{__builtin_cpu_supports("avx2") != 0, __builtin_cpu_supports("avx512bw") != 0};
+  }();
+  return cpu;
 }
-const bool kHasAvx2 = CpuHas(false);
-const bool kHasAvx512 = CpuHas(true);
+bool HasAvx2() { return Features().avx2; }
+bool HasAvx512() { return Features().avx512; }
 #else
-constexpr bool kHasAvx2 = false;
-constexpr bool kHasAvx512 = false;
+bool HasAvx2() { return false; }
+bool HasAvx512() { return false; }
 #endif
 
 using BlocksFn = void (*)(const char* t, size_t count, BlockMasks* out, ClassifySeen* seen);
@@ -257,11 +265,17 @@ constexpr bool kHasSse2 = true;
 constexpr bool kHasSse2 = false;
 #endif
 
-const ClassifyImpl kBest = kHasAvx512 ? ClassifyImpl::kAvx512
-                           : kHasAvx2 ? ClassifyImpl::kAvx2
-                           : kHasSse2 ? ClassifyImpl::kSse2
-                                      : ClassifyImpl::kPortable;
-const BlocksFn kBestFn = Implementation(kBest);
+ClassifyImpl Best() {
+  return HasAvx512() ? ClassifyImpl::kAvx512
+         : HasAvx2() ? ClassifyImpl::kAvx2
+         : kHasSse2  ? ClassifyImpl::kSse2
+                     : ClassifyImpl::kPortable;
+}
+
+BlocksFn BestFn() {
+  static const BlocksFn fn = Implementation(Best());
+  return fn;
+}
 
 // Full blocks straight from the text, the partial last one padded with classless NUL bytes,
 // then empty blocks.
@@ -288,18 +302,18 @@ bool ClassifySupported(ClassifyImpl impl) {
     case ClassifyImpl::kSse2:
       return kHasSse2;
     case ClassifyImpl::kAvx2:
-      return kHasAvx2;
+      return HasAvx2();
     case ClassifyImpl::kAvx512:
-      return kHasAvx512;
+      return HasAvx512();
   }
   return false;
 }
 
-ClassifyImpl ClassifyBest() { return kBest; }
+ClassifyImpl ClassifyBest() { return Best(); }
 
 void ClassifyBlocks(std::string_view text, size_t offset, size_t count, BlockMasks* out,
                     ClassifySeen* seen) {
-  Classify(kBestFn, text, offset, count, out, seen);
+  Classify(BestFn(), text, offset, count, out, seen);
 }
 
 void ClassifyBlocksWith(ClassifyImpl impl, std::string_view text, size_t offset, size_t count,
