@@ -13,9 +13,10 @@
 #                                  during 40 execs, summarised by bench/exec_timeline.py
 #                                  (BENCH_TRACE_OUT=FILE keeps the raw trace)
 #   bash bench/run.sh dlp [...]    DLP throughput (bench/dlp_bench.cc, no daemon): the default
-#                                  rule set on 64 KiB mixed-text bodies, MB/s per core, vs
-#                                  RE2::Set over the same rules and corpus in the same run
-#                                  (arguments go to dlp_bench: --bodies N --rounds R --config J)
+#                                  rule set on 64 KiB mixed-text bodies (and chat-style JSON
+#                                  bodies), MB/s per core, vs RE2::Set over the same rules and
+#                                  corpus in the same run (arguments go to dlp_bench: --bodies N
+#                                  --rounds R --config J [--corpus chat] --profile 1)
 # Transport knobs (environment): BENCH_ROWS (which rows, default "healthz exec sse idle";
 # "exec-ab" adds the exec row against a second daemon with audit.write_behind_ms 0, alternating),
 # BENCH_EXEC_GAP_MS (pause between exec calls, 0), BENCH_IDLE_CONNS (10000), BENCH_SSE_STREAMS (1000), BENCH_SSE_BODY (JSON for POST /run;
