@@ -783,13 +783,20 @@ absl::StatusOr<Wheel> WheelCache::Offline(const Requirement& req, const Specifie
   auto best = std::max_element(candidates.begin(), candidates.end(),
                                [](const auto& a, const auto& b) { return a.second < b.second; });
   Wheel w = best->first;
-  // The cache does not record where a file came from: a governed environment needs its
-  // policy to allow the index itself.
-  if (absl::Status st = CheckHit(egress, options_.index_url + req.name + "/"); !st.ok()) {
-    return absl::Status(st.code(), absl::StrCat(why.message(),
-                                                "; and the host cache may not be "
-                                                "used instead: ",
-                                                st.message()));
+  // The cache does not record where a file came from (the index, or a file host it links): a
+  // governed environment needs its policy to allow the index and every configured file host.
+  if (egress != nullptr) {
+    std::vector<std::string> origins = {options_.index_url + req.name + "/"};
+    const std::string scheme = index_https_ ? "https://" : "http://";
+    for (const std::string& host : options_.allowed_hosts) origins.push_back(scheme + host + "/");
+    for (const std::string& origin : origins) {
+      if (absl::Status st = CheckHit(egress, origin); !st.ok()) {
+        return absl::Status(st.code(), absl::StrCat(why.message(),
+                                                    "; and the host cache may not be used "
+                                                    "instead: ",
+                                                    st.message()));
+      }
+    }
   }
   auto key_guard =
       LockKey("file:" + w.path, deadline, absl::StrCat("another use of ", w.filename));

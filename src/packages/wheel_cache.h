@@ -82,7 +82,8 @@ class WheelCache {
   // `route` (that environment's egress proxy decides, DLP-scans and audits it), and whatever
   // the cache would hand out without a request — a fresh cached index page, a cached wheel,
   // the offline fallback — is first put to `check` with the URL it would have come from (for
-  // the offline fallback, which does not know a file's origin: the index page's URL).
+  // the offline fallback, which does not know a file's origin: the index page's URL and each
+  // of allowed_hosts, all of which must pass).
   struct Egress {
     std::shared_ptr<const ProxyRoute> route;
     // OK, or why the environment may not have data from `url` now (PermissionDenied naming

@@ -373,11 +373,20 @@ TEST_F(WheelCacheTest, GovernedPageFromDiskAndOfflineFallbackAreChecked) {
   EXPECT_TRUE(absl::IsPermissionDenied(w.status())) << w.status();
   EXPECT_NE(std::string(w.status().message()).find("host cache may not be used"), std::string::npos)
       << w.status();
+  // The fallback does not know which host a cached file came from: the index and every
+  // configured file host (files.example here) must be allowed.
+  TestEgress index_only;
+  index_only.allowed = {"mirror.example"};
+  w = cache.Fetch(*req, WheelCache::Clock::time_point::max(), &index_only.egress);
+  EXPECT_TRUE(absl::IsPermissionDenied(w.status())) << w.status();
+  EXPECT_NE(std::string(w.status().message()).find("files.example"), std::string::npos)
+      << w.status();
   TestEgress allowed;
-  allowed.allowed = {"mirror.example"};
+  allowed.allowed = {"mirror.example", "files.example"};
   w = cache.Fetch(*req, WheelCache::Clock::time_point::max(), &allowed.egress);
   ASSERT_TRUE(w.ok()) << w.status();
   EXPECT_TRUE(w->offline);
+  EXPECT_EQ(allowed.asked.back(), "https://files.example/");
 }
 
 // A corrupt file is the index's fault: Unavailable (HTTP 503), not DataLoss (500).
