@@ -677,6 +677,47 @@ TEST(NetnsTest, AListenerNotOwnedByEsbdIsNotTakenForTheProxy) {
   ASSERT_TRUE(container::RemoveNetns(path).ok());
 }
 
+// Attack, variant: the fake proxy writes a forged answer and closes at once, so that its side
+// is closing (FIN-WAIT, then a time-wait socket, which sock_diag reports as uid 0 whoever
+// owned it) while the forged bytes wait in esbd's receive buffer. Only an open connection
+// counts (here the closing side is even root's, so the owner check alone would pass).
+TEST(NetnsTest, APeerThatAlreadyClosedIsNotTakenForTheProxy) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root (creates network namespaces)";
+  const std::string path = absl::StrCat(container::kNetnsDir, "/test-", RandomHex(4));
+  ASSERT_TRUE(container::CreateNetns(path).ok());
+  const int port = 20000 + static_cast<int>(MonotonicMs() % 20000);
+  absl::StatusOr<UniqueFd> listener = container::OpenListenerInNetns(path, "127.0.0.1", port);
+  ASSERT_TRUE(listener.ok()) << listener.status();
+  UniqueFd client;
+  std::thread t([&] {
+    UniqueFd ns(open(path.c_str(), O_RDONLY | O_CLOEXEC));
+    if (!ns || setns(ns.get(), CLONE_NEWNET) != 0) return;
+    UniqueFd s(socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    sockaddr_in a = {};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(port);
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (connect(s.get(), reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0) client = std::move(s);
+  });
+  t.join();
+  ASSERT_TRUE(client);
+  UniqueFd accepted(accept(listener->get(), nullptr, nullptr));
+  ASSERT_TRUE(accepted);
+  // Open and owned by root: accepted.
+  EXPECT_TRUE(container::CheckAcceptorOwner(path, client.get(), {0}).ok());
+  const std::string forged = "HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nforged";
+  ASSERT_EQ(write(accepted.get(), forged.data(), forged.size()),
+            static_cast<ssize_t>(forged.size()));
+  accepted.reset();
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // FIN and its ACK on loopback
+  absl::Status st = container::CheckAcceptorOwner(path, client.get(), {0});
+  EXPECT_FALSE(st.ok()) << "a closed peer passed the check";
+  EXPECT_TRUE(absl::IsUnavailable(st)) << st;  // its owner (root) alone would have passed
+  client.reset();
+  listener->reset();
+  ASSERT_TRUE(container::RemoveNetns(path).ok());
+}
+
 EnvSpec GovernedSpec(std::string* ca_pem) {
   absl::StatusOr<governance::tls::CaPem> ca = governance::tls::GenerateCa("EnterSandBox test");
   EXPECT_TRUE(ca.ok()) << ca.status();

@@ -9,6 +9,7 @@
 #include <linux/sock_diag.h>
 #include <net/if.h>
 #include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <poll.h>
 #include <sched.h>
 #include <signal.h>
@@ -272,6 +273,8 @@ absl::StatusOr<sockaddr_in> Ipv4(const std::string& address, uint16_t port) {
   return addr;
 }
 
+}  // namespace
+
 // The owner uid of the socket on the other end of the connected loopback TCP socket `fd` in
 // the namespace at `path`, asked through sock_diag (a netlink socket made in that namespace):
 // a socket still queued on a listener is owned by the listener's owner, an accepted one by
@@ -324,6 +327,13 @@ absl::Status CheckAcceptorOwner(const std::string& path, int fd, const std::vect
   if (h->nlmsg_type != SOCK_DIAG_BY_FAMILY || h->nlmsg_len < NLMSG_LENGTH(sizeof(inet_diag_msg)))
     return absl::UnavailableError("sock_diag: unexpected answer");
   const auto* info = static_cast<const inet_diag_msg*>(NLMSG_DATA(h));
+  // An open connection only: a peer that already closed may have become a time-wait socket,
+  // which sock_diag reports as uid 0 whoever owned it (and its bytes may still be queued).
+  if (info->idiag_state != TCP_ESTABLISHED) {
+    return absl::UnavailableError(absl::StrCat("the egress listener's side of the connection in ",
+                                               path, " is not open (TCP state ",
+                                               static_cast<int>(info->idiag_state), ")"));
+  }
   if (std::find(owners.begin(), owners.end(), info->idiag_uid) == owners.end()) {
     return absl::PermissionDeniedError(absl::StrCat("the socket that took the connection to port ",
                                                     ntohs(peer.sin_port), " in ", path,
@@ -333,8 +343,6 @@ absl::Status CheckAcceptorOwner(const std::string& path, int fd, const std::vect
   }
   return absl::OkStatus();
 }
-
-}  // namespace
 
 absl::StatusOr<UniqueFd> OpenListenerInNetns(const std::string& path, const std::string& address,
                                              uint16_t port, int busy_wait_ms) {

@@ -61,6 +61,11 @@ absl::StatusOr<UniqueFd> ConnectInNetns(const std::string& path, int timeout_ms,
                                         const std::string& address = kEgressListenAddress,
                                         uint16_t port = kEgressListenPort);
 
+// ConnectInNetns' check of `fd` (a TCP socket connected inside the namespace at `path`): the
+// socket at the other end must be an open connection owned by one of `owners` (sock_diag from
+// inside the namespace). PermissionDenied for another owner, Unavailable when it is not open.
+absl::Status CheckAcceptorOwner(const std::string& path, int fd, const std::vector<uid_t>& owners);
+
 // A bound user namespace file (CreateNetns' user_path): unmounted and removed, OK if absent.
 absl::Status RemoveUserns(const std::string& user_path);
 
