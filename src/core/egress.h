@@ -5,8 +5,11 @@
 // events it reports through core/audit. Tests use a fake.
 #pragma once
 
+#include <sys/types.h>
+
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -65,6 +68,9 @@ class EgressControl {
   // Before the driver destroys the environment; idempotent, never fails.
   virtual void Detach(const std::string& env_id) = 0;
   virtual EgressHealth Health() const = 0;
+  // The uid the proxy runs as (it accepts on every environment's listener, so the sockets it
+  // accepted are owned by it); nullopt: no proxy process (fakes).
+  virtual std::optional<uid_t> ProxyUid() const { return std::nullopt; }
 };
 
 }  // namespace esb

@@ -80,6 +80,7 @@ class ProxyEgressControl : public EgressControl {
                       const std::vector<governance::ActiveIntent>& intents) override;
   void Detach(const std::string& env_id) override;
   EgressHealth Health() const override;
+  std::optional<uid_t> ProxyUid() const override { return options_.uid; }
 
   // Waits until the proxy is up and serves every attachment (tests), false on timeout.
   bool WaitUntilServing(int64_t timeout_ms);

@@ -13,6 +13,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -228,6 +229,26 @@ class EnvironmentManager {
                                                const std::string& name);
   // The environment CA's certificate (PEM); NotFound for a "none" environment.
   absl::StatusOr<std::string> CaCertificate(const Caller& caller, const std::string& id);
+
+  // The egress of fetches esbd makes on a governed environment's behalf (packages: the host's
+  // wheel cache; docs/design.md "Host-side wheel cache"). nullopt for a "none" environment
+  // (esbd then fetches directly, as configured).
+  struct HostFetchEgress {
+    // A new socket connected to the environment's egress listener from inside its network
+    // namespace (Driver::ConnectEgressProxy): its proxy decides, DLP-scans and audits each
+    // request exactly as for the sandbox's own traffic.
+    std::function<absl::StatusOr<UniqueFd>(std::chrono::milliseconds timeout)> connect;
+    std::string ca_cert_pem;  // the environment's CA (the proxy intercepts TLS with it)
+    // For data handed to the environment without a request (a cache hit) that would have come
+    // from scheme://host:port/path: governance::Decide with the environment's policy and
+    // active intents at this instant. A refusal writes an egress audit row (decision blocked,
+    // AuditLog::RecordEgress) and is PermissionDenied naming the host and the rule.
+    std::function<absl::Status(const std::string& scheme, const std::string& host, uint16_t port,
+                               const std::string& path)>
+        check;
+  };
+  absl::StatusOr<std::optional<HostFetchEgress>> HostFetchEgressFor(const Caller& caller,
+                                                                    const std::string& id);
 
   // An intent active for one execute/run call: activated by BeginCallIntent, removed (and
   // pushed to the proxy) when this is destroyed, whatever the call's outcome. One audit row

@@ -1,6 +1,8 @@
 // EnvironmentManager: egress governance (issue 12). A governed environment's policy, intents
 // and CA live in its LiveEnv (under egress_mu) and in the store (env_egress, schema v5); every
 // change is stored first, then pushed to the proxy through EgressControl, then audited.
+#include <unistd.h>
+
 #include <algorithm>
 #include <boost/json.hpp>
 
@@ -315,6 +317,63 @@ absl::StatusOr<std::string> EnvironmentManager::CaCertificate(const Caller& call
     return absl::UnavailableError(
         absl::StrCat("environment ", id, ": its CA could not be restored"));
   return (*env)->ca.cert_pem;
+}
+
+absl::StatusOr<std::optional<EnvironmentManager::HostFetchEgress>>
+EnvironmentManager::HostFetchEgressFor(const Caller& caller, const std::string& id) {
+  auto env = Lookup(caller.tenant, id);
+  if (!env.ok()) return env.status();
+  std::shared_ptr<LiveEnv> e = *env;
+  if (!e->governed) return std::optional<HostFetchEgress>();
+  HostFetchEgress out;
+  {
+    std::lock_guard<std::mutex> glock(e->egress_mu);
+    if (e->ca.cert_pem.empty())
+      return absl::UnavailableError(
+          absl::StrCat("environment ", id, ": its CA could not be restored"));
+    out.ca_cert_pem = e->ca.cert_pem;
+  }
+  // The driver and the instance outlive the install that uses this (it holds the LiveEnv).
+  // The listener is made by esbd and accepted on by the proxy: only sockets of those two may
+  // answer (not a sandbox process's, should one hold the port while the proxy is down).
+  std::vector<uid_t> owners = {::geteuid()};
+  if (options_.egress != nullptr)
+    if (std::optional<uid_t> uid = options_.egress->ProxyUid()) owners.push_back(*uid);
+  out.connect = [driver = e->driver, ref = e->ref, owners](std::chrono::milliseconds timeout) {
+    return driver->ConnectEgressProxy(ref, timeout, owners);
+  };
+  out.check = [this, e](const std::string& scheme, const std::string& host, uint16_t port,
+                        const std::string& path) -> absl::Status {
+    governance::Decision d;
+    std::vector<std::string> intent_names;
+    {
+      std::lock_guard<std::mutex> glock(e->egress_mu);
+      const int64_t now = Now();
+      std::vector<ActiveIntent> intents = EffectiveIntentsLocked(*e, now);
+      d = governance::Decide(e->policy, intents, now, host, port);
+      for (const ActiveIntent& i : intents) intent_names.push_back(i.name);
+    }
+    if (d.allowed) return absl::OkStatus();
+    const std::string reason = absl::StrCat(
+        "the environment's egress policy refuses ", host, ":", port, " (rule '", d.rule,
+        "'): esbd's host cache holds the file, but the environment may not fetch it from there");
+    EgressAuditRow row;
+    row.tenant = e->tenant;
+    row.environment_id = e->record.id;  // immutable
+    row.intents = std::move(intent_names);
+    row.method = "GET";
+    row.scheme = scheme;
+    row.host = host;
+    row.port = port;
+    row.path = path;
+    row.status = 403;
+    row.decision = EgressDecision::kBlocked;
+    row.rule_ids = {d.rule};
+    row.reason = reason;
+    audit_.RecordEgress(row);
+    return absl::PermissionDeniedError(reason);
+  };
+  return std::optional<HostFetchEgress>(std::move(out));
 }
 
 absl::StatusOr<std::unique_ptr<EnvironmentManager::CallIntent>> EnvironmentManager::BeginCallIntent(

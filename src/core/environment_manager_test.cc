@@ -1114,6 +1114,64 @@ TEST_F(EgressManagerTest, AnotherTenantsEnvironmentIsNotFoundOnEveryNetworkRoute
   m->Stop();
 }
 
+// The host-side wheel cache's view of a governed environment (packages): its CA, a connector
+// through the driver, and a check that decides on the policy and intents of that instant and
+// writes an egress row for a refusal.
+TEST_F(EgressManagerTest, HostFetchEgressDecidesOnTheCurrentPolicyAndAuditsARefusal) {
+  std::atomic<int64_t> clock{1'000'000};
+  auto m = MakeGoverned(&clock);
+  ASSERT_TRUE(m->Start().ok());
+  governance::EgressPolicy policy = Policy(R"({"allow": ["pypi.test"]})");
+  auto gov = m->Create("acme", EnvSpec{}, 0, &policy);
+  ASSERT_TRUE(gov.ok());
+  const std::string id = gov->record.id;
+  auto hf = m->HostFetchEgressFor("acme", id);
+  ASSERT_TRUE(hf.ok()) << hf.status();
+  ASSERT_TRUE(hf->has_value());
+  const auto& route = **hf;
+  EXPECT_EQ(route.ca_cert_pem, "CERT-1");
+  // The connector asks the environment's driver (this fake one has no egress socket to give).
+  EXPECT_FALSE(route.connect(std::chrono::milliseconds(100)).ok());
+  EXPECT_TRUE(route.check("https", "pypi.test", 443, "/simple/foo/").ok());
+  absl::Status refused = route.check("https", "api.weather.test", 443, "/x");
+  EXPECT_TRUE(absl::IsPermissionDenied(refused)) << refused;
+  EXPECT_NE(refused.message().find("rule 'not_allowed'"), std::string::npos) << refused;
+  // Intents count while active, from the instant they are activated.
+  ASSERT_TRUE(m->ActivateIntent("acme", id, "check-weather", 60).ok());
+  EXPECT_TRUE(route.check("https", "api.weather.test", 443, "/x").ok());
+  // A policy change applies to the next check.
+  governance::EgressPolicy deny = Policy(R"({"allow": ["pypi.test"], "deny": ["pypi.test"]})");
+  ASSERT_TRUE(m->SetNetwork("acme", id, &deny).ok());
+  refused = route.check("https", "pypi.test", 443, "/files/foo-1.0-py3-none-any.whl");
+  EXPECT_TRUE(absl::IsPermissionDenied(refused)) << refused;
+  EXPECT_NE(refused.message().find("deny:pypi.test"), std::string::npos) << refused;
+  // Each refusal is one egress row of the environment, decision blocked, with the rule.
+  ASSERT_TRUE(store->Flush().ok());
+  AuditQuery q;
+  q.tenant = "acme";
+  q.kind = "egress";
+  q.limit = 100;
+  auto rows = store->QueryAudit(q);
+  ASSERT_TRUE(rows.ok()) << rows.status();
+  ASSERT_EQ(rows->size(), 2u);
+  const AuditEntry& last = (*rows)[0];
+  ASSERT_TRUE(last.egress.has_value());
+  EXPECT_EQ(last.environment_id, id);
+  EXPECT_EQ(last.egress->decision, "blocked");
+  EXPECT_EQ(last.egress->host, "pypi.test");
+  EXPECT_EQ(last.egress->path, "/files/foo-1.0-py3-none-any.whl");
+  EXPECT_EQ(last.egress->rule_ids, std::vector<std::string>{"deny:pypi.test"});
+  EXPECT_EQ(last.egress->intents, std::vector<std::string>{"check-weather"});
+  // Not governed: nothing (esbd fetches directly); another tenant's: not found.
+  auto plain = m->Create("acme", EnvSpec{}, 0);
+  ASSERT_TRUE(plain.ok());
+  auto none = m->HostFetchEgressFor("acme", plain->record.id);
+  ASSERT_TRUE(none.ok());
+  EXPECT_FALSE(none->has_value());
+  EXPECT_EQ(m->HostFetchEgressFor("other", id).status().code(), absl::StatusCode::kNotFound);
+  m->Stop();
+}
+
 TEST_F(EgressManagerTest, EveryNetworkChangeIsOneAuditRow) {
   auto m = MakeGoverned(nullptr);
   ASSERT_TRUE(m->Start().ok());

@@ -138,4 +138,9 @@ absl::StatusOr<UniqueFd> Driver::OpenEgressListener(const InstanceRef&) {
   return MissingCapabilityError(name(), Capability::kEgress);
 }
 
+absl::StatusOr<UniqueFd> Driver::ConnectEgressProxy(const InstanceRef&, std::chrono::milliseconds,
+                                                    const std::vector<uid_t>&) {
+  return MissingCapabilityError(name(), Capability::kEgress);
+}
+
 }  // namespace esb

@@ -331,6 +331,16 @@ class Driver {
   // kGoverned environment `ref`, for the egress proxy (core/egress.h). Each call opens a fresh
   // one (the previous one may have died with a proxy); the caller owns the descriptor.
   virtual absl::StatusOr<UniqueFd> OpenEgressListener(const InstanceRef& ref);
+  // kEgress: a new TCP socket created inside the network namespace of the kGoverned
+  // environment `ref` and connected there to its egress listener 127.0.0.1:3128 (so the proxy
+  // sees the connection as that environment's own egress), within `timeout`. For esbd's
+  // fetches on the environment's behalf (packages); the caller owns the descriptor. The
+  // socket that took the connection must be owned by one of `owners` (the listener's maker
+  // and the proxy that accepts on it), else PermissionDenied: a sandbox process may bind the
+  // port while the proxy is down.
+  virtual absl::StatusOr<UniqueFd> ConnectEgressProxy(const InstanceRef& ref,
+                                                      std::chrono::milliseconds timeout,
+                                                      const std::vector<uid_t>& owners);
 };
 
 }  // namespace esb

@@ -11,6 +11,7 @@
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
 #include <boost/beast/ssl.hpp>
+#include <boost/json.hpp>
 #include <cerrno>
 #include <condition_variable>
 #include <cstdio>
@@ -24,6 +25,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "packages/requirement.h"
 #include "packages/url.h"
 
 namespace esb::packages {
@@ -38,6 +40,8 @@ using Clock = std::chrono::steady_clock;
 
 constexpr size_t kChunkSize = 64 << 10;
 constexpr uint32_t kMaxHeaderBytes = 64 << 10;
+// What of a proxy's refusal (its JSON body) is read, at most.
+constexpr size_t kMaxRefusalBytes = 16 << 10;
 
 #ifndef ESB_VERSION
 #define ESB_VERSION "dev"
@@ -108,13 +112,22 @@ absl::StatusOr<std::vector<tcp::endpoint>> ResolveBefore(
 
 // The client TLS context: system trust store plus, when given, the operator's CA bundle.
 // Built per Get (not once per fetcher) so that changes to either are seen without a restart.
-absl::StatusOr<std::unique_ptr<ssl::context>> MakeTlsContext(const std::string& ca_file) {
+// `proxy_ca_pem`: the environment's CA when the request goes through its egress proxy.
+absl::StatusOr<std::unique_ptr<ssl::context>> MakeTlsContext(const std::string& ca_file,
+                                                             const std::string& proxy_ca_pem) {
   auto ctx = std::make_unique<ssl::context>(ssl::context::tls_client);
   beast::error_code ec;
   // A broken system store is not fatal on its own: a configured CA bundle may still suffice,
   // and otherwise verification fails with a clear reason.
   ctx->set_default_verify_paths(ec);
   ctx->set_verify_mode(ssl::verify_peer);
+  if (!proxy_ca_pem.empty()) {
+    ctx->add_certificate_authority(asio::buffer(proxy_ca_pem), ec);
+    if (ec) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("cannot load the environment's CA certificate: ", ec.message()));
+    }
+  }
   if (ca_file.empty()) return ctx;
   // OpenSSL reports a missing file only as "system lib"; name the errno ourselves.
   if (FILE* f = std::fopen(ca_file.c_str(), "r"); f == nullptr) {
@@ -176,6 +189,7 @@ class Request {
         ca_file_(ca_file), resolver_(resolver) {}
 
   absl::StatusOr<Hop> Run() {
+    if (limits_.proxy != nullptr) return RunProxied();
     auto resolved =
         ResolveBefore(url_, std::min(deadline_, Clock::now() + limits_.connect_timeout), resolver_);
     if (!resolved.ok()) return resolved.status();
@@ -183,28 +197,9 @@ class Request {
     if (url_.scheme == "https") {
       if (tls_ == nullptr) return absl::InternalError("https request without a TLS context");
       beast::ssl_stream<beast::tcp_stream> stream(ioc_, *tls_);
-      SSL* ssl = stream.native_handle();
-      // SECURITY: the certificate must name the URL's host (DNS name, or IP address for an IP
-      // literal, no partial wildcards). OpenSSL's own check, so a mismatch is reported as
-      // such ("hostname mismatch") in the verify result. SNI only for names (RFC 6066 §3).
-      X509_VERIFY_PARAM* param = SSL_get0_param(ssl);
-      X509_VERIFY_PARAM_set_hostflags(param, X509_CHECK_FLAG_NO_PARTIAL_WILDCARDS);
-      if (X509_VERIFY_PARAM_set1_ip_asc(param, url_.host.c_str()) != 1) {
-        if (X509_VERIFY_PARAM_set1_host(param, url_.host.c_str(), 0) != 1 ||
-            !SSL_set_tlsext_host_name(ssl, url_.host.c_str())) {
-          return absl::InternalError("cannot set TLS server name for " + url_.host);
-        }
-      }
+      if (auto s = VerifyHost(stream); !s.ok()) return s;
       if (auto s = Connect(beast::get_lowest_layer(stream), endpoints); !s.ok()) return s;
-      if (auto s = Expire(beast::get_lowest_layer(stream), "TLS handshake"); !s.ok()) return s;
-      beast::error_code ec = RunOp(ioc_, deadline_, [&](auto handler) {
-        stream.async_handshake(ssl::stream_base::client, handler);
-      });
-      if (ec) {
-        long verify = SSL_get_verify_result(ssl);
-        if (verify != X509_V_OK) return Untrusted(verify);
-        return Failure(ec, "TLS handshake");
-      }
+      if (auto s = Handshake(stream); !s.ok()) return s;
       return Exchange(stream, beast::get_lowest_layer(stream));
     }
     beast::tcp_stream stream(ioc_);
@@ -213,6 +208,137 @@ class Request {
   }
 
  private:
+  // Through the environment's egress proxy: a fresh proxied connection for this hop, then an
+  // absolute-URI request (http) or CONNECT and TLS inside the tunnel (https).
+  absl::StatusOr<Hop> RunProxied() {
+    if (url_.scheme == "https") {
+      if (tls_ == nullptr) return absl::InternalError("https request without a TLS context");
+      beast::ssl_stream<beast::tcp_stream> stream(ioc_, *tls_);
+      if (auto s = VerifyHost(stream); !s.ok()) return s;
+      if (auto s = ConnectProxy(beast::get_lowest_layer(stream)); !s.ok()) return s;
+      if (auto s = Tunnel(beast::get_lowest_layer(stream)); !s.ok()) return s;
+      if (auto s = Handshake(stream); !s.ok()) return s;
+      return Exchange(stream, beast::get_lowest_layer(stream));
+    }
+    beast::tcp_stream stream(ioc_);
+    if (auto s = ConnectProxy(stream); !s.ok()) return s;
+    return Exchange(stream, stream, /*absolute_target=*/true);
+  }
+
+  absl::Status VerifyHost(beast::ssl_stream<beast::tcp_stream>& stream) {
+    SSL* ssl = stream.native_handle();
+    // SECURITY: the certificate must name the URL's host (DNS name, or IP address for an IP
+    // literal, no partial wildcards). OpenSSL's own check, so a mismatch is reported as
+    // such ("hostname mismatch") in the verify result. SNI only for names (RFC 6066 §3).
+    X509_VERIFY_PARAM* param = SSL_get0_param(ssl);
+    X509_VERIFY_PARAM_set_hostflags(param, X509_CHECK_FLAG_NO_PARTIAL_WILDCARDS);
+    if (X509_VERIFY_PARAM_set1_ip_asc(param, url_.host.c_str()) != 1) {
+      if (X509_VERIFY_PARAM_set1_host(param, url_.host.c_str(), 0) != 1 ||
+          !SSL_set_tlsext_host_name(ssl, url_.host.c_str())) {
+        return absl::InternalError("cannot set TLS server name for " + url_.host);
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Handshake(beast::ssl_stream<beast::tcp_stream>& stream) {
+    if (auto s = Expire(beast::get_lowest_layer(stream), "TLS handshake"); !s.ok()) return s;
+    beast::error_code ec = RunOp(ioc_, deadline_, [&](auto handler) {
+      stream.async_handshake(ssl::stream_base::client, handler);
+    });
+    if (ec) {
+      long verify = SSL_get_verify_result(stream.native_handle());
+      if (verify != X509_V_OK) return Untrusted(verify);
+      return Failure(ec, "TLS handshake");
+    }
+    return absl::OkStatus();
+  }
+
+  // A socket connected to the proxy (ProxyRoute::connect), adopted by `stream`.
+  absl::Status ConnectProxy(beast::tcp_stream& stream) {
+    auto remaining =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline_ - Clock::now());
+    if (remaining <= std::chrono::milliseconds::zero()) return Timeout("connecting to the proxy");
+    absl::StatusOr<UniqueFd> fd =
+        limits_.proxy->connect(std::min(remaining, limits_.connect_timeout));
+    if (!fd.ok()) {
+      return absl::Status(absl::IsDeadlineExceeded(fd.status())
+                              ? absl::StatusCode::kDeadlineExceeded
+                              : absl::StatusCode::kUnavailable,
+                          absl::StrCat("cannot reach the environment's egress proxy for ",
+                                       url_.ToString(), ": ", fd.status().message()));
+    }
+    beast::error_code ec;
+    stream.socket().assign(tcp::v4(), fd->get(), ec);
+    if (ec) return absl::InternalError("cannot adopt the proxy socket: " + ec.message());
+    (void)fd->release();  // the stream owns it now
+    return absl::OkStatus();
+  }
+
+  // CONNECT host:port through the proxy; OK once it answered 2xx (the tunnel is open).
+  absl::Status Tunnel(beast::tcp_stream& stream) {
+    http::request<http::empty_body> req{http::verb::connect, url_.HostPort(), 11};
+    req.set(http::field::host, url_.HostPort());
+    req.set(http::field::user_agent, "esbd/" ESB_VERSION);
+    if (auto s = Expire(stream, "CONNECT"); !s.ok()) return s;
+    beast::error_code ec =
+        RunOp(ioc_, deadline_, [&](auto h) { http::async_write(stream, req, h); });
+    if (ec) return Failure(ec, "sending CONNECT to the proxy");
+    beast::flat_buffer buffer;
+    http::response_parser<http::buffer_body> parser;
+    parser.header_limit(kMaxHeaderBytes);
+    parser.body_limit(boost::none);
+    if (auto s = Expire(stream, "waiting for the proxy"); !s.ok()) return s;
+    ec =
+        RunOp(ioc_, deadline_, [&](auto h) { http::async_read_header(stream, buffer, parser, h); });
+    if (ec) return Failure(ec, "reading the proxy's answer to CONNECT");
+    const int status = static_cast<int>(parser.get().result_int());
+    if (status >= 200 && status < 300) {
+      // SECURITY: nothing may precede our ClientHello: bytes here would be a server speaking
+      // before the handshake, i.e. not the tunnel we asked for.
+      if (buffer.size() != 0) {
+        return absl::UnavailableError(absl::StrCat(
+            "the egress proxy sent data before the TLS handshake to ", url_.HostPort()));
+      }
+      return absl::OkStatus();
+    }
+    return Refused(stream, buffer, parser, status);
+  }
+
+  // The proxy's (or, inside a tunnel, the upstream's) non-2xx answer as a Status. A 403 with
+  // X-Esb-Blocked on a proxied request is the environment's egress policy refusing it.
+  template <class Stream>
+  absl::Status Refused(Stream& stream, beast::flat_buffer& buffer,
+                       http::response_parser<http::buffer_body>& parser, int status) {
+    if (limits_.proxy == nullptr || status != 403 ||
+        parser.get().find("X-Esb-Blocked") == parser.get().end()) {
+      return HttpStatusError(status, url_.ToString());
+    }
+    const std::string rule = Printable(std::string(parser.get()["X-Esb-Blocked"]), 200);
+    std::string body;
+    std::array<char, 4096> chunk;
+    while (!parser.is_done() && body.size() < kMaxRefusalBytes) {
+      parser.get().body().data = chunk.data();
+      parser.get().body().size = chunk.size();
+      if (!Expire(beast::get_lowest_layer(stream), "reading the refusal").ok()) break;
+      beast::error_code ec =
+          RunOp(ioc_, deadline_, [&](auto h) { http::async_read(stream, buffer, parser, h); });
+      if (ec == http::error::need_buffer) ec = {};
+      body.append(chunk.data(), chunk.size() - parser.get().body().size);
+      if (ec) break;
+    }
+    std::string reason;
+    boost::system::error_code jec;
+    boost::json::value v = boost::json::parse(body.substr(0, kMaxRefusalBytes), jec);
+    if (!jec && v.is_object()) {
+      if (const boost::json::value* r = v.as_object().if_contains("reason"); r && r->is_string())
+        reason = Printable(std::string(r->as_string()), 300);
+    }
+    return absl::PermissionDeniedError(absl::StrCat("the environment's egress policy refuses ",
+                                                    url_.HostPort(), " (rule '", rule, "')",
+                                                    reason.empty() ? "" : ": ", reason));
+  }
+
   absl::Status Connect(beast::tcp_stream& stream, const std::vector<tcp::endpoint>& endpoints) {
     auto remaining = deadline_ - Clock::now();
     if (remaining <= Clock::duration::zero()) return Timeout("connecting");
@@ -250,7 +376,10 @@ class Request {
   absl::Status Untrusted(long verify_result) {
     std::string msg = absl::StrCat("TLS certificate verification failed for ", url_.HostPort(),
                                    ": ", X509_verify_cert_error_string(verify_result));
-    if (IssuerUnknown(verify_result)) {
+    if (IssuerUnknown(verify_result) && limits_.proxy != nullptr) {
+      absl::StrAppend(&msg, " (trusted: the environment's CA, the system store",
+                      ca_file_.empty() ? "" : absl::StrCat(" and '", ca_file_, "'"), ")");
+    } else if (IssuerUnknown(verify_result)) {
       absl::StrAppend(&msg, ca_file_.empty()
                                 ? " (the system trust store has no CA for it; for a private CA, "
                                   "configure a CA bundle)"
@@ -266,9 +395,12 @@ class Request {
         absl::StrCat("request to ", url_.ToString(), " failed (", phase, "): ", ec.message()));
   }
 
+  // `absolute_target`: the request line carries the whole URL (a plain-http proxy request).
   template <class Stream>
-  absl::StatusOr<Hop> Exchange(Stream& stream, beast::tcp_stream& lowest) {
-    http::request<http::empty_body> req{http::verb::get, url_.target, 11};
+  absl::StatusOr<Hop> Exchange(Stream& stream, beast::tcp_stream& lowest,
+                               bool absolute_target = false) {
+    http::request<http::empty_body> req{http::verb::get,
+                                        absolute_target ? url_.ToString() : url_.target, 11};
     req.set(http::field::host, url_.HostPort());
     req.set(http::field::user_agent, "esbd/" ESB_VERSION);
     req.set(http::field::accept, limits_.accept.empty() ? "*/*" : limits_.accept);
@@ -296,7 +428,7 @@ class Request {
       hop.location = std::string(msg[http::field::location]);
       return hop;
     }
-    if (hop.status < 200 || hop.status >= 300) return HttpStatusError(hop.status, url_.ToString());
+    if (hop.status < 200 || hop.status >= 300) return Refused(stream, buffer, parser, hop.status);
     if (parser.content_length() && *parser.content_length() >
                                        static_cast<uint64_t>(limits_.max_body_bytes)) {
       return TooLarge(static_cast<int64_t>(*parser.content_length()));
@@ -365,12 +497,15 @@ absl::StatusOr<HttpResult> BeastHttpFetcher::Get(const std::string& url, const F
   std::unique_ptr<ssl::context> tls;
   auto need_tls = [&]() -> absl::Status {
     if (tls != nullptr) return absl::OkStatus();
-    auto made = MakeTlsContext(ca_file_);
+    auto made = MakeTlsContext(ca_file_, limits.proxy ? limits.proxy->ca_pem : "");
     if (!made.ok()) return made.status();
     tls = std::move(*made);
     return absl::OkStatus();
   };
-  if (!ca_file_.empty()) {
+  if (!ca_file_.empty() || limits.proxy != nullptr) {
+    if (limits.proxy != nullptr && !limits.proxy->connect) {
+      return absl::InternalError("proxied fetch without a way to reach the proxy");
+    }
     if (auto s = need_tls(); !s.ok()) return s;
   }
   std::string current = url;

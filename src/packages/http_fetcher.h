@@ -8,14 +8,32 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/util.h"
 
 namespace esb::packages {
+
+// The way out for a governed environment's fetches (docs/design.md "Host-side wheel cache"):
+// every connection of the request — each redirect hop too — is a fresh socket from `connect`,
+// connected to that environment's egress proxy, which decides, DLP-scans and audits it like
+// the sandbox's own traffic. The fetcher then speaks forward-proxy HTTP: an absolute-URI GET
+// for http, CONNECT host:port and then TLS for https. esbd resolves no name and opens no
+// connection of its own for such a request.
+struct ProxyRoute {
+  // A new stream socket connected to the proxy, within `timeout` (DeadlineExceeded after it).
+  std::function<absl::StatusOr<UniqueFd>(std::chrono::milliseconds timeout)> connect;
+  // PEM certificate(s) of the environment's CA: the proxy intercepts TLS with leaves it signs.
+  // Trusted in addition to the system store and the fetcher's CA bundle (those verify the
+  // upstream itself when the policy tunnels the host without inspection). Hostname
+  // verification applies either way.
+  std::string ca_pem;
+};
 
 struct FetchLimits {
   int64_t max_body_bytes = 16 << 20;  // more → ResourceExhausted
@@ -28,6 +46,8 @@ struct FetchLimits {
   // of the URL's scheme. Empty = only the host and port of the requested URL.
   std::vector<std::string> allowed_hosts;
   std::string accept;  // Accept header; "" = "*/*"
+  // Set: through this environment's egress proxy (see ProxyRoute); null: directly.
+  std::shared_ptr<const ProxyRoute> proxy;
 };
 
 struct HttpResult {
@@ -45,7 +65,9 @@ class HttpFetcher {
   // GETs url. On a 2xx the body goes to `sink` (an error from the sink aborts the request and
   // is returned). Errors: non-2xx per HttpStatusError; connection failures → Unavailable;
   // timeouts → DeadlineExceeded; body too large → ResourceExhausted; redirect to a host not
-  // allowed → PermissionDenied naming the host.
+  // allowed → PermissionDenied naming the host. Through a proxy (limits.proxy), a refusal by
+  // the environment's egress policy (403 with X-Esb-Blocked) → PermissionDenied naming the
+  // host, the rule and the proxy's reason; the proxy's other errors map like an upstream's.
   virtual absl::StatusOr<HttpResult> Get(const std::string& url, const FetchLimits& limits,
                                          const BodySink& sink) = 0;
 };
@@ -59,7 +81,11 @@ absl::Status HttpStatusError(int status, const std::string& url);
 bool IsUnreachable(const absl::Status& status);
 
 // Boost.Beast over Asio; https with OpenSSL (system trust store, SNI, hostname verification).
-// No proxies. Each Get uses its own io_context, so concurrent calls are independent.
+// Direct, or through an environment's egress proxy (FetchLimits::proxy); no other proxies.
+// Each Get uses its own io_context, so concurrent calls are independent. A proxy's answers are
+// treated as untrusted like an upstream's: the same header, body and time limits apply to
+// them, a CONNECT answer must be a bare 2xx head (no bytes before the TLS handshake), and the
+// refusal body is read only up to 16 KiB.
 //
 // `ca_file`: optional PEM bundle of CA certificates trusted IN ADDITION to the system trust
 // store, for an index behind an internal CA (a corporate mirror). It is read on every Get (so a

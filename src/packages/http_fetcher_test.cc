@@ -8,17 +8,20 @@
 #include <unistd.h>
 
 #include <atomic>
-#include <cerrno>
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/read_until.hpp>
 #include <boost/asio/ssl.hpp>
 #include <boost/asio/write.hpp>
+#include <boost/json.hpp>
+#include <cerrno>
 #include <chrono>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <sstream>
@@ -27,6 +30,11 @@
 #include <vector>
 
 #include "common/util.h"
+#include "governance/control.h"
+#include "governance/policy.h"
+#include "governance/proxy/proxy.h"
+#include "governance/proxy/resolver.h"
+#include "governance/tls/ca.h"
 
 namespace esb::packages {
 namespace {
@@ -58,6 +66,11 @@ class LoopbackServer {
     return "http://127.0.0.1:" + std::to_string(port_) + path;
   }
   int port() const { return port_; }
+  // The request targets served so far, in order.
+  std::vector<std::string> paths() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return paths_;
+  }
   static const std::string& BigBody() {
     static const std::string body = [] {
       std::string b;
@@ -103,6 +116,10 @@ class LoopbackServer {
       }
     }
     std::string path = req.substr(4, req.find(' ', 4) - 4);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      paths_.push_back(path);
+    }
     auto reply = [&](const std::string& head, const std::string& body) {
       SendAll(fd.get(), head + "Content-Length: " + std::to_string(body.size()) +
                             "\r\nConnection: close\r\n\r\n" + body);
@@ -115,6 +132,10 @@ class LoopbackServer {
       SendAll(fd.get(), out + "0\r\n\r\n");
     } else if (path == "/redirect-local") {
       reply("HTTP/1.1 302 Found\r\nLocation: /ok\r\n", "");
+    } else if (path == "/redirect-internal") {
+      reply("HTTP/1.1 302 Found\r\nLocation: http://internal.test:" + std::to_string(port_) +
+                "/ok\r\n",
+            "");
     } else if (path == "/redirect-foreign") {
       reply("HTTP/1.1 302 Found\r\nLocation: http://evil.example:" + std::to_string(port_) +
                 "/ok\r\n",
@@ -139,6 +160,7 @@ class LoopbackServer {
   std::thread acceptor_;
   std::mutex mu_;
   std::vector<std::thread> workers_;
+  std::vector<std::string> paths_;
 };
 
 class BeastHttpFetcherTest : public ::testing::Test {
@@ -359,6 +381,8 @@ struct TestPki {
   std::string good_key;
   std::string wrong_cert;  // SAN DNS:wrong.example, signed by the same CA
   std::string wrong_key;
+  std::string index_cert;  // SAN DNS:index.test, signed by the same CA
+  std::string index_key;
   std::string error;       // non-empty when generation failed: why
 };
 
@@ -404,6 +428,12 @@ keyUsage = critical,digitalSignature
 extendedKeyUsage = serverAuth
 subjectAltName = IP:127.0.0.1,DNS:localhost
 authorityKeyIdentifier = keyid
+[index_ext]
+basicConstraints = CA:FALSE
+keyUsage = critical,digitalSignature
+extendedKeyUsage = serverAuth
+subjectAltName = DNS:index.test
+authorityKeyIdentifier = keyid
 [wrong_ext]
 basicConstraints = CA:FALSE
 keyUsage = critical,digitalSignature
@@ -424,6 +454,10 @@ authorityKeyIdentifier = keyid
           " -keyout wrong.key -out wrong.csr -subj '/CN=wrong.example'",
       "openssl x509 -req -in wrong.csr -CA ca.pem -CAkey ca.key -set_serial 3 -days 2 "
       "-extfile pki.cnf -extensions wrong_ext -out wrong.pem",
+      "openssl req -new -config pki.cnf " + newkey +
+          " -keyout index.key -out index.csr -subj '/CN=index.test'",
+      "openssl x509 -req -in index.csr -CA ca.pem -CAkey ca.key -set_serial 4 -days 2 "
+      "-extfile pki.cnf -extensions index_ext -out index.pem",
   };
   for (const auto& step : steps) {
     pki.error = RunIn(pki.dir, step);
@@ -434,6 +468,8 @@ authorityKeyIdentifier = keyid
   pki.good_key = pki.dir + "/good.key";
   pki.wrong_cert = pki.dir + "/wrong.pem";
   pki.wrong_key = pki.dir + "/wrong.key";
+  pki.index_cert = pki.dir + "/index.pem";
+  pki.index_key = pki.dir + "/index.key";
   return pki;
 }
 
@@ -638,6 +674,332 @@ TEST_F(TlsFetcherTest, InvalidCaFileIsFailedPrecondition) {
     EXPECT_NE(Message(r.status()).find("CA bundle"), std::string::npos) << r.status();
   }
   EXPECT_EQ(server.requests(), 0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Through an environment's egress proxy (FetchLimits::proxy): the real proxy engine in-process
+// (governance/proxy), serving a loopback listener as esbd's netns listener; names map to the
+// local servers above through the test's resolver.
+
+namespace gov = esb::governance;
+
+class MapResolver : public gov::proxy::Resolver {
+ public:
+  // `explicitly`: the name counts as explicitly mapped (like --egress-resolve), so a loopback
+  // address is allowed; otherwise the proxy refuses it as a private address.
+  void Map(const std::string& name, int port, bool explicitly = true) {
+    std::lock_guard<std::mutex> lock(mu_);
+    map_[name] = {
+        tcp::endpoint(asio::ip::make_address("127.0.0.1"), static_cast<unsigned short>(port)),
+        explicitly};
+  }
+  asio::awaitable<absl::StatusOr<gov::proxy::Resolution>> Resolve(std::string host,
+                                                                  uint16_t) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = map_.find(host);
+    if (it == map_.end()) co_return absl::NotFoundError("cannot resolve '" + host + "'");
+    gov::proxy::Resolution r;
+    r.endpoints.push_back(it->second.first);
+    r.overridden = it->second.second;
+    co_return r;
+  }
+
+ private:
+  std::mutex mu_;
+  std::map<std::string, std::pair<tcp::endpoint, bool>> map_;
+};
+
+UniqueFd ConnectLoopback(int port) {
+  UniqueFd fd(socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  if (connect(fd.get(), reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) return UniqueFd();
+  return fd;
+}
+
+class ProxiedFetcherTest : public TlsFetcherTest {
+ protected:
+  void SetUp() override {
+    TlsFetcherTest::SetUp();
+    auto ca = gov::tls::GenerateCa("EnterSandBox env test");
+    ASSERT_TRUE(ca.ok()) << ca.status();
+    env_ca_ = *ca;
+    resolver_ = std::make_shared<MapResolver>();
+    gov::proxy::ProxyOptions o;
+    o.threads = 2;
+    o.use_system_roots = false;
+    o.upstream_ca_file = pki_->ca_cert;  // the proxy verifies the TLS upstreams
+    auto proxy = gov::proxy::Proxy::Create(o, resolver_, [this](gov::control::AuditEvent e) {
+      std::lock_guard<std::mutex> lock(audit_mu_);
+      audit_.push_back(std::move(e));
+      audit_cv_.notify_all();
+    });
+    ASSERT_TRUE(proxy.ok()) << proxy.status();
+    proxy_ = *std::move(proxy);
+    route_ = std::make_shared<ProxyRoute>();
+    route_->ca_pem = env_ca_.cert_pem;
+    route_->connect = [this](std::chrono::milliseconds) -> absl::StatusOr<UniqueFd> {
+      ++connects_;
+      UniqueFd fd = ConnectLoopback(proxy_port_);
+      if (!fd) return absl::UnavailableError("cannot connect to the test proxy");
+      return fd;
+    };
+    limits_.proxy = route_;
+  }
+  void TearDown() override { proxy_.reset(); }
+
+  void Attach(const std::string& policy_json) {
+    UniqueFd listener(socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ASSERT_EQ(bind(listener.get(), reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+    ASSERT_EQ(listen(listener.get(), 16), 0);
+    socklen_t len = sizeof a;
+    getsockname(listener.get(), reinterpret_cast<sockaddr*>(&a), &len);
+    proxy_port_ = ntohs(a.sin_port);
+    auto policy = gov::ParseEgressPolicy(boost::json::parse(policy_json));
+    ASSERT_TRUE(policy.ok()) << policy.status();
+    gov::control::Attach at;
+    at.env_id = "env-1";
+    at.tenant = "t1";
+    at.policy = *policy;
+    at.ca_cert_pem = env_ca_.cert_pem;
+    at.ca_key_pem = env_ca_.key_pem;
+    at.listener_fd = listener.get();
+    absl::Status st = proxy_->Attach(std::move(at));
+    ASSERT_TRUE(st.ok()) << st;
+  }
+  // The proxy's audit events once at least n arrived (2 s).
+  std::vector<gov::control::AuditEvent> Audit(size_t n) {
+    std::unique_lock<std::mutex> lock(audit_mu_);
+    audit_cv_.wait_for(lock, std::chrono::seconds(2), [&] { return audit_.size() >= n; });
+    return audit_;
+  }
+
+  BeastHttpFetcher fetcher_;
+  gov::tls::CaPem env_ca_;
+  std::shared_ptr<MapResolver> resolver_;
+  std::unique_ptr<gov::proxy::Proxy> proxy_;
+  std::shared_ptr<ProxyRoute> route_;
+  int proxy_port_ = 0;
+  std::atomic<int> connects_{0};
+  std::mutex audit_mu_;
+  std::condition_variable audit_cv_;
+  std::vector<gov::control::AuditEvent> audit_;
+};
+
+TEST_F(ProxiedFetcherTest, PlainHttpIsAnAbsoluteUriRequestDecidedAndAuditedByTheProxy) {
+  LoopbackServer server;
+  resolver_->Map("index.test", server.port());
+  Attach(R"({"mode":"allowlist","allow":["index.test"]})");
+  const std::string url = "http://index.test:" + std::to_string(server.port()) + "/ok";
+  std::string body;
+  auto r = Get(fetcher_, url, &body);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(body, LoopbackServer::BigBody());
+  EXPECT_EQ(connects_.load(), 1);
+  EXPECT_EQ(server.paths(), std::vector<std::string>{"/ok"});
+  auto events = Audit(1);
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].env_id, "env-1");
+  EXPECT_EQ(events[0].host, "index.test");
+  EXPECT_EQ(events[0].path, "/ok");
+  EXPECT_EQ(events[0].decision, "allowed");
+  EXPECT_EQ(events[0].status, 200);
+}
+
+TEST_F(ProxiedFetcherTest, EachRedirectHopOpensANewProxiedConnection) {
+  LoopbackServer server;
+  resolver_->Map("index.test", server.port());
+  Attach(R"({"allow":["index.test"]})");
+  auto r = Get(fetcher_, "http://index.test:" + std::to_string(server.port()) + "/redirect-local");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(connects_.load(), 2);
+  EXPECT_EQ(Audit(2).size(), 2u) << "both hops are the environment's egress";
+}
+
+TEST_F(ProxiedFetcherTest, BlockedHostIsPermissionDeniedNamingHostAndRuleAndNothingArrives) {
+  LoopbackServer server;
+  resolver_->Map("index.test", server.port());
+  Attach(R"({"allow":["other.test"],"deny":["index.test"]})");
+  for (const std::string scheme : {"http", "https"}) {
+    auto r = Get(fetcher_, scheme + "://index.test:" + std::to_string(server.port()) + "/ok");
+    ASSERT_TRUE(absl::IsPermissionDenied(r.status())) << scheme << ": " << r.status();
+    EXPECT_NE(Message(r.status()).find("index.test"), std::string::npos) << r.status();
+    EXPECT_NE(Message(r.status()).find("rule 'deny:index.test'"), std::string::npos) << r.status();
+    EXPECT_FALSE(IsUnreachable(r.status())) << "a refusal never falls back to cached data";
+  }
+  EXPECT_TRUE(server.paths().empty());
+  auto events = Audit(2);
+  ASSERT_EQ(events.size(), 2u);
+  for (const auto& e : events) EXPECT_EQ(e.decision, "blocked");
+}
+
+TEST_F(ProxiedFetcherTest, HttpsIsInterceptedAndTheLeafVerifiedAgainstTheEnvironmentsCa) {
+  TlsLoopbackServer server(pki_->index_cert, pki_->index_key);
+  resolver_->Map("index.test", server.port());
+  Attach(R"({"allow":["index.test"]})");
+  const std::string url = server.Url("index.test", "/simple/");
+  std::string body;
+  auto r = Get(fetcher_, url, &body);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(body, TlsLoopbackServer::kBody);
+  auto events = Audit(1);
+  ASSERT_FALSE(events.empty());
+  EXPECT_EQ(events.back().scheme, "https");
+  EXPECT_EQ(events.back().path, "/simple/") << "inspected: the proxy saw the request";
+  // Without the environment's CA the intercepting leaf is not trusted.
+  route_->ca_pem = "";
+  r = Get(fetcher_, url);
+  EXPECT_TRUE(absl::IsFailedPrecondition(r.status())) << r.status();
+}
+
+TEST_F(ProxiedFetcherTest, HttpsTunnelledWithoutInspectionVerifiesTheUpstreamItself) {
+  TlsLoopbackServer server(pki_->index_cert, pki_->index_key);
+  resolver_->Map("index.test", server.port());
+  Attach(R"({"allow":["index.test"],"tls_inspect":false})");
+  const std::string url = server.Url("index.test", "/x");
+  auto r = Get(fetcher_, url);  // trusts the env CA and the system store: not the test CA
+  EXPECT_TRUE(absl::IsFailedPrecondition(r.status())) << r.status();
+  BeastHttpFetcher with_ca(pki_->ca_cert);
+  std::string body;
+  r = Get(with_ca, url, &body);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(body, TlsLoopbackServer::kBody);
+}
+
+// Attack: a hostile index redirects esbd's fetch to an internal address. The host list of the
+// fetch allows the name, the policy too, but the proxy resolves it and refuses the private
+// address: the internal service never sees the request.
+TEST_F(ProxiedFetcherTest, RedirectToAPrivateAddressIsRefused) {
+  LoopbackServer server;
+  resolver_->Map("index.test", server.port());
+  resolver_->Map("internal.test", server.port(), /*explicitly=*/false);
+  Attach(R"({"allow":["index.test","internal.test"]})");
+  const std::string port = std::to_string(server.port());
+  limits_.allowed_hosts = {"index.test:" + port, "internal.test:" + port};
+  auto r = Get(fetcher_, "http://index.test:" + port + "/redirect-internal");
+  ASSERT_TRUE(absl::IsPermissionDenied(r.status())) << r.status();
+  EXPECT_NE(Message(r.status()).find("internal.test"), std::string::npos) << r.status();
+  EXPECT_NE(Message(r.status()).find("rule 'addr:private'"), std::string::npos) << r.status();
+  EXPECT_EQ(server.paths(), std::vector<std::string>{"/redirect-internal"})
+      << "the redirect's target was never requested";
+}
+
+// A proxy (or whatever answers on its socket) is untrusted too. Answers a test proxy sends.
+class HostileProxy {
+ public:
+  explicit HostileProxy(std::string answer) : answer_(std::move(answer)) {
+    thread_ = std::thread([this] {
+      while (!stop_) {
+        pollfd p{listener_.get(), POLLIN, 0};
+        if (poll(&p, 1, 20) <= 0) continue;
+        UniqueFd c(accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
+        if (!c) continue;
+        std::string got;
+        char buf[4096];
+        while (got.find("\r\n\r\n") == std::string::npos && !stop_) {
+          pollfd q{c.get(), POLLIN, 0};
+          if (poll(&q, 1, 20) <= 0) continue;
+          ssize_t n = recv(c.get(), buf, sizeof buf, 0);
+          if (n <= 0) break;
+          got.append(buf, static_cast<size_t>(n));
+        }
+        std::string_view out = answer_;
+        while (!out.empty() && !stop_) {
+          ssize_t n = send(c.get(), out.data(), out.size(), MSG_NOSIGNAL);
+          if (n <= 0) break;
+          out.remove_prefix(static_cast<size_t>(n));
+        }
+        while (!stop_) std::this_thread::sleep_for(std::chrono::milliseconds(10));  // hold it
+      }
+    });
+  }
+  ~HostileProxy() {
+    stop_ = true;
+    thread_.join();
+  }
+  int port() const { return port_; }
+
+ private:
+  UniqueFd Listen() {
+    UniqueFd l(socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    bind(l.get(), reinterpret_cast<sockaddr*>(&a), sizeof a);
+    listen(l.get(), 4);
+    socklen_t len = sizeof a;
+    getsockname(l.get(), reinterpret_cast<sockaddr*>(&a), &len);
+    port_ = ntohs(a.sin_port);
+    return l;
+  }
+  std::string answer_;
+  int port_ = 0;
+  UniqueFd listener_ = Listen();
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
+TEST_F(ProxiedFetcherTest, HostileProxyAnswersAreBoundedAndFail) {
+  auto via = [&](const HostileProxy& p) {
+    route_->connect = [port = p.port()](std::chrono::milliseconds) -> absl::StatusOr<UniqueFd> {
+      return ConnectLoopback(port);
+    };
+  };
+  limits_.timeout = std::chrono::milliseconds(1500);
+  {
+    // Bytes after the CONNECT answer, before our ClientHello: not the tunnel we asked for.
+    HostileProxy p("HTTP/1.1 200 OK\r\n\r\n\x16\x03\x01 forged server hello");
+    via(p);
+    auto r = Get(fetcher_, "https://index.test/simple/");
+    EXPECT_TRUE(absl::IsUnavailable(r.status())) << r.status();
+    EXPECT_NE(Message(r.status()).find("before the TLS handshake"), std::string::npos)
+        << r.status();
+  }
+  {
+    // A refusal with an endless body and a hostile rule text: read at most 16 KiB, printable.
+    HostileProxy p(
+        "HTTP/1.1 403 Forbidden\r\nX-Esb-Blocked: evil\xc3\xa9rule\r\n"
+        "Content-Length: 100000000\r\n\r\n" +
+        std::string(1 << 20, '{'));
+    via(p);
+    const auto t0 = std::chrono::steady_clock::now();
+    auto r = Get(fetcher_, "http://index.test/simple/");
+    EXPECT_TRUE(absl::IsPermissionDenied(r.status())) << r.status();
+    EXPECT_NE(Message(r.status()).find("evil??rule"), std::string::npos) << r.status();
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(1400));
+  }
+  {
+    // A proxy that never answers: the request's own deadline ends it.
+    HostileProxy p("");
+    via(p);
+    const auto t0 = std::chrono::steady_clock::now();
+    auto r = Get(fetcher_, "https://index.test/simple/");
+    EXPECT_TRUE(absl::IsDeadlineExceeded(r.status())) << r.status();
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(3000));
+  }
+  {
+    // A huge header: the same 64 KiB header limit as for an upstream.
+    HostileProxy p("HTTP/1.1 200 OK\r\nX-Big: " + std::string(200'000, 'a') + "\r\n\r\n");
+    via(p);
+    auto r = Get(fetcher_, "http://index.test/simple/");
+    EXPECT_FALSE(r.ok());
+  }
+}
+
+TEST_F(ProxiedFetcherTest, ProxyUnreachableIsUnavailableAndNoDirectConnectionIsMade) {
+  LoopbackServer server;
+  route_->connect = [](std::chrono::milliseconds) -> absl::StatusOr<UniqueFd> {
+    return absl::UnavailableError("connection refused");
+  };
+  auto r = Get(fetcher_, server.Url("/ok"));
+  EXPECT_TRUE(absl::IsUnavailable(r.status())) << r.status();
+  EXPECT_NE(Message(r.status()).find("egress proxy"), std::string::npos) << r.status();
+  EXPECT_TRUE(server.paths().empty()) << "never a direct fetch for a governed environment";
 }
 
 TEST(HttpStatusErrorTest, Mapping) {

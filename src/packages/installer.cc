@@ -5,13 +5,16 @@
 
 #include <chrono>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <set>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/util.h"
 #include "packages/requirement.h"
+#include "packages/url.h"
 
 namespace esb::packages {
 namespace {
@@ -176,6 +179,30 @@ absl::StatusOr<std::vector<InstalledPackage>> PackageInstaller::Install(
         "(set packages.index_url in the esbd config)"));
   }
 
+  // A governed environment's fetches are its egress: through its proxy (policy, DLP, audit),
+  // and a cache hit only if its policy allows the file's host now. Never a direct fetch.
+  std::optional<WheelCache::Egress> egress;
+  if (cache_ != nullptr) {
+    auto governed = manager_->HostFetchEgressFor(caller, env_id);
+    if (!governed.ok()) return governed.status();
+    if (governed->has_value()) {
+      auto route = std::make_shared<ProxyRoute>();
+      route->connect = (*governed)->connect;
+      route->ca_pem = (*governed)->ca_cert_pem;
+      egress = WheelCache::Egress{
+          std::move(route), [check = (*governed)->check](const std::string& url) -> absl::Status {
+            auto u = ParseUrl(url);
+            if (!u.ok())
+              return absl::PermissionDeniedError(absl::StrCat(
+                  "refusing a cached file of unknown origin (", u.status().message(), ")"));
+            uint32_t port = 0;
+            if (!absl::SimpleAtoi(u->port, &port) || port == 0 || port > 65535)
+              return absl::PermissionDeniedError("refusing a cached file with a bad port");
+            return check(u->scheme, u->host, static_cast<uint16_t>(port), u->target);
+          }};
+    }
+  }
+
   // 2. Fetch (host cache or index), copy into the sandbox, let pip resolve; repeat for each
   //    dependency pip reports missing.
   const std::string wheel_dir = absl::StrCat(kWheelDirPrefix, RandomHex(6));
@@ -196,7 +223,7 @@ absl::StatusOr<std::vector<InstalledPackage>> PackageInstaller::Install(
           "and this daemon has none configured (set packages.index_url in the esbd config)"));
     if (absl::Status st = out_of_time(); !st.ok()) return st;
     // `wheel` holds a lease on the cached file until the copy below is done.
-    auto wheel = cache_->Fetch(req, fetch_deadline);
+    auto wheel = cache_->Fetch(req, fetch_deadline, egress ? &*egress : nullptr);
     if (!wheel.ok()) return wheel.status();
     if (copied.count(wheel->filename)) return false;  // no progress: pip already had it
     if (!wheel->from_cache) {
@@ -212,7 +239,8 @@ absl::StatusOr<std::vector<InstalledPackage>> PackageInstaller::Install(
     say(absl::StrCat("esb: ", wheel->name, " ", wheel->version,
                      wheel->from_cache
                          ? (wheel->offline ? " (host cache; index unreachable)" : " (host cache)")
-                         : " (downloaded from the package index)"));
+                     : egress ? " (downloaded through the environment's egress proxy)"
+                              : " (downloaded from the package index)"));
     UniqueFd fd(::open(wheel->path.c_str(), O_RDONLY | O_CLOEXEC));
     if (!fd) return ErrnoStatus(absl::StrCat("open cached wheel ", wheel->path));
     const std::string dest = absl::StrCat(wheel_dir, "/", wheel->filename);

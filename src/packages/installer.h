@@ -8,6 +8,9 @@
 // pip resolves dependencies: when it reports "No matching distribution found for X", X is
 // fetched the same way and pip runs again (bounded rounds). A second environment asking for
 // the same packages installs them from the host cache without touching the network.
+// For a governed environment (a network policy) every fetch goes through that environment's
+// egress proxy instead, and a cache hit is handed over only if its policy allows the file's
+// host (EnvironmentManager::HostFetchEgressFor, WheelCache::Egress).
 //
 // Everything that comes out of the sandbox (the probe's answer, pip's output) is the sandbox
 // user's to forge: it is parsed without regexes or recursion, bounded, and never widens what

@@ -9,6 +9,7 @@
 #include <boost/json.hpp>
 #include <cerrno>
 #include <filesystem>
+#include <optional>
 #include <set>
 
 #include "absl/strings/match.h"
@@ -261,7 +262,7 @@ WheelCache::Stats WheelCache::GetStats() {
 }
 
 absl::StatusOr<FetchLimits> WheelCache::Limits(int64_t max_body_bytes, Clock::time_point deadline,
-                                               std::string_view what) const {
+                                               std::string_view what, const Egress* egress) const {
   FetchLimits limits;
   limits.max_body_bytes = max_body_bytes;
   limits.timeout = options_.http_timeout;
@@ -277,6 +278,10 @@ absl::StatusOr<FetchLimits> WheelCache::Limits(int64_t max_body_bytes, Clock::ti
     limits.connect_timeout = std::min(limits.connect_timeout, remaining);
   }
   limits.allowed_hosts = AllowedHosts();
+  if (egress != nullptr) {
+    if (egress->route == nullptr) return absl::InternalError("governed fetch without a route");
+    limits.proxy = egress->route;
+  }
   return limits;
 }
 
@@ -389,7 +394,14 @@ std::vector<std::string> WheelCache::AllowedHosts() const {
   return hosts;
 }
 
-absl::StatusOr<Wheel> WheelCache::Fetch(const Requirement& req, Clock::time_point deadline) {
+absl::Status WheelCache::CheckHit(const Egress* egress, const std::string& url) {
+  if (egress == nullptr) return absl::OkStatus();
+  if (!egress->check) return absl::InternalError("governed fetch without a policy check");
+  return egress->check(url);
+}
+
+absl::StatusOr<Wheel> WheelCache::Fetch(const Requirement& req, Clock::time_point deadline,
+                                        const Egress* egress) {
   if (!init_status_.ok()) return init_status_;
   if (!ValidProjectName(req.name)) {
     return absl::InvalidArgumentError(
@@ -400,23 +412,24 @@ absl::StatusOr<Wheel> WheelCache::Fetch(const Requirement& req, Clock::time_poin
     return absl::InvalidArgumentError(
         absl::StrCat("package '", req.name, "': ", spec.status().message()));
   }
-  auto page = GetPage(req.name, deadline);
+  auto page = GetPage(req.name, deadline, egress);
   if (!page.ok()) {
     // The caller's time running out is not the index being unreachable: no fallback then.
     if (IsUnreachable(page.status()) && Clock::now() < deadline) {
-      return Offline(req, *spec, page.status(), deadline);
+      return Offline(req, *spec, page.status(), deadline, egress);
     }
     return page.status();
   }
   auto choice = Choose(req, *spec, page->links);
   if (!choice.ok()) return choice.status();
-  auto wheel = Materialize(req, *choice, deadline);
+  auto wheel = Materialize(req, *choice, deadline, egress);
   if (wheel.ok() && !wheel->from_cache) EvictOverQuota();
   return wheel;
 }
 
 absl::StatusOr<WheelCache::Page> WheelCache::GetPage(const std::string& name,
-                                                     Clock::time_point deadline) {
+                                                     Clock::time_point deadline,
+                                                     const Egress* egress) {
   const std::string url = options_.index_url + name + "/";
   const int64_t ttl_ms = static_cast<int64_t>(options_.index_ttl.count()) * 1000;
   auto fresh = [&](const Page& p) {
@@ -427,21 +440,28 @@ absl::StatusOr<WheelCache::Page> WheelCache::GetPage(const std::string& name,
   auto key_guard = LockKey("page:" + name, deadline,
                            absl::StrCat("another fetch of the index page of package '", name, "'"));
   if (!key_guard.ok()) return key_guard.status();
+  std::optional<Page> hit;
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = pages_.find(name);
-    if (it != pages_.end() && fresh(it->second)) return it->second;
+    if (it != pages_.end() && fresh(it->second)) hit = it->second;
+  }
+  if (hit) {
+    // A governed environment gets a cached page only if its policy lets it reach the index now.
+    if (absl::Status st = CheckHit(egress, url); !st.ok()) return st;
+    return *std::move(hit);
   }
   const std::string disk_path = absl::StrCat(options_.cache_dir, "/index/", name, ".json");
   std::string text;
   Page page;
   if (ReadFileToString(disk_path, &text).ok() &&
       PageFromJson(text, &page.fetched_ms, &page.url, &page.links) && fresh(page)) {
+    if (absl::Status st = CheckHit(egress, url); !st.ok()) return st;
     std::lock_guard<std::mutex> lock(mu_);
     RememberPage(name, page);
     return page;
   }
-  auto downloaded = DownloadPage(name, url, deadline);
+  auto downloaded = DownloadPage(name, url, deadline, egress);
   if (!downloaded.ok()) return downloaded.status();
   std::error_code ec;
   fs::create_directories(options_.cache_dir + "/index", ec);
@@ -457,9 +477,10 @@ absl::StatusOr<WheelCache::Page> WheelCache::GetPage(const std::string& name,
 
 absl::StatusOr<WheelCache::Page> WheelCache::DownloadPage(const std::string& name,
                                                           const std::string& url,
-                                                          Clock::time_point deadline) {
+                                                          Clock::time_point deadline,
+                                                          const Egress* egress) {
   auto limits = Limits(options_.max_page_bytes, deadline,
-                       absl::StrCat("the index page of package '", name, "'"));
+                       absl::StrCat("the index page of package '", name, "'"), egress);
   if (!limits.ok()) return limits.status();
   limits->accept = kAcceptIndex;
   std::string body;
@@ -585,7 +606,7 @@ absl::StatusOr<WheelCache::Choice> WheelCache::Choose(const Requirement& req,
 }
 
 absl::StatusOr<Wheel> WheelCache::Materialize(const Requirement& req, const Choice& choice,
-                                              Clock::time_point deadline) {
+                                              Clock::time_point deadline, const Egress* egress) {
   const std::string dir = absl::StrCat(WheelDir(req.name), "/", choice.wheel.version.ToString());
   const std::string path = dir + "/" + choice.link.filename;
   Wheel w;
@@ -601,6 +622,13 @@ absl::StatusOr<Wheel> WheelCache::Materialize(const Requirement& req, const Choi
   if (fs::is_regular_file(path, ec)) {
     auto sha = Sha256File(path);
     if (sha.ok() && (choice.link.sha256.empty() || *sha == choice.link.sha256)) {
+      // A governed environment gets a cached wheel only if its policy lets it reach the host
+      // the file would come from, now (the cache was filled by anyone's fetch).
+      if (absl::Status st = CheckHit(egress, choice.link.url); !st.ok()) {
+        return absl::Status(st.code(),
+                            absl::StrCat("package '", req.name, "' file ", choice.link.filename,
+                                         " (host cache): ", st.message()));
+      }
       w.sha256 = *sha;
       w.size = static_cast<int64_t>(fs::file_size(path, ec));
       w.from_cache = true;
@@ -613,14 +641,16 @@ absl::StatusOr<Wheel> WheelCache::Materialize(const Requirement& req, const Choi
   }
   fs::create_directories(dir, ec);
   if (ec) return ErrnoStatus("cannot create the wheel cache directory " + dir, ec.value());
-  if (auto s = Download(req, choice, path, deadline, &w.sha256, &w.size); !s.ok()) return s;
+  if (auto s = Download(req, choice, path, deadline, egress, &w.sha256, &w.size); !s.ok()) {
+    return s;
+  }
   w.lease = Lease(path);
   return w;
 }
 
 absl::Status WheelCache::Download(const Requirement& req, const Choice& choice,
                                   const std::string& path, Clock::time_point deadline,
-                                  std::string* sha256, int64_t* size) {
+                                  const Egress* egress, std::string* sha256, int64_t* size) {
   const IndexLink& link = choice.link;
   const std::string ctx = absl::StrCat("package '", req.name, "' file ", link.filename, " from ",
                                        options_.index_url);
@@ -642,7 +672,7 @@ absl::Status WheelCache::Download(const Requirement& req, const Choice& choice,
         ctx, ": refusing to download ", url->ToString(),
         " over plain http: the index is https and its link carries no sha256 hash"));
   }
-  auto limits = Limits(options_.max_wheel_bytes, deadline, ctx);
+  auto limits = Limits(options_.max_wheel_bytes, deadline, ctx, egress);
   if (!limits.ok()) return limits.status();
   const std::string tmp = absl::StrCat(path.substr(0, path.rfind('/') + 1), ".",
                                        link.filename, ".part-", RandomHex(6));
@@ -735,7 +765,8 @@ std::vector<Wheel> WheelCache::CachedWheels(const std::string& name) {
 }
 
 absl::StatusOr<Wheel> WheelCache::Offline(const Requirement& req, const Specifier& spec,
-                                          const absl::Status& why, Clock::time_point deadline) {
+                                          const absl::Status& why, Clock::time_point deadline,
+                                          const Egress* egress) {
   std::map<Version, std::vector<std::pair<Wheel, int>>> by_version;
   for (auto& w : CachedWheels(req.name)) {
     auto name = ParseWheelFilename(w.filename);
@@ -752,6 +783,21 @@ absl::StatusOr<Wheel> WheelCache::Offline(const Requirement& req, const Specifie
   auto best = std::max_element(candidates.begin(), candidates.end(),
                                [](const auto& a, const auto& b) { return a.second < b.second; });
   Wheel w = best->first;
+  // The cache does not record where a file came from (the index, or a file host it links): a
+  // governed environment needs its policy to allow the index and every configured file host.
+  if (egress != nullptr) {
+    std::vector<std::string> origins = {options_.index_url + req.name + "/"};
+    const std::string scheme = index_https_ ? "https://" : "http://";
+    for (const std::string& host : options_.allowed_hosts) origins.push_back(scheme + host + "/");
+    for (const std::string& origin : origins) {
+      if (absl::Status st = CheckHit(egress, origin); !st.ok()) {
+        return absl::Status(st.code(), absl::StrCat(why.message(),
+                                                    "; and the host cache may not be used "
+                                                    "instead: ",
+                                                    st.message()));
+      }
+    }
+  }
   auto key_guard =
       LockKey("file:" + w.path, deadline, absl::StrCat("another use of ", w.filename));
   if (!key_guard.ok()) return key_guard.status();

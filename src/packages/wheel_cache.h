@@ -77,6 +77,20 @@ class WheelCache {
     std::function<int64_t()> now_ms;
   };
 
+  // A governed environment's egress (docs/design.md "Host-side wheel cache"; the core's
+  // EnvironmentManager::HostFetchEgressFor fills it): every request of the fetch goes through
+  // `route` (that environment's egress proxy decides, DLP-scans and audits it), and whatever
+  // the cache would hand out without a request — a fresh cached index page, a cached wheel,
+  // the offline fallback — is first put to `check` with the URL it would have come from (for
+  // the offline fallback, which does not know a file's origin: the index page's URL and each
+  // of allowed_hosts, all of which must pass).
+  struct Egress {
+    std::shared_ptr<const ProxyRoute> route;
+    // OK, or why the environment may not have data from `url` now (PermissionDenied naming
+    // the host and the rule; the implementation audits the refusal).
+    std::function<absl::Status(const std::string& url)> check;
+  };
+
   // `fetcher` is not owned and must outlive the cache. Deletes partial downloads (.part-*)
   // older than max(2 × http_timeout, 1 h) left under cache_dir by an earlier process.
   WheelCache(Options options, HttpFetcher* fetcher);
@@ -85,8 +99,10 @@ class WheelCache {
   // concurrent calls for the same project page or file make one request. Every request and
   // every wait for a concurrent one ends by `deadline` (the caller's overall time; each request
   // gets at most http_timeout anyway): past it → DeadlineExceeded, without the offline fallback.
+  // `egress` (not owned; null: direct): for a governed environment, see Egress.
   absl::StatusOr<Wheel> Fetch(const Requirement& req,
-                              Clock::time_point deadline = Clock::time_point::max());
+                              Clock::time_point deadline = Clock::time_point::max(),
+                              const Egress* egress = nullptr);
 
   // Wheels for `name` (normalised) in the cache for the target interpreter, any version.
   std::vector<Wheel> CachedWheels(const std::string& name);
@@ -135,17 +151,20 @@ class WheelCache {
     std::map<std::string, std::unique_ptr<KeyLock>>::iterator it_;
   };
 
-  absl::StatusOr<Page> GetPage(const std::string& name, Clock::time_point deadline);
+  absl::StatusOr<Page> GetPage(const std::string& name, Clock::time_point deadline,
+                               const Egress* egress);
   absl::StatusOr<Page> DownloadPage(const std::string& name, const std::string& url,
-                                    Clock::time_point deadline);
+                                    Clock::time_point deadline, const Egress* egress);
   absl::StatusOr<Choice> Choose(const Requirement& req, const Specifier& spec,
                                 const std::vector<IndexLink>& links);
   absl::StatusOr<Wheel> Offline(const Requirement& req, const Specifier& spec,
-                                const absl::Status& why, Clock::time_point deadline);
+                                const absl::Status& why, Clock::time_point deadline,
+                                const Egress* egress);
   absl::StatusOr<Wheel> Materialize(const Requirement& req, const Choice& choice,
-                                    Clock::time_point deadline);
+                                    Clock::time_point deadline, const Egress* egress);
   absl::Status Download(const Requirement& req, const Choice& choice, const std::string& path,
-                        Clock::time_point deadline, std::string* sha256, int64_t* size);
+                        Clock::time_point deadline, const Egress* egress, std::string* sha256,
+                        int64_t* size);
   // Blocks until `key` is free or `deadline` (→ DeadlineExceeded naming `what`).
   absl::StatusOr<KeyGuard> LockKey(const std::string& key, Clock::time_point deadline,
                                    std::string_view what);
@@ -160,9 +179,12 @@ class WheelCache {
   void ForEachCacheFile(
       const std::function<void(const std::filesystem::directory_entry&, const std::string&)>& fn)
       const;
-  // Limits for one request: at most http_timeout / connect_timeout, and ending by `deadline`.
+  // Limits for one request: at most http_timeout / connect_timeout, and ending by `deadline`;
+  // through egress->route when governed.
   absl::StatusOr<FetchLimits> Limits(int64_t max_body_bytes, Clock::time_point deadline,
-                                     std::string_view what) const;
+                                     std::string_view what, const Egress* egress) const;
+  // egress->check(url) when governed (a hit handed out without a request); else OK.
+  static absl::Status CheckHit(const Egress* egress, const std::string& url);
   void RememberPage(const std::string& name, const Page& page);  // with mu_ held
   std::shared_ptr<const void> Lease(const std::string& path);
   void EvictOverQuota();

@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "common/util.h"
+#include "packages/url.h"
 
 namespace esb::packages {
 namespace {
@@ -259,6 +260,133 @@ TEST_F(WheelCacheTest, OfflineFallsBackToCachedWheel) {
 
   auto cached = cache.CachedWheels("foo");
   EXPECT_EQ(cached.size(), 2u);
+}
+
+// ---- a governed environment's fetches (WheelCache::Egress)
+
+// An Egress whose route is recognisable and whose check allows the hosts in `allowed` and
+// records every URL it was asked about.
+struct TestEgress {
+  std::vector<std::string> allowed;  // host names the "policy" allows
+  std::vector<std::string> asked;    // URLs put to the check, in order
+  WheelCache::Egress egress;
+  TestEgress() {
+    auto route = std::make_shared<ProxyRoute>();
+    route->ca_pem = "env CA";
+    egress.route = route;
+    egress.check = [this](const std::string& url) -> absl::Status {
+      asked.push_back(url);
+      auto u = ParseUrl(url);
+      if (u.ok() && std::find(allowed.begin(), allowed.end(), u->host) != allowed.end())
+        return absl::OkStatus();
+      return absl::PermissionDeniedError("policy refuses " + (u.ok() ? u->host : url) +
+                                         " (rule 'not_allowed')");
+    };
+  }
+};
+
+TEST_F(WheelCacheTest, GovernedFetchesGoThroughTheEnvironmentsRoute) {
+  Serve("foo", {{"foo-1.0-py3-none-any.whl", WheelBytes("1.0")}});
+  WheelCache cache(options_, &fetcher_);
+  TestEgress governed;
+  governed.allowed = {"mirror.example"};
+  auto req = ParseRequirement("foo");
+  auto w = cache.Fetch(*req, WheelCache::Clock::time_point::max(), &governed.egress);
+  ASSERT_TRUE(w.ok()) << w.status();
+  EXPECT_FALSE(w->from_cache);
+  EXPECT_EQ(fetcher_.Total(), 2);
+  // Both requests (page and wheel) carried the environment's route: the proxy decides them.
+  EXPECT_EQ(fetcher_.LastLimits().proxy, governed.egress.route);
+  EXPECT_TRUE(governed.asked.empty()) << "downloads are decided by the proxy, not the check";
+  // A non-governed fetch stays direct (the page expired: a request is made).
+  now_ms_ += 601'000;
+  ASSERT_TRUE(Fetch(cache, "foo").ok());
+  ASSERT_EQ(fetcher_.Total(), 3);
+  EXPECT_EQ(fetcher_.LastLimits().proxy, nullptr);
+}
+
+TEST_F(WheelCacheTest, GovernedCacheHitIsRefusedWhenThePolicyRefusesTheFilesHost) {
+  Serve("foo", {{"foo-1.0-py3-none-any.whl", WheelBytes("1.0")}});
+  WheelCache cache(options_, &fetcher_);
+  ASSERT_TRUE(Fetch(cache, "foo").ok());  // another environment filled the cache
+  ASSERT_EQ(fetcher_.Total(), 2);
+  auto req = ParseRequirement("foo");
+  // The index page is allowed, the file's host is not (policy changed, or never allowed).
+  TestEgress governed;
+  governed.allowed = {"mirror.example"};
+  auto w = cache.Fetch(*req, WheelCache::Clock::time_point::max(), &governed.egress);
+  ASSERT_TRUE(w.ok()) << w.status();  // same host for page and file: allowed
+  EXPECT_TRUE(w->from_cache);
+  EXPECT_EQ(governed.asked,
+            (std::vector<std::string>{PageUrl("foo"), FileUrl("foo-1.0-py3-none-any.whl")}));
+  // Refusing everything: the cached page is refused before any wheel is looked at.
+  TestEgress denied;
+  w = cache.Fetch(*req, WheelCache::Clock::time_point::max(), &denied.egress);
+  EXPECT_TRUE(absl::IsPermissionDenied(w.status())) << w.status();
+  EXPECT_NE(std::string(w.status().message()).find("mirror.example"), std::string::npos);
+  EXPECT_EQ(denied.asked, std::vector<std::string>{PageUrl("foo")});
+  EXPECT_EQ(fetcher_.Total(), 2) << "a refused hit makes no request either";
+}
+
+TEST_F(WheelCacheTest, GovernedWheelHitOnAnotherHostIsChecked) {
+  // The page (index host) is allowed, the wheel lives on files.example, which is not.
+  std::string html = "<a href=\"https://files.example/f/foo-1.0-py3-none-any.whl#sha256=" +
+                     Sha(WheelBytes("1.0")) + "\">foo-1.0-py3-none-any.whl</a>";
+  fetcher_.Set(PageUrl("foo"), {200, "text/html", html});
+  fetcher_.Set("https://files.example/f/foo-1.0-py3-none-any.whl",
+               {200, "application/octet-stream", WheelBytes("1.0")});
+  WheelCache cache(options_, &fetcher_);
+  ASSERT_TRUE(Fetch(cache, "foo").ok());
+  TestEgress governed;
+  governed.allowed = {"mirror.example"};
+  auto req = ParseRequirement("foo");
+  auto w = cache.Fetch(*req, WheelCache::Clock::time_point::max(), &governed.egress);
+  EXPECT_TRUE(absl::IsPermissionDenied(w.status())) << w.status();
+  EXPECT_NE(std::string(w.status().message()).find("files.example"), std::string::npos)
+      << w.status();
+  EXPECT_NE(std::string(w.status().message()).find("host cache"), std::string::npos);
+  EXPECT_EQ(fetcher_.Total(), 2);
+  governed.allowed.push_back("files.example");
+  w = cache.Fetch(*req, WheelCache::Clock::time_point::max(), &governed.egress);
+  ASSERT_TRUE(w.ok()) << w.status();
+  EXPECT_TRUE(w->from_cache);
+}
+
+TEST_F(WheelCacheTest, GovernedPageFromDiskAndOfflineFallbackAreChecked) {
+  Serve("foo", {{"foo-1.0-py3-none-any.whl", WheelBytes("1.0")}});
+  {
+    WheelCache first(options_, &fetcher_);
+    ASSERT_TRUE(Fetch(first, "foo").ok());
+  }
+  auto req = ParseRequirement("foo");
+  // A restarted daemon: the fresh page comes from disk; still checked.
+  WheelCache cache(options_, &fetcher_);
+  TestEgress denied;
+  auto w = cache.Fetch(*req, WheelCache::Clock::time_point::max(), &denied.egress);
+  EXPECT_TRUE(absl::IsPermissionDenied(w.status())) << w.status();
+  EXPECT_EQ(denied.asked, std::vector<std::string>{PageUrl("foo")});
+  // The index unreachable (e.g. the proxy down): the offline fallback is checked too.
+  now_ms_ += 601'000;
+  fetcher_.unreachable_ = true;
+  TestEgress denied2;
+  w = cache.Fetch(*req, WheelCache::Clock::time_point::max(), &denied2.egress);
+  EXPECT_TRUE(absl::IsPermissionDenied(w.status())) << w.status();
+  EXPECT_NE(std::string(w.status().message()).find("host cache may not be used"), std::string::npos)
+      << w.status();
+  // The fallback does not know which host a cached file came from: the index and every
+  // configured file host (files.example here) must be allowed.
+  TestEgress index_only;
+  index_only.allowed = {"mirror.example"};
+  w = cache.Fetch(*req, WheelCache::Clock::time_point::max(), &index_only.egress);
+  EXPECT_TRUE(absl::IsPermissionDenied(w.status())) << w.status();
+  EXPECT_NE(std::string(w.status().message()).find("files.example"), std::string::npos)
+      << w.status();
+  TestEgress allowed;
+  allowed.allowed = {"mirror.example", "files.example"};
+  w = cache.Fetch(*req, WheelCache::Clock::time_point::max(), &allowed.egress);
+  ASSERT_TRUE(w.ok()) << w.status();
+  EXPECT_TRUE(w->offline);
+  EXPECT_EQ(allowed.asked.back(), "https://files.example/");
 }
 
 // A corrupt file is the index's fault: Unavailable (HTTP 503), not DataLoss (500).

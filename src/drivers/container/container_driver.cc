@@ -601,6 +601,9 @@ class ContainerDriver : public Driver {
   // which gVisor's own network stack never reaches.
   bool EgressSupported() const { return kind_ != RuntimeKind::kRunsc; }
   absl::StatusOr<UniqueFd> OpenEgressListener(const InstanceRef& ref) override;
+  absl::StatusOr<UniqueFd> ConnectEgressProxy(const InstanceRef& ref,
+                                              std::chrono::milliseconds timeout,
+                                              const std::vector<uid_t>& owners) override;
 
   absl::StatusOr<InstanceRef> Create(const std::string& id, const EnvSpec& spec) override;
   absl::Status Destroy(const InstanceRef& ref) override;
@@ -1231,6 +1234,28 @@ absl::StatusOr<UniqueFd> ContainerDriver::OpenEgressListener(const InstanceRef& 
   // SECURITY: the descriptor handed out is a listener inside this environment's own netns (it
   // is the environment's identity at the egress proxy); the caller owns and passes it on.
   return OpenListenerInNetns(paths.netns);
+}
+
+absl::StatusOr<UniqueFd> ContainerDriver::ConnectEgressProxy(const InstanceRef& ref,
+                                                             std::chrono::milliseconds timeout,
+                                                             const std::vector<uid_t>& owners) {
+  ESB_RETURN_IF_ERROR(ValidateId(ref.id));
+  const EnvPaths paths = PathsFor(options_, ref.id);
+  if (!ParseState(ref.state, RuntimeName(kind_), paths).egress) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("environment ", ref.id, " has no governed network"));
+  }
+  // SECURITY: the socket is created inside this environment's own netns and can reach only
+  // its loopback listener, i.e. its egress proxy, which applies the environment's policy: esbd
+  // never opens a host-network connection on the environment's behalf this way.
+  absl::StatusOr<UniqueFd> fd =
+      ConnectInNetns(paths.netns, static_cast<int>(timeout.count()), owners);
+  if (!fd.ok() && absl::IsUnavailable(fd.status())) {
+    return absl::UnavailableError(
+        absl::StrCat("the egress proxy of environment ", ref.id,
+                     " is not reachable (is it restarting?): ", fd.status().message()));
+  }
+  return fd;
 }
 
 absl::StatusOr<Usage> ContainerDriver::Stats(const InstanceRef& ref) {

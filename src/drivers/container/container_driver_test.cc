@@ -6,6 +6,7 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <signal.h>
+#include <sys/fsuid.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -556,28 +557,6 @@ TEST(NetnsTest, PathsOutsideTheNetnsDirectoryAreRefused) {
   }
 }
 
-// Connects to 127.0.0.1:port from inside the namespace at `path` (a helper thread joins it).
-int ConnectInNetns(const std::string& path, int port) {
-  int result = -1;
-  std::thread t([&] {
-    int ns = open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (ns < 0 || setns(ns, CLONE_NEWNET) != 0) return;
-    close(ns);
-    int s = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    sockaddr_in a = {};
-    a.sin_family = AF_INET;
-    a.sin_port = htons(port);
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    if (connect(s, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0) {
-      result = s;
-    } else {
-      close(s);
-    }
-  });
-  t.join();
-  return result;
-}
-
 TEST(NetnsTest, ListenerLivesInTheNamespaceAndNotInEsbds) {
   if (geteuid() != 0) GTEST_SKIP() << "needs root (creates network namespaces)";
   const std::string path = absl::StrCat(container::kNetnsDir, "/test-", RandomHex(4));
@@ -596,17 +575,18 @@ TEST(NetnsTest, ListenerLivesInTheNamespaceAndNotInEsbds) {
   EXPECT_NE(connect(host, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
   close(host);
   // ...the namespace has, and the connection arrives on the listener esbd holds.
-  int inside = ConnectInNetns(path, port);
-  ASSERT_GE(inside, 0);
+  absl::StatusOr<UniqueFd> inside = container::ConnectInNetns(path, 2000, {0}, "127.0.0.1", port);
+  ASSERT_TRUE(inside.ok()) << inside.status();
   int accepted = accept(listener->get(), nullptr, nullptr);
   EXPECT_GE(accepted, 0);
   close(accepted);
-  close(inside);
+  inside->reset();
   // The calling thread never left its namespace.
   EXPECT_EQ(fs::read_symlink("/proc/thread-self/ns/net"), own_netns);
   // Closed listener: refused (fails closed); a fresh one can be opened at once.
   listener->reset();
-  EXPECT_LT(ConnectInNetns(path, port), 0);
+  EXPECT_TRUE(
+      absl::IsUnavailable(container::ConnectInNetns(path, 2000, {0}, "127.0.0.1", port).status()));
   absl::StatusOr<UniqueFd> again = container::OpenListenerInNetns(path, "127.0.0.1", port);
   EXPECT_TRUE(again.ok()) << again.status();
   again->reset();
@@ -624,6 +604,118 @@ TEST(NetnsTest, APlainFileIsNeverJoined) {
   absl::StatusOr<UniqueFd> l = container::OpenListenerInNetns(path);
   EXPECT_TRUE(absl::IsFailedPrecondition(l.status())) << l.status();
   EXPECT_TRUE(container::RemoveNetns(path).ok());
+}
+
+// ConnectEgressProxy's socket: made inside the namespace, so it reaches the environment's
+// listener and nothing of the host's (a host service on the same loopback port is not it).
+TEST(NetnsTest, ConnectedSocketReachesOnlyTheNamespacesListener) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root (creates network namespaces)";
+  const std::string path = absl::StrCat(container::kNetnsDir, "/test-", RandomHex(4));
+  ASSERT_TRUE(container::CreateNetns(path).ok());
+  const fs::path own_netns = fs::read_symlink("/proc/thread-self/ns/net");
+  // A host listener on 127.0.0.1:<port> in esbd's own namespace.
+  int host = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in a = {};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(host, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+  ASSERT_EQ(listen(host, 4), 0);
+  socklen_t len = sizeof(a);
+  getsockname(host, reinterpret_cast<sockaddr*>(&a), &len);
+  const int port = ntohs(a.sin_port);
+  absl::StatusOr<UniqueFd> refused = container::ConnectInNetns(path, 2000, {0}, "127.0.0.1", port);
+  EXPECT_TRUE(absl::IsUnavailable(refused.status())) << refused.status();
+  // The namespace's own listener on that port: connected, blocking mode, accepted there.
+  absl::StatusOr<UniqueFd> listener = container::OpenListenerInNetns(path, "127.0.0.1", port);
+  ASSERT_TRUE(listener.ok()) << listener.status();
+  absl::StatusOr<UniqueFd> inside = container::ConnectInNetns(path, 2000, {0}, "127.0.0.1", port);
+  ASSERT_TRUE(inside.ok()) << inside.status();
+  EXPECT_EQ(fcntl(inside->get(), F_GETFL) & O_NONBLOCK, 0);
+  int accepted = accept(listener->get(), nullptr, nullptr);
+  EXPECT_GE(accepted, 0);
+  ASSERT_EQ(write(inside->get(), "x", 1), 1);
+  char c = 0;
+  EXPECT_EQ(read(accepted, &c, 1), 1);
+  close(accepted);
+  close(host);
+  EXPECT_EQ(fs::read_symlink("/proc/thread-self/ns/net"), own_netns);
+  inside->reset();
+  listener->reset();
+  ASSERT_TRUE(container::RemoveNetns(path).ok());
+  EXPECT_TRUE(absl::IsNotFound(container::ConnectInNetns(path, 100, {0}).status()));
+}
+
+// Attack: with the proxy down, a sandbox process binds the listener port itself and plays the
+// proxy, to feed esbd's shared wheel cache. The connection is refused: the listener that took
+// it is not esbd's.
+TEST(NetnsTest, AListenerNotOwnedByEsbdIsNotTakenForTheProxy) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root (creates network namespaces)";
+  const std::string path = absl::StrCat(container::kNetnsDir, "/test-", RandomHex(4));
+  ASSERT_TRUE(container::CreateNetns(path).ok());
+  const int port = 20000 + static_cast<int>(MonotonicMs() % 20000);
+  UniqueFd fake;
+  std::thread t([&] {
+    UniqueFd ns(open(path.c_str(), O_RDONLY | O_CLOEXEC));
+    if (!ns || setns(ns.get(), CLONE_NEWNET) != 0) return;
+    // SECURITY: test only: this thread (then ended) makes a socket owned by a sandbox-like uid.
+    setfsuid(4242);
+    UniqueFd l(socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    setfsuid(0);
+    sockaddr_in a = {};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(port);
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (bind(l.get(), reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 && listen(l.get(), 4) == 0)
+      fake = std::move(l);
+  });
+  t.join();
+  ASSERT_TRUE(fake) << "could not make the fake listener";
+  absl::StatusOr<UniqueFd> c = container::ConnectInNetns(path, 2000, {0}, "127.0.0.1", port);
+  EXPECT_TRUE(absl::IsPermissionDenied(c.status())) << c.status();
+  EXPECT_NE(std::string(c.status().message()).find("uid 4242"), std::string::npos) << c.status();
+  fake.reset();
+  ASSERT_TRUE(container::RemoveNetns(path).ok());
+}
+
+// Attack, variant: the fake proxy writes a forged answer and closes at once, so that its side
+// is closing (FIN-WAIT, then a time-wait socket, which sock_diag reports as uid 0 whoever
+// owned it) while the forged bytes wait in esbd's receive buffer. Only an open connection
+// counts (here the closing side is even root's, so the owner check alone would pass).
+TEST(NetnsTest, APeerThatAlreadyClosedIsNotTakenForTheProxy) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root (creates network namespaces)";
+  const std::string path = absl::StrCat(container::kNetnsDir, "/test-", RandomHex(4));
+  ASSERT_TRUE(container::CreateNetns(path).ok());
+  const int port = 20000 + static_cast<int>(MonotonicMs() % 20000);
+  absl::StatusOr<UniqueFd> listener = container::OpenListenerInNetns(path, "127.0.0.1", port);
+  ASSERT_TRUE(listener.ok()) << listener.status();
+  UniqueFd client;
+  std::thread t([&] {
+    UniqueFd ns(open(path.c_str(), O_RDONLY | O_CLOEXEC));
+    if (!ns || setns(ns.get(), CLONE_NEWNET) != 0) return;
+    UniqueFd s(socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    sockaddr_in a = {};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(port);
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (connect(s.get(), reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0) client = std::move(s);
+  });
+  t.join();
+  ASSERT_TRUE(client);
+  UniqueFd accepted(accept(listener->get(), nullptr, nullptr));
+  ASSERT_TRUE(accepted);
+  // Open and owned by root: accepted.
+  EXPECT_TRUE(container::CheckAcceptorOwner(path, client.get(), {0}).ok());
+  const std::string forged = "HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nforged";
+  ASSERT_EQ(write(accepted.get(), forged.data(), forged.size()),
+            static_cast<ssize_t>(forged.size()));
+  accepted.reset();
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // FIN and its ACK on loopback
+  absl::Status st = container::CheckAcceptorOwner(path, client.get(), {0});
+  EXPECT_FALSE(st.ok()) << "a closed peer passed the check";
+  EXPECT_TRUE(absl::IsUnavailable(st)) << st;  // its owner (root) alone would have passed
+  client.reset();
+  listener->reset();
+  ASSERT_TRUE(container::RemoveNetns(path).ok());
 }
 
 EnvSpec GovernedSpec(std::string* ca_pem) {

@@ -3,9 +3,13 @@
 #include <arpa/inet.h>
 #include <dirent.h>
 #include <fcntl.h>
+#include <linux/inet_diag.h>
+#include <linux/netlink.h>
 #include <linux/nsfs.h>
+#include <linux/sock_diag.h>
 #include <net/if.h>
 #include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <poll.h>
 #include <sched.h>
 #include <signal.h>
@@ -17,6 +21,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -210,15 +215,14 @@ absl::Status RemoveNetns(const std::string& path) { return RemoveBind(path); }
 
 absl::Status RemoveUserns(const std::string& user_path) { return RemoveBind(user_path); }
 
-absl::StatusOr<UniqueFd> OpenListenerInNetns(const std::string& path, const std::string& address,
-                                             uint16_t port, int busy_wait_ms) {
+namespace {
+
+// A TCP socket created inside the network namespace bound at `path`: a helper thread joins it
+// with setns, creates the socket and goes back (and ends). The socket belongs to that
+// namespace for its whole life (bind, listen and connect act there), wherever it is used.
+absl::StatusOr<UniqueFd> SocketInNetns(const std::string& path, int domain = AF_INET,
+                                       int type = SOCK_STREAM, int protocol = 0) {
   if (absl::Status s = CheckPath(path); !s.ok()) return s;
-  struct sockaddr_in addr = {};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(port);
-  if (::inet_pton(AF_INET, address.c_str(), &addr.sin_addr) != 1) {
-    return absl::InvalidArgumentError("listen address must be an IPv4 literal: " + address);
-  }
   UniqueFd ns(::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC));
   if (!ns) {
     if (errno == ENOENT) return absl::NotFoundError(path + ": no network namespace");
@@ -229,49 +233,175 @@ absl::StatusOr<UniqueFd> OpenListenerInNetns(const std::string& path, const std:
   if (::ioctl(ns.get(), NS_GET_NSTYPE) != CLONE_NEWNET) {
     return absl::FailedPreconditionError(path + " is not a network namespace");
   }
+  absl::StatusOr<UniqueFd> result = absl::InternalError("netns socket thread did not run");
+  std::thread helper([&] {
+    UniqueFd home(::open("/proc/thread-self/ns/net", O_RDONLY | O_CLOEXEC));
+    if (!home) {
+      result = ErrnoStatus("open /proc/thread-self/ns/net");
+      return;
+    }
+    // SECURITY: this helper thread alone enters the sandbox's namespace, creates one socket
+    // there and goes back (and ends): the socket stays in the sandbox's namespace, esbd does
+    // not.
+    if (::setns(ns.get(), CLONE_NEWNET) != 0) {
+      result = ErrnoStatus("setns into " + path);
+      return;
+    }
+    UniqueFd sock(::socket(domain, type | SOCK_CLOEXEC, protocol));
+    if (!sock) {
+      result = ErrnoStatus("socket in " + path);
+    } else {
+      result = std::move(sock);
+    }
+    // SECURITY: back to esbd's own namespace before the thread ends (belt and braces: the
+    // thread is never reused).
+    if (::setns(home.get(), CLONE_NEWNET) != 0) {
+      LogError(absl::StrCat("setns back from ", path, ": ", strerror(errno)));
+    }
+  });
+  helper.join();
+  return result;
+}
+
+absl::StatusOr<sockaddr_in> Ipv4(const std::string& address, uint16_t port) {
+  struct sockaddr_in addr = {};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(port);
+  if (::inet_pton(AF_INET, address.c_str(), &addr.sin_addr) != 1) {
+    return absl::InvalidArgumentError("address must be an IPv4 literal: " + address);
+  }
+  return addr;
+}
+
+}  // namespace
+
+// The owner uid of the socket on the other end of the connected loopback TCP socket `fd` in
+// the namespace at `path`, asked through sock_diag (a netlink socket made in that namespace):
+// a socket still queued on a listener is owned by the listener's owner, an accepted one by
+// whoever accepted it, so this is who serves the port. Must be one of `owners`, else
+// PermissionDenied.
+absl::Status CheckAcceptorOwner(const std::string& path, int fd, const std::vector<uid_t>& owners) {
+  sockaddr_in local = {}, peer = {};
+  socklen_t len = sizeof(local);
+  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) != 0)
+    return ErrnoStatus("getsockname");
+  len = sizeof(peer);
+  if (::getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &len) != 0)
+    return ErrnoStatus("getpeername");
+  absl::StatusOr<UniqueFd> diag = SocketInNetns(path, AF_NETLINK, SOCK_DGRAM, NETLINK_SOCK_DIAG);
+  if (!diag.ok()) return diag.status();
+  struct {
+    nlmsghdr nlh;
+    inet_diag_req_v2 req;
+  } msg = {};
+  msg.nlh.nlmsg_len = sizeof(msg);
+  msg.nlh.nlmsg_type = SOCK_DIAG_BY_FAMILY;
+  msg.nlh.nlmsg_flags = NLM_F_REQUEST;  // one socket, by its exact address pair
+  msg.req.sdiag_family = AF_INET;
+  msg.req.sdiag_protocol = IPPROTO_TCP;
+  msg.req.idiag_states = ~0u;
+  // The peer's view: its local end is our peer address, its remote end is us.
+  msg.req.id.idiag_sport = peer.sin_port;
+  msg.req.id.idiag_dport = local.sin_port;
+  msg.req.id.idiag_src[0] = peer.sin_addr.s_addr;
+  msg.req.id.idiag_dst[0] = local.sin_addr.s_addr;
+  msg.req.id.idiag_cookie[0] = INET_DIAG_NOCOOKIE;
+  msg.req.id.idiag_cookie[1] = INET_DIAG_NOCOOKIE;
+  sockaddr_nl kernel = {};
+  kernel.nl_family = AF_NETLINK;
+  if (::sendto(diag->get(), &msg, sizeof(msg), 0, reinterpret_cast<sockaddr*>(&kernel),
+               sizeof(kernel)) != static_cast<ssize_t>(sizeof(msg)))
+    return ErrnoStatus("sock_diag request");
+  struct pollfd p = {diag->get(), POLLIN, 0};
+  if (::poll(&p, 1, 2000) != 1) return absl::UnavailableError("sock_diag: no answer");
+  alignas(nlmsghdr) char buf[8192];
+  const ssize_t n = ::recv(diag->get(), buf, sizeof(buf), 0);
+  if (n < 0) return ErrnoStatus("sock_diag answer");
+  auto* h = reinterpret_cast<nlmsghdr*>(buf);
+  if (!NLMSG_OK(h, static_cast<unsigned>(n)))
+    return absl::UnavailableError("sock_diag: malformed answer");
+  if (h->nlmsg_type == NLMSG_ERROR) {
+    const auto* err = static_cast<const nlmsgerr*>(NLMSG_DATA(h));
+    return ErrnoStatus("sock_diag lookup of the egress listener's connection", -err->error);
+  }
+  if (h->nlmsg_type != SOCK_DIAG_BY_FAMILY || h->nlmsg_len < NLMSG_LENGTH(sizeof(inet_diag_msg)))
+    return absl::UnavailableError("sock_diag: unexpected answer");
+  const auto* info = static_cast<const inet_diag_msg*>(NLMSG_DATA(h));
+  // An open connection only: a peer that already closed may have become a time-wait socket,
+  // which sock_diag reports as uid 0 whoever owned it (and its bytes may still be queued).
+  if (info->idiag_state != TCP_ESTABLISHED) {
+    return absl::UnavailableError(absl::StrCat("the egress listener's side of the connection in ",
+                                               path, " is not open (TCP state ",
+                                               static_cast<int>(info->idiag_state), ")"));
+  }
+  if (std::find(owners.begin(), owners.end(), info->idiag_uid) == owners.end()) {
+    return absl::PermissionDeniedError(absl::StrCat("the socket that took the connection to port ",
+                                                    ntohs(peer.sin_port), " in ", path,
+                                                    " is owned by uid ", info->idiag_uid,
+                                                    ", neither esbd's nor the egress proxy's (a "
+                                                    "process in the sandbox holds the port?)"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<UniqueFd> OpenListenerInNetns(const std::string& path, const std::string& address,
+                                             uint16_t port, int busy_wait_ms) {
+  auto addr = Ipv4(address, port);
+  if (!addr.ok()) return addr.status();
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(busy_wait_ms);
   while (true) {
-    absl::StatusOr<UniqueFd> result = absl::InternalError("listener thread did not run");
-    std::thread helper([&] {
-      UniqueFd home(::open("/proc/thread-self/ns/net", O_RDONLY | O_CLOEXEC));
-      if (!home) {
-        result = ErrnoStatus("open /proc/thread-self/ns/net");
-        return;
+    absl::StatusOr<UniqueFd> sock = SocketInNetns(path);
+    if (!sock.ok()) return sock.status();
+    int one = 1;
+    ::setsockopt(sock->get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    if (::bind(sock->get(), reinterpret_cast<const sockaddr*>(&*addr), sizeof(*addr)) != 0) {
+      const int err = errno;
+      if (err != EADDRINUSE || std::chrono::steady_clock::now() >= deadline) {
+        return ErrnoStatus(absl::StrCat("bind ", address, ":", port, " in ", path), err);
       }
-      // SECURITY: this helper thread alone enters the sandbox's namespace, creates one socket
-      // there and goes back (and ends): the socket stays in the sandbox's namespace, esbd does
-      // not.
-      if (::setns(ns.get(), CLONE_NEWNET) != 0) {
-        result = ErrnoStatus("setns into " + path);
-        return;
-      }
-      UniqueFd sock(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
-      const int saved = errno;
-      int one = 1;
-      if (sock) ::setsockopt(sock.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-      if (!sock) {
-        errno = saved;
-        result = ErrnoStatus("socket in " + path);
-      } else if (::bind(sock.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-        result = ErrnoStatus(absl::StrCat("bind ", address, ":", port, " in ", path));
-      } else if (::listen(sock.get(), 256) != 0) {
-        result = ErrnoStatus("listen in " + path);
-      } else {
-        result = std::move(sock);
-      }
-      // SECURITY: back to esbd's own namespace before the thread ends (belt and braces: the
-      // thread is never reused).
-      if (::setns(home.get(), CLONE_NEWNET) != 0) {
-        LogError(absl::StrCat("setns back from ", path, ": ", strerror(errno)));
-      }
-    });
-    helper.join();
-    if (result.ok() || !absl::StrContains(result.status().message(), strerror(EADDRINUSE)) ||
-        std::chrono::steady_clock::now() >= deadline) {
-      return result;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      continue;
     }
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    if (::listen(sock->get(), 256) != 0) return ErrnoStatus("listen in " + path);
+    return sock;
   }
+}
+
+absl::StatusOr<UniqueFd> ConnectInNetns(const std::string& path, int timeout_ms,
+                                        const std::vector<uid_t>& owners,
+                                        const std::string& address, uint16_t port) {
+  auto addr = Ipv4(address, port);
+  if (!addr.ok()) return addr.status();
+  absl::StatusOr<UniqueFd> sock = SocketInNetns(path, AF_INET, SOCK_STREAM | SOCK_NONBLOCK);
+  if (!sock.ok()) return sock.status();
+  const std::string what = absl::StrCat(address, ":", port, " in ", path);
+  if (::connect(sock->get(), reinterpret_cast<const sockaddr*>(&*addr), sizeof(*addr)) != 0) {
+    if (errno != EINPROGRESS) return ErrnoStatus("connect to " + what);
+    struct pollfd p = {sock->get(), POLLOUT, 0};
+    int n;
+    do {
+      n = ::poll(&p, 1, std::max(timeout_ms, 0));
+    } while (n < 0 && errno == EINTR);
+    if (n < 0) return ErrnoStatus("poll connecting to " + what);
+    if (n == 0) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("timed out after ", timeout_ms, " ms connecting to ", what));
+    }
+    int err = 0;
+    socklen_t len = sizeof(err);
+    if (::getsockopt(sock->get(), SOL_SOCKET, SO_ERROR, &err, &len) != 0) err = errno;
+    if (err != 0) return ErrnoStatus("connect to " + what, err);
+  }
+  // SECURITY: the socket that took the connection must be esbd's listener's or the proxy's,
+  // not one a sandbox process bound on the port while the proxy was down: such a fake proxy
+  // could otherwise feed esbd's shared wheel cache.
+  if (absl::Status st = CheckAcceptorOwner(path, sock->get(), owners); !st.ok()) return st;
+  // Blocking again: the caller decides how it waits.
+  const int flags = ::fcntl(sock->get(), F_GETFL);
+  if (flags < 0 || ::fcntl(sock->get(), F_SETFL, flags & ~O_NONBLOCK) != 0) {
+    return ErrnoStatus("fcntl on the socket to " + what);
+  }
+  return sock;
 }
 
 std::vector<std::string> ListNetns(const std::string& prefix) {

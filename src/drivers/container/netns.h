@@ -49,6 +49,23 @@ absl::StatusOr<UniqueFd> OpenListenerInNetns(const std::string& path,
                                              uint16_t port = kEgressListenPort,
                                              int busy_wait_ms = 3000);
 
+// A TCP socket created inside the namespace bound at `path` (the same helper-thread setns as
+// OpenListenerInNetns) and connected there to address:port — the environment's egress listener
+// by default — within `timeout_ms` (DeadlineExceeded); blocking mode on return. Nothing but
+// that one peer inside the sandbox's own loopback can be reached through it. The peer socket
+// must be owned by one of `owners` (sock_diag: an accepted socket belongs to whoever accepted
+// it, one still queued to its listener's owner), else PermissionDenied: who listens there is
+// not who was meant to (a sandbox process binds the port while the proxy is down).
+absl::StatusOr<UniqueFd> ConnectInNetns(const std::string& path, int timeout_ms,
+                                        const std::vector<uid_t>& owners,
+                                        const std::string& address = kEgressListenAddress,
+                                        uint16_t port = kEgressListenPort);
+
+// ConnectInNetns' check of `fd` (a TCP socket connected inside the namespace at `path`): the
+// socket at the other end must be an open connection owned by one of `owners` (sock_diag from
+// inside the namespace). PermissionDenied for another owner, Unavailable when it is not open.
+absl::Status CheckAcceptorOwner(const std::string& path, int fd, const std::vector<uid_t>& owners);
+
 // A bound user namespace file (CreateNetns' user_path): unmounted and removed, OK if absent.
 absl::Status RemoveUserns(const std::string& user_path);
 
