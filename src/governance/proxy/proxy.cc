@@ -27,12 +27,15 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "common/util.h"
 #include "governance/audit_redact.h"
 #include "governance/dlp/dlp.h"
 #include "governance/policy.h"
+#include "governance/proxy/host_scan.h"
 #include "governance/proxy/request.h"
 #include "governance/tls/ca.h"
 #include "governance/tls/context.h"
@@ -377,7 +380,25 @@ struct LoopContext {
   std::shared_ptr<Conn> conn;
   std::shared_ptr<Env> env;
   const TunnelTarget* tunnel = nullptr;  // inside an inspected tunnel
+  // The DLP scan of a CONNECT target's name (set with *connect_target; nullopt: DLP off or an
+  // IP literal): the CONNECT's audit row records its findings and masks the name.
+  std::optional<dlp::Result> connect_host_scan;
 };
+
+namespace {
+
+// The audit copy of a host name a scan found something in: never the name itself.
+std::string MaskedHost(const dlp::Result& scan) {
+  return absl::StrCat("[REDACTED:", scan.findings.front().rule_id, "]");
+}
+
+// `reason` with every occurrence of `host` replaced by `shown` (nothing to do if host is "").
+std::string HideHost(absl::string_view reason, absl::string_view host, absl::string_view shown) {
+  if (host.empty()) return std::string(reason);
+  return absl::StrReplaceAll(reason, {{host, shown}});
+}
+
+}  // namespace
 
 template <class Client, class Upstream>
 awaitable<void> RequestLoop(LoopContext& lc, Client& client, beast::flat_buffer& buffer,
@@ -404,6 +425,7 @@ awaitable<void> RequestLoop(LoopContext& lc, Client& client, beast::flat_buffer&
     audit.e.tenant = cfg->tenant;
     audit.e.intents = ActiveIntentNames(*cfg, now);
     audit.e.scheme = lc.tunnel != nullptr ? "https" : "http";
+    std::string real_host;  // set when the audit row shows the host masked
     auto refuse = [&](const Refusal& r, bool keep_alive) -> awaitable<bool> {
       unsigned version = parser->is_header_done() ? parser->get().version() : 11;
       auto response = BlockResponse(r.status, r.rule, audit.e.host, r.reason, version, keep_alive);
@@ -411,7 +433,7 @@ awaitable<void> RequestLoop(LoopContext& lc, Client& client, beast::flat_buffer&
           audit.e.rule_ids.end()) {
         audit.e.rule_ids.insert(audit.e.rule_ids.begin(), r.rule);
       }
-      audit.e.reason = r.reason;
+      audit.e.reason = HideHost(r.reason, real_host, audit.e.host);
       audit.Finish(r.status, r.status == 403 || r.status == 421 ? "blocked" : "error");
       px.Emit(std::move(audit.e));
       bool ok = co_await WriteResponse(client, std::move(response), px.opts.idle_timeout);
@@ -432,6 +454,32 @@ awaitable<void> RequestLoop(LoopContext& lc, Client& client, beast::flat_buffer&
     audit.e.host = target.host;
     audit.e.port = target.port;
     audit.e.path = MaskUrlQuery(target.path);
+    // SECURITY: a host name is data too (its DNS zone sees it before any byte is sent): it is
+    // scanned before it is decided, resolved or connected; a finding masks it in the audit row,
+    // a block or redact rule refuses the request (a name cannot be redacted).
+    std::optional<dlp::Result> host_scan;
+    if (cfg->dlp && !target.host_is_ip) {
+      absl::StatusOr<dlp::Result> scanned = ScanHost(*cfg->dlp, target.host);
+      if (!scanned.ok()) {
+        audit.e.host = "[unscannable host name]";
+        Refusal r{400, "bad_request", std::string(scanned.status().message())};
+        co_await refuse(r, false);
+        co_return;
+      }
+      host_scan = *std::move(scanned);
+      if (!host_scan->findings.empty()) {
+        AddFindings(audit.e, *host_scan);
+        audit.e.host = MaskedHost(*host_scan);
+        real_host = target.host;
+      }
+      if (std::string rule = StoppingRule(*host_scan); !rule.empty()) {
+        Refusal r{403, rule,
+                  absl::StrCat("the destination host name carries data the DLP policy blocks (",
+                               rule, "); it was not resolved and nothing was sent")};
+        co_await refuse(r, false);
+        co_return;
+      }
+    }
     // The URL is scanned once, before any row is emitted (a refused request is audited too):
     // the row never keeps a secret that was in the URL, whatever the policy decides next.
     std::optional<dlp::Result> url_scan;
@@ -440,6 +488,7 @@ awaitable<void> RequestLoop(LoopContext& lc, Client& client, beast::flat_buffer&
       audit.e.path = MaskUrlQuery(MaskFindings(target.path, url_scan->findings));
     }
     if (target.connect) {
+      lc.connect_host_scan = std::move(host_scan);
       *connect_out = std::move(parser);
       *connect_target = std::move(target);
       co_return;
@@ -463,6 +512,7 @@ awaitable<void> RequestLoop(LoopContext& lc, Client& client, beast::flat_buffer&
     std::string target_path = target.path;
     std::vector<std::pair<std::string, std::string>> header_redactions;  // name → new value
     std::map<size_t, std::string> audit_values;  // header index → masked value
+    std::map<size_t, std::string> audit_names;   // header index → masked name
     if (cfg->dlp) {
       dlp::Result url = *std::move(url_scan);  // scanned above (target_path is target.path)
       AddFindings(audit.e, url);
@@ -474,6 +524,19 @@ awaitable<void> RequestLoop(LoopContext& lc, Client& client, beast::flat_buffer&
       }
       size_t index = 0;
       for (auto it = head.begin(); it != head.end(); ++it, ++index) {
+        // Header NAMES carry data as well as values ("X-AKIA...: 1"). A name cannot be
+        // redacted and keep its meaning: a block or redact rule on it refuses the request.
+        std::string_view name = SV(it->name_string());
+        dlp::Result n = cfg->dlp->ScanText(name, dlp::Where::kHeader);
+        if (!n.findings.empty()) {
+          AddFindings(audit.e, n);
+          audit_names[index] = MaskFindings(name, n.findings);
+          if (std::string rule = StoppingRule(n); !rule.empty() && !blocked) {
+            n.block_rule = std::move(rule);
+            n.decision = dlp::Action::kBlock;
+            blocked = std::move(n);
+          }
+        }
         std::string_view value = SV(it->value());
         dlp::Result h = cfg->dlp->ScanText(value, dlp::Where::kHeader);
         if (h.findings.empty()) continue;
@@ -492,8 +555,9 @@ awaitable<void> RequestLoop(LoopContext& lc, Client& client, beast::flat_buffer&
       for (auto it = head.begin(); it != head.end(); ++it, ++index) {
         std::string_view name = SV(it->name_string());
         auto masked = audit_values.find(index);
+        auto masked_name = audit_names.find(index);
         std::string line = absl::StrCat(
-            AbslView(name), ": ",
+            masked_name != audit_names.end() ? masked_name->second : AbslView(name), ": ",
             MaskHeaderValue(name, masked != audit_values.end() ? std::string_view(masked->second)
                                                                : SV(it->value())),
             "\n");
@@ -812,9 +876,15 @@ awaitable<void> Proxy::Impl::Session(std::shared_ptr<Conn> conn, tcp::socket soc
   unsigned version = connect->get().version();
   // Arguments of co_await expressions are named locals throughout: GCC 12 miscompiles class
   // temporaries there (see governance/tls/mitm.h).
+  std::string real_host;  // set when the audit row shows the host masked
+  if (lc.connect_host_scan && !lc.connect_host_scan->findings.empty()) {
+    AddFindings(audit.e, *lc.connect_host_scan);  // log-only findings (others were refused)
+    audit.e.host = MaskedHost(*lc.connect_host_scan);
+    real_host = target->host;
+  }
   auto refuse = [&](const Refusal& r, const char* decision) -> awaitable<void> {
     audit.e.rule_ids.insert(audit.e.rule_ids.begin(), r.rule);
-    audit.e.reason = r.reason;
+    audit.e.reason = HideHost(r.reason, real_host, audit.e.host);
     audit.Finish(r.status, decision);
     Emit(std::move(audit.e));
     auto response = BlockResponse(r.status, r.rule, target->host, r.reason, version, false);
@@ -900,7 +970,17 @@ awaitable<void> Proxy::Impl::Session(std::shared_ptr<Conn> conn, tcp::socket soc
                                                    std::move(*up.stream), asio::use_awaitable);
   if (!m.status.ok()) {
     audit.e.rule_ids.insert(audit.e.rule_ids.begin(), m.rule);
-    audit.e.reason = std::string(m.status.message());
+    audit.e.reason = HideHost(m.status.message(), real_host, audit.e.host);
+    // A mismatched SNI never goes upstream (the proxy sends the target's), but the row records
+    // it: scanned like a host name, masked on a finding.
+    if (cfg->dlp && !m.sni.empty() && m.sni != target->host) {
+      absl::StatusOr<dlp::Result> sni = ScanHost(*cfg->dlp, absl::AsciiStrToLower(m.sni));
+      if (!sni.ok() || !sni->findings.empty()) {
+        if (sni.ok()) AddFindings(audit.e, *sni);
+        audit.e.reason =
+            HideHost(audit.e.reason, m.sni, sni.ok() ? MaskedHost(*sni) : "[unscannable name]");
+      }
+    }
     int status = m.rule == tls::kRuleSniMismatch ? 421 : 502;
     audit.Finish(m.client ? status : 0, m.rule == tls::kRuleSniMismatch ? "blocked" : "error");
     Emit(std::move(audit.e));

