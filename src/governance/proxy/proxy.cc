@@ -176,6 +176,7 @@ struct Proxy::Impl : std::enable_shared_from_this<Proxy::Impl> {
   std::optional<asio::executor_work_guard<asio::io_context::executor_type>> work;
   std::vector<std::thread> threads;
   std::shared_ptr<tls::UpstreamContext> upstream_tls;
+  std::unique_ptr<HostAddresses> host_addresses;
 
   std::mutex mu;
   std::map<std::string, std::shared_ptr<Env>, std::less<>> envs;  // guarded by mu
@@ -251,16 +252,29 @@ awaitable<ConnectOutcome> ConnectUpstream(Proxy::Impl& px, Conn& conn, const Req
   }
   if (!explicit_allow) {
     std::string refused;
+    bool host_address = false;
     std::erase_if(endpoints, [&](const tcp::endpoint& e) {
-      if (!IsForbiddenAddress(e.address())) return false;
-      if (refused.empty()) refused = e.address().to_string();
+      bool is_private = IsForbiddenAddress(e.address());
+      // SECURITY: the proxy connects from the host: the host's own (public) addresses would
+      // reach esbd and every other host service.
+      if (!is_private && !px.host_addresses->Contains(e.address())) return false;
+      if (refused.empty()) {
+        refused = e.address().to_string();
+        host_address = !is_private;
+      }
       return true;
     });
     if (endpoints.empty()) {
-      out.refusal = {403, "addr:private",
-                     absl::StrCat(t.host, " resolves to ", refused,
-                                  ", a private, loopback, link-local or metadata address the "
-                                  "sandbox may not reach")};
+      out.refusal =
+          host_address
+              ? Refusal{403, "addr:host",
+                        absl::StrCat(t.host, " resolves to ", refused,
+                                     ", an address of the proxy's host the sandbox may not "
+                                     "reach")}
+              : Refusal{403, "addr:private",
+                        absl::StrCat(t.host, " resolves to ", refused,
+                                     ", a private, loopback, link-local or metadata address "
+                                     "the sandbox may not reach")};
       co_return out;
     }
   }
@@ -1085,6 +1099,12 @@ absl::StatusOr<std::unique_ptr<Proxy>> Proxy::Create(ProxyOptions options,
       tls::UpstreamContext::Create(impl->opts.upstream_ca_file, impl->opts.use_system_roots);
   if (!up.ok()) return up.status();
   impl->upstream_tls = *std::move(up);
+  impl->host_addresses =
+      std::make_unique<HostAddresses>(impl->opts.host_addresses, impl->opts.host_addresses_refresh);
+  if (absl::Status st = impl->host_addresses->Refresh(); !st.ok()) {
+    return absl::InternalError(
+        absl::StrCat("esb-proxy: cannot read the host's own addresses: ", st.message()));
+  }
   impl->work.emplace(impl->ioc.get_executor());
   for (int i = 0; i < std::max(1, impl->opts.threads); ++i) {
     impl->threads.emplace_back([impl = impl.get()] { impl->ioc.run(); });

@@ -32,6 +32,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "common/util.h"
 #include "governance/control.h"
 #include "governance/policy.h"
@@ -308,6 +309,12 @@ class ProxyTest : public ::testing::Test {
     o.idle_timeout = std::chrono::milliseconds(2000);
     o.use_system_roots = false;
     o.now_ms = [this] { return now_.load(); };
+    // The host's own addresses: what a test sets (re-read on every check).
+    o.host_addresses = [this]() -> absl::StatusOr<std::vector<asio::ip::address>> {
+      std::lock_guard<std::mutex> lock(host_addresses_mu_);
+      return host_addresses_;
+    };
+    o.host_addresses_refresh = std::chrono::milliseconds(0);
     absl::StatusOr<std::unique_ptr<Proxy>> p =
         Proxy::Create(o, resolver_, [this](AuditEvent e) { audit_.Add(std::move(e)); });
     ASSERT_TRUE(p.ok()) << p.status();
@@ -333,6 +340,14 @@ class ProxyTest : public ::testing::Test {
     ASSERT_TRUE(proxy_->Update(u).ok());
   }
 
+  void SetHostAddresses(const std::vector<std::string>& addresses) {
+    std::lock_guard<std::mutex> lock(host_addresses_mu_);
+    host_addresses_.clear();
+    for (const std::string& a : addresses) host_addresses_.push_back(asio::ip::make_address(a));
+  }
+
+  std::mutex host_addresses_mu_;
+  std::vector<asio::ip::address> host_addresses_;
   std::atomic<int64_t> now_{1'700'000'000'000};
   std::shared_ptr<FakeResolver> resolver_;
   AuditLog audit_;
@@ -1382,6 +1397,96 @@ TEST_F(ProxyTest, OrdinaryHostNamesAndIpLiteralsPassTheNameScan) {
     EXPECT_TRUE(e.findings.empty()) << e.host << ": " << e.findings[0].rule_id;
     EXPECT_EQ(e.decision, "allowed") << e.host;
   }
+}
+
+}  // namespace
+}  // namespace esb::governance::proxy
+
+// ---- the host's own addresses (issue 12)
+
+namespace esb::governance::proxy {
+namespace {
+
+// Attack: reach a service on the proxy's host through the host's PUBLIC address (not a private
+// range), by a name that resolves to it, as an IP literal (v4, v6, v4-mapped), by CONNECT, and
+// via 0.0.0.0 / :: (which reach the host's listeners). All refused, nothing connected.
+TEST_F(ProxyTest, HostsOwnAddressesAreRefusedByNameLiteralAndConnect) {
+  Upstream up;
+  SetHostAddresses({"127.0.0.1", "93.184.216.34", "2a00:1450:4001::1"});
+  resolver_->Map("self.test", up.port(), /*overridden=*/false, "93.184.216.34");
+  resolver_->Map("self6.test", up.port(), /*overridden=*/false, "2a00:1450:4001::1");
+  Attach(R"({"mode":"open"})");
+  for (const std::string url : {"http://self.test/", "http://self6.test/",
+                                "http://93.184.216.34:8080/", "http://[2a00:1450:4001::1]/"}) {
+    Client c(port_);
+    auto res = c.Get(url);
+    EXPECT_EQ(res.result_int(), 403) << url;
+    EXPECT_EQ(std::string(res["X-Esb-Blocked"]), "addr:host") << url;
+  }
+  for (const std::string url : {std::string("http://[::ffff:93.184.216.34]/"),
+                                "http://0.0.0.0:" + std::to_string(up.port()) + "/",
+                                "http://[::]:" + std::to_string(up.port()) + "/"}) {
+    Client c(port_);
+    auto res = c.Get(url);
+    EXPECT_EQ(res.result_int(), 403) << url;
+    EXPECT_TRUE(absl::StartsWith(std::string(res["X-Esb-Blocked"]), "addr:")) << url;
+  }
+  {
+    Client c(port_);
+    c.WriteRaw("CONNECT 93.184.216.34:443 HTTP/1.1\r\nHost: 93.184.216.34:443\r\n\r\n");
+    auto res = c.ReadConnect();
+    EXPECT_EQ(res.result_int(), 403);
+    EXPECT_EQ(std::string(res["X-Esb-Blocked"]), "addr:host");
+  }
+  EXPECT_EQ(up.connections(), 0);
+}
+
+// An address the host gains while the proxy runs (DHCP, a new interface) is refused once the
+// copy is refreshed (the fixture refreshes on every check).
+TEST_F(ProxyTest, AnAddressTheHostGainsLaterIsRefusedAfterTheRefresh) {
+  SetHostAddresses({"127.0.0.1"});
+  resolver_->Map("later.test", 80, /*overridden=*/false, "93.184.216.35");
+  Attach(R"({"mode":"open"})");
+  SetHostAddresses({"127.0.0.1", "93.184.216.35"});
+  Client c(port_);
+  auto res = c.Get("http://later.test/");
+  EXPECT_EQ(res.result_int(), 403);
+  EXPECT_EQ(std::string(res["X-Esb-Blocked"]), "addr:host");
+}
+
+TEST(HostAddressesTest, SystemListHasEveryInterfaceAddressAndTheUnspecifiedOnes) {
+  absl::StatusOr<std::vector<asio::ip::address>> sys = SystemInterfaceAddresses();
+  ASSERT_TRUE(sys.ok()) << sys.status();
+  HostAddresses host(nullptr, std::chrono::seconds(60));
+  ASSERT_TRUE(host.Refresh().ok());
+  bool loopback = false;
+  for (const asio::ip::address& a : *sys) {
+    loopback |= a == asio::ip::make_address("127.0.0.1");
+    EXPECT_TRUE(host.Contains(a)) << a.to_string();
+  }
+  EXPECT_TRUE(loopback);
+  EXPECT_TRUE(host.Contains(asio::ip::make_address("::ffff:127.0.0.1")));
+  EXPECT_TRUE(host.Contains(asio::ip::make_address("0.0.0.0")));
+  EXPECT_TRUE(host.Contains(asio::ip::make_address("::")));
+  EXPECT_TRUE(host.Contains(asio::ip::make_address("::ffff:0.0.0.0")));
+  EXPECT_FALSE(host.Contains(asio::ip::make_address("192.0.2.1")));  // TEST-NET: never ours
+}
+
+TEST(HostAddressesTest, ScopeIdsAreIgnoredAndAFailedRefreshKeepsTheLastSet) {
+  bool fail = false;
+  HostAddresses host(
+      [&]() -> absl::StatusOr<std::vector<asio::ip::address>> {
+        if (fail) return absl::InternalError("getifaddrs: boom");
+        return std::vector<asio::ip::address>{asio::ip::make_address("fe80::1%1"),
+                                              asio::ip::make_address("198.51.100.7")};
+      },
+      std::chrono::milliseconds(0));
+  ASSERT_TRUE(host.Refresh().ok());
+  EXPECT_TRUE(host.Contains(asio::ip::make_address("fe80::1")));
+  EXPECT_TRUE(host.Contains(asio::ip::make_address("::ffff:198.51.100.7")));
+  fail = true;
+  EXPECT_FALSE(host.Refresh().ok());
+  EXPECT_TRUE(host.Contains(asio::ip::make_address("198.51.100.7")));
 }
 
 }  // namespace
