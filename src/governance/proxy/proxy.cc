@@ -178,6 +178,15 @@ struct Proxy::Impl : std::enable_shared_from_this<Proxy::Impl> {
   std::shared_ptr<tls::UpstreamContext> upstream_tls;
   std::unique_ptr<HostAddresses> host_addresses;
 
+  // Mode open: the addresses the exact names of deny rules resolve to (docs/design.md "Deny
+  // rules cover addresses"), per name, for kDenyNameTtl; at most kMaxDenyCache names.
+  struct DeniedName {
+    std::vector<asio::ip::address> addresses;
+    int64_t expires_mono = 0;
+  };
+  std::mutex deny_mu;
+  std::map<std::string, DeniedName, std::less<>> deny_cache;  // guarded by deny_mu
+
   std::mutex mu;
   std::map<std::string, std::shared_ptr<Env>, std::less<>> envs;  // guarded by mu
 
@@ -216,6 +225,91 @@ struct Audit {
   }
 };
 
+// Deny rules and addresses. Names a deny rule lists are resolved in mode open (where any other
+// name or IP literal is allowed) so that neither an IP literal nor another name of the same
+// address gets around the rule; a bounded number of them, cached.
+constexpr int64_t kDenyNameTtlMs = 60'000;
+constexpr size_t kMaxDenyNamesResolved = 16;  // per policy: the first exact deny names
+constexpr size_t kMaxDenyCache = 1024;        // names, across environments
+
+// The addresses `name` resolves to, for a deny rule (cached). Empty when it does not resolve,
+// or resolves through an --egress-resolve override (an operator's mapping, often a shared
+// local address: not evidence of the public name's addresses).
+awaitable<std::vector<asio::ip::address>> DeniedNameAddresses(Proxy::Impl& px,
+                                                              const std::string& name) {
+  const int64_t now = MonotonicMs();
+  {
+    std::lock_guard<std::mutex> lock(px.deny_mu);
+    auto it = px.deny_cache.find(name);
+    if (it != px.deny_cache.end() && it->second.expires_mono > now) co_return it->second.addresses;
+  }
+  Proxy::Impl::DeniedName entry;
+  entry.expires_mono = now + kDenyNameTtlMs;
+  std::string host = name;
+  absl::StatusOr<Resolution> r = co_await px.resolver->Resolve(std::move(host), 0);
+  if (r.ok() && !r->overridden) {
+    for (const tcp::endpoint& e : r->endpoints) entry.addresses.push_back(e.address());
+  }
+  std::lock_guard<std::mutex> lock(px.deny_mu);
+  if (px.deny_cache.size() >= kMaxDenyCache) {
+    std::erase_if(px.deny_cache, [&](const auto& kv) { return kv.second.expires_mono <= now; });
+    if (px.deny_cache.size() >= kMaxDenyCache) px.deny_cache.erase(px.deny_cache.begin());
+  }
+  px.deny_cache[name] = entry;
+  co_return entry.addresses;
+}
+
+// Same address, whatever the form (IPv4-mapped IPv6 is its IPv4 address; scope ids ignored).
+bool SameAddress(const asio::ip::address& a, const asio::ip::address& b) {
+  auto v4 = [](const asio::ip::address& x) -> std::optional<asio::ip::address_v4> {
+    if (x.is_v4()) return x.to_v4();
+    if (x.to_v6().is_v4_mapped()) return asio::ip::make_address_v4(asio::ip::v4_mapped, x.to_v6());
+    return std::nullopt;
+  };
+  auto a4 = v4(a), b4 = v4(b);
+  if (a4 || b4) return a4 && b4 && *a4 == *b4;
+  return a.to_v6().to_bytes() == b.to_v6().to_bytes();
+}
+
+// SECURITY: a deny rule is not only its text. Removes from `endpoints` every address a deny rule
+// covers: an IP deny rule (any mode) covers that address however the destination was named; in
+// mode open an exact-name deny rule covers the addresses the name resolves to. Returns the rule
+// ("deny:<text>") of the first address removed, "" if none.
+awaitable<std::string> RemoveDeniedAddresses(Proxy::Impl& px, const EgressPolicy& policy,
+                                             uint16_t port, bool explicit_allow,
+                                             std::vector<tcp::endpoint>* endpoints) {
+  std::string rule;
+  auto remove = [&](const HostRule& r, auto&& covers) {
+    std::erase_if(*endpoints, [&](const tcp::endpoint& e) {
+      if (!covers(e.address())) return false;
+      if (rule.empty()) rule = absl::StrCat("deny:", r.text);
+      return true;
+    });
+  };
+  for (const HostRule& r : policy.deny) {
+    if (r.kind != HostRule::Kind::kIp || (r.port && *r.port != port)) continue;
+    boost::system::error_code ec;
+    asio::ip::address denied = asio::ip::make_address(r.host, ec);
+    if (ec) continue;
+    remove(r, [&](const asio::ip::address& a) { return SameAddress(a, denied); });
+  }
+  if (policy.mode == EgressMode::kOpen && !explicit_allow) {
+    size_t resolved = 0;
+    for (const HostRule& r : policy.deny) {
+      if (endpoints->empty() || resolved == kMaxDenyNamesResolved) break;
+      if (r.kind != HostRule::Kind::kExact) continue;
+      ++resolved;
+      if (r.port && *r.port != port) continue;
+      std::vector<asio::ip::address> denied = co_await DeniedNameAddresses(px, r.host);
+      remove(r, [&](const asio::ip::address& a) {
+        return std::any_of(denied.begin(), denied.end(),
+                           [&](const asio::ip::address& d) { return SameAddress(a, d); });
+      });
+    }
+  }
+  co_return rule;
+}
+
 // Resolves and connects an upstream for `target`; on failure fills `refusal`.
 struct ConnectOutcome {
   std::optional<beast::tcp_stream> stream;
@@ -223,7 +317,7 @@ struct ConnectOutcome {
 };
 
 awaitable<ConnectOutcome> ConnectUpstream(Proxy::Impl& px, Conn& conn, const RequestTarget& t,
-                                          const Decision& decision) {
+                                          const Decision& decision, const EgressPolicy& policy) {
   ConnectOutcome out;
   std::vector<tcp::endpoint> endpoints;
   bool explicit_allow = false;
@@ -249,6 +343,18 @@ awaitable<ConnectOutcome> ConnectUpstream(Proxy::Impl& px, Conn& conn, const Req
     }
     endpoints = std::move(r->endpoints);
     explicit_allow = r->overridden;
+  }
+  {
+    const std::string first = endpoints.empty() ? "" : endpoints.front().address().to_string();
+    std::string denied =
+        co_await RemoveDeniedAddresses(px, policy, t.port, explicit_allow, &endpoints);
+    if (endpoints.empty() && !denied.empty()) {
+      out.refusal = {
+          403, denied,
+          absl::StrCat(t.host, " is ", first,
+                       ", an address the environment's egress policy denies (", denied, ")")};
+      co_return out;
+    }
   }
   if (!explicit_allow) {
     std::string refused;
@@ -705,7 +811,7 @@ awaitable<void> RequestLoop(LoopContext& lc, Client& client, beast::flat_buffer&
           reused = true;
         } else {
           upstream.Close();
-          ConnectOutcome c = co_await ConnectUpstream(px, conn, target, d);
+          ConnectOutcome c = co_await ConnectUpstream(px, conn, target, d, cfg->policy);
           if (!c.stream) {
             if (!co_await refuse(c.refusal, false)) co_return;
             co_return;
@@ -921,7 +1027,7 @@ awaitable<void> Proxy::Impl::Session(std::shared_ptr<Conn> conn, tcp::socket soc
     co_await refuse(r, "error");
     co_return;
   }
-  ConnectOutcome up = co_await ConnectUpstream(*this, *conn, *target, d);
+  ConnectOutcome up = co_await ConnectUpstream(*this, *conn, *target, d, cfg->policy);
   if (!up.stream) {
     co_await refuse(up.refusal, up.refusal.status == 403 ? "blocked" : "error");
     co_return;

@@ -1491,3 +1491,79 @@ TEST(HostAddressesTest, ScopeIdsAreIgnoredAndAFailedRefreshKeepsTheLastSet) {
 
 }  // namespace
 }  // namespace esb::governance::proxy
+
+// ---- deny rules cover addresses (issue 12)
+
+namespace esb::governance::proxy {
+namespace {
+
+// Attack: mode open with a deny rule for evil.test; reach the same server through its IP
+// literal (plain and CONNECT) or through another name of the same address. All refused with the
+// deny rule; an unrelated name still works; the denied name is resolved once (cached).
+TEST_F(ProxyTest, DenyRuleCannotBeBypassedByAnIpLiteralOrAnotherNameInModeOpen) {
+  Upstream up;
+  resolver_->Map("evil.test", 80, /*overridden=*/false, "93.184.216.34");
+  resolver_->Map("alias.test", 80, /*overridden=*/false, "93.184.216.34");
+  resolver_->Map("fine.test", up.port());
+  Attach(R"({"mode":"open","deny":["evil.test"]})");
+  for (const std::string url : {"http://evil.test/", "http://alias.test/x", "http://93.184.216.34/",
+                                "http://[::ffff:93.184.216.34]/"}) {
+    Client c(port_);
+    auto res = c.Get(url);
+    EXPECT_EQ(res.result_int(), 403) << url;
+    EXPECT_EQ(std::string(res["X-Esb-Blocked"]), "deny:evil.test") << url;
+  }
+  {
+    Client c(port_);
+    c.WriteRaw("CONNECT 93.184.216.34:443 HTTP/1.1\r\nHost: 93.184.216.34:443\r\n\r\n");
+    auto res = c.ReadConnect();
+    EXPECT_EQ(res.result_int(), 403);
+    EXPECT_EQ(std::string(res["X-Esb-Blocked"]), "deny:evil.test");
+  }
+  Client c(port_);
+  EXPECT_EQ(c.Get("http://fine.test/").result_int(), 200);
+  EXPECT_EQ(up.requests().size(), 1u);
+  std::vector<std::string> asked = resolver_->asked();
+  EXPECT_EQ(std::count(asked.begin(), asked.end(), "evil.test"), 1) << "cached for its TTL";
+}
+
+// An IP deny rule covers every name that resolves to that address, in any mode, and an
+// --egress-resolve mapping (explicitly allowed) does not lift it: deny wins.
+TEST_F(ProxyTest, IpDenyRuleCoversEveryNameOfThatAddress) {
+  Upstream up;
+  resolver_->Map("alias.test", 80, /*overridden=*/false, "93.184.216.34");
+  resolver_->Map("local.test", up.port());  // override → 127.0.0.1
+  Attach(R"({"allow":["alias.test","local.test"],"deny":["93.184.216.34","127.0.0.1"]})");
+  {
+    Client c(port_);
+    auto res = c.Get("http://alias.test/");
+    EXPECT_EQ(res.result_int(), 403);
+    EXPECT_EQ(std::string(res["X-Esb-Blocked"]), "deny:93.184.216.34");
+  }
+  {
+    Client c(port_);
+    auto res = c.Get("http://local.test/");
+    EXPECT_EQ(res.result_int(), 403);
+    EXPECT_EQ(std::string(res["X-Esb-Blocked"]), "deny:127.0.0.1");
+  }
+  EXPECT_EQ(up.connections(), 0);
+  Update(R"({"allow":["local.test"]})");
+  Client c(port_);
+  EXPECT_EQ(c.Get("http://local.test/").result_int(), 200);
+}
+
+// The deny names resolved per request are bounded (16): a policy with many deny names does not
+// turn one request into many lookups.
+TEST_F(ProxyTest, DenyNamesResolvedPerRequestAreBounded) {
+  std::string deny;
+  for (int i = 0; i < 40; ++i) deny += (i ? ",\"d" : "\"d") + std::to_string(i) + ".test\"";
+  Attach(R"({"mode":"open","deny":[)" + deny + "]}");
+  SetHostAddresses({"93.184.216.36"});  // so that nothing is connected afterwards
+  Client c(port_);
+  auto res = c.Get("http://93.184.216.36/");  // an IP literal: resolves nothing itself
+  EXPECT_EQ(std::string(res["X-Esb-Blocked"]), "addr:host");
+  EXPECT_EQ(resolver_->lookups(), 16);
+}
+
+}  // namespace
+}  // namespace esb::governance::proxy
