@@ -271,8 +271,18 @@ bool SameAddress(const asio::ip::address& a, const asio::ip::address& b) {
   return a.to_v6().to_bytes() == b.to_v6().to_bytes();
 }
 
+// The canonical text of an address as policy rules hold it: IPv4-mapped IPv6 as its IPv4
+// address, no scope id.
+std::string CanonicalText(const asio::ip::address& a) {
+  if (a.is_v4()) return a.to_string();
+  asio::ip::address_v6 v6 = a.to_v6();
+  if (v6.is_v4_mapped()) return asio::ip::make_address_v4(asio::ip::v4_mapped, v6).to_string();
+  return asio::ip::address_v6(v6.to_bytes()).to_string();
+}
+
 // SECURITY: a deny rule is not only its text. Removes from `endpoints` every address a deny rule
-// covers: an IP deny rule (any mode) covers that address however the destination was named; in
+// covers: an IP or CIDR deny rule (any mode) covers its addresses however the destination was
+// named; in
 // mode open an exact-name deny rule covers the addresses the name resolves to. Returns the rule
 // ("deny:<text>") of the first address removed, "" if none.
 awaitable<std::string> RemoveDeniedAddresses(Proxy::Impl& px, const EgressPolicy& policy,
@@ -287,11 +297,8 @@ awaitable<std::string> RemoveDeniedAddresses(Proxy::Impl& px, const EgressPolicy
     });
   };
   for (const HostRule& r : policy.deny) {
-    if (r.kind != HostRule::Kind::kIp || (r.port && *r.port != port)) continue;
-    boost::system::error_code ec;
-    asio::ip::address denied = asio::ip::make_address(r.host, ec);
-    if (ec) continue;
-    remove(r, [&](const asio::ip::address& a) { return SameAddress(a, denied); });
+    if (r.kind != HostRule::Kind::kIp) continue;
+    remove(r, [&](const asio::ip::address& a) { return r.Matches(CanonicalText(a), true, port); });
   }
   if (policy.mode == EgressMode::kOpen && !explicit_allow) {
     size_t resolved = 0;

@@ -1552,6 +1552,21 @@ TEST_F(ProxyTest, IpDenyRuleCoversEveryNameOfThatAddress) {
   EXPECT_EQ(c.Get("http://local.test/").result_int(), 200);
 }
 
+// A CIDR deny rule covers every name resolving into its range, in mode open too.
+TEST_F(ProxyTest, CidrDenyRuleCoversNamesResolvingIntoTheRange) {
+  resolver_->Map("alias.test", 80, /*overridden=*/false, "93.184.216.34");
+  resolver_->Map("alias6.test", 80, /*overridden=*/false, "2a00:1450:4001::5");
+  Attach(R"({"mode":"open","deny":["93.184.216.0/24","2a00:1450::/32"]})");
+  Client c(port_);
+  auto res = c.Get("http://alias.test/");
+  EXPECT_EQ(res.result_int(), 403);
+  EXPECT_EQ(std::string(res["X-Esb-Blocked"]), "deny:93.184.216.0/24");
+  Client c6(port_);
+  auto res6 = c6.Get("http://alias6.test/");
+  EXPECT_EQ(res6.result_int(), 403);
+  EXPECT_EQ(std::string(res6["X-Esb-Blocked"]), "deny:2a00:1450::/32");
+}
+
 // The deny names resolved per request are bounded (16): a policy with many deny names does not
 // turn one request into many lookups.
 TEST_F(ProxyTest, DenyNamesResolvedPerRequestAreBounded) {
