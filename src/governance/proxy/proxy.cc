@@ -665,6 +665,24 @@ awaitable<void> RequestLoop(LoopContext& lc, Client& client, beast::flat_buffer&
           }
         }
         std::string_view value = SV(it->value());
+        // The Host field is a name too (split labels, any case): on the proxy port it may
+        // differ from the URI's host (it is replaced upstream, but the audit row records it);
+        // inside a tunnel it equals the scanned CONNECT target. A finding masks it whole.
+        if (it->name() == http::field::host && value != target.host) {
+          absl::StatusOr<dlp::Result> hs =
+              ScanHost(*cfg->dlp, absl::AsciiStrToLower(AbslView(value)));
+          if (!hs.ok() || !hs->findings.empty()) {
+            if (hs.ok()) AddFindings(audit.e, *hs);
+            audit_values[index] = hs.ok() ? MaskedHost(*hs) : "[unscannable host name]";
+            std::string rule = hs.ok() ? StoppingRule(*hs) : "";
+            if (!rule.empty() && !blocked) {
+              hs->block_rule = std::move(rule);
+              hs->decision = dlp::Action::kBlock;
+              blocked = *std::move(hs);
+            }
+            continue;
+          }
+        }
         dlp::Result h = cfg->dlp->ScanText(value, dlp::Where::kHeader);
         if (h.findings.empty()) continue;
         AddFindings(audit.e, h);

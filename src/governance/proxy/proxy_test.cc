@@ -1366,6 +1366,26 @@ TEST_F(ProxyTest, SecretInAHeaderNameIsBlockedAndNothingReachesUpstream) {
   EXPECT_NE(events[0].request_headers.find("[REDACTED:dlp:aws_access_key]"), std::string::npos);
 }
 
+// Attack: a key split over labels in the Host header of a proxy-port request (it is replaced
+// upstream, but was kept in the audit row, and a value scan does not join labels).
+TEST_F(ProxyTest, SecretSplitInTheHostHeaderIsBlockedAndNotRecorded) {
+  Upstream up;
+  resolver_->Map("weather.test", up.port());
+  Attach(R"({"mode":"open"})");
+  Client c(port_);
+  http::request<http::string_body> req{http::verb::get, "http://weather.test/", 11};
+  req.set(http::field::host, "akiaq2we3r.t4yu5i6paz.x.test");
+  auto res = c.Send(std::move(req));
+  EXPECT_EQ(res.result_int(), 403);
+  EXPECT_EQ(std::string(res["X-Esb-Blocked"]), "dlp:aws_access_key");
+  EXPECT_EQ(up.connections(), 0);
+  auto events = audit_.WaitFor(1);
+  ASSERT_EQ(events.size(), 1u);
+  const std::string row = boost::json::serialize(ToJson(events[0]));
+  EXPECT_EQ(row.find("akiaq2we3r"), std::string::npos) << row;
+  EXPECT_EQ(row.find("t4yu5i6paz"), std::string::npos) << row;
+}
+
 // False positives: ordinary names (digits, dashes, punycode, long labels), ports and IP
 // literals pass the name scan and are forwarded with no finding.
 TEST_F(ProxyTest, OrdinaryHostNamesAndIpLiteralsPassTheNameScan) {
