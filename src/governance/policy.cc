@@ -163,8 +163,11 @@ std::string Prefixed(std::string_view what, const absl::Status& status) {
   return Cat(what, ": ", std::string(status.message()));
 }
 
+// `ranges`: whether CIDR ranges are accepted (deny, tls_exclude). An allow or intent rule names
+// single addresses: an allowed IP literal is explicitly allowed even when private or the
+// host's own, and "0.0.0.0/0" meant as "the internet" would open all of those.
 absl::StatusOr<std::vector<HostRule>> ParseRuleArray(const json::value& value,
-                                                     std::string_view what) {
+                                                     std::string_view what, bool ranges = false) {
   const json::array* arr = value.if_array();
   if (arr == nullptr) return Invalid(Cat(what, " must be an array of host rules (strings)"));
   if (arr->size() > kMaxRulesPerList)
@@ -176,6 +179,11 @@ absl::StatusOr<std::vector<HostRule>> ParseRuleArray(const json::value& value,
     if (s == nullptr) return Invalid(Cat(where, " must be a string"));
     auto rule = ParseHostRule(std::string_view(*s));
     if (!rule.ok()) return Invalid(Prefixed(where, rule.status()));
+    if (rule->prefix >= 0 && !ranges) {
+      return Invalid(Cat(where, ": ", Quote(rule->text),
+                         ": CIDR ranges are accepted in deny and tls_exclude only (an allowed "
+                         "IP literal passes even when private: list single addresses)"));
+    }
     if (std::find(out.begin(), out.end(), *rule) == out.end()) out.push_back(*std::move(rule));
   }
   return out;
@@ -327,7 +335,7 @@ absl::StatusOr<HostRule> ParseHostRule(std::string_view text) {
 
 absl::StatusOr<std::vector<HostRule>> ParseHostRules(const json::value& value,
                                                      std::string_view what) {
-  return ParseRuleArray(value, what);
+  return ParseRuleArray(value, what, /*ranges=*/true);
 }
 
 bool EgressPolicy::operator==(const EgressPolicy& other) const {
@@ -354,7 +362,7 @@ absl::StatusOr<EgressPolicy> ParseEgressPolicy(const json::value& value, const E
       if (!mode) return Invalid(Cat(field, " must be one of: blocked, allowlist, open"));
       policy.mode = *mode;
     } else if (key == "allow" || key == "deny" || key == "tls_exclude") {
-      auto rules = ParseRuleArray(v, field);
+      auto rules = ParseRuleArray(v, field, /*ranges=*/key != "allow");
       if (!rules.ok()) return rules.status();
       (key == "allow"  ? policy.allow
        : key == "deny" ? policy.deny

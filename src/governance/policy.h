@@ -9,7 +9,8 @@
 // apex example.com itself: list both if both are wanted), each with an optional ":port"
 // ("*.example.com:443"); IP literals "203.0.113.7", "203.0.113.7:80", "2001:db8::1",
 // "[2001:db8::1]:443", and CIDR ranges of them "203.0.113.0/24", "203.0.113.0/24:443",
-// "2001:db8::/32", "[2001:db8::/32]:443" (host bits must be zero). Names are compared
+// "2001:db8::/32", "[2001:db8::/32]:443" (host bits must be zero; deny and tls_exclude only).
+// Names are compared
 // case-insensitively, without a trailing dot. A name rule never matches an IP literal host and vice
 // versa (the proxy decides on the name the client sent, then checks the resolved address
 // separately).
@@ -69,7 +70,9 @@ struct HostRule {
 
 // Parses one rule ("*.example.com:443"); error messages name the rule and the problem.
 absl::StatusOr<HostRule> ParseHostRule(std::string_view text);
-// A list of rules (JSON array of strings), `what` names the field in messages ("allow").
+// A list of rules (JSON array of strings), `what` names the field in messages ("deny"). CIDR
+// ranges are accepted here; the policy and intent parsers refuse them in allow lists (an
+// allowed IP literal passes even when private or the host's own: allow names single addresses).
 absl::StatusOr<std::vector<HostRule>> ParseHostRules(const boost::json::value& value,
                                                      std::string_view what);
 

@@ -123,6 +123,21 @@ TEST(HostRuleTest, CidrRangesParseCanonicallyAndRefuseHostBits) {
   }
 }
 
+// An allowed IP literal is explicitly allowed even when private or the host's own: a range in
+// allow ("0.0.0.0/0" meant as "the internet") would open the metadata and host addresses.
+TEST(PolicyTest, CidrRangesAreRefusedInAllowAndIntents) {
+  EXPECT_NE(ParseError(R"({"allow": ["0.0.0.0/0"]})").find("deny and tls_exclude only"),
+            std::string::npos);
+  EXPECT_NE(ParseError(R"({"allow": ["ok.test", "[2001:db8::/32]:443"]})").find("allow[1]"),
+            std::string::npos);
+  auto catalogue = ParseIntentCatalogue(json::parse(R"({"x": {"allow": ["10.0.0.0/8"]}})"));
+  ASSERT_FALSE(catalogue.ok());
+  EXPECT_NE(catalogue.status().message().find("deny and tls_exclude only"), std::string::npos);
+  EgressPolicy p = MustParse(R"({"deny": ["10.0.0.0/8"], "tls_exclude": ["192.0.2.0/24"]})");
+  EXPECT_EQ(p.deny.size(), 1u);
+  EXPECT_TRUE(TlsExcluded(p, "192.0.2.9", 443));
+}
+
 TEST(DecideTest, CidrRulesCoverTheirRangeOnly) {
   EgressPolicy p = MustParse(
       R"({"mode": "open", "deny": ["203.0.113.0/24", "2001:db8::/32", "198.51.100.0/24:443"]})");
