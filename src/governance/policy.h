@@ -10,10 +10,9 @@
 // ("*.example.com:443"); IP literals "203.0.113.7", "203.0.113.7:80", "2001:db8::1",
 // "[2001:db8::1]:443", and CIDR ranges of them "203.0.113.0/24", "203.0.113.0/24:443",
 // "2001:db8::/32", "[2001:db8::/32]:443" (host bits must be zero; deny and tls_exclude only).
-// Names are compared
-// case-insensitively, without a trailing dot. A name rule never matches an IP literal host and vice
-// versa (the proxy decides on the name the client sent, then checks the resolved address
-// separately).
+// Names are compared case-insensitively, without a trailing dot. A name rule never matches an IP
+// literal host and vice versa (the proxy decides on the name the client sent, then checks the
+// resolved address separately).
 //
 // Decision order: mode blocked → refused ("mode:blocked", intents do not lift it); any deny rule
 // matching → refused ("deny:<rule>"); mode open → allowed ("mode:open"); an allow rule →
