@@ -317,6 +317,8 @@ absl::Status LoadConfigFile(const std::string& path, DaemonConfig* c) {
     if (key == "listen") st = GetString(v, key, &c->listen);
     else if (key == "unix_socket") st = GetString(v, key, &c->unix_socket);
     else if (key == "state_dir") st = GetString(v, key, &c->state_dir);
+    else if (key == "state_key_file")
+      st = GetString(v, key, &c->state_key_file);
     else if (key == "container_runtime") st = GetString(v, key, &c->container_runtime);
     else if (key == "agent_binary") st = GetString(v, key, &c->agent_binary);
     else if (key == "user_namespaces")

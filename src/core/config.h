@@ -86,6 +86,9 @@ struct DaemonConfig {
   std::string listen = "127.0.0.1:8080";
   std::string unix_socket;  // empty: <state_dir>/esbd.sock; "none" disables
   std::string state_dir = "./var";
+  // The key the state database seals secrets with (the env CA private keys): 32 bytes, 0600,
+  // created on first start. Empty: <state_dir>/state.key. Back it up with the database.
+  std::string state_key_file;
   std::map<std::string, std::string> images;  // image name → rootfs directory
   std::string container_runtime = "auto";     // auto | crun | runc
   // Container sandboxes in user namespaces, each with its own range of 65536 host uids from

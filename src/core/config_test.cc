@@ -20,9 +20,11 @@ TEST(ConfigTest, LoadsKnownKeys) {
   DaemonConfig c;
   std::string path = TempFile(R"({"listen": "0.0.0.0:9000", "pool_size": 4,
       "images": {"default": "/img"}, "defaults": {"memory_mb": 256},
+      "state_key_file": "/etc/esbd/state.key",
       "keys": [{"key": "esb_0123456789abcdef", "tenant": "acme", "name": "ci"}]})");
   ASSERT_TRUE(LoadConfigFile(path, &c).ok());
   EXPECT_EQ(c.listen, "0.0.0.0:9000");
+  EXPECT_EQ(c.state_key_file, "/etc/esbd/state.key");
   EXPECT_EQ(c.pool_size, 4);
   EXPECT_EQ(c.images["default"], "/img");
   EXPECT_EQ(c.defaults.memory_mb, 256);

@@ -235,6 +235,8 @@ int main(int argc, char** argv) {
   sopts.max_detail_bytes = static_cast<size_t>(config.audit.max_detail_bytes);
   sopts.audit_query_timeout_ms = config.audit.query_timeout_ms;
   sopts.write_behind_ms = config.audit.write_behind_ms;
+  sopts.secret_key_file =
+      config.state_key_file.empty() ? state_dir + "/state.key" : config.state_key_file;
   auto store = esb::Store::Open(state_dir + "/esbd.db", sopts);
   if (!store.ok()) return Fail(absl::StrCat("opening the state database: ", store.status().ToString()));
 

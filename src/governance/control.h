@@ -93,7 +93,7 @@ struct Result {
 struct AuditFinding {
   std::string rule_id;  // "dlp:credit_card"
   std::string action;   // "block" | "redact" | "log"
-  std::string where;    // "url" | "header" | "body" | "response"
+  std::string where;    // "url" | "header" | "body" | "response_body" | "host"
   int count = 1;
 };
 

@@ -91,8 +91,58 @@ std::string NameProblem(std::string_view name) {
   return "";
 }
 
+// An IP literal or CIDR range ("10.0.0.0/8") of a rule: the canonical address and the prefix
+// (-1 without one) into `rule`, or the problem.
+std::string ParseIpRule(std::string_view text, HostRule* rule) {
+  size_t slash = text.find('/');
+  std::string_view addr = text.substr(0, slash);
+  auto ip = CanonicalIp(addr);
+  if (!ip)
+    return addr.find(':') != std::string_view::npos ? "not a valid IPv6 address"
+                                                    : "not a valid IP address";
+  rule->kind = HostRule::Kind::kIp;
+  rule->host = *ip;
+  rule->prefix = -1;
+  if (slash == std::string_view::npos) return "";
+  const bool v6 = ip->find(':') != std::string::npos;
+  const int max = v6 ? 128 : 32;
+  std::string_view bits = text.substr(slash + 1);
+  int prefix = -1;
+  auto [end, ec] = std::from_chars(bits.data(), bits.data() + bits.size(), prefix);
+  if (bits.empty() || ec != std::errc() || end != bits.data() + bits.size() || prefix < 0 ||
+      prefix > max)
+    return Cat("prefix length must be 0..", std::to_string(max));
+  unsigned char b[16] = {};
+  inet_pton(v6 ? AF_INET6 : AF_INET, ip->c_str(), b);
+  const int bytes = v6 ? 16 : 4;
+  for (int i = 0; i < bytes; ++i) {
+    int keep = std::clamp(prefix - 8 * i, 0, 8);
+    unsigned char mask = keep == 0 ? 0 : static_cast<unsigned char>(0xff << (8 - keep));
+    if ((b[i] & ~mask) != 0) return "host bits set after the prefix (write the network address)";
+  }
+  rule->prefix = prefix;
+  return "";
+}
+
+// Whether canonical IP literal `host` lies in the range network/prefix.
+bool InRange(std::string_view host, const std::string& network, int prefix) {
+  const bool v6 = network.find(':') != std::string::npos;
+  if ((host.find(':') != std::string_view::npos) != v6) return false;
+  unsigned char a[16] = {}, n[16] = {};
+  if (inet_pton(v6 ? AF_INET6 : AF_INET, std::string(host).c_str(), a) != 1 ||
+      inet_pton(v6 ? AF_INET6 : AF_INET, network.c_str(), n) != 1)
+    return false;
+  for (int i = 0; i < (v6 ? 16 : 4); ++i) {
+    int keep = std::clamp(prefix - 8 * i, 0, 8);
+    unsigned char mask = keep == 0 ? 0 : static_cast<unsigned char>(0xff << (8 - keep));
+    if ((a[i] & mask) != (n[i] & mask)) return false;
+  }
+  return true;
+}
+
 std::string RuleText(const HostRule& r) {
   std::string t = r.kind == HostRule::Kind::kSuffix ? Cat("*.", r.host) : r.host;
+  if (r.kind == HostRule::Kind::kIp && r.prefix >= 0) t += "/" + std::to_string(r.prefix);
   if (r.port) {
     if (r.kind == HostRule::Kind::kIp && t.find(':') != std::string::npos) t = Cat("[", t, "]");
     t += ":" + std::to_string(*r.port);
@@ -113,8 +163,11 @@ std::string Prefixed(std::string_view what, const absl::Status& status) {
   return Cat(what, ": ", std::string(status.message()));
 }
 
+// `ranges`: whether CIDR ranges are accepted (deny, tls_exclude). An allow or intent rule names
+// single addresses: an allowed IP literal is explicitly allowed even when private or the
+// host's own, and "0.0.0.0/0" meant as "the internet" would open all of those.
 absl::StatusOr<std::vector<HostRule>> ParseRuleArray(const json::value& value,
-                                                     std::string_view what) {
+                                                     std::string_view what, bool ranges = false) {
   const json::array* arr = value.if_array();
   if (arr == nullptr) return Invalid(Cat(what, " must be an array of host rules (strings)"));
   if (arr->size() > kMaxRulesPerList)
@@ -126,6 +179,11 @@ absl::StatusOr<std::vector<HostRule>> ParseRuleArray(const json::value& value,
     if (s == nullptr) return Invalid(Cat(where, " must be a string"));
     auto rule = ParseHostRule(std::string_view(*s));
     if (!rule.ok()) return Invalid(Prefixed(where, rule.status()));
+    if (rule->prefix >= 0 && !ranges) {
+      return Invalid(Cat(where, ": ", Quote(rule->text),
+                         ": CIDR ranges are accepted in deny and tls_exclude only (an allowed "
+                         "IP literal passes even when private: list single addresses)"));
+    }
     if (std::find(out.begin(), out.end(), *rule) == out.end()) out.push_back(*std::move(rule));
   }
   return out;
@@ -190,7 +248,8 @@ bool HostRule::Matches(std::string_view normalized_host, bool host_is_ip, uint16
   if (port && *port != p) return false;
   switch (kind) {
     case Kind::kIp:
-      return host_is_ip && normalized_host == host;
+      if (!host_is_ip) return false;
+      return prefix < 0 ? normalized_host == host : InRange(normalized_host, host, prefix);
     case Kind::kExact:
       return !host_is_ip && normalized_host == host;
     case Kind::kSuffix:
@@ -220,21 +279,17 @@ absl::StatusOr<HostRule> ParseHostRule(std::string_view text) {
       if (!port.ok()) return port.status();
       rule.port = *port;
     }
-    auto ip = CanonicalIp(host);
-    if (!ip || host.find(':') == std::string_view::npos)
+    if (host.find(':') == std::string_view::npos)
       return Invalid(Cat(Quote(text), ": not an IPv6 address inside '[...]'"));
-    rule.kind = HostRule::Kind::kIp;
-    rule.host = *ip;
+    if (std::string problem = ParseIpRule(host, &rule); !problem.empty())
+      return Invalid(Cat(Quote(text), ": ", problem));
     rule.text = RuleText(rule);
     return rule;
   }
   size_t colons = std::count(host.begin(), host.end(), ':');
   if (colons > 1) {  // bare IPv6, no port
-    auto ip = CanonicalIp(host);
-    if (!ip)
-      return Invalid(Cat(Quote(text), ": not a valid IPv6 address (write [addr]:port for a port)"));
-    rule.kind = HostRule::Kind::kIp;
-    rule.host = *ip;
+    if (std::string problem = ParseIpRule(host, &rule); !problem.empty())
+      return Invalid(Cat(Quote(text), ": ", problem, " (write [addr]:port for a port)"));
     rule.text = RuleText(rule);
     return rule;
   }
@@ -244,6 +299,14 @@ absl::StatusOr<HostRule> ParseHostRule(std::string_view text) {
     if (!port.ok()) return port.status();
     rule.port = *port;
     host = host.substr(0, colon);
+  }
+  if (size_t slash = host.find('/'); slash != std::string_view::npos) {  // IPv4 CIDR
+    if (!CanonicalIp(host.substr(0, slash)))
+      return Invalid(Cat(Quote(text), ": '/' only follows an IP address (a CIDR range)"));
+    if (std::string problem = ParseIpRule(host, &rule); !problem.empty())
+      return Invalid(Cat(Quote(text), ": ", problem));
+    rule.text = RuleText(rule);
+    return rule;
   }
   if (auto ip = CanonicalIp(host); ip && host.find(':') == std::string_view::npos) {
     rule.kind = HostRule::Kind::kIp;
@@ -272,7 +335,7 @@ absl::StatusOr<HostRule> ParseHostRule(std::string_view text) {
 
 absl::StatusOr<std::vector<HostRule>> ParseHostRules(const json::value& value,
                                                      std::string_view what) {
-  return ParseRuleArray(value, what);
+  return ParseRuleArray(value, what, /*ranges=*/true);
 }
 
 bool EgressPolicy::operator==(const EgressPolicy& other) const {
@@ -299,7 +362,7 @@ absl::StatusOr<EgressPolicy> ParseEgressPolicy(const json::value& value, const E
       if (!mode) return Invalid(Cat(field, " must be one of: blocked, allowlist, open"));
       policy.mode = *mode;
     } else if (key == "allow" || key == "deny" || key == "tls_exclude") {
-      auto rules = ParseRuleArray(v, field);
+      auto rules = ParseRuleArray(v, field, /*ranges=*/key != "allow");
       if (!rules.ok()) return rules.status();
       (key == "allow"  ? policy.allow
        : key == "deny" ? policy.deny

@@ -8,9 +8,11 @@
 // Host rules: "example.com" (exact), "*.example.com" (every subdomain, at any depth, NOT the
 // apex example.com itself: list both if both are wanted), each with an optional ":port"
 // ("*.example.com:443"); IP literals "203.0.113.7", "203.0.113.7:80", "2001:db8::1",
-// "[2001:db8::1]:443". Names are compared case-insensitively, without a trailing dot. A name rule
-// never matches an IP literal host and vice versa (the proxy decides on the name the client
-// sent, then checks the resolved address separately).
+// "[2001:db8::1]:443", and CIDR ranges of them "203.0.113.0/24", "203.0.113.0/24:443",
+// "2001:db8::/32", "[2001:db8::/32]:443" (host bits must be zero; deny and tls_exclude only).
+// Names are compared case-insensitively, without a trailing dot. A name rule never matches an IP
+// literal host and vice versa (the proxy decides on the name the client sent, then checks the
+// resolved address separately).
 //
 // Decision order: mode blocked → refused ("mode:blocked", intents do not lift it); any deny rule
 // matching → refused ("deny:<rule>"); mode open → allowed ("mode:open"); an allow rule →
@@ -55,6 +57,9 @@ struct HostRule {
   // kExact: the lower-case name; kSuffix: the lower-case suffix WITHOUT "*." (matches names
   // ending in "." + host); kIp: the canonical address text (inet_ntop form, no brackets).
   std::string host;
+  // kIp: the prefix length of a CIDR rule ("10.0.0.0/8", host is then the network address),
+  // -1 for one address.
+  int prefix = -1;
   std::optional<uint16_t> port;  // nullopt: any port
   std::string text;              // canonical rule text, used in rule ids: "*.example.com:443"
 
@@ -64,7 +69,9 @@ struct HostRule {
 
 // Parses one rule ("*.example.com:443"); error messages name the rule and the problem.
 absl::StatusOr<HostRule> ParseHostRule(std::string_view text);
-// A list of rules (JSON array of strings), `what` names the field in messages ("allow").
+// A list of rules (JSON array of strings), `what` names the field in messages ("deny"). CIDR
+// ranges are accepted here; the policy and intent parsers refuse them in allow lists (an
+// allowed IP literal passes even when private or the host's own: allow names single addresses).
 absl::StatusOr<std::vector<HostRule>> ParseHostRules(const boost::json::value& value,
                                                      std::string_view what);
 

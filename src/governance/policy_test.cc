@@ -93,6 +93,66 @@ TEST(HostRuleTest, RejectsBadRulesWithClearMessages) {
   }
 }
 
+TEST(HostRuleTest, CidrRangesParseCanonicallyAndRefuseHostBits) {
+  for (auto [in, text] : std::vector<std::pair<std::string, std::string>>{
+           {"203.0.113.0/24", "203.0.113.0/24"},
+           {"10.0.0.0/8:443", "10.0.0.0/8:443"},
+           {"0.0.0.0/0", "0.0.0.0/0"},
+           {"2001:DB8::/32", "2001:db8::/32"},
+           {"[2001:db8::/32]:443", "[2001:db8::/32]:443"},
+           {"203.0.113.7/32", "203.0.113.7/32"}}) {
+    auto r = ParseHostRule(in);
+    ASSERT_TRUE(r.ok()) << in << ": " << r.status();
+    EXPECT_EQ(r->kind, HostRule::Kind::kIp) << in;
+    EXPECT_EQ(r->text, text) << in;
+    auto again = ParseHostRule(r->text);
+    ASSERT_TRUE(again.ok()) << r->text;
+    EXPECT_EQ(*again, *r) << "the canonical text parses to the same rule";
+  }
+  for (auto [in, part] : std::vector<std::pair<std::string, std::string>>{
+           {"10.0.0.1/8", "host bits"},
+           {"10.0.0.0/33", "prefix length must be 0..32"},
+           {"10.0.0.0/", "prefix length"},
+           {"10.0.0.0/x", "prefix length"},
+           {"2001:db8::/129", "prefix length must be 0..128"},
+           {"example.com/8", "only follows an IP address"}}) {
+    auto r = ParseHostRule(in);
+    ASSERT_FALSE(r.ok()) << in;
+    EXPECT_NE(r.status().message().find(part), std::string::npos)
+        << in << " -> " << r.status().message();
+  }
+}
+
+// An allowed IP literal is explicitly allowed even when private or the host's own: a range in
+// allow ("0.0.0.0/0" meant as "the internet") would open the metadata and host addresses.
+TEST(PolicyTest, CidrRangesAreRefusedInAllowAndIntents) {
+  EXPECT_NE(ParseError(R"({"allow": ["0.0.0.0/0"]})").find("deny and tls_exclude only"),
+            std::string::npos);
+  EXPECT_NE(ParseError(R"({"allow": ["ok.test", "[2001:db8::/32]:443"]})").find("allow[1]"),
+            std::string::npos);
+  auto catalogue = ParseIntentCatalogue(json::parse(R"({"x": {"allow": ["10.0.0.0/8"]}})"));
+  ASSERT_FALSE(catalogue.ok());
+  EXPECT_NE(catalogue.status().message().find("deny and tls_exclude only"), std::string::npos);
+  EgressPolicy p = MustParse(R"({"deny": ["10.0.0.0/8"], "tls_exclude": ["192.0.2.0/24"]})");
+  EXPECT_EQ(p.deny.size(), 1u);
+  EXPECT_TRUE(TlsExcluded(p, "192.0.2.9", 443));
+}
+
+TEST(DecideTest, CidrRulesCoverTheirRangeOnly) {
+  EgressPolicy p = MustParse(
+      R"({"mode": "open", "deny": ["203.0.113.0/24", "2001:db8::/32", "198.51.100.0/24:443"]})");
+  EXPECT_EQ(D(p, "203.0.113.99", 80).rule, "deny:203.0.113.0/24");
+  EXPECT_EQ(D(p, "203.0.114.1", 80).rule, "mode:open");
+  EXPECT_EQ(D(p, "[2001:db8:1::5]", 80).rule, "deny:2001:db8::/32");
+  EXPECT_EQ(D(p, "2001:db9::5", 80).rule, "mode:open");
+  EXPECT_EQ(D(p, "198.51.100.1", 443).rule, "deny:198.51.100.0/24:443");
+  EXPECT_EQ(D(p, "198.51.100.1", 80).rule, "mode:open");
+  EXPECT_EQ(D(p, "weather.test", 80).rule, "mode:open") << "a range never matches a name";
+  EgressPolicy all4 = MustParse(R"({"mode": "open", "deny": ["0.0.0.0/0"]})");
+  EXPECT_FALSE(D(all4, "8.8.8.8", 53).allowed);
+  EXPECT_TRUE(D(all4, "2001:4860::8888", 53).allowed) << "an IPv4 range never covers IPv6";
+}
+
 TEST(HostRuleTest, LimitsOnNameAndLabelLength) {
   std::string label63(63, 'a');
   EXPECT_TRUE(ParseHostRule(label63 + ".test").ok());

@@ -31,6 +31,7 @@
 #include "absl/strings/str_split.h"
 #include "common/utf8.h"
 #include "common/util.h"
+#include "storage/secret_box.h"
 #include "storage/store.h"
 
 namespace esb {
@@ -735,12 +736,18 @@ class SqliteStore final : public Store {
         "INSERT OR REPLACE INTO env_egress (env_id, tenant, policy_json, intents_json, "
         "ca_cert_pem, ca_key_pem, updated_ms) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)");
     if (!stmt.ok()) return stmt.status();
+    std::string ca_key = rec.ca_key_pem;
+    if (!secret_key_.empty() && !ca_key.empty()) {
+      absl::StatusOr<std::string> sealed = SealSecret(secret_key_, rec.env_id, ca_key);
+      if (!sealed.ok()) return sealed.status();
+      ca_key = *std::move(sealed);
+    }
     stmt->Bind(1, rec.env_id)
         .Bind(2, rec.tenant)
         .Bind(3, rec.policy_json)
         .Bind(4, rec.intents_json)
         .Bind(5, rec.ca_cert_pem)
-        .Bind(6, rec.ca_key_pem)
+        .Bind(6, ca_key)
         .Bind(7, rec.updated_ms);
     return stmt->Run();
   }
@@ -755,8 +762,96 @@ class SqliteStore final : public Store {
     absl::StatusOr<bool> row = stmt->Step();
     if (!row.ok()) return row.status();
     if (!*row) return absl::NotFoundError(absl::StrCat("no egress state for ", env_id));
-    return EgressRecord{stmt->Text(0), stmt->Text(1), stmt->Text(2), stmt->Text(3),
-                        stmt->Text(4), stmt->Text(5), stmt->Int(6)};
+    EgressRecord rec{stmt->Text(0), stmt->Text(1), stmt->Text(2), stmt->Text(3),
+                     stmt->Text(4), stmt->Text(5), stmt->Int(6)};
+    if (IsSealed(rec.ca_key_pem)) {
+      if (secret_key_.empty()) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "the CA key of ", env_id, " is sealed and no state key file is configured"));
+      }
+      absl::StatusOr<std::string> key = OpenSecret(secret_key_, rec.env_id, rec.ca_key_pem);
+      if (!key.ok()) {
+        return absl::Status(key.status().code(),
+                            absl::StrCat("the CA key of ", env_id, ": ", key.status().message()));
+      }
+      rec.ca_key_pem = *std::move(key);
+    }
+    return rec;
+  }
+
+  // Loads the state key (StoreOptions::secret_key_file), checks it against the sealed rows and
+  // seals the rows stored in plaintext before (a one-time migration; secure_delete so that
+  // the replaced plaintext does not stay in free space, and the WAL is truncated).
+  absl::Status InitSecrets() {
+    if (options_.secret_key_file.empty()) return absl::OkStatus();
+    const std::string& file = options_.secret_key_file;
+    std::lock_guard<std::mutex> lock(mu_);
+    absl::StatusOr<std::string> sealed_count =
+        QueryText("SELECT count(*) FROM env_egress WHERE substr(ca_key_pem, 1, 3) = 'v1:'");
+    if (!sealed_count.ok()) return sealed_count.status();
+    const bool any_sealed = *sealed_count != "0";
+    absl::StatusOr<std::string> key = LoadOrCreateSecretKey(file, /*create=*/!any_sealed);
+    if (!key.ok()) {
+      if (any_sealed && absl::IsNotFound(key.status())) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("the state key ", file, " is missing but ", *sealed_count,
+                         " environment CA keys in the database are sealed with it: restore it"));
+      }
+      return key.status();
+    }
+    if (any_sealed) {
+      auto probe = Prepare(
+          "SELECT env_id, ca_key_pem FROM env_egress WHERE substr(ca_key_pem, 1, 3) = 'v1:' "
+          "LIMIT 1");
+      if (!probe.ok()) return probe.status();
+      absl::StatusOr<bool> row = probe->Step();
+      if (!row.ok()) return row.status();
+      if (*row) {
+        absl::StatusOr<std::string> opened = OpenSecret(*key, probe->Text(0), probe->Text(1));
+        if (!opened.ok()) {
+          return absl::FailedPreconditionError(
+              absl::StrCat("the state key ", file,
+                           " does not open the environment CA keys sealed in the "
+                           "database (",
+                           opened.status().message(), "): restore the original key file"));
+        }
+      }
+    }
+    secret_key_ = *std::move(key);
+    std::vector<std::pair<std::string, std::string>> plain;
+    {
+      auto stmt = Prepare(
+          "SELECT env_id, ca_key_pem FROM env_egress WHERE ca_key_pem != '' AND "
+          "substr(ca_key_pem, 1, 3) != 'v1:'");
+      if (!stmt.ok()) return stmt.status();
+      for (;;) {
+        absl::StatusOr<bool> row = stmt->Step();
+        if (!row.ok()) return row.status();
+        if (!*row) break;
+        plain.emplace_back(stmt->Text(0), stmt->Text(1));
+      }
+    }
+    if (plain.empty()) return absl::OkStatus();
+    if (auto st = Exec("PRAGMA secure_delete=ON; BEGIN IMMEDIATE"); !st.ok()) return st;
+    for (const auto& [env_id, pem] : plain) {
+      absl::StatusOr<std::string> sealed = SealSecret(secret_key_, env_id, pem);
+      auto stmt = Prepare("UPDATE env_egress SET ca_key_pem = ?2 WHERE env_id = ?1");
+      absl::Status st = !sealed.ok() ? sealed.status() : stmt.status();
+      if (st.ok()) {
+        stmt->Bind(1, env_id).Bind(2, *sealed);
+        st = stmt->Run();
+      }
+      if (!st.ok()) {
+        Exec("ROLLBACK").IgnoreError();
+        return st;
+      }
+    }
+    if (auto st = Exec("COMMIT"); !st.ok()) return st;
+    if (wal_) Exec("PRAGMA wal_checkpoint(TRUNCATE)").IgnoreError();
+    Exec("PRAGMA secure_delete=OFF").IgnoreError();
+    LogInfo(absl::StrCat("storage: sealed ", plain.size(),
+                         " environment CA keys stored in plaintext before"));
+    return absl::OkStatus();
   }
 
   absl::Status DeleteEgress(const std::string& env_id) override {
@@ -1639,6 +1734,7 @@ class SqliteStore final : public Store {
 
   StoreOptions options_;
   std::mutex mu_;  // the writer connection and tenants_
+  std::string secret_key_;  // set once by InitSecrets (before any other use); "" = none
   Conn writer_;
   std::map<std::string, TenantAudit> tenants_;
   int64_t last_retention_ms_ = 0;
@@ -1968,6 +2064,9 @@ absl::StatusOr<std::unique_ptr<Store>> Store::Open(const std::string& path,
   }
   auto store = std::make_unique<SqliteStore>(db, std::move(options));
   if (absl::Status s = store->Init(!is_memory); !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("open database ", path, ": ", s.message()));
+  }
+  if (absl::Status s = store->InitSecrets(); !s.ok()) {
     return absl::Status(s.code(), absl::StrCat("open database ", path, ": ", s.message()));
   }
   if (!is_memory) {

@@ -218,6 +218,11 @@ struct StoreOptions {
   // Audit rows queued at most; when the queue is full the caller flushes it (and writes its row)
   // synchronously: a burst slows callers down, never drops a row.
   size_t max_write_behind_rows = 4096;
+  // The key secrets are sealed with at rest (storage/secret_box.h: the env CA private keys in
+  // env_egress): a 32-byte owner-only file, created on first open when missing (and nothing is
+  // sealed yet). Open re-seals plaintext rows from before. Empty: stored as given (in-memory
+  // test stores; esbd always sets it, default <state_dir>/state.key).
+  std::string secret_key_file;
 };
 
 // Caps on the cost of one audit search (checked before SQLite sees the query).

@@ -107,6 +107,8 @@ std::string_view WhereName(Where where) {
       return "body";
     case Where::kResponseBody:
       return "response_body";
+    case Where::kHost:
+      return "host";
   }
   return "body";
 }

@@ -56,8 +56,11 @@ enum class Kind : uint8_t {
 std::string_view KindName(Kind kind);  // "secret", "financial", "pii", "custom", ...
 
 // Where the scanned text came from (recorded in findings; decides the decoders of ScanText).
-enum class Where : uint8_t { kUrl, kHeader, kBody, kResponseBody };
-std::string_view WhereName(Where where);  // "url", "header", "body", "response_body"
+// kHost: a destination host name (absolute-URI host, CONNECT target); the proxy builds the
+// text it scans from the name's labels (governance/proxy/host_scan.h).
+enum class Where : uint8_t { kUrl, kHeader, kBody, kResponseBody, kHost };
+// "url", "header", "body", "response_body", "host"
+std::string_view WhereName(Where where);
 
 // Stable rule ids. Built-in rules: dlp:credit_card, dlp:aws_access_key, dlp:aws_secret_key,
 // dlp:github_token, dlp:slack_token, dlp:slack_webhook, dlp:google_api_key, dlp:openai_api_key,

