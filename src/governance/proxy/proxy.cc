@@ -33,6 +33,7 @@
 #include "governance/audit_redact.h"
 #include "governance/dlp/dlp.h"
 #include "governance/policy.h"
+#include "governance/proxy/quota.h"
 #include "governance/proxy/request.h"
 #include "governance/tls/ca.h"
 #include "governance/tls/context.h"
@@ -156,6 +157,7 @@ struct Conn {
   tcp::socket* client = nullptr;
   tcp::socket* upstream = nullptr;
   bool closed = false;  // strand only
+  Quota::Reservation tenant_slot;  // its place under max_connections_per_tenant
 
   void CloseOnStrand() {
     closed = true;
@@ -166,10 +168,26 @@ struct Conn {
 };
 
 struct Proxy::Impl : std::enable_shared_from_this<Proxy::Impl> {
+  explicit Impl(ProxyOptions o)
+      : opts(std::move(o)),
+        body_budget(opts.body_budget_bytes, opts.body_budget_per_tenant_bytes),
+        tenant_connections(static_cast<int64_t>(opts.max_connections_total),
+                           static_cast<int64_t>(opts.max_connections_per_tenant)),
+        env_resolutions(INT64_MAX, static_cast<int64_t>(opts.max_resolutions_per_env)),
+        tenant_resolutions(INT64_MAX, static_cast<int64_t>(opts.max_resolutions_per_tenant)) {}
+
   ProxyOptions opts;
   std::shared_ptr<Resolver> resolver;
   AuditSink audit;
+  // Fair shares (declared before ioc: reservations held by connection frames are given back
+  // when ioc destroys them).
+  Quota body_budget;         // bytes of buffered request bodies, per tenant
+  Quota tenant_connections;  // client connections, per tenant
+  Quota env_resolutions;     // names being resolved, per environment
+  Quota tenant_resolutions;  // names being resolved, per tenant
   asio::io_context ioc;
+  // DLP body scans (declared after ioc: stopped and joined first, its jobs reference frames).
+  std::optional<FairPool> dlp_pool;
   std::optional<asio::executor_work_guard<asio::io_context::executor_type>> work;
   std::vector<std::thread> threads;
   std::shared_ptr<tls::UpstreamContext> upstream_tls;
@@ -180,6 +198,11 @@ struct Proxy::Impl : std::enable_shared_from_this<Proxy::Impl> {
   std::atomic<int64_t> connections{0};
   std::atomic<int64_t> requests_total{0};
   std::atomic<int64_t> blocked_total{0};
+  // Refusals for fairness limits (Health, /healthz).
+  std::atomic<int64_t> refused_connections{0};  // a connection cap (env, tenant, total)
+  std::atomic<int64_t> refused_body_budget{0};
+  std::atomic<int64_t> refused_dlp_busy{0};
+  std::atomic<int64_t> refused_resolve_busy{0};
   int64_t started_mono = MonotonicMs();
   std::atomic<bool> stopped{false};
 
@@ -189,6 +212,24 @@ struct Proxy::Impl : std::enable_shared_from_this<Proxy::Impl> {
     requests_total.fetch_add(1);
     if (e.decision == "blocked") blocked_total.fetch_add(1);
     if (audit) audit(std::move(e));
+  }
+
+  // Scans a buffered body into *result: inline when small, else on dlp_pool under the tenant's
+  // share. False: the tenant's DLP queue is full (nothing was scanned).
+  awaitable<bool> ScanBody(std::string tenant, dlp::BodyScanner& scanner, const std::string& body,
+                           dlp::Result* result) {
+    if (body.size() <= opts.dlp_inline_bytes || !dlp_pool) {
+      scanner.Feed(body);
+      *result = scanner.Finish();
+      co_return true;
+    }
+    std::function<void()> job = [&scanner, &body, result] {
+      scanner.Feed(body);
+      *result = scanner.Finish();
+    };
+    bool ran = co_await RunInPool(*dlp_pool, std::move(tenant), std::move(job));
+    if (!ran) refused_dlp_busy.fetch_add(1);
+    co_return ran;
   }
 
   awaitable<void> AcceptLoop(std::shared_ptr<Env> env);
@@ -235,11 +276,33 @@ awaitable<ConnectOutcome> ConnectUpstream(Proxy::Impl& px, Conn& conn, const Req
     explicit_allow =
         absl::StartsWith(decision.rule, "allow:") || absl::StartsWith(decision.rule, "intent:");
   } else {
+    // One environment (and one tenant) may have only so many names in resolution at once: a
+    // sandbox resolving thousands of slow names is answered "busy" at once instead of queueing
+    // in front of everyone else's lookups.
+    ResolveScope scope{conn.env->Config()->tenant, conn.env->id};
+    Quota::Reservation env_slot = px.env_resolutions.Open(scope.env_id);
+    Quota::Reservation tenant_slot = px.tenant_resolutions.Open(scope.tenant);
+    if (!env_slot.GrowTo(1) || !tenant_slot.GrowTo(1)) {
+      px.refused_resolve_busy.fetch_add(1);
+      out.refusal = {
+          503, "resolve:busy",
+          absl::StrCat("too many names being resolved at once for this ",
+                       env_slot.bytes() == 0 ? "environment" : "tenant", "; retry shortly")};
+      co_return out;
+    }
     std::string host = t.host;
-    absl::StatusOr<Resolution> r = co_await px.resolver->Resolve(std::move(host), t.port);
+    absl::StatusOr<Resolution> r =
+        co_await px.resolver->ResolveFor(std::move(scope), std::move(host), t.port);
     if (!r.ok()) {
       bool timeout = absl::IsDeadlineExceeded(r.status());
-      out.refusal = {timeout ? 504 : 502, timeout ? "resolve:timeout" : "resolve:failed",
+      bool busy = absl::IsUnavailable(r.status());
+      if (busy) px.refused_resolve_busy.fetch_add(1);
+      out.refusal = {timeout ? 504
+                     : busy  ? 503
+                             : 502,
+                     timeout ? "resolve:timeout"
+                     : busy  ? "resolve:busy"
+                             : "resolve:failed",
                      std::string(r.status().message())};
       co_return out;
     }
@@ -522,6 +585,30 @@ awaitable<void> RequestLoop(LoopContext& lc, Client& client, beast::flat_buffer&
       co_await refuse(r, false);
       co_return;
     }
+    // The body's bytes are reserved in the shared budget before any is read (Content-Length) or
+    // as they arrive (chunked); the reservation goes back when the body went upstream, or on
+    // whatever path ends this iteration (refusal, error, the client gone, a timeout, Detach).
+    // A body larger than a tenant's whole share can never fit: 413, not "retry".
+    Quota::Reservation body_reservation = px.body_budget.Open(cfg->tenant);
+    const int64_t share = std::min(px.body_budget.per_key(), px.body_budget.total());
+    auto over_budget = [&](int64_t want) {
+      px.refused_body_budget.fetch_add(1);
+      if (want > share) {
+        return Refusal{413, "limit:body_budget",
+                       absl::StrCat("request body larger than the egress proxy's buffer share of a "
+                                    "tenant (",
+                                    share, " bytes)")};
+      }
+      return Refusal{503, "limit:body_budget",
+                     "the egress proxy is buffering too many request bodies of this tenant or in "
+                     "total; retry shortly"};
+    };
+    if (parser->content_length() && *parser->content_length() > 0 &&
+        !body_reservation.GrowTo(static_cast<int64_t>(*parser->content_length()))) {
+      Refusal r = over_budget(static_cast<int64_t>(*parser->content_length()));
+      co_await refuse(r, false);
+      co_return;
+    }
     if (has_body &&
         absl::EqualsIgnoreCase(AbslView(SV(head[http::field::expect])), "100-continue")) {
       Lowest(client).expires_after(px.opts.idle_timeout);
@@ -533,8 +620,30 @@ awaitable<void> RequestLoop(LoopContext& lc, Client& client, beast::flat_buffer&
     // chunked bodies are checked as they arrive.
     body_parser.body_limit(static_cast<uint64_t>(cap));
     if (!body_parser.is_done()) {
-      Lowest(client).expires_after(px.opts.body_timeout);
-      auto [ec, n] = co_await http::async_read(client, buffer, body_parser, kTuple);
+      Lowest(client).expires_after(px.opts.body_timeout);  // the whole body
+      boost::system::error_code ec;
+      int64_t budget_exceeded = 0;  // the size that did not fit
+      while (!body_parser.is_done()) {
+        auto [rec, n] = co_await http::async_read_some(client, buffer, body_parser, kTuple);
+        if (rec) {
+          ec = rec;
+          break;
+        }
+        // A chunked body grows its reservation ahead of itself, kBodyBudgetStep at a time.
+        constexpr int64_t kBodyBudgetStep = 64 << 10;
+        const auto have = static_cast<int64_t>(body_parser.get().body().size());
+        if (have > body_reservation.bytes() &&
+            !body_reservation.GrowTo(std::max(have, std::min(cap, have + kBodyBudgetStep))) &&
+            !body_reservation.GrowTo(have)) {
+          budget_exceeded = have;
+          break;
+        }
+      }
+      if (budget_exceeded > 0) {
+        Refusal r = over_budget(budget_exceeded);
+        co_await refuse(r, false);
+        co_return;
+      }
       if (ec == http::error::body_limit) {
         Refusal r{413, "body:too_large",
                   absl::StrCat("request body larger than the policy's max_body_bytes (", cap, ")")};
@@ -576,8 +685,16 @@ awaitable<void> RequestLoop(LoopContext& lc, Client& client, beast::flat_buffer&
       info.content_type = std::string(SV(req[http::field::content_type]));
       info.content_encoding = std::string(SV(req[http::field::content_encoding]));
       std::unique_ptr<dlp::BodyScanner> scanner = cfg->dlp->NewBodyScanner(info);
-      scanner->Feed(body);
-      dlp::Result r = scanner->Finish();
+      dlp::Result r;
+      std::string scan_key = cfg->tenant;  // named, not a temporary in the co_await (GCC 12)
+      bool scanned = co_await px.ScanBody(std::move(scan_key), *scanner, body, &r);
+      if (!scanned) {
+        Refusal busy{503, "limit:dlp_busy",
+                     "the egress proxy's DLP scanner is busy with this tenant's requests; retry "
+                     "shortly"};
+        co_await refuse(busy, false);
+        co_return;
+      }
       AddFindings(audit.e, r);
       if (r.decision == dlp::Action::kRedact && r.redacted) {
         body = *r.redacted;
@@ -657,6 +774,10 @@ awaitable<void> RequestLoop(LoopContext& lc, Client& client, beast::flat_buffer&
       co_return;
     }
     audit.e.bytes_up = static_cast<int64_t>(body.size());
+    // The body went upstream: its memory and its share of the budget go back now, not after the
+    // response.
+    std::string().swap(body);
+    body_reservation.Release();
 
     // The response: head (skipping 1xx), then the body streamed through.
     std::optional<http::response_parser<http::buffer_body>> rp;
@@ -942,12 +1063,15 @@ awaitable<void> Proxy::Impl::AcceptLoop(std::shared_ptr<Env> env) {
     }
     auto conn = std::make_shared<Conn>(strand);
     conn->env = env;
+    conn->tenant_slot = tenant_connections.Open(env->Config()->tenant);
     {
       std::lock_guard<std::mutex> lock(env->mu);
       if (env->conns.size() >= opts.max_connections_per_env ||
-          connections.load() >= static_cast<int64_t>(opts.max_connections_total)) {
+          connections.load() >= static_cast<int64_t>(opts.max_connections_total) ||
+          !conn->tenant_slot.GrowTo(1)) {
+        refused_connections.fetch_add(1);
         boost::system::error_code ignored;
-        socket.close(ignored);  // over the cap: refused at once (the client sees a reset)
+        socket.close(ignored);  // over a cap: refused at once (the client sees a reset)
         continue;
       }
       env->conns.insert(conn);
@@ -967,6 +1091,7 @@ awaitable<void> Proxy::Impl::AcceptLoop(std::shared_ptr<Env> env) {
             std::lock_guard<std::mutex> lock(env->mu);
             env->conns.erase(conn);
           }
+          conn->tenant_slot.Release();
           self->connections.fetch_sub(1);
         });
   }
@@ -997,14 +1122,16 @@ Proxy::~Proxy() { Stop(); }
 absl::StatusOr<std::unique_ptr<Proxy>> Proxy::Create(ProxyOptions options,
                                                      std::shared_ptr<Resolver> resolver,
                                                      AuditSink audit) {
-  auto impl = std::make_shared<Impl>();
-  impl->opts = std::move(options);
+  auto impl = std::make_shared<Impl>(std::move(options));
   impl->resolver = std::move(resolver);
   impl->audit = std::move(audit);
   absl::StatusOr<std::shared_ptr<tls::UpstreamContext>> up =
       tls::UpstreamContext::Create(impl->opts.upstream_ca_file, impl->opts.use_system_roots);
   if (!up.ok()) return up.status();
   impl->upstream_tls = *std::move(up);
+  impl->dlp_pool.emplace(FairPool::Options{impl->opts.dlp_threads,
+                                           impl->opts.dlp_max_running_per_tenant,
+                                           impl->opts.dlp_max_queued_per_tenant});
   impl->work.emplace(impl->ioc.get_executor());
   for (int i = 0; i < std::max(1, impl->opts.threads); ++i) {
     impl->threads.emplace_back([impl = impl.get()] { impl->ioc.run(); });
@@ -1025,6 +1152,8 @@ void Proxy::Stop() {
   for (std::thread& t : impl_->threads) {
     if (t.joinable()) t.join();
   }
+  // After the I/O threads: a scan that finishes now posts to a stopped io_context (dropped).
+  if (impl_->dlp_pool) impl_->dlp_pool->Shutdown();
 }
 
 absl::Status Proxy::Attach(control::Attach attach) {
@@ -1126,6 +1255,11 @@ control::Health Proxy::Health() const {
   h.connections = impl_->connections.load();
   h.requests_total = impl_->requests_total.load();
   h.blocked_total = impl_->blocked_total.load();
+  h.refused_connections = impl_->refused_connections.load();
+  h.refused_body_budget = impl_->refused_body_budget.load();
+  h.refused_dlp_busy = impl_->refused_dlp_busy.load();
+  h.refused_resolve_busy = impl_->refused_resolve_busy.load();
+  h.body_buffered_bytes = impl_->body_budget.used();
   return h;
 }
 
