@@ -911,8 +911,9 @@ TEST_F(FairShareTest, TenantFloodingDlpWithLargeBodiesDoesNotStallAnotherTenant)
       }
     });
   }
-  // A is flooding: some of its scans ran, some were refused over its queue share.
-  ASSERT_TRUE(WaitUntil([&] { return a_ok >= 2 && a_busy >= 1; }, 20000))
+  // A is flooding (its scans run; those over its queue share are refused with limit:dlp_busy,
+  // when enough of them overlap: FairPoolTest pins that bound deterministically).
+  ASSERT_TRUE(WaitUntil([&] { return a_ok >= 3; }, 20000))
       << a_ok << " ok, " << a_busy << " busy, " << a_other << " other";
   // B: small requests (scanned inline) on one kept-alive connection keep a bounded latency.
   std::vector<int64_t> latencies;
