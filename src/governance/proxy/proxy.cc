@@ -293,6 +293,8 @@ awaitable<ConnectOutcome> ConnectUpstream(Proxy::Impl& px, Conn& conn, const Req
     std::string host = t.host;
     absl::StatusOr<Resolution> r =
         co_await px.resolver->ResolveFor(std::move(scope), std::move(host), t.port);
+    env_slot.Release();  // resolved: the connect that follows is not a resolution
+    tenant_slot.Release();
     if (!r.ok()) {
       bool timeout = absl::IsDeadlineExceeded(r.status());
       bool busy = absl::IsUnavailable(r.status());

@@ -116,12 +116,6 @@ void FairPool::Shutdown() {
   threads_.clear();
 }
 
-size_t FairPool::Pending(std::string_view key) const {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = keys_.find(key);
-  return it == keys_.end() ? 0 : it->second.queue.size() + static_cast<size_t>(it->second.running);
-}
-
 void FairPool::Work() {
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {

@@ -95,8 +95,6 @@ class FairPool {
   // Runs no more queued jobs (they are destroyed unrun) and joins the threads (a running job
   // finishes first). Idempotent.
   void Shutdown();
-  // Jobs queued or running under `key` now (tests, health).
-  size_t Pending(std::string_view key) const;
 
  private:
   struct Key {
@@ -106,7 +104,7 @@ class FairPool {
   void Work();
 
   const Options options_;
-  mutable std::mutex mu_;
+  std::mutex mu_;
   std::condition_variable cv_;
   std::map<std::string, Key, std::less<>> keys_;  // guarded by mu_ (idle keys erased)
   std::list<std::string> order_;  // keys with queued jobs, round-robin order; guarded by mu_
