@@ -866,6 +866,37 @@ TEST_F(FairShareTest, TenantHoldingItsBodyBudgetGets503AndAnotherTenantIsServed)
   EXPECT_EQ(audited, 3);
 }
 
+// A reservation is given back on the paths where nobody closes anything: the body deadline
+// passes on a stalled body, and the environment is detached under a stalled body.
+TEST_F(FairShareTest, StalledBodyReservationIsReleasedAtTheBodyDeadlineAndOnDetach) {
+  Upstream up;
+  resolver_->Map("weather.test", up.port());
+  ProxyOptions o;
+  o.body_timeout = std::chrono::milliseconds(300);
+  Start(o);
+  const std::string policy = R"({"allow":["weather.test"],"dlp":{"enabled":false}})";
+  uint16_t pa = AttachEnv("env-a", "ta", policy);
+  const std::string stall =
+      "POST http://weather.test/slow HTTP/1.1\r\nHost: weather.test\r\n"
+      "Content-Length: 100000\r\n\r\nxx";
+  Client c1(pa);
+  c1.WriteRaw(stall);
+  ASSERT_TRUE(WaitUntil([&] { return proxy_->Health().body_buffered_bytes == 100000; }));
+  ASSERT_TRUE(WaitUntil([&] { return proxy_->Health().body_buffered_bytes == 0; }, 3000))
+      << "not released at the body deadline";
+  EXPECT_TRUE(c1.ClosedByPeer());
+  // Detach under a stalled body (a long deadline this time).
+  o.body_timeout = std::chrono::milliseconds(60000);
+  Start(o);
+  pa = AttachEnv("env-a", "ta", policy);
+  Client c2(pa);
+  c2.WriteRaw(stall);
+  ASSERT_TRUE(WaitUntil([&] { return proxy_->Health().body_buffered_bytes == 100000; }));
+  ASSERT_TRUE(proxy_->Detach("env-a").ok());
+  EXPECT_TRUE(WaitUntil([&] { return proxy_->Health().body_buffered_bytes == 0; }, 3000))
+      << "not released on detach";
+}
+
 TEST_F(FairShareTest, TenantFloodingDlpWithLargeBodiesDoesNotStallAnotherTenant) {
   Upstream up;
   resolver_->Map("weather.test", up.port());
