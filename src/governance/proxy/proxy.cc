@@ -214,19 +214,23 @@ struct Proxy::Impl : std::enable_shared_from_this<Proxy::Impl> {
     if (audit) audit(std::move(e));
   }
 
-  // Scans a buffered body into *result: inline when small, else on dlp_pool under the tenant's
-  // share. False: the tenant's DLP queue is full (nothing was scanned).
-  awaitable<bool> ScanBody(std::string tenant, dlp::BodyScanner& scanner, const std::string& body,
-                           dlp::Result* result) {
+  // Hashes a buffered body into *sha256 and, when `scanner` is set, scans it into *result:
+  // inline when small, else on dlp_pool under the tenant's share. False: the tenant's queue is
+  // full (nothing was done).
+  awaitable<bool> ScanBody(std::string tenant, dlp::BodyScanner* scanner, const std::string& body,
+                           dlp::Result* result, std::string* sha256) {
+    auto work = [scanner, &body, result, sha256] {
+      *sha256 = Sha256Hex(body);
+      if (scanner != nullptr) {
+        scanner->Feed(body);
+        *result = scanner->Finish();
+      }
+    };
     if (body.size() <= opts.dlp_inline_bytes || !dlp_pool) {
-      scanner.Feed(body);
-      *result = scanner.Finish();
+      work();
       co_return true;
     }
-    std::function<void()> job = [&scanner, &body, result] {
-      scanner.Feed(body);
-      *result = scanner.Finish();
-    };
+    std::function<void()> job = work;
     bool ran = co_await RunInPool(*dlp_pool, std::move(tenant), std::move(job));
     if (!ran) refused_dlp_busy.fetch_add(1);
     co_return ran;
@@ -679,24 +683,32 @@ awaitable<void> RequestLoop(LoopContext& lc, Client& client, beast::flat_buffer&
       co_return;
     }
     std::string& body = req.body();
-    if (!body.empty()) audit.e.request_body_sha256 = Sha256Hex(body);
-    std::string audit_body;
+    // The per-byte work on the body — its audit hash and the DLP scan — is one job, run on the
+    // DLP pool when the body is large (ScanBody): a tenant's big bodies never stall the I/O
+    // threads every tenant's connections share.
+    dlp::BodyInfo info;
+    std::unique_ptr<dlp::BodyScanner> scanner;
     if (cfg->dlp && !body.empty()) {
-      dlp::BodyInfo info;
       info.where = dlp::Where::kBody;
       info.content_type = std::string(SV(req[http::field::content_type]));
       info.content_encoding = std::string(SV(req[http::field::content_encoding]));
-      std::unique_ptr<dlp::BodyScanner> scanner = cfg->dlp->NewBodyScanner(info);
-      dlp::Result r;
-      std::string scan_key = cfg->tenant;  // named, not a temporary in the co_await (GCC 12)
-      bool scanned = co_await px.ScanBody(std::move(scan_key), *scanner, body, &r);
-      if (!scanned) {
+      scanner = cfg->dlp->NewBodyScanner(info);
+    }
+    dlp::Result r;
+    if (!body.empty()) {
+      std::string work_key = cfg->tenant;  // named, not a temporary in the co_await (GCC 12)
+      bool done = co_await px.ScanBody(std::move(work_key), scanner.get(), body, &r,
+                                       &audit.e.request_body_sha256);
+      if (!done) {
         Refusal busy{503, "limit:dlp_busy",
                      "the egress proxy's DLP scanner is busy with this tenant's requests; retry "
                      "shortly"};
         co_await refuse(busy, false);
         co_return;
       }
+    }
+    std::string audit_body;
+    if (scanner) {
       AddFindings(audit.e, r);
       if (r.decision == dlp::Action::kRedact && r.redacted) {
         body = *r.redacted;

@@ -43,9 +43,10 @@ struct ProxyOptions {
   // does not fit is refused at once: 503, Retry-After, rule "limit:body_budget".
   int64_t body_budget_bytes = int64_t{256} << 20;
   int64_t body_budget_per_tenant_bytes = int64_t{64} << 20;
-  // DLP body scans larger than dlp_inline_bytes run on a pool of their own (not the I/O
-  // threads), tenants served round-robin, at most dlp_max_running_per_tenant scans of one
-  // tenant at once and dlp_max_queued_per_tenant waiting (over it: 503 "limit:dlp_busy").
+  // The per-byte work on a body larger than dlp_inline_bytes (the DLP scan, the audit hash)
+  // runs on a pool of its own (not the I/O threads), tenants served round-robin, at most
+  // dlp_max_running_per_tenant scans of one tenant at once and dlp_max_queued_per_tenant
+  // waiting (over it: 503 "limit:dlp_busy").
   int dlp_threads = 2;
   int dlp_max_running_per_tenant = 1;
   size_t dlp_max_queued_per_tenant = 32;
