@@ -349,16 +349,22 @@ void ApiService::Register(Router& router) {
       // The egress proxy (docs/design.md "Governed networks"): while it is down, governed
       // sandboxes' egress fails closed; esbd restarts it.
       const EgressHealth e = options_.egress->Health();
-      health["egress"] = json::object{{"state", e.state},
-                                      {"detail", e.detail},
-                                      {"pid", e.pid},
-                                      {"restarts", e.restarts},
-                                      {"since", e.since_ms > 0 ? FormatRfc3339(e.since_ms) : ""},
-                                      {"environments", e.environments},
-                                      {"attached", e.attached},
-                                      {"connections", e.connections},
-                                      {"requests_total", e.requests_total},
-                                      {"blocked_total", e.blocked_total}};
+      health["egress"] =
+          json::object{{"state", e.state},
+                       {"detail", e.detail},
+                       {"pid", e.pid},
+                       {"restarts", e.restarts},
+                       {"since", e.since_ms > 0 ? FormatRfc3339(e.since_ms) : ""},
+                       {"environments", e.environments},
+                       {"attached", e.attached},
+                       {"connections", e.connections},
+                       {"requests_total", e.requests_total},
+                       {"blocked_total", e.blocked_total},
+                       {"refused", json::object{{"connections", e.refused_connections},
+                                                {"body_budget", e.refused_body_budget},
+                                                {"dlp_busy", e.refused_dlp_busy},
+                                                {"resolve_busy", e.refused_resolve_busy}}},
+                       {"audit_dropped", e.audit_dropped}};
     }
     return JsonResponse(200, std::move(health));
   });

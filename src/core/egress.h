@@ -48,6 +48,12 @@ struct EgressHealth {
   int64_t connections = 0;   // the proxy's last Health report
   int64_t requests_total = 0;
   int64_t blocked_total = 0;
+  // Fair-share refusals and audit drops the proxy reported (governance/control.h Health).
+  int64_t refused_connections = 0;
+  int64_t refused_body_budget = 0;
+  int64_t refused_dlp_busy = 0;
+  int64_t refused_resolve_busy = 0;
+  int64_t audit_dropped = 0;
 };
 
 class EgressControl {

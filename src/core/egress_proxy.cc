@@ -299,6 +299,11 @@ void ProxyEgressControl::SupervisorLoop() {
         health_.connections = h.connections;
         health_.requests_total = h.requests_total;
         health_.blocked_total = h.blocked_total;
+        health_.refused_connections = h.refused_connections;
+        health_.refused_body_budget = h.refused_body_budget;
+        health_.refused_dlp_busy = h.refused_dlp_busy;
+        health_.refused_resolve_busy = h.refused_resolve_busy;
+        health_.audit_dropped = h.audit_dropped;
         cv_.notify_all();
       };
       callbacks.on_result = [this, gen](const control::Result& r) {

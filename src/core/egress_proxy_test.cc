@@ -89,6 +89,24 @@ bool WaitFor(const std::function<bool()>& done, int64_t timeout_ms = 10000) {
   return true;
 }
 
+// The proxy's outbox reports the audit events it had to drop as one event per environment
+// (governance/proxy/outbox.h): it becomes an ordinary error row, so the gap is in the log.
+TEST(ToAuditRowTest, AnAuditDroppedEventBecomesAnErrorRowWithTheCount) {
+  control::AuditEvent e;
+  e.time_ms = 1'700'000'000'000;
+  e.env_id = "e1";
+  e.tenant = "t1";
+  e.decision = "error";
+  e.rule_ids = {"audit:dropped"};
+  e.reason = "audit events dropped: 42 of this environment (...)";
+  EgressAuditRow row = ToAuditRow(e, "t1");
+  EXPECT_EQ(row.tenant, "t1");
+  EXPECT_EQ(row.environment_id, "e1");
+  EXPECT_EQ(row.decision, EgressDecision::kError);
+  EXPECT_EQ(row.rule_ids, std::vector<std::string>{"audit:dropped"});
+  EXPECT_EQ(row.reason, e.reason);
+}
+
 TEST(ToAuditRowTest, TakesEsbdsTenantAndSplitsHeadersAndAddsFindingRules) {
   control::AuditEvent e;
   e.env_id = "e1";
@@ -204,6 +222,10 @@ TEST_F(ProxyEgressControlRootTest, RunsUnprivilegedServesAttachedListenersAndAud
   EXPECT_EQ(h.state, "up");
   EXPECT_EQ(h.environments, 1);
   EXPECT_EQ(h.attached, 1);
+  // The proxy's fair-share refusal and audit-drop counters reach /healthz.
+  EXPECT_EQ(h.refused_body_budget, 3);
+  EXPECT_EQ(h.refused_resolve_busy, 5);
+  EXPECT_EQ(h.audit_dropped, 7);
   ASSERT_GT(h.pid, 0);
   std::string status;
   ASSERT_TRUE(ReadFileToString(absl::StrCat("/proc/", h.pid, "/status"), &status).ok());

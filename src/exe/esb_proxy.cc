@@ -10,7 +10,6 @@
 
 #include <condition_variable>
 #include <cstdio>
-#include <deque>
 #include <iostream>
 #include <memory>
 #include <mutex>
@@ -22,6 +21,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/util.h"
 #include "governance/control.h"
+#include "governance/proxy/outbox.h"
 #include "governance/proxy/proxy.h"
 #include "governance/proxy/resolver.h"
 
@@ -33,61 +33,6 @@ using namespace esb::governance;
 constexpr char kUsage[] =
     "usage: esb-proxy --control-fd N [--egress-resolve NAME=HOST:PORT]...\n"
     "                 [--egress-upstream-ca FILE] [--threads N] [--log-level LEVEL]\n";
-
-// Audit events leave through one writer thread with a bounded queue, so I/O threads never block
-// on the control socket. Overflow drops the oldest event (counted and logged).
-class Outbox {
- public:
-  explicit Outbox(control::ControlChannel* channel) : channel_(channel) {
-    thread_ = std::thread([this] { Run(); });
-  }
-  ~Outbox() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      done_ = true;
-    }
-    cv_.notify_all();
-    thread_.join();
-  }
-  void Push(control::ToEsbd m) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (queue_.size() >= kMaxQueued) {
-        queue_.pop_front();
-        ++dropped_;
-      }
-      queue_.push_back(std::move(m));
-    }
-    cv_.notify_one();
-  }
-
- private:
-  static constexpr size_t kMaxQueued = 10000;
-  void Run() {
-    std::unique_lock<std::mutex> lock(mu_);
-    for (;;) {
-      cv_.wait(lock, [&] { return done_ || !queue_.empty(); });
-      if (queue_.empty()) return;
-      control::ToEsbd m = std::move(queue_.front());
-      queue_.pop_front();
-      uint64_t dropped = dropped_;
-      dropped_ = 0;
-      lock.unlock();
-      if (dropped > 0) LogWarn(absl::StrCat("esb-proxy: dropped ", dropped, " audit events"));
-      if (absl::Status s = channel_->Send(m); !s.ok()) {
-        LogWarn(absl::StrCat("esb-proxy: ", s.message()));
-      }
-      lock.lock();
-    }
-  }
-  control::ControlChannel* channel_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<control::ToEsbd> queue_;
-  uint64_t dropped_ = 0;
-  bool done_ = false;
-  std::thread thread_;
-};
 
 int Run(int argc, char** argv) {
   int control_fd = -1;
@@ -143,7 +88,7 @@ int Run(int argc, char** argv) {
   signal(SIGPIPE, SIG_IGN);
 
   control::ControlChannel channel{UniqueFd(control_fd)};
-  Outbox outbox(&channel);
+  proxy::Outbox outbox(&channel, proxy::Outbox::Options{});
   auto resolver = std::make_shared<proxy::SystemResolver>(resolver_options);
   absl::StatusOr<std::unique_ptr<proxy::Proxy>> created = proxy::Proxy::Create(
       options, resolver, [&outbox](control::AuditEvent e) { outbox.Push(std::move(e)); });
@@ -160,7 +105,9 @@ int Run(int argc, char** argv) {
   std::thread health([&] {
     std::unique_lock<std::mutex> lock(health_mu);
     do {
-      outbox.Push(px.Health());
+      control::Health h = px.Health();
+      h.audit_dropped = outbox.dropped_total();
+      outbox.Push(h);
     } while (!health_cv.wait_for(lock, std::chrono::milliseconds(control::kHealthIntervalMs),
                                  [&] { return closing; }));
   });
@@ -186,7 +133,9 @@ int Run(int argc, char** argv) {
     } else if (auto* d = std::get_if<control::Detach>(&*m)) {
       s = px.Detach(d->env_id);
     } else {
-      outbox.Push(px.Health());
+      control::Health h = px.Health();
+      h.audit_dropped = outbox.dropped_total();
+      outbox.Push(h);
       continue;
     }
     outbox.Push(control::Result{seq, s.ok(), std::string(s.message())});

@@ -226,7 +226,13 @@ json::object ToJson(const Health& h) {
                       {"environments", h.environments},
                       {"connections", h.connections},
                       {"requests_total", h.requests_total},
-                      {"blocked_total", h.blocked_total}};
+                      {"blocked_total", h.blocked_total},
+                      {"refused_connections", h.refused_connections},
+                      {"refused_body_budget", h.refused_body_budget},
+                      {"refused_dlp_busy", h.refused_dlp_busy},
+                      {"refused_resolve_busy", h.refused_resolve_busy},
+                      {"body_buffered_bytes", h.body_buffered_bytes},
+                      {"audit_dropped", h.audit_dropped}};
 }
 
 absl::StatusOr<Health> ParseHealth(const json::value& value) {
@@ -238,6 +244,12 @@ absl::StatusOr<Health> ParseHealth(const json::value& value) {
   h.connections = r.Int("connections");
   h.requests_total = r.Int("requests_total");
   h.blocked_total = r.Int("blocked_total");
+  h.refused_connections = r.Int("refused_connections");
+  h.refused_body_budget = r.Int("refused_body_budget");
+  h.refused_dlp_busy = r.Int("refused_dlp_busy");
+  h.refused_resolve_busy = r.Int("refused_resolve_busy");
+  h.body_buffered_bytes = r.Int("body_buffered_bytes");
+  h.audit_dropped = r.Int("audit_dropped");
   if (!r.ok()) return r.status();
   return h;
 }

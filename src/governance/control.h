@@ -136,6 +136,17 @@ struct Health {
   int64_t connections = 0;     // open client connections, all environments
   int64_t requests_total = 0;  // audited events since start
   int64_t blocked_total = 0;
+  // Fair-share refusals since start (proxy.h ProxyOptions): a connection over a cap (env,
+  // tenant, total), a body over the buffered-body budget, a DLP scan over the tenant's queue,
+  // a name over the env's or tenant's resolution share.
+  int64_t refused_connections = 0;
+  int64_t refused_body_budget = 0;
+  int64_t refused_dlp_busy = 0;
+  int64_t refused_resolve_busy = 0;
+  int64_t body_buffered_bytes = 0;  // request bodies buffered now, all tenants
+  // Audit events the proxy's outbox dropped since start (a tenant over its queue share); each
+  // drop is also reported to esbd as an "audit:dropped" event of the environment concerned.
+  int64_t audit_dropped = 0;
 };
 
 using ToProxy = std::variant<Attach, Update, Detach, Ping>;

@@ -125,6 +125,12 @@ class EgressNetTest : public ::testing::Test {
 
 TEST_F(EgressNetTest, AllowedHostThroughTheProxyAndNothingElse) {
   ASSERT_EQ(Egress().at("state").as_string(), "up") << json::serialize(Egress());
+  // The real proxy's fair-share refusal and audit-drop counters reach /healthz (none yet).
+  ASSERT_TRUE(Egress().contains("refused")) << json::serialize(Egress());
+  for (const char* k : {"connections", "body_budget", "dlp_busy", "resolve_busy"}) {
+    EXPECT_EQ(Egress().at("refused").as_object().at(k).as_int64(), 0) << k;
+  }
+  EXPECT_EQ(Egress().at("audit_dropped").as_int64(), 0);
   const std::string env = Governed();
   ASSERT_FALSE(env.empty());
   HttpResult ok = CurlUpstream(env);

@@ -91,6 +91,10 @@ int main(int argc, char** argv) {
       h.pid = ::getpid();
       h.uptime_ms = MonotonicMs() - start;
       h.environments = static_cast<int64_t>(listeners.size());
+      // Fixed fair-share counters: esbd's test checks they reach EgressHealth (/healthz).
+      h.refused_body_budget = 3;
+      h.refused_resolve_busy = 5;
+      h.audit_dropped = 7;
       channel.Send(control::ToEsbd{h}).IgnoreError();
       for (int i = 0; i < 10 && !done; ++i)
         std::this_thread::sleep_for(std::chrono::milliseconds(50));

@@ -36,6 +36,7 @@
 #include "governance/dlp/dlp.h"
 #include "governance/policy.h"
 #include "governance/proxy/host_scan.h"
+#include "governance/proxy/quota.h"
 #include "governance/proxy/request.h"
 #include "governance/tls/ca.h"
 #include "governance/tls/context.h"
@@ -159,6 +160,7 @@ struct Conn {
   tcp::socket* client = nullptr;
   tcp::socket* upstream = nullptr;
   bool closed = false;  // strand only
+  Quota::Reservation tenant_slot;  // its place under max_connections_per_tenant
 
   void CloseOnStrand() {
     closed = true;
@@ -169,10 +171,26 @@ struct Conn {
 };
 
 struct Proxy::Impl : std::enable_shared_from_this<Proxy::Impl> {
+  explicit Impl(ProxyOptions o)
+      : opts(std::move(o)),
+        body_budget(opts.body_budget_bytes, opts.body_budget_per_tenant_bytes),
+        tenant_connections(static_cast<int64_t>(opts.max_connections_total),
+                           static_cast<int64_t>(opts.max_connections_per_tenant)),
+        env_resolutions(INT64_MAX, static_cast<int64_t>(opts.max_resolutions_per_env)),
+        tenant_resolutions(INT64_MAX, static_cast<int64_t>(opts.max_resolutions_per_tenant)) {}
+
   ProxyOptions opts;
   std::shared_ptr<Resolver> resolver;
   AuditSink audit;
+  // Fair shares (declared before ioc: reservations held by connection frames are given back
+  // when ioc destroys them).
+  Quota body_budget;         // bytes of buffered request bodies, per tenant
+  Quota tenant_connections;  // client connections, per tenant
+  Quota env_resolutions;     // names being resolved, per environment
+  Quota tenant_resolutions;  // names being resolved, per tenant
   asio::io_context ioc;
+  // DLP body scans (declared after ioc: stopped and joined first, its jobs reference frames).
+  std::optional<FairPool> dlp_pool;
   std::optional<asio::executor_work_guard<asio::io_context::executor_type>> work;
   std::vector<std::thread> threads;
   std::shared_ptr<tls::UpstreamContext> upstream_tls;
@@ -193,6 +211,11 @@ struct Proxy::Impl : std::enable_shared_from_this<Proxy::Impl> {
   std::atomic<int64_t> connections{0};
   std::atomic<int64_t> requests_total{0};
   std::atomic<int64_t> blocked_total{0};
+  // Refusals for fairness limits (Health, /healthz).
+  std::atomic<int64_t> refused_connections{0};  // a connection cap (env, tenant, total)
+  std::atomic<int64_t> refused_body_budget{0};
+  std::atomic<int64_t> refused_dlp_busy{0};
+  std::atomic<int64_t> refused_resolve_busy{0};
   int64_t started_mono = MonotonicMs();
   std::atomic<bool> stopped{false};
 
@@ -202,6 +225,28 @@ struct Proxy::Impl : std::enable_shared_from_this<Proxy::Impl> {
     requests_total.fetch_add(1);
     if (e.decision == "blocked") blocked_total.fetch_add(1);
     if (audit) audit(std::move(e));
+  }
+
+  // Hashes a buffered body into *sha256 and, when `scanner` is set, scans it into *result:
+  // inline when small, else on dlp_pool under the tenant's share. False: the tenant's queue is
+  // full (nothing was done).
+  awaitable<bool> ScanBody(std::string tenant, dlp::BodyScanner* scanner, const std::string& body,
+                           dlp::Result* result, std::string* sha256) {
+    auto work = [scanner, &body, result, sha256] {
+      *sha256 = Sha256Hex(body);
+      if (scanner != nullptr) {
+        scanner->Feed(body);
+        *result = scanner->Finish();
+      }
+    };
+    if (body.size() <= opts.dlp_inline_bytes || !dlp_pool) {
+      work();
+      co_return true;
+    }
+    std::function<void()> job = work;
+    bool ran = co_await RunInPool(*dlp_pool, std::move(tenant), std::move(job));
+    if (!ran) refused_dlp_busy.fetch_add(1);
+    co_return ran;
   }
 
   awaitable<void> AcceptLoop(std::shared_ptr<Env> env);
@@ -232,11 +277,12 @@ constexpr int64_t kDenyNameTtlMs = 60'000;
 constexpr size_t kMaxDenyNamesResolved = 16;  // per policy: the first exact deny names
 constexpr size_t kMaxDenyCache = 1024;        // names, across environments
 
-// The addresses `name` resolves to, for a deny rule (cached). Empty when it does not resolve,
-// or resolves through an --egress-resolve override (an operator's mapping, often a shared
-// local address: not evidence of the public name's addresses).
-awaitable<std::vector<asio::ip::address>> DeniedNameAddresses(Proxy::Impl& px,
-                                                              const std::string& name) {
+// The addresses `name` resolves to, for a deny rule (cached), looked up under the environment's
+// resolver share. Empty when it does not resolve, or resolves through an --egress-resolve
+// override (an operator's mapping, often a shared local address: not evidence of the public
+// name's addresses). An error (busy, timeout) is not cached: the caller fails closed.
+awaitable<absl::StatusOr<std::vector<asio::ip::address>>> DeniedNameAddresses(
+    Proxy::Impl& px, const ResolveScope& scope, const std::string& name) {
   const int64_t now = MonotonicMs();
   {
     std::lock_guard<std::mutex> lock(px.deny_mu);
@@ -246,7 +292,10 @@ awaitable<std::vector<asio::ip::address>> DeniedNameAddresses(Proxy::Impl& px,
   Proxy::Impl::DeniedName entry;
   entry.expires_mono = now + kDenyNameTtlMs;
   std::string host = name;
-  absl::StatusOr<Resolution> r = co_await px.resolver->Resolve(std::move(host), 0);
+  ResolveScope for_env = scope;  // named, not a temporary in the co_await (GCC 12)
+  absl::StatusOr<Resolution> r =
+      co_await px.resolver->ResolveFor(std::move(for_env), std::move(host), 0);
+  if (!r.ok() && !absl::IsNotFound(r.status())) co_return r.status();
   if (r.ok() && !r->overridden) {
     for (const tcp::endpoint& e : r->endpoints) entry.addresses.push_back(e.address());
   }
@@ -284,10 +333,11 @@ std::string CanonicalText(const asio::ip::address& a) {
 // covers: an IP or CIDR deny rule (any mode) covers its addresses however the destination was
 // named; in
 // mode open an exact-name deny rule covers the addresses the name resolves to. Returns the rule
-// ("deny:<text>") of the first address removed, "" if none.
-awaitable<std::string> RemoveDeniedAddresses(Proxy::Impl& px, const EgressPolicy& policy,
-                                             uint16_t port, bool explicit_allow,
-                                             std::vector<tcp::endpoint>* endpoints) {
+// ("deny:<text>") of the first address removed, "" if none; an error when a deny name could
+// not be resolved (the caller refuses: a busy resolver must not open what a rule denies).
+awaitable<absl::StatusOr<std::string>> RemoveDeniedAddresses(
+    Proxy::Impl& px, const ResolveScope& scope, const EgressPolicy& policy, uint16_t port,
+    bool explicit_allow, std::vector<tcp::endpoint>* endpoints) {
   std::string rule;
   auto remove = [&](const HostRule& r, auto&& covers) {
     std::erase_if(*endpoints, [&](const tcp::endpoint& e) {
@@ -307,7 +357,10 @@ awaitable<std::string> RemoveDeniedAddresses(Proxy::Impl& px, const EgressPolicy
       if (r.kind != HostRule::Kind::kExact) continue;
       ++resolved;
       if (r.port && *r.port != port) continue;
-      std::vector<asio::ip::address> denied = co_await DeniedNameAddresses(px, r.host);
+      absl::StatusOr<std::vector<asio::ip::address>> denied_or =
+          co_await DeniedNameAddresses(px, scope, r.host);
+      if (!denied_or.ok()) co_return denied_or.status();
+      const std::vector<asio::ip::address>& denied = *denied_or;
       remove(r, [&](const asio::ip::address& a) {
         return std::any_of(denied.begin(), denied.end(),
                            [&](const asio::ip::address& d) { return SameAddress(a, d); });
@@ -340,11 +393,35 @@ awaitable<ConnectOutcome> ConnectUpstream(Proxy::Impl& px, Conn& conn, const Req
     explicit_allow =
         absl::StartsWith(decision.rule, "allow:") || absl::StartsWith(decision.rule, "intent:");
   } else {
+    // One environment (and one tenant) may have only so many names in resolution at once: a
+    // sandbox resolving thousands of slow names is answered "busy" at once instead of queueing
+    // in front of everyone else's lookups.
+    ResolveScope scope{conn.env->Config()->tenant, conn.env->id};
+    Quota::Reservation env_slot = px.env_resolutions.Open(scope.env_id);
+    Quota::Reservation tenant_slot = px.tenant_resolutions.Open(scope.tenant);
+    if (!env_slot.GrowTo(1) || !tenant_slot.GrowTo(1)) {
+      px.refused_resolve_busy.fetch_add(1);
+      out.refusal = {
+          503, "resolve:busy",
+          absl::StrCat("too many names being resolved at once for this ",
+                       env_slot.bytes() == 0 ? "environment" : "tenant", "; retry shortly")};
+      co_return out;
+    }
     std::string host = t.host;
-    absl::StatusOr<Resolution> r = co_await px.resolver->Resolve(std::move(host), t.port);
+    absl::StatusOr<Resolution> r =
+        co_await px.resolver->ResolveFor(std::move(scope), std::move(host), t.port);
+    env_slot.Release();  // resolved: the connect that follows is not a resolution
+    tenant_slot.Release();
     if (!r.ok()) {
       bool timeout = absl::IsDeadlineExceeded(r.status());
-      out.refusal = {timeout ? 504 : 502, timeout ? "resolve:timeout" : "resolve:failed",
+      bool busy = absl::IsUnavailable(r.status());
+      if (busy) px.refused_resolve_busy.fetch_add(1);
+      out.refusal = {timeout ? 504
+                     : busy  ? 503
+                             : 502,
+                     timeout ? "resolve:timeout"
+                     : busy  ? "resolve:busy"
+                             : "resolve:failed",
                      std::string(r.status().message())};
       co_return out;
     }
@@ -353,8 +430,18 @@ awaitable<ConnectOutcome> ConnectUpstream(Proxy::Impl& px, Conn& conn, const Req
   }
   {
     const std::string first = endpoints.empty() ? "" : endpoints.front().address().to_string();
-    std::string denied =
-        co_await RemoveDeniedAddresses(px, policy, t.port, explicit_allow, &endpoints);
+    ResolveScope scope{conn.env->Config()->tenant, conn.env->id};
+    absl::StatusOr<std::string> denied_or =
+        co_await RemoveDeniedAddresses(px, scope, policy, t.port, explicit_allow, &endpoints);
+    if (!denied_or.ok()) {
+      bool timeout = absl::IsDeadlineExceeded(denied_or.status());
+      if (!timeout) px.refused_resolve_busy.fetch_add(1);
+      out.refusal = {timeout ? 504 : 503, timeout ? "resolve:timeout" : "resolve:busy",
+                     absl::StrCat("cannot check the policy's deny rules for ", t.host, " now (",
+                                  denied_or.status().message(), "); retry shortly")};
+      co_return out;
+    }
+    const std::string& denied = *denied_or;
     if (endpoints.empty() && !denied.empty()) {
       out.refusal = {
           403, denied,
@@ -731,6 +818,30 @@ awaitable<void> RequestLoop(LoopContext& lc, Client& client, beast::flat_buffer&
       co_await refuse(r, false);
       co_return;
     }
+    // The body's bytes are reserved in the shared budget before any is read (Content-Length) or
+    // as they arrive (chunked); the reservation goes back when the body went upstream, or on
+    // whatever path ends this iteration (refusal, error, the client gone, a timeout, Detach).
+    // A body larger than a tenant's whole share can never fit: 413, not "retry".
+    Quota::Reservation body_reservation = px.body_budget.Open(cfg->tenant);
+    const int64_t share = std::min(px.body_budget.per_key(), px.body_budget.total());
+    auto over_budget = [&](int64_t want) {
+      px.refused_body_budget.fetch_add(1);
+      if (want > share) {
+        return Refusal{413, "limit:body_budget",
+                       absl::StrCat("request body larger than the egress proxy's buffer share of a "
+                                    "tenant (",
+                                    share, " bytes)")};
+      }
+      return Refusal{503, "limit:body_budget",
+                     "the egress proxy is buffering too many request bodies of this tenant or in "
+                     "total; retry shortly"};
+    };
+    if (parser->content_length() && *parser->content_length() > 0 &&
+        !body_reservation.GrowTo(static_cast<int64_t>(*parser->content_length()))) {
+      Refusal r = over_budget(static_cast<int64_t>(*parser->content_length()));
+      co_await refuse(r, false);
+      co_return;
+    }
     if (has_body &&
         absl::EqualsIgnoreCase(AbslView(SV(head[http::field::expect])), "100-continue")) {
       Lowest(client).expires_after(px.opts.idle_timeout);
@@ -742,8 +853,30 @@ awaitable<void> RequestLoop(LoopContext& lc, Client& client, beast::flat_buffer&
     // chunked bodies are checked as they arrive.
     body_parser.body_limit(static_cast<uint64_t>(cap));
     if (!body_parser.is_done()) {
-      Lowest(client).expires_after(px.opts.body_timeout);
-      auto [ec, n] = co_await http::async_read(client, buffer, body_parser, kTuple);
+      Lowest(client).expires_after(px.opts.body_timeout);  // the whole body
+      boost::system::error_code ec;
+      int64_t budget_exceeded = 0;  // the size that did not fit
+      while (!body_parser.is_done()) {
+        auto [rec, n] = co_await http::async_read_some(client, buffer, body_parser, kTuple);
+        if (rec) {
+          ec = rec;
+          break;
+        }
+        // A chunked body grows its reservation ahead of itself, kBodyBudgetStep at a time.
+        constexpr int64_t kBodyBudgetStep = 64 << 10;
+        const auto have = static_cast<int64_t>(body_parser.get().body().size());
+        if (have > body_reservation.bytes() &&
+            !body_reservation.GrowTo(std::max(have, std::min(cap, have + kBodyBudgetStep))) &&
+            !body_reservation.GrowTo(have)) {
+          budget_exceeded = have;
+          break;
+        }
+      }
+      if (budget_exceeded > 0) {
+        Refusal r = over_budget(budget_exceeded);
+        co_await refuse(r, false);
+        co_return;
+      }
       if (ec == http::error::body_limit) {
         Refusal r{413, "body:too_large",
                   absl::StrCat("request body larger than the policy's max_body_bytes (", cap, ")")};
@@ -777,16 +910,32 @@ awaitable<void> RequestLoop(LoopContext& lc, Client& client, beast::flat_buffer&
       co_return;
     }
     std::string& body = req.body();
-    if (!body.empty()) audit.e.request_body_sha256 = Sha256Hex(body);
-    std::string audit_body;
+    // The per-byte work on the body — its audit hash and the DLP scan — is one job, run on the
+    // DLP pool when the body is large (ScanBody): a tenant's big bodies never stall the I/O
+    // threads every tenant's connections share.
+    dlp::BodyInfo info;
+    std::unique_ptr<dlp::BodyScanner> scanner;
     if (cfg->dlp && !body.empty()) {
-      dlp::BodyInfo info;
       info.where = dlp::Where::kBody;
       info.content_type = std::string(SV(req[http::field::content_type]));
       info.content_encoding = std::string(SV(req[http::field::content_encoding]));
-      std::unique_ptr<dlp::BodyScanner> scanner = cfg->dlp->NewBodyScanner(info);
-      scanner->Feed(body);
-      dlp::Result r = scanner->Finish();
+      scanner = cfg->dlp->NewBodyScanner(info);
+    }
+    dlp::Result r;
+    if (!body.empty()) {
+      std::string work_key = cfg->tenant;  // named, not a temporary in the co_await (GCC 12)
+      bool done = co_await px.ScanBody(std::move(work_key), scanner.get(), body, &r,
+                                       &audit.e.request_body_sha256);
+      if (!done) {
+        Refusal busy{503, "limit:dlp_busy",
+                     "the egress proxy's DLP scanner is busy with this tenant's requests; retry "
+                     "shortly"};
+        co_await refuse(busy, false);
+        co_return;
+      }
+    }
+    std::string audit_body;
+    if (scanner) {
       AddFindings(audit.e, r);
       if (r.decision == dlp::Action::kRedact && r.redacted) {
         body = *r.redacted;
@@ -866,6 +1015,10 @@ awaitable<void> RequestLoop(LoopContext& lc, Client& client, beast::flat_buffer&
       co_return;
     }
     audit.e.bytes_up = static_cast<int64_t>(body.size());
+    // The body went upstream: its memory and its share of the budget go back now, not after the
+    // response.
+    std::string().swap(body);
+    body_reservation.Release();
 
     // The response: head (skipping 1xx), then the body streamed through.
     std::optional<http::response_parser<http::buffer_body>> rp;
@@ -1167,12 +1320,15 @@ awaitable<void> Proxy::Impl::AcceptLoop(std::shared_ptr<Env> env) {
     }
     auto conn = std::make_shared<Conn>(strand);
     conn->env = env;
+    conn->tenant_slot = tenant_connections.Open(env->Config()->tenant);
     {
       std::lock_guard<std::mutex> lock(env->mu);
       if (env->conns.size() >= opts.max_connections_per_env ||
-          connections.load() >= static_cast<int64_t>(opts.max_connections_total)) {
+          connections.load() >= static_cast<int64_t>(opts.max_connections_total) ||
+          !conn->tenant_slot.GrowTo(1)) {
+        refused_connections.fetch_add(1);
         boost::system::error_code ignored;
-        socket.close(ignored);  // over the cap: refused at once (the client sees a reset)
+        socket.close(ignored);  // over a cap: refused at once (the client sees a reset)
         continue;
       }
       env->conns.insert(conn);
@@ -1192,6 +1348,7 @@ awaitable<void> Proxy::Impl::AcceptLoop(std::shared_ptr<Env> env) {
             std::lock_guard<std::mutex> lock(env->mu);
             env->conns.erase(conn);
           }
+          conn->tenant_slot.Release();
           self->connections.fetch_sub(1);
         });
   }
@@ -1222,8 +1379,7 @@ Proxy::~Proxy() { Stop(); }
 absl::StatusOr<std::unique_ptr<Proxy>> Proxy::Create(ProxyOptions options,
                                                      std::shared_ptr<Resolver> resolver,
                                                      AuditSink audit) {
-  auto impl = std::make_shared<Impl>();
-  impl->opts = std::move(options);
+  auto impl = std::make_shared<Impl>(std::move(options));
   impl->resolver = std::move(resolver);
   impl->audit = std::move(audit);
   absl::StatusOr<std::shared_ptr<tls::UpstreamContext>> up =
@@ -1236,6 +1392,9 @@ absl::StatusOr<std::unique_ptr<Proxy>> Proxy::Create(ProxyOptions options,
     return absl::InternalError(
         absl::StrCat("esb-proxy: cannot read the host's own addresses: ", st.message()));
   }
+  impl->dlp_pool.emplace(FairPool::Options{impl->opts.dlp_threads,
+                                           impl->opts.dlp_max_running_per_tenant,
+                                           impl->opts.dlp_max_queued_per_tenant});
   impl->work.emplace(impl->ioc.get_executor());
   for (int i = 0; i < std::max(1, impl->opts.threads); ++i) {
     impl->threads.emplace_back([impl = impl.get()] { impl->ioc.run(); });
@@ -1256,6 +1415,8 @@ void Proxy::Stop() {
   for (std::thread& t : impl_->threads) {
     if (t.joinable()) t.join();
   }
+  // After the I/O threads: a scan that finishes now posts to a stopped io_context (dropped).
+  if (impl_->dlp_pool) impl_->dlp_pool->Shutdown();
 }
 
 absl::Status Proxy::Attach(control::Attach attach) {
@@ -1357,6 +1518,11 @@ control::Health Proxy::Health() const {
   h.connections = impl_->connections.load();
   h.requests_total = impl_->requests_total.load();
   h.blocked_total = impl_->blocked_total.load();
+  h.refused_connections = impl_->refused_connections.load();
+  h.refused_body_budget = impl_->refused_body_budget.load();
+  h.refused_dlp_busy = impl_->refused_dlp_busy.load();
+  h.refused_resolve_busy = impl_->refused_resolve_busy.load();
+  h.body_buffered_bytes = impl_->body_budget.used();
   return h;
 }
 

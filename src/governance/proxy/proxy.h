@@ -36,7 +36,26 @@ namespace esb::governance::proxy {
 struct ProxyOptions {
   int threads = 2;
   size_t max_connections_per_env = 256;
+  size_t max_connections_per_tenant = 1024;  // all environments of one tenant
   size_t max_connections_total = 8192;
+  // Fair shares between tenants (docs/design.md "Egress proxy", "Fair shares"). Request bodies
+  // are buffered whole (up to the policy's max_body_bytes) so that DLP decides before anything
+  // goes upstream; the bytes buffered at once are bounded in total and per tenant. A body that
+  // does not fit is refused at once: 503, Retry-After, rule "limit:body_budget".
+  int64_t body_budget_bytes = int64_t{256} << 20;
+  int64_t body_budget_per_tenant_bytes = int64_t{64} << 20;
+  // The per-byte work on a body larger than dlp_inline_bytes (the DLP scan, the audit hash)
+  // runs on a pool of its own (not the I/O threads), tenants served round-robin, at most
+  // dlp_max_running_per_tenant scans of one tenant at once and dlp_max_queued_per_tenant
+  // waiting (over it: 503 "limit:dlp_busy").
+  int dlp_threads = 2;
+  int dlp_max_running_per_tenant = 1;
+  size_t dlp_max_queued_per_tenant = 32;
+  size_t dlp_inline_bytes = 64 << 10;
+  // Names being resolved at once (over it: 503 "resolve:busy" at once; the resolver also
+  // bounds each tenant's share of its threads and its queue).
+  size_t max_resolutions_per_env = 8;
+  size_t max_resolutions_per_tenant = 32;
   std::chrono::milliseconds header_timeout{10000};  // the first request head of a connection
   std::chrono::milliseconds idle_timeout{60000};    // between requests; an idle tunnel
   std::chrono::milliseconds body_timeout{60000};    // a request body, in total

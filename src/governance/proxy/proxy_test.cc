@@ -11,6 +11,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <boost/asio/connect.hpp>
 #include <boost/asio/io_context.hpp>
@@ -25,6 +26,7 @@
 #include <condition_variable>
 #include <deque>
 #include <functional>
+#include <iostream>
 #include <map>
 #include <mutex>
 #include <sstream>
@@ -107,10 +109,12 @@ class Upstream {
   void Serve(tcp::socket& s) {
     beast::flat_buffer buf;
     for (;;) {
-      http::request<http::string_body> req;
+      http::request_parser<http::string_body> parser;
+      parser.body_limit(boost::none);  // the proxy enforces the policy's cap, not the upstream
       boost::system::error_code ec;
-      http::read(s, buf, req, ec);
+      http::read(s, buf, parser, ec);
       if (ec) return;
+      http::request<http::string_body> req = parser.release();
       Received r;
       r.method = std::string(req.method_string());
       r.target = std::string(req.target());
@@ -171,12 +175,23 @@ class FakeResolver : public Resolver {
     std::lock_guard<std::mutex> lock(mu_);
     ++lookups_;
     asked_.push_back(host);
+    if (auto f = fail_.find(host); f != fail_.end()) co_return f->second;
     auto it = map_.find(host);
     if (it == map_.end()) co_return absl::NotFoundError("cannot resolve '" + host + "'");
     Resolution r;
     r.endpoints.push_back(it->second.first);
     r.overridden = it->second.second;
     co_return r;
+  }
+
+  // Lookups of `name` fail with `status` (until Map or Heal).
+  void Fail(std::string name, absl::Status status) {
+    std::lock_guard<std::mutex> lock(mu_);
+    fail_[name] = std::move(status);
+  }
+  void Heal(const std::string& name) {
+    std::lock_guard<std::mutex> lock(mu_);
+    fail_.erase(name);
   }
 
   // How many lookups reached the resolver, and for which names.
@@ -192,6 +207,7 @@ class FakeResolver : public Resolver {
  private:
   std::mutex mu_;
   std::map<std::string, std::pair<tcp::endpoint, bool>> map_;
+  std::map<std::string, absl::Status> fail_;
   int lookups_ = 0;
   std::vector<std::string> asked_;
 };
@@ -763,6 +779,314 @@ TEST_F(ProxyTest, PerEnvironmentConnectionCap) {
   ASSERT_EQ(proxy_->Health().connections, 2);
   Client third(port_);
   EXPECT_TRUE(third.ClosedByPeer());
+}
+
+// ---- fair shares between tenants (ProxyOptions: body budget, DLP pool, resolutions, tenant
+// connection cap). Each test performs the abuse from tenant A and asserts tenant B is unaffected.
+
+class FairShareTest : public ProxyTest {
+ protected:
+  void Start(ProxyOptions o, std::shared_ptr<Resolver> resolver = nullptr) {
+    proxy_.reset();
+    o.use_system_roots = false;
+    o.header_timeout = std::chrono::milliseconds(5000);
+    o.idle_timeout = std::chrono::milliseconds(5000);
+    absl::StatusOr<std::unique_ptr<Proxy>> p = Proxy::Create(
+        o, resolver ? resolver : resolver_, [this](AuditEvent e) { audit_.Add(std::move(e)); });
+    ASSERT_TRUE(p.ok()) << p.status();
+    proxy_ = *std::move(p);
+  }
+  uint16_t AttachEnv(const std::string& env, const std::string& tenant,
+                     const std::string& policy_json) {
+    uint16_t port = 0;
+    UniqueFd listener = Listen(&port);
+    control::Attach a;
+    a.env_id = env;
+    a.tenant = tenant;
+    a.policy = Policy(policy_json);
+    a.listener_fd = listener.get();
+    EXPECT_TRUE(proxy_->Attach(std::move(a)).ok());
+    return port;
+  }
+  template <class F>
+  static bool WaitUntil(F done, int ms = 5000) {
+    for (int i = 0; i < ms / 5; ++i) {
+      if (done()) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    return done();
+  }
+  static int64_t MsSince(std::chrono::steady_clock::time_point t0) {
+    return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() -
+                                                                 t0)
+        .count();
+  }
+  static http::request<http::string_body> Post(const std::string& url, std::string body,
+                                               bool chunked = false) {
+    http::request<http::string_body> req{http::verb::post, url, 11};
+    req.set(http::field::host, "weather.test");
+    req.body() = std::move(body);
+    if (chunked) req.chunked(true);
+    return req;
+  }
+};
+
+TEST_F(FairShareTest, TenantHoldingItsBodyBudgetGets503AndAnotherTenantIsServed) {
+  Upstream up;
+  resolver_->Map("weather.test", up.port());
+  ProxyOptions o;
+  o.body_budget_bytes = 3 << 20;
+  o.body_budget_per_tenant_bytes = 1 << 20;
+  Start(o);
+  const std::string policy = R"({"allow":["weather.test"],"dlp":{"enabled":false}})";
+  uint16_t pa = AttachEnv("env-a", "ta", policy);
+  uint16_t pb = AttachEnv("env-b", "tb", policy);
+  // Attack: A announces two 512 KiB bodies, sends two bytes of each and stalls: the proxy holds
+  // A's whole share for them.
+  const std::string stall =
+      "POST http://weather.test/slow HTTP/1.1\r\nHost: weather.test\r\n"
+      "Content-Length: 524288\r\n\r\nxx";
+  Client h1(pa), h2(pa);
+  h1.WriteRaw(stall);
+  h2.WriteRaw(stall);
+  ASSERT_TRUE(WaitUntil([&] { return proxy_->Health().body_buffered_bytes == (1 << 20); }))
+      << proxy_->Health().body_buffered_bytes;
+  // A's next body is refused at once (503, Retry-After, the reason as JSON) ...
+  auto t0 = std::chrono::steady_clock::now();
+  Client a3(pa);
+  a3.WriteRaw(
+      "POST http://weather.test/more HTTP/1.1\r\nHost: weather.test\r\n"
+      "Content-Length: 1000\r\n\r\n");
+  auto res = a3.Read();
+  EXPECT_EQ(res.result_int(), 503);
+  EXPECT_EQ(std::string(res[http::field::retry_after]), "1");
+  EXPECT_EQ(Str(JsonBody(res), "rule"), "limit:body_budget");
+  EXPECT_LT(MsSince(t0), 1000);
+  // ... and so is a chunked one, as soon as its first chunk does not fit.
+  Client a4(pa);
+  a4.WriteRaw(
+      "POST http://weather.test/more HTTP/1.1\r\nHost: weather.test\r\n"
+      "Transfer-Encoding: chunked\r\n\r\n10\r\n0123456789abcdef\r\n");
+  res = a4.Read();
+  EXPECT_EQ(res.result_int(), 503);
+  EXPECT_EQ(Str(JsonBody(res), "rule"), "limit:body_budget");
+  // B is unaffected: its own share, Content-Length and chunked.
+  Client b(pb);
+  EXPECT_EQ(b.Send(Post("http://weather.test/b1", std::string(900 << 10, 'b'))).result_int(), 200);
+  EXPECT_EQ(b.Send(Post("http://weather.test/b2", std::string(900 << 10, 'c'), true)).result_int(),
+            200);
+  // A body larger than a tenant's whole share can never fit: 413, not "retry".
+  Client b3(pb);
+  b3.WriteRaw(
+      "POST http://weather.test/huge HTTP/1.1\r\nHost: weather.test\r\n"
+      "Content-Length: 2097152\r\n\r\n");
+  res = b3.Read();
+  EXPECT_EQ(res.result_int(), 413);
+  EXPECT_EQ(Str(JsonBody(res), "rule"), "limit:body_budget");
+  // A's stalled clients go away: their reservations are released (disconnect path), and A is
+  // served again.
+  h1.socket().close();
+  h2.socket().close();
+  ASSERT_TRUE(WaitUntil([&] { return proxy_->Health().body_buffered_bytes == 0; }))
+      << proxy_->Health().body_buffered_bytes;
+  Client a5(pa);
+  EXPECT_EQ(a5.Send(Post("http://weather.test/a5", std::string(900 << 10, 'a'))).result_int(), 200);
+  EXPECT_EQ(proxy_->Health().body_buffered_bytes, 0);  // released after the upstream write
+  EXPECT_EQ(proxy_->Health().refused_body_budget, 3);
+  int bodies_b = 0;
+  for (const Received& r : up.requests()) bodies_b += r.target == "/b1" || r.target == "/b2";
+  EXPECT_EQ(bodies_b, 2);
+  // The refusals are audited like any other.
+  int audited = 0;
+  for (const AuditEvent& e : audit_.WaitFor(8)) {
+    if (!e.rule_ids.empty() && e.rule_ids[0] == "limit:body_budget") {
+      ++audited;
+      EXPECT_EQ(e.decision, "error");
+    }
+  }
+  EXPECT_EQ(audited, 3);
+}
+
+// A reservation is given back on the paths where nobody closes anything: the body deadline
+// passes on a stalled body, and the environment is detached under a stalled body.
+TEST_F(FairShareTest, StalledBodyReservationIsReleasedAtTheBodyDeadlineAndOnDetach) {
+  Upstream up;
+  resolver_->Map("weather.test", up.port());
+  ProxyOptions o;
+  o.body_timeout = std::chrono::milliseconds(300);
+  Start(o);
+  const std::string policy = R"({"allow":["weather.test"],"dlp":{"enabled":false}})";
+  uint16_t pa = AttachEnv("env-a", "ta", policy);
+  const std::string stall =
+      "POST http://weather.test/slow HTTP/1.1\r\nHost: weather.test\r\n"
+      "Content-Length: 100000\r\n\r\nxx";
+  Client c1(pa);
+  c1.WriteRaw(stall);
+  ASSERT_TRUE(WaitUntil([&] { return proxy_->Health().body_buffered_bytes == 100000; }));
+  ASSERT_TRUE(WaitUntil([&] { return proxy_->Health().body_buffered_bytes == 0; }, 3000))
+      << "not released at the body deadline";
+  EXPECT_TRUE(c1.ClosedByPeer());
+  // Detach under a stalled body (a long deadline this time).
+  o.body_timeout = std::chrono::milliseconds(60000);
+  Start(o);
+  pa = AttachEnv("env-a", "ta", policy);
+  Client c2(pa);
+  c2.WriteRaw(stall);
+  ASSERT_TRUE(WaitUntil([&] { return proxy_->Health().body_buffered_bytes == 100000; }));
+  ASSERT_TRUE(proxy_->Detach("env-a").ok());
+  EXPECT_TRUE(WaitUntil([&] { return proxy_->Health().body_buffered_bytes == 0; }, 3000))
+      << "not released on detach";
+}
+
+TEST_F(FairShareTest, TenantFloodingDlpWithLargeBodiesDoesNotStallAnotherTenant) {
+  Upstream up;
+  resolver_->Map("weather.test", up.port());
+  ProxyOptions o;
+  o.threads = 1;  // one I/O thread: a scan run on it would stall every connection
+  o.dlp_threads = 2;
+  o.dlp_max_running_per_tenant = 1;
+  o.dlp_max_queued_per_tenant = 1;
+  Start(o);
+  const std::string policy = R"({"allow":["weather.test"]})";  // DLP on (default rules)
+  uint16_t pa = AttachEnv("env-a", "ta", policy);
+  uint16_t pb = AttachEnv("env-b", "tb", policy);
+  // Attack: A keeps 6 connections busy with 8 MiB bodies of digit-heavy text (the slow case for
+  // the PII number scan), each one a long DLP scan.
+  std::string big;
+  big.reserve(8 << 20);
+  for (int i = 0; big.size() < (8u << 20); ++i) {
+    big += "order " + std::to_string(1000003 * i) + " qty " + std::to_string(i % 97) + " ref ";
+  }
+  std::atomic<bool> stop{false};
+  std::atomic<int> a_ok{0}, a_busy{0}, a_other{0};
+  std::vector<std::thread> flood;
+  for (int t = 0; t < 6; ++t) {
+    flood.emplace_back([&] {
+      while (!stop) {
+        http::response<http::string_body> r;
+        try {
+          Client c(pa);
+          r = c.Send(Post("http://weather.test/big", big));
+        } catch (const std::exception& e) {
+          std::cout << "A's request failed: " << e.what() << "\n";
+          ++a_other;
+          continue;
+        }
+        if (r.result_int() == 200) {
+          ++a_ok;
+        } else if (r.result_int() == 503 && Str(JsonBody(r), "rule") == "limit:dlp_busy") {
+          ++a_busy;
+        } else {
+          std::cout << "A got " << r.result_int() << ": " << Str(JsonBody(r), "rule") << "\n";
+          ++a_other;
+        }
+      }
+    });
+  }
+  // A is flooding (its scans run; those over its queue share are refused with limit:dlp_busy,
+  // when enough of them overlap: FairPoolTest pins that bound deterministically).
+  ASSERT_TRUE(WaitUntil([&] { return a_ok >= 3; }, 20000))
+      << a_ok << " ok, " << a_busy << " busy, " << a_other << " other";
+  // B: small requests (scanned inline) on one kept-alive connection keep a bounded latency.
+  std::vector<int64_t> latencies;
+  Client b(pb);
+  for (int i = 0; i < 20; ++i) {
+    auto t0 = std::chrono::steady_clock::now();
+    auto r = b.Send(Post("http://weather.test/small", "{\"q\":\"weather in Paris\"}"));
+    latencies.push_back(MsSince(t0));
+    EXPECT_EQ(r.result_int(), 200);
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));  // sample the whole flood
+  }
+  stop = true;
+  for (std::thread& t : flood) t.join();
+  std::sort(latencies.begin(), latencies.end());
+  std::cout << "B latency ms: median " << latencies[latencies.size() / 2] << ", max "
+            << latencies.back() << "; A: " << a_ok << " ok, " << a_busy << " dlp_busy, " << a_other
+            << " other\n";
+  EXPECT_LT(latencies[latencies.size() / 2], 50);
+  EXPECT_LT(latencies.back(), 1000);
+  EXPECT_EQ(a_other.load(), 0);
+  EXPECT_GE(proxy_->Health().refused_dlp_busy, a_busy.load());
+}
+
+TEST_F(FairShareTest, EnvironmentResolvingManySlowNamesGetsBusyAndAnotherTenantStillResolves) {
+  Upstream up;
+  SystemResolver::Options ro;
+  ro.threads = 2;
+  ro.max_running_per_tenant = 1;
+  ro.max_queued_per_tenant = 2;
+  ro.timeout = std::chrono::milliseconds(3000);
+  const uint16_t up_port = up.port();
+  ro.lookup = [up_port](const std::string& host, uint16_t) -> absl::StatusOr<Resolution> {
+    if (host.rfind("slow", 0) == 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(700));
+      return absl::NotFoundError("cannot resolve '" + host + "'");
+    }
+    Resolution r;
+    r.endpoints.emplace_back(asio::ip::make_address("127.0.0.1"), up_port);
+    r.overridden = true;  // a local test upstream
+    return r;
+  };
+  auto resolver = std::make_shared<SystemResolver>(ro);
+  ProxyOptions o;
+  o.max_resolutions_per_env = 3;
+  o.max_resolutions_per_tenant = 5;
+  Start(o, resolver);
+  uint16_t pa1 = AttachEnv("env-a1", "ta", R"({"mode":"open"})");
+  uint16_t pa2 = AttachEnv("env-a2", "ta", R"({"mode":"open"})");
+  uint16_t pb = AttachEnv("env-b", "tb", R"({"mode":"open"})");
+  // Attack: env-a1 resolves 8 slow names at once, env-a2 (same tenant) 4 more.
+  std::mutex mu;
+  std::vector<std::pair<std::string, int64_t>> busy;  // (env, ms) of each resolve:busy
+  std::vector<std::thread> attack;
+  auto slow = [&](uint16_t port, std::string env, int i) {
+    auto t0 = std::chrono::steady_clock::now();
+    Client c(port);
+    auto r = c.Get("http://slow" + std::to_string(i) + ".test/");
+    if (r.result_int() == 503 && Str(JsonBody(r), "rule") == "resolve:busy") {
+      std::lock_guard<std::mutex> lock(mu);
+      busy.emplace_back(env, MsSince(t0));
+    }
+  };
+  for (int i = 0; i < 8; ++i) attack.emplace_back(slow, pa1, "env-a1", i);
+  ASSERT_TRUE(WaitUntil([&] { return proxy_->Health().refused_resolve_busy >= 5; }));
+  for (int i = 0; i < 4; ++i) attack.emplace_back(slow, pa2, "env-a2", 100 + i);
+  ASSERT_TRUE(WaitUntil([&] { return proxy_->Health().refused_resolve_busy >= 7; }));
+  // B resolves at once: A holds at most one of the two resolver threads.
+  auto t0 = std::chrono::steady_clock::now();
+  Client b(pb);
+  EXPECT_EQ(b.Get("http://fast.test/").result_int(), 200);
+  int64_t b_ms = MsSince(t0);
+  for (std::thread& t : attack) t.join();
+  std::cout << "B resolved in " << b_ms << " ms while A's slow names were pending\n";
+  EXPECT_LT(b_ms, 500);
+  int a1 = 0, a2 = 0;
+  for (const auto& [env, ms] : busy) {
+    (env == "env-a1" ? a1 : a2)++;
+    EXPECT_LT(ms, 500) << env;  // refused quickly, not after waiting for a thread
+  }
+  EXPECT_EQ(a1, 5);  // over the environment's 3 in flight
+  EXPECT_GE(a2, 2);  // over the tenant's share (5 in flight at the proxy, 1+2 in the resolver)
+}
+
+TEST_F(FairShareTest, TenantConnectionCapSpansItsEnvironments) {
+  Upstream up;
+  resolver_->Map("weather.test", up.port());
+  ProxyOptions o;
+  o.max_connections_per_env = 4;
+  o.max_connections_per_tenant = 3;
+  Start(o);
+  uint16_t pa1 = AttachEnv("env-a1", "ta", R"({"mode":"open"})");
+  uint16_t pa2 = AttachEnv("env-a2", "ta", R"({"mode":"open"})");
+  uint16_t pb = AttachEnv("env-b", "tb", R"({"mode":"open"})");
+  // Attack: A opens connections from two environments, each under its per-env cap.
+  Client a1(pa1), a2(pa1), a3(pa2);
+  ASSERT_TRUE(WaitUntil([&] { return proxy_->Health().connections == 3; }));
+  Client a4(pa2);
+  EXPECT_TRUE(a4.ClosedByPeer());
+  EXPECT_EQ(proxy_->Health().refused_connections, 1);
+  Client b(pb);
+  EXPECT_EQ(b.Get("http://weather.test/").result_int(), 200);
 }
 
 TEST_F(ProxyTest, AttachRefusesAnFdThatIsNotAListener) {
@@ -1585,6 +1909,40 @@ TEST_F(ProxyTest, CidrDenyRuleCoversNamesResolvingIntoTheRange) {
   auto res6 = c6.Get("http://alias6.test/");
   EXPECT_EQ(res6.result_int(), 403);
   EXPECT_EQ(std::string(res6["X-Esb-Blocked"]), "deny:2a00:1450::/32");
+}
+
+// SECURITY: when a deny name cannot be resolved now (the resolver is busy or times out), mode
+// open fails closed — the request is refused "resolve:busy"/"resolve:timeout", not let through
+// to an address the rule may cover — and the failure is not cached: once the resolver answers,
+// the rule is enforced from its real addresses.
+TEST_F(ProxyTest, DenyNameThatCannotBeResolvedNowFailsClosedAndIsNotCached) {
+  Upstream up;
+  resolver_->Map("alias.test", up.port(), /*overridden=*/false);
+  resolver_->Map("evil.test", 80, /*overridden=*/false);  // the same address as alias.test
+  // (127.0.0.1, refused as private anyway: the status tells which check refused it)
+  resolver_->Fail("evil.test", absl::UnavailableError("too many lookups"));
+  Attach(R"({"mode":"open","deny":["evil.test"]})");
+  {
+    Client c(port_);
+    auto res = c.Get("http://alias.test/");
+    EXPECT_EQ(res.result_int(), 503);
+    EXPECT_EQ(std::string(res["X-Esb-Blocked"]), "resolve:busy");
+  }
+  resolver_->Fail("evil.test", absl::DeadlineExceededError("timed out"));
+  {
+    Client c(port_);
+    auto res = c.Get("http://alias.test/");
+    EXPECT_EQ(res.result_int(), 504);
+    EXPECT_EQ(std::string(res["X-Esb-Blocked"]), "resolve:timeout");
+  }
+  resolver_->Heal("evil.test");
+  {
+    Client c(port_);
+    auto res = c.Get("http://alias.test/");
+    EXPECT_EQ(res.result_int(), 403);
+    EXPECT_EQ(std::string(res["X-Esb-Blocked"]), "deny:evil.test");
+  }
+  EXPECT_EQ(up.connections(), 0);
 }
 
 // The deny names resolved per request are bounded (16): a policy with many deny names does not

@@ -111,6 +111,10 @@ void RemoveHopByHop(Fields& f) {
 
 void ConfigureRequestParser(http::request_parser<http::empty_body>& parser) {
   parser.header_limit(static_cast<std::uint32_t>(kMaxHeaderBytes));
+  // The body's limit is the policy's max_body_bytes, checked by the proxy once the head is read
+  // (Beast's default of 1 MiB for requests would refuse a larger Content-Length as a malformed
+  // head, whatever the policy allows).
+  parser.body_limit(boost::none);
   parser.eager(false);
 }
 
@@ -281,6 +285,8 @@ http::response<http::string_body> BlockResponse(int status, std::string_view rul
   res.set(http::field::content_type, "application/json");
   res.set(http::field::cache_control, "no-store");
   if (status == 403) res.set("X-Esb-Blocked", rule);
+  // 503 is a fair-share refusal (proxy.h ProxyOptions): the same request fits again shortly.
+  if (status == 503) res.set(http::field::retry_after, "1");
   res.body() = boost::json::serialize(body);
   res.keep_alive(keep_alive);
   res.prepare_payload();

@@ -66,7 +66,8 @@ void PrepareClientResponseHead(http::response_header<>& head);
 
 // The answer to a blocked request: 403 (or `status`), `X-Esb-Blocked: <rule>`, and the JSON body
 // {"error": "egress_blocked", "rule", "host", "reason", "hint"} (hint: retrying through another
-// route will not help). Non-block errors (400, 421, 502, ...) use error "egress_error".
+// route will not help). Non-block errors (400, 421, 502, ...) use error "egress_error"; a 503
+// (a fair-share limit: body budget, DLP or resolver busy) adds `Retry-After: 1`.
 http::response<http::string_body> BlockResponse(int status, std::string_view rule,
                                                 std::string_view host, std::string_view reason,
                                                 unsigned version, bool keep_alive);

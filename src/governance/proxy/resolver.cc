@@ -108,22 +108,21 @@ absl::StatusOr<ResolveOverride> ParseResolveOverride(std::string_view text) {
 
 SystemResolver::SystemResolver(Options options)
     : options_(std::move(options)),
-      pool_(static_cast<size_t>(std::max(1, options_.threads))),
-      in_flight_(std::make_shared<std::atomic<int>>(0)) {
+      in_flight_(std::make_shared<std::atomic<int>>(0)),
+      pool_(FairPool::Options{options_.threads, options_.max_running_per_tenant,
+                              options_.max_queued_per_tenant}) {
   for (const ResolveOverride& o : options_.overrides) overrides_[o.name] = o.endpoint;
 }
 
-SystemResolver::~SystemResolver() {
-  pool_.stop();
-  pool_.join();
-}
+SystemResolver::~SystemResolver() { pool_.Shutdown(); }
 
 namespace {
 
-struct Lookup {
-  explicit Lookup(asio::any_io_executor ex) : timer(ex) {}
+struct PendingLookup {
+  explicit PendingLookup(asio::any_io_executor ex) : timer(ex) {}
   asio::steady_timer timer;
   bool done = false;  // touched only on the caller's executor
+  std::atomic<bool> abandoned{false};  // the caller gave up (deadline): do not start it
   absl::StatusOr<Resolution> result = absl::UnknownError("unset");
 };
 
@@ -160,6 +159,13 @@ absl::StatusOr<Resolution> GetAddrInfo(const std::string& host, uint16_t port) {
 
 asio::awaitable<absl::StatusOr<Resolution>> SystemResolver::Resolve(std::string host,
                                                                     uint16_t port) {
+  ResolveScope scope;
+  co_return co_await ResolveFor(std::move(scope), std::move(host), port);
+}
+
+asio::awaitable<absl::StatusOr<Resolution>> SystemResolver::ResolveFor(ResolveScope scope,
+                                                                       std::string host,
+                                                                       uint16_t port) {
   if (auto it = overrides_.find(host); it != overrides_.end()) {
     Resolution r;
     r.endpoints.push_back(it->second);
@@ -174,12 +180,17 @@ asio::awaitable<absl::StatusOr<Resolution>> SystemResolver::Resolve(std::string 
     co_return absl::UnavailableError("resolver overloaded");
   }
   auto ex = co_await asio::this_coro::executor;
-  auto lookup = std::make_shared<Lookup>(ex);
+  auto lookup = std::make_shared<PendingLookup>(ex);
   lookup->timer.expires_after(options_.timeout);
   // getaddrinfo blocks and cannot be cancelled: it runs on the pool and posts its result back;
   // a lookup that outlives the deadline finishes in the background and is dropped.
-  asio::post(pool_, [lookup, host, port, in_flight = in_flight_] {
-    absl::StatusOr<Resolution> r = GetAddrInfo(host, port);
+  bool queued = pool_.Submit(scope.tenant, [lookup, host, port, in_flight = in_flight_,
+                                            fn = options_.lookup] {
+    if (lookup->abandoned.load()) {
+      in_flight->fetch_sub(1);
+      return;
+    }
+    absl::StatusOr<Resolution> r = fn ? fn(host, port) : GetAddrInfo(host, port);
     in_flight->fetch_sub(1);
     asio::post(lookup->timer.get_executor(), [lookup, r = std::move(r)]() mutable {
       lookup->result = std::move(r);
@@ -187,9 +198,15 @@ asio::awaitable<absl::StatusOr<Resolution>> SystemResolver::Resolve(std::string 
       lookup->timer.cancel();
     });
   });
+  if (!queued) {
+    in_flight_->fetch_sub(1);
+    co_return absl::UnavailableError(
+        "resolver busy: this tenant has too many names being resolved; retry shortly");
+  }
   boost::system::error_code ec;
   co_await lookup->timer.async_wait(asio::redirect_error(asio::use_awaitable, ec));
   if (!lookup->done) {
+    lookup->abandoned = true;
     co_return absl::DeadlineExceededError(absl::StrCat("resolving '", host, "' timed out"));
   }
   co_return std::move(lookup->result);

@@ -9,9 +9,9 @@
 #include <boost/asio/awaitable.hpp>
 #include <boost/asio/ip/address.hpp>
 #include <boost/asio/ip/tcp.hpp>
-#include <boost/asio/thread_pool.hpp>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "governance/proxy/quota.h"
 
 namespace esb::governance::proxy {
 
@@ -46,6 +47,12 @@ struct Resolution {
   bool overridden = false;
 };
 
+// Who a lookup is for: a resolver shares its threads fairly between tenants.
+struct ResolveScope {
+  std::string tenant;
+  std::string env_id;
+};
+
 // Injectable (tests map names to 127.0.0.1 upstreams).
 class Resolver {
  public:
@@ -53,29 +60,45 @@ class Resolver {
   // Resolves `host` (a normalised name; IP literals never reach the resolver) for `port`.
   // NotFound for unknown names, DeadlineExceeded, Unavailable when overloaded.
   virtual asio::awaitable<absl::StatusOr<Resolution>> Resolve(std::string host, uint16_t port) = 0;
+  // The same for one tenant's environment (the proxy calls this). Unavailable when the
+  // tenant's share is used up. Default: Resolve (no per-tenant share).
+  virtual asio::awaitable<absl::StatusOr<Resolution>> ResolveFor(ResolveScope scope,
+                                                                 std::string host, uint16_t port) {
+    co_return co_await Resolve(std::move(host), port);
+  }
 };
 
-// Overrides first, then the system's getaddrinfo on a small dedicated thread pool (blocking
-// calls never run on the proxy's I/O threads), with a deadline and a bound on lookups in flight.
+// Overrides first, then the system's getaddrinfo on a small dedicated FairPool (blocking calls
+// never run on the proxy's I/O threads), with a deadline and a bound on lookups in flight. The
+// pool serves tenants round-robin, runs at most max_running_per_tenant lookups of one tenant at
+// once (a tenant resolving slow names holds at most that many threads) and queues at most
+// max_queued_per_tenant more (over it: Unavailable at once). A lookup whose deadline passed
+// while it was queued is not started.
 class SystemResolver : public Resolver {
  public:
+  using Lookup = std::function<absl::StatusOr<Resolution>(const std::string& host, uint16_t port)>;
   struct Options {
     std::vector<ResolveOverride> overrides;
     bool use_system = true;  // false: only overrides (tests; NotFound otherwise)
-    int threads = 2;
-    int max_in_flight = 64;
+    int threads = 4;
+    int max_running_per_tenant = 2;
+    size_t max_queued_per_tenant = 16;
+    int max_in_flight = 64;  // queued or running, all tenants
     std::chrono::milliseconds timeout{5000};
+    Lookup lookup;  // tests: replaces getaddrinfo (unset: getaddrinfo)
   };
   explicit SystemResolver(Options options);
   ~SystemResolver() override;
 
   asio::awaitable<absl::StatusOr<Resolution>> Resolve(std::string host, uint16_t port) override;
+  asio::awaitable<absl::StatusOr<Resolution>> ResolveFor(ResolveScope scope, std::string host,
+                                                         uint16_t port) override;
 
  private:
   Options options_;
   std::map<std::string, asio::ip::tcp::endpoint, std::less<>> overrides_;
-  asio::thread_pool pool_;
   std::shared_ptr<std::atomic<int>> in_flight_;
+  FairPool pool_;  // last: joined first (its jobs use in_flight_)
 };
 
 }  // namespace esb::governance::proxy
