@@ -46,6 +46,8 @@ std::string_view CapabilityName(Capability capability) {
       return "terminal";
     case Capability::kVolumes:
       return "volumes";
+    case Capability::kSteps:
+      return "steps";
   }
   return "unknown";
 }
@@ -116,6 +118,35 @@ absl::Status Driver::DeleteSnapshot(const SnapshotRef&) {
 
 absl::StatusOr<InstanceRef> Driver::Fork(const InstanceRef&, const std::string&) {
   return MissingCapabilityError(name(), Capability::kFork);
+}
+
+absl::StatusOr<StepState> Driver::CaptureStep(const InstanceRef&, const CaptureOptions&,
+                                              BlobStore&) {
+  return MissingCapabilityError(name(), Capability::kSteps);
+}
+
+absl::StatusOr<InstanceRef> Driver::RestoreStep(const InstanceRef&, const StepState&, BlobStore&) {
+  return MissingCapabilityError(name(), Capability::kSteps);
+}
+
+absl::StatusOr<InstanceRef> Driver::ForkStep(const StepState& state, const EnvSpec& spec,
+                                             const std::string& new_id, BlobStore& blobs) {
+  if (!Capabilities().Has(Capability::kSteps))
+    return MissingCapabilityError(name(), Capability::kSteps);
+  absl::StatusOr<InstanceRef> created = Create(new_id, spec);
+  if (!created.ok()) return created.status();
+  absl::StatusOr<InstanceRef> restored = RestoreStep(*created, state, blobs);
+  if (!restored.ok()) (void)Destroy(*created);
+  return restored;
+}
+
+absl::StatusOr<SnapshotRef> Driver::CompactSnapshot(const SnapshotRef&) {
+  return absl::UnimplementedError(
+      absl::StrCat("the '", name(), "' runtime keeps memory snapshots only live"));
+}
+
+StepMemorySupport Driver::StepMemory() const {
+  return {.available = false, .mechanism = "", .reason = "this runtime has no memory snapshots"};
 }
 
 absl::Status Driver::Pause(const InstanceRef&) {

@@ -18,6 +18,7 @@
 #include "absl/strings/cord.h"
 #include "common/env_types.h"
 #include "common/util.h"
+#include "drivers/step_state.h"
 
 namespace esb {
 
@@ -203,12 +204,13 @@ enum class Capability {
   kEgress,         // a governed network (NetworkPolicy other than none)
   kTerminal,       // interactive PTY sessions
   kVolumes,        // persistent volumes (CreateVolume/DeleteVolume, EnvSpec::volumes)
+  kSteps,          // time travel: CaptureStep + RestoreStep (step_state.h)
 };
 inline constexpr Capability kAllCapabilities[] = {
     Capability::kExec,          Capability::kFiles,    Capability::kPythonSession,
     Capability::kPythonOneShot, Capability::kSnapshot, Capability::kFork,
     Capability::kPause,         Capability::kEgress,   Capability::kTerminal,
-    Capability::kVolumes};
+    Capability::kVolumes,       Capability::kSteps};
 std::string_view CapabilityName(Capability capability);  // "exec", "python_session", ...
 
 class CapabilitySet {
@@ -233,19 +235,6 @@ class CapabilitySet {
 // API) whose message names the driver and the capability; marked so callers can tell it.
 absl::Status MissingCapabilityError(std::string_view driver, Capability capability);
 bool IsMissingCapability(const absl::Status& status);
-
-// What a snapshot holds.
-enum class SnapshotContent { kMemory, kDisk, kMemoryAndDisk };
-std::string_view SnapshotContentName(SnapshotContent content);  // memory | disk | memory+disk
-
-// A snapshot as the driver made it: `state` is driver-private (like InstanceRef::state).
-struct SnapshotRef {
-  std::string id;
-  std::string driver;
-  SnapshotContent content = SnapshotContent::kMemoryAndDisk;
-  std::string source_id;  // the environment it was taken from
-  std::string state;
-};
 
 // Errors use absl canonical codes, which the API maps to HTTP with HttpStatusFor
 // (common/util.h; e.g. NotFound → 404, InvalidArgument → 400, Unavailable → 503).
@@ -327,6 +316,30 @@ class Driver {
   // instance mounts it; OK when it does not exist). Mounting is Create's (EnvSpec::volumes).
   virtual absl::Status CreateVolume(const std::string& key, int64_t size_mb);
   virtual absl::Status DeleteVolume(const std::string& key);
+  // kSteps (time travel, docs/design.md "Time travel"; types in step_state.h). The core calls
+  // these with the environment's operations quiesced (no other call on `ref` in flight).
+  // CaptureStep: the state of `ref` after a step — /workspace as a manifest whose new file
+  // contents go into `blobs`, the shell state, the Python variables' summary and, when
+  // options.memory and StepMemory().available, an honest memory snapshot.
+  virtual absl::StatusOr<StepState> CaptureStep(const InstanceRef& ref,
+                                                const CaptureOptions& options, BlobStore& blobs);
+  // Rewind in place: makes `ref` what `state` was (with state.memory: memory and disk come
+  // back; without: /workspace exactly as the manifest says, the shell state restored, the
+  // Python session restarted fresh). Returns the instance's ref afterwards: a driver whose
+  // restore replaces the instance (same id) returns the new ref and has destroyed the old one.
+  virtual absl::StatusOr<InstanceRef> RestoreStep(const InstanceRef& ref, const StepState& state,
+                                                  BlobStore& blobs);
+  // Fork of a step: a new, independent instance `new_id` (created with `spec`, the source's)
+  // at `state`; several forks of one state are independent. Default: Create + RestoreStep.
+  virtual absl::StatusOr<InstanceRef> ForkStep(const StepState& state, const EnvSpec& spec,
+                                               const std::string& new_id, BlobStore& blobs);
+  // Moves a live memory snapshot (SnapshotRef::live) to compact storage (e.g. page diffs on
+  // disk) and returns its new ref; the old one is released. Default: Unimplemented (the core
+  // then releases snapshots it cannot keep live, and the step's memory becomes "none").
+  virtual absl::StatusOr<SnapshotRef> CompactSnapshot(const SnapshotRef& snapshot);
+  // What memory capture this driver has on this host (and why not). Default: none.
+  virtual StepMemorySupport StepMemory() const;
+
   // kEgress: a new listening TCP socket on 127.0.0.1:3128 inside the network namespace of the
   // kGoverned environment `ref`, for the egress proxy (core/egress.h). Each call opens a fresh
   // one (the previous one may have died with a proxy); the caller owns the descriptor.
