@@ -8,7 +8,6 @@
 #include <string_view>
 
 #include "absl/status/statusor.h"
-#include "absl/strings/str_cat.h"
 #include "drivers/step_state.h"
 #include "storage/sqlite_store.h"
 
@@ -30,7 +29,7 @@ class MemoryBlobStore : public BlobStore {
   absl::StatusOr<std::string> Get(std::string_view sha256) override {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = blobs_.find(std::string(sha256));
-    if (it == blobs_.end()) return absl::NotFoundError(absl::StrCat("no blob ", sha256));
+    if (it == blobs_.end()) return absl::NotFoundError("no blob " + std::string(sha256));
     return it->second;
   }
   // How many Put calls (a capture that skips unchanged files puts only the changed ones).
