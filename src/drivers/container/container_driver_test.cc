@@ -1205,7 +1205,11 @@ TEST_F(ContainerDriverTest, UsernsRangeSurvivesRestartAndIsFreedOnDestroy) {
   ASSERT_TRUE((*fresh)->Attach(ref).ok()) << (*fresh)->Attach(ref);
   ASSERT_TRUE(ReadFileToString(entry, &text).ok());
   EXPECT_EQ(text, owner);
-  ASSERT_TRUE(WriteStringToFile(entry, "/elsewhere/envs/other", 0600).ok());
+  // Another environment's range. Its owner directory exists: the registry is host-wide, and a
+  // driver starting concurrently (another test) frees entries whose owner is gone.
+  const std::string other = options_.state_dir + "/other-esbd/envs/other";
+  ASSERT_TRUE(fs::create_directories(other));
+  ASSERT_TRUE(WriteStringToFile(entry, other, 0600).ok());
   absl::Status st = (*fresh)->Attach(ref);
   EXPECT_TRUE(absl::IsFailedPrecondition(st)) << st;
   ASSERT_TRUE(WriteStringToFile(entry, owner, 0600).ok());

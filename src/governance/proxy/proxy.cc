@@ -232,7 +232,8 @@ struct Proxy::Impl : std::enable_shared_from_this<Proxy::Impl> {
   // full (nothing was done).
   awaitable<bool> ScanBody(std::string tenant, dlp::BodyScanner* scanner, const std::string& body,
                            dlp::Result* result, std::string* sha256) {
-    auto work = [scanner, &body, result, sha256] {
+    auto work = [this, scanner, &body, result, sha256] {
+      if (opts.body_work_hook_for_test) opts.body_work_hook_for_test(body.size());
       *sha256 = Sha256Hex(body);
       if (scanner != nullptr) {
         scanner->Feed(body);

@@ -52,6 +52,9 @@ struct ProxyOptions {
   int dlp_max_running_per_tenant = 1;
   size_t dlp_max_queued_per_tenant = 32;
   size_t dlp_inline_bytes = 64 << 10;
+  // Tests: called with the body's size inside the per-byte work on a body, where that work runs
+  // (inline on an I/O thread or on the DLP pool), e.g. to make it slow. Unset in production.
+  std::function<void(size_t body_bytes)> body_work_hook_for_test;
   // Names being resolved at once (over it: 503 "resolve:busy" at once; the resolver also
   // bounds each tenant's share of its threads and its queue).
   size_t max_resolutions_per_env = 8;
