@@ -632,21 +632,6 @@ TEST(DlpCorpusTest, VectorscanAndRe2OnlyEnginesAgreeAndFindEveryPlant) {
   auto vs = Engine::Compile(config);
   auto re2_only = Engine::Compile(config, EngineOptions{.vectorscan = false});
   ASSERT_TRUE(vs.ok() && re2_only.ok());
-  static const char* kPlantRule[] = {"dlp:credit_card",
-                                     "dlp:aws_access_key",
-                                     "dlp:aws_secret_key",
-                                     "dlp:github_token",
-                                     "dlp:slack_token",
-                                     "dlp:slack_webhook",
-                                     "dlp:google_api_key",
-                                     "dlp:openai_api_key",
-                                     "dlp:anthropic_api_key",
-                                     "dlp:private_key",
-                                     "dlp:jwt",
-                                     "dlp:iban",
-                                     "dlp:us_ssn",
-                                     "dlp:email",
-                                     "dlp:phone"};
   size_t total = 0;
   for (int i = 0; i < 45; ++i) {
     std::string body = testing::MixedText(16 * 1024, 1000 + i, i);
@@ -654,7 +639,7 @@ TEST(DlpCorpusTest, VectorscanAndRe2OnlyEnginesAgreeAndFindEveryPlant) {
     const Result a = (*vs)->ScanText(body, Where::kBody);
     const Result b = (*re2_only)->ScanText(body, Where::kBody);
     EXPECT_EQ(Describe(a), Describe(b)) << "body " << i;
-    EXPECT_TRUE(Has(a, kPlantRule[i % 15])) << "body " << i << ": " << Describe(a);
+    EXPECT_TRUE(Has(a, testing::kPlantRules[i % 15])) << "body " << i << ": " << Describe(a);
     if (i % 9 == 0) {
       EXPECT_TRUE(Has(a, "dlp:secret:PLANTED")) << "body " << i;
     }
@@ -946,21 +931,6 @@ namespace {
 // The bench's second corpus (chat-style JSON with escapes: the JSON view is scanned too): both
 // engines agree and every planted sample is found, in the raw text or the JSON view.
 TEST(DlpCorpusTest, ChatJsonCorpusEnginesAgreeAndFindEveryPlant) {
-  static const char* kPlantRule[] = {"dlp:credit_card",
-                                     "dlp:aws_access_key",
-                                     "dlp:aws_secret_key",
-                                     "dlp:github_token",
-                                     "dlp:slack_token",
-                                     "dlp:slack_webhook",
-                                     "dlp:google_api_key",
-                                     "dlp:openai_api_key",
-                                     "dlp:anthropic_api_key",
-                                     "dlp:private_key",
-                                     "dlp:jwt",
-                                     "dlp:iban",
-                                     "dlp:us_ssn",
-                                     "dlp:email",
-                                     "dlp:phone"};
   auto re2_only = Engine::Compile(DlpConfig{}, EngineOptions{.vectorscan = false});
   ASSERT_TRUE(re2_only.ok());
   size_t total = 0;
@@ -969,7 +939,7 @@ TEST(DlpCorpusTest, ChatJsonCorpusEnginesAgreeAndFindEveryPlant) {
     const Result a = Default().ScanText(body, Where::kBody);
     const Result b = (*re2_only)->ScanText(body, Where::kBody);
     EXPECT_EQ(Describe(a), Describe(b)) << "body " << i;
-    EXPECT_TRUE(Has(a, kPlantRule[i % 15])) << "body " << i << ": " << Describe(a);
+    EXPECT_TRUE(Has(a, testing::kPlantRules[i % 15])) << "body " << i << ": " << Describe(a);
     total += a.findings.size();
   }
   EXPECT_LT(total, 30u * 3) << "false positives in the chat corpus";

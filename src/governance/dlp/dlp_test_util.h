@@ -99,6 +99,23 @@ inline std::string Chunked(std::string_view in, size_t chunk) {
   return out + "0\r\nX-Trailer: t\r\n\r\n";
 }
 
+// The rule PlantSample(i) triggers, for i % 15.
+inline constexpr const char* kPlantRules[15] = {"dlp:credit_card",
+                                                "dlp:aws_access_key",
+                                                "dlp:aws_secret_key",
+                                                "dlp:github_token",
+                                                "dlp:slack_token",
+                                                "dlp:slack_webhook",
+                                                "dlp:google_api_key",
+                                                "dlp:openai_api_key",
+                                                "dlp:anthropic_api_key",
+                                                "dlp:private_key",
+                                                "dlp:jwt",
+                                                "dlp:iban",
+                                                "dlp:us_ssn",
+                                                "dlp:email",
+                                                "dlp:phone"};
+
 // One sample per built-in detector (index % count), for planting in corpora.
 inline std::string PlantSample(size_t index) {
   switch (index % 15) {

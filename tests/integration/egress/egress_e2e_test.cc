@@ -16,6 +16,7 @@
 
 #include "common/shell_quote.h"
 #include "integration/daemon.h"
+#include "integration/egress/egress_rows.h"
 #include "integration/egress/upstream.h"
 
 namespace esb::testing {
@@ -117,23 +118,9 @@ class EgressE2eTest : public ::testing::Test {
                                  json::object{{"path", path}, {"content", content}});
     ASSERT_EQ(r.status, 200) << r.body;
   }
-  // Egress audit rows of `env` (newest first); waits up to 10 s until `ready` holds for them
-  // (the proxy reports each request over its control socket, so rows land a moment later).
   std::vector<json::object> Rows(
-      const std::string& env, const std::function<bool(const std::vector<json::object>&)>& ready =
-                                  [](const auto&) { return true; }) {
-    std::vector<json::object> rows;
-    for (int i = 0; i < 100; ++i) {
-      rows.clear();
-      HttpResult r = daemon_->Call("GET", "/audit?kind=egress&limit=1000&environment_id=" + env);
-      EXPECT_EQ(r.status, 200) << r.body;
-      if (const json::value* e = r.obj().if_contains("entries"); e && e->is_array())
-        for (const json::value& v : e->as_array())
-          if (v.is_object()) rows.push_back(v.as_object());
-      if (ready(rows)) break;
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    }
-    return rows;
+      const std::string& env, const EgressRowsReady& ready = [](const auto&) { return true; }) {
+    return WaitForEgressRows(*daemon_, env, ready);
   }
   // Rows whose path is `path` (or, with `prefix`, starts with it).
   std::vector<json::object> RowsWithPath(const std::string& env, const std::string& path,

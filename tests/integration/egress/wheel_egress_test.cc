@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "integration/daemon.h"
+#include "integration/egress/egress_rows.h"
 #include "integration/egress/upstream.h"
 
 namespace esb::testing {
@@ -77,21 +78,9 @@ class WheelEgressTest : public ::testing::Test {
     return daemon_->Call("POST", "/environments/" + env + "/run",
                          json::object{{"code", code}, {"packages", json::array{package.c_str()}}});
   }
-  // Egress rows of `env` once `ready` holds for them (10 s: the proxy's rows land a moment later).
   std::vector<json::object> Rows(
-      const std::string& env, const std::function<bool(const std::vector<json::object>&)>& ready) {
-    std::vector<json::object> rows;
-    for (int i = 0; i < 100; ++i) {
-      rows.clear();
-      HttpResult r = daemon_->Call("GET", "/audit?kind=egress&limit=1000&environment_id=" + env);
-      EXPECT_EQ(r.status, 200) << r.body;
-      if (const json::value* e = r.obj().if_contains("entries"); e && e->is_array())
-        for (const json::value& v : e->as_array())
-          if (v.is_object()) rows.push_back(v.as_object());
-      if (ready(rows)) break;
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    }
-    return rows;
+      const std::string& env, const EgressRowsReady& ready = [](const auto&) { return true; }) {
+    return WaitForEgressRows(*daemon_, env, ready);
   }
   static std::function<bool(const std::vector<json::object>&)> Has(std::string path,
                                                                    std::string decision) {
