@@ -327,7 +327,7 @@ WalkResult WalkWorkspace(const std::string& workspace, const WalkLimits& limits,
 }
 
 FsResult ApplyWorkspace(const std::string& workspace, std::vector<ApplyEntry>& entries, bool prune,
-                        ApplyStats* stats) {
+                        bool finish, ApplyStats* stats) {
   *stats = {};
   std::map<std::string, const ApplyEntry*> want;
   for (size_t i = 0; i < entries.size(); ++i) {
@@ -341,8 +341,8 @@ FsResult ApplyWorkspace(const std::string& workspace, std::vector<ApplyEntry>& e
                           e.target.find('\0') != std::string::npos))
       return Fail(EINVAL, "apply: " + e.path + ": invalid symlink target");
     if (i > 0 && !(entries[i - 1].path < e.path)) {
-      // Chunks of one file may repeat its path only in calls without prune.
-      if (prune || entries[i - 1].path != e.path)
+      // Chunks of one file may repeat its path only in calls that neither prune nor finish.
+      if (prune || finish || entries[i - 1].path != e.path)
         return Fail(EINVAL, "apply: entries must be sorted by path, each once: " + e.path);
     }
     want[e.path] = &e;
@@ -400,12 +400,12 @@ FsResult ApplyWorkspace(const std::string& workspace, std::vector<ApplyEntry>& e
         return Fail(EEXIST, "apply: " + e.path + " exists and is not a regular file");
       if (FsResult r = WriteFileAt(parent.get(), e, name); !r.ok()) return r;
       ++stats->written;
-    } else if (prune) {
+    } else if (finish) {
       if (!exists || !S_ISREG(st.st_mode))
         return Fail(ENOENT, "apply: " + e.path + " is not there and no contents were sent");
     }
   }
-  if (!prune) return {};
+  if (!finish) return {};
   // Modes, sizes and mtimes last (deepest first, so a directory's mtime is set after its
   // entries changed), each through its parent's descriptor without following links.
   cached_parent = "\x01";
@@ -534,6 +534,7 @@ proto::Frame HandleApply(const std::string& workspace, const json::object& heade
   Fields f(header);
   const int64_t manifest_bytes = f.Int("manifest_bytes", 0, true);
   const bool prune = f.Bool("prune", false);
+  const bool finish = f.Bool("finish", prune);
   if (!f.ok()) return ErrorResponse(f.error(), "EINVAL");
   if (manifest_bytes < 0 || manifest_bytes > static_cast<int64_t>(payload.size()))
     return ErrorResponse("apply: manifest_bytes is out of range", "EINVAL");
@@ -577,7 +578,7 @@ proto::Frame HandleApply(const std::string& workspace, const json::object& heade
   if (data_at != payload.size())
     return ErrorResponse("apply: the data is longer than the manifest says", "EINVAL");
   ApplyStats stats;
-  FsResult r = ApplyWorkspace(workspace, entries, prune, &stats);
+  FsResult r = ApplyWorkspace(workspace, entries, prune, finish, &stats);
   if (!r.ok()) return ErrorResponse(r.message, ErrnoName(r.err));
   proto::Frame resp = OkResponse();
   resp.header["removed"] = stats.removed;

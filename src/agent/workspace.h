@@ -78,12 +78,16 @@ struct ApplyStats {
 };
 
 // Puts `entries` (validated here: relative, normalised, unique, types f/d/l) into the
-// workspace. With `prune` the result is exactly the manifest: everything else is removed
-// first, and at the end every entry gets its mode and mtime and each file is checked to have
-// its size. Without it only the listed writes happen (a large restore sends several calls,
-// then a pruning one). Parents of a listed entry must be listed before it (sorted order).
+// workspace: directories and symlinks made, files with data written. With `prune`, whatever
+// is not in `entries` as it is (extras, a wrong type, a link with another target) is removed
+// first. With `finish`, every file listed without data must be there, and at the end every
+// entry gets its mode and mtime and each file is checked to have its size. prune + finish in
+// one call makes the workspace exactly the manifest; a restore too large for one call sends
+// the manifest with prune, then the rest of the files' bytes in chunks (neither flag: a path
+// may repeat, one entry per chunk), then the manifest with finish. Parents must be listed
+// before their entries (sorted order).
 FsResult ApplyWorkspace(const std::string& workspace, std::vector<ApplyEntry>& entries, bool prune,
-                        ApplyStats* stats);
+                        bool finish, ApplyStats* stats);
 
 // True for a manifest path: relative, '/'-separated, no empty, "." or ".." component, no NUL,
 // within PATH_MAX / NAME_MAX.

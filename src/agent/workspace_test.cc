@@ -138,7 +138,7 @@ TEST_F(WorkspaceTest, ApplyReproducesTheTreeExactlyAndRemovesExtras) {
   Write(other_ + "/a.txt", "stale");
   symlink("elsewhere", (other_ + "/abs-link").c_str());
   ApplyStats stats;
-  FsResult r = ApplyWorkspace(other_, m, /*prune=*/true, &stats);
+  FsResult r = ApplyWorkspace(other_, m, /*prune=*/true, true, &stats);
   ASSERT_TRUE(r.ok()) << r.message;
   EXPECT_EQ(Tree(other_), Tree(ws_));
   EXPECT_GE(stats.removed, 3);
@@ -152,11 +152,11 @@ TEST_F(WorkspaceTest, ApplyKeepsFilesSentWithoutDataAndRefusesMissingOnes) {
   std::vector<ApplyEntry> m = Manifest(ws_);
   for (ApplyEntry& e : m) e.has_data = false, e.data.clear();
   ApplyStats stats;
-  ASSERT_TRUE(ApplyWorkspace(other_, m, true, &stats).ok());
+  ASSERT_TRUE(ApplyWorkspace(other_, m, true, true, &stats).ok());
   EXPECT_EQ(stats.written, 0);
   EXPECT_EQ(Read(other_ + "/src/main.py"), "print(1)\n");
   fs::remove(other_ + "/a.txt");
-  FsResult r = ApplyWorkspace(other_, m, true, &stats);
+  FsResult r = ApplyWorkspace(other_, m, true, true, &stats);
   EXPECT_EQ(r.err, ENOENT) << r.message;
 }
 
@@ -169,7 +169,7 @@ TEST_F(WorkspaceTest, ApplyThroughAPlantedSymlinkDirectoryIsRefused) {
   m[0].data = "pwned";
   m[0].size = 5;
   ApplyStats stats;
-  FsResult r = ApplyWorkspace(other_, m, /*prune=*/false, &stats);
+  FsResult r = ApplyWorkspace(other_, m, /*prune=*/false, false, &stats);
   EXPECT_FALSE(r.ok());
   EXPECT_EQ(Read(outside_ + "/passwd"), "root:x:0:0\n");
   // With prune the link is removed (it is not in the manifest as a link) and a real directory
@@ -179,7 +179,7 @@ TEST_F(WorkspaceTest, ApplyThroughAPlantedSymlinkDirectoryIsRefused) {
   full[0].type = 'd';
   full[0].mode = 0755;
   full[1] = m[0];
-  ASSERT_TRUE(ApplyWorkspace(other_, full, true, &stats).ok());
+  ASSERT_TRUE(ApplyWorkspace(other_, full, true, true, &stats).ok());
   EXPECT_EQ(Read(outside_ + "/passwd"), "root:x:0:0\n");
   EXPECT_EQ(Read(other_ + "/src/passwd"), "pwned");
   EXPECT_FALSE(fs::is_symlink(other_ + "/src"));
@@ -194,8 +194,8 @@ TEST_F(WorkspaceTest, ApplyWritingOverAPlantedFileSymlinkReplacesTheLinkNotItsTa
   m[0].size = 3;
   m[0].mode = 0644;
   ApplyStats stats;
-  EXPECT_FALSE(ApplyWorkspace(other_, m, false, &stats).ok());  // not pruned: link refused
-  ASSERT_TRUE(ApplyWorkspace(other_, m, true, &stats).ok());
+  EXPECT_FALSE(ApplyWorkspace(other_, m, false, false, &stats).ok());  // not pruned: link refused
+  ASSERT_TRUE(ApplyWorkspace(other_, m, true, true, &stats).ok());
   EXPECT_EQ(Read(outside_ + "/passwd"), "root:x:0:0\n");
   EXPECT_EQ(Read(other_ + "/f"), "new");
   EXPECT_FALSE(fs::is_symlink(other_ + "/f"));
@@ -207,18 +207,18 @@ TEST_F(WorkspaceTest, ApplyRefusesBadPathsUnsortedAndDuplicateEntries) {
     m[0].path = bad;
     m[0].has_data = true;
     ApplyStats stats;
-    FsResult r = ApplyWorkspace(other_, m, true, &stats);
+    FsResult r = ApplyWorkspace(other_, m, true, true, &stats);
     EXPECT_EQ(r.err, EINVAL) << bad;
   }
   std::vector<ApplyEntry> dup(2);
   dup[0].path = dup[1].path = "a";
   dup[0].has_data = dup[1].has_data = true;
   ApplyStats stats;
-  EXPECT_EQ(ApplyWorkspace(other_, dup, true, &stats).err, EINVAL);
+  EXPECT_EQ(ApplyWorkspace(other_, dup, true, true, &stats).err, EINVAL);
   std::vector<ApplyEntry> unsorted(2);
   unsorted[0].path = "b";
   unsorted[1].path = "a";
-  EXPECT_EQ(ApplyWorkspace(other_, unsorted, true, &stats).err, EINVAL);
+  EXPECT_EQ(ApplyWorkspace(other_, unsorted, true, true, &stats).err, EINVAL);
   EXPECT_EQ(Read(outside_ + "/passwd"), "root:x:0:0\n");
   EXPECT_TRUE(fs::is_empty(other_));
 }
@@ -232,15 +232,15 @@ TEST_F(WorkspaceTest, ApplyInChunksThenPrune) {
   part[1].data = big.substr(1 << 20);
   part[1].offset = 1 << 20;
   ApplyStats stats;
-  ASSERT_TRUE(ApplyWorkspace(other_, part, false, &stats).ok());
+  ASSERT_TRUE(ApplyWorkspace(other_, part, false, false, &stats).ok());
   std::vector<ApplyEntry> fin(1);
   fin[0].path = "big";
   fin[0].size = static_cast<int64_t>(big.size());
   fin[0].mode = 0600;
-  ASSERT_TRUE(ApplyWorkspace(other_, fin, true, &stats).ok());
+  ASSERT_TRUE(ApplyWorkspace(other_, fin, true, true, &stats).ok());
   EXPECT_EQ(Read(other_ + "/big"), big);
   fin[0].size = 5;  // a size that does not match is an error, not a silent difference
-  EXPECT_EQ(ApplyWorkspace(other_, fin, true, &stats).err, EIO);
+  EXPECT_EQ(ApplyWorkspace(other_, fin, true, true, &stats).err, EIO);
 }
 
 TEST_F(WorkspaceTest, WalkHandlerSendsOnlyChangedFilesAgainstItsBase) {
@@ -279,7 +279,7 @@ TEST_F(WorkspaceTest, WalkSkipsNonUtf8NamesAndApplyRemovesThem) {
   m[0].size = 1;
   m[0].mode = 0644;
   ApplyStats stats;
-  ASSERT_TRUE(ApplyWorkspace(ws_, m, true, &stats).ok());
+  ASSERT_TRUE(ApplyWorkspace(ws_, m, true, true, &stats).ok());
   EXPECT_FALSE(fs::exists(ws_ + "/bad\xff"));
 }
 

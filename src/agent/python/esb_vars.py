@@ -311,6 +311,30 @@ def summarize(ns, max_bytes=MAX_JSON_BYTES):
     return text
 
 
+def summarize_step(ns, tb=None, skip_files=(), max_bytes=MAX_JSON_BYTES):
+    """What a step records: the namespace's variables and, after an error (`tb`), the locals
+    of each frame of its traceback as further entries with a "frame" field ("function
+    (file:line)"), as one JSON array of at most max_bytes bytes (the frames get up to 3/8)."""
+    if tb is None:
+        return summarize(ns, max_bytes)
+    max_bytes = max(1024, max_bytes)
+    frames = json.loads(summarize_traceback(tb, skip_files, max_bytes * 3 // 8))
+    extra = []
+    for f in frames:
+        where = "%s (%s:%s)" % (f["function"], f["file"], f["line"])
+        for v in f["variables"]:
+            v["frame"] = where[:REPR_MAX]
+            extra.append(v)
+    tail = _dump(extra)
+    room = max_bytes - len(tail.encode("utf-8")) - 2
+    head = json.loads(summarize(ns, max(256, room)))
+    text = _dump(head + extra)
+    while len(text.encode("utf-8")) > max_bytes and extra:
+        extra.pop()
+        text = _dump(head + extra)
+    return text
+
+
 def summarize_traceback(tb, skip_files=(), max_bytes=MAX_JSON_BYTES):
     """The locals of each frame of traceback `tb` (innermost MAX_FRAMES, frames whose file is
     in skip_files left out), as JSON text of at most max_bytes bytes: outermost first, each
