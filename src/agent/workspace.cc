@@ -432,7 +432,10 @@ FsResult ApplyWorkspace(const std::string& workspace, std::vector<ApplyEntry>& e
         fchmodat(parent.get(), name.c_str(), e.mode, 0) != 0) {
       return FailErrno("apply: chmod " + e.path, errno);
     }
-    if (e.mtime_ns > 0) {
+    // Only what differs: a utimensat or chmod changes the ctime, and with it the change key
+    // that lets the next capture and restore skip an unchanged file.
+    const int64_t mtime_now = int64_t{st.st_mtim.tv_sec} * 1000000000 + st.st_mtim.tv_nsec;
+    if (e.mtime_ns > 0 && mtime_now != e.mtime_ns) {
       struct timespec times[2];
       times[0].tv_sec = 0;
       times[0].tv_nsec = UTIME_OMIT;

@@ -154,6 +154,14 @@ TEST_F(WorkspaceTest, ApplyKeepsFilesSentWithoutDataAndRefusesMissingOnes) {
   ApplyStats stats;
   ASSERT_TRUE(ApplyWorkspace(other_, m, true, true, &stats).ok());
   EXPECT_EQ(stats.written, 0);
+  // An entry that already is as the manifest says is not touched at all: its ctime (the
+  // change key that lets the next capture and restore skip it) stays.
+  struct stat before, after;
+  ASSERT_EQ(lstat((other_ + "/src/main.py").c_str(), &before), 0);
+  ASSERT_TRUE(ApplyWorkspace(other_, m, true, true, &stats).ok());
+  ASSERT_EQ(lstat((other_ + "/src/main.py").c_str(), &after), 0);
+  EXPECT_EQ(before.st_ctim.tv_nsec, after.st_ctim.tv_nsec);
+  EXPECT_EQ(before.st_ctim.tv_sec, after.st_ctim.tv_sec);
   EXPECT_EQ(Read(other_ + "/src/main.py"), "print(1)\n");
   fs::remove(other_ + "/a.txt");
   FsResult r = ApplyWorkspace(other_, m, true, true, &stats);
