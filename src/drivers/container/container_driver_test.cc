@@ -2014,6 +2014,60 @@ TEST_F(ContainerDriverTest, APlantedSymlinkCannotMakeARewindWriteOutsideTheWorks
   EXPECT_EQ(MustExec(ref, "test -L /workspace/sub || cat /workspace/sub/f").stdout_data, "mine\n");
 }
 
+TEST_F(ContainerDriverTest, PythonStepKeepsAVariablesSummaryAndRewindRestartsTheKernel) {
+  // Needs python3 in the image: the real rootfs (scripts/build-images.sh; tests read
+  // build/images.env into the environment), not the tiny one the other tests use.
+  const char* image = getenv("ESBD_IMAGE_DEFAULT");
+  if (image == nullptr || !fs::exists(std::string(image) + "/usr/bin/python3")) {
+    GTEST_SKIP() << "no image with python3 (set ESBD_IMAGE_DEFAULT: . build/images.env)";
+  }
+  ContainerDriverOptions o = options_;
+  o.state_dir = Env().tmp + "/state-py-" + RandomHex(3);
+  o.images["default"] = image;
+  absl::StatusOr<std::unique_ptr<Driver>> driver = NewContainerDriver(o);
+  ASSERT_TRUE(driver.ok()) << driver.status();
+  absl::StatusOr<InstanceRef> ref = (*driver)->Create("p" + RandomHex(4), EnvSpec());
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  auto run = [&](const std::string& code) {
+    RunRequest req;
+    req.code = code;
+    req.timeout_ms = 20000;
+    absl::StatusOr<RunResult> r = (*driver)->RunCode(&*ref, req, nullptr);
+    EXPECT_TRUE(r.ok()) << r.status();
+    return r.ok() ? *r : RunResult{};
+  };
+  testing::MemoryBlobStore blobs;
+  RunResult first =
+      run("x = 41\nnames = ['a', 'b']\nclass C:\n    def __repr__(self): return 'X'\nc = C()");
+  ASSERT_EQ(first.exit_code, 0) << (first.error ? first.error->message : "");
+  absl::StatusOr<StepState> step = (*driver)->CaptureStep(*ref, CaptureOptions{}, blobs);
+  ASSERT_TRUE(step.ok()) << step.status();
+  std::printf("[ vars     ] %s\n", step->variables_json.c_str());
+  EXPECT_TRUE(absl::StrContains(step->variables_json, R"({"name":"x","type":"int","repr":"41"})"))
+      << step->variables_json;
+  EXPECT_TRUE(absl::StrContains(step->variables_json, R"("repr":"['a', 'b']")"));
+  EXPECT_TRUE(absl::StrContains(step->variables_json, "C object>")) << "a user __repr__ ran";
+  // A shell step after it has no summary of its own.
+  ASSERT_EQ((*driver)->Exec(*ref, ExecRequest{.command = "true"}, nullptr)->exit_code, 0);
+  absl::StatusOr<StepState> shell_step = (*driver)->CaptureStep(*ref, CaptureOptions{}, blobs);
+  ASSERT_TRUE(shell_step.ok());
+  EXPECT_EQ(shell_step->variables_json, "");
+  // An error: the failing frame's locals are in the summary.
+  RunResult failed = run("def f(n):\n    half = n / 2\n    return half / 0\nf(8)");
+  ASSERT_TRUE(failed.error.has_value());
+  absl::StatusOr<StepState> error_step = (*driver)->CaptureStep(*ref, CaptureOptions{}, blobs);
+  ASSERT_TRUE(error_step.ok());
+  EXPECT_TRUE(absl::StrContains(error_step->variables_json,
+                                R"({"name":"half","type":"float","repr":"4.0","frame":"f ()"))
+      << error_step->variables_json;
+  // Rewind to the first step: memory "none", so the kernel restarts fresh.
+  ASSERT_TRUE((*driver)->RestoreStep(*ref, *step, blobs).ok());
+  RunResult after = run("'x' in globals()");
+  EXPECT_EQ(after.value.value_or(""), "False");
+  EXPECT_TRUE(after.kernel_restarted);
+  EXPECT_TRUE((*driver)->Destroy(*ref).ok());
+}
+
 TEST_F(ContainerDriverTest, GvisorStepRewindGivesBackFilesAndShell) {
   if (container::FindExecutable("runsc").empty()) GTEST_SKIP() << "runsc (gVisor) not installed";
   ContainerDriverOptions o = options_;
