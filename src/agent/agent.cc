@@ -434,10 +434,12 @@ proto::Frame Agent::HandleShellState(const json::object& header, const std::stri
     return OkResponse();
   }
   std::string state = shell_.State();
-  if (state.size() > kMaxShellState) {
-    return ErrorResponse(
-        "shell_state: the state is larger than " + std::to_string(kMaxShellState) + " bytes",
-        "EFBIG");
+  const int64_t max_bytes = f.Int("max_bytes", static_cast<int64_t>(kMaxShellState));
+  if (!f.ok() || max_bytes < 0) return ErrorResponse("shell_state: invalid max_bytes", "EINVAL");
+  const size_t cap = std::min(kMaxShellState, static_cast<size_t>(max_bytes));
+  if (state.size() > cap) {
+    return ErrorResponse("shell_state: the state is larger than " + std::to_string(cap) + " bytes",
+                         "EFBIG");
   }
   proto::Frame resp = OkResponse();
   resp.header["bytes"] = static_cast<int64_t>(state.size());

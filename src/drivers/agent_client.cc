@@ -965,7 +965,8 @@ absl::Status AgentClient::Apply(std::string manifest_json, std::string_view data
 absl::StatusOr<std::string> AgentClient::ShellState(int64_t max_bytes) {
   CallSpec spec;
   spec.deadline_ms = proto::MonotonicMs() + kShortOpTimeoutMs;
-  spec.header = {{"op", "shell_state"}};
+  // The agent answers EFBIG for a larger state (a larger payload would break the connection).
+  spec.header = {{"op", "shell_state"}, {"max_bytes", max_bytes}};
   spec.max_response_payload =
       static_cast<uint32_t>(std::clamp<int64_t>(max_bytes, 0, proto::kMaxPayloadBytes));
   absl::StatusOr<CallReply> reply = Call(spec);

@@ -189,6 +189,12 @@ TEST_F(WorkspaceStepsTest, ShellStateComesBack) {
   ASSERT_TRUE(client_.SetShellState(*state).ok());
   ExecResult r = Run("pwd; echo $FOO $BAR; greet you");
   EXPECT_EQ(r.stdout_data, ws_ + "/sub\nbar plain\nhello you\n");
+  // A state over the caller's cap is refused by the agent (EFBIG), the connection stays up.
+  Run("BIG=$(head -c 300000 /dev/zero | tr '\\0' x)");
+  absl::StatusOr<std::string> big = client_.ShellState(256 * 1024);
+  EXPECT_TRUE(absl::IsResourceExhausted(big.status())) << big.status();
+  EXPECT_TRUE(client_.Ping().ok());
+  EXPECT_TRUE(client_.ShellState(1 << 20).ok());
 }
 
 TEST_F(WorkspaceStepsTest, RestoreOfACollectedBlobSaysSo) {

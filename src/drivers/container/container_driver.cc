@@ -1295,6 +1295,14 @@ absl::StatusOr<StepState> ContainerDriver::CaptureStep(const InstanceRef& ref,
                                                        BlobStore& blobs) {
   ESB_RETURN_IF_ERROR(ValidateId(ref.id));
   std::shared_ptr<AgentClient> agent = AgentPtr(ref.id);
+  // Sandboxes created before time travel run an agent without its ops.
+  absl::StatusOr<std::vector<std::string>> ops = agent->Capabilities();
+  if (!ops.ok()) return ops.status();
+  if (std::find(ops->begin(), ops->end(), "walk") == ops->end()) {
+    return absl::FailedPreconditionError(
+        "this environment's agent predates time travel (no `walk` op): recreate the "
+        "environment to capture steps");
+  }
   std::string base;
   WorkspaceManifest known;
   {
@@ -1311,7 +1319,7 @@ absl::StatusOr<StepState> ContainerDriver::CaptureStep(const InstanceRef& ref,
   absl::StatusOr<std::string> shell = agent->ShellState(kMaxStepShellState);
   if (shell.ok()) {
     state.shell_state = std::move(*shell);
-  } else if (!absl::IsResourceExhausted(shell.status()) && !absl::IsInternal(shell.status())) {
+  } else if (!absl::IsResourceExhausted(shell.status())) {  // EFBIG: over 256 KiB
     return shell.status();
   }
   std::lock_guard<std::mutex> lock(steps_mu_);
