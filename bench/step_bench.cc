@@ -6,6 +6,8 @@
 // baseline), the capture after it, both together, a capture with nothing changed, a rewind
 // to the previous step (one file differs), the first full capture, and bytes stored per step.
 //   step_bench [--files 2000] [--file-bytes 25600] [--steps 40]
+//   step_bench --container IMAGE_ROOTFS [...]   the same through the container driver (root):
+//     a crun sandbox of that image, Exec then CaptureStep / RestoreStep (shell state included)
 // The blob store is in memory (drivers/testing/memory_blob_store.h): the core's disk store
 // adds one file write of the changed file's size per step.
 #include <stdio.h>
@@ -22,6 +24,7 @@
 
 #include "agent/test_agent_process.h"
 #include "drivers/agent_client.h"
+#include "drivers/container/container_driver.h"
 #include "drivers/testing/memory_blob_store.h"
 #include "drivers/workspace_steps.h"
 
@@ -53,13 +56,18 @@ void Row(const Series& s, const Series* base) {
 
 }  // namespace
 
+int ContainerBench(const std::string& image, int files, int file_bytes, int steps);
+
 int main(int argc, char** argv) {
   int files = 2000, file_bytes = 25600, steps = 40;
+  std::string container;
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!strcmp(argv[i], "--files")) files = atoi(argv[i + 1]);
     if (!strcmp(argv[i], "--file-bytes")) file_bytes = atoi(argv[i + 1]);
     if (!strcmp(argv[i], "--steps")) steps = atoi(argv[i + 1]);
+    if (!strcmp(argv[i], "--container")) container = argv[i + 1];
   }
+  if (!container.empty()) return ContainerBench(container, files, file_bytes, steps);
   char tmpl[] = "/dev/shm/esb-step-bench-XXXXXX";
   if (!mkdtemp(tmpl)) {
     perror("mkdtemp");
@@ -165,6 +173,102 @@ int main(int argc, char** argv) {
   Row(rewind, &exec);
   Row(full, &exec);
   printf("new blobs per step: p50 %.0f (the changed file; ~%d bytes)\n", stored.P(0.5), file_bytes);
+  std::error_code ec;
+  std::filesystem::remove_all(tmpl, ec);
+  return 0;
+}
+
+int ContainerBench(const std::string& image, int files, int file_bytes, int steps) {
+  char tmpl[] = "/tmp/esb-step-bench-state-XXXXXX";
+  if (!mkdtemp(tmpl)) return 1;
+  esb::ContainerDriverOptions o;
+  o.state_dir = tmpl;
+  o.agent_binary = ESB_AGENT_BINARY;
+  o.images["default"] = image;
+  o.runtime = "crun";
+  absl::StatusOr<std::unique_ptr<esb::Driver>> driver = esb::NewContainerDriver(o);
+  if (!driver.ok()) {
+    fprintf(stderr, "driver: %s\n", driver.status().ToString().c_str());
+    return 1;
+  }
+  esb::EnvSpec spec;
+  spec.disk_mb = 512;
+  absl::StatusOr<esb::InstanceRef> ref =
+      (*driver)->Create("bench" + std::to_string(getpid()), spec);
+  if (!ref.ok()) {
+    fprintf(stderr, "create: %s\n", ref.status().ToString().c_str());
+    return 1;
+  }
+  auto exec = [&](const std::string& command) {
+    esb::ExecRequest req;
+    req.command = command;
+    req.timeout = std::chrono::milliseconds(120000);
+    absl::StatusOr<esb::ExecResult> r = (*driver)->Exec(*ref, req, nullptr);
+    return r.ok() && r->exit_code == 0;
+  };
+  const int dirs = (files + 99) / 100;
+  if (!exec("cd /workspace && for d in $(seq 0 " + std::to_string(dirs - 1) +
+            "); do mkdir -p d$d; done && for i in $(seq 0 " + std::to_string(files - 1) +
+            "); do head -c " + std::to_string(file_bytes * 3 / 4) +
+            " /dev/urandom | base64 -w0 > d$((i / 100))/f$i.txt; done")) {
+    fprintf(stderr, "populating the workspace failed\n");
+    return 1;
+  }
+  esb::testing::MemoryBlobStore blobs;
+  auto t0 = std::chrono::steady_clock::now();
+  absl::StatusOr<esb::StepState> first = (*driver)->CaptureStep(*ref, {}, blobs);
+  Series full{"first capture (all files read and hashed)",
+              {Ms(std::chrono::steady_clock::now() - t0)}};
+  if (!first.ok()) {
+    fprintf(stderr, "capture: %s\n", first.status().ToString().c_str());
+    return 1;
+  }
+  std::vector<esb::StepState> history{*first};
+  Series step{"step: Exec rewriting one file (no capture) [baseline]", {}};
+  Series capture{"CaptureStep after it (one file changed)", {}};
+  Series rewind{"RestoreStep to the previous step (incl. kernel reset)", {}};
+  std::mt19937 rng(7);
+  for (int s = 0; s < steps; ++s) {
+    const int victim = static_cast<int>(rng() % static_cast<unsigned>(files));
+    auto a = std::chrono::steady_clock::now();
+    if (!exec("head -c " + std::to_string(file_bytes * 3 / 4) +
+              " /dev/urandom | base64 -w0 > "
+              "/workspace/d" +
+              std::to_string(victim / 100) + "/f" + std::to_string(victim) + ".txt")) {
+      return 1;
+    }
+    auto b = std::chrono::steady_clock::now();
+    esb::CaptureOptions options;
+    options.previous = &history.back().workspace;
+    absl::StatusOr<esb::StepState> m = (*driver)->CaptureStep(*ref, options, blobs);
+    auto c = std::chrono::steady_clock::now();
+    if (!m.ok()) {
+      fprintf(stderr, "capture: %s\n", m.status().ToString().c_str());
+      return 1;
+    }
+    step.ms.push_back(Ms(b - a));
+    capture.ms.push_back(Ms(c - b));
+    history.push_back(*m);
+  }
+  for (int s = 0; s < std::min(steps, 10); ++s) {
+    const esb::StepState& target = history[history.size() - 1 - (s % 2 == 0 ? 1 : 0)];
+    auto a = std::chrono::steady_clock::now();
+    absl::StatusOr<esb::InstanceRef> back = (*driver)->RestoreStep(*ref, target, blobs);
+    rewind.ms.push_back(Ms(std::chrono::steady_clock::now() - a));
+    if (!back.ok()) {
+      fprintf(stderr, "restore: %s\n", back.status().ToString().c_str());
+      return 1;
+    }
+  }
+  printf("container (crun, %s): %d files, %.1f MB on the sandbox's tmpfs /workspace; %d steps\n",
+         image.c_str(), files, static_cast<double>(first->workspace.total_bytes) / 1e6, steps);
+  printf("| %-52s | %5s | %8s | %8s | %-12s |\n", "step (ms)", "n", "p50", "p99", "ratio (p50)");
+  Row(step, nullptr);
+  Row(capture, &step);
+  Row(rewind, &step);
+  Row(full, &step);
+  (*driver)->Destroy(*ref).IgnoreError();
+  driver->reset();
   std::error_code ec;
   std::filesystem::remove_all(tmpl, ec);
   return 0;

@@ -1351,7 +1351,11 @@ absl::StatusOr<InstanceRef> ContainerDriver::RestoreStep(const InstanceRef& ref,
   // next cell reports kernel_restarted.
   ExecRequest reset;
   // (An image without python3 has no Python session to restart.)
-  reset.command = absl::StrCat("command -v python3 >/dev/null 2>&1 || exit 0; exec python3 ",
+  // No kernel ever started here (its directory counts starts): nothing to restart, and no
+  // python3 start-up to pay.
+  reset.command = absl::StrCat("[ -e ", AbslView(kHeavyKernelDir),
+                               "/starts ] || exit 0; command -v python3 >/dev/null 2>&1 || exit 0; "
+                               "exec python3 ",
                                AbslView(kHeavyKernelPath), " reset");
   reset.timeout = std::chrono::milliseconds(10000);
   absl::StatusOr<ExecResult> killed = agent->Exec(reset, nullptr);
