@@ -97,7 +97,15 @@ class Walker {
         // fstatat is not entered.
         Fd child(openat(dirfd, name.c_str(),
                         O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
-        if (!child) continue;  // unreadable (mode 0) or swapped: listed, not entered
+        if (!child) {
+          if (errno == ELOOP || errno == ENOTDIR || errno == ENOENT) {  // swapped or gone
+            out_->entries.pop_back();
+            continue;
+          }
+          // A directory the agent cannot read (e.g. mode 0): its contents would be missing
+          // from the manifest and a restore would then remove them. Fail instead.
+          return FailErrno("walk: cannot read directory " + out_->entries.back().path, errno);
+        }
         const std::string child_prefix = out_->entries.back().path;
         if (FsResult r = Dir(child.get(), child_prefix, depth + 1, dev); !r.ok()) return r;
         continue;

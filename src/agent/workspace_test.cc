@@ -291,6 +291,16 @@ TEST_F(WorkspaceTest, WalkSkipsNonUtf8NamesAndApplyRemovesThem) {
   EXPECT_FALSE(fs::exists(ws_ + "/bad\xff"));
 }
 
+TEST_F(WorkspaceTest, WalkFailsOnADirectoryItCannotReadInsteadOfLosingItsContents) {
+  if (geteuid() == 0) GTEST_SKIP() << "root reads a mode-0 directory anyway (CAP_DAC_OVERRIDE)";
+  fs::create_directories(ws_ + "/locked");
+  Write(ws_ + "/locked/f", "x");
+  chmod((ws_ + "/locked").c_str(), 0);
+  WalkResult w = WalkWorkspace(ws_, WalkLimits{}, nullptr);
+  EXPECT_EQ(w.status.err, EACCES) << w.status.message;
+  chmod((ws_ + "/locked").c_str(), 0755);
+}
+
 TEST_F(WorkspaceTest, WalkStopsAtItsEntryLimit) {
   for (int i = 0; i < 20; ++i) Write(ws_ + "/f" + std::to_string(i), "x");
   WalkLimits limits;

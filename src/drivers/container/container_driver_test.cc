@@ -2068,6 +2068,22 @@ TEST_F(ContainerDriverTest, PythonStepKeepsAVariablesSummaryAndRewindRestartsThe
   EXPECT_TRUE((*driver)->Destroy(*ref).ok());
 }
 
+TEST_F(ContainerDriverTest, CaptureOfAnUnreadableDirectoryFailsInsteadOfLosingItsContents) {
+  InstanceRef ref = MustCreate();
+  ASSERT_EQ(MustExec(ref,
+                     "mkdir /workspace/locked && echo x > /workspace/locked/f && "
+                     "chmod 0 /workspace/locked")
+                .exit_code,
+            0);
+  testing::MemoryBlobStore blobs;
+  absl::StatusOr<StepState> step = driver_->CaptureStep(ref, CaptureOptions{}, blobs);
+  EXPECT_FALSE(step.ok());
+  EXPECT_TRUE(absl::StrContains(step.status().message(), "cannot read directory locked"))
+      << step.status();
+  ASSERT_EQ(MustExec(ref, "chmod 0755 /workspace/locked").exit_code, 0);
+  EXPECT_TRUE(driver_->CaptureStep(ref, CaptureOptions{}, blobs).ok());
+}
+
 TEST_F(ContainerDriverTest, GvisorStepRewindGivesBackFilesAndShell) {
   if (container::FindExecutable("runsc").empty()) GTEST_SKIP() << "runsc (gVisor) not installed";
   ContainerDriverOptions o = options_;
