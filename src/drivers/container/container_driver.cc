@@ -570,7 +570,8 @@ class ContainerDriver : public Driver {
     return kind_ == RuntimeKind::kRunsc ? "gvisor" : "container";
   }
   // Shell, files, and a persistent Python kernel per environment (heavy_kernel.h). One-shot
-  // Python needs an environment (the core makes a throw-away one); no snapshots yet.
+  // Python needs an environment (the core makes a throw-away one). Steps (time travel) keep
+  // files, the shell state and a variables summary: no memory snapshot (StepMemory says why).
   CapabilitySet Capabilities() const override {
     CapabilitySet caps{Capability::kExec, Capability::kFiles, Capability::kPythonSession,
                        Capability::kSteps};
