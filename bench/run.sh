@@ -17,6 +17,9 @@
 #                                  bodies), MB/s per core, vs RE2::Set over the same rules and
 #                                  corpus in the same run (arguments go to dlp_bench: --bodies N
 #                                  --rounds R --config J [--corpus chat] --profile 1)
+#   bash bench/run.sh steps [...]  time travel's per-step cost on the container path (bench/
+#                                  step_bench.cc, no daemon): capture of a 2,000-file / 50 MB
+#                                  workspace with one file changed vs the step's exec, same run
 # Transport knobs (environment): BENCH_ROWS (which rows, default "healthz exec sse idle";
 # "exec-ab" adds the exec row against a second daemon with audit.write_behind_ms 0, alternating),
 # BENCH_EXEC_GAP_MS (pause between exec calls, 0), BENCH_IDLE_CONNS (10000), BENCH_SSE_STREAMS (1000), BENCH_SSE_BODY (JSON for POST /run;
@@ -33,7 +36,13 @@ case "${1:-}" in
   exec-trace) shift; MODE=exec-trace ;;
   dlp) shift; MODE=dlp ;;
   egress) shift; MODE=egress ;;
+  steps) shift; MODE=steps ;;
 esac
+if [ "$MODE" = steps ]; then
+  cmake --build "$BUILD_DIR" --target step_bench >/dev/null
+  log "steps: load average $(cut -d' ' -f1-3 /proc/loadavg); $(nproc) cores"
+  exec "$BUILD_DIR/step_bench" "$@"
+fi
 if [ "$MODE" = dlp ]; then
   cmake --build "$BUILD_DIR" --target dlp_bench >/dev/null
   log "dlp: load average $(cut -d' ' -f1-3 /proc/loadavg); $(nproc) cores"

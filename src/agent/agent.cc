@@ -216,9 +216,9 @@ struct Agent::Call {
 };
 
 std::vector<std::string> Capabilities() {
-  return {"ping",  "exec",   "write",  "read",   "list", "stat", "mkdir", "remove", "rename",
-          "stats", "configure", "spawn", "input", "signal", "resize", "wait", "kill", "sync",
-          "thaw",  "reseed"};
+  return {"ping",   "exec",  "write",     "read",   "list",  "stat",   "mkdir",      "remove",
+          "rename", "stats", "configure", "spawn",  "input", "signal", "resize",     "wait",
+          "kill",   "sync",  "thaw",      "reseed", "walk",  "apply",  "shell_state"};
 }
 
 void Agent::HandleConnection(int fd, bool owned) {
@@ -414,8 +414,37 @@ std::optional<proto::Frame> Agent::HandleRequest(Conn& conn, Call& call,
   }
   if (op == "sync" || op == "thaw") return HandleSync(request.header);
   if (op == "reseed") return HandleReseed(request.payload);
+  if (op == "walk") return HandleWalk(options_.workspace, request.header, &walk_cache_);
+  if (op == "apply") return HandleApply(options_.workspace, request.header, request.payload);
+  if (op == "shell_state") return HandleShellState(request.header, request.payload);
   if (op.empty()) return ErrorResponse("request without an op", "EINVAL");
   return ErrorResponse("unknown op: " + op, "ENOSYS");
+}
+
+proto::Frame Agent::HandleShellState(const json::object& header, const std::string& payload) {
+  // A state this large is not a shell session's; time travel keeps at most 256 KiB of it.
+  constexpr size_t kMaxShellState = 4 << 20;
+  Fields f(header);
+  const bool set = f.Bool("set", false);
+  if (!f.ok()) return ErrorResponse(f.error(), "EINVAL");
+  if (set) {
+    if (payload.size() > kMaxShellState || payload.find('\0') != std::string::npos)
+      return ErrorResponse("shell_state: the state is too large or has NUL bytes", "EINVAL");
+    shell_.SetState(payload);
+    return OkResponse();
+  }
+  std::string state = shell_.State();
+  const int64_t max_bytes = f.Int("max_bytes", static_cast<int64_t>(kMaxShellState));
+  if (!f.ok() || max_bytes < 0) return ErrorResponse("shell_state: invalid max_bytes", "EINVAL");
+  const size_t cap = std::min(kMaxShellState, static_cast<size_t>(max_bytes));
+  if (state.size() > cap) {
+    return ErrorResponse("shell_state: the state is larger than " + std::to_string(cap) + " bytes",
+                         "EFBIG");
+  }
+  proto::Frame resp = OkResponse();
+  resp.header["bytes"] = static_cast<int64_t>(state.size());
+  resp.payload = std::move(state);
+  return resp;
 }
 
 proto::Frame Agent::HandleConfigure(const json::object& header) {

@@ -18,6 +18,7 @@
 #include "agent/reaper.h"
 #include "agent/reseed.h"
 #include "agent/shell.h"
+#include "agent/workspace.h"
 #include "common/log_throttle.h"
 #include "common/protocol.h"
 
@@ -91,6 +92,8 @@ class Agent {
   std::optional<proto::Frame> HandleWait(Conn& conn, Call& call, const boost::json::object& header);
   proto::Frame HandleSync(const boost::json::object& header);
   proto::Frame HandleReseed(const std::string& payload);
+  // Time travel: the shell session's state, read or replaced (workspace.h has walk/apply).
+  proto::Frame HandleShellState(const boost::json::object& header, const std::string& payload);
 
   const AgentOptions options_;
   Reaper* const reaper_;
@@ -98,6 +101,7 @@ class Agent {
   ProcessTable processes_;
   Freezer freezer_;
   Reseeder reseeder_;
+  WalkCache walk_cache_;
   std::mutex outputs_mu_;
   std::map<uint64_t, std::shared_ptr<ProcOutput>> outputs_;  // by process id
   const int64_t start_ms_;

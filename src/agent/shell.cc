@@ -376,6 +376,22 @@ void ShellSession::PersistState(const std::string& state, uint64_t seq) {
   persisted_seq_ = seq;
 }
 
+std::string ShellSession::State() {
+  std::lock_guard<std::mutex> serial(exec_mu_);
+  return state_;
+}
+
+void ShellSession::SetState(std::string state) {
+  uint64_t seq;
+  {
+    std::lock_guard<std::mutex> serial(exec_mu_);
+    state_ = std::move(state);
+    state_dirty_ = false;
+    seq = ++persist_seq_;
+  }
+  PersistState(State(), seq);
+}
+
 void ShellSession::LoadState() {
   Fd in(open(state_path_.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK));
   struct stat st;

@@ -89,6 +89,12 @@ class ShellSession {
   // Pid of the idle standby shell, or -1 (it is agent machinery, not a user process).
   pid_t standby_pid() const;
 
+  // The session's saved state (a bash script: cd, declarations, functions, aliases), and
+  // replacing it (time travel's rewind: the next exec starts from `state`; written to the
+  // state file at once).
+  std::string State();
+  void SetState(std::string state);
+
   // Kills every process group this session has started (SIGTERM path).
   void KillAll();
 

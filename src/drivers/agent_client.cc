@@ -916,4 +916,70 @@ absl::Status AgentClient::Reseed(std::string_view entropy) {
   return Call(spec).status();
 }
 
+absl::StatusOr<AgentWalkReply> AgentClient::Walk(const std::string& base, bool contents,
+                                                 int64_t max_entries, int64_t max_content_bytes) {
+  CallSpec spec;
+  spec.deadline_ms = proto::MonotonicMs() + kFileOpTimeoutMs;
+  spec.header = {{"op", "walk"},
+                 {"base", base},
+                 {"contents", contents},
+                 {"max_entries", max_entries},
+                 {"max_content_bytes", max_content_bytes}};
+  spec.max_response_payload = proto::kMaxPayloadBytes;
+  absl::StatusOr<CallReply> reply = Call(spec);
+  if (!reply.ok()) return reply.status();
+  const json::object& h = reply->response.header;
+  std::string& payload = reply->response.payload;
+  // SECURITY: lengths come from inside the sandbox: they must add up to what was received.
+  const int64_t manifest_bytes = IntField(h, "manifest_bytes");
+  if (manifest_bytes < 0 || manifest_bytes > static_cast<int64_t>(payload.size())) {
+    return absl::InternalError("agent walk: manifest_bytes does not match the payload");
+  }
+  AgentWalkReply out;
+  const json::value* token = h.if_contains("walk");
+  if (token && token->is_string() && token->as_string().size() <= 128)
+    out.token = std::string(token->as_string());
+  out.skipped = std::max<int64_t>(IntField(h, "skipped"), 0);
+  out.contents = payload.substr(static_cast<size_t>(manifest_bytes));
+  payload.resize(static_cast<size_t>(manifest_bytes));
+  out.manifest_json = std::move(payload);
+  return out;
+}
+
+absl::Status AgentClient::Apply(std::string manifest_json, std::string_view data, bool prune,
+                                bool finish) {
+  if (manifest_json.size() + data.size() > proto::kMaxPayloadBytes) {
+    return absl::InvalidArgumentError("agent apply: larger than one frame");
+  }
+  CallSpec spec;
+  spec.deadline_ms = proto::MonotonicMs() + kFileOpTimeoutMs;
+  spec.header = {{"op", "apply"},
+                 {"manifest_bytes", static_cast<int64_t>(manifest_json.size())},
+                 {"prune", prune},
+                 {"finish", finish}};
+  spec.payload = std::move(manifest_json);
+  spec.payload.append(data);
+  return Call(spec).status();
+}
+
+absl::StatusOr<std::string> AgentClient::ShellState(int64_t max_bytes) {
+  CallSpec spec;
+  spec.deadline_ms = proto::MonotonicMs() + kShortOpTimeoutMs;
+  // The agent answers EFBIG for a larger state (a larger payload would break the connection).
+  spec.header = {{"op", "shell_state"}, {"max_bytes", max_bytes}};
+  spec.max_response_payload =
+      static_cast<uint32_t>(std::clamp<int64_t>(max_bytes, 0, proto::kMaxPayloadBytes));
+  absl::StatusOr<CallReply> reply = Call(spec);
+  if (!reply.ok()) return reply.status();
+  return std::move(reply->response.payload);
+}
+
+absl::Status AgentClient::SetShellState(std::string_view state) {
+  CallSpec spec;
+  spec.deadline_ms = proto::MonotonicMs() + kShortOpTimeoutMs;
+  spec.header = {{"op", "shell_state"}, {"set", true}};
+  spec.payload.assign(state);
+  return Call(spec).status();
+}
+
 }  // namespace esb

@@ -41,6 +41,16 @@ struct SpawnRequest {
   int rows = 24, cols = 80;
 };
 
+// A `walk` answer as the agent sent it (docs/agent-protocol.md "Workspace steps"): the
+// manifest's JSON and the contents it carries, unparsed and untrusted (drivers/
+// workspace_steps.h validates them).
+struct AgentWalkReply {
+  std::string token;  // the base for the next walk
+  std::string manifest_json;
+  std::string contents;
+  int64_t skipped = 0;
+};
+
 struct ProcessStatus {
   bool exited = false;  // false: still running when the wait's timeout passed
   int exit_code = -1;   // 128 + signal when killed by one
@@ -97,6 +107,15 @@ class AgentClient {
   absl::Status Thaw();
   // Fresh entropy for the guest's RNGs after a restore (`entropy`: 16..4096 bytes).
   absl::Status Reseed(std::string_view entropy);
+
+  // Time travel: the workspace as a manifest plus the contents of files changed since walk
+  // `base` (empty: all, within the budgets), and putting one back (`apply`).
+  absl::StatusOr<AgentWalkReply> Walk(const std::string& base, bool contents, int64_t max_entries,
+                                      int64_t max_content_bytes);
+  absl::Status Apply(std::string manifest_json, std::string_view data, bool prune, bool finish);
+  // The shell session's state (bounded by `max_bytes`), and replacing it.
+  absl::StatusOr<std::string> ShellState(int64_t max_bytes);
+  absl::Status SetShellState(std::string_view state);
 
   class Connection;
   struct CallSpec;

@@ -15,6 +15,8 @@
 
 #include "common/protocol.h"
 #include "drivers/agent_client.h"
+#include "drivers/testing/memory_blob_store.h"
+#include "drivers/workspace_steps.h"
 
 namespace esb {
 namespace {
@@ -455,6 +457,61 @@ TEST(LyingAgentTest, AnnouncedLengthIsNotAllocatedUpFront) {
   EXPECT_LT(StatusKb("VmHWM:") - rss_before, 4 * 1024);
   ::close(sv[0]);
   ::close(sv[1]);
+}
+
+// --- time travel's walk (drivers/workspace_steps.h) against a lying agent ------------------
+
+LyingAgent::Script WalkReply(const std::string& manifest, const std::string& contents,
+                             int64_t manifest_bytes = -1) {
+  if (manifest_bytes < 0) manifest_bytes = static_cast<int64_t>(manifest.size());
+  return Replying(
+      RawFrame(proto::FrameType::kResponse,
+               R"({"ok":true,"walk":"w1","manifest_bytes":)" + std::to_string(manifest_bytes) + "}",
+               manifest + contents));
+}
+
+TEST(LyingAgentTest, WalkWhoseLengthsDoNotAddUpIsRefused) {
+  LyingAgent agent(WalkReply("[]", "", 1 << 20));
+  AgentClient client = agent.Client();
+  EXPECT_FALSE(client.Walk("", true, 100, 1 << 20).ok());
+}
+
+TEST(LyingAgentTest, CaptureFromAWalkWithAnEscapingPathStoresNothing) {
+  for (const char* path : {"../etc/passwd", "/etc/shadow", "a/../../x"}) {
+    LyingAgent agent(
+        WalkReply(std::string(R"([[")") + path + R"(","f",420,3,1,"k","",3]])", "abc"));
+    AgentClient client = agent.Client();
+    testing::MemoryBlobStore blobs;
+    std::string base;
+    absl::StatusOr<WorkspaceManifest> m = CaptureAgentWorkspace(client, blobs, {}, &base);
+    EXPECT_TRUE(absl::IsInvalidArgument(m.status())) << path << ": " << m.status();
+    EXPECT_EQ(blobs.puts(), 0) << path;
+  }
+}
+
+TEST(LyingAgentTest, CaptureTakesSizesAndHashesFromTheBytesNotTheAgent) {
+  // Claims an exabyte for a 3-byte file (and would claim any hash it liked: there is no field).
+  LyingAgent agent(WalkReply(R"([["a","f",420,1152921504606846976,1,"k","",3]])", "abc"));
+  AgentClient client = agent.Client();
+  testing::MemoryBlobStore blobs;
+  std::string base;
+  absl::StatusOr<WorkspaceManifest> m = CaptureAgentWorkspace(client, blobs, {}, &base);
+  ASSERT_TRUE(m.ok()) << m.status();
+  ASSERT_EQ(m->entries.size(), 1u);
+  EXPECT_EQ(m->entries[0].size, 3);
+  EXPECT_EQ(m->total_bytes, 3);
+  EXPECT_EQ(m->entries[0].sha256,
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");  // sha256("abc")
+  EXPECT_EQ(base, "w1");
+}
+
+TEST(LyingAgentTest, CaptureWithDuplicatePathsStoresNothing) {
+  LyingAgent agent(WalkReply(R"([["a","f",420,1,1,"k","",1],["a","f",420,1,1,"k","",1]])", "xy"));
+  AgentClient client = agent.Client();
+  testing::MemoryBlobStore blobs;
+  std::string base;
+  EXPECT_TRUE(absl::IsInvalidArgument(CaptureAgentWorkspace(client, blobs, {}, &base).status()));
+  EXPECT_EQ(blobs.puts(), 0);
 }
 
 }  // namespace

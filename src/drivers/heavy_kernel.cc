@@ -48,7 +48,52 @@ std::vector<ReportedArtifact> ParseArtifacts(const json::array& reported) {
   return out;
 }
 
+// A Python string literal of `text` (backslash, quote and control characters escaped).
+std::string PythonLiteral(std::string_view text) {
+  std::string out = "'";
+  for (unsigned char c : text) {
+    if (c == '\\' || c == '\'') {
+      out += '\\';
+      out += static_cast<char>(c);
+    } else if (c == '\n') {
+      out += "\\n";
+    } else if (c < 0x20 || c == 0x7f) {
+      out += absl::StrCat("\\x", absl::Hex(c, absl::kZeroPad2));
+    } else {
+      out += static_cast<char>(c);
+    }
+  }
+  return out + "'";
+}
+
+// The summary's bounds (esb_vars.py: 64 KiB, at most 500 names of a dozen fields each).
+constexpr size_t kMaxVariablesJson = 64 * 1024;
+constexpr size_t kMaxVariablesContainers = 2048;
+constexpr size_t kMaxVariablesSeparators = 20000;
+
 }  // namespace
+
+const std::string& ShippedHeavyKernel() {
+  static const std::string* text = new std::string(absl::StrCat(
+      "_ESB_VARS_SOURCE = ", PythonLiteral(EsbVarsSource()), "\n", AbslView(HeavyKernelSource())));
+  return *text;
+}
+
+std::string ValidVariablesJson(std::string_view text) {
+  // SECURITY: from inside the sandbox: bounded in size and shape before it is parsed.
+  if (text.empty() || text.size() > kMaxVariablesJson ||
+      !JsonShapeWithin(text, kMaxVariablesContainers, kMaxVariablesSeparators)) {
+    return "";
+  }
+  boost::system::error_code ec;
+  json::value v = json::parse(text, ec);
+  if (ec || !v.is_array()) return "";
+  for (const json::value& e : v.as_array()) {
+    const json::object* o = e.if_object();
+    if (!o || !o->contains("name") || !(*o).at("name").is_string()) return "";
+  }
+  return json::serialize(v);
+}
 
 absl::StatusOr<std::string> ReadWholeSandboxFile(const ChunkReader& read, int64_t cap) {
   std::string data;
@@ -69,7 +114,9 @@ absl::StatusOr<std::string> ReadWholeSandboxFile(const ChunkReader& read, int64_
 }
 
 absl::StatusOr<RunResult> RunHeavyKernel(Driver& driver, const InstanceRef& ref,
-                                         const RunRequest& request, const OutputSink& sink) {
+                                         const RunRequest& request, const OutputSink& sink,
+                                         std::string* variables) {
+  if (variables) variables->clear();
   const std::string dir(kHeavyKernelDir), kernel(kHeavyKernelPath);
   const std::string tag = RandomHex(8);
   const std::string cell = absl::StrCat(dir, "/cell-", tag, ".py");
@@ -82,6 +129,8 @@ absl::StatusOr<RunResult> RunHeavyKernel(Driver& driver, const InstanceRef& ref,
   exec.command = absl::StrCat("python3 ", kernel, request.once ? " once " : " run ", cell, " ",
                               result, " ", timeout_ms, " ", absl::StrJoin(formats, ","));
   exec.timeout = std::chrono::milliseconds(timeout_ms + 5000);
+  // The kernel summarises the namespace after the cell (time travel's variables).
+  if (variables && !request.once) exec.env["ESB_KERNEL_VARIABLES"] = "1";
   // kernel.py's 2 MiB of cell output (ASCII), framed; more is cut by the agent (`truncated`).
   exec.max_output_bytes = 3 << 20;
   // The cell's stdout and stderr come framed on the exec's stdout, in the order written
@@ -176,6 +225,8 @@ absl::StatusOr<RunResult> RunHeavyKernel(Driver& driver, const InstanceRef& ref,
     o.error = RunError{field("type"), field("message"), field("traceback")};
   }
   o.exit_code = status == "ok" ? 0 : (o.timed_out ? 124 : 1);
+  if (const json::value* v = res.if_contains("variables"); variables && v && v->is_string())
+    *variables = ValidVariablesJson(v->as_string());
   if (const json::value* a = res.if_contains("artifacts"); a && a->is_array())
     o.artifacts = ParseArtifacts(a->as_array());
   // The caller copies the reported files out while they still exist.

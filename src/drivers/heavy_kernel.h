@@ -66,14 +66,27 @@ namespace esb {
 inline constexpr std::string_view kHeavyKernelPath = "/usr/lib/esb/kernel.py";
 inline constexpr std::string_view kHeavyKernelDir = "/tmp/.esb-kernel";
 
-// The source of kernel.py (Python 3.11+, stdlib only), for drivers to ship into sandboxes.
+// The source of kernel.py (Python 3.11+, stdlib only).
 std::string_view HeavyKernelSource();
+// The source of esb_vars.py (src/agent/python/): time travel's bounded variables summary.
+std::string_view EsbVarsSource();
+// What drivers ship at kHeavyKernelPath: kernel.py with esb_vars.py's source prepended as the
+// string `_ESB_VARS_SOURCE` (one read-only file: kernel.py loads the summary from it; on the
+// host, from esb_vars.py next to it).
+const std::string& ShippedHeavyKernel();
+
+// The bounded variables summary a kernel cell reported (StepState::variables_json): a JSON
+// array of at most 64 KiB and a bounded shape; anything else is dropped (empty).
+std::string ValidVariablesJson(std::string_view text);
 
 // Runs `request` through kernel.py in instance `ref` of `driver`, using only the driver's
 // WriteFile / Exec / ReadFile: `request.once` = a one-shot run in a fresh process, else a cell
 // of the instance's persistent kernel. Output goes to `sink` as it is produced.
+// A persistent-kernel cell also reports the variables summary (time travel) into `*variables`
+// when given (validated with ValidVariablesJson; empty: none).
 absl::StatusOr<RunResult> RunHeavyKernel(Driver& driver, const InstanceRef& ref,
-                                         const RunRequest& request, const OutputSink& sink);
+                                         const RunRequest& request, const OutputSink& sink,
+                                         std::string* variables = nullptr);
 
 // A whole file from inside a sandbox, at most `cap` bytes (else ResourceExhausted): every
 // size and length the sandbox reports is checked against what was really received.

@@ -319,3 +319,37 @@ def test_an_interrupt_sent_with_the_request_interrupts_that_cell(kernel):
     done = json.loads(buf.strip().splitlines()[-1])
     assert done["status"] == "interrupted", done
     assert kernel.run("x")["value"] == "1"
+
+
+def test_variables_summary_after_each_cell_and_frame_locals_on_error(kernel):
+    """Time travel: with ESB_KERNEL_VARIABLES=1 (what esbd sets for session cells) each result
+    carries the bounded summary of the namespace (esb_vars.py), and after an error the locals
+    of the failing frames; without it, nothing is computed."""
+    assert "variables" not in kernel.run("a = 1")
+    kernel.env["ESB_KERNEL_VARIABLES"] = "1"
+    r = kernel.run("b = [1, 2, 3]\nclass C:\n    def __repr__(self): raise SystemExit\nc = C()")
+    assert r["status"] == "ok"
+    v = {e["name"]: e for e in json.loads(r["variables"])}
+    assert v["a"]["repr"] == "1" and v["b"]["repr"] == "[1, 2, 3]" and v["b"]["len"] == 3
+    assert v["c"]["repr"].endswith("C object>")  # its __repr__ (which would exit) never ran
+    r = kernel.run("def f(x):\n    local_y = x * 2\n    return 1 / 0\nf(21)")
+    assert r["status"] == "error" and r["error"]["type"] == "ZeroDivisionError"
+    entries = json.loads(r["variables"])
+    assert len(r["variables"].encode()) <= 64 * 1024
+    frame = [e for e in entries if e.get("frame", "").startswith("f (")]
+    assert {e["name"]: e["repr"] for e in frame} == {"x": "21", "local_y": "42"}
+    assert {e["name"] for e in entries if "frame" not in e} >= {"a", "b", "c", "f"}
+
+
+def test_reset_kills_the_kernel_and_the_next_cell_starts_fresh(kernel):
+    assert kernel.run("x = 5")["status"] == "ok"
+    pids = kernel.server_pids()
+    assert pids
+    r = subprocess.run([sys.executable, str(KERNEL), "reset"], env=kernel.env, timeout=20)
+    assert r.returncode == 0
+    deadline = time.time() + 5
+    while time.time() < deadline and set(kernel.server_pids()) & set(pids):
+        time.sleep(0.05)
+    assert not set(kernel.server_pids()) & set(pids)
+    r = kernel.run("'x' in globals()")
+    assert r["value"] == "False" and r["kernel_restarted"]

@@ -523,6 +523,30 @@ def describe(e):
             "traceback": clip(text, TRACEBACK_MAX, keep_end=True)}
 
 
+ESB_VARS = None
+
+
+def variables_of(ns, tb=None):
+    """The step's bounded variables summary (esb_vars.py) as JSON text; None when it cannot be
+    made. esbd ships esb_vars.py's source inside this file (_ESB_VARS_SOURCE, prepended); run
+    from the tree, the file next to this one is read."""
+    global ESB_VARS
+    try:
+        if ESB_VARS is None:
+            source = globals().get("_ESB_VARS_SOURCE")
+            path = "<esb_vars>"
+            if source is None:
+                path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "esb_vars.py")
+                with open(path, encoding="utf-8") as f:
+                    source = f.read()
+            module = types.ModuleType("__esb_vars__")
+            exec(compile(source, path, "exec"), module.__dict__)
+            ESB_VARS = module
+        return ESB_VARS.summarize_step(ns, tb, skip_files=(__file__, ast.__file__))
+    except BaseException:  # noqa: never lose the cell's result over its summary
+        return None
+
+
 def run_cell(ns, code, counter, cell, req, pump=None):
     global IN_CELL, CURRENT
     name = "<cell-%d>" % counter
@@ -568,6 +592,8 @@ def run_cell(ns, code, counter, cell, req, pump=None):
             result["error"] = describe(e)
         except BaseException:
             result["error"] = {"type": type(e).__name__, "message": "", "traceback": ""}
+        if req.get("variables"):
+            result["variables"] = variables_of(ns, e.__traceback__)
     finally:
         IN_CELL = False
         if os.getpid() != OWNER_PID:
@@ -579,6 +605,8 @@ def run_cell(ns, code, counter, cell, req, pump=None):
             cell.flush()
         except BaseException:
             pass
+    if req.get("variables") and result["status"] == "ok":
+        result["variables"] = variables_of(ns)
     try:
         result["artifacts"] = capture.finish()
     except BaseException as e:  # noqa: never lose the cell's result over its artifacts
@@ -868,7 +896,8 @@ def run(cellfile, resultfile, timeout_ms, formats):
                             "traceback": ""}
             return finish(resultfile, out)
     pid = peer_pid(s)
-    send(s, {"code": code, "formats": formats, "outdir": resultfile[:-5] + "-art"})
+    send(s, {"code": code, "formats": formats, "outdir": resultfile[:-5] + "-art",
+             "variables": os.environ.get("ESB_KERNEL_VARIABLES") == "1"})
     buf = b""
     interrupted_at = None
     done = None
@@ -931,7 +960,33 @@ def run(cellfile, resultfile, timeout_ms, formats):
         out["table"] = done.get("table")
         out["artifacts"] = done.get("artifacts") or []
         out["kernel_restarted"] = bool(done.get("restarted"))
+        if isinstance(done.get("variables"), str):
+            out["variables"] = done["variables"]
     return finish(resultfile, out)
+
+
+def reset():
+    """Kills this directory's persistent kernel (time travel's rewind without a memory
+    snapshot): the next cell starts a fresh one, which reports kernel_restarted."""
+    s = connect()
+    if s is None:
+        return 0
+    pid = peer_pid(s)
+    s.close()
+    try:
+        os.killpg(os.getpgid(pid), signal.SIGKILL)  # start_server made it a group of its own
+    except OSError:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    for _ in range(200):  # until its socket name is free again (at most 2 s)
+        probe = connect()
+        if probe is None:
+            break
+        probe.close()
+        time.sleep(0.01)
+    return 0
 
 
 def finish(resultfile, out):
@@ -945,6 +1000,8 @@ def finish(resultfile, out):
 def main():
     if len(sys.argv) in (2, 3) and sys.argv[1] == "serve":
         serve()
+    elif len(sys.argv) == 2 and sys.argv[1] == "reset":
+        sys.exit(reset())
     elif len(sys.argv) == 6 and sys.argv[1] in ("run", "once"):
         mode = run if sys.argv[1] == "run" else once
         # once() turns fds 1/2 into the cell's pipes: a failure of kernel.py itself is written
@@ -956,7 +1013,7 @@ def main():
             os.write(own_stderr, traceback.format_exc().encode("utf-8", "replace"))
             os._exit(1)
     else:
-        sys.stderr.write("usage: kernel.py serve [DIR] | run|once CELLFILE RESULTFILE TIMEOUT_MS "
+        sys.stderr.write("usage: kernel.py serve [DIR] | reset | run|once CELLFILE RESULTFILE TIMEOUT_MS "
                          "FORMATS\n")
         sys.exit(2)
 

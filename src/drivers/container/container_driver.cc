@@ -36,6 +36,7 @@
 #include "drivers/container/runtime.h"
 #include "drivers/env_limits.h"
 #include "drivers/heavy_kernel.h"
+#include "drivers/workspace_steps.h"
 #include "governance/tls/ca.h"
 
 namespace esb {
@@ -569,9 +570,11 @@ class ContainerDriver : public Driver {
     return kind_ == RuntimeKind::kRunsc ? "gvisor" : "container";
   }
   // Shell, files, and a persistent Python kernel per environment (heavy_kernel.h). One-shot
-  // Python needs an environment (the core makes a throw-away one); no snapshots yet.
+  // Python needs an environment (the core makes a throw-away one). Steps (time travel) keep
+  // files, the shell state and a variables summary: no memory snapshot (StepMemory says why).
   CapabilitySet Capabilities() const override {
-    CapabilitySet caps{Capability::kExec, Capability::kFiles, Capability::kPythonSession};
+    CapabilitySet caps{Capability::kExec, Capability::kFiles, Capability::kPythonSession,
+                       Capability::kSteps};
     if (VolumesSupported()) caps.Add(Capability::kVolumes);
     if (EgressSupported()) caps.Add(Capability::kEgress);
     return caps;
@@ -582,8 +585,22 @@ class ContainerDriver : public Driver {
                                     const OutputSink& sink) override {
     if (ref == nullptr) return Driver::RunCode(ref, request, sink);
     ESB_RETURN_IF_ERROR(ValidateId(ref->id));
-    return RunHeavyKernel(*this, *ref, request, sink);
+    std::string variables;
+    absl::StatusOr<RunResult> result = RunHeavyKernel(*this, *ref, request, sink, &variables);
+    // The summary waits for the step's CaptureStep (time travel); a cell without one (the
+    // kernel died) clears the previous cell's, which no longer describes the session.
+    if (result.ok() && !request.once) {
+      std::lock_guard<std::mutex> lock(steps_mu_);
+      pending_variables_[ref->id] = std::move(variables);
+    }
+    return result;
   }
+  // Time travel (step_state.h; docs/agent-protocol.md "Workspace steps").
+  absl::StatusOr<StepState> CaptureStep(const InstanceRef& ref, const CaptureOptions& options,
+                                        BlobStore& blobs) override;
+  absl::StatusOr<InstanceRef> RestoreStep(const InstanceRef& ref, const StepState& state,
+                                          BlobStore& blobs) override;
+  StepMemorySupport StepMemory() const override;
   std::string Describe() const override { return describe_; }
   const UsernsStatus& userns() const { return userns_; }
   // Volumes need mkfs.ext4 and mount, and binds that reach a root-only host directory and keep
@@ -667,6 +684,12 @@ class ContainerDriver : public Driver {
     return client;
   }
   void DropAgent(const std::string& id) {
+    {
+      std::lock_guard<std::mutex> lock(steps_mu_);
+      step_bases_.erase(id);
+      restored_.erase(id);
+      pending_variables_.erase(id);
+    }
     std::shared_ptr<AgentClient> client;
     std::lock_guard<std::mutex> lock(agents_mu_);
     auto it = agents_.find(id);
@@ -707,6 +730,13 @@ class ContainerDriver : public Driver {
   std::set<std::string> busy_;
   std::mutex agents_mu_;
   std::map<std::string, std::shared_ptr<AgentClient>> agents_;  // by environment id
+  // Time travel, by environment id: the agent's last walk (the next capture's base) and the
+  // variables summary of the last Python cell not yet captured.
+  std::mutex steps_mu_;
+  std::map<std::string, std::string> step_bases_;
+  std::map<std::string, std::string> pending_variables_;
+  // What the last RestoreStep wrote, bound to the step's blobs (until the next capture).
+  std::map<std::string, WorkspaceManifest> restored_;
   std::set<std::string> prepared_images_;
   std::map<std::string, std::unique_ptr<OciRuntime>> runtimes_;
 };
@@ -1258,6 +1288,121 @@ absl::StatusOr<UniqueFd> ContainerDriver::ConnectEgressProxy(const InstanceRef& 
   return fd;
 }
 
+// The shell state a step keeps (step_state.h): more is not a shell session's.
+constexpr int64_t kMaxStepShellState = 256 * 1024;
+
+absl::StatusOr<StepState> ContainerDriver::CaptureStep(const InstanceRef& ref,
+                                                       const CaptureOptions& options,
+                                                       BlobStore& blobs) {
+  ESB_RETURN_IF_ERROR(ValidateId(ref.id));
+  std::shared_ptr<AgentClient> agent = AgentPtr(ref.id);
+  // Sandboxes created before time travel run an agent without its ops.
+  absl::StatusOr<std::vector<std::string>> ops = agent->Capabilities();
+  if (!ops.ok()) return ops.status();
+  if (std::find(ops->begin(), ops->end(), "walk") == ops->end()) {
+    return absl::FailedPreconditionError(
+        "this environment's agent predates time travel (no `walk` op): recreate the "
+        "environment to capture steps");
+  }
+  std::string base;
+  WorkspaceManifest known;
+  {
+    std::lock_guard<std::mutex> lock(steps_mu_);
+    base = step_bases_[ref.id];
+    if (auto it = restored_.find(ref.id); it != restored_.end()) known = it->second;
+  }
+  StepState state;
+  absl::StatusOr<WorkspaceManifest> workspace =
+      CaptureAgentWorkspace(*agent, blobs, options, &base, &known);
+  if (!workspace.ok()) return workspace.status();
+  state.workspace = std::move(*workspace);
+  // A state over the cap is not kept (the rewind then starts a fresh shell in /workspace).
+  absl::StatusOr<std::string> shell = agent->ShellState(kMaxStepShellState);
+  if (shell.ok()) {
+    state.shell_state = std::move(*shell);
+  } else if (!absl::IsResourceExhausted(shell.status())) {  // EFBIG: over 256 KiB
+    return shell.status();
+  }
+  std::lock_guard<std::mutex> lock(steps_mu_);
+  step_bases_[ref.id] = base;
+  restored_.erase(ref.id);  // the core passes this capture as the next one's previous
+  if (auto it = pending_variables_.find(ref.id); it != pending_variables_.end()) {
+    if (options.variables) state.variables_json = std::move(it->second);
+    pending_variables_.erase(it);
+  }
+  return state;
+}
+
+absl::StatusOr<InstanceRef> ContainerDriver::RestoreStep(const InstanceRef& ref,
+                                                         const StepState& state, BlobStore& blobs) {
+  ESB_RETURN_IF_ERROR(ValidateId(ref.id));
+  if (state.memory) {
+    return absl::FailedPreconditionError(
+        "this driver keeps no memory snapshots of steps; the step cannot have one");
+  }
+  if (static_cast<int64_t>(state.shell_state.size()) > kMaxStepShellState) {
+    return absl::InvalidArgumentError("the step's shell state is larger than 256 KiB");
+  }
+  std::shared_ptr<AgentClient> agent = AgentPtr(ref.id);
+  std::string base;
+  WorkspaceManifest known;
+  ESB_RETURN_IF_ERROR(RestoreAgentWorkspace(*agent, blobs, state.workspace, &base, &known));
+  ESB_RETURN_IF_ERROR(agent->SetShellState(state.shell_state));
+  // The Python session restarts fresh (memory "none": live variables do not come back); the
+  // next cell reports kernel_restarted.
+  ExecRequest reset;
+  // (An image without python3 has no Python session to restart.)
+  // No kernel ever started here (its directory counts starts): nothing to restart, and no
+  // python3 start-up to pay.
+  reset.command = absl::StrCat("[ -e ", AbslView(kHeavyKernelDir),
+                               "/starts ] || exit 0; command -v python3 >/dev/null 2>&1 || exit 0; "
+                               "exec python3 ",
+                               AbslView(kHeavyKernelPath), " reset");
+  reset.timeout = std::chrono::milliseconds(10000);
+  absl::StatusOr<ExecResult> killed = agent->Exec(reset, nullptr);
+  if (!killed.ok()) return killed.status();
+  if (killed->exit_code != 0) {
+    return absl::InternalError(
+        absl::StrCat("restarting the Python kernel failed (exit code ", killed->exit_code, ")"));
+  }
+  // The reset's own exec saved the restored shell state again (unchanged), nothing else.
+  std::lock_guard<std::mutex> lock(steps_mu_);
+  step_bases_[ref.id] = base;
+  restored_[ref.id] = std::move(known);
+  pending_variables_.erase(ref.id);
+  return ref;
+}
+
+StepMemorySupport ContainerDriver::StepMemory() const {
+  StepMemorySupport support;
+  if (kind_ == RuntimeKind::kRunsc) {
+    support.reason =
+        "gVisor: runsc checkpoint/restore as a step's memory snapshot is not implemented in "
+        "this driver yet (files, the shell state and a variables summary are kept)";
+    return support;
+  }
+  static const std::string* criu = new std::string([] {
+    const std::string binary = FindExecutable("criu");
+    if (binary.empty()) return std::string("criu is not installed");
+    SpawnOptions options;
+    options.timeout_ms = 10000;
+    absl::StatusOr<ProcessResult> r = RunProcess({binary, "check"}, options);
+    if (!r.ok()) return absl::StrCat("`criu check` could not run: ", r.status().message());
+    if (r->exit_code == 0) return std::string();
+    // Debian 12's CRIU 3.17 on kernels >= 6.13 says "Unexpected rt vDSO area bounds" (the
+    // vvar split; fixed in CRIU 4.1).
+    std::string why(absl::StripAsciiWhitespace(r->output.substr(0, 300)));
+    return absl::StrCat("`criu check` fails on this host: ", why);
+  }());
+  support.reason =
+      absl::StrCat(criu->empty() ? "criu check passes" : *criu, "; ", RuntimeName(kind_),
+                   kind_ == RuntimeKind::kCrun
+                       ? " has no checkpoint command (Debian's crun is built without CRIU)"
+                       : ": checkpoints through CRIU are not implemented in this driver yet",
+                   ": steps keep files, the shell state and a variables summary (memory \"none\")");
+  return support;
+}
+
 absl::StatusOr<Usage> ContainerDriver::Stats(const InstanceRef& ref) {
   ESB_RETURN_IF_ERROR(ValidateId(ref.id));
   const EnvPaths paths = PathsFor(options_, ref.id);
@@ -1329,7 +1474,7 @@ absl::StatusOr<std::string> InstallAgent(const std::string& source, const std::s
   // a read-only bind: sandbox code can run it but never replace it).
   const std::string kernel = PythonKernelFile(state_dir);
   if (!Exists(kernel)) {
-    ESB_RETURN_IF_ERROR(WriteStringToFile(kernel, std::string(HeavyKernelSource()), 0644));
+    ESB_RETURN_IF_ERROR(WriteStringToFile(kernel, ShippedHeavyKernel(), 0644));
     // SECURITY: root-owned and not writable by the sandbox user, like the agent copy.
     if (::chown(kernel.c_str(), 0, 0) != 0 || ::chmod(kernel.c_str(), 0644) != 0) {
       return ErrnoStatus("chmod " + kernel);
@@ -1351,7 +1496,7 @@ absl::StatusOr<std::string> InstallAgent(const std::string& source, const std::s
 // gets a new file; running sandboxes keep the one they were created with).
 std::string PythonKernelFile(const std::string& state_dir) {
   return absl::StrCat(ShareDir(state_dir), "/esb-kernel-",
-                      absl::Hex(Fnv1a(AbslView(HeavyKernelSource())), absl::kZeroPad8), ".py");
+                      absl::Hex(Fnv1a(AbslView(ShippedHeavyKernel())), absl::kZeroPad8), ".py");
 }
 
 // Sandbox layout 1 ran the agent from <state_dir>/bin/esb-agent-*. No instance of the current

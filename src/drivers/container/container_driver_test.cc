@@ -41,6 +41,7 @@
 #include "drivers/container/oci_spec.h"
 #include "drivers/container/runtime.h"
 #include "drivers/container/seccomp_profile.h"
+#include "drivers/testing/memory_blob_store.h"
 #include "governance/tls/ca.h"
 #include "gtest/gtest.h"
 
@@ -91,10 +92,10 @@ std::string BuildTinyRootfs(const std::string& dir) {
     fs::create_symlink(target, rootfs + "/" + link);
   }
   std::set<std::string> libs;
-  for (const char* tool :
-       {"bash",  "id",       "cat",     "grep",     "head", "tail", "ls",  "mkdir", "dd",
-        "sleep", "true",     "env",     "touch",    "rm",   "tr",   "wc",  "seq",   "stat",
-        "uname", "hostname", "timeout", "readlink", "mv",   "ln",   "kill"}) {
+  for (const char* tool : {"bash",     "id", "cat",   "grep", "head",  "tail",     "ls",
+                           "mkdir",    "dd", "sleep", "true", "env",   "touch",    "rm",
+                           "tr",       "wc", "seq",   "stat", "uname", "hostname", "timeout",
+                           "readlink", "mv", "ln",    "kill", "chmod", "find",     "sort"}) {
     std::string path = container::FindExecutable(tool);
     if (path.empty()) continue;
     std::string real = fs::canonical(path).string();
@@ -1889,6 +1890,232 @@ TEST(GvisorDriverTest, CreatesOrExplainsWhyNot) {
   EXPECT_TRUE((*driver)->Destroy(*ref).ok());
   EXPECT_TRUE(FindContainerLeaks(o, *ref).empty())
       << absl::StrJoin(FindContainerLeaks(o, *ref), "\n");
+}
+
+// --- time travel (kSteps): the state after restore equals the state at capture -------------
+
+// /workspace as text: every entry's path, type, mode, size, mtime and link target, and the
+// files' contents.
+std::string WorkspaceFingerprint(Driver& driver, const InstanceRef& ref) {
+  ExecRequest req;
+  req.command =
+      "(cd /workspace && find . -mindepth 1 -printf '%p %y %m %s %T@ %l\\n' | LC_ALL=C sort && "
+      "find . -type f -printf '%p\\n' | LC_ALL=C sort | while read -r f; do echo \"== $f\"; "
+      "cat \"$f\"; done)";
+  req.timeout = std::chrono::milliseconds(20000);
+  absl::StatusOr<ExecResult> r = driver.Exec(ref, req, nullptr);
+  EXPECT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r.ok() ? r->exit_code : -1, 0) << (r.ok() ? r->stderr_data : "");
+  return r.ok() ? r->stdout_data : "";
+}
+
+// The shell session: cwd, an exported and a plain variable, a function.
+std::string ShellFingerprint(Driver& driver, const InstanceRef& ref) {
+  ExecRequest req;
+  req.command = "pwd; echo \"STEP=$STEP X=$X\"; env | grep -c '^STEP=' ; type greet 2>&1 | head -1";
+  req.timeout = std::chrono::milliseconds(20000);
+  absl::StatusOr<ExecResult> r = driver.Exec(ref, req, nullptr);
+  EXPECT_TRUE(r.ok()) << r.status();
+  return r.ok() ? r->stdout_data : "";
+}
+
+constexpr char kStepSetup[] =
+    "mkdir -p d/e && printf alpha > a.txt && printf 'in e' > d/e/f && chmod 0750 d && "
+    "chmod 0600 d/e/f && ln -s ../a.txt d/link && ln -s /etc/passwd abs && : > empty && "
+    "cd d && export STEP=one && X=plain && greet() { echo hi; }";
+
+TEST_F(ContainerDriverTest, StepsAreACapability) {
+  EXPECT_TRUE(driver_->Capabilities().Has(Capability::kSteps));
+  StepMemorySupport memory = driver_->StepMemory();
+  std::printf("[ steps    ] memory: %s\n", memory.reason.c_str());
+  EXPECT_FALSE(memory.available);
+  // Honest about why: CRIU's state on this host, and the runtime's lack of a checkpoint.
+  EXPECT_TRUE(absl::StrContains(memory.reason, "criu")) << memory.reason;
+  EXPECT_TRUE(absl::StrContains(memory.reason, "memory \"none\"")) << memory.reason;
+}
+
+TEST_F(ContainerDriverTest, RewindGivesBackFilesModesSymlinksAndShell) {
+  InstanceRef ref = MustCreate();
+  ASSERT_EQ(MustExec(ref, kStepSetup).exit_code, 0);
+  testing::MemoryBlobStore blobs;
+  absl::StatusOr<StepState> step = driver_->CaptureStep(ref, CaptureOptions{}, blobs);
+  ASSERT_TRUE(step.ok()) << step.status();
+  EXPECT_FALSE(step->memory.has_value());
+  EXPECT_EQ(step->workspace.entries.size(), 7u);
+  EXPECT_FALSE(step->shell_state.empty());
+  const std::string files = WorkspaceFingerprint(*driver_, ref);
+  const std::string shell = ShellFingerprint(*driver_, ref);
+  EXPECT_EQ(shell, "/workspace/d\nSTEP=one X=plain\n1\ngreet is a function\n");
+  // Everything changes.
+  ASSERT_EQ(MustExec(ref,
+                     "cd /workspace && rm -rf d && echo changed > a.txt && chmod 0600 a.txt "
+                     "&& mkdir extra && ln -s /etc/passwd extra/l && rm abs && mkdir abs && "
+                     "cd /tmp && export STEP=two && unset X && unset -f greet")
+                .exit_code,
+            0);
+  ASSERT_NE(WorkspaceFingerprint(*driver_, ref), files);
+  ASSERT_NE(ShellFingerprint(*driver_, ref), shell);
+  absl::StatusOr<InstanceRef> back = driver_->RestoreStep(ref, *step, blobs);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(WorkspaceFingerprint(*driver_, ref), files);
+  EXPECT_EQ(ShellFingerprint(*driver_, ref), shell);
+  // Continue after the rewind: the next capture stores only what the new step wrote.
+  const int puts = blobs.puts();
+  ASSERT_EQ(MustExec(ref, "echo more > /workspace/b.txt").exit_code, 0);
+  CaptureOptions next;
+  next.previous = &step->workspace;
+  absl::StatusOr<StepState> after = driver_->CaptureStep(ref, next, blobs);
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_EQ(blobs.puts(), puts + 1);
+  EXPECT_EQ(after->workspace.entries.size(), 8u);
+  // Unchanged again: nothing is stored.
+  next.previous = &after->workspace;
+  ASSERT_TRUE(driver_->CaptureStep(ref, next, blobs).ok());
+  EXPECT_EQ(blobs.puts(), puts + 1);
+}
+
+TEST_F(ContainerDriverTest, ForksOfAStepAreEqualAtTheStepAndDivergeIndependently) {
+  InstanceRef ref = MustCreate();
+  ASSERT_EQ(MustExec(ref, kStepSetup).exit_code, 0);
+  testing::MemoryBlobStore blobs;
+  absl::StatusOr<StepState> step = driver_->CaptureStep(ref, CaptureOptions{}, blobs);
+  ASSERT_TRUE(step.ok()) << step.status();
+  const std::string files = WorkspaceFingerprint(*driver_, ref);
+  const std::string shell = ShellFingerprint(*driver_, ref);
+  std::vector<InstanceRef> forks;
+  for (int i = 0; i < 2; ++i) {
+    absl::StatusOr<InstanceRef> fork =
+        driver_->ForkStep(*step, EnvSpec(), "f" + RandomHex(4), blobs);
+    ASSERT_TRUE(fork.ok()) << fork.status();
+    live_.push_back(*fork);
+    forks.push_back(*fork);
+    EXPECT_EQ(WorkspaceFingerprint(*driver_, *fork), files);
+    EXPECT_EQ(ShellFingerprint(*driver_, *fork), shell);
+  }
+  ASSERT_EQ(MustExec(forks[0], "echo zero > /workspace/a.txt").exit_code, 0);
+  ASSERT_EQ(MustExec(forks[1], "rm /workspace/a.txt && cd /workspace").exit_code, 0);
+  EXPECT_EQ(MustExec(forks[0], "cat /workspace/a.txt").stdout_data, "zero\n");
+  EXPECT_NE(MustExec(forks[1], "cat /workspace/a.txt").exit_code, 0);
+  EXPECT_EQ(WorkspaceFingerprint(*driver_, ref), files);  // the source is untouched
+  EXPECT_EQ(ShellFingerprint(*driver_, ref), shell);
+}
+
+TEST_F(ContainerDriverTest, APlantedSymlinkCannotMakeARewindWriteOutsideTheWorkspace) {
+  InstanceRef ref = MustCreate();
+  ASSERT_EQ(MustExec(ref, "mkdir -p /workspace/sub && echo mine > /workspace/sub/f").exit_code, 0);
+  testing::MemoryBlobStore blobs;
+  absl::StatusOr<StepState> step = driver_->CaptureStep(ref, CaptureOptions{}, blobs);
+  ASSERT_TRUE(step.ok()) << step.status();
+  // Sandbox code replaces the directory by a link to a directory it may not write through
+  // the rewind (here its own /tmp, standing for anything outside the workspace).
+  ASSERT_EQ(MustExec(ref,
+                     "mkdir -p /tmp/target && rm -rf /workspace/sub && "
+                     "ln -s /tmp/target /workspace/sub")
+                .exit_code,
+            0);
+  ASSERT_TRUE(driver_->RestoreStep(ref, *step, blobs).ok());
+  EXPECT_EQ(MustExec(ref, "ls -A /tmp/target | wc -l").stdout_data, "0\n");
+  EXPECT_EQ(MustExec(ref, "test -L /workspace/sub || cat /workspace/sub/f").stdout_data, "mine\n");
+}
+
+TEST_F(ContainerDriverTest, PythonStepKeepsAVariablesSummaryAndRewindRestartsTheKernel) {
+  // Needs python3 in the image: the real rootfs (scripts/build-images.sh; tests read
+  // build/images.env into the environment), not the tiny one the other tests use.
+  const char* image = getenv("ESBD_IMAGE_DEFAULT");
+  if (image == nullptr || !fs::exists(std::string(image) + "/usr/bin/python3")) {
+    GTEST_SKIP() << "no image with python3 (set ESBD_IMAGE_DEFAULT: . build/images.env)";
+  }
+  ContainerDriverOptions o = options_;
+  o.state_dir = Env().tmp + "/state-py-" + RandomHex(3);
+  o.images["default"] = image;
+  absl::StatusOr<std::unique_ptr<Driver>> driver = NewContainerDriver(o);
+  ASSERT_TRUE(driver.ok()) << driver.status();
+  absl::StatusOr<InstanceRef> ref = (*driver)->Create("p" + RandomHex(4), EnvSpec());
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  auto run = [&](const std::string& code) {
+    RunRequest req;
+    req.code = code;
+    req.timeout_ms = 20000;
+    absl::StatusOr<RunResult> r = (*driver)->RunCode(&*ref, req, nullptr);
+    EXPECT_TRUE(r.ok()) << r.status();
+    return r.ok() ? *r : RunResult{};
+  };
+  testing::MemoryBlobStore blobs;
+  RunResult first =
+      run("x = 41\nnames = ['a', 'b']\nclass C:\n    def __repr__(self): return 'X'\nc = C()");
+  ASSERT_EQ(first.exit_code, 0) << (first.error ? first.error->message : "");
+  absl::StatusOr<StepState> step = (*driver)->CaptureStep(*ref, CaptureOptions{}, blobs);
+  ASSERT_TRUE(step.ok()) << step.status();
+  std::printf("[ vars     ] %s\n", step->variables_json.c_str());
+  EXPECT_TRUE(absl::StrContains(step->variables_json, R"({"name":"x","type":"int","repr":"41"})"))
+      << step->variables_json;
+  EXPECT_TRUE(absl::StrContains(step->variables_json, R"("repr":"['a', 'b']")"));
+  EXPECT_TRUE(absl::StrContains(step->variables_json, "C object>")) << "a user __repr__ ran";
+  // A shell step after it has no summary of its own.
+  ASSERT_EQ((*driver)->Exec(*ref, ExecRequest{.command = "true"}, nullptr)->exit_code, 0);
+  absl::StatusOr<StepState> shell_step = (*driver)->CaptureStep(*ref, CaptureOptions{}, blobs);
+  ASSERT_TRUE(shell_step.ok());
+  EXPECT_EQ(shell_step->variables_json, "");
+  // An error: the failing frame's locals are in the summary.
+  RunResult failed = run("def f(n):\n    half = n / 2\n    return half / 0\nf(8)");
+  ASSERT_TRUE(failed.error.has_value());
+  absl::StatusOr<StepState> error_step = (*driver)->CaptureStep(*ref, CaptureOptions{}, blobs);
+  ASSERT_TRUE(error_step.ok());
+  EXPECT_TRUE(absl::StrContains(error_step->variables_json,
+                                R"({"name":"half","type":"float","repr":"4.0","frame":"f ()"))
+      << error_step->variables_json;
+  // Rewind to the first step: memory "none", so the kernel restarts fresh.
+  ASSERT_TRUE((*driver)->RestoreStep(*ref, *step, blobs).ok());
+  RunResult after = run("'x' in globals()");
+  EXPECT_EQ(after.value.value_or(""), "False");
+  EXPECT_TRUE(after.kernel_restarted);
+  EXPECT_TRUE((*driver)->Destroy(*ref).ok());
+}
+
+TEST_F(ContainerDriverTest, CaptureOfAnUnreadableDirectoryFailsInsteadOfLosingItsContents) {
+  InstanceRef ref = MustCreate();
+  ASSERT_EQ(MustExec(ref,
+                     "mkdir /workspace/locked && echo x > /workspace/locked/f && "
+                     "chmod 0 /workspace/locked")
+                .exit_code,
+            0);
+  testing::MemoryBlobStore blobs;
+  absl::StatusOr<StepState> step = driver_->CaptureStep(ref, CaptureOptions{}, blobs);
+  EXPECT_FALSE(step.ok());
+  EXPECT_TRUE(absl::StrContains(step.status().message(), "cannot read directory locked"))
+      << step.status();
+  ASSERT_EQ(MustExec(ref, "chmod 0755 /workspace/locked").exit_code, 0);
+  EXPECT_TRUE(driver_->CaptureStep(ref, CaptureOptions{}, blobs).ok());
+}
+
+TEST_F(ContainerDriverTest, GvisorStepRewindGivesBackFilesAndShell) {
+  if (container::FindExecutable("runsc").empty()) GTEST_SKIP() << "runsc (gVisor) not installed";
+  ContainerDriverOptions o = options_;
+  o.state_dir = Env().tmp + "/state-gv-" + RandomHex(3);
+  o.runtime = "runsc";
+  absl::StatusOr<std::unique_ptr<Driver>> driver = NewContainerDriver(o);
+  ASSERT_TRUE(driver.ok()) << driver.status();
+  StepMemorySupport memory = (*driver)->StepMemory();
+  std::printf("[ gvisor   ] step memory: %s\n", memory.reason.c_str());
+  EXPECT_FALSE(memory.available);
+  absl::StatusOr<InstanceRef> ref = (*driver)->Create("g" + RandomHex(4), EnvSpec());
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  ASSERT_EQ((*driver)->Exec(*ref, ExecRequest{.command = kStepSetup}, nullptr)->exit_code, 0);
+  testing::MemoryBlobStore blobs;
+  absl::StatusOr<StepState> step = (*driver)->CaptureStep(*ref, CaptureOptions{}, blobs);
+  ASSERT_TRUE(step.ok()) << step.status();
+  const std::string files = WorkspaceFingerprint(**driver, *ref);
+  const std::string shell = ShellFingerprint(**driver, *ref);
+  ASSERT_EQ(
+      (*driver)
+          ->Exec(*ref, ExecRequest{.command = "cd /workspace && rm -rf d a.txt && cd /"}, nullptr)
+          ->exit_code,
+      0);
+  ASSERT_NE(WorkspaceFingerprint(**driver, *ref), files);
+  ASSERT_TRUE((*driver)->RestoreStep(*ref, *step, blobs).ok());
+  EXPECT_EQ(WorkspaceFingerprint(**driver, *ref), files);
+  EXPECT_EQ(ShellFingerprint(**driver, *ref), shell);
+  EXPECT_TRUE((*driver)->Destroy(*ref).ok());
 }
 
 }  // namespace
