@@ -12,6 +12,9 @@
 #   bash bench/run.sh exec-trace   where one exec's time goes: `perf trace` of esbd and the agent
 #                                  during 40 execs, summarised by bench/exec_timeline.py
 #                                  (BENCH_TRACE_OUT=FILE keeps the raw trace)
+#   bash bench/run.sh nano-steps [N]  nano time travel (bench/nano_steps_bench.cc, no daemon):
+#                                  step + capture vs the same step without capture (same run),
+#                                  rewind/fork latency, compaction, bytes kept per step
 #   bash bench/run.sh dlp [...]    DLP throughput (bench/dlp_bench.cc, no daemon): the default
 #                                  rule set on 64 KiB mixed-text bodies (and chat-style JSON
 #                                  bodies), MB/s per core, vs RE2::Set over the same rules and

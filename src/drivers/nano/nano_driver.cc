@@ -703,23 +703,45 @@ std::string NanoDriver::SummarizeVariables(const std::string& frozen_id) {
     std::lock_guard<std::mutex> lock(server_mu_);
     if (!server_ || server_->guest != "python") return "";
   }
+  // The module's code object, compiled once by the guest in a fresh one-shot interpreter (no
+  // user code ever ran there); it only ever goes back into guests, never parsed by esbd.
+  std::string code_hex;
+  {
+    std::lock_guard<std::mutex> lock(vars_mu_);
+    if (vars_code_hex_.empty()) {
+      std::string hex;
+      hex.reserve(module.size() * 2);
+      static const char kHex[] = "0123456789abcdef";
+      for (unsigned char c : module) {
+        hex.push_back(kHex[c >> 4]);
+        hex.push_back(kHex[c & 15]);
+      }
+      RunRequest compile;
+      compile.code = absl::StrCat(
+          "import marshal, sys\nsys.stdout.write(marshal.dumps(compile(bytes.fromhex('", hex,
+          "').decode('utf-8'), 'esb_vars.py', 'exec')).hex())\n");
+      compile.timeout_ms = 10000;
+      compile.max_output_bytes = 4 << 20;
+      absl::StatusOr<RunResult> r = RunCode(nullptr, compile, nullptr);
+      if (r.ok() && r->exit_code == 0 && !r->truncated && !r->stdout_data.empty() &&
+          r->stdout_data.find_first_not_of("0123456789abcdef") == std::string::npos) {
+        vars_code_hex_ = r->stdout_data;
+      } else {
+        LogWarn("nano: cannot compile esb_vars.py in the guest; no variables summaries");
+        return "";
+      }
+    }
+    code_hex = vars_code_hex_;
+  }
   absl::StatusOr<std::shared_ptr<Session>> clone = CloneSession(frozen_id);
   if (!clone.ok()) return "";
   // In the throwaway clone only: the session and its frozen step never run this.
-  std::string hex;
-  hex.reserve(module.size() * 2);
-  static const char kHex[] = "0123456789abcdef";
-  for (unsigned char c : module) {
-    hex.push_back(kHex[c >> 4]);
-    hex.push_back(kHex[c & 15]);
-  }
   RunRequest req;
   req.code = absl::StrCat(
       "_esb_vars_ns = {'__name__': 'esb_vars'}\n"
-      "exec(compile(bytes.fromhex('",
-      hex,
-      "').decode('utf-8'), 'esb_vars.py', 'exec'), "
-      "_esb_vars_ns)\n"
+      "exec(__import__('marshal').loads(bytes.fromhex('",
+      code_hex,
+      "')), _esb_vars_ns)\n"
       "import sys as _esb_vars_sys\n"
       "_esb_vars_n = _esb_vars_sys.stdout.write(_esb_vars_ns['summarize'](dict(globals())))\n");
   req.timeout_ms = 5000;

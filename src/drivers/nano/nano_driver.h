@@ -174,6 +174,10 @@ class NanoDriver : public Driver {
   std::mutex sessions_mu_;
   std::map<std::string, std::shared_ptr<Session>> sessions_;
   std::vector<std::string> cgroups_;
+  // esb_vars.py compiled once by the guest (marshal, hex) in a fresh one-shot interpreter, so
+  // a capture does not compile 30 KB of Python each time. Empty until the first summary.
+  std::mutex vars_mu_;
+  std::string vars_code_hex_;
 };
 
 std::unique_ptr<NanoDriver> NewNanoDriver(NanoDriverOptions options);
