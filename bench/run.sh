@@ -36,6 +36,7 @@ case "${1:-}" in
   exec-trace) shift; MODE=exec-trace ;;
   dlp) shift; MODE=dlp ;;
   egress) shift; MODE=egress ;;
+  nano-steps) shift; MODE=nano-steps ;;
 esac
 if [ "$MODE" = dlp ]; then
   cmake --build "$BUILD_DIR" --target dlp_bench >/dev/null
@@ -43,6 +44,11 @@ if [ "$MODE" = dlp ]; then
   exec "$BUILD_DIR/dlp_bench" "$@"
 fi
 load_images_env
+if [ "$MODE" = nano-steps ]; then
+  cmake --build "$BUILD_DIR" --target nano_steps_bench >/dev/null
+  log "nano-steps: load average $(cut -d' ' -f1-3 /proc/loadavg); $(nproc) cores"
+  exec "$BUILD_DIR/nano_steps_bench" "$BUILD_DIR/esb-nano-worker" "$ESBD_PYTHON_WASM" "$@"
+fi
 
 PIDS=()
 STATES=()
