@@ -19,6 +19,10 @@
 #include "drivers/nano/nano_driver.h"
 #include "drivers/testing/memory_blob_store.h"
 
+namespace esb {
+extern const char kEsbVarsPy[];  // esb_vars_py.cc (generated from src/agent/python/esb_vars.py)
+}
+
 namespace {
 
 double NowMs() {
@@ -95,6 +99,27 @@ int main(int argc, char** argv) {
     kept.push_back(std::move(*s));
   }
   bool have_vars = !kept.back().variables_json.empty();
+  // Where the summary's time goes: the same summary timed inside the guest (in a fork).
+  std::string inside;
+  if (have_vars) {
+    absl::StatusOr<esb::InstanceRef> probe = driver->Fork(*ref, "bench_probe");
+    if (!probe.ok()) Die(probe.status().ToString());
+    std::string hex;
+    for (unsigned char c : std::string(esb::kEsbVarsPy)) {
+      static const char kHex[] = "0123456789abcdef";
+      hex.push_back(kHex[c >> 4]);
+      hex.push_back(kHex[c & 15]);
+    }
+    esb::RunRequest r;
+    r.code = "import time, marshal\nt0 = time.perf_counter()\ncode = compile(bytes.fromhex('" + hex +
+             "').decode(), 'esb_vars.py', 'exec')\nt1 = time.perf_counter()\nns = {}\n"
+             "exec(code, ns)\nt2 = time.perf_counter()\nj = ns['summarize'](dict(globals()))\n"
+             "t3 = time.perf_counter()\nprint(f'compile {(t1-t0)*1e3:.2f} ms, module exec "
+             "{(t2-t1)*1e3:.2f} ms, summarize {(t3-t2)*1e3:.2f} ms, {len(j)} bytes of JSON')\n";
+    absl::StatusOr<esb::RunResult> res = driver->RunCode(&*probe, r, nullptr);
+    inside = res.ok() ? res->stdout_data + res->stderr_data + "\n" : res.status().ToString() + "\n";
+    (void)driver->Destroy(*probe);
+  }
   // Capture without the variables summary (what the summary itself costs).
   for (int i = 0; i < std::min(steps, 20); i++) {
     esb::CaptureOptions nv = copts;
@@ -168,6 +193,7 @@ int main(int argc, char** argv) {
   Row("rewind in place to a compacted step", restore_compact);
   printf("\nvariables summary: %s\n",
          have_vars ? "captured (esb_vars.py embedded)" : "not captured (esb_vars.py not embedded)");
+  if (!inside.empty()) printf("variables summary timed inside the guest: %s", inside.c_str());
   printf(
       "bytes kept per live step: %.2f MiB PSS at capture (shared with the session), "
       "%.2f MiB private after %d more steps (n=%zu)\n",
