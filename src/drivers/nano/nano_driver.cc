@@ -1,5 +1,6 @@
 #include "drivers/nano/nano_driver.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <signal.h>
 #include <spawn.h>
@@ -7,6 +8,7 @@
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#include <zlib.h>
 
 #include <boost/json.hpp>
 #include <cerrno>
@@ -118,7 +120,18 @@ void ParseGuestResult(const std::string& json, RunResult* result) {
   result->unsupported_module = unsupported;
 }
 
-NanoDriver::NanoDriver(NanoDriverOptions options) : options_(std::move(options)) {}
+NanoDriver::NanoDriver(NanoDriverOptions options) : options_(std::move(options)) {
+  // Images half-written when esbd died (CompactSnapshot writes <name>.tmp, then renames).
+  if (DIR* d = options_.snapshot_dir.empty() ? nullptr : opendir(options_.snapshot_dir.c_str())) {
+    while (dirent* e = readdir(d)) {
+      std::string name = e->d_name;
+      if (name.size() > 4 && name.compare(name.size() - 4, 4, ".tmp") == 0) {
+        unlinkat(dirfd(d), name.c_str(), 0);
+      }
+    }
+    closedir(d);
+  }
+}
 
 NanoDriver::~NanoDriver() {
   std::lock_guard<std::mutex> lock(server_mu_);
@@ -559,6 +572,17 @@ absl::StatusOr<std::string> ImagePath(const std::string& dir, const boost::json:
   return dir + "/" + name;
 }
 
+absl::Status WriteAllFd(int fd, const char* p, size_t n, const std::string& what) {
+  while (n > 0) {
+    ssize_t w = write(fd, p, n);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) return ErrnoStatus("nano: write " + what);
+    p += w;
+    n -= static_cast<size_t>(w);
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<boost::json::object> ParseState(const std::string& state) {
   boost::system::error_code ec;
   boost::json::value v = boost::json::parse(state, ec);
@@ -836,18 +860,62 @@ absl::StatusOr<std::shared_ptr<NanoDriver::Session>> NanoDriver::SessionFromSnap
     KillSession(sess);
     return s;
   };
-  std::string chunk(kImageChunk, '\0');
-  while (true) {
-    ssize_t got = read(file.get(), chunk.data(), chunk.size());
-    if (got < 0 && errno == EINTR) continue;
-    if (got < 0) return fail(ErrnoStatus("nano: read " + *path));
-    if (got == 0) break;
+  // Inflate the image in bounded pieces, each sent on as it fills (esbd never holds more than
+  // one piece); the total is bounded here and again by the loading worker.
+  const int64_t max_image = (sess->memory_mb << 21) + sess->ws_bytes + (16 << 20);
+  z_stream zs{};
+  if (inflateInit(&zs) != Z_OK) return fail(absl::InternalError("nano: inflateInit"));
+  std::string in(1 << 20, '\0'), piece(kImageChunk, '\0');
+  size_t filled = 0;
+  int64_t total = 0;
+  bool end = false;
+  absl::Status status;
+  auto send = [&]() {
     absl::StatusOr<Msg> rep =
-        Call(fd, {{"op", "load_chunk"}, {"data", chunk.substr(0, static_cast<size_t>(got))}},
-             kControlTimeoutMs);
-    if (!rep.ok()) return fail(rep.status());
-    if (absl::Status s = ReplyStatus(*rep, "nano: load image"); !s.ok()) return fail(s);
+        Call(fd, {{"op", "load_chunk"}, {"data", piece.substr(0, filled)}}, kControlTimeoutMs);
+    status = rep.ok() ? ReplyStatus(*rep, "nano: load image") : rep.status();
+    filled = 0;
+  };
+  while (status.ok() && !end) {
+    ssize_t got = read(file.get(), in.data(), in.size());
+    if (got < 0 && errno == EINTR) continue;
+    if (got < 0) {
+      status = ErrnoStatus("nano: read " + *path);
+      break;
+    }
+    if (got == 0) {
+      status = absl::DataLossError("nano: image truncated (" + *path + ")");
+      break;
+    }
+    zs.next_in = reinterpret_cast<Bytef*>(in.data());
+    zs.avail_in = static_cast<uInt>(got);
+    while (status.ok() && zs.avail_in > 0 && !end) {
+      zs.next_out = reinterpret_cast<Bytef*>(piece.data() + filled);
+      zs.avail_out = static_cast<uInt>(piece.size() - filled);
+      int rc = inflate(&zs, Z_NO_FLUSH);
+      size_t produced = piece.size() - filled - zs.avail_out;
+      filled += produced;
+      total += static_cast<int64_t>(produced);
+      if (rc == Z_STREAM_END) {
+        end = true;
+        if (zs.avail_in > 0) status = absl::DataLossError("nano: bytes after the image");
+      } else if (rc != Z_OK && rc != Z_BUF_ERROR) {
+        status = absl::DataLossError("nano: image is corrupt (" + *path + ")");
+      }
+      if (status.ok() && total > max_image) {
+        status = absl::DataLossError("nano: image larger than the session's caps");
+      }
+      if (status.ok() && (filled == piece.size() || (end && filled > 0))) send();
+    }
   }
+  if (status.ok()) {
+    // Nothing may follow the stream in the file either.
+    char extra;
+    if (read(file.get(), &extra, 1) != 0)
+      status = absl::DataLossError("nano: bytes after the image");
+  }
+  inflateEnd(&zs);
+  if (!status.ok()) return fail(status);
   absl::StatusOr<Msg> rep = Call(fd, {{"op", "load"}}, kDumpTimeoutMs);
   if (!rep.ok()) return fail(rep.status());
   if (absl::Status s = ReplyStatus(*rep, "nano: load image"); !s.ok()) return fail(s);
@@ -948,7 +1016,7 @@ absl::StatusOr<SnapshotRef> NanoDriver::CompactSnapshot(const SnapshotRef& snaps
   const std::string path = options_.snapshot_dir + "/" + name;
   const std::string tmp = path + ".tmp";
   boost::json::object state{{"image", name}};
-  int64_t size = 0;
+  int64_t size = 0, compressed = 0;
   {
     Session& s = **frozen;
     std::lock_guard<std::mutex> lock(s.mu);
@@ -972,8 +1040,27 @@ absl::StatusOr<SnapshotRef> NanoDriver::CompactSnapshot(const SnapshotRef& snaps
     if (size <= 0 || size > max) return absl::InternalError("nano: bad image size from worker");
     UniqueFd out(open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600));
     if (!out) return ErrnoStatus("nano: create " + tmp);
-    int64_t written = 0;
+    // The image goes to disk deflated (zlib, fast level): heap pages compress well.
+    z_stream zs{};
+    if (deflateInit(&zs, 1) != Z_OK) return absl::InternalError("nano: deflateInit");
+    std::string zbuf(1 << 20, '\0');
     absl::Status status;
+    auto deflate_some = [&](const char* p, size_t n, int flush) {
+      zs.next_in = reinterpret_cast<Bytef*>(const_cast<char*>(p));
+      zs.avail_in = static_cast<uInt>(n);
+      int rc = Z_OK;
+      do {
+        zs.next_out = reinterpret_cast<Bytef*>(zbuf.data());
+        zs.avail_out = static_cast<uInt>(zbuf.size());
+        rc = deflate(&zs, flush);
+        if (rc == Z_STREAM_ERROR) {
+          status = absl::InternalError("nano: deflate");
+          return;
+        }
+        status = WriteAllFd(out.get(), zbuf.data(), zbuf.size() - zs.avail_out, tmp);
+      } while (status.ok() && (zs.avail_out == 0 || (flush == Z_FINISH && rc != Z_STREAM_END)));
+    };
+    int64_t written = 0;
     while (written < size && status.ok()) {
       absl::StatusOr<Msg> c =
           Call(s.fd.get(), {{"op", "dump_chunk"}, {"offset", std::to_string(written)}},
@@ -987,17 +1074,12 @@ absl::StatusOr<SnapshotRef> NanoDriver::CompactSnapshot(const SnapshotRef& snaps
         status = absl::InternalError("nano: bad image chunk from worker");
         break;
       }
-      for (size_t off = 0; off < data.size() && status.ok();) {
-        ssize_t w = write(out.get(), data.data() + off, data.size() - off);
-        if (w < 0 && errno == EINTR) continue;
-        if (w <= 0) {
-          status = ErrnoStatus("nano: write " + tmp);
-        } else {
-          off += static_cast<size_t>(w);
-        }
-      }
+      deflate_some(data.data(), data.size(), Z_NO_FLUSH);
       written += static_cast<int64_t>(data.size());
     }
+    if (status.ok()) deflate_some(nullptr, 0, Z_FINISH);
+    compressed = static_cast<int64_t>(zs.total_out);
+    deflateEnd(&zs);
     if (status.ok() && fsync(out.get()) != 0) status = ErrnoStatus("nano: fsync " + tmp);
     if (status.ok() && rename(tmp.c_str(), path.c_str()) != 0) {
       status = ErrnoStatus("nano: rename " + tmp);
@@ -1010,7 +1092,7 @@ absl::StatusOr<SnapshotRef> NanoDriver::CompactSnapshot(const SnapshotRef& snaps
   (void)DeleteSnapshot(snapshot);  // the live clone is released
   SnapshotRef out{absl::StrCat("img_", RandomHex(12)), "nano", snapshot.content, snapshot.source_id,
                   boost::json::serialize(state)};
-  out.bytes = size;
+  out.bytes = compressed;
   out.live = false;
   return out;
 }

@@ -8,6 +8,7 @@
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#include <zlib.h>
 
 #include <algorithm>
 #include <atomic>
@@ -1455,8 +1456,23 @@ TEST_F(NanoPythonTest, HostileImageIsRefusedAndTheSessionKeepsItsState) {
   Out("x = 'current'\n", *ref);
   boost::json::object st = boost::json::parse(c->state).as_object();
   std::string path = image_root_ + "/images/" + std::string(st["image"].as_string());
-  std::string good;
-  ASSERT_TRUE(ReadFileToString(path, &good).ok());
+  std::string file;
+  ASSERT_TRUE(ReadFileToString(path, &file).ok());
+  // Images are deflated on disk: corrupt the raw image, deflate it again.
+  std::string good(64u << 20, '\0');
+  uLongf raw_len = good.size();
+  ASSERT_EQ(uncompress(reinterpret_cast<Bytef*>(good.data()), &raw_len,
+                       reinterpret_cast<const Bytef*>(file.data()), file.size()),
+            Z_OK);
+  good.resize(raw_len);
+  auto deflated = [](const std::string& raw) {
+    std::string z(compressBound(raw.size()), '\0');
+    uLongf n = z.size();
+    compress2(reinterpret_cast<Bytef*>(z.data()), &n, reinterpret_cast<const Bytef*>(raw.data()),
+              raw.size(), 1);
+    z.resize(n);
+    return z;
+  };
   // Page records: magic(8) + name(8+6) + globals(8+8) + pages(4) + count(4) = offset 46.
   std::string bad_index = good;
   uint32_t huge = 0xfffffff0u;
@@ -1465,16 +1481,40 @@ TEST_F(NanoPythonTest, HostileImageIsRefusedAndTheSessionKeepsItsState) {
   memcpy(&bad_count[42], &huge, 4);
   std::string bad_pages = good;
   memcpy(&bad_pages[38], &huge, 4);
-  for (const std::string& image :
-       {good.substr(0, good.size() / 2), std::string("ESBNIMG0") + good.substr(8), bad_index,
-        bad_count, bad_pages, good + "trailing"}) {
+  std::string bad_fs = good;  // the MemFs records' length: past the end
+  uint64_t bad_len = uint64_t{1} << 40;
+  memcpy(&bad_fs[good.size() - 8], &bad_len, 8);
+  // Each is refused (by the driver's inflate or the loading worker's checks, whose message
+  // names what is wrong) and the session keeps its state.
+  std::vector<std::pair<std::string, std::string>> cases = {
+      {file.substr(0, file.size() / 2), "truncated"},
+      {file + "trailing", "after the image"},
+      {deflated("ESBNIMG0" + good.substr(8)), "magic"},
+      {deflated(bad_index), "bad page record"},
+      {deflated(bad_count), "more changed pages"},
+      {deflated(bad_pages), "does not fit"},
+      {deflated(bad_fs), "truncated or trailing"},
+      {deflated(good + "trailing"), "truncated or trailing"},
+      {std::string("not zlib at all"), "corrupt"}};
+  for (const auto& [image, why] : cases) {
     ASSERT_TRUE(WriteStringToFile(path, image, 0600).ok());
     StepState cs = s;
     cs.memory = *c;
     absl::StatusOr<InstanceRef> back = driver_->RestoreStep(*ref, cs, blobs);
-    EXPECT_FALSE(back.ok());
+    EXPECT_FALSE(back.ok()) << why;
+    EXPECT_NE(back.status().message().find(why), std::string::npos) << back.status();
     EXPECT_EQ(Out("print(x)", *ref), "current\n");
   }
+  // A deflate bomb (96 MiB of zeros in ~100 KiB) for a 16 MiB session: refused by size while
+  // inflating, never held whole.
+  ASSERT_TRUE(WriteStringToFile(path, deflated(std::string(96u << 20, '\0')), 0600).ok());
+  StepState bomb = s;
+  bomb.memory = *c;
+  bomb.memory->state = R"({"image":")" + std::string(st["image"].as_string()) +
+                       R"(","memory_mb":16,"ws_bytes":1048576})";
+  absl::StatusOr<InstanceRef> refused = driver_->RestoreStep(*ref, bomb, blobs);
+  EXPECT_NE(refused.status().message().find("larger"), std::string::npos) << refused.status();
+  EXPECT_EQ(Out("print(x)", *ref), "current\n");
   // A state naming a file outside the image directory is refused before any open.
   SnapshotRef escape = *c;
   escape.state = R"({"image":"../../etc/passwd","memory_mb":64})";
@@ -1482,7 +1522,7 @@ TEST_F(NanoPythonTest, HostileImageIsRefusedAndTheSessionKeepsItsState) {
   es.memory = escape;
   EXPECT_EQ(driver_->RestoreStep(*ref, es, blobs).status().code(),
             absl::StatusCode::kInvalidArgument);
-  ASSERT_TRUE(WriteStringToFile(path, good, 0600).ok());
+  ASSERT_TRUE(WriteStringToFile(path, file, 0600).ok());
   StepState cs = s;
   cs.memory = *c;
   absl::StatusOr<InstanceRef> back = driver_->RestoreStep(*ref, cs, blobs);
