@@ -777,7 +777,15 @@ std::string NanoDriver::SummarizeVariables(const std::string& frozen_id) {
     std::lock_guard<std::mutex> lock((*clone)->mu);
     r = RunOn((*clone)->fd.get(), (*clone)->pid, req, &dead, false);
   }
-  KillSession(*clone);
+  if (r.ok() && !dead) {
+    // It answered: closing its channel makes it exit by itself, and the fork server reaps it.
+    // (SIGKILL + waitpid here would put the teardown of its address space on the capture's
+    // critical path.)
+    std::lock_guard<std::mutex> lock((*clone)->mu);
+    (*clone)->fd.reset();
+  } else {
+    KillSession(*clone);
+  }
   // SECURITY: the summary comes from the sandbox: kept only when it is a JSON array ≤ 64 KiB.
   if (!r.ok() || r->exit_code != 0 || r->truncated ||
       static_cast<int64_t>(r->stdout_data.size()) > kVarsMaxBytes) {
