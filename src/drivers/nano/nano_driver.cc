@@ -971,19 +971,23 @@ absl::StatusOr<std::shared_ptr<NanoDriver::Session>> NanoDriver::SessionFromMani
 
 absl::StatusOr<InstanceRef> NanoDriver::RestoreStep(const InstanceRef& ref, const StepState& state,
                                                     BlobStore& blobs) {
+  // The session's worker may be gone (esbd restarted): a step with a compact image, or a
+  // files-only step, still comes back (the latter with the instance's recorded memory cap).
   absl::StatusOr<std::shared_ptr<Session>> current = GetSession(ref);
-  if (!current.ok()) return current.status();
   absl::StatusOr<std::shared_ptr<Session>> sess;
   if (state.memory) {
     sess = SessionFromSnapshot(*state.memory);
   } else {
-    int64_t memory_mb, ws_bytes;
+    int64_t memory_mb = options_.default_memory_mb, ws_bytes = options_.workspace_max_mb << 20;
     std::map<std::string, std::string> env;
-    {
+    if (current.ok()) {
       std::lock_guard<std::mutex> lock((*current)->mu);
       memory_mb = (*current)->memory_mb;
       ws_bytes = (*current)->ws_bytes;
       env = (*current)->env;
+    } else if (absl::StatusOr<boost::json::object> st = ParseState(ref.state); st.ok()) {
+      memory_mb =
+          std::clamp<int64_t>(JsonInt(*st, "memory_mb", memory_mb), 16, options_.max_memory_mb);
     }
     sess = SessionFromManifest(state.workspace, memory_mb, ws_bytes, env, blobs);
   }

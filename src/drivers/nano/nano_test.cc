@@ -1428,6 +1428,44 @@ TEST_F(NanoPythonTest, CompactedStepRestoresAndForksEqual) {
   EXPECT_EQ(gone.status().code(), absl::StatusCode::kFailedPrecondition) << gone.status();
 }
 
+TEST_F(NanoPythonTest, CompactedStepComesBackAfterARestart) {
+  // A first "esbd": capture and compact, then it goes away with its sessions and clones.
+  absl::StatusOr<NanoDriverOptions> o = PythonNanoOptions(NANO_PYTHON_WORKER, NANO_PYTHON_DIR);
+  ASSERT_TRUE(o.ok()) << o.status();
+  o->cgroup_name = "";
+  o->snapshot_dir = image_root_ + "/restart-images";
+  esb::testing::MemoryBlobStore blobs;
+  StepState s;
+  InstanceRef ref;
+  {
+    auto first = NewNanoDriver(*o);
+    absl::StatusOr<InstanceRef> r = first->Create("tt_restart", EnvSpec{});
+    ASSERT_TRUE(r.ok()) << r.status();
+    ref = *r;
+    RunRequest run;
+    run.code = "survivor = {'step': 1}\nopen('kept.txt', 'w').write('on disk')\n";
+    ASSERT_TRUE(first->RunCode(&ref, run, nullptr).ok());
+    absl::StatusOr<StepState> c = first->CaptureStep(ref, CaptureOptions{}, blobs);
+    ASSERT_TRUE(c.ok()) << c.status();
+    s = *c;
+    absl::StatusOr<SnapshotRef> img = first->CompactSnapshot(*s.memory);
+    ASSERT_TRUE(img.ok()) << img.status();
+    s.memory = *img;
+  }
+  // The second one rewinds the (gone) session to the compacted step.
+  auto second = NewNanoDriver(*o);
+  EXPECT_FALSE(second->Attach(ref).ok());
+  absl::StatusOr<InstanceRef> back = second->RestoreStep(ref, s, blobs);
+  ASSERT_TRUE(back.ok()) << back.status();
+  RunRequest check;
+  check.code = "print(survivor, open('kept.txt').read())";
+  absl::StatusOr<RunResult> r = second->RunCode(&*back, check, nullptr);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->stdout_data, "{'step': 1} on disk\n") << r->stderr_data;
+  ASSERT_TRUE(second->DeleteSnapshot(*s.memory).ok());
+  ASSERT_TRUE(second->Destroy(*back).ok());
+}
+
 TEST_F(NanoPythonTest, CompactOfAFileOpenAfterUnlinkIsUnimplementedWithTheReason) {
   absl::StatusOr<InstanceRef> ref = driver_->Create("tt_unlinked", EnvSpec{});
   ASSERT_TRUE(ref.ok()) << ref.status();
