@@ -111,7 +111,8 @@ int main(int argc, char** argv) {
       hex.push_back(kHex[c & 15]);
     }
     esb::RunRequest r;
-    r.code = "import time, marshal\nt0 = time.perf_counter()\ncode = compile(bytes.fromhex('" + hex +
+    r.code = "import time, marshal\nt0 = time.perf_counter()\ncode = compile(bytes.fromhex('" +
+             hex +
              "').decode(), 'esb_vars.py', 'exec')\nt1 = time.perf_counter()\nns = {}\n"
              "exec(code, ns)\nt2 = time.perf_counter()\nj = ns['summarize'](dict(globals()))\n"
              "t3 = time.perf_counter()\nprint(f'compile {(t1-t0)*1e3:.2f} ms, module exec "

@@ -108,32 +108,31 @@ void RegisterDrivers(const esb::DaemonConfig& config, const std::string& state_d
     registry->Register("gvisor", Tier::kHeavy, [&] { return esb::NewContainerDriver(gopts); });
   }
   // Nano tier: CPython on wasm in seccomp-confined workers forked by a fork server.
-  registry->Register(
-      "nano", Tier::kNano, [&, state_dir]() -> absl::StatusOr<std::unique_ptr<esb::Driver>> {
-        std::string worker =
-            config.nano_worker.empty() ? SelfDir() + "/esb-nano-worker" : config.nano_worker;
-        std::error_code ec;
-        if (config.python_wasm.empty()) {
-          return absl::UnavailableError(
-              "no python.wasm artefact configured (make images; --python-wasm DIR or "
-              "ESBD_PYTHON_WASM)");
-        }
-        if (!std::filesystem::exists(worker, ec)) {
-          return absl::UnavailableError(absl::StrCat("nano worker binary ", worker,
-                                                     " is missing (rebuild after make images)"));
-        }
-        auto nopts = esb::PythonNanoOptions(worker, config.python_wasm);
-        if (!nopts.ok()) return nopts.status();
-        // The nano tier's cgroup gets its own share of the host's sandbox memory budget.
-        nopts->cgroup_memory_mb = config.nano_memory_mb;
-        // Time travel: older steps' memory as compact images (NanoDriver::CompactSnapshot).
-        nopts->snapshot_dir = state_dir + "/nano-images";
-        esb::LogInfo(absl::StrCat("nano tier: memory limit of its cgroup ", nopts->cgroup_name,
-                                  " = ", config.nano_memory_mb, " MiB"));
-        std::unique_ptr<esb::NanoDriver> d = esb::NewNanoDriver(*nopts);
-        *nano = d.get();
-        return std::unique_ptr<esb::Driver>(std::move(d));
-      });
+  registry->Register("nano", Tier::kNano, [&]() -> absl::StatusOr<std::unique_ptr<esb::Driver>> {
+    std::string worker =
+        config.nano_worker.empty() ? SelfDir() + "/esb-nano-worker" : config.nano_worker;
+    std::error_code ec;
+    if (config.python_wasm.empty()) {
+      return absl::UnavailableError(
+          "no python.wasm artefact configured (make images; --python-wasm DIR or "
+          "ESBD_PYTHON_WASM)");
+    }
+    if (!std::filesystem::exists(worker, ec)) {
+      return absl::UnavailableError(
+          absl::StrCat("nano worker binary ", worker, " is missing (rebuild after make images)"));
+    }
+    auto nopts = esb::PythonNanoOptions(worker, config.python_wasm);
+    if (!nopts.ok()) return nopts.status();
+    // The nano tier's cgroup gets its own share of the host's sandbox memory budget.
+    nopts->cgroup_memory_mb = config.nano_memory_mb;
+    // Time travel: older steps' memory as compact images (NanoDriver::CompactSnapshot).
+    nopts->snapshot_dir = state_dir + "/nano-images";
+    esb::LogInfo(absl::StrCat("nano tier: memory limit of its cgroup ", nopts->cgroup_name, " = ",
+                              config.nano_memory_mb, " MiB"));
+    std::unique_ptr<esb::NanoDriver> d = esb::NewNanoDriver(*nopts);
+    *nano = d.get();
+    return std::unique_ptr<esb::Driver>(std::move(d));
+  });
   registry->RegisterUnavailable(
       "microvm", Tier::kHeavy,
       "the microvm driver is not built yet: KVM on this host cannot boot guests (see "
