@@ -12,6 +12,9 @@
 #   bash bench/run.sh exec-trace   where one exec's time goes: `perf trace` of esbd and the agent
 #                                  during 40 execs, summarised by bench/exec_timeline.py
 #                                  (BENCH_TRACE_OUT=FILE keeps the raw trace)
+#   bash bench/run.sh nano-steps [N]  nano time travel (bench/nano_steps_bench.cc, no daemon):
+#                                  step + capture vs the same step without capture (same run),
+#                                  rewind/fork latency, compaction, bytes kept per step
 #   bash bench/run.sh dlp [...]    DLP throughput (bench/dlp_bench.cc, no daemon): the default
 #                                  rule set on 64 KiB mixed-text bodies (and chat-style JSON
 #                                  bodies), MB/s per core, vs RE2::Set over the same rules and
@@ -37,6 +40,7 @@ case "${1:-}" in
   dlp) shift; MODE=dlp ;;
   egress) shift; MODE=egress ;;
   steps) shift; MODE=steps ;;
+  nano-steps) shift; MODE=nano-steps ;;
 esac
 if [ "$MODE" = steps ]; then
   cmake --build "$BUILD_DIR" --target step_bench >/dev/null
@@ -49,6 +53,11 @@ if [ "$MODE" = dlp ]; then
   exec "$BUILD_DIR/dlp_bench" "$@"
 fi
 load_images_env
+if [ "$MODE" = nano-steps ]; then
+  cmake --build "$BUILD_DIR" --target nano_steps_bench >/dev/null
+  log "nano-steps: load average $(cut -d' ' -f1-3 /proc/loadavg); $(nproc) cores"
+  exec "$BUILD_DIR/nano_steps_bench" "$BUILD_DIR/esb-nano-worker" "$ESBD_PYTHON_WASM" "$@"
+fi
 
 PIDS=()
 STATES=()

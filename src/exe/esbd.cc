@@ -125,6 +125,8 @@ void RegisterDrivers(const esb::DaemonConfig& config, const std::string& state_d
     if (!nopts.ok()) return nopts.status();
     // The nano tier's cgroup gets its own share of the host's sandbox memory budget.
     nopts->cgroup_memory_mb = config.nano_memory_mb;
+    // Time travel: older steps' memory as compact images (NanoDriver::CompactSnapshot).
+    nopts->snapshot_dir = state_dir + "/nano-images";
     esb::LogInfo(absl::StrCat("nano tier: memory limit of its cgroup ", nopts->cgroup_name, " = ",
                               config.nano_memory_mb, " MiB"));
     std::unique_ptr<esb::NanoDriver> d = esb::NewNanoDriver(*nopts);

@@ -32,6 +32,12 @@ struct EsbNanoGuest {
   // Optional: called once right after instantiation, with the host wired to the instance's
   // memory (a WASI reactor's _initialize). NULL for a Wizer snapshot.
   void (*init_instance)(void* instance);
+  // Optional (time travel, compact images): the instance's state outside linear memory (wasm2c
+  // globals; checks of the table size), as bytes. save returns the length written (0: the
+  // guest cannot be saved, or `cap` is too small); load returns 0 on success, -1 when `bytes`
+  // do not fit this module. NULL: images of this guest are unsupported.
+  size_t (*save_globals)(void* instance, uint8_t* out, size_t cap);
+  int (*load_globals)(void* instance, const uint8_t* bytes, size_t len);
 };
 
 extern const struct EsbNanoGuest esb_nano_guest;

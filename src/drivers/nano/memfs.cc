@@ -4,13 +4,14 @@
 #include <sys/stat.h>
 #include <time.h>
 
-#include <atomic>
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <fstream>
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "drivers/nano/image.h"
 
 namespace esb::nano {
 namespace {
@@ -53,6 +54,7 @@ WasiErrno Node::Resize(uint64_t new_size) {
   }
   if (quota) quota->used_bytes += delta;
   mtime_ns = MemFs::NowNs();
+  generation++;
   return kOk;
 }
 
@@ -67,6 +69,7 @@ WasiErrno Node::Write(uint64_t offset, std::string_view bytes) {
   }
   std::memcpy(data.data() + offset, bytes.data(), bytes.size());
   mtime_ns = MemFs::NowNs();
+  generation++;
   return kOk;
 }
 
@@ -385,6 +388,82 @@ WasiErrno MemFs::Remove(const std::vector<std::string>& comps, bool recursive) {
   parent->children.erase(it);  // the subtree's nodes release their quota when freed
   parent->mtime_ns = NowNs();
   return kOk;
+}
+
+// Records: u8 type (0 dir, 1 file), str path ("/workspace/a"), u64 mtime_ns, str data.
+std::string MemFs::SaveWritable() const {
+  std::string out;
+  ByteWriter w(&out);
+  std::vector<std::pair<std::string, std::shared_ptr<Node>>> stack = {{"", root_}};
+  while (!stack.empty()) {
+    auto [path, node] = stack.back();
+    stack.pop_back();
+    if (!node->readonly && !path.empty()) {
+      w.U8(node->is_dir() ? 0 : 1);
+      w.Str(path);
+      w.U64(static_cast<uint64_t>(node->mtime_ns));
+      w.Str(node->is_dir() ? std::string_view() : std::string_view(node->data));
+    }
+    if (!node->is_dir()) continue;
+    // Reverse order on the stack: parents come out before their children, children in order.
+    for (auto it = node->children.rbegin(); it != node->children.rend(); ++it) {
+      stack.push_back({path + "/" + it->first, it->second});
+    }
+  }
+  return out;
+}
+
+absl::Status MemFs::LoadWritable(std::string_view records) {
+  auto bad = [](const std::string& why) {
+    return absl::InvalidArgumentError(absl::StrCat("nano image: file system: ", why));
+  };
+  // Empty the writable top directories (writable children of read-only directories).
+  std::vector<std::shared_ptr<Node>> dirs = {root_};
+  while (!dirs.empty()) {
+    std::shared_ptr<Node> d = dirs.back();
+    dirs.pop_back();
+    for (auto& [name, child] : d->children) {
+      if (!child->is_dir()) continue;
+      if (child->readonly) {
+        dirs.push_back(child);
+      } else {
+        child->children.clear();
+      }
+    }
+  }
+  ByteReader r(records);
+  // Set last: creating a child touches its parent's mtime.
+  std::vector<std::pair<std::shared_ptr<Node>, int64_t>> mtimes;
+  while (!r.done()) {
+    uint8_t type = r.U8();
+    std::string_view path = r.Str();
+    uint64_t mtime = r.U64();
+    std::string_view data = r.Str();
+    if (!r.ok() || type > 1) return bad("truncated or malformed record");
+    std::vector<std::string> comps;
+    if (Normalize({}, path, true, &comps) != kOk || comps.empty()) {
+      return bad(absl::StrCat("bad path ", std::string(path.substr(0, 256))));
+    }
+    std::shared_ptr<Node> node;
+    if (Lookup(comps, &node) == kOk) {
+      // Only a writable top directory survives the emptying above.
+      if (type != 0 || !node->is_dir() || node->readonly)
+        return bad("duplicate " + JoinPath(comps));
+      mtimes.push_back({node, static_cast<int64_t>(mtime)});
+      continue;
+    }
+    WasiErrno e = kOk;
+    if (type == 0) {
+      e = Mkdir(comps);
+    } else {
+      e = CreateFile(comps, true, false, &node);
+      if (e == kOk) e = node->Write(0, data);
+    }
+    if (e != kOk) return bad(absl::StrCat(JoinPath(comps), ": wasi errno ", static_cast<int>(e)));
+    if (Lookup(comps, &node) == kOk) mtimes.push_back({node, static_cast<int64_t>(mtime)});
+  }
+  for (auto& [node, mtime] : mtimes) node->mtime_ns = mtime;
+  return absl::OkStatus();
 }
 
 }  // namespace esb::nano

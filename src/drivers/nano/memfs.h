@@ -71,6 +71,9 @@ struct Node {
   const bool readonly;
   const uint64_t ino;
   int64_t mtime_ns = 0;
+  // Bumped by every change of `data` (Resize, Write): with `ino`, the time-travel manifest's
+  // change key (an unchanged key means unchanged contents, so the file is not read again).
+  uint64_t generation = 0;
   std::string data;                                        // kFile
   std::map<std::string, std::shared_ptr<Node>> children;   // kDir
   std::shared_ptr<FsQuota> quota;                          // null: not charged (read-only tree)
@@ -119,6 +122,14 @@ class MemFs {
   WasiErrno Remove(const std::vector<std::string>& comps, bool recursive);
 
   static int64_t NowNs();
+
+  // Time travel (nano_driver.h CompactSnapshot): every writable node (the trees under
+  // /workspace, /tmp, /.esb), pre-order, as records of path, type, mtime and contents /
+  // rebuilt from such records into this FS: the writable top directories are emptied first,
+  // every record is checked (path normalised, parents writable, quota charged), and any
+  // error leaves an InvalidArgument (the caller discards the worker).
+  std::string SaveWritable() const;
+  absl::Status LoadWritable(std::string_view records);
 
  private:
   std::shared_ptr<FsQuota> quota_;

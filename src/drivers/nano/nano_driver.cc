@@ -1,16 +1,20 @@
 #include "drivers/nano/nano_driver.h"
 
+#include <dirent.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#include <zlib.h>
 
 #include <boost/json.hpp>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <set>
 #include <tuple>
 
 #include "absl/strings/str_cat.h"
@@ -18,6 +22,7 @@
 #include "absl/strings/str_split.h"
 #include "common/protocol.h"
 #include "common/util.h"
+#include "drivers/nano/image.h"
 #include "drivers/nano/wire.h"
 
 extern char** environ;
@@ -115,7 +120,18 @@ void ParseGuestResult(const std::string& json, RunResult* result) {
   result->unsupported_module = unsupported;
 }
 
-NanoDriver::NanoDriver(NanoDriverOptions options) : options_(std::move(options)) {}
+NanoDriver::NanoDriver(NanoDriverOptions options) : options_(std::move(options)) {
+  // Images half-written when esbd died (CompactSnapshot writes <name>.tmp, then renames).
+  if (DIR* d = options_.snapshot_dir.empty() ? nullptr : opendir(options_.snapshot_dir.c_str())) {
+    while (dirent* e = readdir(d)) {
+      std::string name = e->d_name;
+      if (name.size() > 4 && name.compare(name.size() - 4, 4, ".tmp") == 0) {
+        unlinkat(dirfd(d), name.c_str(), 0);
+      }
+    }
+    closedir(d);
+  }
+}
 
 NanoDriver::~NanoDriver() {
   std::lock_guard<std::mutex> lock(server_mu_);
@@ -372,7 +388,7 @@ absl::StatusOr<RunResult> NanoDriver::RunOn(int fd, int pid, const RunRequest& r
 
 CapabilitySet NanoDriver::Capabilities() const {
   return {Capability::kFiles, Capability::kPythonSession, Capability::kPythonOneShot,
-          Capability::kFork, Capability::kSnapshot};
+          Capability::kFork,  Capability::kSnapshot,      Capability::kSteps};
 }
 
 absl::StatusOr<RunResult> NanoDriver::RunCode(const InstanceRef* session, const RunRequest& request,
@@ -450,8 +466,9 @@ absl::StatusOr<InstanceRef> NanoDriver::Create(const std::string& id, const EnvS
   return InstanceRef{id, "nano", boost::json::serialize(state)};
 }
 
-absl::StatusOr<InstanceRef> NanoDriver::Fork(const InstanceRef& source, const std::string& new_id) {
-  absl::StatusOr<std::shared_ptr<Session>> src = GetSession(source);
+absl::StatusOr<std::shared_ptr<NanoDriver::Session>> NanoDriver::CloneSession(
+    const std::string& source_id) {
+  absl::StatusOr<std::shared_ptr<Session>> src = GetSession(InstanceRef{source_id, "nano", ""});
   if (!src.ok()) return src.status();
   auto copy = std::make_shared<Session>();
   {
@@ -484,13 +501,36 @@ absl::StatusOr<InstanceRef> NanoDriver::Fork(const InstanceRef& source, const st
     if (!rep.ok()) return rep.status();
     if (absl::Status st = ReplyStatus(*rep, "nano: adopt"); !st.ok()) return st;
   }
+  return copy;
+}
+
+absl::StatusOr<InstanceRef> NanoDriver::Fork(const InstanceRef& source, const std::string& new_id) {
+  absl::StatusOr<std::shared_ptr<Session>> copy = CloneSession(source.id);
+  if (!copy.ok()) return copy.status();
+  return Install(new_id, *copy, source.id);
+}
+
+InstanceRef NanoDriver::Install(const std::string& id, std::shared_ptr<Session> session,
+                                const std::string& forked_from) {
+  boost::json::object state{{"pid", session->pid}, {"memory_mb", session->memory_mb}};
+  if (!forked_from.empty()) state["forked_from"] = forked_from;
+  std::shared_ptr<Session> old;
   {
     std::lock_guard<std::mutex> lock(sessions_mu_);
-    sessions_[new_id] = copy;
+    auto [it, inserted] = sessions_.try_emplace(id, session);
+    if (!inserted) {
+      old = std::move(it->second);
+      it->second = std::move(session);
+    }
   }
-  boost::json::object state{{"pid", copy->pid}, {"memory_mb", copy->memory_mb},
-                            {"forked_from", source.id}};
-  return InstanceRef{new_id, "nano", boost::json::serialize(state)};
+  if (old) KillSession(old);
+  return InstanceRef{id, "nano", boost::json::serialize(state)};
+}
+
+void NanoDriver::KillSession(const std::shared_ptr<Session>& session) {
+  std::lock_guard<std::mutex> lock(session->mu);
+  session->fd.reset();  // the worker exits on EOF
+  (void)Kill(session->pid);
 }
 
 absl::StatusOr<SnapshotRef> NanoDriver::Snapshot(const InstanceRef& ref, SnapshotContent content) {
@@ -503,15 +543,580 @@ absl::StatusOr<SnapshotRef> NanoDriver::Snapshot(const InstanceRef& ref, Snapsho
   const std::string id = absl::StrCat("snap_", RandomHex(12));
   absl::StatusOr<InstanceRef> held = Fork(ref, id);
   if (!held.ok()) return held.status();
-  return SnapshotRef{id, "nano", content, ref.id, held->state};
+  SnapshotRef snap{id, "nano", content, ref.id, held->state};
+  snap.live = true;
+  return snap;
 }
 
 absl::StatusOr<InstanceRef> NanoDriver::Restore(const SnapshotRef& snapshot,
                                                 const std::string& new_id) {
-  return Fork(InstanceRef{snapshot.id, "nano", snapshot.state}, new_id);
+  absl::StatusOr<std::shared_ptr<Session>> sess = SessionFromSnapshot(snapshot);
+  if (!sess.ok()) return sess.status();
+  return Install(new_id, *sess, snapshot.id);
+}
+
+namespace {
+
+// The image file a compact snapshot's state names, checked to be one of ours.
+absl::StatusOr<std::string> ImagePath(const std::string& dir, const boost::json::object& state) {
+  auto it = state.find("image");
+  if (it == state.end() || !it->value().is_string()) {
+    return absl::InvalidArgumentError("nano: snapshot state has no image");
+  }
+  std::string name(it->value().as_string());
+  // SECURITY: the name comes from the step log; it must name a file directly in snapshot_dir.
+  if (dir.empty() || name.empty() || name.size() > 64 ||
+      name.find_first_not_of("0123456789abcdef_img.") != std::string::npos || name[0] == '.') {
+    return absl::InvalidArgumentError("nano: bad image name in snapshot state");
+  }
+  return dir + "/" + name;
+}
+
+absl::Status WriteAllFd(int fd, const char* p, size_t n, const std::string& what) {
+  while (n > 0) {
+    ssize_t w = write(fd, p, n);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) return ErrnoStatus("nano: write " + what);
+    p += w;
+    n -= static_cast<size_t>(w);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<boost::json::object> ParseState(const std::string& state) {
+  boost::system::error_code ec;
+  boost::json::value v = boost::json::parse(state, ec);
+  if (ec || !v.is_object()) return absl::InvalidArgumentError("nano: bad snapshot state");
+  return v.as_object();
+}
+
+int64_t JsonInt(const boost::json::object& o, const char* key, int64_t def) {
+  auto it = o.find(key);
+  return it != o.end() && it->value().is_int64() ? it->value().as_int64() : def;
+}
+
+// The proportional set size of `pid` (its share of the pages it maps), 0 when unreadable.
+int64_t PssBytes(int pid) {
+  std::string text;
+  if (!ReadFileToString(absl::StrCat("/proc/", pid, "/smaps_rollup"), &text).ok()) return 0;
+  size_t at = text.find("\nPss:");
+  if (at == std::string::npos) return 0;
+  return std::strtoll(text.c_str() + at + 5, nullptr, 10) * 1024;
+}
+
+// A manifest path from a worker: relative, '/'-separated, no empty/./.. component.
+bool ValidManifestPath(const std::string& path) {
+  if (path.empty() || path.size() > 4096 || path[0] == '/') return false;
+  for (absl::string_view c : absl::StrSplit(path, '/')) {
+    if (c.empty() || c == "." || c == "..") return false;
+  }
+  return true;
+}
+
+constexpr int64_t kReadChunk = 16 << 20;     // the worker's read op bound
+constexpr int64_t kImageChunk = 32 << 20;    // the worker's dump/load chunk bound
+constexpr int64_t kVarsMaxBytes = 64 << 10;  // step_state.h: variables_json ≤ 64 KiB
+constexpr int64_t kDumpTimeoutMs = 60000;
+
+}  // namespace
+
+extern const char kEsbVarsPy[];  // esb_vars_py.cc, generated from src/agent/python/esb_vars.py
+
+StepMemorySupport NanoDriver::StepMemory() const { return {true, "fork", ""}; }
+
+absl::StatusOr<WorkspaceManifest> NanoDriver::WalkWorkspace(Session& session,
+                                                            const CaptureOptions& options,
+                                                            BlobStore& blobs) {
+  std::lock_guard<std::mutex> lock(session.mu);
+  if (session.dead) return absl::UnavailableError("nano: session worker is not running");
+  int fd = session.fd.get();
+  absl::StatusOr<Msg> rep = Call(
+      fd, {{"op", "walk"}, {"max_entries", std::to_string(options.max_files)}}, kControlTimeoutMs);
+  if (!rep.ok()) return rep.status();
+  if (absl::Status st = ReplyStatus(*rep, "nano: walk"); !st.ok()) return st;
+  if (GetStr(*rep, "truncated") == "1") {
+    return absl::FailedPreconditionError(
+        absl::StrCat("nano: /workspace has more than ", options.max_files, " entries"));
+  }
+  std::map<std::string, const ManifestEntry*> previous;
+  if (options.previous) {
+    for (const ManifestEntry& e : options.previous->entries) previous[e.path] = &e;
+  }
+  WorkspaceManifest out;
+  // SECURITY: the worker runs guest code: every field is checked, counts and sizes bounded.
+  const std::string entries = GetStr(*rep, "entries");
+  nano::ByteReader r(entries);
+  std::set<std::string> seen;
+  while (!r.done()) {
+    uint8_t type = r.U8();
+    std::string_view path = r.Str();
+    uint64_t size = r.U64();
+    uint64_t mtime = r.U64();
+    std::string_view key = r.Str();
+    if (!r.ok() || type > 1 || key.size() > 64) {
+      return absl::InternalError("nano: the worker sent a malformed workspace listing");
+    }
+    ManifestEntry e;
+    e.path = std::string(path.substr(0, 4097));
+    if (e.path.find('\0') != std::string::npos) {
+      return absl::FailedPreconditionError(
+          "nano: a name in /workspace contains a NUL byte; it cannot be recorded");
+    }
+    if (!ValidManifestPath(e.path) || !seen.insert(e.path).second) {
+      return absl::InternalError("nano: the worker reported a bad or repeated workspace path");
+    }
+    if (static_cast<int64_t>(out.entries.size()) >= options.max_files) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("nano: /workspace has more than ", options.max_files, " entries"));
+    }
+    e.type = type == 0 ? ManifestEntry::Type::kDir : ManifestEntry::Type::kFile;
+    e.mode = e.type == ManifestEntry::Type::kDir ? 0755 : 0644;
+    if (size > (uint64_t{1} << 40)) {
+      return absl::InternalError("nano: the worker reported a bad file size");
+    }
+    e.size = static_cast<int64_t>(size);
+    e.mtime_ns = static_cast<int64_t>(std::min<uint64_t>(mtime, INT64_MAX));
+    e.change_key = std::string(key);
+    out.total_bytes += e.size;
+    if (out.total_bytes > options.max_bytes) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("nano: /workspace holds more than ", options.max_bytes, " bytes"));
+    }
+    out.entries.push_back(std::move(e));
+  }
+  std::sort(out.entries.begin(), out.entries.end(),
+            [](const ManifestEntry& a, const ManifestEntry& b) { return a.path < b.path; });
+  for (ManifestEntry& e : out.entries) {
+    if (e.type != ManifestEntry::Type::kFile) continue;
+    auto it = previous.find(e.path);
+    if (it != previous.end() && it->second->type == ManifestEntry::Type::kFile &&
+        !e.change_key.empty() && it->second->change_key == e.change_key &&
+        it->second->size == e.size && it->second->mtime_ns == e.mtime_ns &&
+        blobs.Has(it->second->sha256)) {
+      e.sha256 = it->second->sha256;  // unchanged: not read again
+      continue;
+    }
+    std::string data;
+    while (static_cast<int64_t>(data.size()) < e.size) {
+      int64_t want = std::min<int64_t>(kReadChunk, e.size - static_cast<int64_t>(data.size()));
+      absl::StatusOr<Msg> r = Call(fd,
+                                   {{"op", "read"},
+                                    {"path", "/workspace/" + e.path},
+                                    {"offset", std::to_string(data.size())},
+                                    {"length", std::to_string(want)}},
+                                   kControlTimeoutMs);
+      if (!r.ok()) return r.status();
+      if (absl::Status st = ReplyStatus(*r, "nano: read " + e.path); !st.ok()) return st;
+      const std::string& chunk = GetStr(*r, "data");
+      if (chunk.empty() || static_cast<int64_t>(chunk.size()) > want) {
+        return absl::InternalError(absl::StrCat("nano: ", e.path, " changed size during capture"));
+      }
+      data += chunk;
+    }
+    absl::StatusOr<std::string> sha = blobs.Put(data);
+    if (!sha.ok()) return sha.status();
+    e.sha256 = *sha;
+  }
+  return out;
+}
+
+std::string NanoDriver::SummarizeVariables(const std::string& frozen_id) {
+  const std::string module = kEsbVarsPy;
+  if (module.empty()) return "";
+  {
+    std::lock_guard<std::mutex> lock(server_mu_);
+    if (!server_ || server_->guest != "python") return "";
+  }
+  // The module's code object, compiled once by the guest in a fresh one-shot interpreter (no
+  // user code ever ran there); it only ever goes back into guests, never parsed by esbd.
+  std::string code_hex;
+  {
+    std::lock_guard<std::mutex> lock(vars_mu_);
+    if (vars_code_hex_.empty()) {
+      std::string hex;
+      hex.reserve(module.size() * 2);
+      static const char kHex[] = "0123456789abcdef";
+      for (unsigned char c : module) {
+        hex.push_back(kHex[c >> 4]);
+        hex.push_back(kHex[c & 15]);
+      }
+      RunRequest compile;
+      compile.code = absl::StrCat(
+          "import marshal, sys\nsys.stdout.write(marshal.dumps(compile(bytes.fromhex('", hex,
+          "').decode('utf-8'), 'esb_vars.py', 'exec')).hex())\n");
+      compile.timeout_ms = 10000;
+      compile.max_output_bytes = 4 << 20;
+      absl::StatusOr<RunResult> r = RunCode(nullptr, compile, nullptr);
+      if (r.ok() && r->exit_code == 0 && !r->truncated && !r->stdout_data.empty() &&
+          r->stdout_data.find_first_not_of("0123456789abcdef") == std::string::npos) {
+        vars_code_hex_ = r->stdout_data;
+      } else {
+        LogWarn("nano: cannot compile esb_vars.py in the guest; no variables summaries");
+        return "";
+      }
+    }
+    code_hex = vars_code_hex_;
+  }
+  absl::StatusOr<std::shared_ptr<Session>> clone = CloneSession(frozen_id);
+  if (!clone.ok()) return "";
+  // In the throwaway clone only: the session and its frozen step never run this.
+  RunRequest req;
+  req.code = absl::StrCat(
+      "_esb_vars_ns = {'__name__': 'esb_vars'}\n"
+      "exec(__import__('marshal').loads(bytes.fromhex('",
+      code_hex,
+      "')), _esb_vars_ns)\n"
+      "import sys as _esb_vars_sys\n"
+      "_esb_vars_n = _esb_vars_sys.stdout.write(_esb_vars_ns['summarize'](dict(globals())))\n");
+  req.timeout_ms = 5000;
+  req.max_output_bytes = kVarsMaxBytes + 1;
+  std::string out;
+  bool dead = false;
+  absl::StatusOr<RunResult> r;
+  {
+    std::lock_guard<std::mutex> lock((*clone)->mu);
+    r = RunOn((*clone)->fd.get(), (*clone)->pid, req, &dead, false);
+  }
+  if (r.ok() && !dead) {
+    // It answered: closing its channel makes it exit by itself, and the fork server reaps it.
+    // (SIGKILL + waitpid here would put the teardown of its address space on the capture's
+    // critical path.)
+    std::lock_guard<std::mutex> lock((*clone)->mu);
+    (*clone)->fd.reset();
+  } else {
+    KillSession(*clone);
+  }
+  // SECURITY: the summary comes from the sandbox: kept only when it is a JSON array ≤ 64 KiB.
+  if (!r.ok() || r->exit_code != 0 || r->truncated ||
+      static_cast<int64_t>(r->stdout_data.size()) > kVarsMaxBytes) {
+    return "";
+  }
+  boost::system::error_code ec;
+  boost::json::value v = boost::json::parse(r->stdout_data, ec);
+  if (ec || !v.is_array()) return "";
+  return r->stdout_data;
+}
+
+absl::StatusOr<StepState> NanoDriver::CaptureStep(const InstanceRef& ref,
+                                                  const CaptureOptions& options, BlobStore& blobs) {
+  absl::StatusOr<std::shared_ptr<Session>> sess = GetSession(ref);
+  if (!sess.ok()) return sess.status();
+  StepState state;
+  std::shared_ptr<Session> source = *sess;  // where the workspace is read
+  std::string frozen_id = ref.id;           // what the variables summary forks
+  if (options.memory) {
+    absl::StatusOr<SnapshotRef> snap = Snapshot(ref, SnapshotContent::kMemoryAndDisk);
+    if (!snap.ok()) return snap.status();
+    absl::StatusOr<std::shared_ptr<Session>> frozen = GetSession({snap->id, "nano", ""});
+    if (!frozen.ok()) return frozen.status();
+    source = *frozen;
+    frozen_id = snap->id;
+    state.memory = *snap;
+  }
+  absl::StatusOr<WorkspaceManifest> manifest = WalkWorkspace(*source, options, blobs);
+  if (!manifest.ok()) {
+    if (state.memory) (void)DeleteSnapshot(*state.memory);
+    return manifest.status();
+  }
+  state.workspace = std::move(*manifest);
+  if (options.variables) state.variables_json = SummarizeVariables(frozen_id);
+  // What the clone holds now: its share of the pages it still has in common with the session
+  // (grows as the session dirties pages; see README.md "Time travel").
+  if (state.memory) state.memory->bytes = PssBytes(source->pid);
+  return state;
+}
+
+absl::StatusOr<std::shared_ptr<NanoDriver::Session>> NanoDriver::SessionFromSnapshot(
+    const SnapshotRef& snapshot) {
+  absl::StatusOr<boost::json::object> st = ParseState(snapshot.state);
+  if (!st.ok()) return st.status();
+  if (!st->contains("image")) {
+    absl::StatusOr<std::shared_ptr<Session>> clone = CloneSession(snapshot.id);
+    if (absl::IsNotFound(clone.status())) {
+      return absl::FailedPreconditionError(
+          "nano: the step's live memory snapshot is gone (esbd or its fork server restarted)");
+    }
+    return clone;
+  }
+  absl::StatusOr<std::string> path = ImagePath(options_.snapshot_dir, *st);
+  if (!path.ok()) return path.status();
+  auto sess = std::make_shared<Session>();
+  sess->memory_mb = std::clamp<int64_t>(JsonInt(*st, "memory_mb", options_.default_memory_mb), 16,
+                                        options_.max_memory_mb);
+  sess->ws_bytes = std::clamp<int64_t>(JsonInt(*st, "ws_bytes", options_.workspace_max_mb << 20), 0,
+                                       options_.workspace_max_mb << 20);
+  if (auto it = st->find("env"); it != st->end() && it->value().is_object()) {
+    for (const auto& [k, v] : it->value().as_object()) {
+      if (v.is_string()) sess->env[std::string(k)] = std::string(v.as_string());
+    }
+  }
+  UniqueFd file(open(path->c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
+  if (!file) {
+    if (errno == ENOENT) {
+      return absl::FailedPreconditionError("nano: the step's memory image is gone (collected)");
+    }
+    return ErrnoStatus("nano: open " + *path);
+  }
+  int fd = -1, pid = -1;
+  if (absl::Status s = Spawn(true, sess->memory_mb, sess->ws_bytes, sess->env, &fd, &pid);
+      !s.ok()) {
+    return s;
+  }
+  sess->fd.reset(fd);
+  sess->pid = pid;
+  auto fail = [&](absl::Status s) {
+    KillSession(sess);
+    return s;
+  };
+  // Inflate the image in bounded pieces, each sent on as it fills (esbd never holds more than
+  // one piece); the total is bounded here and again by the loading worker.
+  const int64_t max_image = (sess->memory_mb << 21) + sess->ws_bytes + (16 << 20);
+  z_stream zs{};
+  if (inflateInit(&zs) != Z_OK) return fail(absl::InternalError("nano: inflateInit"));
+  std::string in(1 << 20, '\0'), piece(kImageChunk, '\0');
+  size_t filled = 0;
+  int64_t total = 0;
+  bool end = false;
+  absl::Status status;
+  auto send = [&]() {
+    absl::StatusOr<Msg> rep =
+        Call(fd, {{"op", "load_chunk"}, {"data", piece.substr(0, filled)}}, kControlTimeoutMs);
+    status = rep.ok() ? ReplyStatus(*rep, "nano: load image") : rep.status();
+    filled = 0;
+  };
+  while (status.ok() && !end) {
+    ssize_t got = read(file.get(), in.data(), in.size());
+    if (got < 0 && errno == EINTR) continue;
+    if (got < 0) {
+      status = ErrnoStatus("nano: read " + *path);
+      break;
+    }
+    if (got == 0) {
+      status = absl::DataLossError("nano: image truncated (" + *path + ")");
+      break;
+    }
+    zs.next_in = reinterpret_cast<Bytef*>(in.data());
+    zs.avail_in = static_cast<uInt>(got);
+    while (status.ok() && zs.avail_in > 0 && !end) {
+      zs.next_out = reinterpret_cast<Bytef*>(piece.data() + filled);
+      zs.avail_out = static_cast<uInt>(piece.size() - filled);
+      int rc = inflate(&zs, Z_NO_FLUSH);
+      size_t produced = piece.size() - filled - zs.avail_out;
+      filled += produced;
+      total += static_cast<int64_t>(produced);
+      if (rc == Z_STREAM_END) {
+        end = true;
+        if (zs.avail_in > 0) status = absl::DataLossError("nano: bytes after the image");
+      } else if (rc != Z_OK && rc != Z_BUF_ERROR) {
+        status = absl::DataLossError("nano: image is corrupt (" + *path + ")");
+      }
+      if (status.ok() && total > max_image) {
+        status = absl::DataLossError("nano: image larger than the session's caps");
+      }
+      if (status.ok() && (filled == piece.size() || (end && filled > 0))) send();
+    }
+  }
+  if (status.ok()) {
+    // Nothing may follow the stream in the file either.
+    char extra;
+    if (read(file.get(), &extra, 1) != 0)
+      status = absl::DataLossError("nano: bytes after the image");
+  }
+  inflateEnd(&zs);
+  if (!status.ok()) return fail(status);
+  absl::StatusOr<Msg> rep = Call(fd, {{"op", "load"}}, kDumpTimeoutMs);
+  if (!rep.ok()) return fail(rep.status());
+  if (absl::Status s = ReplyStatus(*rep, "nano: load image"); !s.ok()) return fail(s);
+  return sess;
+}
+
+absl::StatusOr<std::shared_ptr<NanoDriver::Session>> NanoDriver::SessionFromManifest(
+    const WorkspaceManifest& manifest, int64_t memory_mb, int64_t ws_bytes,
+    const std::map<std::string, std::string>& env, BlobStore& blobs) {
+  auto sess = std::make_shared<Session>();
+  sess->memory_mb = memory_mb;
+  sess->ws_bytes = ws_bytes;
+  sess->env = env;
+  int fd = -1, pid = -1;
+  if (absl::Status s = Spawn(true, memory_mb, ws_bytes, env, &fd, &pid); !s.ok()) return s;
+  sess->fd.reset(fd);
+  sess->pid = pid;
+  auto fail = [&](absl::Status s) {
+    KillSession(sess);
+    return s;
+  };
+  for (const ManifestEntry& e : manifest.entries) {
+    if (!ValidManifestPath(e.path)) return fail(absl::InvalidArgumentError("bad manifest path"));
+    Msg req;
+    if (e.type == ManifestEntry::Type::kDir) {
+      req = {{"op", "mkdir"}, {"path", "/workspace/" + e.path}};
+    } else if (e.type == ManifestEntry::Type::kFile) {
+      absl::StatusOr<std::string> data = blobs.Get(e.sha256);
+      if (!data.ok()) return fail(data.status());
+      req = {{"op", "write"},
+             {"path", "/workspace/" + e.path},
+             {"data", std::move(*data)},
+             {"offset", "0"},
+             {"truncate", "1"}};
+    } else {
+      return fail(absl::UnimplementedError(
+          absl::StrCat("nano: ", e.path, ": the in-memory workspace has no symlinks")));
+    }
+    absl::StatusOr<Msg> rep = Call(fd, req, kControlTimeoutMs);
+    if (!rep.ok()) return fail(rep.status());
+    if (absl::Status s = ReplyStatus(*rep, "nano: restore " + e.path); !s.ok()) return fail(s);
+  }
+  return sess;
+}
+
+absl::StatusOr<InstanceRef> NanoDriver::RestoreStep(const InstanceRef& ref, const StepState& state,
+                                                    BlobStore& blobs) {
+  // The session's worker may be gone (esbd restarted): a step with a compact image, or a
+  // files-only step, still comes back (the latter with the instance's recorded memory cap).
+  absl::StatusOr<std::shared_ptr<Session>> current = GetSession(ref);
+  absl::StatusOr<std::shared_ptr<Session>> sess;
+  if (state.memory) {
+    sess = SessionFromSnapshot(*state.memory);
+  } else {
+    int64_t memory_mb = options_.default_memory_mb, ws_bytes = options_.workspace_max_mb << 20;
+    std::map<std::string, std::string> env;
+    if (current.ok()) {
+      std::lock_guard<std::mutex> lock((*current)->mu);
+      memory_mb = (*current)->memory_mb;
+      ws_bytes = (*current)->ws_bytes;
+      env = (*current)->env;
+    } else if (absl::StatusOr<boost::json::object> st = ParseState(ref.state); st.ok()) {
+      memory_mb =
+          std::clamp<int64_t>(JsonInt(*st, "memory_mb", memory_mb), 16, options_.max_memory_mb);
+    }
+    sess = SessionFromManifest(state.workspace, memory_mb, ws_bytes, env, blobs);
+  }
+  if (!sess.ok()) return sess.status();
+  return Install(ref.id, *sess, state.memory ? state.memory->id : "");
+}
+
+absl::StatusOr<InstanceRef> NanoDriver::ForkStep(const StepState& state, const EnvSpec& spec,
+                                                 const std::string& new_id, BlobStore& blobs) {
+  absl::StatusOr<std::shared_ptr<Session>> sess;
+  if (state.memory) {
+    sess = SessionFromSnapshot(*state.memory);
+  } else {
+    sess = SessionFromManifest(
+        state.workspace, std::clamp<int64_t>(spec.memory_mb, 16, options_.max_memory_mb),
+        std::min<int64_t>(spec.disk_mb, options_.workspace_max_mb) << 20, spec.env, blobs);
+  }
+  if (!sess.ok()) return sess.status();
+  return Install(new_id, *sess, state.memory ? state.memory->id : "");
+}
+
+absl::StatusOr<SnapshotRef> NanoDriver::CompactSnapshot(const SnapshotRef& snapshot) {
+  if (options_.snapshot_dir.empty()) {
+    return absl::FailedPreconditionError("nano: no snapshot directory configured");
+  }
+  absl::StatusOr<boost::json::object> st = ParseState(snapshot.state);
+  if (!st.ok()) return st.status();
+  if (st->contains("image")) return absl::InvalidArgumentError("nano: snapshot is already compact");
+  absl::StatusOr<std::shared_ptr<Session>> frozen = GetSession({snapshot.id, "nano", ""});
+  if (!frozen.ok()) {
+    return absl::FailedPreconditionError(
+        "nano: the live memory snapshot is gone (esbd or its fork server restarted)");
+  }
+  if (mkdir(options_.snapshot_dir.c_str(), 0700) != 0 && errno != EEXIST) {
+    return ErrnoStatus("nano: mkdir " + options_.snapshot_dir);
+  }
+  const std::string name = absl::StrCat("img_", RandomHex(12));
+  const std::string path = options_.snapshot_dir + "/" + name;
+  const std::string tmp = path + ".tmp";
+  boost::json::object state{{"image", name}};
+  int64_t size = 0, compressed = 0;
+  {
+    Session& s = **frozen;
+    std::lock_guard<std::mutex> lock(s.mu);
+    if (s.dead) return absl::FailedPreconditionError("nano: the snapshot's worker is gone");
+    state["memory_mb"] = s.memory_mb;
+    state["ws_bytes"] = s.ws_bytes;
+    boost::json::object env;
+    for (const auto& [k, v] : s.env) env[k] = v;
+    state["env"] = std::move(env);
+    absl::StatusOr<Msg> rep = Call(s.fd.get(), {{"op", "dump"}}, kDumpTimeoutMs);
+    if (!rep.ok()) return rep.status();
+    if (GetStr(*rep, "ok") != "1") {
+      // A state this guest cannot express in an image (e.g. a file open after it was
+      // unlinked): the core keeps what it can and marks the memory collected.
+      return absl::UnimplementedError(
+          absl::StrCat("nano: this snapshot cannot be compacted: ", GetStr(*rep, "error")));
+    }
+    size = GetInt(*rep, "size", -1);
+    // SECURITY: the clone ran guest code: its image is bounded by its memory and workspace.
+    int64_t max = (s.memory_mb << 21) + s.ws_bytes + (16 << 20);
+    if (size <= 0 || size > max) return absl::InternalError("nano: bad image size from worker");
+    UniqueFd out(open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600));
+    if (!out) return ErrnoStatus("nano: create " + tmp);
+    // The image goes to disk deflated (zlib, fast level): heap pages compress well.
+    z_stream zs{};
+    if (deflateInit(&zs, 1) != Z_OK) return absl::InternalError("nano: deflateInit");
+    std::string zbuf(1 << 20, '\0');
+    absl::Status status;
+    auto deflate_some = [&](const char* p, size_t n, int flush) {
+      zs.next_in = reinterpret_cast<Bytef*>(const_cast<char*>(p));
+      zs.avail_in = static_cast<uInt>(n);
+      int rc = Z_OK;
+      do {
+        zs.next_out = reinterpret_cast<Bytef*>(zbuf.data());
+        zs.avail_out = static_cast<uInt>(zbuf.size());
+        rc = deflate(&zs, flush);
+        if (rc == Z_STREAM_ERROR) {
+          status = absl::InternalError("nano: deflate");
+          return;
+        }
+        status = WriteAllFd(out.get(), zbuf.data(), zbuf.size() - zs.avail_out, tmp);
+      } while (status.ok() && (zs.avail_out == 0 || (flush == Z_FINISH && rc != Z_STREAM_END)));
+    };
+    int64_t written = 0;
+    while (written < size && status.ok()) {
+      absl::StatusOr<Msg> c =
+          Call(s.fd.get(), {{"op", "dump_chunk"}, {"offset", std::to_string(written)}},
+               kControlTimeoutMs);
+      if (!c.ok()) {
+        status = c.status();
+        break;
+      }
+      const std::string& data = GetStr(*c, "data");
+      if (data.empty() || static_cast<int64_t>(data.size()) > size - written) {
+        status = absl::InternalError("nano: bad image chunk from worker");
+        break;
+      }
+      deflate_some(data.data(), data.size(), Z_NO_FLUSH);
+      written += static_cast<int64_t>(data.size());
+    }
+    if (status.ok()) deflate_some(nullptr, 0, Z_FINISH);
+    compressed = static_cast<int64_t>(zs.total_out);
+    deflateEnd(&zs);
+    if (status.ok() && fsync(out.get()) != 0) status = ErrnoStatus("nano: fsync " + tmp);
+    if (status.ok() && rename(tmp.c_str(), path.c_str()) != 0) {
+      status = ErrnoStatus("nano: rename " + tmp);
+    }
+    if (!status.ok()) {
+      unlink(tmp.c_str());
+      return status;
+    }
+  }
+  (void)DeleteSnapshot(snapshot);  // the live clone is released
+  SnapshotRef out{absl::StrCat("img_", RandomHex(12)), "nano", snapshot.content, snapshot.source_id,
+                  boost::json::serialize(state)};
+  out.bytes = compressed;
+  out.live = false;
+  return out;
 }
 
 absl::Status NanoDriver::DeleteSnapshot(const SnapshotRef& snapshot) {
+  absl::StatusOr<boost::json::object> st = ParseState(snapshot.state);
+  if (st.ok() && st->contains("image")) {
+    absl::StatusOr<std::string> path = ImagePath(options_.snapshot_dir, *st);
+    if (!path.ok()) return path.status();
+    if (unlink(path->c_str()) != 0 && errno != ENOENT) return ErrnoStatus("nano: unlink " + *path);
+    return absl::OkStatus();
+  }
   return Destroy(InstanceRef{snapshot.id, "nano", snapshot.state});
 }
 

@@ -52,6 +52,9 @@ struct NanoDriverOptions {
   int64_t cgroup_pids_max = 8192;
   // For plain WASI test programs (no persistent `run` export): argv for every run.
   std::vector<std::string> argv;
+  // Time travel: where CompactSnapshot writes its images (created 0700; one 0600 file per
+  // image). Empty: CompactSnapshot answers FailedPrecondition (nothing is kept compactly).
+  std::string snapshot_dir;
 };
 
 class NanoDriver : public Driver {
@@ -99,6 +102,26 @@ class NanoDriver : public Driver {
                                       const std::string& new_id) override;
   absl::Status DeleteSnapshot(const SnapshotRef& snapshot) override;
 
+  // Time travel (kSteps; docs/design.md "Time travel", README.md "Time travel"):
+  // CaptureStep: a frozen copy-on-write clone of the session (SnapshotRef::live; `bytes` its
+  //   proportional share of memory now, from /proc/<pid>/smaps_rollup Pss), /workspace walked
+  //   in that clone (changed files read into `blobs`; unchanged ones, by change key, not read),
+  //   and the variables summary (esb_vars.py) run in a throwaway fork of the clone, so the
+  //   session itself never runs anything for the capture.
+  // RestoreStep: the session becomes a fork of the step's clone (or of its compact image);
+  //   the snapshot stays reusable. ForkStep: a new session forked the same way.
+  // CompactSnapshot: the clone's whole guest state (4 KiB pages of linear memory that differ
+  //   from the instantiated base, the wasm globals, the MemFs, the WASI fd table/args/env) in
+  //   one image file under snapshot_dir; the clone is released.
+  absl::StatusOr<StepState> CaptureStep(const InstanceRef& ref, const CaptureOptions& options,
+                                        BlobStore& blobs) override;
+  absl::StatusOr<InstanceRef> RestoreStep(const InstanceRef& ref, const StepState& state,
+                                          BlobStore& blobs) override;
+  absl::StatusOr<InstanceRef> ForkStep(const StepState& state, const EnvSpec& spec,
+                                       const std::string& new_id, BlobStore& blobs) override;
+  absl::StatusOr<SnapshotRef> CompactSnapshot(const SnapshotRef& snapshot) override;
+  StepMemorySupport StepMemory() const override;
+
   // Test/diagnostic hooks: the worker pid of a session, and how a worker pid ended
   // ("running", "signal 31", "exit 0").
   absl::StatusOr<int> SessionPid(const InstanceRef& ref);
@@ -126,6 +149,24 @@ class NanoDriver : public Driver {
       const std::string& what);
   absl::StatusOr<RunResult> RunOn(int fd, int pid, const RunRequest& request, bool* worker_dead,
                                   bool oneshot);
+  // A copy-on-write clone of session `source_id` as a new (unregistered) session.
+  absl::StatusOr<std::shared_ptr<Session>> CloneSession(const std::string& source_id);
+  // A session whose worker is the snapshot's state: a clone of a live snapshot, or a fresh
+  // worker that loaded a compact image.
+  absl::StatusOr<std::shared_ptr<Session>> SessionFromSnapshot(const SnapshotRef& snapshot);
+  // A fresh session (new interpreter) whose /workspace is `manifest` (contents from `blobs`).
+  absl::StatusOr<std::shared_ptr<Session>> SessionFromManifest(
+      const WorkspaceManifest& manifest, int64_t memory_mb, int64_t ws_bytes,
+      const std::map<std::string, std::string>& env, BlobStore& blobs);
+  // Puts `session` in the table as `id` (replacing and killing a previous one) → its ref.
+  InstanceRef Install(const std::string& id, std::shared_ptr<Session> session,
+                      const std::string& note);
+  void KillSession(const std::shared_ptr<Session>& session);
+  // The workspace manifest of a session worker (see CaptureStep).
+  absl::StatusOr<WorkspaceManifest> WalkWorkspace(Session& session, const CaptureOptions& options,
+                                                  BlobStore& blobs);
+  // The variables summary, run in a throwaway clone of session `frozen_id`; "" when unknown.
+  std::string SummarizeVariables(const std::string& frozen_id);
 
   NanoDriverOptions options_;
   std::mutex server_mu_;
@@ -133,6 +174,10 @@ class NanoDriver : public Driver {
   std::mutex sessions_mu_;
   std::map<std::string, std::shared_ptr<Session>> sessions_;
   std::vector<std::string> cgroups_;
+  // esb_vars.py compiled once by the guest (marshal, hex) in a fresh one-shot interpreter, so
+  // a capture does not compile 30 KB of Python each time. Empty until the first summary.
+  std::mutex vars_mu_;
+  std::string vars_code_hex_;
 };
 
 std::unique_ptr<NanoDriver> NewNanoDriver(NanoDriverOptions options);

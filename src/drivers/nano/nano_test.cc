@@ -2,28 +2,36 @@
 // seccomp policy, and the whole driver against a WASI test program (testdata/test_guest.c)
 // linked into nano-test-worker; plus real Python when nanobuild's esb-nano-worker exists.
 #include <fcntl.h>
+#include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#include <zlib.h>
 
 #include <algorithm>
 #include <atomic>
-#include <thread>
+#include <boost/json.hpp>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <thread>
 #include <vector>
 
-#include <gtest/gtest.h>
-
+#include "common/util.h"
 #include "drivers/nano/memfs.h"
 #include "drivers/nano/nano_driver.h"
 #include "drivers/nano/seccomp_policy.h"
 #include "drivers/nano/wasi_host.h"
 #include "drivers/nano/wire.h"
+#include "drivers/testing/memory_blob_store.h"
+
+namespace esb {
+extern const char kEsbVarsPy[];  // esb_vars_py.cc (generated)
+}  // namespace esb
 
 namespace esb::nano {
 namespace {
@@ -913,6 +921,103 @@ TEST_F(NanoDriverTest, OneShotLatency) {
 namespace esb {
 namespace {
 
+// ---------------- Time travel (kSteps) with the WASI test guest ----------------
+
+TEST_F(NanoDriverTest, StepsManifestSkipsUnchangedFilesAndHonoursCaps) {
+  EXPECT_TRUE(driver_->Capabilities().Has(Capability::kSteps));
+  EXPECT_TRUE(driver_->StepMemory().available);
+  EXPECT_EQ(driver_->StepMemory().mechanism, "fork");
+  absl::StatusOr<InstanceRef> ref = driver_->Create("steps_caps", EnvSpec{});
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  for (const char* f : {"a.txt", "d/b.txt", "d/e/c.txt"}) {
+    ASSERT_TRUE(driver_->WriteFile(*ref, f, std::string("data of ") + f, 0, true).ok());
+  }
+  esb::testing::MemoryBlobStore blobs;
+  CaptureOptions opts;
+  absl::StatusOr<StepState> s1 = driver_->CaptureStep(*ref, opts, blobs);
+  ASSERT_TRUE(s1.ok()) << s1.status();
+  ASSERT_TRUE(s1->memory.has_value());
+  EXPECT_TRUE(s1->memory->live);
+  std::vector<std::string> paths;
+  for (const ManifestEntry& e : s1->workspace.entries) paths.push_back(e.path);
+  EXPECT_EQ(paths, (std::vector<std::string>{"a.txt", "d", "d/b.txt", "d/e", "d/e/c.txt"}));
+  EXPECT_EQ(blobs.puts(), 3);
+  EXPECT_EQ(*blobs.Get(s1->workspace.entries[2].sha256), "data of d/b.txt");
+  // One file changes: only it is read again.
+  ASSERT_TRUE(driver_->WriteFile(*ref, "d/b.txt", "changed", 0, true).ok());
+  opts.previous = &s1->workspace;
+  absl::StatusOr<StepState> s2 = driver_->CaptureStep(*ref, opts, blobs);
+  ASSERT_TRUE(s2.ok()) << s2.status();
+  EXPECT_EQ(blobs.puts(), 4);
+  EXPECT_EQ(*blobs.Get(s2->workspace.entries[2].sha256), "changed");
+  EXPECT_EQ(s2->workspace.entries[0].sha256, s1->workspace.entries[0].sha256);
+  // Caps: over either, FailedPrecondition and nothing kept.
+  CaptureOptions small;
+  small.max_files = 3;
+  absl::StatusOr<StepState> over = driver_->CaptureStep(*ref, small, blobs);
+  EXPECT_EQ(over.status().code(), absl::StatusCode::kFailedPrecondition) << over.status();
+  small.max_files = 100;
+  small.max_bytes = 10;
+  over = driver_->CaptureStep(*ref, small, blobs);
+  EXPECT_EQ(over.status().code(), absl::StatusCode::kFailedPrecondition) << over.status();
+  // No snapshot_dir configured in this driver: compaction is refused, the snapshot kept.
+  EXPECT_EQ(driver_->CompactSnapshot(*s1->memory).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  for (const StepState* s : {&*s1, &*s2}) ASSERT_TRUE(driver_->DeleteSnapshot(*s->memory).ok());
+  ASSERT_TRUE(driver_->Destroy(*ref).ok());
+}
+
+TEST_F(NanoDriverTest, StepsNulByteNameFromTheGuestNeverReachesTheManifest) {
+  absl::StatusOr<InstanceRef> ref = driver_->Create("steps_nul", EnvSpec{});
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  ASSERT_TRUE(driver_->WriteFile(*ref, "ok.txt", "fine", 0, true).ok());
+  RunRequest nul;
+  nul.argv = {"testguest", "nulname"};
+  absl::StatusOr<RunResult> r = driver_->RunCode(&*ref, nul, nullptr);
+  ASSERT_TRUE(r.ok()) << r.status();
+  // The MemFs refuses the name (EINVAL = 28), so it never reaches a listing; the listing is
+  // length-prefixed and the driver refuses NUL paths anyway (defence in depth).
+  EXPECT_EQ(r->stdout_data, "nulname: errno 28\n");
+  esb::testing::MemoryBlobStore blobs;
+  absl::StatusOr<StepState> s = driver_->CaptureStep(*ref, CaptureOptions{}, blobs);
+  ASSERT_TRUE(s.ok()) << s.status();
+  ASSERT_EQ(s->workspace.entries.size(), 1u);
+  EXPECT_EQ(s->workspace.entries[0].path, "ok.txt");
+  ASSERT_TRUE(driver_->DeleteSnapshot(*s->memory).ok());
+  // The session is unharmed.
+  absl::StatusOr<FileChunk> c = driver_->ReadFile(*ref, "ok.txt", 0, -1);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->data, "fine");
+  ASSERT_TRUE(driver_->Destroy(*ref).ok());
+}
+
+TEST_F(NanoDriverTest, StepsCompactOfAGuestWithoutSavableGlobalsIsUnimplemented) {
+  NanoDriverOptions o = TestOptions();
+  char dir[] = "/tmp/esb-nano-img-XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  o.snapshot_dir = std::string(dir) + "/images";
+  auto driver = NewNanoDriver(o);
+  absl::StatusOr<InstanceRef> ref = driver->Create("steps_noglobals", EnvSpec{});
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  esb::testing::MemoryBlobStore blobs;
+  absl::StatusOr<StepState> s = driver->CaptureStep(*ref, CaptureOptions{}, blobs);
+  ASSERT_TRUE(s.ok()) << s.status();
+  absl::StatusOr<SnapshotRef> c = driver->CompactSnapshot(*s->memory);
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kUnimplemented) << c.status();
+  EXPECT_NE(c.status().message().find("testguest"), std::string::npos) << c.status();
+  // Nothing half-written is left behind.
+  std::error_code ec;
+  int files = 0;
+  for (auto it = std::filesystem::directory_iterator(o.snapshot_dir, ec);
+       !ec && it != std::filesystem::directory_iterator(); ++it) {
+    files++;
+  }
+  EXPECT_EQ(files, 0);
+  ASSERT_TRUE(driver->DeleteSnapshot(*s->memory).ok());
+  ASSERT_TRUE(driver->Destroy(*ref).ok());
+  std::filesystem::remove_all(dir);
+}
+
 class NanoAbiTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
@@ -1023,11 +1128,17 @@ class NanoPythonTest : public ::testing::Test {
     if (!o.ok()) return;
     o->default_timeout_ms = 20000;
     o->cgroup_name = "esb-nano-test";
+    char dir[] = "/tmp/esb-nano-py-XXXXXX";
+    if (mkdtemp(dir) != nullptr) {
+      image_root_ = dir;
+      o->snapshot_dir = image_root_ + "/images";
+    }
     driver_ = NewNanoDriver(*o).release();
   }
   static void TearDownTestSuite() {
     delete driver_;
     driver_ = nullptr;
+    if (!image_root_.empty()) std::filesystem::remove_all(image_root_);
   }
   void SetUp() override {
     if (driver_ == nullptr) {
@@ -1046,9 +1157,29 @@ class NanoPythonTest : public ::testing::Test {
     EXPECT_TRUE(res.ok()) << res.status();
     return res.ok() ? *res : RunResult{};
   }
+  // Time travel helpers.
+  std::string Out(const std::string& code, const InstanceRef& ref) {
+    RunResult r = Py(code, &ref);
+    EXPECT_EQ(r.exit_code, 0) << code << ": " << r.stderr_data;
+    return r.stdout_data;
+  }
+  std::string File(const InstanceRef& ref, const std::string& path) {
+    absl::StatusOr<FileChunk> c = driver_->ReadFile(ref, path, 0, -1);
+    return c.ok() ? c->data : "<" + c.status().ToString() + ">";
+  }
+  StepState Capture(const InstanceRef& ref, esb::testing::MemoryBlobStore& blobs,
+                    const WorkspaceManifest* previous = nullptr) {
+    CaptureOptions o;
+    o.previous = previous;
+    absl::StatusOr<StepState> s = driver_->CaptureStep(ref, o, blobs);
+    EXPECT_TRUE(s.ok()) << s.status();
+    return s.ok() ? *s : StepState{};
+  }
   static NanoDriver* driver_;
+  static std::string image_root_;
 };
 NanoDriver* NanoPythonTest::driver_ = nullptr;
+std::string NanoPythonTest::image_root_;
 
 TEST_F(NanoPythonTest, PrintOnePlusOne) {
   RunResult r = Py("print(1+1)");
@@ -1163,6 +1294,308 @@ TEST_F(NanoPythonTest, SessionKeepsStateAndFiles) {
   EXPECT_EQ(after.stdout_data, "False from python\n") << after.stderr_data;
   ASSERT_TRUE(driver_->Destroy(*copy).ok());
   ASSERT_TRUE(driver_->Destroy(*ref).ok());
+}
+
+// ---------------- Time travel (kSteps) with CPython ----------------
+
+TEST_F(NanoPythonTest, StepRewindBringsBackVariablesAndFilesAndContinues) {
+  absl::StatusOr<InstanceRef> ref = driver_->Create("tt_rewind", EnvSpec{});
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  esb::testing::MemoryBlobStore blobs;
+  Out("x = 1\nhist = ['one']\nopen('a.txt', 'w').write('one')\n", *ref);
+  StepState s1 = Capture(*ref, blobs);
+  ASSERT_TRUE(s1.memory.has_value());
+  EXPECT_TRUE(s1.memory->live);
+  EXPECT_GT(s1.memory->bytes, 0);
+  Out("x = 2\nhist.append('two')\nopen('a.txt', 'w').write('two')\n"
+      "open('b.txt', 'w').write('new')\n",
+      *ref);
+  StepState s2 = Capture(*ref, blobs, &s1.workspace);
+  ASSERT_EQ(s2.workspace.entries.size(), 2u);
+  EXPECT_EQ(*blobs.Get(s2.workspace.entries[0].sha256), "two");
+  // Rewind in place to step 1: memory and files as they were.
+  absl::StatusOr<InstanceRef> back = driver_->RestoreStep(*ref, s1, blobs);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->id, ref->id);
+  EXPECT_EQ(Out("print(x, hist)", *back), "1 ['one']\n");
+  EXPECT_EQ(File(*back, "a.txt"), "one");
+  EXPECT_NE(File(*back, "b.txt").find("NOT_FOUND"), std::string::npos) << File(*back, "b.txt");
+  // Continue after the rewind, then rewind again: the step's snapshot is reusable.
+  EXPECT_EQ(Out("x += 10\nhist.append('retry')\nprint(x, hist)", *back), "11 ['one', 'retry']\n");
+  back = driver_->RestoreStep(*ref, s1, blobs);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(Out("print(x, hist)", *back), "1 ['one']\n");
+  // And forward to step 2 (a later step stays usable as a branch).
+  back = driver_->RestoreStep(*ref, s2, blobs);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(Out("print(x, hist, open('b.txt').read())", *back), "2 ['one', 'two'] new\n");
+  for (const StepState* s : {&s1, &s2}) ASSERT_TRUE(driver_->DeleteSnapshot(*s->memory).ok());
+  ASSERT_TRUE(driver_->Destroy(*ref).ok());
+}
+
+TEST_F(NanoPythonTest, StepRewindWithoutMemoryRestoresExactFilesAndAFreshInterpreter) {
+  absl::StatusOr<InstanceRef> ref = driver_->Create("tt_nomem", EnvSpec{});
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  esb::testing::MemoryBlobStore blobs;
+  Out("x = 1\nimport os\nos.makedirs('d/e', exist_ok=True)\nopen('d/f.txt', 'w').write('f1')\n",
+      *ref);
+  CaptureOptions o;
+  o.memory = false;
+  absl::StatusOr<StepState> s1 = driver_->CaptureStep(*ref, o, blobs);
+  ASSERT_TRUE(s1.ok()) << s1.status();
+  EXPECT_FALSE(s1->memory.has_value());
+  Out("open('d/f.txt', 'w').write('f2')\nopen('g.txt', 'w').write('g')\n", *ref);
+  absl::StatusOr<InstanceRef> back = driver_->RestoreStep(*ref, *s1, blobs);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(Out("import os\nprint('x' in globals(), sorted(os.listdir('.')), "
+                "os.path.isdir('d/e'), open('d/f.txt').read())",
+                *back),
+            "False ['d'] True f1\n");
+  ASSERT_TRUE(driver_->Destroy(*ref).ok());
+}
+
+TEST_F(NanoPythonTest, TwoForksOfOneStepDivergeIndependently) {
+  absl::StatusOr<InstanceRef> ref = driver_->Create("tt_forksrc", EnvSpec{});
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  esb::testing::MemoryBlobStore blobs;
+  Out("x = 5\nopen('f.txt', 'w').write('five')\n", *ref);
+  StepState s = Capture(*ref, blobs);
+  Out("x = 6\n", *ref);
+  absl::StatusOr<InstanceRef> a = driver_->ForkStep(s, EnvSpec{}, "tt_fork_a", blobs);
+  absl::StatusOr<InstanceRef> b = driver_->ForkStep(s, EnvSpec{}, "tt_fork_b", blobs);
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ(Out("print(x, open('f.txt').read())", *a), "5 five\n");
+  EXPECT_EQ(Out("print(x, open('f.txt').read())", *b), "5 five\n");
+  Out("x = 'a'\nopen('f.txt', 'w').write('from a')\n", *a);
+  Out("x = 'b'\nopen('f.txt', 'w').write('from b')\n", *b);
+  EXPECT_EQ(Out("print(x, open('f.txt').read())", *a), "a from a\n");
+  EXPECT_EQ(Out("print(x, open('f.txt').read())", *b), "b from b\n");
+  EXPECT_EQ(Out("print(x, open('f.txt').read())", *ref), "6 five\n");
+  for (const InstanceRef* r : {&*a, &*b, &*ref}) ASSERT_TRUE(driver_->Destroy(*r).ok());
+  ASSERT_TRUE(driver_->DeleteSnapshot(*s.memory).ok());
+}
+
+TEST_F(NanoPythonTest, CompactedStepRestoresAndForksEqual) {
+  absl::StatusOr<InstanceRef> ref = driver_->Create("tt_compact", EnvSpec{});
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  esb::testing::MemoryBlobStore blobs;
+  Out("import random, json\nrandom.seed(7)\nbig = list(range(200000))\n"
+      "d = {'k': [1, 2, 3]}\nlog = open('log.txt', 'a')\nlog.write('one\\n')\nlog.flush()\n"
+      "import os\nos.makedirs('sub', exist_ok=True)\n"
+      "open('sub/x.bin', 'wb').write(bytes(range(256)) * 100)\n",
+      *ref);
+  StepState s = Capture(*ref, blobs);
+  // What comes next from this state, in the original (a run in a fork of the live step).
+  absl::StatusOr<InstanceRef> probe = driver_->ForkStep(s, EnvSpec{}, "tt_probe", blobs);
+  ASSERT_TRUE(probe.ok()) << probe.status();
+  const std::string next = "print(random.random(), len(big), sum(big), d)";
+  std::string expected = Out(next, *probe);
+  ASSERT_TRUE(driver_->Destroy(*probe).ok());
+  absl::StatusOr<SnapshotRef> compact = driver_->CompactSnapshot(*s.memory);
+  ASSERT_TRUE(compact.ok()) << compact.status();
+  EXPECT_FALSE(compact->live);
+  EXPECT_GT(compact->bytes, 0);
+  // The live clone is gone.
+  EXPECT_FALSE(driver_->SessionPid({s.memory->id, "nano", ""}).ok());
+  StepState cs = s;
+  cs.memory = *compact;
+  Out("big = None\nd = None\nlog.write('two\\n')\nlog.flush()\n", *ref);
+  absl::StatusOr<InstanceRef> back = driver_->RestoreStep(*ref, cs, blobs);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(Out(next, *back), expected);
+  // The open file came back at its offset; the file system is the step's.
+  Out("log.write('after\\n')\nlog.flush()\n", *back);
+  EXPECT_EQ(File(*back, "log.txt"), "one\nafter\n");
+  EXPECT_EQ(File(*back, "sub/x.bin").size(), 25600u);
+  // Two forks of the compacted step, independent of each other and of the session.
+  absl::StatusOr<InstanceRef> a = driver_->ForkStep(cs, EnvSpec{}, "tt_cfork_a", blobs);
+  absl::StatusOr<InstanceRef> b = driver_->ForkStep(cs, EnvSpec{}, "tt_cfork_b", blobs);
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ(Out(next, *a), expected);
+  Out("d['k'] = 'a'\n", *a);
+  EXPECT_EQ(Out("print(d)", *b), "{'k': [1, 2, 3]}\n");
+  EXPECT_EQ(Out("print(d)", *a), "{'k': 'a'}\n");
+  for (const InstanceRef* r : {&*a, &*b, &*ref}) ASSERT_TRUE(driver_->Destroy(*r).ok());
+  ASSERT_TRUE(driver_->DeleteSnapshot(*compact).ok());
+  // Deleted: a restore now says the image is gone.
+  absl::StatusOr<InstanceRef> gone = driver_->ForkStep(cs, EnvSpec{}, "tt_gone", blobs);
+  EXPECT_EQ(gone.status().code(), absl::StatusCode::kFailedPrecondition) << gone.status();
+}
+
+TEST_F(NanoPythonTest, CompactedStepComesBackAfterARestart) {
+  // A first "esbd": capture and compact, then it goes away with its sessions and clones.
+  absl::StatusOr<NanoDriverOptions> o = PythonNanoOptions(NANO_PYTHON_WORKER, NANO_PYTHON_DIR);
+  ASSERT_TRUE(o.ok()) << o.status();
+  o->cgroup_name = "";
+  o->snapshot_dir = image_root_ + "/restart-images";
+  esb::testing::MemoryBlobStore blobs;
+  StepState s;
+  InstanceRef ref;
+  {
+    auto first = NewNanoDriver(*o);
+    absl::StatusOr<InstanceRef> r = first->Create("tt_restart", EnvSpec{});
+    ASSERT_TRUE(r.ok()) << r.status();
+    ref = *r;
+    RunRequest run;
+    run.code = "survivor = {'step': 1}\nopen('kept.txt', 'w').write('on disk')\n";
+    ASSERT_TRUE(first->RunCode(&ref, run, nullptr).ok());
+    absl::StatusOr<StepState> c = first->CaptureStep(ref, CaptureOptions{}, blobs);
+    ASSERT_TRUE(c.ok()) << c.status();
+    s = *c;
+    absl::StatusOr<SnapshotRef> img = first->CompactSnapshot(*s.memory);
+    ASSERT_TRUE(img.ok()) << img.status();
+    s.memory = *img;
+  }
+  // The second one rewinds the (gone) session to the compacted step.
+  auto second = NewNanoDriver(*o);
+  EXPECT_FALSE(second->Attach(ref).ok());
+  absl::StatusOr<InstanceRef> back = second->RestoreStep(ref, s, blobs);
+  ASSERT_TRUE(back.ok()) << back.status();
+  RunRequest check;
+  check.code = "print(survivor, open('kept.txt').read())";
+  absl::StatusOr<RunResult> r = second->RunCode(&*back, check, nullptr);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->stdout_data, "{'step': 1} on disk\n") << r->stderr_data;
+  ASSERT_TRUE(second->DeleteSnapshot(*s.memory).ok());
+  ASSERT_TRUE(second->Destroy(*back).ok());
+}
+
+TEST_F(NanoPythonTest, CompactOfAFileOpenAfterUnlinkIsUnimplementedWithTheReason) {
+  absl::StatusOr<InstanceRef> ref = driver_->Create("tt_unlinked", EnvSpec{});
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  esb::testing::MemoryBlobStore blobs;
+  Out("import os\nf = open('t.txt', 'w')\nos.unlink('t.txt')\n", *ref);
+  StepState s = Capture(*ref, blobs);
+  absl::StatusOr<SnapshotRef> c = driver_->CompactSnapshot(*s.memory);
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kUnimplemented) << c.status();
+  EXPECT_NE(c.status().message().find("no longer at its path"), std::string::npos) << c.status();
+  // The live snapshot is still usable.
+  absl::StatusOr<InstanceRef> back = driver_->RestoreStep(*ref, s, blobs);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(Out("print(f.closed)", *back), "False\n");
+  ASSERT_TRUE(driver_->DeleteSnapshot(*s.memory).ok());
+  ASSERT_TRUE(driver_->Destroy(*ref).ok());
+}
+
+TEST_F(NanoPythonTest, HostileImageIsRefusedAndTheSessionKeepsItsState) {
+  absl::StatusOr<InstanceRef> ref = driver_->Create("tt_hostile", EnvSpec{});
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  esb::testing::MemoryBlobStore blobs;
+  Out("x = 'captured'\n", *ref);
+  StepState s = Capture(*ref, blobs);
+  absl::StatusOr<SnapshotRef> c = driver_->CompactSnapshot(*s.memory);
+  ASSERT_TRUE(c.ok()) << c.status();
+  Out("x = 'current'\n", *ref);
+  boost::json::object st = boost::json::parse(c->state).as_object();
+  std::string path = image_root_ + "/images/" + std::string(st["image"].as_string());
+  std::string file;
+  ASSERT_TRUE(ReadFileToString(path, &file).ok());
+  // Images are deflated on disk: corrupt the raw image, deflate it again.
+  std::string good(64u << 20, '\0');
+  uLongf raw_len = good.size();
+  ASSERT_EQ(uncompress(reinterpret_cast<Bytef*>(good.data()), &raw_len,
+                       reinterpret_cast<const Bytef*>(file.data()), file.size()),
+            Z_OK);
+  good.resize(raw_len);
+  auto deflated = [](const std::string& raw) {
+    std::string z(compressBound(raw.size()), '\0');
+    uLongf n = z.size();
+    compress2(reinterpret_cast<Bytef*>(z.data()), &n, reinterpret_cast<const Bytef*>(raw.data()),
+              raw.size(), 1);
+    z.resize(n);
+    return z;
+  };
+  // Page records: magic(8) + name(8+6) + globals(8+8) + pages(4) + count(4) = offset 46.
+  std::string bad_index = good;
+  uint32_t huge = 0xfffffff0u;
+  memcpy(&bad_index[46], &huge, 4);
+  std::string bad_count = good;
+  memcpy(&bad_count[42], &huge, 4);
+  std::string bad_pages = good;
+  memcpy(&bad_pages[38], &huge, 4);
+  std::string bad_fs = good;  // the MemFs records' length: past the end
+  uint64_t bad_len = uint64_t{1} << 40;
+  memcpy(&bad_fs[good.size() - 8], &bad_len, 8);
+  // Each is refused (by the driver's inflate or the loading worker's checks, whose message
+  // names what is wrong) and the session keeps its state.
+  std::vector<std::pair<std::string, std::string>> cases = {
+      {file.substr(0, file.size() / 2), "truncated"},
+      {file + "trailing", "after the image"},
+      {deflated("ESBNIMG0" + good.substr(8)), "magic"},
+      {deflated(bad_index), "bad page record"},
+      {deflated(bad_count), "more changed pages"},
+      {deflated(bad_pages), "does not fit"},
+      {deflated(bad_fs), "truncated or trailing"},
+      {deflated(good + "trailing"), "truncated or trailing"},
+      {std::string("not zlib at all"), "corrupt"}};
+  for (const auto& [image, why] : cases) {
+    ASSERT_TRUE(WriteStringToFile(path, image, 0600).ok());
+    StepState cs = s;
+    cs.memory = *c;
+    absl::StatusOr<InstanceRef> back = driver_->RestoreStep(*ref, cs, blobs);
+    EXPECT_FALSE(back.ok()) << why;
+    EXPECT_NE(back.status().message().find(why), std::string::npos) << back.status();
+    EXPECT_EQ(Out("print(x)", *ref), "current\n");
+  }
+  // A deflate bomb (96 MiB of zeros in ~100 KiB) for a 16 MiB session: refused by size while
+  // inflating, never held whole.
+  ASSERT_TRUE(WriteStringToFile(path, deflated(std::string(96u << 20, '\0')), 0600).ok());
+  StepState bomb = s;
+  bomb.memory = *c;
+  bomb.memory->state = R"({"image":")" + std::string(st["image"].as_string()) +
+                       R"(","memory_mb":16,"ws_bytes":1048576})";
+  absl::StatusOr<InstanceRef> refused = driver_->RestoreStep(*ref, bomb, blobs);
+  EXPECT_NE(refused.status().message().find("larger"), std::string::npos) << refused.status();
+  EXPECT_EQ(Out("print(x)", *ref), "current\n");
+  // A state naming a file outside the image directory is refused before any open.
+  SnapshotRef escape = *c;
+  escape.state = R"({"image":"../../etc/passwd","memory_mb":64})";
+  StepState es = s;
+  es.memory = escape;
+  EXPECT_EQ(driver_->RestoreStep(*ref, es, blobs).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(WriteStringToFile(path, file, 0600).ok());
+  StepState cs = s;
+  cs.memory = *c;
+  absl::StatusOr<InstanceRef> back = driver_->RestoreStep(*ref, cs, blobs);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(Out("print(x)", *back), "captured\n");
+  ASSERT_TRUE(driver_->DeleteSnapshot(*c).ok());
+  ASSERT_TRUE(driver_->Destroy(*ref).ok());
+}
+
+TEST_F(NanoPythonTest, VariablesSummaryRunsInAThrowawayCloneNotTheSession) {
+  absl::StatusOr<InstanceRef> ref = driver_->Create("tt_vars", EnvSpec{});
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  esb::testing::MemoryBlobStore blobs;
+  const std::string names = "print(sorted(globals()), len(__import__('sys').modules))";
+  Out("x = 42\nname = 'nano'\nimport json\n", *ref);
+  std::string before = Out(names, *ref);
+  StepState s = Capture(*ref, blobs);
+  EXPECT_EQ(Out(names, *ref), before);
+  // Nor does the frozen step carry anything of the summary.
+  absl::StatusOr<InstanceRef> f = driver_->ForkStep(s, EnvSpec{}, "tt_vars_fork", blobs);
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ(Out(names, *f), before);
+  ASSERT_TRUE(driver_->Destroy(*f).ok());
+  ASSERT_TRUE(driver_->DeleteSnapshot(*s.memory).ok());
+  ASSERT_TRUE(driver_->Destroy(*ref).ok());
+  if (std::string(kEsbVarsPy).empty()) {
+    EXPECT_EQ(s.variables_json, "");
+    GTEST_SKIP() << "src/agent/python/esb_vars.py was not in the tree at configure time: no "
+                    "variables summary to check (the session checks above ran)";
+  }
+  boost::json::value v = boost::json::parse(s.variables_json);
+  ASSERT_TRUE(v.is_array()) << s.variables_json;
+  std::map<std::string, std::string> repr;
+  for (const auto& e : v.as_array()) {
+    repr[std::string(e.at("name").as_string())] = std::string(e.at("repr").as_string());
+  }
+  EXPECT_EQ(repr["x"], "42") << s.variables_json;
+  EXPECT_EQ(repr["name"], "'nano'") << s.variables_json;
+  EXPECT_EQ(repr.count("json"), 0u) << "modules are left out: " << s.variables_json;
 }
 
 TEST_F(NanoPythonTest, Latency) {

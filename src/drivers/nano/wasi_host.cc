@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "drivers/nano/image.h"
 
 volatile int esb_nano_interrupt = 0;
 
@@ -84,6 +85,109 @@ void WasiHost::BeginRun(std::string stdin_data, int64_t max_output_bytes) {
   exited_ = false;
   exit_code_ = 0;
   interrupted_ = false;
+}
+
+// ---- compact snapshot images ----
+// u32 fd count; per fd: u8 present, then u8 kind, str path ("/a/b"), u64 offset, u8 flags
+// (1 readable, 2 writable, 4 append), str preopen_name; then u32 argc + strs, u32 envc + strs.
+
+bool WasiHost::SaveState(std::string* out, std::string* error) const {
+  ByteWriter w(out);
+  w.U32(static_cast<uint32_t>(fds_.size()));
+  for (size_t i = 0; i < fds_.size(); i++) {
+    const FdEntry* e = fds_[i].get();
+    w.U8(e != nullptr);
+    if (!e) continue;
+    if (e->kind == FdEntry::Kind::kFile || e->kind == FdEntry::Kind::kDir) {
+      std::shared_ptr<Node> at;
+      if (fs_->Lookup(e->path, &at) != kOk || at != e->node) {
+        *error = absl::StrCat("fd ", i, " (", JoinPath(e->path),
+                              ") refers to a file that is no longer at its path (unlinked or "
+                              "renamed while open): it cannot be written into an image");
+        return false;
+      }
+    }
+    w.U8(static_cast<uint8_t>(e->kind));
+    w.Str(JoinPath(e->path));
+    w.U64(e->offset);
+    w.U8((e->readable ? 1 : 0) | (e->writable ? 2 : 0) | (e->append ? 4 : 0));
+    w.Str(e->preopen_name);
+  }
+  for (const auto* list : {&args_, &env_}) {
+    w.U32(static_cast<uint32_t>(list->size()));
+    for (const std::string& a : *list) w.Str(a);
+  }
+  return true;
+}
+
+bool WasiHost::LoadState(std::string_view in, std::string* error) {
+  ByteReader r(in);
+  uint32_t n = r.U32();
+  if (!r.ok() || n > kMaxFds) {
+    *error = "bad fd count";
+    return false;
+  }
+  std::vector<std::unique_ptr<FdEntry>> fds;
+  for (uint32_t i = 0; i < n; i++) {
+    if (r.U8() == 0) {
+      fds.push_back(nullptr);
+      continue;
+    }
+    auto e = std::make_unique<FdEntry>();
+    uint8_t kind = r.U8();
+    std::string_view path = r.Str();
+    e->offset = r.U64();
+    uint8_t flags = r.U8();
+    e->preopen_name = std::string(r.Str());
+    if (!r.ok() || kind > static_cast<uint8_t>(FdEntry::Kind::kDir) || path.size() > 65536 ||
+        e->preopen_name.size() > 4096) {
+      *error = absl::StrCat("fd ", i, ": malformed");
+      return false;
+    }
+    e->kind = static_cast<FdEntry::Kind>(kind);
+    // The standard streams stay on fds 0-2 (the worker's own output buffers).
+    bool stdio = e->kind == FdEntry::Kind::kStdin || e->kind == FdEntry::Kind::kStdout ||
+                 e->kind == FdEntry::Kind::kStderr;
+    if (stdio != (i < 3) || (stdio && static_cast<uint8_t>(e->kind) != i)) {
+      *error = absl::StrCat("fd ", i, ": standard stream out of place");
+      return false;
+    }
+    e->readable = flags & 1;
+    e->writable = flags & 2;
+    e->append = flags & 4;
+    if (!stdio) {
+      if (MemFs::Normalize({}, path, true, &e->path) != kOk ||
+          fs_->Lookup(e->path, &e->node) != kOk ||
+          e->node->is_dir() != (e->kind == FdEntry::Kind::kDir) ||
+          (e->writable && e->node->readonly)) {
+        *error = absl::StrCat("fd ", i, ": ", std::string(path.substr(0, 256)),
+                              " is not in the image's file system as recorded");
+        return false;
+      }
+    }
+    fds.push_back(std::move(e));
+  }
+  if (fds.size() < 3) {
+    *error = "fewer than 3 fds";
+    return false;
+  }
+  std::vector<std::string> lists[2];
+  for (auto& list : lists) {
+    uint32_t count = r.U32();
+    if (!r.ok() || count > 65536) {
+      *error = "bad args/env count";
+      return false;
+    }
+    for (uint32_t i = 0; i < count && r.ok(); i++) list.emplace_back(r.Str());
+  }
+  if (!r.ok() || !r.done()) {
+    *error = "truncated or trailing bytes";
+    return false;
+  }
+  fds_ = std::move(fds);
+  args_ = std::move(lists[0]);
+  env_ = std::move(lists[1]);
+  return true;
 }
 
 // ---- memory access ----

@@ -66,6 +66,14 @@ class WasiHost {
   void MarkInterrupted() { interrupted_ = true; }
   void MarkExited(uint32_t code) { exited_ = true; exit_code_ = code; }
 
+  // Time travel (compact snapshot images): the fd table (each open file or directory by its
+  // path, with offset and flags), args and env. SaveState fails (false, `error`) when an fd's
+  // node is no longer at its path (unlinked or renamed while open): such a file cannot be named
+  // in an image. LoadState resolves every path in the (already loaded) MemFs and checks every
+  // field; on failure the host is left unusable (the caller discards the worker).
+  bool SaveState(std::string* out, std::string* error) const;
+  bool LoadState(std::string_view in, std::string* error);
+
   // The process-wide host (for esb_nano_interrupted, which gets no context).
   static WasiHost* active();
 

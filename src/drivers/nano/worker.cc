@@ -19,8 +19,8 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <deque>
+#include <fstream>
 #include <map>
 #include <optional>
 #include <set>
@@ -29,6 +29,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "drivers/nano/guest.h"
+#include "drivers/nano/image.h"
 #include "drivers/nano/memfs.h"
 #include "drivers/nano/seccomp_policy.h"
 #include "drivers/nano/wire.h"
@@ -56,6 +57,14 @@ struct Runtime {
   std::string result_path;
 };
 Runtime* g_rt = nullptr;
+// The guest's linear memory as instantiated (the Wizer snapshot), copied once by the fork
+// server and shared copy-on-write by every worker: compact images hold only the 4 KiB pages
+// that differ from it.
+std::string g_base;
+constexpr size_t kImagePage = 4096;
+constexpr char kImageMagic[] = "ESBNIMG1";
+// A compact image being built (dump) or received (load) by this worker.
+std::string g_image;
 int64_t g_confine_us = -1;
 bool g_warm_oneshot = true;  // how long the worker took to confine itself (diagnostics)
 
@@ -480,6 +489,164 @@ Msg DoStat(Runtime* rt) {
           {"workspace_files", std::to_string(rt->fs.quota().used_files)}};
 }
 
+// Time travel: /workspace as manifest entries (nano_driver.cc CaptureStep), each encoded
+// (image.h) as u8 type (0 dir, 1 file), str path (relative to /workspace), u64 size, u64
+// mtime_ns, str change key "<ino>:<generation>" (it changes whenever a file's contents do).
+Msg DoWalk(Runtime* rt, const Msg& req) {
+  int64_t max_entries = std::max<int64_t>(0, GetInt(req, "max_entries", 10000));
+  std::shared_ptr<Node> ws;
+  if (rt->fs.Lookup({"workspace"}, &ws) != kOk || !ws->is_dir()) return Error("no /workspace");
+  std::string out;
+  ByteWriter w(&out);
+  int64_t count = 0;
+  bool truncated = false;
+  std::vector<std::pair<std::string, std::shared_ptr<Node>>> stack = {{"", ws}};
+  while (!stack.empty() && !truncated) {
+    auto [prefix, dir] = stack.back();
+    stack.pop_back();
+    for (const auto& [name, child] : dir->children) {
+      if (++count > max_entries) {
+        truncated = true;
+        break;
+      }
+      std::string path = prefix.empty() ? name : prefix + "/" + name;
+      w.U8(child->is_dir() ? 0 : 1);
+      w.Str(path);
+      w.U64(child->is_dir() ? 0 : child->data.size());
+      w.U64(static_cast<uint64_t>(child->mtime_ns));
+      w.Str(absl::StrCat(child->ino, ":", child->generation));
+      if (child->is_dir()) stack.push_back({path, child});
+    }
+  }
+  return {{"ok", "1"}, {"entries", out}, {"truncated", truncated ? "1" : "0"}};
+}
+
+// Compact image (nano_driver.cc CompactSnapshot): "ESBNIMG1", str guest name, str globals,
+// u32 wasm pages, u32 page count + (u32 index, 4096 bytes) per 4 KiB page that differs from
+// the base (zeros past its end), str MemFs records, str WASI host state.
+Msg DoDump(Runtime* rt) {
+  if (esb_nano_guest.save_globals == nullptr) {
+    return Error(absl::StrCat("guest ", esb_nano_guest.name, " cannot save its globals"));
+  }
+  if (rt->instance_dirty) return Error("the instance is being reset: nothing to save");
+  uint8_t globals[256];
+  size_t glen = esb_nano_guest.save_globals(rt->instance, globals, sizeof globals);
+  if (glen == 0) return Error("the guest's globals cannot be saved");
+  std::string host, herr;
+  if (!rt->host->SaveState(&host, &herr)) return Error(herr);
+  wasm_rt_memory_t* mem = esb_nano_guest.memory(rt->instance);
+  uint64_t bytes = uint64_t{mem->pages} * 65536;
+  g_image.clear();
+  ByteWriter w(&g_image);
+  w.Raw(kImageMagic, 8);
+  w.Str(esb_nano_guest.name);
+  w.Str(std::string_view(reinterpret_cast<const char*>(globals), glen));
+  w.U32(mem->pages);
+  size_t count_at = g_image.size();
+  w.U32(0);
+  uint32_t count = 0;
+  static const char kZero[kImagePage] = {};
+  for (uint64_t off = 0; off < bytes; off += kImagePage) {
+    const char* page = reinterpret_cast<const char*>(mem->data) + off;
+    const char* base = off + kImagePage <= g_base.size() ? g_base.data() + off : kZero;
+    if (std::memcmp(page, base, kImagePage) == 0) continue;
+    w.U32(static_cast<uint32_t>(off / kImagePage));
+    w.Raw(page, kImagePage);
+    count++;
+  }
+  std::memcpy(g_image.data() + count_at, &count, 4);
+  w.Str(rt->fs.SaveWritable());
+  w.Str(host);
+  return {{"ok", "1"},
+          {"size", std::to_string(g_image.size())},
+          {"changed_pages", std::to_string(count)}};
+}
+
+Msg DoDumpChunk(const Msg& req) {
+  uint64_t offset = static_cast<uint64_t>(std::max<int64_t>(0, GetInt(req, "offset")));
+  uint64_t start = std::min<uint64_t>(offset, g_image.size());
+  std::string data = g_image.substr(start, 32u << 20);
+  if (start + data.size() >= g_image.size()) {
+    g_image.clear();
+    g_image.shrink_to_fit();
+  }
+  return {{"ok", "1"}, {"data", std::move(data)}};
+}
+
+// Largest image a session worker accepts: its memory cap, its workspace cap and slack for
+// the records and the fd table.
+uint64_t MaxImageBytes(Runtime* rt) {
+  wasm_rt_memory_t* mem = esb_nano_guest.memory(rt->instance);
+  return uint64_t{mem->max_pages} * 65536 * 2 + static_cast<uint64_t>(rt->fs.quota().max_bytes) +
+         (16u << 20);
+}
+
+Msg DoLoadChunk(Runtime* rt, const Msg& req) {
+  std::string data = GetStr(req, "data");
+  if (g_image.size() + data.size() > MaxImageBytes(rt)) {
+    g_image.clear();
+    return Error("image larger than this session's memory and workspace caps allow");
+  }
+  g_image += data;
+  return {{"ok", "1"}};
+}
+
+// Rebuilds this (fresh, never run) session worker from the image in g_image. Every field is
+// checked; on any failure the instance is marked dirty and the driver kills the worker.
+Msg DoLoad(Runtime* rt) {
+  std::string image = std::move(g_image);
+  g_image.clear();
+  ByteReader r(image);
+  auto fail = [&](const std::string& why) {
+    rt->instance_dirty = true;
+    return Error("nano image: " + why);
+  };
+  if (esb_nano_guest.load_globals == nullptr) {
+    return fail(absl::StrCat("guest ", esb_nano_guest.name, " cannot load globals"));
+  }
+  if (r.Bytes(8) != std::string_view(kImageMagic, 8)) return fail("not an image (magic)");
+  if (r.Str() != esb_nano_guest.name) return fail("made by another guest");
+  std::string_view globals = r.Str();
+  uint32_t pages = r.U32();
+  uint32_t count = r.U32();
+  if (!r.ok()) return fail("truncated header");
+  // A fresh instance: linear memory = the base again, then grown and patched.
+  Instantiate(rt);
+  if (rt->instance_dirty) return fail("cannot instantiate");
+  wasm_rt_memory_t* mem = esb_nano_guest.memory(rt->instance);
+  if (pages < mem->pages || pages > mem->max_pages) {
+    return fail(absl::StrCat("memory of ", pages, " pages does not fit (", mem->pages, "..",
+                             mem->max_pages, ")"));
+  }
+  if (pages > mem->pages && wasm_rt_grow_memory(mem, pages - mem->pages) == UINT32_MAX) {
+    return fail("cannot grow memory");
+  }
+  uint64_t npages4k = uint64_t{pages} * (65536 / kImagePage);
+  if (count > npages4k) return fail("more changed pages than the memory has");
+  int64_t prev = -1;
+  for (uint32_t i = 0; i < count; i++) {
+    uint32_t idx = r.U32();
+    std::string_view page = r.Bytes(kImagePage);
+    if (!r.ok() || idx >= npages4k || static_cast<int64_t>(idx) <= prev) {
+      return fail("bad page record");
+    }
+    prev = idx;
+    std::memcpy(mem->data + uint64_t{idx} * kImagePage, page.data(), kImagePage);
+  }
+  std::string_view fs = r.Str();
+  std::string_view host = r.Str();
+  if (!r.ok() || !r.done()) return fail("truncated or trailing bytes");
+  if (esb_nano_guest.load_globals(rt->instance, reinterpret_cast<const uint8_t*>(globals.data()),
+                                  globals.size()) != 0) {
+    return fail("globals do not fit this guest");
+  }
+  if (absl::Status s = rt->fs.LoadWritable(fs); !s.ok()) return fail(std::string(s.message()));
+  std::string herr;
+  if (!rt->host->LoadState(host, &herr)) return fail("host state: " + herr);
+  rt->needs_reseed = false;  // the image's random state is part of what comes back
+  return {{"ok", "1"}};
+}
+
 // Confines the calling (freshly forked) process. Failures are fatal: an unconfined worker must
 // never run guest code.
 std::string g_bpf_oneshot, g_bpf_session;  // precompiled by the server
@@ -544,6 +711,16 @@ void WorkerLoop(Runtime* rt, int channel, bool oneshot, bool seccomp) {
     } else if (op == "env") {
       rt->host->set_env(SplitNul(GetStr(req, "env")));
       rep = {{"ok", "1"}};
+    } else if (op == "walk") {
+      rep = DoWalk(rt, req);
+    } else if (op == "dump" && !oneshot) {
+      rep = DoDump(rt);
+    } else if (op == "dump_chunk" && !oneshot) {
+      rep = DoDumpChunk(req);
+    } else if (op == "load_chunk" && !oneshot) {
+      rep = DoLoadChunk(rt, req);
+    } else if (op == "load" && !oneshot) {
+      rep = DoLoad(rt);
     } else if (op == "fork" && !oneshot) {
       rep = DoFork(rt, channel, passed, seccomp);
       passed = -1;
@@ -693,6 +870,10 @@ int RunForkServer(const ServerOptions& options) {
   wasm_rt_init();
   esb_nano_guest.init_module();
   Instantiate(&rt);
+  {
+    wasm_rt_memory_t* mem = esb_nano_guest.memory(rt.instance);
+    g_base.assign(reinterpret_cast<const char*>(mem->data), uint64_t{mem->pages} * 65536);
+  }
 
   signal(SIGPIPE, SIG_IGN);
   if (geteuid() == 0) {

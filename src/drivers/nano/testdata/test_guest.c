@@ -16,6 +16,10 @@
 // proc_raise left wasi-libc's header but is still a preview1 import; declare it directly.
 __attribute__((import_module("wasi_snapshot_preview1"), import_name("proc_raise"))) uint16_t
 RawProcRaise(uint32_t sig);
+// The raw path_open import takes a length (wasi-libc's wrapper takes a C string).
+__attribute__((import_module("wasi_snapshot_preview1"), import_name("path_open"))) uint16_t
+RawPathOpen(uint32_t fd, uint32_t dirflags, const char* path, uint32_t path_len, uint32_t oflags,
+            uint64_t rights_base, uint64_t rights_inheriting, uint32_t fdflags, uint32_t* fd_out);
 
 static int TryOpen(const char* path) {
   int fd = open(path, O_RDONLY);
@@ -278,6 +282,16 @@ int main(int argc, char** argv) {
     fputs(argv[3], f);
     fclose(f);
     printf("wrote %s\n", argv[2]);
+    return 0;
+  }
+  if (!strcmp(mode, "nulname")) {
+    // A name with NUL bytes, made through the raw WASI call (libc would stop at the NUL): it
+    // looks like extra fields to any NUL-separated listing.
+    static const char kName[] = "workspace/evil\0dir\0999\0x";
+    uint32_t fd;
+    uint16_t e = RawPathOpen(3, 0, kName, sizeof(kName) - 1, __WASI_OFLAGS_CREAT,
+                             __WASI_RIGHTS_FD_WRITE, 0, 0, &fd);
+    printf("nulname: errno %d\n", e);
     return 0;
   }
   if (!strcmp(mode, "files")) return Files();
