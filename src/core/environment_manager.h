@@ -283,7 +283,6 @@ class EnvironmentManager {
                                                               int64_t max_call_ms,
                                                               const std::string& action);
 
-  // The runtime of a live environment of the caller's tenant.
   // An interactive shell on a PTY in environment `id` (capability kTerminal; core/terminal.cc).
   // Holds one of the environment's and the tenant's terminal slots until destroyed; writes a
   // "terminal.open" audit row (also for a refusal) and, when destroyed, a "terminal.close"
@@ -321,6 +320,7 @@ class EnvironmentManager {
   absl::StatusOr<std::unique_ptr<Terminal>> OpenTerminal(const Caller& caller,
                                                          const std::string& id, int rows, int cols);
 
+  // The runtime of a live environment of the caller's tenant.
   absl::StatusOr<DriverKind> RuntimeOf(const Caller& caller, const std::string& id);
   // What runtime `runtime` can do (empty set: no such driver).
   CapabilitySet CapabilitiesOf(DriverKind runtime) const;
