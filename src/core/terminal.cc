@@ -61,7 +61,6 @@ absl::StatusOr<std::unique_ptr<EnvironmentManager::Terminal>> EnvironmentManager
   request.cols = cols;
   auto session = (*env)->driver->OpenTerminal((*env)->ref, request);
   if (!session.ok()) {
-    t->close_reason_ = "not started";
     t->manager_ = nullptr;  // no close row for a terminal that never opened
     {
       std::lock_guard<std::mutex> lock(terminals_mu_);

@@ -161,6 +161,18 @@ TEST_F(TerminalApiTest, NanoHasNoTerminalAndSaysSo) {
   EXPECT_TRUE(absl::StrContains(refusal.body, "'terminal'")) << refusal.body;
 }
 
+// gVisor's PTY does not work here (the shell reads EOF at once): refused, not a dead shell.
+TEST_F(TerminalApiTest, GvisorHasNoTerminalAndSaysSo) {
+  HttpResult r = d_.Call("POST", "/environments", json::object{{"runtime", "gvisor"}});
+  if (r.status == 400 && absl::StrContains(r.str("message"), "not available"))
+    GTEST_SKIP() << "gvisor is not available on this daemon: " << r.body;
+  ASSERT_EQ(r.status, 201) << r.body;
+  WebSocketClient::Refusal refusal;
+  EXPECT_EQ(Open(r.str("environment_id"), "", kKeyA, &refusal), nullptr);
+  EXPECT_EQ(refusal.status, 400) << refusal.body;
+  EXPECT_TRUE(absl::StrContains(refusal.body, "'terminal'")) << refusal.body;
+}
+
 TEST_F(TerminalApiTest, BadSizesAndPlainGetsAreRefused) {
   std::string id = d_.CreateEnv();
   ASSERT_FALSE(id.empty());

@@ -573,8 +573,11 @@ class ContainerDriver : public Driver {
   // (heavy_kernel.h). One-shot Python needs an environment (the core makes a throw-away one); no
   // snapshots yet.
   CapabilitySet Capabilities() const override {
-    CapabilitySet caps{Capability::kExec, Capability::kFiles, Capability::kPythonSession,
-                       Capability::kTerminal};
+    CapabilitySet caps{Capability::kExec, Capability::kFiles, Capability::kPythonSession};
+    // Terminals need a working PTY in the sandbox: under gVisor (this runsc, ptrace platform)
+    // the agent's pty is unusable (bash reads EOF at once; /dev/pts answers EINVAL), so
+    // gvisor refuses terminals rather than hand out a shell that exits at once.
+    if (kind_ != RuntimeKind::kRunsc) caps.Add(Capability::kTerminal);
     if (VolumesSupported()) caps.Add(Capability::kVolumes);
     if (EgressSupported()) caps.Add(Capability::kEgress);
     return caps;
