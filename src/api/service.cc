@@ -488,6 +488,9 @@ void ApiService::Register(Router& router) {
   RegisterNetwork([&add](std::string method, std::string_view pattern, RouteFn fn) {
     add(std::move(method), pattern, std::move(fn));
   });
+  RegisterTerminal([&add](std::string method, std::string_view pattern, RouteFn fn) {
+    add(std::move(method), pattern, std::move(fn));
+  });
 }
 
 json::object RenderArtifact(const ArtifactMeta& m) {

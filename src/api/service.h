@@ -90,6 +90,8 @@ class ApiService {
   // routes and GET /environments/{id}/ca.pem.
   using RouteFn = std::function<Response(Request&, const Caller&)>;
   void RegisterNetwork(const std::function<void(std::string, std::string_view, RouteFn)>& add);
+  // GET /environments/{id}/terminal (terminal_service.cc): a shell's PTY over a WebSocket.
+  void RegisterTerminal(const std::function<void(std::string, std::string_view, RouteFn)>& add);
   // A `network` value: "none" (nullopt) or a policy object, laid over the tenant's default.
   absl::StatusOr<std::optional<governance::EgressPolicy>> ParseNetwork(
       const boost::json::value& value, const std::string& tenant);

@@ -20,6 +20,7 @@
 
 #include "cli/format.h"
 #include "cli/sse.h"
+#include "cli/terminal.h"
 #include "common/shell_quote.h"
 #include "common/util.h"
 
@@ -155,6 +156,50 @@ const std::vector<CommandSpec>& Commands() {
        "               (e.g. esb report --period weekly --format html > report.html)\n"
        "  --env ID     only this environment\n"
        "  --date D     a UTC day in the period (default: today)\n"},
+      {"steps",
+       {{"--limit", true, FlagSpec::kInt}, {"--before", true, FlagSpec::kInt}},
+       1,
+       1,
+       "Usage: esb steps [--limit N] [--before N] ENV\n"
+       "\n"
+       "Shows the environment's step log, newest first: every execute, run, file change,\n"
+       "package install and network change, with the state captured after it ('*' marks\n"
+       "the head, the step the environment is at).\n"
+       "  --limit N    at most N steps (default 50)\n"
+       "  --before N   only steps numbered below N (the next page)\n"},
+      {"step",
+       {},
+       2,
+       2,
+       "Usage: esb step ENV N\n"
+       "\n"
+       "Shows step N: its input, output, exit code, the Python variables after it, the\n"
+       "files it changed and the shell's directory.\n"},
+      {"rewind",
+       {},
+       2,
+       2,
+       "Usage: esb rewind ENV N\n"
+       "\n"
+       "Puts the environment back to what it was after step N, in place. The later steps\n"
+       "are kept (as a branch). With memory \"none\" the files and the shell state come\n"
+       "back, running processes and Python's memory do not.\n"},
+      {"fork",
+       {},
+       2,
+       2,
+       "Usage: esb fork ENV N\n"
+       "\n"
+       "Creates a new environment at step N of ENV and prints its id; ENV is untouched.\n"},
+      {"shell",
+       {{"--step", true, FlagSpec::kInt}},
+       1,
+       1,
+       "Usage: esb shell [--step N] ENV\n"
+       "\n"
+       "Opens an interactive shell (bash in /workspace) in the environment over a\n"
+       "WebSocket. With --step N: forks ENV at step N first and opens the shell in the fork\n"
+       "(printed on stderr; delete it with esb rm). Exits with the shell's exit code.\n"},
       {"health",
        {},
        0,
@@ -190,6 +235,11 @@ constexpr char kGeneralUsage[] =
     "  logs      Show the audit entries of one environment\n"
     "  audit     Search the audit log\n"
     "  report    Egress compliance report (daily or weekly; json, csv or html)\n"
+    "  steps     Show an environment's step log (time travel)\n"
+    "  step      Show one step: input, output, variables, changed files\n"
+    "  rewind    Put an environment back to a step\n"
+    "  fork      Create a new environment at a step\n"
+    "  shell     Open an interactive shell (optionally in a fork at a step)\n"
     "  health    Check that esbd is up\n"
     "\n"
     "Global options (before or after the command):\n"
@@ -305,6 +355,11 @@ class Runner {
     if (c == "logs") return Logs();
     if (c == "audit") return Audit();
     if (c == "report") return Report();
+    if (c == "steps") return Steps();
+    if (c == "step") return StepDetail();
+    if (c == "rewind") return Rewind();
+    if (c == "fork") return Fork();
+    if (c == "shell") return Shell();
     return Usage("unknown command '" + c + "'");
   }
 
@@ -817,6 +872,234 @@ class Runner {
     if (per_env) std::reverse(rows.begin(), rows.end());  // logs read oldest first
     out_ << RenderTable(headers, rows);
     return kExitOk;
+  }
+
+  // --- time travel (docs/api.md "Steps") ---
+
+  // A step number from the command line: a whole number >= 0.
+  bool StepArg(const std::string& text, int64_t* n) {
+    if (ParseInt64(text, n) && *n >= 0) return true;
+    Usage("the step must be a whole number >= 0, not '" + SanitizeCell(text, 40) + "'");
+    return false;
+  }
+
+  // Runs one JSON call; prints the raw answer with --json. nullopt: the failure was reported
+  // and *rc is the exit code (also when --json printed it: then *rc is kExitOk).
+  std::optional<json::value> JsonCall(const std::string& method, const std::string& target,
+                                      const json::value* body, int* rc) {
+    absl::StatusOr<HttpResponse> r = Call(method, target, body);
+    if (!r.ok()) {
+      *rc = Fail(r.status());
+      return std::nullopt;
+    }
+    if (!Ok(*r)) {
+      *rc = ApiFail(*r);
+      return std::nullopt;
+    }
+    if (inv_.global.json) {
+      PrintJson(*r);
+      *rc = kExitOk;
+      return std::nullopt;
+    }
+    std::optional<json::value> v = ParseJson(r->body);
+    if (!v || !v->is_object()) {
+      err_ << "esb: unexpected answer from esbd: " << SanitizeCell(r->body, 200) << "\n";
+      *rc = kExitError;
+      return std::nullopt;
+    }
+    return v;
+  }
+
+  static std::string MemoryText(const json::value& s) {
+    std::string memory = SanitizeCell(Str(s, "memory"), 20);
+    const std::string detail = Str(s, "memory_detail");
+    if (!detail.empty()) memory += " (" + SanitizeCell(detail, 60) + ")";
+    return memory.empty() ? "-" : memory;
+  }
+
+  int Steps() {
+    std::vector<std::pair<std::string, std::string>> params;
+    if (inv_.Has("--limit")) params.emplace_back("limit", inv_.Value("--limit"));
+    if (inv_.Has("--before")) params.emplace_back("before", inv_.Value("--before"));
+    int rc = kExitOk;
+    std::optional<json::value> v =
+        JsonCall("GET", EnvPath(inv_.positionals[0]) + "/steps" + Query(params), nullptr, &rc);
+    if (!v) return rc;
+    const json::value* steps = Field(*v, "steps");
+    if (steps == nullptr || !steps->is_array()) {
+      err_ << "esb: unexpected answer from esbd (no steps)\n";
+      return kExitError;
+    }
+    const std::optional<double> head = Num(*v, "head");
+    std::vector<std::vector<std::string>> rows;
+    for (const json::value& s : steps->get_array()) {
+      const std::optional<double> n = Num(s, "step");
+      std::optional<double> dur = Num(s, "duration_ms");
+      std::string mark = head && n && *head == *n ? "*" : (Bool(s, "on_head") ? "" : "~");
+      rows.push_back({mark + IntText(n), IntText(Num(s, "parent")),
+                      SanitizeCell(Str(s, "kind"), 20), SanitizeCell(Str(s, "status"), 10),
+                      IntText(Num(s, "exit_code")), MemoryText(s), IntText(Num(s, "files_changed")),
+                      dur ? FormatDurationMs(static_cast<int64_t>(*dur)) : "-",
+                      FormatRelative(static_cast<int64_t>(Num(s, "created_at").value_or(0)), Now()),
+                      SanitizeCell(Str(s, "summary"), 60)});
+    }
+    out_ << RenderTable({"STEP", "PARENT", "KIND", "STATUS", "EXIT", "MEMORY", "FILES", "DURATION",
+                         "WHEN", "SUMMARY"},
+                        rows);
+    if (const std::optional<double> next = Num(*v, "next_before")) {
+      out_ << "(older steps: esb steps --before " << IntText(next) << " "
+           << SanitizeCell(inv_.positionals[0], 64) << ")\n";
+    }
+    return kExitOk;
+  }
+
+  // Untrusted multi-line text (a step's output), each line made safe for the terminal.
+  void PrintBlock(const std::string& text, size_t max_lines = 200) {
+    size_t start = 0, lines = 0;
+    while (start < text.size() && lines < max_lines) {
+      size_t end = text.find('\n', start);
+      if (end == std::string::npos) end = text.size();
+      out_ << "  " << SanitizeCell(std::string_view(text).substr(start, end - start), 400) << "\n";
+      start = end + 1;
+      ++lines;
+    }
+    if (start < text.size()) out_ << "  ...\n";
+  }
+
+  int StepDetail() {
+    int64_t n = 0;
+    if (!StepArg(inv_.positionals[1], &n)) return kExitUsage;
+    int rc = kExitOk;
+    std::optional<json::value> v =
+        JsonCall("GET", EnvPath(inv_.positionals[0]) + "/steps/" + std::to_string(n), nullptr, &rc);
+    if (!v) return rc;
+    const json::value& s = *v;
+    std::optional<double> dur = Num(s, "duration_ms");
+    std::vector<std::vector<std::string>> info = {
+        {"step", IntText(Num(s, "step"))},
+        {"parent", IntText(Num(s, "parent"))},
+        {"kind", SanitizeCell(Str(s, "kind"), 40)},
+        {"summary", SanitizeCell(Str(s, "summary"), 200)},
+        {"status", SanitizeCell(Str(s, "status"), 20)},
+        {"exit code", IntText(Num(s, "exit_code"))},
+        {"duration", dur ? FormatDurationMs(static_cast<int64_t>(*dur)) : "-"},
+        {"tier", SanitizeCell(Str(s, "tier"), 40)},
+        {"memory", MemoryText(s)},
+        {"on head", Bool(s, "on_head") ? "yes" : "no"}};
+    if (const std::string e = Str(s, "error"); !e.empty())
+      info.push_back({"error", SanitizeCell(e, 400)});
+    if (const json::value* shell = Field(s, "shell"); shell != nullptr)
+      info.push_back({"shell cwd", SanitizeCell(Str(*shell, "cwd"), 200)});
+    for (const auto& row : info) {
+      std::string key = row[0] + ":";
+      key.resize(std::max<size_t>(key.size(), 11), ' ');
+      out_ << key << row[1] << "\n";
+    }
+    if (const json::value* output = Field(s, "output"); output != nullptr) {
+      for (const char* stream : {"stdout", "stderr"}) {
+        const std::string text = Str(*output, stream);
+        if (text.empty()) continue;
+        out_ << "\n" << stream << (Bool(*output, "truncated") ? " (truncated)" : "") << ":\n";
+        PrintBlock(text);
+      }
+    }
+    if (const json::value* vars = Field(s, "variables"); vars != nullptr && vars->is_array()) {
+      std::vector<std::vector<std::string>> rows;
+      for (const json::value& var : vars->get_array()) {
+        rows.push_back({SanitizeCell(Str(var, "name"), 60), SanitizeCell(Str(var, "type"), 40),
+                        SanitizeCell(Str(var, "repr"), 80)});
+      }
+      out_ << "\nvariables:\n" << RenderTable({"NAME", "TYPE", "VALUE"}, rows);
+    }
+    if (const json::value* changes = Field(s, "changes");
+        changes != nullptr && changes->is_array() && !changes->get_array().empty()) {
+      std::vector<std::vector<std::string>> rows;
+      for (const json::value& c : changes->get_array())
+        rows.push_back({SanitizeCell(Str(c, "change"), 20), SanitizeCell(Str(c, "path"), 200)});
+      out_ << "\nchanged files:\n" << RenderTable({"CHANGE", "PATH"}, rows);
+    }
+    if (const json::value* files = Field(s, "files"); files != nullptr && files->is_array())
+      out_ << "\nfiles at this step: " << files->get_array().size() << "\n";
+    return kExitOk;
+  }
+
+  int Rewind() {
+    int64_t n = 0;
+    if (!StepArg(inv_.positionals[1], &n)) return kExitUsage;
+    json::value body = json::object{{"step", n}};
+    int rc = kExitOk;
+    std::optional<json::value> v =
+        JsonCall("POST", EnvPath(inv_.positionals[0]) + "/rewind", &body, &rc);
+    if (!v) return rc;
+    const std::string memory = Str(*v, "memory");
+    out_ << "rewound " << SanitizeCell(inv_.positionals[0], 64) << " to step "
+         << IntText(Num(*v, "head")) << " (memory: " << SanitizeCell(memory, 20)
+         << (memory == "none" ? ": files and shell state restored; processes and Python "
+                                "memory were not"
+                              : "")
+         << ")\n";
+    return kExitOk;
+  }
+
+  // POST .../fork; the new environment's id, or "" after reporting the failure in *rc.
+  std::string ForkAt(const std::string& env, int64_t n, int* rc) {
+    json::value body = json::object{{"step", n}};
+    absl::StatusOr<HttpResponse> r = Call("POST", EnvPath(env) + "/fork", &body);
+    if (!r.ok()) {
+      *rc = Fail(r.status());
+      return "";
+    }
+    if (!Ok(*r)) {
+      *rc = ApiFail(*r);
+      return "";
+    }
+    std::optional<json::value> v = ParseJson(r->body);
+    std::string id = v ? Str(*v, "environment_id") : "";
+    if (id.empty()) {
+      err_ << "esb: unexpected answer from esbd (no environment_id): " << SanitizeCell(r->body, 200)
+           << "\n";
+      *rc = kExitError;
+      return "";
+    }
+    if (inv_.global.json && inv_.command == "fork") PrintJson(*r);
+    return id;
+  }
+
+  int Fork() {
+    int64_t n = 0;
+    if (!StepArg(inv_.positionals[1], &n)) return kExitUsage;
+    int rc = kExitOk;
+    std::string id = ForkAt(inv_.positionals[0], n, &rc);
+    if (id.empty()) return rc;
+    if (!inv_.global.json) out_ << SanitizeCell(id) << "\n";
+    return kExitOk;
+  }
+
+  int Shell() {
+    std::string env = inv_.positionals[0];
+    if (inv_.Has("--step")) {
+      int64_t n = 0;
+      if (!StepArg(inv_.Value("--step"), &n)) return kExitUsage;
+      int rc = kExitOk;
+      std::string id = ForkAt(env, n, &rc);
+      if (id.empty()) return rc;
+      err_ << "esb: forked " << SanitizeCell(env, 64) << " at step " << n << " into "
+           << SanitizeCell(id) << " (esb rm " << SanitizeCell(id) << " when done)\n";
+      err_.flush();
+      env = id;
+    }
+    TerminalOptions topts;
+    topts.in_fd = ctx_.stdin_fd;
+    topts.out_fd = ctx_.stdout_fd;
+    std::vector<std::pair<std::string, std::string>> headers;
+    if (!inv_.global.api_key.empty())
+      headers.emplace_back("Authorization", "Bearer " + inv_.global.api_key);
+    absl::StatusOr<int> code = RunTerminal(endpoint_, EnvPath(env) + "/terminal", headers, topts);
+    if (!code.ok()) {
+      err_ << "esb: " << code.status().message() << "\n";
+      return code.status().code() == absl::StatusCode::kUnavailable ? kExitConnect : kExitError;
+    }
+    return *code;
   }
 
   int Logs() {

@@ -61,6 +61,9 @@ struct CliContext {
   std::map<std::string, std::string> env;  // ESB_URL, ESB_API_KEY
   TransportFactory transport;              // MakeBeastTransport in the real binary
   int64_t now_ms = 0;                      // for "5m ago"; 0 = the real clock
+  // `esb shell`: the terminal's file descriptors (raw mode when stdin is a terminal).
+  int stdin_fd = 0;
+  int stdout_fd = 1;
 };
 
 // Runs one command line (argv without argv[0]) and returns the process exit code.

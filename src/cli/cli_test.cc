@@ -1,7 +1,12 @@
 #include "cli/cli.h"
 
 #include <netinet/in.h>
+#include <poll.h>
+#include <pty.h>
+#include <signal.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
+#include <termios.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -13,6 +18,7 @@
 #include <sstream>
 #include <thread>
 
+#include "api/http_server.h"
 #include "cli/format.h"
 #include "cli/http_client.h"
 #include "cli/sse.h"
@@ -942,6 +948,237 @@ TEST_F(CliTest, AuditPassesEgressFilters) {
   Answer(200, kAuditBody);
   ASSERT_EQ(Run({"audit", "--kind", "egress", "--decision", "blocked"}), 0) << err_.str();
   EXPECT_EQ(Last().target, "/audit?kind=egress&decision=blocked");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Time travel: steps, step, rewind, fork
+
+namespace time_travel {
+
+constexpr char kStepsBody[] = R"({"steps": [
+  {"step": 3, "parent": 1, "kind": "execute", "summary": "python train.py\u001b[2J",
+   "status": "error", "exit_code": 1, "error": null, "duration_ms": 1200, "capture_ms": 4,
+   "tier": "container", "memory": "none", "memory_detail": null, "files_changed": 2,
+   "created_at": 1795473790000, "on_head": true},
+  {"step": 2, "parent": 1, "kind": "files.write", "summary": "a.txt", "status": "ok",
+   "exit_code": null, "memory": "snapshot", "memory_detail": "collected", "files_changed": 1,
+   "created_at": 1795473780000, "on_head": false}],
+  "head": 3, "next_before": 2})";
+
+}  // namespace time_travel
+
+TEST_F(CliTest, StepsPrintsTheLogWithTheHeadMarkedAndTheNextPage) {
+  Answer(200, time_travel::kStepsBody);
+  ASSERT_EQ(Run({"steps", "--limit", "2", "env_a"}), 0) << err_.str();
+  EXPECT_EQ(Last().method, "GET");
+  EXPECT_EQ(Last().target, "/environments/env_a/steps?limit=2");
+  const std::string out = out_.str();
+  EXPECT_NE(out.find("STEP"), std::string::npos) << out;
+  EXPECT_NE(out.find("*3"), std::string::npos) << out;  // the head
+  EXPECT_NE(out.find("~2"), std::string::npos) << out;  // off the head (a branch)
+  EXPECT_NE(out.find("snapshot (collected)"), std::string::npos) << out;
+  EXPECT_NE(out.find("esb steps --before 2 env_a"), std::string::npos) << out;
+  EXPECT_EQ(out.find('\x1b'), std::string::npos) << "no terminal escape from a summary";
+  Answer(200, time_travel::kStepsBody);
+  ASSERT_EQ(Run({"steps", "--json", "--before", "3", "env_a"}), 0);
+  EXPECT_EQ(Last().target, "/environments/env_a/steps?before=3");
+  EXPECT_EQ(out_.str().substr(0, 10), std::string(time_travel::kStepsBody).substr(0, 10));
+  EXPECT_EQ(Run({"steps"}), kExitUsage);
+}
+
+TEST_F(CliTest, StepShowsOutputVariablesAndChanges) {
+  Answer(200, R"j({"step": 3, "parent": 2, "kind": "run", "summary": "x = 1/0", "status": "error",
+    "exit_code": null, "error": "ZeroDivisionError: division by zero", "duration_ms": 30,
+    "tier": "container", "memory": "none", "memory_detail": null, "on_head": true,
+    "output": {"stdout": "line1\nline2\u001b[31m\n", "stderr": "Traceback\n", "truncated": false},
+    "variables": [{"name": "df", "type": "DataFrame", "repr": "shape (3, 2)"}],
+    "files": [{"path": "a.txt", "type": "file", "size": 1, "mode": 420, "sha256": "x"}],
+    "changes": [{"path": "a.txt", "change": "modified"}], "shell": {"cwd": "/workspace/sub"}})j");
+  ASSERT_EQ(Run({"step", "env_a", "3"}), 0) << err_.str();
+  EXPECT_EQ(Last().target, "/environments/env_a/steps/3");
+  const std::string out = out_.str();
+  for (const char* want : {"kind:      run", "error:     ZeroDivisionError", "line2", "Traceback",
+                           "DataFrame", "shape (3, 2)", "modified", "a.txt",
+                           "shell cwd: /workspace/sub", "files at this step: 1"}) {
+    EXPECT_NE(out.find(want), std::string::npos) << want << " in\n" << out;
+  }
+  EXPECT_EQ(out.find('\x1b'), std::string::npos);
+  EXPECT_EQ(Run({"step", "env_a", "-1"}), kExitUsage);
+  EXPECT_EQ(Run({"step", "env_a", "x"}), kExitUsage);
+  Answer(404, R"({"error":true,"code":"not_found","message":"environment env_a has no step 9"})");
+  EXPECT_EQ(Run({"step", "env_a", "9"}), kExitError);
+  EXPECT_EQ(err_.str(), "esb: environment env_a has no step 9 (HTTP 404 not_found)\n");
+}
+
+TEST_F(CliTest, RewindAndForkSendTheStep) {
+  Answer(200, R"({"head": 2, "memory": "none", "environment": {"environment_id": "env_a"}})");
+  ASSERT_EQ(Run({"rewind", "env_a", "2"}), 0) << err_.str();
+  EXPECT_EQ(Last().method, "POST");
+  EXPECT_EQ(Last().target, "/environments/env_a/rewind");
+  EXPECT_EQ(Last().body, R"({"step":2})");
+  EXPECT_NE(out_.str().find("rewound env_a to step 2 (memory: none: files and shell state"),
+            std::string::npos)
+      << out_.str();
+  Answer(201, R"({"environment_id": "env_b", "forked_from": {"environment_id": "env_a",
+    "step": 2}, "memory": "none"})");
+  ASSERT_EQ(Run({"fork", "env_a", "2"}), 0) << err_.str();
+  EXPECT_EQ(Last().target, "/environments/env_a/fork");
+  EXPECT_EQ(Last().body, R"({"step":2})");
+  EXPECT_EQ(out_.str(), "env_b\n");
+  Answer(409, R"({"error":true,"code":"conflict","message":"step capture is off"})");
+  EXPECT_EQ(Run({"rewind", "env_a", "0"}), kExitError);
+  EXPECT_EQ(err_.str(), "esb: step capture is off (HTTP 409 conflict)\n");
+  EXPECT_EQ(Run({"fork", "env_a"}), kExitUsage);
+  EXPECT_EQ(Run({"rewind", "env_a", "1.5"}), kExitUsage);
+}
+
+// `esb shell` against a real WebSocket server (esbd's HttpServer with a fake terminal route)
+// on a real pseudo-terminal: the window size goes in the query, raw mode is on while the shell
+// runs and restored after, SIGWINCH sends a resize, keystrokes and output flow both ways, and
+// the exit frame's code is esb's exit code.
+class ShellTest : public CliTest {
+ protected:
+  void SetUp() override {
+    api::HttpServer::Options o;
+    o.access_log = false;
+    server_ = std::make_unique<api::HttpServer>(o);
+    server_->router().Add("GET", "/environments/{id}/terminal", [this](api::Request& req) {
+      if (req.HeaderOr("Authorization", "") != "Bearer esb_secret")
+        return api::ErrorResponse(401, "unauthorized", "Missing API key");
+      if (req.Param("id") != "env_a" && req.Param("id") != "env_fork")
+        return api::ErrorResponse(404, "not_found",
+                                  "environment " + req.Param("id") + " not found");
+      query_ = req.target();
+      return api::Response::WebSocket([this](api::WebSocket& ws) {
+        ws.Send("ready\r\n", true);
+        std::string typed;
+        for (;;) {
+          absl::StatusOr<api::WebSocket::Message> m = ws.Receive(std::chrono::seconds(10));
+          if (!m.ok()) return;
+          if (!m->binary) {
+            controls_.push_back(m->data);
+            ws.Send("resized\r\n", true);
+            continue;
+          }
+          typed += m->data;
+          got_input_ = true;
+          ws.Send("echo:" + m->data, true);
+          if (typed.find("exit 5") != std::string::npos) {
+            ws.Send(R"({"type":"exit","code":5})", false);
+            ws.Close(api::WebSocket::kNormal, "exited");
+            return;
+          }
+        }
+      });
+    });
+    ASSERT_TRUE(server_->Start().ok());
+  }
+  void TearDown() override { server_->Stop(); }
+  std::string Url() const { return "http://127.0.0.1:" + std::to_string(server_->tcp_port()); }
+
+  std::unique_ptr<api::HttpServer> server_;
+  std::string query_;
+  std::vector<std::string> controls_;
+  std::atomic<bool> got_input_{false};
+};
+
+TEST_F(ShellTest, RawTtyWindowSizeResizeAndExitCode) {
+  int master = -1, slave = -1;
+  winsize size{};
+  size.ws_row = 33;
+  size.ws_col = 111;
+  ASSERT_EQ(openpty(&master, &slave, nullptr, nullptr, &size), 0);
+  termios before{};
+  ASSERT_EQ(tcgetattr(slave, &before), 0);
+  std::atomic<int> rc{-1};
+  std::thread cli([&] {
+    std::istringstream in;
+    std::ostringstream out, err;
+    CliContext ctx;
+    ctx.in = &in;
+    ctx.out = &out;
+    ctx.err = &err;
+    ctx.env = {{"ESB_API_KEY", "esb_secret"}, {"ESB_URL", Url()}};
+    ctx.stdin_fd = slave;
+    ctx.stdout_fd = slave;
+    rc = RunCli({"shell", "env_a"}, ctx);
+  });
+  // Wait for the connection (the server has sent "ready"), type, resize, exit.
+  std::string seen;
+  auto read_until = [&](const std::string& needle) {
+    for (int i = 0; i < 100 && seen.find(needle) == std::string::npos; ++i) {
+      pollfd p{master, POLLIN, 0};
+      if (poll(&p, 1, 100) > 0) {
+        char buf[4096];
+        ssize_t n = read(master, buf, sizeof buf);
+        if (n > 0) seen.append(buf, static_cast<size_t>(n));
+      }
+    }
+    return seen.find(needle) != std::string::npos;
+  };
+  ASSERT_TRUE(read_until("ready")) << seen;
+  termios during{};
+  ASSERT_EQ(tcgetattr(slave, &during), 0);
+  EXPECT_EQ(during.c_lflag & (ECHO | ICANON), 0u) << "raw mode while the shell runs";
+  ASSERT_EQ(write(master, "ls\r", 3), 3);
+  ASSERT_TRUE(read_until("echo:ls")) << seen;
+  size.ws_row = 40;
+  size.ws_col = 120;
+  ASSERT_EQ(ioctl(master, TIOCSWINSZ, &size), 0);
+  kill(getpid(), SIGWINCH);
+  ASSERT_TRUE(read_until("resized")) << seen;
+  ASSERT_EQ(write(master, "exit 5\r", 7), 7);
+  cli.join();
+  EXPECT_EQ(rc.load(), 5);
+  EXPECT_NE(query_.find("cols=111&rows=33"), std::string::npos) << query_;
+  ASSERT_EQ(controls_.size(), 1u);
+  EXPECT_EQ(controls_[0], R"({"type":"resize","rows":40,"cols":120})");
+  termios after{};
+  ASSERT_EQ(tcgetattr(slave, &after), 0);
+  EXPECT_EQ(after.c_lflag, before.c_lflag) << "the terminal's mode is restored";
+  EXPECT_EQ(after.c_iflag, before.c_iflag);
+  EXPECT_EQ(after.c_oflag, before.c_oflag);
+  close(master);
+  close(slave);
+}
+
+TEST_F(ShellTest, PipedInputEndsWithEofAndARefusalShowsTheDaemonsMessage) {
+  int out_pipe[2];
+  ASSERT_EQ(pipe(out_pipe), 0);
+  auto run = [&](const Args& args, std::string* err_text) {
+    int in_pipe[2];  // keystrokes: "exit 5", then the end of the input
+    EXPECT_EQ(pipe(in_pipe), 0);
+    EXPECT_EQ(write(in_pipe[1], "exit 5\n", 7), 7);
+    close(in_pipe[1]);
+    std::istringstream in;
+    std::ostringstream out, err;
+    CliContext ctx;
+    ctx.in = &in;
+    ctx.out = &out;
+    ctx.err = &err;
+    ctx.env = {{"ESB_API_KEY", "esb_secret"}, {"ESB_URL", Url()}};
+    ctx.stdin_fd = in_pipe[0];
+    ctx.stdout_fd = out_pipe[1];
+    ctx.transport = [this](const Endpoint&) { return std::make_unique<FakeTransport>(&daemon_); };
+    int rc = RunCli(args, ctx);
+    close(in_pipe[0]);
+    *err_text = err.str();
+    return rc;
+  };
+  std::string err;
+  EXPECT_EQ(run({"shell", "env_a"}, &err), 5) << err;
+  EXPECT_NE(query_.find("cols=80&rows=24"), std::string::npos) << query_;  // not a terminal
+  EXPECT_EQ(run({"shell", "env_gone"}, &err), kExitError);
+  EXPECT_EQ(err, "esb: environment env_gone not found (HTTP 404)\n");
+  // --step forks first (POST .../fork through the HTTP transport), then opens the fork's.
+  Answer(201, R"({"environment_id": "env_fork", "memory": "none"})");
+  EXPECT_EQ(run({"shell", "--step", "4", "env_a"}, &err), 5) << err;
+  EXPECT_EQ(Last().target, "/environments/env_a/fork");
+  EXPECT_EQ(Last().body, R"({"step":4})");
+  EXPECT_NE(query_.find("/environments/env_fork/terminal"), std::string::npos) << query_;
+  EXPECT_NE(err.find("forked env_a at step 4 into env_fork"), std::string::npos) << err;
+  close(out_pipe[0]);
+  close(out_pipe[1]);
 }
 
 }  // namespace

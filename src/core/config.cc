@@ -339,6 +339,12 @@ absl::Status LoadConfigFile(const std::string& path, DaemonConfig* c) {
       st = GetInt(v, key, &c->max_environments_per_tenant);
     else if (key == "max_volume_mb") st = GetInt(v, key, &c->max_volume_mb);
     else if (key == "max_volumes_per_tenant") st = GetInt(v, key, &c->max_volumes_per_tenant);
+    else if (key == "max_terminals_per_environment")
+      st = GetInt(v, key, &c->max_terminals_per_environment);
+    else if (key == "max_terminals_per_tenant")
+      st = GetInt(v, key, &c->max_terminals_per_tenant);
+    else if (key == "terminal_idle_timeout_seconds")
+      st = GetInt(v, key, &c->terminal_idle_timeout_s);
     else if (key == "max_output_bytes") st = GetInt(v, key, &c->max_output_bytes);
     else if (key == "max_upload_bytes") st = GetInt(v, key, &c->max_upload_bytes);
     else if (key == "max_json_body_bytes") st = GetInt(v, key, &c->max_json_body_bytes);
@@ -416,6 +422,11 @@ absl::Status LoadConfigFile(const std::string& path, DaemonConfig* c) {
   if (c->max_volume_mb < 16 || c->max_volume_mb > (int64_t{1} << 20))
     return TypeError("max_volume_mb", "16..1048576");
   if (c->max_volumes_per_tenant < 0) return TypeError("max_volumes_per_tenant", "0 or more");
+  if (c->max_terminals_per_environment < 0)
+    return TypeError("max_terminals_per_environment", "0 or more");
+  if (c->max_terminals_per_tenant < 0) return TypeError("max_terminals_per_tenant", "0 or more");
+  if (c->terminal_idle_timeout_s < 1 || c->terminal_idle_timeout_s > 86400)
+    return TypeError("terminal_idle_timeout_seconds", "1..86400");
   // HTTP limits (cross-field: checked once every key is in).
   if (absl::Status http = ValidateHttpLimits(*c); !http.ok()) return http;
   return absl::OkStatus();

@@ -110,6 +110,11 @@ struct DaemonConfig {
   // Persistent volumes (ManagerOptions): size cap of one (MiB), count per tenant.
   int64_t max_volume_mb = 4096;
   int max_volumes_per_tenant = 16;
+  // Interactive terminals (ManagerOptions): open at once per environment and per tenant, and
+  // how long one may sit with neither input nor output before it is closed.
+  int max_terminals_per_environment = 4;
+  int max_terminals_per_tenant = 16;
+  int64_t terminal_idle_timeout_s = 1800;
   int64_t max_output_bytes = 1 << 20;
   int64_t max_upload_bytes = 256ll << 20;
   int64_t max_json_body_bytes = 16ll << 20;

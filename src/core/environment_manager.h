@@ -64,6 +64,11 @@ struct ManagerOptions {
   int64_t max_volume_mb = 4096;
   int max_volumes_per_tenant = 16;
   int max_volumes_per_environment = 8;
+  // Interactive terminals (core/terminal.cc): open at once per environment / per tenant (over
+  // either: ResourceExhausted, 429; 0 refuses terminals), and the idle close.
+  int max_terminals_per_environment = 4;
+  int max_terminals_per_tenant = 16;
+  int64_t terminal_idle_timeout_ms = 1800'000;
   std::function<int64_t()> now_ms;  // injectable clock; defaults to NowUnixMs
   // Egress governance (issue 12). `egress` carries governed environments to the proxy (not
   // owned; nullptr: a create with a network policy answers 503); `make_ca` makes each governed
@@ -278,6 +283,43 @@ class EnvironmentManager {
                                                               int64_t max_call_ms,
                                                               const std::string& action);
 
+  // An interactive shell on a PTY in environment `id` (capability kTerminal; core/terminal.cc).
+  // Holds one of the environment's and the tenant's terminal slots until destroyed; writes a
+  // "terminal.open" audit row (also for a refusal) and, when destroyed, a "terminal.close"
+  // row (exit code, duration, bytes both ways). Destroying it kills the shell.
+  class Terminal {
+   public:
+    ~Terminal();
+    Terminal(const Terminal&) = delete;
+    Terminal& operator=(const Terminal&) = delete;
+    // Keystrokes; retried for up to 5 s while the guest's input queue is full.
+    absl::Status Input(std::string_view data);
+    absl::Status Resize(int rows, int cols);
+    // The shell's output to `sink` until it exits (its code) or `timeout_ms` (nullopt).
+    absl::StatusOr<std::optional<int>> Wait(int timeout_ms, const OutputSink& sink);
+    // Kills the shell; `reason` goes into the close row ("client closed", "idle", ...).
+    void Close(std::string reason);
+    // Neither input nor output for ManagerOptions::terminal_idle_timeout_ms.
+    bool Idle() const;
+
+   private:
+    friend class EnvironmentManager;
+    Terminal() = default;
+    EnvironmentManager* manager_ = nullptr;
+    Caller caller_{""};
+    std::shared_ptr<LiveEnv> env_;
+    std::unique_ptr<TerminalSession> session_;
+    std::string id_;
+    int64_t start_ms_ = 0;
+    std::atomic<int64_t> last_activity_ms_{0};
+    std::atomic<int64_t> bytes_{0};
+    std::mutex mu_;
+    std::optional<int> exit_code_;
+    std::string close_reason_;
+  };
+  absl::StatusOr<std::unique_ptr<Terminal>> OpenTerminal(const Caller& caller,
+                                                         const std::string& id, int rows, int cols);
+
   // The runtime of a live environment of the caller's tenant.
   absl::StatusOr<DriverKind> RuntimeOf(const Caller& caller, const std::string& id);
   // What runtime `runtime` can do (empty set: no such driver).
@@ -398,6 +440,10 @@ class EnvironmentManager {
   // delete or environment create on the way ("#..."). Absent: free.
   std::map<std::string, std::string> volume_users_;
   std::mutex volume_quota_mu_;  // a volume create's count check and insert, one at a time
+  // Open terminals (core/terminal.cc): environment id → count, tenant → count.
+  std::mutex terminals_mu_;
+  std::map<std::string, int> terminals_by_env_;
+  std::map<std::string, int> terminals_by_tenant_;
 
   std::mutex wake_mu_;
   std::condition_variable wake_cv_;

@@ -165,6 +165,11 @@ absl::Status Driver::DeleteVolume(const std::string&) {
   return MissingCapabilityError(name(), Capability::kVolumes);
 }
 
+absl::StatusOr<std::unique_ptr<TerminalSession>> Driver::OpenTerminal(const InstanceRef&,
+                                                                      const TerminalRequest&) {
+  return MissingCapabilityError(name(), Capability::kTerminal);
+}
+
 absl::StatusOr<UniqueFd> Driver::OpenEgressListener(const InstanceRef&) {
   return MissingCapabilityError(name(), Capability::kEgress);
 }

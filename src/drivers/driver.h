@@ -190,6 +190,28 @@ struct RunResult {
   bool streamed = false;
 };
 
+// kTerminal: an interactive shell on a PTY inside an instance (Driver::OpenTerminal).
+struct TerminalRequest {
+  int rows = 24, cols = 80;  // 1-1000 each
+  std::map<std::string, std::string> env;
+};
+
+// One open terminal: a shell whose controlling terminal is a PTY. Thread-safe: one thread may
+// Wait (the output) while others call Input, Resize or Kill. Destroying it kills the shell.
+class TerminalSession {
+ public:
+  virtual ~TerminalSession() = default;
+  // Bytes for the PTY (keystrokes). Unavailable when the guest's input queue is full (retry
+  // later) or the instance is gone.
+  virtual absl::Status Input(std::string_view data) = 0;
+  virtual absl::Status Resize(int rows, int cols) = 0;
+  // Delivers the PTY's output to `sink` (Stream::kStdout) until the shell exits (its exit code,
+  // 128+N for signal N) or `timeout_ms` passes (nullopt: still running).
+  virtual absl::StatusOr<std::optional<int>> Wait(int timeout_ms, const OutputSink& sink) = 0;
+  // Kills the shell and everything it started. Idempotent.
+  virtual absl::Status Kill() = 0;
+};
+
 // What a driver can do beyond the basic lifecycle. The core checks these before calling
 // and refuses a missing one with MissingCapabilityError (a 4xx naming it); the default
 // implementations below answer the same error, so nothing is ever silently a no-op.
@@ -339,6 +361,11 @@ class Driver {
   virtual absl::StatusOr<SnapshotRef> CompactSnapshot(const SnapshotRef& snapshot);
   // What memory capture this driver has on this host (and why not). Default: none.
   virtual StepMemorySupport StepMemory() const;
+
+  // kTerminal: starts a login-less interactive bash in /workspace as the sandbox user, on a
+  // PTY of request.rows x request.cols.
+  virtual absl::StatusOr<std::unique_ptr<TerminalSession>> OpenTerminal(
+      const InstanceRef& ref, const TerminalRequest& request);
 
   // kEgress: a new listening TCP socket on 127.0.0.1:3128 inside the network namespace of the
   // kGoverned environment `ref`, for the egress proxy (core/egress.h). Each call opens a fresh

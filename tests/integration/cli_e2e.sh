@@ -49,6 +49,31 @@ check "report json" 0 "$("$ESB" report --period weekly --format json | python3 -
 check "report html is a page" 1 "$("$ESB" report --format html | grep -c '^<!DOCTYPE html>')"
 check "report csv header" "section,name,requests,allowed,blocked,redacted,opaque,errors,bytes_up,bytes_down" "$("$ESB" report --format csv | head -1 | tr -d '\r')"
 check "report tables" 1 "$("$ESB" report | grep -c '^Daily egress report')"
+# The terminal (a WebSocket): piped keystrokes, the shell's exit code as esb's.
+OUT="$(printf 'cd /tmp; echo $((6*7))\nexit 7\n' | "$ESB" shell "$ENV" 2>&1 | tr -d '\r')"
+check "shell exit code" 7 "$(printf 'cd /tmp; echo $((6*7))\nexit 7\n' | "$ESB" shell "$ENV" >/dev/null 2>&1; echo $?)"
+check "shell runs commands" 1 "$(grep -c '42$' <<<"$OUT")"
+check "shell on an unknown env → exit 1" 1 "$("$ESB" shell env_doesnotexist </dev/null >/dev/null 2>&1; echo $?)"
+# Time travel: steps, step, rewind, fork, shell --step (needs the daemon's steps routes).
+STEPS_OUT="$("$ESB" steps "$ENV" 2>&1)"
+if grep -q "no such endpoint" <<<"$STEPS_OUT"; then
+  echo "SKIP time travel: this esbd has no steps routes yet ($STEPS_OUT)"
+else
+  N="$("$ESB" steps --json --limit 200 "$ENV" | python3 -c 'import json,sys; print(next(s["step"] for s in json.load(sys.stdin)["steps"] if "t.txt" in s["summary"]))')"
+  check "steps lists the upload" 1 "$(grep -c 't.txt' <<<"$STEPS_OUT" | tr -d ' ' | cut -c1)"
+  check "step shows its files" 1 "$("$ESB" step "$ENV" "$N" | grep -c 't.txt' | cut -c1)"
+  "$ESB" exec "$ENV" -- 'echo changed > t.txt' >/dev/null
+  check "rewind" 0 "$("$ESB" rewind "$ENV" "$N" >/dev/null; echo $?)"
+  check "rewind restores the file" "line one" "$("$ESB" cat "$ENV" t.txt)"
+  FORK="$("$ESB" fork "$ENV" "$N")"
+  check "fork prints an id" "env_" "${FORK:0:4}"
+  check "fork has the file" "line one" "$("$ESB" cat "$FORK" t.txt)"
+  "$ESB" rm "$FORK" >/dev/null
+  SHELL_OUT="$(printf 'cat t.txt\nexit 0\n' | "$ESB" shell --step "$N" "$ENV" 2>&1 | tr -d '\r')"
+  check "shell --step sees the step's files" 1 "$(grep -c '^line one$' <<<"$SHELL_OUT")"
+  FORK2="$(grep -o 'into env_[a-z0-9]*' <<<"$SHELL_OUT" | cut -d' ' -f2)"
+  [ -n "$FORK2" ] && "$ESB" rm "$FORK2" >/dev/null
+fi
 "$ESB" rm "$ENV" >/dev/null
 check "rm then exec fails" 1 "$("$ESB" exec "$ENV" -- true >/dev/null 2>&1; echo $?)"
 "$ESB" rm env_doesnotexist >/dev/null 2>&1

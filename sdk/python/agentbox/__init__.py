@@ -18,15 +18,16 @@ key from ``api_key=`` or ``$AGENTBOX_API_KEY``.
 __version__ = "0.1.0"
 
 from .errors import (AuthError, Cancelled, CommandExitError, CommandTimeout,  # noqa: E402
-                     Conflict, DaemonUnreachable, InsufficientStorage, InvalidArgument,
+                     Conflict, DaemonUnreachable, Gone, InsufficientStorage, InvalidArgument,
                      PayloadTooLarge, PermissionDenied, RateLimited, ReviewFailed,
                      SandboxError, SandboxNotFound, SandboxTimeout, ServerError, Unavailable)
 from .models import (Artifact, CommandResult, EntryInfo, ExecutionError,  # noqa: E402
                      SandboxConfig, SandboxResult, Table, WriteInfo)
 from .sandbox import (Artifacts, CancelToken, Commands, Environment, Files,  # noqa: E402
                       IntentScope, NetworkPolicy, Sandbox)
+from .steps import Step  # noqa: E402
 from .aio import (AsyncArtifacts, AsyncCommands, AsyncEnvironment, AsyncFiles,  # noqa: E402
-                  AsyncIntentScope, AsyncSandbox)
+                  AsyncIntentScope, AsyncSandbox, AsyncStep)
 from . import tools, workflow  # noqa: E402
 
 __all__ = [
@@ -35,7 +36,7 @@ __all__ = [
     "Environment", "Commands", "Files", "Artifacts", "CommandResult", "EntryInfo",
     "WriteInfo", "CancelToken", "Cancelled", "IntentScope", "NetworkPolicy",
     "AsyncSandbox", "AsyncEnvironment", "AsyncCommands", "AsyncFiles", "AsyncArtifacts",
-    "AsyncIntentScope",
+    "AsyncIntentScope", "Step", "AsyncStep", "Gone",
     "SandboxError", "InvalidArgument", "AuthError", "PermissionDenied", "SandboxNotFound",
     "Conflict", "PayloadTooLarge", "InsufficientStorage", "RateLimited", "ServerError",
     "Unavailable", "SandboxTimeout", "DaemonUnreachable", "CommandExitError", "CommandTimeout",

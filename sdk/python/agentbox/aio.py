@@ -18,9 +18,10 @@ from .models import (Artifact, CommandResult, EntryInfo, SandboxConfig, SandboxR
                      WriteInfo)
 from ._http import CancelToken
 from .sandbox import Environment, NetworkPolicy, PathLike, Sandbox
+from .steps import Step
 
 __all__ = ["AsyncSandbox", "AsyncEnvironment", "AsyncCommands", "AsyncFiles",
-           "AsyncArtifacts", "AsyncIntentScope"]
+           "AsyncArtifacts", "AsyncIntentScope", "AsyncStep"]
 
 AsyncOutputHandler = Callable[[str], Any]
 """A streaming callback for the async client: a function or coroutine function taking a
@@ -258,6 +259,25 @@ class AsyncEnvironment:
         """The environment's CA certificate (PEM)."""
         return await asyncio.to_thread(self.sync.ca_pem)
 
+    # -- time travel (see agentbox.Environment) ---------------------------------------------
+    async def steps(self, *, limit: Optional[int] = None, before: Optional[int] = None
+                    ) -> list["AsyncStep"]:
+        """The step log, newest first; see :meth:`agentbox.Environment.steps`."""
+        found = await asyncio.to_thread(lambda: self.sync.steps(limit=limit, before=before))
+        return [AsyncStep(s) for s in found]
+
+    async def step(self, n: int) -> "AsyncStep":
+        """Step ``n`` with its detail; see :meth:`agentbox.Environment.step`."""
+        return AsyncStep(await asyncio.to_thread(self.sync.step, n))
+
+    async def rewind(self, n: int) -> dict[str, Any]:
+        """Rewind in place to step ``n``; see :meth:`agentbox.Environment.rewind`."""
+        return await asyncio.to_thread(self.sync.rewind, n)
+
+    async def fork(self, n: int) -> "AsyncEnvironment":
+        """A new environment at step ``n``; see :meth:`agentbox.Environment.fork`."""
+        return AsyncEnvironment(await asyncio.to_thread(self.sync.fork, n))
+
     async def info(self) -> dict[str, Any]:
         """Fetch the environment record."""
         return await asyncio.to_thread(self.sync.info)
@@ -282,6 +302,48 @@ class AsyncEnvironment:
     def closed(self) -> bool:
         """True once the environment was deleted by this client."""
         return self.sync.closed
+
+
+class AsyncStep:
+    """Async twin of :class:`agentbox.Step`: the summary and detail fields read as
+    attributes (an async step always has its detail once :meth:`refresh` or
+    :meth:`AsyncEnvironment.step` fetched it); ``await step.file(path)``, ``await
+    step.diff(path)``."""
+
+    def __init__(self, step: Step) -> None:
+        self.sync = step
+        self.step = step.step
+        self.environment_id = step.environment_id
+
+    def __repr__(self) -> str:
+        return f"Async{self.sync!r}"
+
+    @property
+    def data(self) -> dict[str, Any]:
+        """The daemon's JSON for this step."""
+        return self.sync.data
+
+    def __getattr__(self, name: str) -> Any:
+        # Fields already fetched; a detail field not fetched yet needs ``await refresh()``.
+        if name in self.sync.data:
+            return self.sync.data[name]
+        if name in ("variables", "files", "changes", "input", "output", "artifacts", "audit",
+                    "egress", "shell"):
+            raise AttributeError(f"{name}: await step.refresh() (or env.step(n)) first")
+        return getattr(self.sync, name)
+
+    async def refresh(self) -> "AsyncStep":
+        """Fetch the step's detail."""
+        await asyncio.to_thread(self.sync.refresh)
+        return self
+
+    async def file(self, path: str) -> bytes:
+        """The bytes of ``path`` at this step."""
+        return await asyncio.to_thread(self.sync.file, path)
+
+    async def diff(self, path: str) -> dict[str, Any]:
+        """``path``'s change at this step against its parent."""
+        return await asyncio.to_thread(self.sync.diff, path)
 
 
 class AsyncIntentScope:

@@ -16,6 +16,7 @@ __all__ = [
     "PermissionDenied",
     "SandboxNotFound",
     "Conflict",
+    "Gone",
     "PayloadTooLarge",
     "InsufficientStorage",
     "RateLimited",
@@ -77,6 +78,11 @@ class SandboxNotFound(SandboxError):
 
 class Conflict(SandboxError):
     """The request conflicts with the environment's state (409)."""
+
+
+class Gone(SandboxError):
+    """What was asked for existed but has been collected (410): e.g. a file's content at an
+    old step after the step log's garbage collection (``body["detail"] == "collected"``)."""
 
 
 class PayloadTooLarge(SandboxError):
@@ -172,6 +178,7 @@ _BY_STATUS: dict[int, type[SandboxError]] = {
     405: InvalidArgument,
     408: SandboxTimeout,
     409: Conflict,
+    410: Gone,
     413: PayloadTooLarge,
     415: InvalidArgument,
     422: InvalidArgument,

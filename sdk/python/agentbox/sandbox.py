@@ -20,6 +20,7 @@ from typing import (Any, BinaryIO, Callable, Generic, Iterable, Literal, Mapping
 from ._http import DEFAULT_URL, CancelToken, SseEvent, Transport, quote_id
 from .errors import (CommandExitError, CommandTimeout, InvalidArgument, PayloadTooLarge,
                      SandboxError, SandboxNotFound, error_from_response)
+from .steps import Step, check_step_number, check_steps_option
 from .models import (Artifact, CommandResult, EntryInfo, SandboxConfig, SandboxResult,
                      WriteInfo, check_figure_formats, parse_artifacts, parse_traceback)
 
@@ -757,6 +758,63 @@ class Environment:
         assert isinstance(data, bytes)
         return data.decode("ascii", "replace")
 
+    # -- time travel (docs/api.md "Steps") ------------------------------------------------
+    def steps(self, *, limit: Optional[int] = None, before: Optional[int] = None
+              ) -> list[Step]:
+        """The step log, newest first (``GET /environments/{id}/steps``): at most ``limit``
+        steps (the daemon's default: 50) numbered below ``before``. Each :class:`Step` has
+        the summary; its ``variables``, ``files``, ... are fetched when first read."""
+        query: dict[str, Any] = {}
+        if limit is not None:
+            if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+                raise InvalidArgument("steps: limit must be a positive int")
+            query["limit"] = limit
+        if before is not None:
+            query["before"] = check_step_number(before, "steps(before=)")
+        answer = self._transport.json(
+            "GET", f"/environments/{quote_id(self.environment_id)}/steps", query=query or None)
+        found = answer.get("steps")
+        if not isinstance(found, list):
+            raise SandboxError(f"esbd answered the step log without 'steps': {answer!r:.200}")
+        return [Step(self._transport, self.environment_id, s) for s in found
+                if isinstance(s, dict)]
+
+    def step(self, n: int) -> Step:
+        """Step ``n`` with its detail (``GET /environments/{id}/steps/{n}``): ``.variables``,
+        ``.files`` (the /workspace tree then), ``.changes``, ``.input``, ``.output``,
+        ``.shell``; ``.file(path)`` and ``.diff(path)`` read its files. Raises
+        :class:`SandboxNotFound` for an unknown step."""
+        check_step_number(n, "step")
+        data = self._transport.json(
+            "GET", f"/environments/{quote_id(self.environment_id)}/steps/{n}")
+        return Step(self._transport, self.environment_id, data, detailed=True)
+
+    def rewind(self, n: int) -> dict[str, Any]:
+        """Make the environment what it was after step ``n``, in place (``POST
+        /environments/{id}/rewind``); the steps after it stay as a branch. Returns ``{"head",
+        "memory": "snapshot"|"none", "environment"}``: with ``"none"`` the files and shell
+        state are back but running processes and the Python session's memory are not.
+        Raises :class:`Conflict` when the step has no state to go back to (capture off)."""
+        check_step_number(n, "rewind")
+        answer = self._transport.json(
+            "POST", f"/environments/{quote_id(self.environment_id)}/rewind", {"step": n})
+        env = answer.get("environment")
+        if isinstance(env, dict):
+            self.data = env
+        return answer
+
+    def fork(self, n: int, *, keep_alive: Union[bool, float] = False) -> "Environment":
+        """A new, independent environment at step ``n`` (``POST /environments/{id}/fork``);
+        this one is untouched. The new one's ``data`` has ``forked_from`` and ``memory``."""
+        check_step_number(n, "fork")
+        data = self._transport.json(
+            "POST", f"/environments/{quote_id(self.environment_id)}/fork", {"step": n})
+        env_id = data.get("environment_id")
+        if not isinstance(env_id, str) or not env_id:
+            raise SandboxError(f"esbd forked an environment without an id: {data!r:.200}")
+        return Environment(self._transport, env_id, data, keep_alive=keep_alive,
+                           ttl_seconds=self._ttl)
+
     def info(self) -> dict[str, Any]:
         """Fetch the environment record (state, limits, timestamps, usage)."""
         self.data = self._transport.json("GET", f"/environments/{quote_id(self.environment_id)}")
@@ -1075,6 +1133,7 @@ class Sandbox:
                envs: Optional[Mapping[str, str]] = None,
                network: Optional[NetworkPolicy] = None,
                volumes: Optional[Sequence[Mapping[str, Any]]] = None,
+               steps: Optional[Union[bool, Mapping[str, Any]]] = None,
                keep_alive: Union[bool, float] = False, url: Optional[str] = None,
                api_key: Optional[str] = None, request_timeout: float = 30.0) -> Environment:
         """Create a stateful :class:`Environment` (``POST /environments``).
@@ -1094,6 +1153,10 @@ class Sandbox:
                 TLS inspection, DLP, audit); see :attr:`Environment.network`.
             volumes: persistent volumes to mount, e.g. ``[{"name": "data", "path":
                 "/mnt/data", "read_only": False}]`` (see :meth:`create_volume`).
+            steps: the step log (time travel; on by default): ``False`` turns capture off,
+                a dict sets its limits, e.g. ``{"max_steps": 100, "max_bytes": 64 << 20}``
+                (also ``capture``, ``max_live_memory``, ``ttl_s``); see
+                :meth:`Environment.steps`.
             keep_alive: ``True`` (heartbeat every ttl/3 s, at most 60 s) or an interval in
                 seconds; the thread stops at :meth:`Environment.close`.
         """
@@ -1120,6 +1183,8 @@ class Sandbox:
             options["env"] = {str(k): str(v) for k, v in envs.items()}
         if volumes:
             options["volumes"] = [dict(v) for v in volumes]
+        if steps is not None and steps is not True:
+            options["steps"] = check_steps_option(steps)
         return client._create(options, keep_alive=keep_alive)
 
     @_hybridmethod

@@ -9,6 +9,9 @@ state file, which is enough to exercise the SDK's contract.
 from __future__ import annotations
 
 import base64
+import difflib
+import hashlib
+import io
 import json
 import mimetypes
 import os
@@ -38,7 +41,14 @@ _SKIP_VARS = ("BASH", "BASHOPTS", "BASHPID", "BASH_ALIASES", "BASH_ARGC", "BASH_
               "PIPESTATUS", "OLDPWD", "PWD", "SHLVL", "COLUMNS", "LINES", "HOSTNAME",
               "HOSTTYPE", "MACHTYPE", "OSTYPE", "IFS", "OPTIND", "OPTERR", "PS4", "PS1", "PS2")
 _ENV_FIELDS = {"image", "runtime", "cpu", "memory_mb", "pids", "disk_mb", "ttl_seconds", "env",
-               "network", "volumes"}
+               "network", "volumes", "steps"}
+_STEPS_FIELDS = {"capture", "max_steps", "max_bytes", "max_live_memory", "ttl_s"}
+# Routes that are steps (docs/api.md "Steps"): (method, route) -> kind.
+_STEP_KINDS = {("POST", ("execute",)): "execute", ("POST", ("run",)): "run",
+               ("POST", ("files", "write")): "files.write", ("PUT", ("files", "raw")): "files.write",
+               ("POST", ("files", "mkdir")): "files.mkdir",
+               ("POST", ("files", "remove")): "files.remove",
+               ("POST", ("files", "rename")): "files.rename"}
 _RUN_FIELDS = {"code", "timeout_ms", "memory_limit_mb", "allowed_modules", "packages",
                "figure_formats", "intent"}
 _POLICY_FIELDS = {"mode", "allow", "deny", "tls_inspect", "tls_exclude", "dlp",
@@ -121,6 +131,13 @@ class FakeEnv:
     reported: set = field(default_factory=set)  # artifact files already reported
     network: Any = "none"
     intents: dict = field(default_factory=dict)  # name -> docs/api.md's intent object
+    # The step log: number -> step JSON (with "_files": path -> bytes | None for a dir, and
+    # "_state": the shell state file's bytes), the head, whether capture is on.
+    steps: dict = field(default_factory=dict)
+    head: Optional[int] = None
+    capture: bool = True
+    last_exec: Optional[dict] = None
+    forked_from: Optional[dict] = None
 
     def record(self) -> dict[str, Any]:
         return {"environment_id": self.id,
@@ -135,7 +152,10 @@ class FakeEnv:
                 "expires_at": self.expires_at, "destroyed_at": self.destroyed_at,
                 "destroy_reason": self.destroy_reason,
                 "usage": {"memory_bytes": 0, "cpu_ms": 0, "pids": 0,
-                          "exec_count": self.exec_count}}
+                          "exec_count": self.exec_count},
+                "steps": {"capture": self.capture, "head": self.head,
+                          "count": len(self.steps), "memory": "none",
+                          "memory_reason": "the fake keeps files and shell state only"}}
 
 
 class FakeEsbd:
@@ -158,6 +178,10 @@ class FakeEsbd:
         self.run_endpoint = run_endpoint
         self.read_limit = read_limit
         self.envs: dict[str, FakeEnv] = {}
+        # Variables the next step reports (the fake runs no kernel): a list of
+        # {"name", "type", "repr"}; and (env id, step, path) whose content is "collected".
+        self.next_variables: Optional[list] = None
+        self.collected: set = set()
         # (tenant, name) -> {"name", "size_mb", "created_at", "mounted_by"} (docs/api.md Volumes)
         self.volumes: dict[tuple[str, str], dict[str, Any]] = {}
         self.requests: list[tuple[str, str]] = []
@@ -264,12 +288,122 @@ class FakeEsbd:
         ws = os.path.realpath(os.path.join(self.root, env_id))
         os.makedirs(ws)
         network = check_network(body.get("network", "none"))
+        steps = body.get("steps", {})
+        if steps is not False and not isinstance(steps, dict):
+            raise ApiError(400, "bad_request", "'steps' must be false or an object")
+        if isinstance(steps, dict):
+            unknown_steps = sorted(set(steps) - _STEPS_FIELDS)
+            if unknown_steps:
+                raise ApiError(400, "bad_request", f"steps: unknown field '{unknown_steps[0]}'")
         env = FakeEnv(env_id, tenant, ws, os.path.join(self.root, env_id + ".state"),
-                      dict(body), expires_at=now_iso(ttl), network=network)
+                      dict(body), expires_at=now_iso(ttl), network=network,
+                      capture=steps is not False and steps.get("capture", True) is not False)
         with self.lock:
             self.envs[env_id] = env
             self.create_bodies.append(dict(body))
+        self.record_step(env, "create", "", None)
         return env
+
+    # -- the step log (docs/api.md "Steps") ------------------------------------------------
+    def snapshot(self, env: FakeEnv) -> tuple[dict[str, Optional[bytes]], bytes]:
+        files: dict[str, Optional[bytes]] = {}
+        for root, dirs, names in os.walk(env.workspace):
+            rel = os.path.relpath(root, env.workspace)
+            for d in dirs:
+                files[os.path.normpath(os.path.join(rel, d))] = None
+            for n in names:
+                with open(os.path.join(root, n), "rb") as f:
+                    files[os.path.normpath(os.path.join(rel, n))] = f.read()
+        state = b""
+        if os.path.exists(env.state_file):
+            with open(env.state_file, "rb") as f:
+                state = f.read()
+        return files, state
+
+    def record_step(self, env: FakeEnv, kind: str, summary: str, result: Optional[dict],
+                    variables: Optional[list] = None) -> None:
+        if not env.capture and kind not in ("create", "fork"):
+            return
+        files, state = self.snapshot(env)
+        n = len(env.steps)
+        parent = env.head
+        parent_files = env.steps[parent]["_files"] if parent is not None else {}
+        changes = []
+        for path in sorted(set(files) | set(parent_files)):
+            if path not in parent_files:
+                changes.append({"path": path, "change": "added"})
+            elif path not in files:
+                changes.append({"path": path, "change": "deleted"})
+            elif files[path] != parent_files[path]:
+                changes.append({"path": path, "change": "modified"})
+        result = result or {}
+        rc = result.get("exit_code")
+        env.steps[n] = {
+            "step": n, "parent": parent, "kind": kind, "summary": summary[:200],
+            "status": "error" if rc not in (None, 0) else "ok", "exit_code": rc,
+            "error": None, "duration_ms": result.get("duration_ms", 0), "capture_ms": 1,
+            "tier": "container", "memory": "none",
+            "memory_detail": None if env.capture else "off",
+            "files_changed": len(changes), "created_at": int(time.time() * 1000),
+            "input": {"command": summary} if kind == "execute" else {},
+            "output": {"stdout": result.get("stdout", ""), "stderr": result.get("stderr", ""),
+                       "truncated": False},
+            "variables": variables if variables is not None else self.next_variables,
+            "changes": changes, "artifacts": [], "audit": [], "egress": [],
+            "shell": {"cwd": "/workspace"}, "_files": files, "_state": state}
+        self.next_variables = None
+        env.head = n
+
+    def step_json(self, env: FakeEnv, n: int, detail: bool) -> dict[str, Any]:
+        s = env.steps[n]
+        out = {k: v for k, v in s.items() if not k.startswith("_")}
+        out["on_head"] = self.on_head(env, n)
+        if detail:
+            out["files"] = [{"path": p, "type": "dir" if b is None else "file",
+                             "size": 0 if b is None else len(b), "mode": 0o755 if b is None
+                             else 0o644,
+                             "sha256": None if b is None else hashlib.sha256(b).hexdigest()}
+                            for p, b in sorted(s["_files"].items())]
+        else:
+            for k in ("input", "output", "variables", "changes", "artifacts", "audit",
+                      "egress", "shell"):
+                out.pop(k)
+        return out
+
+    def on_head(self, env: FakeEnv, n: int) -> bool:
+        cur = env.head
+        while cur is not None:
+            if cur == n:
+                return True
+            cur = env.steps[cur]["parent"]
+        return False
+
+    def restore(self, env: FakeEnv, n: int) -> None:
+        shutil.rmtree(env.workspace, ignore_errors=True)
+        os.makedirs(env.workspace)
+        for path, data in sorted(env.steps[n]["_files"].items()):
+            full = os.path.join(env.workspace, path)
+            if data is None:
+                os.makedirs(full, exist_ok=True)
+            else:
+                os.makedirs(os.path.dirname(full), exist_ok=True)
+                with open(full, "wb") as f:
+                    f.write(data)
+        with open(env.state_file, "wb") as f:
+            f.write(env.steps[n]["_state"])
+
+    def step_of(self, env: FakeEnv, raw: Any) -> int:
+        if isinstance(raw, str):
+            if not raw.isdigit():
+                raise ApiError(400, "bad_request", f"step must be an integer >= 0, not {raw!r}")
+            raw = int(raw)
+        if isinstance(raw, bool) or not isinstance(raw, int) or raw < 0:
+            raise ApiError(400, "bad_request", "'step' must be an integer >= 0")
+        if raw not in env.steps:
+            raise ApiError(404, "not_found", f"environment {env.id} has no step {raw}")
+        if not env.capture:
+            raise ApiError(409, "conflict", "step capture is off for this environment")
+        return raw
 
     def destroy(self, env: FakeEnv, reason: str = "deleted") -> None:
         if env.destroyed_at is None:
@@ -342,6 +476,8 @@ class _Handler(BaseHTTPRequestHandler):
         return self.rfile.read(length) if length else b""
 
     def json_body(self) -> dict[str, Any]:
+        if self._body_cache is not None:  # already read (a step route reads it first)
+            return self._body_cache
         raw = self.read_body()
         if not raw:
             return {}
@@ -364,6 +500,7 @@ class _Handler(BaseHTTPRequestHandler):
         query = dict(urllib.parse.parse_qsl(parsed.query))
         parts = [urllib.parse.unquote(p) for p in parsed.path.split("/") if p]
         self.esbd.requests.append((method, parsed.path))
+        self._body_cache: Optional[dict[str, Any]] = None
         try:
             self.route(method, parts, query)
         except ApiError as exc:
@@ -462,6 +599,123 @@ class _Handler(BaseHTTPRequestHandler):
                                                 "message": "Environment destroyed."})
                 raise ApiError(405, "method_not_allowed", "Method not allowed.")
             env = esbd.env_for(tenant, env_id)
+            if rest[:1] in (["steps"], ["rewind"], ["fork"]):
+                return self.steps_route(tenant, env, method, rest, query)
+            kind = _STEP_KINDS.get((method, tuple(rest)))
+            if kind is not None:
+                env.last_exec = None
+                body = self.json_body() if method == "POST" else {}
+                self._body_cache = body
+                summary = (body.get("command") or body.get("code") or body.get("path")
+                           or query.get("path") or body.get("source") or "")
+                if "text/event-stream" in (self.headers.get("Accept") or ""):
+                    self.route_env(env, method, rest, query)  # streamed: recorded after
+                    esbd.record_step(env, kind, str(summary), env.last_exec)
+                    return None
+                # Like esbd, the step is in the log before the answer is sent.
+                real, self.wfile = self.wfile, io.BytesIO()
+                try:
+                    self.route_env(env, method, rest, query)
+                    answer = self.wfile.getvalue()
+                finally:
+                    self.wfile = real
+                esbd.record_step(env, kind, str(summary), env.last_exec)
+                real.write(answer)
+                return None
+            return self.route_env(env, method, rest, query)
+        raise ApiError(404, "not_found", f"No route for {method} /{'/'.join(parts)}.")
+
+    def steps_route(self, tenant: str, env: FakeEnv, method: str, rest: list[str],
+                    query: dict[str, str]) -> None:
+        esbd = self.esbd
+        if rest == ["steps"] and method == "GET":
+            limit = int(query.get("limit", 50))
+            before = int(query["before"]) if "before" in query else None
+            nums = sorted((n for n in env.steps if before is None or n < before), reverse=True)
+            page = nums[:limit]
+            more = len(nums) > limit
+            return self.send_json(200, {"steps": [esbd.step_json(env, n, False) for n in page],
+                                        "head": env.head,
+                                        "next_before": page[-1] if more else None})
+        if len(rest) >= 2 and rest[0] == "steps" and method == "GET":
+            if not rest[1].isdigit() or int(rest[1]) not in env.steps:
+                raise ApiError(404, "not_found", f"environment {env.id} has no step {rest[1]}")
+            n = int(rest[1])
+            if len(rest) == 2:
+                return self.send_json(200, esbd.step_json(env, n, True))
+            path = query.get("path")
+            if not path:
+                raise ApiError(400, "bad_request", "Missing 'path'.")
+            path = os.path.normpath(path[len("/workspace/"):] if path.startswith("/workspace/")
+                                    else path)
+            files = env.steps[n]["_files"]
+            if rest[2:] == ["files"]:
+                if path not in files:
+                    raise ApiError(404, "not_found", f"{path} did not exist at step {n}")
+                if files[path] is None:
+                    raise ApiError(400, "bad_request", f"{path} is a directory")
+                if (env.id, n, path) in esbd.collected:
+                    raise ApiError(410, "gone", f"the content of {path} at step {n} was "
+                                   "garbage-collected", detail="collected")
+                raw = files[path]
+                self.send_response(200)
+                self.send_header("Content-Type", "application/octet-stream")
+                self.send_header("Content-Length", str(len(raw)))
+                self.end_headers()
+                self.wfile.write(raw)
+                return None
+            if rest[2:] == ["diff"]:
+                parent = env.steps[n]["parent"]
+                old = env.steps[parent]["_files"].get(path) if parent is not None else None
+                new = files.get(path)
+                change = ("added" if old is None and new is not None else
+                          "deleted" if new is None and old is not None else
+                          "modified" if old != new else "unchanged")
+                text = "".join(difflib.unified_diff(
+                    (old or b"").decode(errors="replace").splitlines(True),
+                    (new or b"").decode(errors="replace").splitlines(True),
+                    f"a/{path}", f"b/{path}"))
+                return self.send_json(200, {"path": path, "change": change, "binary": False,
+                                            "truncated": False, "diff": text})
+        if rest == ["rewind"] and method == "POST":
+            body = self.json_body()
+            self._fields(body, {"step"})
+            n = esbd.step_of(env, body.get("step"))
+            esbd.restore(env, n)
+            env.head = n
+            return self.send_json(200, {"head": n, "memory": "none",
+                                        "environment": env.record()})
+        if rest == ["fork"] and method == "POST":
+            body = self.json_body()
+            self._fields(body, {"step"})
+            n = esbd.step_of(env, body.get("step"))
+            options = {k: v for k, v in env.options.items() if k != "volumes"}
+            new = esbd.create(tenant, options)
+            # The new environment's step 0 is the fork of step n.
+            new.steps.clear()
+            new.head = None
+            src = env.steps[n]
+            for path, data in sorted(src["_files"].items()):
+                full = os.path.join(new.workspace, path)
+                if data is None:
+                    os.makedirs(full, exist_ok=True)
+                else:
+                    os.makedirs(os.path.dirname(full), exist_ok=True)
+                    with open(full, "wb") as f:
+                        f.write(data)
+            with open(new.state_file, "wb") as f:
+                f.write(src["_state"])
+            new.forked_from = {"environment_id": env.id, "step": n}
+            esbd.record_step(new, "fork", f"fork of {env.id} at step {n}", None)
+            rec = new.record()
+            rec.update({"forked_from": new.forked_from, "memory": "none"})
+            return self.send_json(201, rec)
+        raise ApiError(404, "not_found", f"No route for {method} {'/'.join(rest)}.")
+
+    def route_env(self, env: FakeEnv, method: str, rest: list[str],
+                  query: dict[str, str]) -> None:
+        esbd = self.esbd
+        if True:
             if rest == ["heartbeat"] and method == "POST":
                 body = self.json_body()
                 ttl = body.get("ttl_seconds", 900)
@@ -493,7 +747,7 @@ class _Handler(BaseHTTPRequestHandler):
             if rest[:1] == ["intents"]:
                 return self.intents(env, method, rest[1:])
             if rest == ["run"] and method == "POST":
-                return self.run_code(tenant, self.json_body(), env)
+                return self.run_code(env.tenant, self.json_body(), env)
             if rest == ["files", "write"] and method == "POST":
                 return self.write_file(env, self.json_body())
             if rest == ["files", "read"] and method == "GET":
@@ -529,7 +783,8 @@ class _Handler(BaseHTTPRequestHandler):
                 return self.remove(env, self.json_body())
             if rest == ["files", "rename"] and method == "POST":
                 return self.rename(env, self.json_body())
-        raise ApiError(404, "not_found", f"No route for {method} /{'/'.join(parts)}.")
+        raise ApiError(404, "not_found", f"No route for {method} /environments/{env.id}/"
+                       f"{'/'.join(rest)}.")
 
     def artifacts(self, tenant: str, env_id: str, aid: Optional[str]) -> None:
         esbd = self.esbd
@@ -826,6 +1081,7 @@ class _Handler(BaseHTTPRequestHandler):
                   "stderr": bufs["stderr"].decode(errors="replace"), "exit_code": rc,
                   "duration_ms": int((time.monotonic() - t0) * 1000), "timed_out": timed_out,
                   "truncated": truncated}
+        env.last_exec = result
         if streaming:
             self.wfile.write(f"event: result\ndata: {json.dumps(result)}\n\n".encode())
             self.wfile.flush()

@@ -30,6 +30,7 @@
 #include "common/host_memory.h"
 #include "common/util.h"
 #include "drivers/agent_client.h"
+#include "drivers/agent_terminal.h"
 #include "drivers/container/cgroups.h"
 #include "drivers/container/netns.h"
 #include "drivers/container/oci_spec.h"
@@ -569,12 +570,17 @@ class ContainerDriver : public Driver {
   std::string name() const override {
     return kind_ == RuntimeKind::kRunsc ? "gvisor" : "container";
   }
-  // Shell, files, and a persistent Python kernel per environment (heavy_kernel.h). One-shot
-  // Python needs an environment (the core makes a throw-away one). Steps (time travel) keep
-  // files, the shell state and a variables summary: no memory snapshot (StepMemory says why).
+  // Shell, files, terminals (agent_terminal.h), and a persistent Python kernel per environment
+  // (heavy_kernel.h). One-shot Python needs an environment (the core makes a throw-away one).
+  // Steps (time travel) keep files, the shell state and a variables summary: no memory snapshot
+  // (StepMemory says why).
   CapabilitySet Capabilities() const override {
     CapabilitySet caps{Capability::kExec, Capability::kFiles, Capability::kPythonSession,
                        Capability::kSteps};
+    // Terminals need a working PTY in the sandbox: under gVisor (this runsc, ptrace platform)
+    // the agent's pty is unusable (bash reads EOF at once; /dev/pts answers EINVAL), so
+    // gvisor refuses terminals rather than hand out a shell that exits at once.
+    if (kind_ != RuntimeKind::kRunsc) caps.Add(Capability::kTerminal);
     if (VolumesSupported()) caps.Add(Capability::kVolumes);
     if (EgressSupported()) caps.Add(Capability::kEgress);
     return caps;
@@ -669,6 +675,11 @@ class ContainerDriver : public Driver {
       return AgentPtr(ref.id)->Configure(WithEgressEnv(env));
     }
     return AgentPtr(ref.id)->Configure(env);
+  }
+  absl::StatusOr<std::unique_ptr<TerminalSession>> OpenTerminal(
+      const InstanceRef& ref, const TerminalRequest& request) override {
+    ESB_RETURN_IF_ERROR(ValidateId(ref.id));
+    return OpenAgentTerminal(AgentPtr(ref.id), request);
   }
 
  private:

@@ -1,0 +1,148 @@
+// EnvironmentManager's interactive terminals (docs/api.md "Terminal"): the capability check,
+// the per-environment and per-tenant caps, the idle clock and the audit rows around a driver's
+// TerminalSession. The API (api/terminal_service.cc) carries the bytes over a WebSocket.
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "core/environment_manager.h"
+
+namespace esb {
+
+absl::StatusOr<std::unique_ptr<EnvironmentManager::Terminal>> EnvironmentManager::OpenTerminal(
+    const Caller& caller, const std::string& id, int rows, int cols) {
+  auto env = Lookup(caller.tenant, id);
+  if (!env.ok()) return env.status();  // nothing happened to an environment: no row
+  const std::string detail = absl::StrCat(cols, "x", rows);
+  auto refuse = [&](absl::Status st) {
+    audit_.Record(
+        caller, {.environment_id = id, .action = "terminal.open", .detail = detail, .outcome = st});
+    return st;
+  };
+  if (!(*env)->driver->Capabilities().Has(Capability::kTerminal))
+    return refuse(MissingCapabilityError((*env)->driver->name(), Capability::kTerminal));
+  if (rows < 1 || rows > 1000 || cols < 1 || cols > 1000)
+    return refuse(absl::InvalidArgumentError("terminal rows and cols must be 1-1000"));
+  {
+    std::lock_guard<std::mutex> lock((*env)->mu);
+    if ((*env)->record.state != EnvState::kRunning)
+      return refuse(EnvironmentNotFoundError(absl::StrCat(
+          "environment ", id, " is being destroyed (", (*env)->record.destroy_reason, ")")));
+  }
+  {
+    std::lock_guard<std::mutex> lock(terminals_mu_);
+    const int on_env = terminals_by_env_[id];
+    const int of_tenant = terminals_by_tenant_[caller.tenant];
+    if (on_env >= options_.max_terminals_per_environment) {
+      if (on_env == 0) terminals_by_env_.erase(id);
+      if (of_tenant == 0) terminals_by_tenant_.erase(caller.tenant);
+      return refuse(absl::ResourceExhaustedError(
+          absl::StrCat("environment ", id, " already has ", on_env,
+                       " open terminals (max_terminals_per_environment)")));
+    }
+    if (of_tenant >= options_.max_terminals_per_tenant) {
+      if (on_env == 0) terminals_by_env_.erase(id);
+      if (of_tenant == 0) terminals_by_tenant_.erase(caller.tenant);
+      return refuse(absl::ResourceExhaustedError(absl::StrCat(
+          "tenant already has ", of_tenant, " open terminals (max_terminals_per_tenant)")));
+    }
+    ++terminals_by_env_[id];
+    ++terminals_by_tenant_[caller.tenant];
+  }
+  std::unique_ptr<Terminal> t(new Terminal());
+  t->manager_ = this;  // from here on the destructor releases the slots
+  t->caller_ = caller;
+  t->env_ = *env;
+  t->id_ = id;
+  t->start_ms_ = MonotonicMs();
+  t->last_activity_ms_ = t->start_ms_;
+  Touch(**env);
+  TerminalRequest request;
+  request.rows = rows;
+  request.cols = cols;
+  auto session = (*env)->driver->OpenTerminal((*env)->ref, request);
+  if (!session.ok()) {
+    t->manager_ = nullptr;  // no close row for a terminal that never opened
+    {
+      std::lock_guard<std::mutex> lock(terminals_mu_);
+      if (--terminals_by_env_[id] <= 0) terminals_by_env_.erase(id);
+      if (--terminals_by_tenant_[caller.tenant] <= 0) terminals_by_tenant_.erase(caller.tenant);
+    }
+    return refuse(session.status());
+  }
+  t->session_ = *std::move(session);
+  audit_.Record(caller, {.environment_id = id, .action = "terminal.open", .detail = detail});
+  return t;
+}
+
+EnvironmentManager::Terminal::~Terminal() {
+  if (manager_ == nullptr) return;
+  if (session_) session_->Kill().IgnoreError();
+  session_.reset();
+  {
+    std::lock_guard<std::mutex> lock(manager_->terminals_mu_);
+    if (--manager_->terminals_by_env_[id_] <= 0) manager_->terminals_by_env_.erase(id_);
+    if (--manager_->terminals_by_tenant_[caller_.tenant] <= 0)
+      manager_->terminals_by_tenant_.erase(caller_.tenant);
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  manager_->audit_.Record(caller_,
+                          {.environment_id = id_,
+                           .action = "terminal.close",
+                           .detail = close_reason_.empty() ? std::string("closed") : close_reason_,
+                           .exit_code = exit_code_,
+                           .duration_ms = MonotonicMs() - start_ms_,
+                           .bytes = bytes_.load()});
+}
+
+absl::Status EnvironmentManager::Terminal::Input(std::string_view data) {
+  last_activity_ms_ = MonotonicMs();
+  bytes_ += static_cast<int64_t>(data.size());
+  manager_->Touch(*env_);  // typing keeps the environment's lease alive
+  // The guest queues at most 1 MiB of input per process and refuses more (Unavailable) until
+  // the shell has read some: wait for it rather than drop keystrokes, but not forever.
+  const int64_t deadline = MonotonicMs() + 5000;
+  for (;;) {
+    absl::Status st = session_->Input(data);
+    if (!absl::IsUnavailable(st) || MonotonicMs() >= deadline) return st;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
+
+absl::Status EnvironmentManager::Terminal::Resize(int rows, int cols) {
+  if (rows < 1 || rows > 1000 || cols < 1 || cols > 1000)
+    return absl::InvalidArgumentError("terminal rows and cols must be 1-1000");
+  last_activity_ms_ = MonotonicMs();
+  return session_->Resize(rows, cols);
+}
+
+absl::StatusOr<std::optional<int>> EnvironmentManager::Terminal::Wait(int timeout_ms,
+                                                                      const OutputSink& sink) {
+  auto counting = [&](Stream s, std::string_view chunk) {
+    if (!chunk.empty()) {
+      last_activity_ms_ = MonotonicMs();
+      bytes_ += static_cast<int64_t>(chunk.size());
+    }
+    return !sink || sink(s, chunk);
+  };
+  absl::StatusOr<std::optional<int>> st = session_->Wait(timeout_ms, counting);
+  if (st.ok() && st->has_value()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    exit_code_ = **st;
+    if (close_reason_.empty()) close_reason_ = "exited";
+  }
+  return st;
+}
+
+void EnvironmentManager::Terminal::Close(std::string reason) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (close_reason_.empty()) close_reason_ = std::move(reason);
+  }
+  session_->Kill().IgnoreError();
+}
+
+bool EnvironmentManager::Terminal::Idle() const {
+  return MonotonicMs() - last_activity_ms_.load() >= manager_->options_.terminal_idle_timeout_ms;
+}
+
+}  // namespace esb
