@@ -964,6 +964,14 @@ class SqliteStore final : public Store {
     return *row ? stmt->Int(0) : 0;
   }
 
+  absl::Status DeleteStep(const std::string& env_id, int64_t n) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto stmt = Prepare("DELETE FROM steps WHERE env_id = ?1 AND n = ?2");
+    if (!stmt.ok()) return stmt.status();
+    stmt->Bind(1, env_id).Bind(2, n);
+    return stmt->Run();
+  }
+
   absl::Status DeleteSteps(const std::string& env_id) override {
     std::lock_guard<std::mutex> lock(mu_);
     for (const char* sql :

@@ -359,6 +359,8 @@ class Store {
     return NoSteps();
   }
   virtual absl::StatusOr<int64_t> CountSteps(const std::string& env_id) { return NoSteps(); }
+  // Deletes one step row (retention's row cap); fine when absent.
+  virtual absl::Status DeleteStep(const std::string& env_id, int64_t n) { return NoSteps(); }
   // Deletes an environment's steps and its step log.
   virtual absl::Status DeleteSteps(const std::string& env_id) { return NoSteps(); }
   // Every environment's steps whose memory snapshot is live (for restart: they are lost).
