@@ -452,6 +452,9 @@ class EnvironmentManager {
   void SweepBlobs(bool force);
   absl::StatusOr<StepState> StateOfStep(const StepRecord& rec, WorkspaceManifest* manifest);
   std::set<int64_t> AncestorsOfHeadLocked(const LiveEnv& env) const;
+  // The same from the stored log (when a running call holds step_mu); sets *head.
+  std::set<int64_t> AncestorsFromStore(const std::string& tenant, const std::string& id,
+                                       std::optional<int64_t>* head);
   int64_t Now() const { return options_.now_ms(); }
   absl::StatusOr<std::shared_ptr<LiveEnv>> Lookup(const std::string& tenant,
                                                   const std::string& id);

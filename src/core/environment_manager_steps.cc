@@ -27,6 +27,7 @@ namespace {
 constexpr char kStepCollectedUrl[] = "type.entersandbox/step-collected";
 // A call waits at most this long for the environment's previous mutating call to finish.
 constexpr auto kStepLockWait = std::chrono::minutes(15);
+constexpr auto kStepReadWait = std::chrono::milliseconds(100);
 constexpr int64_t kSweepIntervalMs = 10000;
 
 // The environment this thread is inside a step of (nested calls make no steps).
@@ -632,6 +633,29 @@ std::set<int64_t> EnvironmentManager::AncestorsOfHeadLocked(const LiveEnv& env) 
   return out;
 }
 
+std::set<int64_t> EnvironmentManager::AncestorsFromStore(const std::string& tenant,
+                                                         const std::string& id,
+                                                         std::optional<int64_t>* head) {
+  std::set<int64_t> out;
+  auto log = store_->GetStepLog(tenant, id);
+  if (!log.ok()) return out;
+  *head = log->head;
+  std::map<int64_t, std::optional<int64_t>> parents;
+  int64_t before = -1;
+  while (true) {
+    auto page = store_->ListSteps(tenant, id, before, kMaxStepsListed);
+    if (!page.ok() || page->empty()) break;
+    for (const StepRecord& r : *page) parents[r.n] = r.parent, before = r.n;
+  }
+  std::optional<int64_t> at = log->head;
+  while (at && out.insert(*at).second) {
+    auto it = parents.find(*at);
+    if (it == parents.end()) break;
+    at = it->second;
+  }
+  return out;
+}
+
 absl::StatusOr<StepPage> EnvironmentManager::ListSteps(const Caller& caller, const std::string& id,
                                                        int64_t before, int limit) {
   auto env = Lookup(caller.tenant, id);
@@ -643,10 +667,14 @@ absl::StatusOr<StepPage> EnvironmentManager::ListSteps(const Caller& caller, con
   std::set<int64_t> on_head;
   {
     std::unique_lock<std::recursive_timed_mutex> lock((*env)->step_mu, std::defer_lock);
-    if (!lock.try_lock_for(kStepLockWait)) return absl::UnavailableError("environment is busy");
-    if (!(*env)->steps_loaded) LoadSteps(**env);
-    page.head = (*env)->head;
-    on_head = AncestorsOfHeadLocked(**env);
+    if (lock.try_lock_for(kStepReadWait)) {
+      if (!(*env)->steps_loaded) LoadSteps(**env);
+      page.head = (*env)->head;
+      on_head = AncestorsOfHeadLocked(**env);
+    } else {
+      // A call is running: the stored log (a read never waits for a call to finish).
+      on_head = AncestorsFromStore(caller.tenant, id, &page.head);
+    }
   }
   auto rows = store_->ListSteps(caller.tenant, id, before, limit);
   if (!rows.ok()) return rows.status();
@@ -699,9 +727,12 @@ absl::StatusOr<StepDetail> EnvironmentManager::GetStep(const Caller& caller, con
   d.record = *rec;
   {
     std::unique_lock<std::recursive_timed_mutex> lock((*env)->step_mu, std::defer_lock);
-    if (lock.try_lock_for(kStepLockWait)) {
+    if (lock.try_lock_for(kStepReadWait)) {
       if (!(*env)->steps_loaded) LoadSteps(**env);
       d.on_head = AncestorsOfHeadLocked(**env).count(n) > 0;
+    } else {
+      std::optional<int64_t> head;
+      d.on_head = AncestorsFromStore(caller.tenant, id, &head).count(n) > 0;
     }
   }
   json::object st = ParseObject(rec->state_json);
@@ -931,8 +962,9 @@ absl::StatusOr<ForkInfo> EnvironmentManager::Fork(const Caller& caller, const st
     LiveEnv& e = **env;
     StepSettings settings;
     StepState state;
+    // Held until the fork exists: retention cannot release the snapshot ForkStep copies from.
+    std::unique_lock<std::recursive_timed_mutex> lock(e.step_mu, std::defer_lock);
     {
-      std::unique_lock<std::recursive_timed_mutex> lock(e.step_mu, std::defer_lock);
       if (!lock.try_lock_for(kStepLockWait)) return absl::UnavailableError("environment is busy");
       if (!e.steps_loaded) LoadSteps(e);
       if (!e.capture)

@@ -663,6 +663,31 @@ TEST_F(StepsTest, MutatingCallsOnOneEnvironmentAreSerialisedSoHistoryIsLinear) {
     if (s.n > 0) EXPECT_EQ(s.parent, std::optional<int64_t>(s.n - 1));
 }
 
+TEST_F(StepsTest, ReadsNeverWaitForARunningCall) {
+  Start();
+  std::string id = NewEnv();
+  Run(id, "write a.txt x");
+  std::thread slow([&] { Run(id, "sleep 1500"); });
+  while (driver.in_flight.load() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  const int64_t t0 = MonotonicMs();
+  auto page = m->ListSteps("acme", id, -1, 10);
+  auto step = m->GetStep("acme", id, 1);
+  auto info = m->Get("acme", id);
+  auto file = m->ReadStepFile("acme", id, 1, "a.txt");
+  const int64_t took = MonotonicMs() - t0;
+  slow.join();
+  ASSERT_TRUE(page.ok()) << page.status();
+  EXPECT_EQ(page->head, std::optional<int64_t>(1));
+  ASSERT_EQ(page->steps.size(), 2u);
+  EXPECT_TRUE(page->on_head[0]);
+  ASSERT_TRUE(step.ok());
+  EXPECT_TRUE(step->on_head);
+  EXPECT_EQ(info->steps.head, std::optional<int64_t>(1));
+  EXPECT_EQ(*file, "x");
+  EXPECT_LT(took, 1000) << "the reads waited for the running call";
+  EXPECT_EQ(All(id).size(), 3u);
+}
+
 TEST_F(StepsTest, ACompositeStepIsOneStep) {
   Start();
   std::string id = NewEnv();
