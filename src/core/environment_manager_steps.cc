@@ -262,7 +262,8 @@ void EnvironmentManager::RecordStepLocked(LiveEnv& env, StepRecord rec) {
       if (!state->variables_json.empty()) {
         if (auto s = options_.blobs->Put(state->variables_json); s.ok()) state_json["vars"] = *s;
       }
-      // Bytes this step adds: file contents its parent did not have, and its memory snapshot.
+      // Blob bytes this step adds: its manifest and the file contents its parent did not have
+      // (memory snapshots are bounded by max_live_memory, not by max_bytes).
       const WorkspaceManifest empty;
       const WorkspaceManifest& parent = env.head_manifest ? *env.head_manifest : empty;
       for (const ManifestEntry& e : state->workspace.entries) {
@@ -274,8 +275,7 @@ void EnvironmentManager::RecordStepLocked(LiveEnv& env, StepRecord rec) {
       if (state->memory) {
         state_json["memory"] = SnapshotToJson(*state->memory);
         rec.memory = "snapshot";
-        rec.memory_live = state->memory->live;
-        rec.bytes += state->memory->bytes;
+        rec.memory_live = state->memory->live;  // bounded by max_live_memory, not max_bytes
         brief.memory = true;
         brief.live = state->memory->live;
       } else {
@@ -477,8 +477,6 @@ void EnvironmentManager::EnforceRetentionLocked(LiveEnv& env) {
     if (compact.ok()) {
       state["memory"] = SnapshotToJson(*compact);
       rec->memory_live = compact->live;
-      rec->bytes += compact->bytes - snap->bytes;
-      b.bytes = rec->bytes;
       b.live = compact->live;
     } else {
       env.driver->DeleteSnapshot(*snap).IgnoreError();
@@ -486,8 +484,6 @@ void EnvironmentManager::EnforceRetentionLocked(LiveEnv& env) {
       rec->memory = "none";
       rec->memory_live = false;
       rec->memory_detail = "collected";
-      rec->bytes -= snap->bytes;
-      b.bytes = rec->bytes;
       b.memory = b.live = false;
     }
     rec->state_json = json::serialize(state);

@@ -203,5 +203,47 @@ TEST_F(StepsApiTest, RecordRewindForkAndInspectEndToEnd) {
   for (const std::string& e : {a, b, id}) daemon_->Call("DELETE", "/environments/" + e);
 }
 
+TEST_F(StepsApiTest, APythonCellIsAStepWithItsVariablesAndRewindBringsThemBack) {
+  std::string why;
+  const std::string id = RecordingEnv(&why);
+  if (id.empty())
+    GTEST_SKIP() << "no runtime of this esbd records steps yet (" << why
+                 << "): the kSteps drivers are t-nano's and t-container's parts";
+  const std::string base = "/environments/" + id;
+  HttpResult r1 = daemon_->Call("POST", base + "/run", json::object{{"code", "x = 41"}});
+  ASSERT_EQ(r1.status, 200) << r1.body;
+  HttpResult r2 = daemon_->Call("POST", base + "/run", json::object{{"code", "x = x + 1\n1/0"}});
+  ASSERT_EQ(r2.status, 200) << r2.body;
+  HttpResult list = Steps(id);
+  ASSERT_EQ(list.status, 200) << list.body;
+  const json::object& last = list.obj().at("steps").as_array()[0].as_object();
+  EXPECT_EQ(last.at("kind").as_string(), "run");
+  EXPECT_EQ(last.at("status").as_string(), "error") << list.body;
+  EXPECT_NE(std::string(last.at("error").as_string()).find("ZeroDivisionError"), std::string::npos)
+      << list.body;
+  const int64_t before_error = last.at("parent").as_int64();
+  HttpResult step = daemon_->Call("GET", base + "/steps/" + std::to_string(before_error));
+  ASSERT_EQ(step.status, 200) << step.body;
+  const json::value& vars = step.obj().at("variables");
+  // The summary comes from esb_vars.py (src/agent/python/, t-container's part) run by the
+  // runtime: null here means the runtime took none.
+  EXPECT_TRUE(vars.is_array()) << "no variables summary at the step: " << step.body;
+  bool found = false;
+  for (const json::value& v : vars.is_array() ? vars.as_array() : json::array()) {
+    if (v.as_object().at("name").as_string() == "x") {
+      found = true;
+      EXPECT_EQ(v.as_object().at("repr").as_string(), "41") << step.body;
+    }
+  }
+  EXPECT_TRUE(found) << step.body;
+  // Back to the step before the error: x is 41 again (memory "snapshot": the live value).
+  HttpResult rw = daemon_->Call("POST", base + "/rewind", json::object{{"step", before_error}});
+  ASSERT_EQ(rw.status, 200) << rw.body;
+  HttpResult again = daemon_->Call("POST", base + "/run", json::object{{"code", "print(x)"}});
+  ASSERT_EQ(again.status, 200) << again.body;
+  if (rw.str("memory") == "snapshot") EXPECT_EQ(again.str("stdout"), "41\n") << again.body;
+  daemon_->Call("DELETE", base);
+}
+
 }  // namespace
 }  // namespace esb::testing

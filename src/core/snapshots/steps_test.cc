@@ -571,7 +571,7 @@ TEST_F(StepsTest, RetentionCollectsOldStepsAndTheirBlobsButNeverTheHead) {
 TEST_F(StepsTest, MaxBytesAndTtlCollectToo) {
   Start();
   StepSettings s;
-  s.max_bytes = 20000;  // the fake's memory snapshots are 1000 bytes each
+  s.max_bytes = 20000;  // two 15000-byte versions of one file do not fit
   std::string id = NewEnv("acme", &s);
   Run(id, "write big.bin " + std::string(15000, 'x'));
   Run(id, "write big.bin " + std::string(15000, 'y'));
