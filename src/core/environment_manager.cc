@@ -915,7 +915,13 @@ absl::StatusOr<ExecResult> EnvironmentManager::Exec(const Caller& caller, const 
       *env, "execute", request.command,
       json::serialize(json::object{{"command", SanitizeUtf8(request.command)},
                                    {"timeout_ms", static_cast<int64_t>(request.timeout.count())}}));
-  if (!step.ok()) return step.status();
+  if (!step.ok()) {
+    audit_.Record(caller, {.environment_id = id,
+                           .action = "execute",
+                           .detail = request.command,
+                           .outcome = step.status()});
+    return step.status();
+  }
   int64_t start = MonotonicMs();
   InstanceRef exec_ref;
   {
@@ -1178,7 +1184,12 @@ absl::StatusOr<RunResult> EnvironmentManager::RunCode(const Caller& caller, cons
   }
   auto step = BeginStep(*env, "run", request.code,
                         json::serialize(json::object{{"code", SanitizeUtf8(request.code)}}));
-  if (!step.ok()) return step.status();
+  if (!step.ok()) {
+    audit_.Record(
+        caller,
+        {.environment_id = id, .action = "run", .detail = request.code, .outcome = step.status()});
+    return step.status();
+  }
   InstanceRef ref;
   {
     // Counted as it starts: artifacts captured during the run carry its sequence number.
