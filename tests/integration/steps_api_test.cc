@@ -245,5 +245,43 @@ TEST_F(StepsApiTest, APythonCellIsAStepWithItsVariablesAndRewindBringsThemBack) 
   daemon_->Call("DELETE", base);
 }
 
+TEST_F(StepsApiTest, RetentionCollectsOldStepsAndSaysSo) {
+  std::string why;
+  if (RecordingEnv(&why).empty())
+    GTEST_SKIP() << "no runtime of this esbd records steps yet (" << why
+                 << "): the kSteps drivers are t-nano's and t-container's parts";
+  HttpResult env = daemon_->Call(
+      "POST", "/environments",
+      json::object{{"runtime", HaveNano() ? "nano" : "container"},
+                   {"steps", json::object{{"max_steps", 2}, {"max_live_memory", 1}}}});
+  ASSERT_EQ(env.status, 201) << env.body;
+  const std::string base = "/environments/" + env.str("environment_id");
+  for (int i = 0; i < 4; ++i) {
+    ASSERT_EQ(daemon_
+                  ->Call("POST", base + "/files/write",
+                         json::object{{"path", "f" + std::to_string(i)}, {"content", "x"}})
+                  .status,
+              200);
+  }
+  HttpResult list = daemon_->Call("GET", base + "/steps");
+  ASSERT_EQ(list.status, 200) << list.body;
+  const json::array& steps = list.obj().at("steps").as_array();
+  ASSERT_EQ(steps.size(), 5u) << "collected steps stay listed: " << list.body;
+  int collected = 0;
+  for (const json::value& v : steps) {
+    const json::object& o = v.as_object();
+    const json::value& detail = o.at("memory_detail");
+    if (detail.is_string() && detail.as_string() == "collected") ++collected;
+  }
+  EXPECT_GE(collected, 3) << list.body;
+  EXPECT_EQ(steps[0].as_object().at("memory_detail").is_string() &&
+                steps[0].as_object().at("memory_detail").as_string() == "collected",
+            false)
+      << "the head is never collected: " << list.body;
+  HttpResult rw = daemon_->Call("POST", base + "/rewind", json::object{{"step", 0}});
+  EXPECT_EQ(rw.status, 409) << "a collected step cannot be rewound to: " << rw.body;
+  daemon_->Call("DELETE", base);
+}
+
 }  // namespace
 }  // namespace esb::testing
