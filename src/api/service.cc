@@ -275,6 +275,7 @@ json::object ApiService::RenderEnvironment(const EnvironmentInfo& info, bool wit
     volumes.push_back(json::object{{"name", v.name}, {"path", v.path}, {"read_only", v.read_only}});
   }
   o["volumes"] = std::move(volumes);
+  if (r.state == EnvState::kRunning) o["steps"] = RenderStepsStatus(info.steps);
   if (with_usage) {
     json::object usage{{"exec_count", r.exec_count}};
     if (r.state == EnvState::kRunning) {
@@ -491,6 +492,9 @@ void ApiService::Register(Router& router) {
   RegisterTerminal([&add](std::string method, std::string_view pattern, RouteFn fn) {
     add(std::move(method), pattern, std::move(fn));
   });
+  RegisterSteps([&add](std::string method, std::string_view pattern, RouteFn fn) {
+    add(std::move(method), pattern, std::move(fn));
+  });
 }
 
 json::object RenderArtifact(const ArtifactMeta& m) {
@@ -590,6 +594,14 @@ Response ApiService::CreateEnvironment(Request& req, const Caller& caller) {
     else
       f.Fail(std::string(parsed.status().message()));
   }
+  std::optional<StepSettings> steps;
+  if (const json::value* v = f.OptionalValue("steps"); v && !v->is_null()) {
+    auto parsed = ParseStepSettings(*v);
+    if (parsed.ok())
+      steps = *parsed;
+    else
+      f.Fail(std::string(parsed.status().message()));
+  }
   if (const json::value* vols = f.OptionalValue("volumes"); vols && !vols->is_null()) {
     // Shape only here; names, paths and ownership are the core's (ClaimVolumes).
     if (!vols->is_array() || vols->as_array().size() > 64) {
@@ -639,7 +651,8 @@ Response ApiService::CreateEnvironment(Request& req, const Caller& caller) {
   // Heavy tiers boot a rootfs image; the nano tier has its interpreter built in.
   if (driver->tier == DriverRegistry::Tier::kHeavy && !options_.images.count(spec.image))
     return ErrorResponse(400, "bad_request", absl::StrCat("unknown image '", spec.image, "'"));
-  auto info = manager_->Create(caller, spec, ttl, egress ? &*egress : nullptr);
+  auto info =
+      manager_->Create(caller, spec, ttl, egress ? &*egress : nullptr, steps ? &*steps : nullptr);
   if (!info.ok()) return StatusResponse(info.status());
   json::object o = RenderEnvironment(*info, false);
   o["pooled"] = info->pooled;

@@ -92,6 +92,8 @@ class ApiService {
   void RegisterNetwork(const std::function<void(std::string, std::string_view, RouteFn)>& add);
   // GET /environments/{id}/terminal (terminal_service.cc): a shell's PTY over a WebSocket.
   void RegisterTerminal(const std::function<void(std::string, std::string_view, RouteFn)>& add);
+  // Time travel (steps_service.cc): the steps routes, rewind and fork (docs/api.md "Steps").
+  void RegisterSteps(const std::function<void(std::string, std::string_view, RouteFn)>& add);
   // A `network` value: "none" (nullopt) or a policy object, laid over the tenant's default.
   absl::StatusOr<std::optional<governance::EgressPolicy>> ParseNetwork(
       const boost::json::value& value, const std::string& tenant);
@@ -120,6 +122,11 @@ class ApiService {
 // An artifact as the API shows it: {id, kind, name, mime_type, size, title, step,
 // environment_id, created_at, url}.
 boost::json::object RenderArtifact(const ArtifactMeta& meta);
+
+// The `steps` value of a create: false / true / a settings object (docs/api.md "Steps").
+absl::StatusOr<StepSettings> ParseStepSettings(const boost::json::value& value);
+// An environment's "steps" object.
+boost::json::object RenderStepsStatus(const StepsStatus& status);
 
 // Status → HTTP answer for file operations, where PermissionDenied means "the sandbox user may
 // not do that" (403), not tenant isolation.

@@ -5,8 +5,10 @@
 
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
+#include "common/utf8.h"
 #include "common/util.h"
 #include "core/recovery.h"
+#include "core/snapshots/step_guard.h"
 #include "core/volumes.h"
 
 namespace esb {
@@ -222,6 +224,7 @@ absl::Status EnvironmentManager::Start() {
     std::lock_guard<std::mutex> lock(wake_mu_);
     stopping_ = false;
   }
+  RecoverSteps();
   reaper_ = std::thread([this] { ReaperLoop(); });
   pooler_ = std::thread([this] { PoolLoop(); });
   return absl::OkStatus();
@@ -258,7 +261,8 @@ EnvironmentInfo EnvironmentManager::InfoOf(const EnvironmentRecord& record, bool
 }
 
 absl::StatusOr<std::shared_ptr<EnvironmentManager::LiveEnv>> EnvironmentManager::CreateInstance(
-    const EnvSpec& spec, const std::string& tenant, EnvState state, int64_t ttl_s) {
+    const EnvSpec& spec, const std::string& tenant, EnvState state, int64_t ttl_s,
+    const InstanceMaker& make) {
   auto it = drivers_.find(spec.runtime);
   if (it == drivers_.end())
     return absl::InvalidArgumentError(absl::StrCat("runtime '", AbslView(ToString(spec.runtime)),
@@ -276,7 +280,7 @@ absl::StatusOr<std::shared_ptr<EnvironmentManager::LiveEnv>> EnvironmentManager:
   rec.created_ms = rec.last_used_ms = Now();
   rec.expires_ms = rec.created_ms + ttl_s * 1000;
   Persist(rec);
-  auto ref = env->driver->Create(rec.id, spec);
+  auto ref = make ? make(*env->driver, rec.id, spec) : env->driver->Create(rec.id, spec);
   if (!ref.ok()) {
     rec.state = EnvState::kDestroyed;
     rec.destroyed_ms = Now();
@@ -308,9 +312,20 @@ std::shared_ptr<EnvironmentManager::LiveEnv> EnvironmentManager::TakePooled(
 
 absl::StatusOr<EnvironmentInfo> EnvironmentManager::Create(const Caller& caller,
                                                            const EnvSpec& spec, int64_t ttl_s,
-                                                           const governance::EgressPolicy* egress) {
+                                                           const governance::EgressPolicy* egress,
+                                                           const StepSettings* steps) {
   const int64_t t0 = MonotonicMs();
-  absl::StatusOr<EnvironmentInfo> info = CreateEnvironment(caller.tenant, spec, ttl_s, egress);
+  std::shared_ptr<LiveEnv> created;
+  absl::StatusOr<EnvironmentInfo> info =
+      CreateEnvironment(caller.tenant, spec, ttl_s, egress, nullptr, &created);
+  if (info.ok() && created) {
+    // Step 0: the environment's initial state.
+    InitSteps(
+        *created, steps ? *steps : StepSettings{}, "create",
+        absl::StrCat("create ", AbslView(ToString(spec.runtime)), " ", spec.image),
+        json::serialize(json::object{{"runtime", ToString(spec.runtime)}, {"image", spec.image}}));
+    info->steps = StepsStatusOf(*created);
+  }
   audit_.Record(
       caller,
       {.environment_id = info.ok() ? info->record.id : "",
@@ -326,7 +341,8 @@ absl::StatusOr<EnvironmentInfo> EnvironmentManager::Create(const Caller& caller,
 
 absl::StatusOr<EnvironmentInfo> EnvironmentManager::CreateEnvironment(
     const std::string& tenant, const EnvSpec& requested, int64_t ttl_s,
-    const governance::EgressPolicy* egress) {
+    const governance::EgressPolicy* egress, const InstanceMaker& make,
+    std::shared_ptr<LiveEnv>* created_out) {
   EnvSpec spec = requested;
   spec.network = NetworkPolicy{};
   // A governed network: the runtime must be able to build it, the daemon must have a proxy to
@@ -412,7 +428,7 @@ absl::StatusOr<EnvironmentInfo> EnvironmentManager::CreateEnvironment(
   int64_t start = MonotonicMs();
   std::shared_ptr<LiveEnv> env;
   bool pooled = false;
-  while (auto candidate = TakePooled(spec)) {
+  while (auto candidate = make ? nullptr : TakePooled(spec)) {
     {
       std::lock_guard<std::mutex> lock(wake_mu_);
       pool_kick_ = true;  // refill in the background
@@ -443,7 +459,7 @@ absl::StatusOr<EnvironmentInfo> EnvironmentManager::CreateEnvironment(
     PersistLive(*env);
     metrics_->creates_pooled++;
   } else {
-    auto created = CreateInstance(spec, tenant, EnvState::kRunning, ttl_s);
+    auto created = CreateInstance(spec, tenant, EnvState::kRunning, ttl_s, make);
     if (!created.ok()) return created.status();
     env = *created;
     metrics_->creates_cold++;
@@ -475,6 +491,7 @@ absl::StatusOr<EnvironmentInfo> EnvironmentManager::CreateEnvironment(
   }
   EnvironmentInfo info = InfoOf(snapshot, pooled);
   if (env->governed) info.egress = *egress;
+  if (created_out) *created_out = env;
   return info;
 }
 
@@ -520,6 +537,7 @@ void EnvironmentManager::DestroyLive(const std::shared_ptr<LiveEnv>& env,
   // write of a live environment is a snapshot taken in persist_mu order (PersistLive).
   PersistLive(*env);
   if (env->governed && options_.egress != nullptr) options_.egress->Detach(rec.id);
+  if (!env->tenant.empty()) DropSteps(*env);  // pooled instances have none
   absl::Status st = env->driver->Destroy(env->ref);
   if (!st.ok()) {
     LogError(absl::StrCat("destroying ", rec.id, " failed (will retry): ", st.ToString()));
@@ -780,6 +798,7 @@ absl::StatusOr<EnvironmentInfo> EnvironmentManager::Get(const Caller& caller,
       std::lock_guard<std::mutex> glock(env->egress_mu);
       info.egress = env->policy;
     }
+    info.steps = StepsStatusOf(*env);
     return info;
   }
   auto rec = store_->GetEnvironment(id);
@@ -801,7 +820,9 @@ absl::StatusOr<std::vector<EnvironmentInfo>> EnvironmentManager::List(const Call
     }
   }
   std::map<std::string, governance::EgressPolicy> policies;
+  std::map<std::string, StepsStatus> steps;
   for (const auto& e : mine) {
+    steps[e->record.id] = StepsStatusOf(*e);  // id is immutable
     {
       std::lock_guard<std::mutex> elock(e->mu);
       live[e->record.id] = e->record;
@@ -827,6 +848,7 @@ absl::StatusOr<std::vector<EnvironmentInfo>> EnvironmentManager::List(const Call
   for (const auto& [id, rec] : live) out.push_back(InfoOf(rec, false));
   for (EnvironmentInfo& info : out) {
     if (auto it = policies.find(info.record.id); it != policies.end()) info.egress = it->second;
+    if (auto it = steps.find(info.record.id); it != steps.end()) info.steps = it->second;
   }
   std::sort(out.begin(), out.end(), [](const EnvironmentInfo& a, const EnvironmentInfo& b) {
     return a.record.created_ms > b.record.created_ms;
@@ -889,8 +911,36 @@ absl::StatusOr<ExecResult> EnvironmentManager::Exec(const Caller& caller, const 
                              .outcome = env.status()});
     return env.status();
   }
+  auto step = BeginStep(
+      *env, "execute", request.command,
+      json::serialize(json::object{{"command", SanitizeUtf8(request.command)},
+                                   {"timeout_ms", static_cast<int64_t>(request.timeout.count())}}));
+  if (!step.ok()) {
+    audit_.Record(caller, {.environment_id = id,
+                           .action = "execute",
+                           .detail = request.command,
+                           .outcome = step.status()});
+    return step.status();
+  }
   int64_t start = MonotonicMs();
-  auto result = (*env)->driver->Exec((*env)->ref, request, sink);
+  InstanceRef exec_ref;
+  {
+    std::lock_guard<std::mutex> elock((*env)->mu);
+    exec_ref = (*env)->ref;  // a rewind may replace it
+  }
+  auto result = (*env)->driver->Exec(exec_ref, request, sink);
+  if (*step) {
+    StepOutcome o{.status = result.status()};
+    if (result.ok()) {
+      o.exit_code = result->exit_code;
+      o.stdout_data = result->stdout_data;
+      o.stderr_data = result->stderr_data;
+      o.truncated = result->truncated;
+      if (result->timed_out) o.error = "timed out";
+    }
+    ApplyStepOutcome(**step, o);
+    RecordStepLocked(**env, std::move((*step)->rec));
+  }
   metrics_->exec_total++;
   metrics_->exec_duration.Observe((MonotonicMs() - start) / 1000.0);
   if (!result.ok()) {
@@ -942,11 +992,35 @@ absl::StatusOr<std::unique_ptr<EnvironmentManager::FileTransfer>> EnvironmentMan
     return t->outcome_;
   }
   t->env_ = *env;
+  if (action == "files.write" || action == "files.upload") {
+    auto step =
+        BeginStep(*env, "files.write", path,
+                  json::serialize(json::object{{"path", SanitizeUtf8(path)}, {"action", action}}));
+    if (!step.ok()) {
+      t->outcome_ = step.status();
+      t->env_.reset();
+      return step.status();
+    }
+    if (*step) {
+      t->step_ = *std::move(step);
+      // A transfer's calls may run on other threads than this one: it marks none.
+      if (t->step_->thread_marked) {
+        ResetStepThread(t->step_->previous);
+        t->step_->thread_marked = false;
+      }
+    }
+  }
   return t;
 }
 
 EnvironmentManager::FileTransfer::~FileTransfer() {
   if (manager_ == nullptr) return;
+  if (step_) {
+    // The write's step, at the transfer's end (after its last chunk).
+    ApplyStepOutcome(*step_, {.status = outcome_});
+    manager_->RecordStepLocked(*step_->env, std::move(step_->rec));
+    step_.reset();
+  }
   manager_->audit_.Record(caller_, {.environment_id = id_,
                                     .action = action_,
                                     .detail = path_,
@@ -959,7 +1033,12 @@ absl::Status EnvironmentManager::FileTransfer::Write(std::string_view data, int6
                                                      bool truncate) {
   if (!env_) return outcome_;
   manager_->Touch(*env_);
-  absl::Status st = env_->driver->WriteFile(env_->ref, path_, data, offset, truncate);
+  InstanceRef ref;
+  {
+    std::lock_guard<std::mutex> elock(env_->mu);
+    ref = env_->ref;
+  }
+  absl::Status st = env_->driver->WriteFile(ref, path_, data, offset, truncate);
   if (st.ok())
     bytes_ += static_cast<int64_t>(data.size());
   else
@@ -1024,7 +1103,23 @@ auto EnvironmentManager::AuditedFileOp(const Caller& caller, const std::string& 
     -> decltype(op(std::declval<LiveEnv&>())) {
   const int64_t t0 = MonotonicMs();
   auto env = LookupFor(caller, id, Capability::kFiles);
+  absl::StatusOr<std::unique_ptr<StepGuard>> step = std::unique_ptr<StepGuard>();
+  if (env.ok()) {
+    step = BeginStep(*env, std::string(action), std::string(detail),
+                     json::serialize(json::object{{"detail", SanitizeUtf8(detail)}}));
+    if (!step.ok()) env = step.status();
+  }
   decltype(op(std::declval<LiveEnv&>())) out = env.ok() ? op(**env) : env.status();
+  if (step.ok() && *step) {
+    absl::Status st;
+    if constexpr (std::is_same_v<decltype(out), absl::Status>) {
+      st = out;
+    } else {
+      st = out.status();
+    }
+    ApplyStepOutcome(**step, {.status = st});
+    RecordStepLocked(**env, std::move((*step)->rec));
+  }
   absl::Status st;
   if constexpr (std::is_same_v<decltype(out), absl::Status>) {
     st = out;
@@ -1087,13 +1182,46 @@ absl::StatusOr<RunResult> EnvironmentManager::RunCode(const Caller& caller, cons
           {.environment_id = id, .action = "run", .detail = request.code, .outcome = env.status()});
     return env.status();
   }
-  InstanceRef ref = (*env)->ref;
+  auto step = BeginStep(*env, "run", request.code,
+                        json::serialize(json::object{{"code", SanitizeUtf8(request.code)}}));
+  if (!step.ok()) {
+    audit_.Record(
+        caller,
+        {.environment_id = id, .action = "run", .detail = request.code, .outcome = step.status()});
+    return step.status();
+  }
+  InstanceRef ref;
   {
     // Counted as it starts: artifacts captured during the run carry its sequence number.
     std::lock_guard<std::mutex> elock((*env)->mu);
     (*env)->record.exec_count++;
+    ref = (*env)->ref;
   }
   absl::StatusOr<RunResult> r = (*env)->driver->RunCode(&ref, request, sink);
+  if (*step) {
+    StepOutcome o{.status = r.status()};
+    if (r.ok()) {
+      o.exit_code = r->exit_code;
+      o.stdout_data = r->stdout_data;
+      o.stderr_data = r->stderr_data;
+      o.truncated = r->truncated;
+      if (r->error) o.error = absl::StrCat(r->error->type, ": ", r->error->message);
+      if (r->timed_out) o.error = "timed out";
+      if (!r->artifacts.empty()) {
+        json::array arts;
+        for (const ReportedArtifact& a : r->artifacts) {
+          arts.push_back(json::object{{"path", SanitizeUtf8(a.path)},
+                                      {"name", SanitizeUtf8(a.name)},
+                                      {"kind", a.kind},
+                                      {"mime_type", a.mime_type}});
+          if (arts.size() >= 64) break;
+        }
+        o.artifacts_json = json::serialize(arts);
+      }
+    }
+    ApplyStepOutcome(**step, o);
+    RecordStepLocked(**env, std::move((*step)->rec));
+  }
   bool running;
   {
     std::lock_guard<std::mutex> elock((*env)->mu);
@@ -1171,6 +1299,7 @@ void EnvironmentManager::ReaperLoop() {
                         [this] { return stopping_; });
       if (stopping_) return;
     }
+    SweepBlobs(/*force=*/false);  // unreferenced step blobs (throttled; cheap when none)
     int64_t now = Now();
     bool health = MonotonicMs() - last_health >= options_.health_interval_ms;
     if (health) last_health = MonotonicMs();

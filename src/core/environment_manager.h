@@ -21,6 +21,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -32,10 +33,14 @@
 #include "core/config.h"
 #include "core/egress.h"
 #include "core/metrics.h"
+#include "core/snapshots/steps.h"
 #include "drivers/driver.h"
 #include "storage/store.h"
 
 namespace esb {
+
+class DiskBlobStore;
+struct StepGuard;
 
 // NotFound for an environment that does not exist or is another tenant's (the two look the
 // same), marked so that callers can tell it from NotFound for a file inside an environment.
@@ -77,6 +82,12 @@ struct ManagerOptions {
   EgressControl* egress = nullptr;
   std::function<absl::StatusOr<EgressCaPem>()> make_ca;
   EgressConfig egress_config;
+  // Time travel (docs/design.md "Time travel"): where steps keep their blobs (not owned;
+  // nullptr: no environment captures steps, and their JSON says so).
+  DiskBlobStore* blobs = nullptr;
+  // A blob younger than this is never swept (a capture may have stored it and not yet written
+  // its step).
+  int64_t blob_sweep_grace_ms = 600000;
 };
 
 // Snapshot of one environment for the API.
@@ -87,6 +98,22 @@ struct EnvironmentInfo {
   bool pooled = false;  // served from the warm pool
   // A live governed environment's current policy (spec.network.kind == kGoverned).
   std::optional<governance::EgressPolicy> egress;
+  StepsStatus steps;  // time travel (filled for live environments)
+};
+
+// A fork of a step (POST /environments/{id}/fork).
+struct ForkInfo {
+  EnvironmentInfo environment;  // the new environment
+  std::string source_id;
+  int64_t step = 0;
+  std::string memory;  // "snapshot" | "none"
+};
+
+// A rewind (POST /environments/{id}/rewind).
+struct RewindInfo {
+  int64_t head = 0;
+  std::string memory;  // "snapshot" | "none"
+  EnvironmentInfo environment;
 };
 
 // An intent active on an environment, as the API lists it.
@@ -111,6 +138,7 @@ struct VolumeInfo {
 
 class EnvironmentManager {
   struct LiveEnv;
+  friend struct StepGuard;
 
  public:
   // `drivers`: name → driver ("container", "gvisor", "nano", ...; ParseDriverKind). Not owned.
@@ -128,8 +156,10 @@ class EnvironmentManager {
   // `egress`: the environment's network policy (nullptr: network "none"); the runtime needs the
   // egress capability (else MissingCapabilityError, 400), the daemon an egress proxy (else
   // Unavailable, 503). The API lays the request over DefaultEgressPolicy(tenant).
+  // `steps`: time-travel settings (nullptr: the defaults, capture on).
   absl::StatusOr<EnvironmentInfo> Create(const Caller& caller, const EnvSpec& spec, int64_t ttl_s,
-                                         const governance::EgressPolicy* egress = nullptr);
+                                         const governance::EgressPolicy* egress = nullptr,
+                                         const StepSettings* steps = nullptr);
   absl::Status Destroy(const Caller& caller, const std::string& id,
                        const std::string& reason = "deleted");
   absl::StatusOr<EnvironmentInfo> Get(const Caller& caller, const std::string& id);
@@ -183,6 +213,7 @@ class EnvironmentManager {
     int64_t start_ms_ = 0;
     int64_t bytes_ = 0;
     absl::Status outcome_;
+    std::unique_ptr<StepGuard> step_;  // a write's step (recorded when the transfer ends)
   };
   // `action` names the audit row: "files.read", "files.write", "files.upload",
   // "files.download". NotFound (unaudited) when the environment does not exist.
@@ -320,6 +351,55 @@ class EnvironmentManager {
   absl::StatusOr<std::unique_ptr<Terminal>> OpenTerminal(const Caller& caller,
                                                          const std::string& id, int rows, int cols);
 
+  // --- Time travel (issue 13; docs/api.md "Steps"; environment_manager_steps.cc) ---
+  // Every execute, run, files write/remove/rename/mkdir, package install and network change on
+  // an environment whose capture is on (its settings, and a runtime with the steps capability)
+  // is a step; mutating calls on it are serialised meanwhile so that its history is linear.
+  // Reads are tenant-scoped like everything else: another tenant's environment is NotFound.
+  // `before` < 0: from the newest; limit 1..kMaxStepsListed.
+  absl::StatusOr<StepPage> ListSteps(const Caller& caller, const std::string& id, int64_t before,
+                                     int limit);
+  absl::StatusOr<StepDetail> GetStep(const Caller& caller, const std::string& id, int64_t n);
+  // A file's bytes at step n: NotFound when absent at n, FailedPrecondition for a directory,
+  // Aborted (409) for a step without state, StepCollectedError (410) when its blob is gone.
+  absl::StatusOr<std::string> ReadStepFile(const Caller& caller, const std::string& id, int64_t n,
+                                           const std::string& path);
+  absl::StatusOr<StepFileDiff> DiffStepFile(const Caller& caller, const std::string& id, int64_t n,
+                                            const std::string& path);
+  // In place: the environment becomes what it was at step n; later steps stay (a branch) and the
+  // next step's parent is n. Aborted (409) when capture is off or the step has no state left.
+  absl::StatusOr<RewindInfo> Rewind(const Caller& caller, const std::string& id, int64_t n);
+  // A new environment of the caller's tenant with the source's spec at step n.
+  absl::StatusOr<ForkInfo> Fork(const Caller& caller, const std::string& id, int64_t n);
+
+  // Deletes the blobs no step refers to now (the reaper does it every few seconds when steps
+  // were collected; tests and tools call it directly).
+  void SweepStepBlobs() { SweepBlobs(/*force=*/true); }
+
+  // One step for a composite operation (a package install: many execs and writes): the calls
+  // made on `id` by this thread until it is destroyed make no steps of their own; its
+  // destruction records one step of `kind` with the outcome given to Finish.
+  class CompositeStep {
+   public:
+    ~CompositeStep();
+    CompositeStep(const CompositeStep&) = delete;
+    CompositeStep& operator=(const CompositeStep&) = delete;
+    void Finish(absl::Status outcome) { outcome_ = std::move(outcome); }
+
+   private:
+    friend class EnvironmentManager;
+    CompositeStep() = default;
+    EnvironmentManager* manager_ = nullptr;
+    std::unique_ptr<StepGuard> guard_;
+    const void* previous_ = nullptr;
+    absl::Status outcome_;
+  };
+  // nullptr when the environment does not capture steps (or does not exist: the calls report
+  // that themselves).
+  std::unique_ptr<CompositeStep> BeginCompositeStep(const Caller& caller, const std::string& id,
+                                                    const std::string& kind,
+                                                    const std::string& summary);
+
   // The runtime of a live environment of the caller's tenant.
   absl::StatusOr<DriverKind> RuntimeOf(const Caller& caller, const std::string& id);
   // What runtime `runtime` can do (empty set: no such driver).
@@ -361,8 +441,62 @@ class EnvironmentManager {
     };
     std::map<std::string, CallScoped> call_intents;  // per execute/run call (not stored)
     EgressCaPem ca;
+    // Time travel. step_mu serialises the mutating calls of an environment that captures
+    // steps (each holds it across its driver call and the capture) and guards the fields
+    // below; recursive for a composite step's inner calls on the same thread. Never taken
+    // under mu_, mu or egress_mu.
+    std::recursive_timed_mutex step_mu;
+    bool steps_loaded = false;  // the fields below reflect the store
+    StepSettings step_settings;
+    bool capture = false;        // effective (settings, blob store, driver capability)
+    std::string capture_reason;  // why not / memory's reason
+    std::optional<int64_t> head;
+    int64_t next_step = 0;
+    struct StepBrief {
+      std::optional<int64_t> parent;
+      int64_t bytes = 0;
+      int64_t created_ms = 0;
+      bool has_state = false;  // a manifest that is not collected
+      bool memory = false;     // a memory snapshot is held
+      bool live = false;       // ... by a live process
+    };
+    std::map<int64_t, StepBrief> steps;
+    std::shared_ptr<const WorkspaceManifest> head_manifest;  // of `head`, when it has state
+    // The last StepsStatus computed under step_mu, guarded by `mu`: what a read shows while a
+    // call holds step_mu (reads never wait for one).
+    StepsStatus steps_status;
   };
 
+  // `make`: how the instance is made (nullptr: Driver::Create).
+  using InstanceMaker =
+      std::function<absl::StatusOr<InstanceRef>(Driver&, const std::string& id, const EnvSpec&)>;
+  // Time travel internals (environment_manager_steps.cc).
+  // Sets up a new environment's step log and records step 0 (kind "create" or "fork").
+  void InitSteps(LiveEnv& env, const StepSettings& settings, const std::string& kind,
+                 const std::string& summary, const std::string& input_json);
+  // Loads a re-attached environment's step log (after a restart).
+  void LoadSteps(LiveEnv& env);
+  StepsStatus StepsStatusOf(LiveEnv& env);
+  // nullptr when `env` does not capture steps or this thread is inside a step of it already.
+  // Error: the environment is busy with another call for too long.
+  absl::StatusOr<std::unique_ptr<StepGuard>> BeginStep(const std::shared_ptr<LiveEnv>& env,
+                                                       std::string kind, std::string summary,
+                                                       std::string input_json);
+  // Needs env.step_mu: captures the state and writes the step.
+  void RecordStepLocked(LiveEnv& env, StepRecord rec);
+  void EnforceRetentionLocked(LiveEnv& env);
+  void CollectStepLocked(LiveEnv& env, int64_t n, const std::string& why);
+  // After a restart: live memory snapshots are gone; step logs of environments that are gone.
+  void RecoverSteps();
+  // On destroy: releases snapshots, deletes the log.
+  void DropSteps(LiveEnv& env);
+  // Deletes blobs no step refers to (throttled; the reaper calls it).
+  void SweepBlobs(bool force);
+  absl::StatusOr<StepState> StateOfStep(const StepRecord& rec, WorkspaceManifest* manifest);
+  std::set<int64_t> AncestorsOfHeadLocked(const LiveEnv& env) const;
+  // The same from the stored log (when a running call holds step_mu); sets *head.
+  std::set<int64_t> AncestorsFromStore(const std::string& tenant, const std::string& id,
+                                       std::optional<int64_t>* head);
   int64_t Now() const { return options_.now_ms(); }
   absl::StatusOr<std::shared_ptr<LiveEnv>> Lookup(const std::string& tenant,
                                                   const std::string& id);
@@ -378,7 +512,9 @@ class EnvironmentManager {
   // Create without its audit row (Create writes it, whatever happens here).
   absl::StatusOr<EnvironmentInfo> CreateEnvironment(const std::string& tenant, const EnvSpec& spec,
                                                     int64_t ttl_s,
-                                                    const governance::EgressPolicy* egress);
+                                                    const governance::EgressPolicy* egress,
+                                                    const InstanceMaker& make = nullptr,
+                                                    std::shared_ptr<LiveEnv>* created = nullptr);
   // Egress helpers (environment_manager_egress.cc). The *Locked ones need env.egress_mu.
   // Drops expired environment-scoped intents (true if any was dropped).
   bool PruneIntentsLocked(LiveEnv& env, int64_t now);
@@ -398,7 +534,8 @@ class EnvironmentManager {
   void EndCallIntent(CallIntent& call);
   absl::StatusOr<std::shared_ptr<LiveEnv>> CreateInstance(const EnvSpec& spec,
                                                           const std::string& tenant, EnvState state,
-                                                          int64_t ttl_s);
+                                                          int64_t ttl_s,
+                                                          const InstanceMaker& make = nullptr);
   std::shared_ptr<LiveEnv> TakePooled(const EnvSpec& spec);
   void DestroyLive(const std::shared_ptr<LiveEnv>& env, const std::string& reason);
   // The reaper's destroy of an expired or dead environment, audited as the daemon's action.
@@ -444,6 +581,10 @@ class EnvironmentManager {
   std::mutex terminals_mu_;
   std::map<std::string, int> terminals_by_env_;
   std::map<std::string, int> terminals_by_tenant_;
+
+  std::mutex sweep_mu_;         // one blob sweep at a time
+  std::atomic<bool> sweep_needed_{false};
+  int64_t last_sweep_ms_ = 0;  // under sweep_mu_
 
   std::mutex wake_mu_;
   std::condition_variable wake_cv_;

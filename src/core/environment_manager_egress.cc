@@ -10,6 +10,7 @@
 #include "absl/strings/str_join.h"
 #include "common/util.h"
 #include "core/environment_manager.h"
+#include "core/snapshots/step_guard.h"
 
 namespace esb {
 
@@ -198,6 +199,11 @@ absl::StatusOr<NetworkInfo> EnvironmentManager::SetNetwork(const Caller& caller,
   auto env = Lookup(caller.tenant, id);
   if (!env.ok()) return env.status();
   const int64_t t0 = MonotonicMs();
+  auto step =
+      BeginStep(*env, "network", std::string(policy ? "network.update" : "network.update none"),
+                json::serialize(json::object{
+                    {"change", std::string(policy ? "network.update" : "network.update none")}}));
+  if (!step.ok()) return step.status();
   absl::StatusOr<NetworkInfo> result = [&]() -> absl::StatusOr<NetworkInfo> {
     LiveEnv& e = **env;
     if (!e.governed) {
@@ -221,6 +227,10 @@ absl::StatusOr<NetworkInfo> EnvironmentManager::SetNetwork(const Caller& caller,
                  .detail = policy ? json::serialize(governance::ToDisplayJson(*policy)) : "none",
                  .duration_ms = MonotonicMs() - t0,
                  .outcome = result.status()});
+  if (*step) {
+    ApplyStepOutcome(**step, {.status = result.status()});
+    RecordStepLocked(**env, std::move((*step)->rec));
+  }
   return result;
 }
 
@@ -231,6 +241,10 @@ absl::StatusOr<NetworkInfo> EnvironmentManager::ActivateIntent(const Caller& cal
   auto env = Lookup(caller.tenant, id);
   if (!env.ok()) return env.status();
   const int64_t t0 = MonotonicMs();
+  auto step = BeginStep(*env, "network", absl::StrCat("intent.activate ", name.substr(0, 64)),
+                        json::serialize(json::object{
+                            {"change", absl::StrCat("intent.activate ", name.substr(0, 64))}}));
+  if (!step.ok()) return step.status();
   absl::StatusOr<NetworkInfo> result = [&]() -> absl::StatusOr<NetworkInfo> {
     LiveEnv& e = **env;
     if (!e.governed) return NotGoverned(id);
@@ -273,6 +287,10 @@ absl::StatusOr<NetworkInfo> EnvironmentManager::ActivateIntent(const Caller& cal
                          .detail = absl::StrCat(name.substr(0, 64), " ttl_seconds=", ttl_s),
                          .duration_ms = MonotonicMs() - t0,
                          .outcome = result.status()});
+  if (*step) {
+    ApplyStepOutcome(**step, {.status = result.status()});
+    RecordStepLocked(**env, std::move((*step)->rec));
+  }
   return result;
 }
 
@@ -282,6 +300,10 @@ absl::StatusOr<NetworkInfo> EnvironmentManager::DeactivateIntent(const Caller& c
   auto env = Lookup(caller.tenant, id);
   if (!env.ok()) return env.status();
   const int64_t t0 = MonotonicMs();
+  auto step = BeginStep(*env, "network", absl::StrCat("intent.deactivate ", name.substr(0, 64)),
+                        json::serialize(json::object{
+                            {"change", absl::StrCat("intent.deactivate ", name.substr(0, 64))}}));
+  if (!step.ok()) return step.status();
   absl::StatusOr<NetworkInfo> result = [&]() -> absl::StatusOr<NetworkInfo> {
     LiveEnv& e = **env;
     if (!e.governed) return NotGoverned(id);
@@ -302,6 +324,10 @@ absl::StatusOr<NetworkInfo> EnvironmentManager::DeactivateIntent(const Caller& c
                          .detail = name.substr(0, 64),
                          .duration_ms = MonotonicMs() - t0,
                          .outcome = result.status()});
+  if (*step) {
+    ApplyStepOutcome(**step, {.status = result.status()});
+    RecordStepLocked(**env, std::move((*step)->rec));
+  }
   return result;
 }
 

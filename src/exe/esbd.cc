@@ -33,6 +33,7 @@
 #include "core/image_discovery.h"
 #include "core/metrics.h"
 #include "core/recovery.h"
+#include "core/snapshots/blob_store.h"
 #include "drivers/container/container_driver.h"
 #include "drivers/nano/nano_driver.h"
 #include "exe/flags.h"
@@ -320,6 +321,15 @@ int main(int argc, char** argv) {
     if (!ca.ok()) return ca.status();
     return esb::EgressCaPem{ca->cert_pem, ca->key_pem};
   };
+  // Time travel: the content-addressed blobs of steps (docs/design.md "Time travel").
+  esb::DiskBlobStoreOptions bopts;
+  bopts.dir = state_dir + "/blobs";
+  auto blobs = esb::DiskBlobStore::Open(bopts);
+  if (!blobs.ok())
+    esb::LogWarn(
+        absl::StrCat("time travel: ", blobs.status().message(), ": environments record no steps"));
+  else
+    mopts.blobs = blobs->get();
   esb::EnvironmentManager manager(store->get(), registry.Available(), &metrics, mopts);
   if (absl::Status st = manager.Start(); !st.ok())
     return Fail(absl::StrCat("starting the environment manager: ", st.ToString()));

@@ -219,6 +219,48 @@ CREATE TRIGGER egress_fts_update AFTER UPDATE ON audit_egress BEGIN
     VALUES (new.audit_id, new.scope, new.host, new.path, new.headers, new.body);
 END;
 )sql",
+    // v7: time travel (issue 13). env_steps: one row per environment with a step log (its
+    // settings, head and next step number); steps: one row per step, keyed (env_id, n), with
+    // the tenant repeated so that every read is tenant-scoped by the key it filters on.
+    // Blobs (workspace manifests and file contents) live on disk, content-addressed; a row names
+    // them in manifest_sha and state_json. Independent of v5/v6.
+    R"sql(
+CREATE TABLE env_steps (
+  env_id        TEXT PRIMARY KEY NOT NULL,
+  tenant        TEXT NOT NULL,
+  settings_json TEXT NOT NULL DEFAULT '{}',
+  head          INTEGER,
+  next_step     INTEGER NOT NULL DEFAULT 0,
+  updated_ms    INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE steps (
+  env_id        TEXT NOT NULL,
+  n             INTEGER NOT NULL,
+  tenant        TEXT NOT NULL,
+  parent        INTEGER,
+  kind          TEXT NOT NULL,
+  summary       TEXT NOT NULL DEFAULT '',
+  status        TEXT NOT NULL DEFAULT 'ok',
+  exit_code     INTEGER,
+  error         TEXT,
+  started_ms    INTEGER NOT NULL DEFAULT 0,
+  duration_ms   INTEGER NOT NULL DEFAULT 0,
+  capture_ms    INTEGER NOT NULL DEFAULT 0,
+  tier          TEXT NOT NULL DEFAULT '',
+  memory        TEXT NOT NULL DEFAULT 'none',
+  memory_detail TEXT,
+  memory_live   INTEGER NOT NULL DEFAULT 0,
+  files_changed INTEGER NOT NULL DEFAULT 0,
+  created_ms    INTEGER NOT NULL DEFAULT 0,
+  manifest_sha  TEXT NOT NULL DEFAULT '',
+  state_json    TEXT NOT NULL DEFAULT '',
+  detail_json   TEXT NOT NULL DEFAULT '{}',
+  bytes         INTEGER NOT NULL DEFAULT 0,
+  collected     INTEGER NOT NULL DEFAULT 0,
+  PRIMARY KEY (env_id, n)
+);
+CREATE INDEX steps_live_memory ON steps(memory_live) WHERE memory_live = 1;
+)sql",
 };
 constexpr int kLatestVersion = static_cast<int>(sizeof(kMigrations) / sizeof(kMigrations[0]));
 
@@ -332,6 +374,11 @@ class Stmt {
     Check(sqlite3_bind_null(stmt_, index));
     return *this;
   }
+  Stmt& BindOptText(int index, const std::optional<std::string>& value) {
+    if (value.has_value()) return Bind(index, std::string_view(*value));
+    Check(sqlite3_bind_null(stmt_, index));
+    return *this;
+  }
 
   // true: a row is available; false: done.
   absl::StatusOr<bool> Step() {
@@ -396,6 +443,53 @@ EnvironmentRecord EnvFromRow(const Stmt& s) {
   r.destroyed_ms = s.Int(10);
   r.destroy_reason = s.Text(11);
   r.exec_count = s.Int(12);
+  return r;
+}
+
+constexpr const char* kStepLogColumns =
+    "env_id, tenant, settings_json, head, next_step, updated_ms";
+
+StepLogRecord StepLogFromRow(const Stmt& s) {
+  StepLogRecord r;
+  r.env_id = s.Text(0);
+  r.tenant = s.Text(1);
+  r.settings_json = s.Text(2);
+  if (!s.IsNull(3)) r.head = s.Int(3);
+  r.next_step = s.Int(4);
+  r.updated_ms = s.Int(5);
+  return r;
+}
+
+constexpr const char* kStepColumns =
+    "env_id, n, tenant, parent, kind, summary, status, exit_code, error, started_ms, "
+    "duration_ms, capture_ms, tier, memory, memory_detail, memory_live, files_changed, "
+    "created_ms, manifest_sha, state_json, detail_json, bytes, collected";
+
+StepRecord StepFromRow(const Stmt& s) {
+  StepRecord r;
+  r.env_id = s.Text(0);
+  r.n = s.Int(1);
+  r.tenant = s.Text(2);
+  if (!s.IsNull(3)) r.parent = s.Int(3);
+  r.kind = s.Text(4);
+  r.summary = s.Text(5);
+  r.status = s.Text(6);
+  if (!s.IsNull(7)) r.exit_code = s.Int(7);
+  if (!s.IsNull(8)) r.error = s.Text(8);
+  r.started_ms = s.Int(9);
+  r.duration_ms = s.Int(10);
+  r.capture_ms = s.Int(11);
+  r.tier = s.Text(12);
+  r.memory = s.Text(13);
+  if (!s.IsNull(14)) r.memory_detail = s.Text(14);
+  r.memory_live = s.Int(15) != 0;
+  r.files_changed = s.Int(16);
+  r.created_ms = s.Int(17);
+  r.manifest_sha = s.Text(18);
+  r.state_json = s.Text(19);
+  r.detail_json = s.Text(20);
+  r.bytes = s.Int(21);
+  r.collected = s.Int(22) != 0;
   return r;
 }
 
@@ -750,6 +844,172 @@ class SqliteStore final : public Store {
         .Bind(6, ca_key)
         .Bind(7, rec.updated_ms);
     return stmt->Run();
+  }
+
+  absl::Status PutStepLog(const StepLogRecord& rec) override {
+    if (rec.env_id.empty()) return absl::InvalidArgumentError("PutStepLog: empty env_id");
+    std::lock_guard<std::mutex> lock(mu_);
+    auto stmt = Prepare(
+        "INSERT OR REPLACE INTO env_steps (env_id, tenant, settings_json, head, next_step, "
+        "updated_ms) VALUES (?1, ?2, ?3, ?4, ?5, ?6)");
+    if (!stmt.ok()) return stmt.status();
+    stmt->Bind(1, rec.env_id)
+        .Bind(2, rec.tenant)
+        .Bind(3, rec.settings_json)
+        .Bind(4, rec.head)
+        .Bind(5, rec.next_step)
+        .Bind(6, rec.updated_ms);
+    return stmt->Run();
+  }
+
+  absl::StatusOr<StepLogRecord> GetStepLog(const std::string& tenant,
+                                           const std::string& env_id) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto stmt = Prepare(absl::StrCat("SELECT ", kStepLogColumns,
+                                     " FROM env_steps WHERE env_id = ?1 AND tenant = ?2"));
+    if (!stmt.ok()) return stmt.status();
+    stmt->Bind(1, env_id).Bind(2, tenant);
+    absl::StatusOr<bool> row = stmt->Step();
+    if (!row.ok()) return row.status();
+    if (!*row) return absl::NotFoundError(absl::StrCat("no step log for ", env_id));
+    return StepLogFromRow(*stmt);
+  }
+
+  absl::StatusOr<std::vector<StepLogRecord>> ListStepLogs() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto stmt =
+        Prepare(absl::StrCat("SELECT ", kStepLogColumns, " FROM env_steps ORDER BY env_id"));
+    if (!stmt.ok()) return stmt.status();
+    std::vector<StepLogRecord> out;
+    while (true) {
+      absl::StatusOr<bool> row = stmt->Step();
+      if (!row.ok()) return row.status();
+      if (!*row) return out;
+      out.push_back(StepLogFromRow(*stmt));
+    }
+  }
+
+  absl::Status PutStep(const StepRecord& r) override {
+    if (r.env_id.empty() || r.n < 0) return absl::InvalidArgumentError("PutStep: bad key");
+    std::lock_guard<std::mutex> lock(mu_);
+    auto stmt = Prepare(
+        "INSERT OR REPLACE INTO steps (env_id, n, tenant, parent, kind, summary, status, "
+        "exit_code, error, started_ms, duration_ms, capture_ms, tier, memory, memory_detail, "
+        "memory_live, files_changed, created_ms, manifest_sha, state_json, detail_json, bytes, "
+        "collected) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, "
+        "?16, ?17, ?18, ?19, ?20, ?21, ?22, ?23)");
+    if (!stmt.ok()) return stmt.status();
+    stmt->Bind(1, r.env_id)
+        .Bind(2, r.n)
+        .Bind(3, r.tenant)
+        .Bind(4, r.parent)
+        .Bind(5, r.kind)
+        .Bind(6, r.summary)
+        .Bind(7, r.status)
+        .Bind(8, r.exit_code)
+        .BindOptText(9, r.error)
+        .Bind(10, r.started_ms)
+        .Bind(11, r.duration_ms)
+        .Bind(12, r.capture_ms)
+        .Bind(13, r.tier)
+        .Bind(14, r.memory)
+        .BindOptText(15, r.memory_detail)
+        .Bind(16, r.memory_live ? 1 : 0)
+        .Bind(17, r.files_changed)
+        .Bind(18, r.created_ms)
+        .Bind(19, r.manifest_sha)
+        .Bind(20, r.state_json)
+        .Bind(21, r.detail_json)
+        .Bind(22, r.bytes)
+        .Bind(23, r.collected ? 1 : 0);
+    return stmt->Run();
+  }
+
+  absl::StatusOr<StepRecord> GetStep(const std::string& tenant, const std::string& env_id,
+                                     int64_t n) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto stmt = Prepare(absl::StrCat("SELECT ", kStepColumns,
+                                     " FROM steps WHERE env_id = ?1 AND n = ?2 AND tenant = ?3"));
+    if (!stmt.ok()) return stmt.status();
+    stmt->Bind(1, env_id).Bind(2, n).Bind(3, tenant);
+    absl::StatusOr<bool> row = stmt->Step();
+    if (!row.ok()) return row.status();
+    if (!*row) return absl::NotFoundError(absl::StrCat("step ", n, " of ", env_id, " not found"));
+    return StepFromRow(*stmt);
+  }
+
+  absl::StatusOr<std::vector<StepRecord>> ListSteps(const std::string& tenant,
+                                                    const std::string& env_id, int64_t before,
+                                                    int limit) override {
+    if (limit < 1 || limit > kMaxStepsListed)
+      return absl::InvalidArgumentError(
+          absl::StrCat("limit must be between 1 and ", kMaxStepsListed));
+    std::lock_guard<std::mutex> lock(mu_);
+    auto stmt =
+        Prepare(absl::StrCat("SELECT ", kStepColumns,
+                             " FROM steps WHERE env_id = ?1 AND tenant = ?2 AND (?3 < 0 OR n < ?3) "
+                             "ORDER BY n DESC LIMIT ?4"));
+    if (!stmt.ok()) return stmt.status();
+    stmt->Bind(1, env_id).Bind(2, tenant).Bind(3, before).Bind(4, limit);
+    return CollectSteps(*stmt);
+  }
+
+  absl::StatusOr<int64_t> CountSteps(const std::string& env_id) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto stmt = Prepare("SELECT count(*) FROM steps WHERE env_id = ?1");
+    if (!stmt.ok()) return stmt.status();
+    stmt->Bind(1, env_id);
+    absl::StatusOr<bool> row = stmt->Step();
+    if (!row.ok()) return row.status();
+    return *row ? stmt->Int(0) : 0;
+  }
+
+  absl::Status DeleteStep(const std::string& env_id, int64_t n) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto stmt = Prepare("DELETE FROM steps WHERE env_id = ?1 AND n = ?2");
+    if (!stmt.ok()) return stmt.status();
+    stmt->Bind(1, env_id).Bind(2, n);
+    return stmt->Run();
+  }
+
+  absl::Status DeleteSteps(const std::string& env_id) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const char* sql :
+         {"DELETE FROM steps WHERE env_id = ?1", "DELETE FROM env_steps WHERE env_id = ?1"}) {
+      auto stmt = Prepare(sql);
+      if (!stmt.ok()) return stmt.status();
+      stmt->Bind(1, env_id);
+      if (absl::Status st = stmt->Run(); !st.ok()) return st;
+    }
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<std::vector<StepRecord>> ListLiveMemorySteps() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto stmt = Prepare(absl::StrCat("SELECT ", kStepColumns,
+                                     " FROM steps WHERE memory_live = 1 ORDER BY env_id, n"));
+    if (!stmt.ok()) return stmt.status();
+    return CollectSteps(*stmt);
+  }
+
+  absl::StatusOr<std::vector<StepRecord>> ListStepBlobRefs() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto stmt = Prepare(
+        "SELECT env_id, n, manifest_sha, state_json, collected FROM steps ORDER BY env_id, n");
+    if (!stmt.ok()) return stmt.status();
+    std::vector<StepRecord> out;
+    while (true) {
+      absl::StatusOr<bool> row = stmt->Step();
+      if (!row.ok()) return row.status();
+      if (!*row) return out;
+      StepRecord r;
+      r.env_id = stmt->Text(0);
+      r.n = stmt->Int(1);
+      r.manifest_sha = stmt->Text(2);
+      r.state_json = stmt->Text(3);
+      r.collected = stmt->Int(4) != 0;
+      out.push_back(std::move(r));
+    }
   }
 
   absl::StatusOr<EgressRecord> GetEgress(const std::string& env_id) override {
@@ -1719,6 +1979,17 @@ class SqliteStore final : public Store {
         .Bind(4, hash)
         .Bind(5, rec.created_ms);
     return stmt->Run();
+  }
+
+  static absl::StatusOr<std::vector<StepRecord>> CollectSteps(Stmt& stmt) {
+    std::vector<StepRecord> out;
+    while (true) {
+      absl::StatusOr<bool> row = stmt.Step();
+      if (!row.ok()) return row.status();
+      if (!*row) break;
+      out.push_back(StepFromRow(stmt));
+    }
+    return out;
   }
 
   static absl::StatusOr<std::vector<EnvironmentRecord>> CollectEnvs(Stmt& stmt) {

@@ -113,6 +113,47 @@ struct EgressRecord {
   int64_t updated_ms = 0;
 };
 
+// Time travel (issue 13; docs/design.md "Time travel"): one environment's step log header.
+// One row per environment with steps, deleted with its steps.
+struct StepLogRecord {
+  std::string env_id;
+  std::string tenant;
+  std::string settings_json;    // the environment's `steps` settings (core/snapshots)
+  std::optional<int64_t> head;  // the step the environment's state is at; nullopt: none yet
+  int64_t next_step = 0;        // the number the next step gets
+  int64_t updated_ms = 0;
+};
+
+// One step of an environment (its number `n` is unique per environment). The core fills every
+// field; the store keeps them as given (text fields are bounded by the core).
+struct StepRecord {
+  std::string env_id;
+  int64_t n = 0;
+  std::string tenant;
+  std::optional<int64_t> parent;
+  std::string kind;           // "create" | "fork" | "execute" | "run" | "files.write" | ...
+  std::string summary;        // bounded input text
+  std::string status = "ok";  // "ok" | "error"
+  std::optional<int64_t> exit_code;
+  std::optional<std::string> error;
+  int64_t started_ms = 0;
+  int64_t duration_ms = 0;
+  int64_t capture_ms = 0;
+  std::string tier;
+  std::string memory = "none";  // "snapshot" | "none"
+  std::optional<std::string> memory_detail;
+  bool memory_live = false;  // the memory snapshot is held by a live process
+  int64_t files_changed = 0;
+  int64_t created_ms = 0;
+  std::string manifest_sha;  // the workspace manifest blob; "" = no state
+  std::string state_json;    // snapshot ref, shell state and variables blobs (core/snapshots)
+  std::string detail_json;   // input, output, artifacts, shell cwd (bounded by the core)
+  int64_t bytes = 0;         // bytes this step added (new blobs, memory snapshot)
+  bool collected = false;    // its state was collected by retention
+};
+// At most this many steps are listed per call.
+inline constexpr int kMaxStepsListed = 1000;
+
 struct AuditQuery {
   std::string tenant;          // required: callers only see their own tenant
   int64_t since_ms = 0;        // 0 = unbounded
@@ -297,8 +338,46 @@ class Store {
   virtual absl::StatusOr<EgressReport> ReportEgress(const EgressReportQuery& query) {
     return absl::UnimplementedError("egress reports are not supported by this store");
   }
+  // Time travel: step logs and steps (StepRecord). Every read is scoped to a tenant: another
+  // tenant's environment reads as absent (NotFound / empty).
+  virtual absl::Status PutStepLog(const StepLogRecord& rec) { return NoSteps(); }
+  virtual absl::StatusOr<StepLogRecord> GetStepLog(const std::string& tenant,
+                                                   const std::string& env_id) {
+    return NoSteps();
+  }
+  // Insert or replace (env_id, n).
+  virtual absl::Status PutStep(const StepRecord& rec) { return NoSteps(); }
+  virtual absl::StatusOr<StepRecord> GetStep(const std::string& tenant, const std::string& env_id,
+                                             int64_t n) {
+    return NoSteps();
+  }
+  // Newest first: steps with n < before (before < 0: from the newest), at most `limit`
+  // (1..kMaxStepsListed, else InvalidArgument).
+  virtual absl::StatusOr<std::vector<StepRecord>> ListSteps(const std::string& tenant,
+                                                            const std::string& env_id,
+                                                            int64_t before, int limit) {
+    return NoSteps();
+  }
+  virtual absl::StatusOr<int64_t> CountSteps(const std::string& env_id) { return NoSteps(); }
+  // Deletes one step row (retention's row cap); fine when absent.
+  virtual absl::Status DeleteStep(const std::string& env_id, int64_t n) { return NoSteps(); }
+  // Deletes an environment's steps and its step log.
+  virtual absl::Status DeleteSteps(const std::string& env_id) { return NoSteps(); }
+  // Every environment's steps whose memory snapshot is live (for restart: they are lost).
+  virtual absl::StatusOr<std::vector<StepRecord>> ListLiveMemorySteps() { return NoSteps(); }
+  // The blob references of every stored step (env_id, n, manifest_sha, state_json, collected
+  // filled; the rest empty), for the blob store's mark-and-sweep.
+  virtual absl::StatusOr<std::vector<StepRecord>> ListStepBlobRefs() { return NoSteps(); }
+  // The environments that have a step log (any tenant), for cleanup after a restart.
+  virtual absl::StatusOr<std::vector<StepLogRecord>> ListStepLogs() { return NoSteps(); }
+
   // Number of audit rows of `tenant` (all tenants when empty); for tests and metrics.
   virtual absl::StatusOr<int64_t> CountAudit(const std::string& tenant) = 0;
+
+ private:
+  static absl::Status NoSteps() {
+    return absl::UnimplementedError("steps are not supported by this store");
+  }
 };
 
 }  // namespace esb

@@ -292,7 +292,10 @@ absl::StatusOr<RunOutcome> RunPipeline::RunHeavyOnce(const Caller& step, const R
   spec.runtime = kHeavyRuntime;
   if (plan.spec.memory_mb > 0) spec.memory_mb = plan.spec.memory_mb;
   const int64_t timeout_s = std::max<int64_t>(1, (plan.spec.timeout_ms + 999) / 1000);
-  auto env = manager->Create(step, spec, std::max<int64_t>(60, timeout_s + 60));
+  // Thrown away after the run: nothing to travel back to.
+  StepSettings no_steps;
+  no_steps.capture = false;
+  auto env = manager->Create(step, spec, std::max<int64_t>(60, timeout_s + 60), nullptr, &no_steps);
   if (!env.ok()) return env.status();
   const std::string id = env->record.id;
   struct DestroyOnExit {
@@ -309,7 +312,13 @@ absl::StatusOr<RunOutcome> RunPipeline::RunInEnvironment(const Caller& step, con
   RunOutcome o;
   if (!plan.spec.packages.empty()) {
     const int64_t t0 = MonotonicMs();
+    // The install's execs and writes are one step (packages.install) of the environment.
+    auto composite = deps_.manager->BeginCompositeStep(
+        step, id, "packages.install",
+        absl::StrCat("pip install ", absl::StrJoin(plan.spec.packages, " ")));
     auto installed = deps_.installer->Install(step, id, plan.spec.packages, streams.install);
+    if (composite) composite->Finish(installed.status());
+    composite.reset();
     if (!installed.ok()) return installed.status();
     o.packages = std::move(*installed);
     o.install_ms = MonotonicMs() - t0;
