@@ -16,12 +16,9 @@
 #include <string>
 #include <vector>
 
+#include "drivers/heavy_kernel.h"
 #include "drivers/nano/nano_driver.h"
 #include "drivers/testing/memory_blob_store.h"
-
-namespace esb {
-extern const char kEsbVarsPy[];  // esb_vars_py.cc (generated from src/agent/python/esb_vars.py)
-}
 
 namespace {
 
@@ -105,7 +102,7 @@ int main(int argc, char** argv) {
     absl::StatusOr<esb::InstanceRef> probe = driver->Fork(*ref, "bench_probe");
     if (!probe.ok()) Die(probe.status().ToString());
     std::string hex;
-    for (unsigned char c : std::string(esb::kEsbVarsPy)) {
+    for (unsigned char c : std::string(esb::EsbVarsSource())) {
       static const char kHex[] = "0123456789abcdef";
       hex.push_back(kHex[c >> 4]);
       hex.push_back(kHex[c & 15]);

@@ -1,8 +1,6 @@
 """End-to-end tests of time travel in the SDK (docs/api.md "Steps") against a REAL esbd.
 
-Needs ``AGENTBOX_E2E_URL`` (see test_e2e.py). A daemon without the steps routes (a build
-before issue 13's step log) fails the module's first request with "no such endpoint": the
-module then skips, saying so; any other answer is tested as is.
+Needs ``AGENTBOX_E2E_URL`` (see test_e2e.py).
 """
 
 from __future__ import annotations
@@ -22,15 +20,7 @@ KEY = os.environ.get("AGENTBOX_E2E_API_KEY") or None
 
 @pytest.fixture(scope="module")
 def box() -> Sandbox:
-    b = Sandbox(url=E2E_URL, api_key=KEY, request_timeout=120)
-    with b.create(ttl_seconds=120) as probe:
-        try:
-            probe.steps()
-        except SandboxNotFound as exc:
-            if "no such endpoint" in str(exc):
-                pytest.skip(f"this esbd has no steps routes yet (GET .../steps: {exc})")
-            raise
-    return b
+    return Sandbox(url=E2E_URL, api_key=KEY, request_timeout=120)
 
 
 @pytest.fixture

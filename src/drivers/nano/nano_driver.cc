@@ -22,6 +22,7 @@
 #include "absl/strings/str_split.h"
 #include "common/protocol.h"
 #include "common/util.h"
+#include "drivers/heavy_kernel.h"
 #include "drivers/nano/image.h"
 #include "drivers/nano/wire.h"
 
@@ -620,8 +621,6 @@ constexpr int64_t kDumpTimeoutMs = 60000;
 
 }  // namespace
 
-extern const char kEsbVarsPy[];  // esb_vars_py.cc, generated from src/agent/python/esb_vars.py
-
 StepMemorySupport NanoDriver::StepMemory() const { return {true, "fork", ""}; }
 
 absl::StatusOr<WorkspaceManifest> NanoDriver::WalkWorkspace(Session& session,
@@ -721,8 +720,8 @@ absl::StatusOr<WorkspaceManifest> NanoDriver::WalkWorkspace(Session& session,
 }
 
 std::string NanoDriver::SummarizeVariables(const std::string& frozen_id) {
-  const std::string module = kEsbVarsPy;
-  if (module.empty()) return "";
+  // The same summary as the container tier's kernel (src/agent/python/esb_vars.py).
+  const std::string module(EsbVarsSource());
   {
     std::lock_guard<std::mutex> lock(server_mu_);
     if (!server_ || server_->guest != "python") return "";
