@@ -1299,6 +1299,7 @@ void EnvironmentManager::ReaperLoop() {
                         [this] { return stopping_; });
       if (stopping_) return;
     }
+    CompactStepMemory();          // live memory snapshots over an environment's cap
     SweepBlobs(/*force=*/false);  // unreferenced step blobs (throttled; cheap when none)
     int64_t now = Now();
     bool health = MonotonicMs() - last_health >= options_.health_interval_ms;

@@ -375,6 +375,10 @@ class EnvironmentManager {
   // Deletes the blobs no step refers to now (the reaper does it every few seconds when steps
   // were collected; tests and tools call it directly).
   void SweepStepBlobs() { SweepBlobs(/*force=*/true); }
+  // Compacts (or releases) the live memory snapshots over each environment's cap, oldest first
+  // (the reaper does it every tick when a step went over; tests call it directly). An
+  // environment busy with a call is left for the next tick.
+  void CompactStepMemory();
 
   // One step for a composite operation (a package install: many execs and writes): the calls
   // made on `id` by this thread until it is destroyed make no steps of their own; its
@@ -462,6 +466,9 @@ class EnvironmentManager {
     };
     std::map<int64_t, StepBrief> steps;
     std::shared_ptr<const WorkspaceManifest> head_manifest;  // of `head`, when it has state
+    // More live memory snapshots than max_live_memory: the reaper compacts the oldest
+    // (CompactStepMemory) off the calls' path (a nano compaction takes tenths of a second).
+    bool compact_pending = false;
     // The last StepsStatus computed under step_mu, guarded by `mu`: what a read shows while a
     // call holds step_mu (reads never wait for one).
     StepsStatus steps_status;
@@ -484,7 +491,9 @@ class EnvironmentManager {
                                                        std::string input_json);
   // Needs env.step_mu: captures the state and writes the step.
   void RecordStepLocked(LiveEnv& env, StepRecord rec);
-  void EnforceRetentionLocked(LiveEnv& env);
+  // `compact`: also compact (or release) live memory snapshots over the cap now; without it,
+  // they are flagged for the reaper (compact_pending).
+  void EnforceRetentionLocked(LiveEnv& env, bool compact = false);
   void CollectStepLocked(LiveEnv& env, int64_t n, const std::string& why);
   // After a restart: live memory snapshots are gone; step logs of environments that are gone.
   void RecoverSteps();
@@ -584,6 +593,7 @@ class EnvironmentManager {
 
   std::mutex sweep_mu_;         // one blob sweep at a time
   std::atomic<bool> sweep_needed_{false};
+  std::atomic<bool> compact_needed_{false};  // some environment has compact_pending
   int64_t last_sweep_ms_ = 0;  // under sweep_mu_
 
   std::mutex wake_mu_;

@@ -457,14 +457,40 @@ void EnvironmentManager::CollectStepLocked(LiveEnv& env, int64_t n, const std::s
   LogInfo(absl::StrCat("step ", n, " of ", env.record.id, " collected (", why, ")"));
 }
 
-void EnvironmentManager::EnforceRetentionLocked(LiveEnv& env) {
+void EnvironmentManager::CompactStepMemory() {
+  if (!compact_needed_.exchange(false)) return;
+  std::vector<std::shared_ptr<LiveEnv>> live;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [id, e] : envs_) live.push_back(e);
+  }
+  for (auto& env : live) {
+    std::unique_lock<std::recursive_timed_mutex> lock(env->step_mu, std::try_to_lock);
+    if (!lock.owns_lock()) {
+      compact_needed_ = true;  // busy with a call: next tick (its own step re-flags it anyway)
+      continue;
+    }
+    if (!env->compact_pending) continue;
+    env->compact_pending = false;
+    EnforceRetentionLocked(*env, /*compact=*/true);
+    StepsStatusOf(*env);
+  }
+}
+
+void EnvironmentManager::EnforceRetentionLocked(LiveEnv& env, bool compact) {
   const StepSettings& s = env.step_settings;
   const int64_t now = Now();
   // Oldest first; the head is referenced (the environment is at it) and never collected.
   auto collectable = [&](int64_t n) { return !env.head || n != *env.head; };
-  // 1. Live memory snapshots over the cap: compacted (or released) oldest first.
+  // 1. Live memory snapshots over the cap: compacted (or released) oldest first — by the
+  // reaper, not on the call's path.
   int64_t live = 0;
   for (const auto& [n, b] : env.steps) live += b.live ? 1 : 0;
+  if (live > s.max_live_memory && !compact) {
+    env.compact_pending = true;
+    compact_needed_ = true;
+    live = 0;  // skip step 1 now
+  }
   for (auto& [n, b] : env.steps) {
     if (live <= s.max_live_memory) break;
     if (!b.live || !collectable(n)) continue;

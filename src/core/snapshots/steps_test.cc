@@ -594,6 +594,8 @@ TEST_F(StepsTest, LiveMemoryOverTheCapIsCompactedOldestFirst) {
   s.max_live_memory = 2;
   std::string id = NewEnv("acme", &s);
   for (int i = 0; i < 4; ++i) Run(id, absl::StrCat("set x ", i));
+  EXPECT_EQ(driver.compacted, 0) << "never on the call's path";
+  m->CompactStepMemory();  // what the reaper does every tick
   EXPECT_EQ(driver.live_snapshots.size(), 2u);
   EXPECT_EQ(driver.compacted, 3);
   auto steps = All(id);
@@ -604,6 +606,7 @@ TEST_F(StepsTest, LiveMemoryOverTheCapIsCompactedOldestFirst) {
   // A driver that cannot compact: the oldest are released and say "collected".
   driver.compact = false;
   Run(id, "set x 9");
+  m->CompactStepMemory();
   auto after = All(id);
   EXPECT_EQ(after[2].memory, "none");
   EXPECT_EQ(after[2].memory_detail, std::optional<std::string>("collected"));
