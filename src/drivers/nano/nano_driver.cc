@@ -785,15 +785,13 @@ std::string NanoDriver::SummarizeVariables(const std::string& frozen_id) {
   } else {
     KillSession(*clone);
   }
-  // SECURITY: the summary comes from the sandbox: kept only when it is a JSON array ≤ 64 KiB.
+  // SECURITY: the summary comes from the sandbox (it runs in the user's globals, which can
+  // shadow builtins): kept only when it has the summary's bounded shape, as the container's.
   if (!r.ok() || r->exit_code != 0 || r->truncated ||
       static_cast<int64_t>(r->stdout_data.size()) > kVarsMaxBytes) {
     return "";
   }
-  boost::system::error_code ec;
-  boost::json::value v = boost::json::parse(r->stdout_data, ec);
-  if (ec || !v.is_array()) return "";
-  return r->stdout_data;
+  return ValidVariablesJson(r->stdout_data);
 }
 
 absl::StatusOr<StepState> NanoDriver::CaptureStep(const InstanceRef& ref,

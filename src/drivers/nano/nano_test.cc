@@ -1590,6 +1590,28 @@ TEST_F(NanoPythonTest, VariablesSummaryRunsInAThrowawayCloneNotTheSession) {
   EXPECT_EQ(repr.count("json"), 0u) << "modules are left out: " << s.variables_json;
 }
 
+// Attack: the summary runs in (a throwaway clone of) the user's session, whose modules the user
+// controls: a patched marshal.loads makes it print any JSON array. Only the summary's shape
+// (objects with a string "name") is kept, as for the container's kernel.
+TEST_F(NanoPythonTest, ForgedVariablesSummaryIsDropped) {
+  absl::StatusOr<InstanceRef> ref = driver_->Create("tt_vars_forged", EnvSpec{});
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  esb::testing::MemoryBlobStore blobs;
+  Out("import marshal\n"
+      "_orig_loads = marshal.loads\n"
+      "marshal.loads = lambda b: compile(\"def summarize(ns): return '[1, 2]'\", 'x', 'exec')\n",
+      *ref);
+  StepState s = Capture(*ref, blobs);
+  EXPECT_EQ(s.variables_json, "");
+  if (s.memory) ASSERT_TRUE(driver_->DeleteSnapshot(*s.memory).ok());
+  // Without the patch the same session's summary is kept.
+  Out("marshal.loads = _orig_loads\nx = 7\n", *ref);
+  StepState ok = Capture(*ref, blobs);
+  EXPECT_NE(ok.variables_json.find("\"x\""), std::string::npos) << ok.variables_json;
+  if (ok.memory) ASSERT_TRUE(driver_->DeleteSnapshot(*ok.memory).ok());
+  ASSERT_TRUE(driver_->Destroy(*ref).ok());
+}
+
 TEST_F(NanoPythonTest, Latency) {
   for (int i = 0; i < 3; i++) Py("print(1)");  // warm up
   std::vector<int64_t> us;
