@@ -145,6 +145,17 @@ bool IsStepCollected(const absl::Status& status) {
   return status.GetPayload(kStepCollectedUrl).has_value();
 }
 
+namespace {
+// A driver that cannot bring a step's state back because part of it is gone (a blob or image
+// collected, a live snapshot lost, contents that do not match) answers 410 "collected", as the
+// files route does; other errors pass unchanged.
+absl::Status StepRestoreError(const absl::Status& st, int64_t n) {
+  if (!absl::IsFailedPrecondition(st) && !absl::IsNotFound(st) && !absl::IsDataLoss(st)) return st;
+  if (IsStepCollected(st)) return st;
+  return StepCollectedError(absl::StrCat("step ", n, " cannot be restored: ", st.message()));
+}
+}  // namespace
+
 // ---------------------------------------------------------------------------------------------
 // Recording
 
@@ -943,7 +954,7 @@ absl::StatusOr<RewindInfo> EnvironmentManager::Rewind(const Caller& caller, cons
       ref = e.ref;
     }
     auto restored = e.driver->RestoreStep(ref, *state, *options_.blobs);
-    if (!restored.ok()) return restored.status();
+    if (!restored.ok()) return StepRestoreError(restored.status(), n);
     {
       std::lock_guard<std::mutex> elock(e.mu);
       e.ref = *restored;
@@ -1018,7 +1029,9 @@ absl::StatusOr<ForkInfo> EnvironmentManager::Fork(const Caller& caller, const st
     // The snapshot is handed to the driver while the step keeps it (ForkStep copies from it).
     InstanceMaker make = [&](Driver& d, const std::string& nid,
                              const EnvSpec& s) -> absl::StatusOr<InstanceRef> {
-      return d.ForkStep(state, s, nid, *options_.blobs);
+      absl::StatusOr<InstanceRef> forked = d.ForkStep(state, s, nid, *options_.blobs);
+      if (!forked.ok()) return StepRestoreError(forked.status(), n);
+      return forked;
     };
     std::shared_ptr<LiveEnv> created;
     auto info = CreateEnvironment(caller.tenant, *spec, ttl_s, nullptr, make, &created);

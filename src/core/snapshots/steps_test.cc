@@ -209,12 +209,14 @@ class StepsDriver : public Driver {
                                           BlobStore& blobs) override {
     std::lock_guard<std::mutex> lock(mu);
     ++restores;
+    if (!restore_error.ok()) return restore_error;
     if (absl::Status st = Apply(instances.at(ref.id), state, blobs); !st.ok()) return st;
     return ref;
   }
   absl::StatusOr<InstanceRef> ForkStep(const StepState& state, const EnvSpec&,
                                        const std::string& new_id, BlobStore& blobs) override {
     std::lock_guard<std::mutex> lock(mu);
+    if (!restore_error.ok()) return restore_error;
     Instance in;
     if (absl::Status st = Apply(in, state, blobs); !st.ok()) return st;
     instances[new_id] = in;
@@ -252,6 +254,7 @@ class StepsDriver : public Driver {
   std::set<std::string> live_snapshots, deleted_snapshots;
   int snapshots_made = 0, captures = 0, restores = 0, compacted = 0;
   bool memory = true, compact = true;
+  absl::Status restore_error;  // RestoreStep and ForkStep answer it when set
   std::atomic<bool> fail_capture{false};
   std::atomic<int> in_flight{0}, max_in_flight{0};
 };
@@ -464,6 +467,29 @@ TEST_F(StepsTest, TwoForksOfOneStepAreIndependent) {
   EXPECT_EQ(All(id).size(), 3u) << "forks add nothing to the source's log";
   auto other = m->Fork("evil", id, 2);
   EXPECT_TRUE(IsEnvironmentNotFound(other.status())) << other.status();
+}
+
+// A driver that cannot bring a step back because part of its state is gone (an image or blob
+// collected, a live snapshot lost) makes rewind and fork answer "collected" (410 at the API),
+// not a 400 or 404 that would blame the request; other driver errors pass unchanged.
+TEST_F(StepsTest, RewindOrForkOfAStepWhoseStateIsGoneSaysCollected) {
+  Start();
+  std::string id = NewEnv();
+  Run(id, "write a.txt base");
+  for (absl::Status gone : {absl::FailedPreconditionError("memory image is gone"),
+                            absl::NotFoundError("no blob"), absl::DataLossError("size differs")}) {
+    driver.restore_error = gone;
+    auto r = m->Rewind("acme", id, 1);
+    EXPECT_TRUE(IsStepCollected(r.status())) << r.status();
+    auto f = m->Fork("acme", id, 1);
+    EXPECT_TRUE(IsStepCollected(f.status())) << f.status();
+  }
+  driver.restore_error = absl::UnavailableError("agent busy");
+  auto r = m->Rewind("acme", id, 1);
+  EXPECT_TRUE(absl::IsUnavailable(r.status())) << r.status();
+  EXPECT_FALSE(IsStepCollected(r.status()));
+  driver.restore_error = absl::OkStatus();
+  EXPECT_TRUE(m->Rewind("acme", id, 1).ok());
 }
 
 TEST_F(StepsTest, ACaptureFailureNeverFailsTheCall) {
