@@ -317,8 +317,22 @@ void EnvironmentManager::RecordStepLocked(LiveEnv& env, StepRecord rec) {
   rec.capture_ms = MonotonicMs() - t0;
   rec.created_ms = Now();
   rec.state_json = json::serialize(state_json);
-  if (absl::Status st = store_->PutStep(rec); !st.ok()) {
-    LogError(absl::StrCat("storing step ", rec.n, " of ", rec.env_id, ": ", st.ToString()));
+  absl::Status stored;
+  {
+    // SECURITY: a Destroy during the capture (it does not wait for step_mu) has dropped this
+    // environment's log and instance: the step is not written and what the capture made (a
+    // memory snapshot: e.g. a frozen nano worker) is released, never left running. Checked and
+    // written under env.mu, which Destroy takes to change the state before it drops the log:
+    // either the row is in the store before DropSteps reads it, or it is never written.
+    std::lock_guard<std::mutex> elock(env.mu);
+    stored = env.record.state == EnvState::kRunning
+                 ? store_->PutStep(rec)
+                 : EnvironmentNotFoundError(absl::StrCat("environment ", rec.env_id,
+                                                         " was destroyed during the capture"));
+  }
+  if (!stored.ok()) {
+    if (!IsEnvironmentNotFound(stored))
+      LogError(absl::StrCat("storing step ", rec.n, " of ", rec.env_id, ": ", stored.ToString()));
     if (state.ok() && state->memory) env.driver->DeleteSnapshot(*state->memory).IgnoreError();
     return;
   }
@@ -957,6 +971,12 @@ absl::StatusOr<RewindInfo> EnvironmentManager::Rewind(const Caller& caller, cons
     if (!restored.ok()) return StepRestoreError(restored.status(), n);
     {
       std::lock_guard<std::mutex> elock(e.mu);
+      if (e.record.state != EnvState::kRunning) {
+        // SECURITY: destroyed during the restore: a driver that installs a new instance under
+        // the id (nano) would leave it running with nobody to destroy it.
+        e.driver->Destroy(*restored).IgnoreError();
+        return EnvironmentNotFoundError(absl::StrCat("environment ", id, " was destroyed"));
+      }
       e.ref = *restored;
       e.record.driver_state = restored->state;
     }

@@ -182,6 +182,13 @@ class StepsDriver : public Driver {
       live_snapshots.insert(snap.id);
       s.memory = snap;
     }
+    if (after_capture) {  // e.g. a Destroy racing the capture (run without mu, once)
+      auto hook = std::move(after_capture);
+      after_capture = nullptr;
+      mu.unlock();
+      hook();
+      mu.lock();
+    }
     return s;
   }
   // Files come back from the manifest's blobs; variables only with the memory snapshot.
@@ -207,10 +214,16 @@ class StepsDriver : public Driver {
   }
   absl::StatusOr<InstanceRef> RestoreStep(const InstanceRef& ref, const StepState& state,
                                           BlobStore& blobs) override {
+    if (before_restore) {  // e.g. a Destroy racing the rewind (run without mu, once)
+      auto hook = std::move(before_restore);
+      before_restore = nullptr;
+      hook();
+    }
     std::lock_guard<std::mutex> lock(mu);
     ++restores;
     if (!restore_error.ok()) return restore_error;
-    if (absl::Status st = Apply(instances.at(ref.id), state, blobs); !st.ok()) return st;
+    // Like nano, the restore installs an instance under the id (whether or not one was there).
+    if (absl::Status st = Apply(instances[ref.id], state, blobs); !st.ok()) return st;
     return ref;
   }
   absl::StatusOr<InstanceRef> ForkStep(const StepState& state, const EnvSpec&,
@@ -247,6 +260,10 @@ class StepsDriver : public Driver {
     std::lock_guard<std::mutex> lock(mu);
     return instances.at(id);
   }
+  size_t Count(const std::string& id) {
+    std::lock_guard<std::mutex> lock(mu);
+    return instances.count(id);
+  }
 
   CapabilitySet caps{Capability::kExec, Capability::kFiles, Capability::kSteps};
   std::mutex mu;
@@ -255,6 +272,7 @@ class StepsDriver : public Driver {
   int snapshots_made = 0, captures = 0, restores = 0, compacted = 0;
   bool memory = true, compact = true;
   absl::Status restore_error;  // RestoreStep and ForkStep answer it when set
+  std::function<void()> after_capture, before_restore;
   std::atomic<bool> fail_capture{false};
   std::atomic<int> in_flight{0}, max_in_flight{0};
 };
@@ -490,6 +508,28 @@ TEST_F(StepsTest, RewindOrForkOfAStepWhoseStateIsGoneSaysCollected) {
   EXPECT_FALSE(IsStepCollected(r.status()));
   driver.restore_error = absl::OkStatus();
   EXPECT_TRUE(m->Rewind("acme", id, 1).ok());
+}
+
+// Attack: destroy an environment while its step is being captured, or while it is being
+// rewound. Nothing the capture or the restore made outlives it: no memory snapshot left held
+// (a frozen nano worker), no instance re-installed under its id, no step row.
+TEST_F(StepsTest, DestroyRacingACaptureOrARewindLeavesNothingBehind) {
+  Start();
+  std::string id = NewEnv();
+  Run(id, "write a.txt base");
+  driver.after_capture = [&] { ASSERT_TRUE(m->Destroy("acme", id).ok()); };
+  Run(id, "set x 1");
+  EXPECT_TRUE(driver.live_snapshots.empty())
+      << "the racing capture's snapshot is released (and the destroyed steps' ones)";
+  EXPECT_FALSE(m->ListSteps("acme", id, -1, 10).ok());
+
+  std::string id2 = NewEnv();
+  Run(id2, "write a.txt base");
+  Run(id2, "write a.txt later");
+  driver.before_restore = [&] { ASSERT_TRUE(m->Destroy("acme", id2).ok()); };
+  auto r = m->Rewind("acme", id2, 1);
+  EXPECT_FALSE(r.ok());
+  EXPECT_EQ(driver.Count(id2), 0u) << "the instance the restore installed is destroyed";
 }
 
 TEST_F(StepsTest, ACaptureFailureNeverFailsTheCall) {
