@@ -499,6 +499,10 @@ class EnvironmentManager {
   void RecoverSteps();
   // On destroy: releases snapshots, deletes the log.
   void DropSteps(LiveEnv& env);
+  // Releases every memory snapshot the stored log of `env_id` holds, through `driver` (nullptr:
+  // the driver each snapshot names).
+  void ReleaseLoggedSnapshots(const std::string& tenant, const std::string& env_id,
+                              Driver* driver);
   // Deletes blobs no step refers to (throttled; the reaper calls it).
   void SweepBlobs(bool force);
   absl::StatusOr<StepState> StateOfStep(const StepRecord& rec, WorkspaceManifest* manifest);

@@ -573,19 +573,29 @@ void EnvironmentManager::EnforceRetentionLocked(LiveEnv& env, bool compact) {
   }
 }
 
-void EnvironmentManager::DropSteps(LiveEnv& env) {
-  // From the store, not under step_mu: a destroy never waits for a running call (whose step,
-  // should it finish later, is not written: RecordStepLocked checks the state).
+void EnvironmentManager::ReleaseLoggedSnapshots(const std::string& tenant,
+                                                const std::string& env_id, Driver* driver) {
   int64_t before = -1;
   while (true) {
-    auto page = store_->ListSteps(env.tenant, env.record.id, before, kMaxStepsListed);
+    auto page = store_->ListSteps(tenant, env_id, before, kMaxStepsListed);
     if (!page.ok() || page->empty()) break;
     for (const StepRecord& r : *page) {
       before = r.n;
-      if (auto snap = SnapshotFromJson(ParseObject(r.state_json)))
-        env.driver->DeleteSnapshot(*snap).IgnoreError();
+      std::optional<SnapshotRef> snap = SnapshotFromJson(ParseObject(r.state_json));
+      if (!snap) continue;
+      Driver* d = driver;
+      for (const auto& [kind, candidate] : drivers_) {
+        if (d == nullptr && candidate->name() == snap->driver) d = candidate;
+      }
+      if (d != nullptr) d->DeleteSnapshot(*snap).IgnoreError();
     }
   }
+}
+
+void EnvironmentManager::DropSteps(LiveEnv& env) {
+  // From the store, not under step_mu: a destroy never waits for a running call (whose step,
+  // should it finish later, is not written: RecordStepLocked checks the state).
+  ReleaseLoggedSnapshots(env.tenant, env.record.id, env.driver);
   store_->DeleteSteps(env.record.id).IgnoreError();
   sweep_needed_ = true;
 }
@@ -614,6 +624,8 @@ void EnvironmentManager::RecoverSteps() {
     }
     for (const StepLogRecord& l : *logs) {
       if (!alive.count(l.env_id)) {
+        // Their snapshots that outlive a process (e.g. nano's compacted images on disk) go too.
+        ReleaseLoggedSnapshots(l.tenant, l.env_id, nullptr);
         store_->DeleteSteps(l.env_id).IgnoreError();
         sweep_needed_ = true;
       }

@@ -708,6 +708,25 @@ TEST_F(StepsTest, RestartMarksLiveMemoryLostAndKeepsTheLog) {
   EXPECT_EQ(All(id)[0].parent, std::optional<int64_t>(1));
 }
 
+// After a restart, the log of an environment that did not survive is dropped, and its snapshots
+// that outlive a process (compacted images on disk) are released with it, not left behind.
+TEST_F(StepsTest, RestartReleasesTheCompactedSnapshotsOfAnEnvironmentThatDidNotSurvive) {
+  Start();
+  StepSettings s;
+  s.max_live_memory = 1;
+  std::string id = NewEnv("acme", &s);
+  for (int i = 0; i < 3; ++i) Run(id, absl::StrCat("set x ", i));
+  m->CompactStepMemory();
+  ASSERT_GE(driver.compacted, 2);
+  m->Stop();
+  m.reset();
+  ASSERT_TRUE(driver.Destroy(InstanceRef{id, "container", id}).ok());  // it died meanwhile
+  driver.deleted_snapshots.clear();
+  Start();
+  EXPECT_EQ(driver.deleted_snapshots.size(), static_cast<size_t>(driver.compacted));
+  EXPECT_EQ(*store->CountSteps(id), 0);
+}
+
 TEST_F(StepsTest, DestroyDropsTheLogAndReleasesSnapshots) {
   Start();
   std::string id = NewEnv();
