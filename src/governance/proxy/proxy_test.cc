@@ -1034,11 +1034,13 @@ TEST_F(FairShareTest, EnvironmentResolvingManySlowNamesGetsBusyAndAnotherTenantS
   ro.threads = 2;
   ro.max_running_per_tenant = 1;
   ro.max_queued_per_tenant = 2;
-  ro.timeout = std::chrono::milliseconds(3000);
+  ro.timeout = std::chrono::milliseconds(6000);
   const uint16_t up_port = up.port();
   ro.lookup = [up_port](const std::string& host, uint16_t) -> absl::StatusOr<Resolution> {
     if (host.rfind("slow", 0) == 0) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(700));
+      // Long enough that every attacking request arrives while the first ones are still in
+      // flight, even on a loaded machine (at 700 ms a late thread found a slot freed).
+      std::this_thread::sleep_for(std::chrono::milliseconds(2500));
       return absl::NotFoundError("cannot resolve '" + host + "'");
     }
     Resolution r;
