@@ -370,17 +370,24 @@ FsResult ApplyWorkspace(const std::string& workspace, std::vector<ApplyEntry>& e
   // Parent directory descriptors are reused while consecutive entries share them.
   std::string cached_parent = "\x01";
   Fd parent;
-  for (const ApplyEntry& e : entries) {
-    std::vector<std::string> comps = Split(e.path);
-    const std::string name = comps.back();
-    const std::string parent_path = e.path.substr(0, e.path.size() - name.size());
+  // Makes `parent` the directory holding `path` (without following a symlink); *name: the
+  // last component.
+  auto open_parent = [&](const std::string& path, std::string* name) -> FsResult {
+    std::vector<std::string> comps = Split(path);
+    *name = comps.back();
+    const std::string parent_path = path.substr(0, path.size() - name->size());
     if (parent_path != cached_parent) {
-      if (FsResult r = OpenDirNoFollow(root.get(), comps, comps.size() - 1, e.path, &parent);
+      if (FsResult r = OpenDirNoFollow(root.get(), comps, comps.size() - 1, path, &parent);
           !r.ok()) {
         return r;
       }
       cached_parent = parent_path;
     }
+    return {};
+  };
+  for (const ApplyEntry& e : entries) {
+    std::string name;
+    if (FsResult r = open_parent(e.path, &name); !r.ok()) return r;
     struct stat st;
     const bool exists = fstatat(parent.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0;
     if (e.type == 'd') {
@@ -419,16 +426,8 @@ FsResult ApplyWorkspace(const std::string& workspace, std::vector<ApplyEntry>& e
   cached_parent = "\x01";
   for (auto it = entries.rbegin(); it != entries.rend(); ++it) {
     const ApplyEntry& e = *it;
-    std::vector<std::string> comps = Split(e.path);
-    const std::string name = comps.back();
-    const std::string parent_path = e.path.substr(0, e.path.size() - name.size());
-    if (parent_path != cached_parent) {
-      if (FsResult r = OpenDirNoFollow(root.get(), comps, comps.size() - 1, e.path, &parent);
-          !r.ok()) {
-        return r;
-      }
-      cached_parent = parent_path;
-    }
+    std::string name;
+    if (FsResult r = open_parent(e.path, &name); !r.ok()) return r;
     struct stat st;
     if (fstatat(parent.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0)
       return FailErrno("apply: " + e.path, errno);
