@@ -225,8 +225,11 @@ absl::Status EnvironmentManager::Start() {
     stopping_ = false;
   }
   RecoverSteps();
+  steps_stop_ = false;
   reaper_ = std::thread([this] { ReaperLoop(); });
   pooler_ = std::thread([this] { PoolLoop(); });
+  compactor_ = std::thread([this] { CompactorLoop(); });
+  sweeper_ = std::thread([this] { SweeperLoop(); });
   return absl::OkStatus();
 }
 
@@ -236,9 +239,12 @@ void EnvironmentManager::Stop() {
     if (stopping_ && !reaper_.joinable()) return;
     stopping_ = true;
   }
+  steps_stop_ = true;  // a sweep in progress stops at its next manifest
   wake_cv_.notify_all();
   if (reaper_.joinable()) reaper_.join();
   if (pooler_.joinable()) pooler_.join();
+  if (compactor_.joinable()) compactor_.join();  // after the compaction under way, if any
+  if (sweeper_.joinable()) sweeper_.join();
   std::vector<std::shared_ptr<LiveEnv>> pooled;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -1299,8 +1305,6 @@ void EnvironmentManager::ReaperLoop() {
                         [this] { return stopping_; });
       if (stopping_) return;
     }
-    CompactStepMemory();          // live memory snapshots over an environment's cap
-    SweepBlobs(/*force=*/false);  // unreferenced step blobs (throttled; cheap when none)
     int64_t now = Now();
     bool health = MonotonicMs() - last_health >= options_.health_interval_ms;
     if (health) last_health = MonotonicMs();

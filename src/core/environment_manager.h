@@ -85,9 +85,9 @@ struct ManagerOptions {
   // Time travel (docs/design.md "Time travel"): where steps keep their blobs (not owned;
   // nullptr: no environment captures steps, and their JSON says so).
   DiskBlobStore* blobs = nullptr;
-  // A blob younger than this is never swept (a capture may have stored it and not yet written
-  // its step).
-  int64_t blob_sweep_grace_ms = 600000;
+  // The steps worker (compaction of live memory snapshots, steps' ttl_s, the blob sweep) runs
+  // on its own threads, off the reaper, every this many ms.
+  int64_t steps_worker_interval_ms = 1000;
 };
 
 // Snapshot of one environment for the API.
@@ -372,13 +372,18 @@ class EnvironmentManager {
   // A new environment of the caller's tenant with the source's spec at step n.
   absl::StatusOr<ForkInfo> Fork(const Caller& caller, const std::string& id, int64_t n);
 
-  // Deletes the blobs no step refers to now (the reaper does it every few seconds when steps
-  // were collected; tests and tools call it directly).
+  // Deletes the blobs no step refers to now (the sweeper thread does it every few seconds when
+  // steps were collected or a capture failed; tests and tools call it directly).
   void SweepStepBlobs() { SweepBlobs(/*force=*/true); }
   // Compacts (or releases) the live memory snapshots over each environment's cap, oldest first
-  // (the reaper does it every tick when a step went over; tests call it directly). An
-  // environment busy with a call is left for the next tick.
-  void CompactStepMemory();
+  // (the compactor thread does it when a step went over; tests call it directly), at most
+  // `budget` of them per call. An environment busy with a call is left for the next tick.
+  void CompactStepMemory(int budget = kCompactionsPerTick);
+  // Collects the steps older than their environment's ttl_s (the sweeper thread does it every
+  // tick, so a step expires without a new step). An environment busy with a call is left for
+  // the next tick.
+  void ExpireSteps();
+  static constexpr int kCompactionsPerTick = 8;
 
   // One step for a composite operation (a package install: many execs and writes): the calls
   // made on `id` by this thread until it is destroyed make no steps of their own; its
@@ -465,7 +470,11 @@ class EnvironmentManager {
       bool live = false;       // ... by a live process
     };
     std::map<int64_t, StepBrief> steps;
-    std::shared_ptr<const WorkspaceManifest> head_manifest;  // of `head`, when it has state
+    // The base of the next capture (unchanged files are not read again): the manifest of
+    // step `head_manifest_step`, `head` or, after a step without state, an older one. Dropped
+    // when that step is collected (its blobs may be swept: nothing may reuse them).
+    std::shared_ptr<const WorkspaceManifest> head_manifest;
+    std::optional<int64_t> head_manifest_step;
     // More live memory snapshots than max_live_memory: the reaper compacts the oldest
     // (CompactStepMemory) off the calls' path (a nano compaction takes tenths of a second).
     bool compact_pending = false;
@@ -491,9 +500,16 @@ class EnvironmentManager {
                                                        std::string input_json);
   // Needs env.step_mu: captures the state and writes the step.
   void RecordStepLocked(LiveEnv& env, StepRecord rec);
-  // `compact`: also compact (or release) live memory snapshots over the cap now; without it,
-  // they are flagged for the reaper (compact_pending).
-  void EnforceRetentionLocked(LiveEnv& env, bool compact = false);
+  // `compact`: also compact (or release) live memory snapshots over the cap now, at most
+  // *budget of them (decremented); without it, they are flagged for the compactor
+  // (compact_pending).
+  void EnforceRetentionLocked(LiveEnv& env, int* budget = nullptr);
+  // A capture was refused because the tenant's share of the blob store is full: the
+  // environment gives back the older half of its steps with state (never the head) and the
+  // sweeper runs now.
+  void RelieveStepPressureLocked(LiveEnv& env);
+  // One step setting bounded by what the store can hold: max_bytes ≤ a tenant's share.
+  StepSettings ClampStepSettings(StepSettings settings) const;
   void CollectStepLocked(LiveEnv& env, int64_t n, const std::string& why);
   // After a restart: live memory snapshots are gone; step logs of environments that are gone.
   void RecoverSteps();
@@ -503,8 +519,13 @@ class EnvironmentManager {
   // the driver each snapshot names).
   void ReleaseLoggedSnapshots(const std::string& tenant, const std::string& env_id,
                               Driver* driver);
-  // Deletes blobs no step refers to (throttled; the reaper calls it).
+  // Deletes blobs no step refers to (throttled; the sweeper thread calls it). Per tenant; a
+  // tenant one of whose manifests cannot be read keeps everything this time (fails closed).
   void SweepBlobs(bool force);
+  // The compactor's and the sweeper's loops (their own threads: a 60 s compaction or a sweep
+  // over every manifest never delays the reaper's expiries and health checks).
+  void CompactorLoop();
+  void SweeperLoop();
   absl::StatusOr<StepState> StateOfStep(const StepRecord& rec, WorkspaceManifest* manifest);
   std::set<int64_t> AncestorsOfHeadLocked(const LiveEnv& env) const;
   // The same from the stored log (when a running call holds step_mu); sets *head.
@@ -597,7 +618,9 @@ class EnvironmentManager {
 
   std::mutex sweep_mu_;         // one blob sweep at a time
   std::atomic<bool> sweep_needed_{false};
+  std::atomic<bool> sweep_urgent_{false};    // a capture was refused: sweep without waiting
   std::atomic<bool> compact_needed_{false};  // some environment has compact_pending
+  std::atomic<bool> steps_stop_{false};      // the steps threads stop (checked between items)
   int64_t last_sweep_ms_ = 0;  // under sweep_mu_
 
   std::mutex wake_mu_;
@@ -606,6 +629,8 @@ class EnvironmentManager {
   bool pool_kick_ = false;  // a pooled instance was taken: refill now
   std::thread reaper_;
   std::thread pooler_;
+  std::thread compactor_;
+  std::thread sweeper_;
 };
 
 // EnvSpec (+ ttl) ↔ JSON, as stored in EnvironmentRecord::spec_json.

@@ -29,6 +29,8 @@ constexpr char kStepCollectedUrl[] = "type.entersandbox/step-collected";
 constexpr auto kStepLockWait = std::chrono::minutes(15);
 constexpr auto kStepReadWait = std::chrono::milliseconds(100);
 constexpr int64_t kSweepIntervalMs = 10000;
+// After a capture was refused (a tenant's share full) the sweep runs this soon.
+constexpr int64_t kUrgentSweepIntervalMs = 1000;
 
 // The environment this thread is inside a step of (nested calls make no steps).
 thread_local const void* tl_step_env = nullptr;
@@ -237,6 +239,12 @@ void EnvironmentManager::RecordStepLocked(LiveEnv& env, StepRecord rec) {
   rec.parent = env.head;
   if (rec.tier.empty()) rec.tier = env.driver->name();
   const StepMemorySupport support = env.driver->StepMemory();
+  // The base's blobs must still be there for a capture to reuse them: a base whose step was
+  // collected (after steps without state) may have been swept, so everything is read again.
+  if (env.head_manifest) {
+    auto base = env.head_manifest_step ? env.steps.find(*env.head_manifest_step) : env.steps.end();
+    if (base == env.steps.end() || !base->second.has_state) env.head_manifest.reset();
+  }
   CaptureOptions opts;
   opts.previous = env.head_manifest.get();
   opts.memory = support.available && env.step_settings.max_live_memory > 0;
@@ -246,8 +254,16 @@ void EnvironmentManager::RecordStepLocked(LiveEnv& env, StepRecord rec) {
     std::lock_guard<std::mutex> elock(env.mu);
     ref = env.ref;
   }
+  // The tenant's namespace of the blob store: what this capture stores or finds stays pinned
+  // (never swept) until its step is written, and is charged to the tenant's share.
+  DiskBlobStore::Tenant blobs = options_.blobs->ForTenant(env.tenant);
   const int64_t t0 = MonotonicMs();
-  absl::StatusOr<StepState> state = env.driver->CaptureStep(ref, opts, *options_.blobs);
+  absl::StatusOr<StepState> state =
+      options_.blobs->tenant_bytes(env.tenant) >= options_.blobs->tenant_cap()
+          ? absl::ResourceExhaustedError(
+                absl::StrCat("capture refused: this tenant's share of the step store is full (",
+                             options_.blobs->tenant_cap(), " bytes)"))
+          : env.driver->CaptureStep(ref, opts, blobs);
   json::object state_json;
   std::shared_ptr<const WorkspaceManifest> manifest;
   LiveEnv::StepBrief brief;
@@ -257,7 +273,7 @@ void EnvironmentManager::RecordStepLocked(LiveEnv& env, StepRecord rec) {
     absl::StatusOr<std::string> sha = absl::UnknownError("unset");
     if (st.ok()) {
       manifest_text = EncodeManifest(state->workspace);
-      sha = options_.blobs->Put(manifest_text);
+      sha = blobs.Put(manifest_text);
     } else {
       sha = st;
     }
@@ -268,10 +284,10 @@ void EnvironmentManager::RecordStepLocked(LiveEnv& env, StepRecord rec) {
       brief.has_state = true;
       rec.bytes += static_cast<int64_t>(manifest_text.size());
       if (!state->shell_state.empty()) {
-        if (auto s = options_.blobs->Put(state->shell_state); s.ok()) state_json["shell"] = *s;
+        if (auto s = blobs.Put(state->shell_state); s.ok()) state_json["shell"] = *s;
       }
       if (!state->variables_json.empty()) {
-        if (auto s = options_.blobs->Put(state->variables_json); s.ok()) state_json["vars"] = *s;
+        if (auto s = blobs.Put(state->variables_json); s.ok()) state_json["vars"] = *s;
       }
       // Blob bytes this step adds: its manifest and the file contents its parent did not have
       // (memory snapshots are bounded by max_live_memory, not by max_bytes).
@@ -309,10 +325,18 @@ void EnvironmentManager::RecordStepLocked(LiveEnv& env, StepRecord rec) {
     // The call itself succeeded or failed on its own: its step stays, without state.
     metrics_->CountError("step_capture");
     LogWarn(absl::StrCat("step capture of ", rec.env_id, " failed: ", state.status().ToString()));
+    const bool refused = absl::IsResourceExhausted(state.status()) &&
+                         absl::StartsWith(state.status().message(), "capture refused");
     rec.memory = "none";
     rec.memory_detail =
-        HeadBytes(absl::StrCat("unsupported: capture failed: ", state.status().message()), 512);
+        HeadBytes(absl::StrCat(refused ? "unsupported: " : "unsupported: capture failed: ",
+                               state.status().message()),
+                  512);
     rec.manifest_sha.clear();
+    // What it stored before failing is referenced by no step: swept at the next sweep (its
+    // pins go with `blobs`), not held for a grace period.
+    sweep_needed_ = true;
+    if (refused) RelieveStepPressureLocked(env);
   }
   rec.capture_ms = MonotonicMs() - t0;
   rec.created_ms = Now();
@@ -343,8 +367,11 @@ void EnvironmentManager::RecordStepLocked(LiveEnv& env, StepRecord rec) {
   env.head = rec.n;
   env.next_step = rec.n + 1;
   // A step without state keeps the last manifest as the base of the next capture (its files
-  // are still the best guess for what did not change).
-  if (manifest) env.head_manifest = std::move(manifest);
+  // are still the best guess for what did not change) until that step is collected.
+  if (manifest) {
+    env.head_manifest = std::move(manifest);
+    env.head_manifest_step = rec.n;
+  }
   store_
       ->PutStepLog({env.record.id, env.tenant, StepSettingsToJson(env.step_settings), env.head,
                     env.next_step, Now()})
@@ -357,7 +384,7 @@ void EnvironmentManager::InitSteps(LiveEnv& env, const StepSettings& settings,
                                    const std::string& kind, const std::string& summary,
                                    const std::string& input_json) {
   std::unique_lock<std::recursive_timed_mutex> lock(env.step_mu);
-  env.step_settings = settings;
+  env.step_settings = ClampStepSettings(settings);
   env.steps_loaded = true;
   const bool has_steps = env.driver->Capabilities().Has(Capability::kSteps);
   env.capture = settings.capture && has_steps && options_.blobs != nullptr;
@@ -371,8 +398,8 @@ void EnvironmentManager::InitSteps(LiveEnv& env, const StepSettings& settings,
   else if (StepMemorySupport m = env.driver->StepMemory(); !m.available)
     env.capture_reason = m.reason;
   store_
-      ->PutStepLog(
-          {env.record.id, env.tenant, StepSettingsToJson(settings), std::nullopt, 0, Now()})
+      ->PutStepLog({env.record.id, env.tenant, StepSettingsToJson(env.step_settings), std::nullopt,
+                    0, Now()})
       .IgnoreError();
   if (!env.capture) return;
   StepRecord rec;
@@ -389,7 +416,7 @@ void EnvironmentManager::LoadSteps(LiveEnv& env) {
   StepSettings settings;
   auto log = store_->GetStepLog(env.tenant, env.record.id);
   if (log.ok()) {
-    if (auto s = StepSettingsFromJson(log->settings_json); s.ok()) settings = *s;
+    if (auto s = StepSettingsFromJson(log->settings_json); s.ok()) settings = ClampStepSettings(*s);
     env.head = log->head;
     env.next_step = log->next_step;
   }
@@ -419,10 +446,11 @@ void EnvironmentManager::LoadSteps(LiveEnv& env) {
     }
   }
   env.head_manifest.reset();
+  env.head_manifest_step = env.head;
   if (env.head && options_.blobs) {
     auto rec = store_->GetStep(env.tenant, env.record.id, *env.head);
     if (rec.ok() && !rec->manifest_sha.empty()) {
-      auto text = options_.blobs->Get(rec->manifest_sha);
+      auto text = options_.blobs->ForTenant(env.tenant).Get(rec->manifest_sha);
       if (text.ok()) {
         auto m = DecodeManifest(*text);
         if (m.ok()) env.head_manifest = std::make_shared<const WorkspaceManifest>(*std::move(m));
@@ -482,7 +510,7 @@ void EnvironmentManager::CollectStepLocked(LiveEnv& env, int64_t n, const std::s
   LogInfo(absl::StrCat("step ", n, " of ", env.record.id, " collected (", why, ")"));
 }
 
-void EnvironmentManager::CompactStepMemory() {
+void EnvironmentManager::CompactStepMemory(int budget) {
   if (!compact_needed_.exchange(false)) return;
   std::vector<std::shared_ptr<LiveEnv>> live;
   {
@@ -490,6 +518,10 @@ void EnvironmentManager::CompactStepMemory() {
     for (const auto& [id, e] : envs_) live.push_back(e);
   }
   for (auto& env : live) {
+    if (budget <= 0 || steps_stop_) {
+      compact_needed_ = true;  // the rest at the next tick
+      break;
+    }
     std::unique_lock<std::recursive_timed_mutex> lock(env->step_mu, std::try_to_lock);
     if (!lock.owns_lock()) {
       compact_needed_ = true;  // busy with a call: next tick (its own step re-flags it anyway)
@@ -497,21 +529,67 @@ void EnvironmentManager::CompactStepMemory() {
     }
     if (!env->compact_pending) continue;
     env->compact_pending = false;
-    EnforceRetentionLocked(*env, /*compact=*/true);
+    EnforceRetentionLocked(*env, &budget);  // re-flags it when the budget ran out
     StepsStatusOf(*env);
   }
 }
 
-void EnvironmentManager::EnforceRetentionLocked(LiveEnv& env, bool compact) {
+void EnvironmentManager::ExpireSteps() {
+  std::vector<std::shared_ptr<LiveEnv>> live;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [id, e] : envs_) live.push_back(e);
+  }
+  const int64_t now = Now();
+  for (auto& env : live) {
+    if (steps_stop_) return;
+    std::unique_lock<std::recursive_timed_mutex> lock(env->step_mu, std::try_to_lock);
+    if (!lock.owns_lock()) continue;  // a call is running: its own step applies the ttl
+    if (!env->steps_loaded || !env->capture || env->step_settings.ttl_s <= 0) continue;
+    bool due = false;
+    for (const auto& [n, b] : env->steps) {
+      if ((b.has_state || b.memory) && (!env->head || n != *env->head) &&
+          now - b.created_ms > env->step_settings.ttl_s * 1000) {
+        due = true;
+        break;
+      }
+    }
+    if (!due) continue;
+    EnforceRetentionLocked(*env);
+    StepsStatusOf(*env);
+  }
+}
+
+void EnvironmentManager::RelieveStepPressureLocked(LiveEnv& env) {
+  std::vector<int64_t> kept;
+  for (const auto& [n, b] : env.steps) {
+    if ((b.has_state || b.memory) && (!env.head || n != *env.head)) kept.push_back(n);
+  }
+  // The older half (at least one): what this environment holds goes first, and the tenant's
+  // other environments keep theirs.
+  const size_t drop = (kept.size() + 1) / 2;
+  for (size_t i = 0; i < drop; ++i) CollectStepLocked(env, kept[i], "the tenant's share is full");
+  sweep_needed_ = true;
+  sweep_urgent_ = true;
+  wake_cv_.notify_all();
+}
+
+StepSettings EnvironmentManager::ClampStepSettings(StepSettings settings) const {
+  if (options_.blobs != nullptr)
+    settings.max_bytes = std::min(settings.max_bytes, options_.blobs->tenant_cap());
+  return settings;
+}
+
+void EnvironmentManager::EnforceRetentionLocked(LiveEnv& env, int* budget) {
   const StepSettings& s = env.step_settings;
   const int64_t now = Now();
   // Oldest first; the head is referenced (the environment is at it) and never collected.
   auto collectable = [&](int64_t n) { return !env.head || n != *env.head; };
   // 1. Live memory snapshots over the cap: compacted (or released) oldest first — by the
-  // reaper, not on the call's path.
+  // compactor thread, not on the call's path.
   int64_t live = 0;
   for (const auto& [n, b] : env.steps) live += b.live ? 1 : 0;
-  if (live > s.max_live_memory && !compact) {
+  if (live > s.max_live_memory && budget == nullptr) {
     env.compact_pending = true;
     compact_needed_ = true;
     live = 0;  // skip step 1 now
@@ -519,6 +597,12 @@ void EnvironmentManager::EnforceRetentionLocked(LiveEnv& env, bool compact) {
   for (auto& [n, b] : env.steps) {
     if (live <= s.max_live_memory) break;
     if (!b.live || !collectable(n)) continue;
+    if (*budget <= 0) {
+      env.compact_pending = true;  // the rest at the next tick
+      compact_needed_ = true;
+      break;
+    }
+    --*budget;
     auto rec = store_->GetStep(env.tenant, env.record.id, n);
     if (!rec.ok()) continue;
     json::object state = ParseObject(rec->state_json);
@@ -638,44 +722,114 @@ void EnvironmentManager::SweepBlobs(bool force) {
   if (!force && !sweep_needed_.load()) return;
   std::lock_guard<std::mutex> lock(sweep_mu_);
   const int64_t now_real = NowUnixMs();
-  if (!force && now_real - last_sweep_ms_ < kSweepIntervalMs) return;
+  const bool urgent = sweep_urgent_.exchange(false);
+  if (!force && now_real - last_sweep_ms_ < (urgent ? kUrgentSweepIntervalMs : kSweepIntervalMs)) {
+    if (urgent) sweep_urgent_ = true;
+    return;
+  }
   last_sweep_ms_ = now_real;
   sweep_needed_ = false;
+  DiskBlobStore& store = *options_.blobs;
+  // From here every blob a capture pins (stores or re-finds) is kept by this sweep, whether
+  // its step was written before or after the steps are read below.
+  store.BeginSweep();
+  struct EndSweep {
+    DiskBlobStore& s;
+    ~EndSweep() { s.EndSweep(); }
+  } end{store};
   auto refs = store_->ListStepBlobRefs();
   if (!refs.ok()) {
     sweep_needed_ = true;
     return;
   }
-  // Mark: every step's manifest, shell state and variables (kept as long as the environment);
-  // the file contents of steps that are not collected.
-  std::set<std::string> marked;
-  std::set<std::string> decoded;
-  for (const StepRecord& r : *refs) {
-    json::object state = ParseObject(r.state_json);
-    for (const char* k : {"shell", "vars"}) {
-      std::string sha = StringField(state, k);
-      if (!sha.empty()) marked.insert(sha);
-    }
-    if (r.manifest_sha.empty()) continue;
-    marked.insert(r.manifest_sha);
-    if (r.collected || !decoded.insert(r.manifest_sha).second) continue;
-    auto text = options_.blobs->Get(r.manifest_sha);
-    if (!text.ok()) continue;
-    auto m = DecodeManifest(*text);
-    if (!m.ok()) continue;
-    for (const ManifestEntry& e : m->entries) {
-      if (e.type == ManifestEntry::Type::kFile) marked.insert(e.sha256);
-    }
-  }
-  auto all = options_.blobs->List();
-  if (!all.ok()) return;
+  // Per tenant (each has its own namespace): every step's manifest, shell state and variables
+  // (kept as long as the environment), and the file contents of steps that are not collected.
+  std::map<std::string, std::vector<const StepRecord*>> by_tag;
+  for (const StepRecord& r : *refs) by_tag[DiskBlobStore::TenantTag(r.tenant)].push_back(&r);
   int64_t removed = 0, freed = 0;
-  for (const DiskBlobStore::Entry& e : *all) {
-    if (marked.count(e.key)) continue;
-    if (now_real - e.mtime_ms < options_.blob_sweep_grace_ms) continue;  // maybe a capture's
-    if (options_.blobs->Remove(e.key).ok()) ++removed, freed += e.size;
+  for (const std::string& tag : store.TenantTags()) {
+    if (steps_stop_) {
+      sweep_needed_ = true;
+      return;
+    }
+    std::set<std::string> marked;
+    std::set<std::string> decoded;
+    bool unsure = false;
+    std::string why;
+    for (const StepRecord* r : by_tag[tag]) {
+      if (steps_stop_ || unsure) break;
+      json::object state = ParseObject(r->state_json);
+      for (const char* k : {"shell", "vars"}) {
+        std::string sha = StringField(state, k);
+        if (!sha.empty()) marked.insert(sha);
+      }
+      if (r->manifest_sha.empty()) continue;
+      marked.insert(r->manifest_sha);
+      if (r->collected || !decoded.insert(r->manifest_sha).second) continue;
+      auto text = store.ForTenant(r->tenant).Get(r->manifest_sha);
+      // A manifest that is not there names nothing that could be restored; any other failure
+      // (an I/O error, corrupt bytes, a manifest this build cannot decode) may hide blobs a
+      // step still needs: the tenant keeps everything this time (fails closed).
+      if (absl::IsNotFound(text.status())) continue;
+      absl::StatusOr<WorkspaceManifest> m =
+          text.ok() ? DecodeManifest(*text) : absl::StatusOr<WorkspaceManifest>(text.status());
+      if (!m.ok()) {
+        unsure = true;
+        why = absl::StrCat("step ", r->n, " of ", r->env_id, ": ", m.status().ToString());
+        break;
+      }
+      for (const ManifestEntry& e : m->entries) {
+        if (e.type == ManifestEntry::Type::kFile) marked.insert(e.sha256);
+      }
+    }
+    if (steps_stop_) {
+      sweep_needed_ = true;
+      return;
+    }
+    if (unsure) {
+      sweep_needed_ = true;  // tried again at the next sweep
+      LogWarn(absl::StrCat("step blobs: a manifest cannot be read (", why,
+                           "); nothing of its tenant is swept"));
+      continue;
+    }
+    auto all = store.List(tag);
+    if (!all.ok()) {
+      sweep_needed_ = true;
+      continue;
+    }
+    for (const DiskBlobStore::Entry& e : *all) {
+      if (marked.count(e.key)) continue;
+      if (int64_t size = store.RemoveUnused(tag, e.key); size > 0) ++removed, freed += size;
+    }
   }
   if (removed) LogInfo(absl::StrCat("step blobs: ", removed, " swept (", freed, " bytes)"));
+}
+
+void EnvironmentManager::CompactorLoop() {
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lock(wake_mu_);
+      wake_cv_.wait_for(lock, std::chrono::milliseconds(options_.steps_worker_interval_ms),
+                        [this] { return stopping_; });
+      if (stopping_) return;
+    }
+    CompactStepMemory();  // live memory snapshots over an environment's cap (bounded per tick)
+  }
+}
+
+void EnvironmentManager::SweeperLoop() {
+  bool throttled = false;  // an urgent sweep had to wait: no early wake-up for it again
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lock(wake_mu_);
+      wake_cv_.wait_for(lock, std::chrono::milliseconds(options_.steps_worker_interval_ms),
+                        [&] { return stopping_ || (!throttled && sweep_urgent_.load()); });
+      if (stopping_) return;
+    }
+    ExpireSteps();                // steps older than their ttl_s, without a new step
+    SweepBlobs(/*force=*/false);  // unreferenced step blobs (throttled; cheap when none)
+    throttled = sweep_urgent_.load();
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -755,7 +909,7 @@ absl::StatusOr<StepState> EnvironmentManager::StateOfStep(const StepRecord& rec,
   if (rec.manifest_sha.empty())
     return absl::AbortedError(absl::StrCat("step ", rec.n, " has no captured state (",
                                            rec.memory_detail.value_or("none"), ")"));
-  auto text = options_.blobs->Get(rec.manifest_sha);
+  auto text = options_.blobs->ForTenant(rec.tenant).Get(rec.manifest_sha);
   if (!text.ok())
     return absl::AbortedError(
         absl::StrCat("step ", rec.n, ": its manifest is gone: ", text.status().message()));
@@ -766,10 +920,12 @@ absl::StatusOr<StepState> EnvironmentManager::StateOfStep(const StepRecord& rec,
   json::object st = ParseObject(rec.state_json);
   state.memory = SnapshotFromJson(st);
   if (std::string sha = StringField(st, "shell"); !sha.empty()) {
-    if (auto s = options_.blobs->Get(sha); s.ok()) state.shell_state = *std::move(s);
+    if (auto s = options_.blobs->ForTenant(rec.tenant).Get(sha); s.ok())
+      state.shell_state = *std::move(s);
   }
   if (std::string sha = StringField(st, "vars"); !sha.empty()) {
-    if (auto s = options_.blobs->Get(sha); s.ok()) state.variables_json = *std::move(s);
+    if (auto s = options_.blobs->ForTenant(rec.tenant).Get(sha); s.ok())
+      state.variables_json = *std::move(s);
   }
   if (manifest) *manifest = state.workspace;
   return state;
@@ -797,13 +953,14 @@ absl::StatusOr<StepDetail> EnvironmentManager::GetStep(const Caller& caller, con
   json::object st = ParseObject(rec->state_json);
   if (options_.blobs) {
     if (std::string sha = StringField(st, "vars"); !sha.empty()) {
-      if (auto v = options_.blobs->Get(sha); v.ok()) d.variables_json = *std::move(v);
+      if (auto v = options_.blobs->ForTenant(caller.tenant).Get(sha); v.ok())
+        d.variables_json = *std::move(v);
     }
     if (std::string sha = StringField(st, "shell"); !sha.empty()) {
-      if (auto v = options_.blobs->Get(sha); v.ok()) d.cwd = CwdOf(*v);
+      if (auto v = options_.blobs->ForTenant(caller.tenant).Get(sha); v.ok()) d.cwd = CwdOf(*v);
     }
     if (!rec->manifest_sha.empty()) {
-      if (auto text = options_.blobs->Get(rec->manifest_sha); text.ok()) {
+      if (auto text = options_.blobs->ForTenant(caller.tenant).Get(rec->manifest_sha); text.ok()) {
         if (auto m = DecodeManifest(*text); m.ok()) {
           d.files = *std::move(m);
           d.has_files = true;
@@ -816,7 +973,7 @@ absl::StatusOr<StepDetail> EnvironmentManager::GetStep(const Caller& caller, con
     if (rec->parent) {
       auto p = store_->GetStep(caller.tenant, id, *rec->parent);
       if (p.ok() && !p->manifest_sha.empty() && options_.blobs) {
-        if (auto text = options_.blobs->Get(p->manifest_sha); text.ok()) {
+        if (auto text = options_.blobs->ForTenant(caller.tenant).Get(p->manifest_sha); text.ok()) {
           if (auto m = DecodeManifest(*text); m.ok()) parent = *std::move(m);
         }
       }
@@ -869,7 +1026,7 @@ absl::StatusOr<std::string> EnvironmentManager::ReadStepFile(const Caller& calle
   if (!rec.ok()) return rec.status();
   if (rec->manifest_sha.empty() || options_.blobs == nullptr)
     return absl::AbortedError(absl::StrCat("step ", n, " has no captured files"));
-  auto text = options_.blobs->Get(rec->manifest_sha);
+  auto text = options_.blobs->ForTenant(caller.tenant).Get(rec->manifest_sha);
   if (!text.ok()) return StepCollectedError(absl::StrCat("step ", n, ": its manifest is gone"));
   auto m = DecodeManifest(*text);
   if (!m.ok()) return m.status();
@@ -878,7 +1035,7 @@ absl::StatusOr<std::string> EnvironmentManager::ReadStepFile(const Caller& calle
   if (e->type == ManifestEntry::Type::kDir)
     return absl::FailedPreconditionError(absl::StrCat("'", *rel, "' is a directory"));
   if (e->type == ManifestEntry::Type::kSymlink) return e->target;
-  auto data = options_.blobs->Get(e->sha256);
+  auto data = options_.blobs->ForTenant(caller.tenant).Get(e->sha256);
   if (absl::IsNotFound(data.status()))
     return StepCollectedError(
         absl::StrCat("the contents of '", *rel, "' at step ", n, " were collected by retention"));
@@ -898,7 +1055,7 @@ absl::StatusOr<StepFileDiff> EnvironmentManager::DiffStepFile(const Caller& call
   auto side = [&](const StepRecord& r, std::optional<ManifestEntry>* entry) -> absl::Status {
     if (r.manifest_sha.empty() || options_.blobs == nullptr)
       return absl::AbortedError(absl::StrCat("step ", r.n, " has no captured files"));
-    auto text = options_.blobs->Get(r.manifest_sha);
+    auto text = options_.blobs->ForTenant(caller.tenant).Get(r.manifest_sha);
     if (!text.ok()) return StepCollectedError(absl::StrCat("step ", r.n, ": manifest gone"));
     auto m = DecodeManifest(*text);
     if (!m.ok()) return m.status();
@@ -926,7 +1083,7 @@ absl::StatusOr<StepFileDiff> EnvironmentManager::DiffStepFile(const Caller& call
     if (!e) return std::string();
     if (e->type == ManifestEntry::Type::kSymlink) return e->target;
     if (e->size > kMaxStepDiffFileBytes) return absl::OutOfRangeError("too large");
-    auto data = options_.blobs->Get(e->sha256);
+    auto data = options_.blobs->ForTenant(caller.tenant).Get(e->sha256);
     if (absl::IsNotFound(data.status()))
       return StepCollectedError(absl::StrCat("the contents of '", *rel, "' were collected"));
     return data;
@@ -979,7 +1136,8 @@ absl::StatusOr<RewindInfo> EnvironmentManager::Rewind(const Caller& caller, cons
         return EnvironmentNotFoundError(absl::StrCat("environment ", id, " is being destroyed"));
       ref = e.ref;
     }
-    auto restored = e.driver->RestoreStep(ref, *state, *options_.blobs);
+    DiskBlobStore::Tenant blobs = options_.blobs->ForTenant(e.tenant);
+    auto restored = e.driver->RestoreStep(ref, *state, blobs);
     if (!restored.ok()) return StepRestoreError(restored.status(), n);
     {
       std::lock_guard<std::mutex> elock(e.mu);
@@ -995,6 +1153,7 @@ absl::StatusOr<RewindInfo> EnvironmentManager::Rewind(const Caller& caller, cons
     PersistLive(e);
     e.head = n;
     e.head_manifest = std::make_shared<const WorkspaceManifest>(std::move(manifest));
+    e.head_manifest_step = n;
     store_
         ->PutStepLog(
             {id, e.tenant, StepSettingsToJson(e.step_settings), e.head, e.next_step, Now()})
@@ -1059,9 +1218,10 @@ absl::StatusOr<ForkInfo> EnvironmentManager::Fork(const Caller& caller, const st
           "forking an environment that mounts volumes is not supported (a volume is mounted by "
           "one environment at a time)");
     // The snapshot is handed to the driver while the step keeps it (ForkStep copies from it).
+    DiskBlobStore::Tenant blobs = options_.blobs->ForTenant(caller.tenant);
     InstanceMaker make = [&](Driver& d, const std::string& nid,
                              const EnvSpec& s) -> absl::StatusOr<InstanceRef> {
-      absl::StatusOr<InstanceRef> forked = d.ForkStep(state, s, nid, *options_.blobs);
+      absl::StatusOr<InstanceRef> forked = d.ForkStep(state, s, nid, blobs);
       if (!forked.ok()) return StepRestoreError(forked.status(), n);
       return forked;
     };

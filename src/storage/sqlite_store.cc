@@ -995,7 +995,8 @@ class SqliteStore final : public Store {
   absl::StatusOr<std::vector<StepRecord>> ListStepBlobRefs() override {
     std::lock_guard<std::mutex> lock(mu_);
     auto stmt = Prepare(
-        "SELECT env_id, n, manifest_sha, state_json, collected FROM steps ORDER BY env_id, n");
+        "SELECT env_id, n, manifest_sha, state_json, collected, tenant FROM steps ORDER BY "
+        "env_id, n");
     if (!stmt.ok()) return stmt.status();
     std::vector<StepRecord> out;
     while (true) {
@@ -1008,6 +1009,7 @@ class SqliteStore final : public Store {
       r.manifest_sha = stmt->Text(2);
       r.state_json = stmt->Text(3);
       r.collected = stmt->Int(4) != 0;
+      r.tenant = stmt->Text(5);
       out.push_back(std::move(r));
     }
   }

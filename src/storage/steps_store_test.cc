@@ -149,6 +149,7 @@ TEST(StepsStoreTest, LiveMemoryStepsAndBlobRefsAreListed) {
   EXPECT_FALSE((*refs)[0].collected);
   EXPECT_TRUE((*refs)[1].collected);
   EXPECT_EQ((*refs)[1].manifest_sha, std::string(64, 'b'));
+  EXPECT_EQ((*refs)[1].tenant, "t1") << "the sweep marks per tenant";
 }
 
 TEST(StepsStoreFileTest, StepsSurviveReopen) {

@@ -365,8 +365,8 @@ class Store {
   virtual absl::Status DeleteSteps(const std::string& env_id) { return NoSteps(); }
   // Every environment's steps whose memory snapshot is live (for restart: they are lost).
   virtual absl::StatusOr<std::vector<StepRecord>> ListLiveMemorySteps() { return NoSteps(); }
-  // The blob references of every stored step (env_id, n, manifest_sha, state_json, collected
-  // filled; the rest empty), for the blob store's mark-and-sweep.
+  // The blob references of every stored step (env_id, n, tenant, manifest_sha, state_json,
+  // collected filled; the rest empty), for the blob store's mark-and-sweep (per tenant).
   virtual absl::StatusOr<std::vector<StepRecord>> ListStepBlobRefs() { return NoSteps(); }
   // The environments that have a step log (any tenant), for cleanup after a restart.
   virtual absl::StatusOr<std::vector<StepLogRecord>> ListStepLogs() { return NoSteps(); }

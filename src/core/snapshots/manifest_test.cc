@@ -104,53 +104,160 @@ class BlobStoreTest : public ::testing::Test {
 TEST_F(BlobStoreTest, PutIsContentAddressedIdempotentAndVerifiedOnRead) {
   auto s = DiskBlobStore::Open({.dir = dir});
   ASSERT_TRUE(s.ok()) << s.status();
-  auto key = (*s)->Put("hello");
-  ASSERT_TRUE(key.ok());
-  EXPECT_EQ(*key, Sha256Hex("hello"));
-  EXPECT_EQ(*(*s)->Put("hello"), *key);
-  EXPECT_EQ((*s)->total_bytes(), 5);
-  EXPECT_EQ(*(*s)->Get(*key), "hello");
+  std::string key;
+  {
+    auto acme = (*s)->ForTenant("acme");
+    auto put = acme.Put("hello");
+    ASSERT_TRUE(put.ok());
+    key = *put;
+    EXPECT_EQ(key, Sha256Hex("hello"));
+    EXPECT_EQ(*acme.Put("hello"), key);
+    EXPECT_EQ((*s)->total_bytes(), 5);
+    EXPECT_EQ((*s)->tenant_bytes("acme"), 5);
+    EXPECT_EQ(*acme.Get(key), "hello");
+  }
   struct stat st;
   ASSERT_EQ(::stat(dir.c_str(), &st), 0);
   EXPECT_EQ(st.st_mode & 0777, 0700u);
   // A blob altered on disk is refused, not served.
-  std::ofstream(dir + "/" + key->substr(0, 2) + "/" + *key) << "HELLO";
-  EXPECT_EQ((*s)->Get(*key).status().code(), absl::StatusCode::kDataLoss);
-  ASSERT_TRUE((*s)->Remove(*key).ok());
-  EXPECT_TRUE(absl::IsNotFound((*s)->Get(*key).status()));
+  const std::string tag = DiskBlobStore::TenantTag("acme");
+  std::ofstream(dir + "/t/" + tag + "/" + key.substr(0, 2) + "/" + key) << "HELLO";
+  EXPECT_EQ((*s)->ForTenant("acme").Get(key).status().code(), absl::StatusCode::kDataLoss);
+  (*s)->BeginSweep();
+  EXPECT_EQ((*s)->RemoveUnused(tag, key), 5);
+  (*s)->EndSweep();
+  EXPECT_TRUE(absl::IsNotFound((*s)->ForTenant("acme").Get(key).status()));
+  EXPECT_EQ((*s)->tenant_bytes("acme"), 0);
 }
 
 TEST_F(BlobStoreTest, KeysThatAreNotSha256HexNeverNameAFile) {
   auto s = DiskBlobStore::Open({.dir = dir});
   ASSERT_TRUE(s.ok());
+  auto acme = (*s)->ForTenant("acme");
   for (const std::string& k :
        {std::string("../../etc/passwd"), std::string(64, 'A'), std::string(63, 'a'),
         std::string("aa/") + std::string(61, 'a'), std::string()}) {
-    EXPECT_TRUE(absl::IsInvalidArgument((*s)->Get(k).status())) << k;
-    EXPECT_FALSE((*s)->Has(k));
-    EXPECT_FALSE((*s)->Remove(k).ok());
+    EXPECT_TRUE(absl::IsInvalidArgument(acme.Get(k).status())) << k;
+    EXPECT_FALSE(acme.Has(k));
+    EXPECT_FALSE(acme.Pin(k));
+    EXPECT_EQ((*s)->RemoveUnused(acme.tag(), k), 0);
   }
+  EXPECT_EQ((*s)->RemoveUnused("../..", std::string(64, 'a')), 0);
+  EXPECT_FALSE((*s)->List("../..").ok());
 }
 
 TEST_F(BlobStoreTest, CapsAreEnforcedAndCountsSurviveReopen) {
   {
-    auto s = DiskBlobStore::Open({.dir = dir, .max_blob_bytes = 10, .max_total_bytes = 15});
+    auto s = DiskBlobStore::Open(
+        {.dir = dir, .max_blob_bytes = 10, .max_total_bytes = 15, .max_tenant_bytes = 15});
     ASSERT_TRUE(s.ok());
-    EXPECT_EQ((*s)->Put(std::string(11, 'x')).status().code(),
-              absl::StatusCode::kResourceExhausted);
-    ASSERT_TRUE((*s)->Put(std::string(10, 'x')).ok());
-    EXPECT_EQ((*s)->Put(std::string(10, 'y')).status().code(),
-              absl::StatusCode::kResourceExhausted);
-    // A crash's leftover temporary file.
+    auto acme = (*s)->ForTenant("acme");
+    EXPECT_EQ(acme.Put(std::string(11, 'x')).status().code(), absl::StatusCode::kResourceExhausted);
+    ASSERT_TRUE(acme.Put(std::string(10, 'x')).ok());
+    EXPECT_EQ(acme.Put(std::string(10, 'y')).status().code(), absl::StatusCode::kResourceExhausted);
+    // A crash's leftover temporary file, and a blob of the layout before tenants.
     std::ofstream(dir + "/tmp/partial") << "junk";
+    std::filesystem::create_directories(dir + "/ab");
+    std::ofstream(dir + "/ab/" + std::string(64, 'a')) << "old";
   }
-  auto s = DiskBlobStore::Open({.dir = dir, .max_blob_bytes = 10, .max_total_bytes = 15});
+  auto s = DiskBlobStore::Open(
+      {.dir = dir, .max_blob_bytes = 10, .max_total_bytes = 15, .max_tenant_bytes = 15});
   ASSERT_TRUE(s.ok());
   EXPECT_EQ((*s)->total_bytes(), 10);
+  EXPECT_EQ((*s)->tenant_bytes("acme"), 10);
   EXPECT_FALSE(std::filesystem::exists(dir + "/tmp/partial"));
-  auto all = (*s)->List();
+  EXPECT_FALSE(std::filesystem::exists(dir + "/ab"));
+  auto all = (*s)->List(DiskBlobStore::TenantTag("acme"));
   ASSERT_TRUE(all.ok());
   EXPECT_EQ(all->size(), 1u);
+}
+
+// H1: one tenant cannot take the whole store: its share (a quarter by default) is checked
+// before anything is written, and another tenant still stores.
+TEST_F(BlobStoreTest, OneTenantFillingItsShareLeavesRoomForOthers) {
+  auto s = DiskBlobStore::Open({.dir = dir, .max_total_bytes = 4000});
+  ASSERT_TRUE(s.ok());
+  EXPECT_EQ((*s)->tenant_cap(), 1000);
+  auto a = (*s)->ForTenant("a");
+  int stored = 0;
+  absl::Status refused;
+  for (int i = 0; i < 100 && refused.ok(); ++i) {
+    auto put = a.Put(std::string(100, static_cast<char>('0' + i % 64)) + std::to_string(i));
+    if (put.ok())
+      ++stored;
+    else
+      refused = put.status();
+  }
+  EXPECT_TRUE(absl::IsResourceExhausted(refused)) << refused;
+  EXPECT_NE(refused.message().find("capture refused: this tenant's share"), std::string_view::npos)
+      << refused;
+  EXPECT_LE((*s)->tenant_bytes("a"), 1000);
+  EXPECT_EQ(
+      std::filesystem::directory_iterator(dir + "/tmp") == std::filesystem::directory_iterator(),
+      true)
+      << "nothing written for the refused Put";
+  auto b = (*s)->ForTenant("b");
+  EXPECT_TRUE(b.Put(std::string(500, 'b')).ok());
+}
+
+// M3: identical content is stored per tenant. When a tenant's share is full, a Put of content
+// another tenant stored is refused exactly like new content (no dedup oracle), and when it has
+// room, that content is charged to it like any other.
+TEST_F(BlobStoreTest, CrossTenantDedupIsNoOracleWhenTheShareIsFull) {
+  auto s = DiskBlobStore::Open({.dir = dir, .max_total_bytes = 4000});
+  ASSERT_TRUE(s.ok());
+  const std::string secret(300, 's');
+  auto victim = (*s)->ForTenant("victim");
+  ASSERT_TRUE(victim.Put(secret).ok());
+  auto attacker = (*s)->ForTenant("attacker");
+  EXPECT_FALSE(attacker.Has(Sha256Hex(secret))) << "another tenant's blob is invisible";
+  EXPECT_TRUE(absl::IsNotFound(attacker.Get(Sha256Hex(secret)).status()));
+  ASSERT_TRUE(attacker.Put(std::string(800, 'a')).ok());  // 200 bytes of its share left
+  auto existing = attacker.Put(secret);
+  auto fresh = attacker.Put(std::string(300, 'n'));
+  EXPECT_TRUE(absl::IsResourceExhausted(existing.status())) << existing.status();
+  EXPECT_EQ(existing.status(), fresh.status()) << "same answer whether or not it exists";
+  // With room, the same content is stored (and charged) in the attacker's namespace.
+  auto other = (*s)->ForTenant("other");
+  const int64_t before = (*s)->tenant_bytes("other");
+  ASSERT_TRUE(other.Put(secret).ok());
+  EXPECT_EQ((*s)->tenant_bytes("other") - before, 300);
+  EXPECT_EQ((*s)->total_bytes(), 300 + 800 + 300);
+}
+
+// M1: a sweep racing a Put. The capture re-finds a blob no step references yet (the sweep's
+// candidate) after the sweep read the steps: the blob is kept, whether the capture still holds
+// its view or has already written its step and let go. An untouched orphan goes.
+TEST_F(BlobStoreTest, SweepRacingAPutOfTheSameContentKeepsIt) {
+  auto s = DiskBlobStore::Open({.dir = dir});
+  ASSERT_TRUE(s.ok());
+  const std::string tag = DiskBlobStore::TenantTag("acme");
+  std::string raced, held, orphan;
+  {
+    auto first = (*s)->ForTenant("acme");
+    raced = *first.Put("raced");
+    held = *first.Put("held");
+    orphan = *first.Put("orphan");
+  }                    // an earlier capture failed: all three are referenced by no step
+  (*s)->BeginSweep();  // ... the sweep has read the steps and marked nothing of these
+  {
+    auto capture = (*s)->ForTenant("acme");
+    ASSERT_EQ(*capture.Put("raced"), raced);  // re-found, then its step is written
+  }
+  auto still = (*s)->ForTenant("acme");
+  ASSERT_TRUE(still.Pin(held));  // a capture holding it
+  EXPECT_EQ((*s)->RemoveUnused(tag, raced), 0);
+  EXPECT_EQ((*s)->RemoveUnused(tag, held), 0);
+  EXPECT_EQ((*s)->RemoveUnused(tag, orphan), 6);
+  (*s)->EndSweep();
+  EXPECT_TRUE(still.Has(raced));
+  EXPECT_TRUE(still.Has(held));
+  EXPECT_FALSE(still.Has(orphan));
+  // The next sweep: still pinned stays; released and untouched goes.
+  (*s)->BeginSweep();
+  EXPECT_EQ((*s)->RemoveUnused(tag, held), 0);
+  EXPECT_EQ((*s)->RemoveUnused(tag, raced), 5);
+  (*s)->EndSweep();
 }
 
 }  // namespace

@@ -297,13 +297,13 @@ class StepsTest : public ::testing::Test {
     store.reset();
     std::filesystem::remove_all(dir);
   }
-  EnvironmentManager& Start() {
+  EnvironmentManager& Start(int64_t reaper_interval_ms = 3600000) {
     ManagerOptions opts;
     opts.pool_size = 0;
-    opts.reaper_interval_ms = 3600000;
+    opts.reaper_interval_ms = reaper_interval_ms;
     opts.default_ttl_s = 600;
     opts.blobs = blobs.get();
-    opts.blob_sweep_grace_ms = 0;
+    opts.steps_worker_interval_ms = worker_interval_ms;
     m = std::make_unique<EnvironmentManager>(
         store.get(), std::map<std::string, Driver*>{{"container", &driver}}, &metrics, opts);
     EXPECT_TRUE(m->Start().ok());
@@ -325,6 +325,7 @@ class StepsTest : public ::testing::Test {
   }
 
   std::string dir;
+  int64_t worker_interval_ms = 3600000;  // the steps threads: tests call them directly
   std::unique_ptr<Store> store;
   std::unique_ptr<DiskBlobStore> blobs;
   StepsDriver driver;
