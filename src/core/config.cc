@@ -116,6 +116,29 @@ absl::Status ParseArtifacts(const json::value& v, ArtifactsConfig* a) {
   return absl::OkStatus();
 }
 
+absl::Status ParseSteps(const json::value& v, StepsConfig* c) {
+  if (!v.is_object()) return TypeError("steps", "an object");
+  for (const auto& kv : v.as_object()) {
+    std::string key = absl::StrCat("steps.", std::string(kv.key()));
+    absl::Status st;
+    if (kv.key() == "store_mb")
+      st = GetInt(kv.value(), key, &c->store_mb);
+    else if (kv.key() == "max_tenant_mb")
+      st = GetInt(kv.value(), key, &c->max_tenant_mb);
+    else if (kv.key() == "max_blob_mb")
+      st = GetInt(kv.value(), key, &c->max_blob_mb);
+    else
+      return absl::InvalidArgumentError(absl::StrCat("config: unknown key '", key, "'"));
+    if (!st.ok()) return st;
+  }
+  if (c->store_mb < 1 || c->store_mb > (int64_t{1} << 24))
+    return TypeError("steps.store_mb", "1..16777216");
+  if (c->max_tenant_mb < 0 || c->max_tenant_mb > c->store_mb)
+    return TypeError("steps.max_tenant_mb", "0 (a quarter of store_mb)..store_mb");
+  if (c->max_blob_mb < 1 || c->max_blob_mb > 4096) return TypeError("steps.max_blob_mb", "1..4096");
+  return absl::OkStatus();
+}
+
 absl::Status ParseAudit(const json::value& v, AuditConfig* a) {
   if (!v.is_object()) return TypeError("audit", "an object");
   for (const auto& kv : v.as_object()) {
@@ -375,6 +398,8 @@ absl::Status LoadConfigFile(const std::string& path, DaemonConfig* c) {
     else if (key == "packages") st = ParsePackages(v, &c->packages);
     else if (key == "artifacts") st = ParseArtifacts(v, &c->artifacts);
     else if (key == "audit") st = ParseAudit(v, &c->audit);
+    else if (key == "steps")
+      st = ParseSteps(v, &c->steps);
     else if (key == "egress")
       st = ParseEgress(v, &c->egress);
     else if (key == "intents") {

@@ -38,6 +38,14 @@ struct ArtifactsConfig {
   int64_t max_tenant_mb = 1024;
 };
 
+// Time travel's blob store (core/snapshots/blob_store.h; docs/design.md "Time travel"):
+//   "steps": {"store_mb": 8192, "max_tenant_mb": 0, "max_blob_mb": 256}
+struct StepsConfig {
+  int64_t store_mb = 8192;    // every tenant's step blobs together
+  int64_t max_tenant_mb = 0;  // one tenant's share; 0: a quarter of store_mb
+  int64_t max_blob_mb = 256;  // one blob (a file's contents at a step)
+};
+
 // The audit log and the state database (storage/store.h StoreOptions): retention, per-tenant
 // row cap and rate, stored field size, search deadline.
 struct AuditConfig {
@@ -160,6 +168,7 @@ struct DaemonConfig {
   PackagesConfig packages;
   ArtifactsConfig artifacts;
   AuditConfig audit;
+  StepsConfig steps;
   EgressConfig egress;
   std::string log_level = "info";
 };

@@ -63,6 +63,31 @@ TEST(ConfigTest, LoadsPackagesAndArtifacts) {
   std::remove(path.c_str());
 }
 
+TEST(ConfigTest, StepStoreSizesAreSettableAndValidated) {
+  DaemonConfig d;
+  EXPECT_EQ(d.steps.store_mb, 8192);
+  EXPECT_EQ(d.steps.max_tenant_mb, 0);
+  DaemonConfig c;
+  std::string path =
+      TempFile(R"({"steps": {"store_mb": 2048, "max_tenant_mb": 256, "max_blob_mb": 64}})");
+  ASSERT_TRUE(LoadConfigFile(path, &c).ok());
+  EXPECT_EQ(c.steps.store_mb, 2048);
+  EXPECT_EQ(c.steps.max_tenant_mb, 256);
+  EXPECT_EQ(c.steps.max_blob_mb, 64);
+  std::remove(path.c_str());
+  for (const char* bad :
+       {R"({"steps": {"store_mb": 0}})", R"({"steps": {"max_tenant_mb": -1}})",
+        R"({"steps": {"store_mb": 100, "max_tenant_mb": 200}})", R"({"steps": {"max_blob_mb": 0}})",
+        R"({"steps": {"stor_mb": 1}})", R"({"steps": 5})"}) {
+    DaemonConfig b;
+    std::string p = TempFile(bad);
+    absl::Status st = LoadConfigFile(p, &b);
+    EXPECT_TRUE(absl::IsInvalidArgument(st)) << bad;
+    EXPECT_NE(st.message().find("steps"), std::string_view::npos) << st;
+    std::remove(p.c_str());
+  }
+}
+
 TEST(ConfigTest, RejectsUnknownKeysWrongTypesAndWeakKeys) {
   DaemonConfig c;
   for (const char* bad :

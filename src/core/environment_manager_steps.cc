@@ -545,7 +545,13 @@ void EnvironmentManager::ExpireSteps() {
     if (steps_stop_) return;
     std::unique_lock<std::recursive_timed_mutex> lock(env->step_mu, std::try_to_lock);
     if (!lock.owns_lock()) continue;  // a call is running: its own step applies the ttl
-    if (!env->steps_loaded || !env->capture || env->step_settings.ttl_s <= 0) continue;
+    if (!env->steps_loaded) {
+      // Re-attached after a restart and not used since; one still being created (no log yet)
+      // is left to its InitSteps.
+      if (!store_->GetStepLog(env->tenant, env->record.id).ok()) continue;
+      LoadSteps(*env);
+    }
+    if (!env->capture || env->step_settings.ttl_s <= 0) continue;
     bool due = false;
     for (const auto& [n, b] : env->steps) {
       if ((b.has_state || b.memory) && (!env->head || n != *env->head) &&
@@ -597,7 +603,7 @@ void EnvironmentManager::EnforceRetentionLocked(LiveEnv& env, int* budget) {
   for (auto& [n, b] : env.steps) {
     if (live <= s.max_live_memory) break;
     if (!b.live || !collectable(n)) continue;
-    if (*budget <= 0) {
+    if (*budget <= 0 || steps_stop_) {
       env.compact_pending = true;  // the rest at the next tick
       compact_needed_ = true;
       break;

@@ -324,6 +324,9 @@ int main(int argc, char** argv) {
   // Time travel: the content-addressed blobs of steps (docs/design.md "Time travel").
   esb::DiskBlobStoreOptions bopts;
   bopts.dir = state_dir + "/blobs";
+  bopts.max_total_bytes = config.steps.store_mb << 20;
+  bopts.max_tenant_bytes = config.steps.max_tenant_mb << 20;
+  bopts.max_blob_bytes = config.steps.max_blob_mb << 20;
   auto blobs = esb::DiskBlobStore::Open(bopts);
   if (!blobs.ok())
     esb::LogWarn(

@@ -8,12 +8,14 @@
 #include <set>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "common/util.h"
 #include "core/environment_manager.h"
 #include "core/snapshots/blob_store.h"
 #include "core/snapshots/manifest.h"
+#include "storage/sqlite_store.h"
 
 namespace esb {
 namespace {
@@ -155,9 +157,20 @@ class StepsDriver : public Driver {
       e.path = p;
       e.mode = 0644;
       e.size = static_cast<int64_t>(data.size());
-      auto sha = blobs.Put(data);
-      if (!sha.ok()) return sha.status();
-      e.sha256 = *sha;
+      // Like the container driver: a file whose change key is the previous manifest's reuses
+      // its blob without storing it again.
+      const ManifestEntry* before = nullptr;
+      if (reuse_previous) {
+        e.change_key = Sha256Hex(data);
+        if (opts.previous) before = FindEntry(*opts.previous, p);
+      }
+      if (before && before->change_key == e.change_key) {
+        e.sha256 = before->sha256;
+      } else {
+        auto sha = blobs.Put(data);
+        if (!sha.ok()) return sha.status();
+        e.sha256 = *sha;
+      }
       s.workspace.total_bytes += e.size;
       entries[p] = e;
     }
@@ -236,6 +249,11 @@ class StepsDriver : public Driver {
     return InstanceRef{new_id, "container", new_id};
   }
   absl::StatusOr<SnapshotRef> CompactSnapshot(const SnapshotRef& s) override {
+    if (compact_delay_ms > 0) {  // a slow dump (nano's can take up to 60 s)
+      compacting = true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(compact_delay_ms));
+      compacting = false;
+    }
     std::lock_guard<std::mutex> lock(mu);
     if (!compact) return absl::UnimplementedError("only live");
     live_snapshots.erase(s.id);
@@ -270,7 +288,9 @@ class StepsDriver : public Driver {
   std::map<std::string, Instance> instances;
   std::set<std::string> live_snapshots, deleted_snapshots;
   int snapshots_made = 0, captures = 0, restores = 0, compacted = 0;
-  bool memory = true, compact = true;
+  bool memory = true, compact = true, reuse_previous = false;
+  int compact_delay_ms = 0;
+  std::atomic<bool> compacting{false};
   absl::Status restore_error;  // RestoreStep and ForkStep answer it when set
   std::function<void()> after_capture, before_restore;
   std::atomic<bool> fail_capture{false};
@@ -851,6 +871,166 @@ TEST_F(StepsTest, AHostileManifestFromADriverIsRefusedNotStored) {
   badkey.entries.push_back({.path = "a", .sha256 = "../../etc/passwd"});
   EXPECT_FALSE(ValidateManifest(badkey).ok());
   EXPECT_FALSE(DecodeManifest("{\"v\":1,\"e\":[[\"/abs\",\"f\",420,1,0,\"\",\"\",\"\"]]}").ok());
+}
+
+// H1: a tenant flooding the shared blob store fills only its own share (checked before any
+// Put); its captures are then refused with a clear detail, and another tenant's steps still
+// capture files and memory.
+TEST_F(StepsTest, OneTenantFloodingTheStepStoreCannotStopAnotherTenantsCaptures) {
+  auto small = DiskBlobStore::Open(
+      {.dir = dir + "/small", .max_total_bytes = 400000, .max_tenant_bytes = 100000});
+  ASSERT_TRUE(small.ok()) << small.status();
+  blobs = std::move(*small);
+  Start();
+  StepSettings greedy;
+  greedy.max_bytes = kMaxStepBytesSetting;  // more than the store holds: clamped to the share
+  greedy.max_steps = kMaxStepsSetting;
+  std::vector<std::string> flooders = {NewEnv("mallory", &greedy), NewEnv("mallory", &greedy)};
+  auto log = store->GetStepLog("mallory", flooders[0]);
+  ASSERT_TRUE(log.ok());
+  EXPECT_NE(log->settings_json.find("\"max_bytes\":100000"), std::string::npos)
+      << log->settings_json;
+  int refused = 0;
+  for (int i = 0; i < 12; ++i) {
+    const std::string& id = flooders[i % 2];
+    auto r = m->Exec("mallory", id,
+                     ExecRequest{absl::StrCat("write f", i, ".bin ", std::string(30000, 'a' + i))},
+                     nullptr);
+    ASSERT_TRUE(r.ok()) << "a refused capture never fails the call: " << r.status();
+    EXPECT_LE(blobs->tenant_bytes("mallory"), 100000) << "the share is checked before a Put";
+  }
+  for (const std::string& id : flooders) {
+    auto page = m->ListSteps("mallory", id, -1, 100);
+    ASSERT_TRUE(page.ok());
+    for (const StepRecord& r : page->steps) {
+      if (r.memory_detail && absl::StartsWith(*r.memory_detail,
+                                              "unsupported: capture refused: "
+                                              "this tenant's share"))
+        ++refused;
+    }
+  }
+  EXPECT_GT(refused, 0) << "the flood's captures say why they were refused";
+  // The other tenant captures as usual: files, variables and memory.
+  std::string id = NewEnv("acme");
+  Run(id, "write notes.txt " + std::string(30000, 'n'));
+  Run(id, "set x 7");
+  auto steps = All(id);
+  ASSERT_EQ(steps.size(), 3u);
+  for (const StepRecord& r : steps) {
+    EXPECT_FALSE(r.manifest_sha.empty()) << r.n << ": " << r.memory_detail.value_or("");
+    EXPECT_EQ(r.memory, "snapshot") << r.n;
+  }
+  EXPECT_EQ(*m->ReadStepFile("acme", id, 2, "notes.txt"), std::string(30000, 'n'));
+  EXPECT_TRUE(m->Rewind("acme", id, 1).ok());
+  // The flood gave back its older steps; once swept, the flooder's share has room again.
+  m->SweepStepBlobs();
+  EXPECT_LT(blobs->tenant_bytes("mallory"), 100000);
+}
+
+// M1: after steps without state, the base of the next capture is an older step's manifest. When
+// retention collects that step and the sweep removes its blobs, the next capture must not reuse
+// them (its step would name blobs that are gone).
+TEST_F(StepsTest, CaptureNeverReusesTheBlobsOfACollectedBaseStep) {
+  driver.reuse_previous = true;
+  Start();
+  StepSettings s;
+  s.ttl_s = 1;
+  std::string id = NewEnv("acme", &s);
+  Run(id, "write a.txt alpha");  // step 1: the base from here on
+  driver.fail_capture = true;
+  Run(id, "set x 1");  // step 2: no state
+  std::this_thread::sleep_for(std::chrono::milliseconds(1100));
+  Run(id, "set x 2");  // step 3: no state; step 1 expired and is collected
+  ASSERT_TRUE(All(id)[2].collected);
+  m->SweepStepBlobs();
+  ASSERT_FALSE(blobs->ForTenant("acme").Has(Sha256Hex("alpha"))) << "swept with step 1";
+  driver.fail_capture = false;
+  Run(id, "write b.txt beta");  // step 4
+  auto a = m->ReadStepFile("acme", id, 4, "a.txt");
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(*a, "alpha");
+  ASSERT_TRUE(m->Rewind("acme", id, 4).ok());
+  EXPECT_EQ(driver.Get(id).files["a.txt"], "alpha");
+}
+
+// M1: a manifest the sweep cannot read may name blobs a step still needs: its tenant keeps
+// everything that sweep (fails closed); other tenants are swept as usual.
+TEST_F(StepsTest, SweepFailsClosedOnAManifestItCannotRead) {
+  Start();
+  std::string id = NewEnv();
+  Run(id, "write keep.txt precious");
+  { ASSERT_TRUE(blobs->ForTenant("acme").Put("acme orphan").ok()); }
+  { ASSERT_TRUE(blobs->ForTenant("other").Put("other orphan").ok()); }
+  const std::string sha = All(id)[0].manifest_sha;
+  const std::string path = absl::StrCat(dir, "/blobs/t/", DiskBlobStore::TenantTag("acme"), "/",
+                                        sha.substr(0, 2), "/", sha);
+  std::string original;
+  ASSERT_TRUE(ReadFileToString(path, &original).ok());
+  ASSERT_TRUE(WriteStringToFile(path, "{not a manifest", 0600).ok());  // DataLoss on read
+  m->SweepStepBlobs();
+  EXPECT_TRUE(blobs->ForTenant("acme").Has(Sha256Hex("precious")));
+  EXPECT_TRUE(blobs->ForTenant("acme").Has(Sha256Hex("acme orphan"))) << "nothing swept";
+  EXPECT_FALSE(blobs->ForTenant("other").Has(Sha256Hex("other orphan")));
+  ASSERT_TRUE(WriteStringToFile(path, original, 0600).ok());
+  m->SweepStepBlobs();
+  EXPECT_TRUE(blobs->ForTenant("acme").Has(Sha256Hex("precious")));
+  EXPECT_FALSE(blobs->ForTenant("acme").Has(Sha256Hex("acme orphan")));
+  EXPECT_EQ(*m->ReadStepFile("acme", id, 1, "keep.txt"), "precious");
+}
+
+// M2: compaction (a dump can take up to 60 s) runs on its own thread: the reaper still expires
+// another environment on time while it runs.
+TEST_F(StepsTest, ASlowCompactionDoesNotDelayTheReapersExpiryOfAnotherEnvironment) {
+  driver.compact_delay_ms = 2000;
+  worker_interval_ms = 50;
+  Start(/*reaper_interval_ms=*/50);
+  StepSettings s;
+  s.max_live_memory = 1;
+  std::string busy = NewEnv("acme", &s);
+  for (int i = 0; i < 3; ++i) Run(busy, absl::StrCat("set x ", i));
+  const int64_t t0 = MonotonicMs();
+  while (!driver.compacting && MonotonicMs() - t0 < 2000)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  ASSERT_TRUE(driver.compacting) << "the compactor started";
+  auto info = m->Create("acme", EnvSpec{}, 1);  // expires in 1 s
+  ASSERT_TRUE(info.ok()) << info.status();
+  const int64_t created = MonotonicMs();
+  auto expired = [&] {
+    auto got = m->Get("acme", info->record.id);
+    return !got.ok() || got->record.state == EnvState::kDestroyed;
+  };
+  while (!expired() && MonotonicMs() - created < 5000)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  const int64_t took = MonotonicMs() - created;
+  EXPECT_TRUE(expired());
+  EXPECT_EQ(m->Get("acme", info->record.id)->record.destroy_reason, "ttl_expired");
+  EXPECT_LT(took, 1800) << "expired on time";
+  EXPECT_TRUE(driver.compacting) << "while the slow compaction was still running";
+}
+
+// ttl_s is enforced by the sweeper thread: steps older than it are collected without a new step.
+TEST_F(StepsTest, StepTtlIsEnforcedWithoutANewStep) {
+  worker_interval_ms = 50;
+  Start();
+  StepSettings s;
+  s.ttl_s = 1;
+  std::string id = NewEnv("acme", &s);
+  Run(id, "write a.txt a");
+  Run(id, "write b.txt b");
+  ASSERT_FALSE(All(id)[1].collected);
+  const int64_t t0 = MonotonicMs();
+  auto collected = [&] {
+    auto steps = All(id);
+    return steps[1].collected && steps[2].collected;
+  };
+  while (!collected() && MonotonicMs() - t0 < 4000)
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  auto steps = All(id);
+  ASSERT_EQ(steps.size(), 3u) << "no step was added";
+  EXPECT_TRUE(steps[1].collected);
+  EXPECT_TRUE(steps[2].collected);
+  EXPECT_FALSE(steps[0].collected) << "the head is never collected";
+  EXPECT_EQ(steps[1].memory_detail, std::optional<std::string>("collected"));
 }
 
 }  // namespace
