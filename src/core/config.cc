@@ -127,6 +127,8 @@ absl::Status ParseSteps(const json::value& v, StepsConfig* c) {
       st = GetInt(kv.value(), key, &c->max_tenant_mb);
     else if (kv.key() == "max_blob_mb")
       st = GetInt(kv.value(), key, &c->max_blob_mb);
+    else if (kv.key() == "sweep_interval_seconds")
+      st = GetInt(kv.value(), key, &c->sweep_interval_s);
     else
       return absl::InvalidArgumentError(absl::StrCat("config: unknown key '", key, "'"));
     if (!st.ok()) return st;
@@ -136,6 +138,8 @@ absl::Status ParseSteps(const json::value& v, StepsConfig* c) {
   if (c->max_tenant_mb < 0 || c->max_tenant_mb > c->store_mb)
     return TypeError("steps.max_tenant_mb", "0 (a quarter of store_mb)..store_mb");
   if (c->max_blob_mb < 1 || c->max_blob_mb > 4096) return TypeError("steps.max_blob_mb", "1..4096");
+  if (c->sweep_interval_s < 1 || c->sweep_interval_s > 3600)
+    return TypeError("steps.sweep_interval_seconds", "1..3600");
   return absl::OkStatus();
 }
 

@@ -39,11 +39,13 @@ struct ArtifactsConfig {
 };
 
 // Time travel's blob store (core/snapshots/blob_store.h; docs/design.md "Time travel"):
-//   "steps": {"store_mb": 8192, "max_tenant_mb": 0, "max_blob_mb": 256}
+//   "steps": {"store_mb": 8192, "max_tenant_mb": 0, "max_blob_mb": 256,
+//             "sweep_interval_seconds": 10}
 struct StepsConfig {
-  int64_t store_mb = 8192;    // every tenant's step blobs together
-  int64_t max_tenant_mb = 0;  // one tenant's share; 0: a quarter of store_mb
-  int64_t max_blob_mb = 256;  // one blob (a file's contents at a step)
+  int64_t store_mb = 8192;        // every tenant's step blobs together
+  int64_t max_tenant_mb = 0;      // one tenant's share; 0: a quarter of store_mb
+  int64_t max_blob_mb = 256;      // one blob (a file's contents at a step)
+  int64_t sweep_interval_s = 10;  // the blob sweep at most this often (tests: 1)
 };
 
 // The audit log and the state database (storage/store.h StoreOptions): retention, per-tenant

@@ -69,16 +69,18 @@ TEST(ConfigTest, StepStoreSizesAreSettableAndValidated) {
   EXPECT_EQ(d.steps.max_tenant_mb, 0);
   DaemonConfig c;
   std::string path =
-      TempFile(R"({"steps": {"store_mb": 2048, "max_tenant_mb": 256, "max_blob_mb": 64}})");
+      TempFile(R"({"steps": {"store_mb": 2048, "max_tenant_mb": 256, "max_blob_mb": 64,
+                             "sweep_interval_seconds": 1}})");
   ASSERT_TRUE(LoadConfigFile(path, &c).ok());
   EXPECT_EQ(c.steps.store_mb, 2048);
   EXPECT_EQ(c.steps.max_tenant_mb, 256);
   EXPECT_EQ(c.steps.max_blob_mb, 64);
+  EXPECT_EQ(c.steps.sweep_interval_s, 1);
   std::remove(path.c_str());
-  for (const char* bad :
-       {R"({"steps": {"store_mb": 0}})", R"({"steps": {"max_tenant_mb": -1}})",
-        R"({"steps": {"store_mb": 100, "max_tenant_mb": 200}})", R"({"steps": {"max_blob_mb": 0}})",
-        R"({"steps": {"stor_mb": 1}})", R"({"steps": 5})"}) {
+  for (const char* bad : {R"({"steps": {"store_mb": 0}})", R"({"steps": {"max_tenant_mb": -1}})",
+                          R"({"steps": {"store_mb": 100, "max_tenant_mb": 200}})",
+                          R"({"steps": {"max_blob_mb": 0}})", R"({"steps": {"stor_mb": 1}})",
+                          R"({"steps": {"sweep_interval_seconds": 0}})", R"({"steps": 5})"}) {
     DaemonConfig b;
     std::string p = TempFile(bad);
     absl::Status st = LoadConfigFile(p, &b);

@@ -88,6 +88,9 @@ struct ManagerOptions {
   // The steps worker (compaction of live memory snapshots, steps' ttl_s, the blob sweep) runs
   // on its own threads, off the reaper, every this many ms.
   int64_t steps_worker_interval_ms = 1000;
+  // The blob sweep runs at most this often (and only after steps were collected or dropped or
+  // a capture failed); 1 s at most after a capture was refused for a full share.
+  int64_t blob_sweep_interval_ms = 10000;
 };
 
 // Snapshot of one environment for the API.

@@ -28,8 +28,7 @@ constexpr char kStepCollectedUrl[] = "type.entersandbox/step-collected";
 // A call waits at most this long for the environment's previous mutating call to finish.
 constexpr auto kStepLockWait = std::chrono::minutes(15);
 constexpr auto kStepReadWait = std::chrono::milliseconds(100);
-constexpr int64_t kSweepIntervalMs = 10000;
-// After a capture was refused (a tenant's share full) the sweep runs this soon.
+// After a capture was refused (a tenant's share full) the sweep runs this soon (at most).
 constexpr int64_t kUrgentSweepIntervalMs = 1000;
 
 // The environment this thread is inside a step of (nested calls make no steps).
@@ -729,7 +728,10 @@ void EnvironmentManager::SweepBlobs(bool force) {
   std::lock_guard<std::mutex> lock(sweep_mu_);
   const int64_t now_real = NowUnixMs();
   const bool urgent = sweep_urgent_.exchange(false);
-  if (!force && now_real - last_sweep_ms_ < (urgent ? kUrgentSweepIntervalMs : kSweepIntervalMs)) {
+  const int64_t interval = urgent
+                               ? std::min(kUrgentSweepIntervalMs, options_.blob_sweep_interval_ms)
+                               : options_.blob_sweep_interval_ms;
+  if (!force && now_real - last_sweep_ms_ < interval) {
     if (urgent) sweep_urgent_ = true;
     return;
   }

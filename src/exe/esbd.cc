@@ -327,6 +327,7 @@ int main(int argc, char** argv) {
   bopts.max_total_bytes = config.steps.store_mb << 20;
   bopts.max_tenant_bytes = config.steps.max_tenant_mb << 20;
   bopts.max_blob_bytes = config.steps.max_blob_mb << 20;
+  mopts.blob_sweep_interval_ms = config.steps.sweep_interval_s * 1000;
   auto blobs = esb::DiskBlobStore::Open(bopts);
   if (!blobs.ok())
     esb::LogWarn(
