@@ -510,7 +510,11 @@ void EnvironmentManager::CollectStepLocked(LiveEnv& env, int64_t n, const std::s
 }
 
 void EnvironmentManager::CompactStepMemory(int budget) {
-  if (!compact_needed_.exchange(false)) return;
+  // A driver that released live snapshots on its own (e.g. nano over its live-memory budget,
+  // possibly another environment's) has steps to reconcile even when nothing was flagged.
+  bool released = false;
+  for (const auto& [kind, d] : drivers_) released = released || d->HasReleasedSnapshots();
+  if (!compact_needed_.exchange(false) && !released) return;
   std::vector<std::shared_ptr<LiveEnv>> live;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -525,6 +529,9 @@ void EnvironmentManager::CompactStepMemory(int budget) {
     if (!lock.owns_lock()) {
       compact_needed_ = true;  // busy with a call: next tick (its own step re-flags it anyway)
       continue;
+    }
+    if (released && !env->driver->ReleasedSnapshots(env->record.id).empty()) {
+      env->compact_pending = true;
     }
     if (!env->compact_pending) continue;
     env->compact_pending = false;
@@ -599,26 +606,38 @@ void EnvironmentManager::EnforceRetentionLocked(LiveEnv& env, int* budget) {
     compact_needed_ = true;
     live = 0;  // skip step 1 now
   }
+  // Live snapshots the driver already compacted or released on its own (over its host memory
+  // budget) are reconciled at once, the head's too (CompactSnapshot only adopts the result).
+  std::set<std::string> released = env.driver->ReleasedSnapshots(env.record.id);
   for (auto& [n, b] : env.steps) {
-    if (live <= s.max_live_memory) break;
-    if (!b.live || !collectable(n)) continue;
-    if (*budget <= 0 || steps_stop_) {
-      env.compact_pending = true;  // the rest at the next tick
-      compact_needed_ = true;
-      break;
-    }
-    --*budget;
+    if (live <= s.max_live_memory && released.empty()) break;
+    if (!b.live) continue;
+    const bool over = live > s.max_live_memory && collectable(n);
+    if (!over && released.empty()) continue;
     auto rec = store_->GetStep(env.tenant, env.record.id, n);
     if (!rec.ok()) continue;
     json::object state = ParseObject(rec->state_json);
     std::optional<SnapshotRef> snap = SnapshotFromJson(state);
     if (!snap) continue;
+    const bool was_released = released.erase(snap->id) > 0;
+    if (!over && !was_released) continue;
+    if (!was_released) {  // a compaction (over implies the compactor's budget is set)
+      if (*budget <= 0 || steps_stop_) {
+        env.compact_pending = true;  // the rest at the next tick
+        compact_needed_ = true;
+        if (released.empty()) break;
+        continue;
+      }
+      --*budget;
+    }
     absl::StatusOr<SnapshotRef> compact = env.driver->CompactSnapshot(*snap);
     if (compact.ok()) {
       state["memory"] = SnapshotToJson(*compact);
       rec->memory_live = compact->live;
       b.live = compact->live;
     } else {
+      LogWarn(absl::StrCat("step ", n, " of ", env.record.id,
+                           ": memory not kept (collected): ", compact.status().message()));
       env.driver->DeleteSnapshot(*snap).IgnoreError();
       state.erase("memory");
       rec->memory = "none";

@@ -149,6 +149,10 @@ StepMemorySupport Driver::StepMemory() const {
   return {.available = false, .mechanism = "", .reason = "this runtime has no memory snapshots"};
 }
 
+std::set<std::string> Driver::ReleasedSnapshots(const std::string&) { return {}; }
+
+bool Driver::HasReleasedSnapshots() { return false; }
+
 absl::Status Driver::Pause(const InstanceRef&) {
   return MissingCapabilityError(name(), Capability::kPause);
 }

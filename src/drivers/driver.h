@@ -9,6 +9,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -361,6 +362,13 @@ class Driver {
   virtual absl::StatusOr<SnapshotRef> CompactSnapshot(const SnapshotRef& snapshot);
   // What memory capture this driver has on this host (and why not). Default: none.
   virtual StepMemorySupport StepMemory() const;
+  // Ids of live memory snapshots taken from instance `source_id` that the driver compacted or
+  // released on its own (e.g. over a host memory budget). The core reconciles each through
+  // CompactSnapshot (→ the compact form, or an error: the step's memory is "collected").
+  // HasReleasedSnapshots: whether any instance has some (the reaper then visits them).
+  // Default: none.
+  virtual std::set<std::string> ReleasedSnapshots(const std::string& source_id);
+  virtual bool HasReleasedSnapshots();
 
   // kTerminal: starts a login-less interactive bash in /workspace as the sandbox user, on a
   // PTY of request.rows x request.cols.

@@ -193,6 +193,7 @@ class StepsDriver : public Driver {
       snap.bytes = 1000;
       snap.live = true;
       live_snapshots.insert(snap.id);
+      snapshot_source[snap.id] = ref.id;
       s.memory = snap;
     }
     if (after_capture) {  // e.g. a Destroy racing the capture (run without mu, once)
@@ -255,7 +256,13 @@ class StepsDriver : public Driver {
       compacting = false;
     }
     std::lock_guard<std::mutex> lock(mu);
-    if (!compact) return absl::UnimplementedError("only live");
+    if (auto it = released.find(s.id); it != released.end()) {
+      const bool kept = it->second;
+      released.erase(it);
+      if (!kept) return absl::FailedPreconditionError("released over the memory budget");
+    } else if (!compact) {
+      return absl::UnimplementedError("only live");
+    }
     live_snapshots.erase(s.id);
     SnapshotRef c = s;
     c.live = false;
@@ -268,6 +275,18 @@ class StepsDriver : public Driver {
     live_snapshots.erase(s.id);
     deleted_snapshots.insert(s.id);
     return absl::OkStatus();
+  }
+  std::set<std::string> ReleasedSnapshots(const std::string& source_id) override {
+    std::lock_guard<std::mutex> lock(mu);
+    std::set<std::string> out;
+    for (const auto& [id, kept] : released) {
+      if (snapshot_source[id] == source_id) out.insert(id);
+    }
+    return out;
+  }
+  bool HasReleasedSnapshots() override {
+    std::lock_guard<std::mutex> lock(mu);
+    return !released.empty();
   }
   StepMemorySupport StepMemory() const override {
     if (!memory) return {.available = false, .mechanism = "", .reason = "no memory here"};
@@ -287,6 +306,10 @@ class StepsDriver : public Driver {
   std::mutex mu;
   std::map<std::string, Instance> instances;
   std::set<std::string> live_snapshots, deleted_snapshots;
+  // Live snapshots the driver released on its own (id → compacted (true) or dropped), and
+  // whose instance each snapshot was taken from.
+  std::map<std::string, bool> released;
+  std::map<std::string, std::string> snapshot_source;
   int snapshots_made = 0, captures = 0, restores = 0, compacted = 0;
   bool memory = true, compact = true, reuse_previous = false;
   int compact_delay_ms = 0;
@@ -337,6 +360,14 @@ class StepsTest : public ::testing::Test {
   void Run(const std::string& id, const std::string& cmd) {
     auto r = m->Exec("acme", id, ExecRequest{cmd}, nullptr);
     ASSERT_TRUE(r.ok()) << r.status();
+  }
+  // Rewinds `id` to step n: its memory comes back, with `var` = `value`.
+  void ExpectRewindRestoresMemory(const std::string& id, int64_t n, const std::string& var,
+                                  const std::string& value) {
+    auto r = m->Rewind("acme", id, n);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->memory, "snapshot");
+    EXPECT_EQ(driver.Get(id).vars[var], value);
   }
   std::vector<StepRecord> All(const std::string& id) {
     auto page = m->ListSteps("acme", id, -1, 1000);
@@ -698,10 +729,41 @@ TEST_F(StepsTest, LiveMemoryOverTheCapIsCompactedOldestFirst) {
   EXPECT_EQ(after[2].memory, "none");
   EXPECT_EQ(after[2].memory_detail, std::optional<std::string>("collected"));
   // Rewind to a compacted step still restores memory.
-  auto r = m->Rewind("acme", id, 1);
-  ASSERT_TRUE(r.ok()) << r.status();
-  EXPECT_EQ(r->memory, "snapshot");
-  EXPECT_EQ(driver.Get(id).vars["x"], "0");
+  ExpectRewindRestoresMemory(id, 1, "x", "0");
+}
+
+// A driver that compacts or releases live snapshots on its own (nano over its live-memory
+// budget, review H3): the steps say so — at the environment's next step, or through the reaper
+// when the environment is idle — instead of claiming a live snapshot that is gone.
+TEST_F(StepsTest, LiveSnapshotsTheDriverReleasedOnItsOwnAreReconciledHonestly) {
+  Start();
+  std::string id = NewEnv();
+  std::string idle = NewEnv();
+  for (int i = 0; i < 3; ++i) Run(id, absl::StrCat("set x ", i));
+  Run(idle, "set y 1");
+  {
+    std::lock_guard<std::mutex> lock(driver.mu);
+    // snap1/snap2: the two step 0s; snap3..5: steps 1..3 of `id`; snap6: step 1 of `idle`.
+    driver.released["snap3"] = true;   // step 1 of `id` went to an image
+    driver.released["snap4"] = false;  // step 2 of `id` was dropped
+    driver.released["snap6"] = false;  // the head of `idle` was dropped
+  }
+  Run(id, "set x 9");  // its retention reconciles on the call's path
+  auto steps = All(id);
+  ASSERT_EQ(steps.size(), 5u);
+  EXPECT_EQ(steps[3].memory, "snapshot");
+  EXPECT_FALSE(steps[3].memory_live) << "compacted by the driver";
+  EXPECT_EQ(steps[2].memory, "none");
+  EXPECT_EQ(steps[2].memory_detail, std::optional<std::string>("collected"));
+  EXPECT_TRUE(steps[0].memory_live);
+  EXPECT_TRUE(driver.HasReleasedSnapshots()) << "the idle environment's is still pending";
+  m->CompactStepMemory();  // the reaper visits the idle environment
+  EXPECT_FALSE(driver.HasReleasedSnapshots());
+  auto idle_steps = All(idle);
+  EXPECT_EQ(idle_steps[0].memory, "none");
+  EXPECT_EQ(idle_steps[0].memory_detail, std::optional<std::string>("collected"));
+  // Rewind to the step compacted by the driver still restores its memory.
+  ExpectRewindRestoresMemory(id, 1, "x", "0");
 }
 
 TEST_F(StepsTest, RestartMarksLiveMemoryLostAndKeepsTheLog) {

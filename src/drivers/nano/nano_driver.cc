@@ -10,6 +10,7 @@
 #include <unistd.h>
 #include <zlib.h>
 
+#include <algorithm>
 #include <boost/json.hpp>
 #include <cerrno>
 #include <cstdio>
@@ -95,6 +96,16 @@ absl::StatusOr<Msg> Call(int fd, const Msg& req, int64_t timeout_ms, int pass_fd
   return rep;
 }
 
+// The part of an image file's name that says whose it is (12 hex of FNV-1a of the environment
+// id): per-environment image caps are counted from the names, so they hold after a restart.
+std::string ImageKey(const std::string& source_id) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : source_id) h = (h ^ c) * 1099511628211ull;
+  char out[13];
+  snprintf(out, sizeof(out), "%012llx", static_cast<unsigned long long>(h & 0xffffffffffffull));
+  return out;
+}
+
 }  // namespace
 
 // images/python-wasm/README.md, "esb_run" step 4 (ABI 1):
@@ -122,13 +133,29 @@ void ParseGuestResult(const std::string& json, RunResult* result) {
 }
 
 NanoDriver::NanoDriver(NanoDriverOptions options) : options_(std::move(options)) {
-  // Images half-written when esbd died (CompactSnapshot writes <name>.tmp, then renames).
+  // The image directory as a previous esbd left it: images half-written when it died
+  // (<name>.tmp, renamed when complete) and images the driver made of live clones on its own
+  // that the core had not adopted (<name>.e: their steps are lost_on_restart) are removed; the
+  // others are counted against the image caps (their owner is in the name).
   if (DIR* d = options_.snapshot_dir.empty() ? nullptr : opendir(options_.snapshot_dir.c_str())) {
     while (dirent* e = readdir(d)) {
       std::string name = e->d_name;
-      if (name.size() > 4 && name.compare(name.size() - 4, 4, ".tmp") == 0) {
+      auto ends = [&](std::string_view tail) {
+        return name.size() > tail.size() &&
+               name.compare(name.size() - tail.size(), tail.size(), tail) == 0;
+      };
+      if (ends(".tmp") || ends(".e")) {
         unlinkat(dirfd(d), name.c_str(), 0);
+        continue;
       }
+      struct stat st;
+      if (name.rfind("img_", 0) != 0 ||
+          fstatat(dirfd(d), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISREG(st.st_mode)) {
+        continue;
+      }
+      // img_<key>_<random> (older images, img_<random>, count in the total only).
+      std::string key = name.size() == 29 && name[16] == '_' ? name.substr(4, 12) : "";
+      images_[name] = {key, static_cast<int64_t>(st.st_size)};
     }
     closedir(d);
   }
@@ -422,13 +449,11 @@ absl::StatusOr<RunResult> NanoDriver::RunCode(const InstanceRef* session, const 
   std::lock_guard<std::mutex> lock(sess.mu);
   if (sess.dead) {
     // The previous worker was killed (timeout backstop): start a fresh interpreter.
-    int fd = -1, pid = -1;
-    if (absl::Status st = Spawn(true, sess.memory_mb, sess.ws_bytes, sess.env, &fd, &pid);
-        !st.ok()) {
-      return st;
-    }
-    sess.fd.reset(fd);
-    sess.pid = pid;
+    absl::StatusOr<std::shared_ptr<Session>> fresh =
+        StartSession(sess.memory_mb, sess.ws_bytes, sess.env);
+    if (!fresh.ok()) return fresh.status();
+    sess.fd = std::move((*fresh)->fd);
+    sess.pid = (*fresh)->pid;
     sess.dead = false;
   }
   bool dead = false;
@@ -447,23 +472,29 @@ absl::StatusOr<std::shared_ptr<NanoDriver::Session>> NanoDriver::GetSession(
   return it->second;
 }
 
-absl::StatusOr<InstanceRef> NanoDriver::Create(const std::string& id, const EnvSpec& spec) {
+absl::StatusOr<std::shared_ptr<NanoDriver::Session>> NanoDriver::StartSession(
+    int64_t memory_mb, int64_t ws_bytes, const std::map<std::string, std::string>& env) {
   auto sess = std::make_shared<Session>();
-  sess->memory_mb = std::clamp<int64_t>(spec.memory_mb, 16, options_.max_memory_mb);
-  sess->ws_bytes = std::min<int64_t>(spec.disk_mb, options_.workspace_max_mb) << 20;
-  sess->env = spec.env;
+  sess->memory_mb = memory_mb;
+  sess->ws_bytes = ws_bytes;
+  sess->env = env;
   int fd = -1, pid = -1;
-  if (absl::Status s = Spawn(true, sess->memory_mb, sess->ws_bytes, sess->env, &fd, &pid);
-      !s.ok()) {
-    return s;
-  }
+  if (absl::Status s = Spawn(true, memory_mb, ws_bytes, env, &fd, &pid); !s.ok()) return s;
   sess->fd.reset(fd);
   sess->pid = pid;
+  return sess;
+}
+
+absl::StatusOr<InstanceRef> NanoDriver::Create(const std::string& id, const EnvSpec& spec) {
+  absl::StatusOr<std::shared_ptr<Session>> sess =
+      StartSession(std::clamp<int64_t>(spec.memory_mb, 16, options_.max_memory_mb),
+                   std::min<int64_t>(spec.disk_mb, options_.workspace_max_mb) << 20, spec.env);
+  if (!sess.ok()) return sess.status();
   {
     std::lock_guard<std::mutex> lock(sessions_mu_);
-    sessions_[id] = sess;
+    sessions_[id] = *sess;
   }
-  boost::json::object state{{"pid", pid}, {"memory_mb", sess->memory_mb}};
+  boost::json::object state{{"pid", (*sess)->pid}, {"memory_mb", (*sess)->memory_mb}};
   return InstanceRef{id, "nano", boost::json::serialize(state)};
 }
 
@@ -603,6 +634,18 @@ int64_t PssBytes(int pid) {
   size_t at = text.find("\nPss:");
   if (at == std::string::npos) return 0;
   return std::strtoll(text.c_str() + at + 5, nullptr, 10) * 1024;
+}
+
+// The bytes of the values of `map` owned by `owner` (all when empty); `owner_and_bytes(value)`
+// says whose a value is and how many bytes it holds.
+template <typename Map, typename Fn>
+int64_t SumBytes(const Map& map, const std::string& owner, Fn owner_and_bytes) {
+  int64_t total = 0;
+  for (const auto& [k, v] : map) {
+    auto [who, bytes] = owner_and_bytes(v);
+    if (owner.empty() || who == owner) total += bytes;
+  }
+  return total;
 }
 
 // A manifest path from a worker: relative, '/'-separated, no empty/./.. component.
@@ -817,9 +860,27 @@ absl::StatusOr<StepState> NanoDriver::CaptureStep(const InstanceRef& ref,
   }
   state.workspace = std::move(*manifest);
   if (options.variables) state.variables_json = SummarizeVariables(frozen_id);
-  // What the clone holds now: its share of the pages it still has in common with the session
-  // (grows as the session dirties pages; see README.md "Time travel").
-  if (state.memory) state.memory->bytes = PssBytes(source->pid);
+  if (state.memory) {
+    // The clone is charged to the environment: its PSS now (its share of the pages it still
+    // has in common with the session; it grows as the session dirties pages and is measured
+    // again at each capture; see README.md "Time travel"), within the live-memory budgets.
+    const std::string id = state.memory->id;
+    {
+      std::lock_guard<std::mutex> lock(live_mu_);
+      live_[id] = {ref.id, ++live_seq_, PssBytes(source->pid)};
+    }
+    const int64_t env_budget =
+        (options_.live_snapshot_env_max_mb > 0 ? options_.live_snapshot_env_max_mb
+                                               : (*sess)->memory_mb)
+        << 20;
+    std::optional<SnapshotRef> image;
+    if (EnforceLiveBudget(ref.id, id, env_budget, &image)) {
+      std::lock_guard<std::mutex> lock(live_mu_);
+      if (auto it = live_.find(id); it != live_.end()) state.memory->bytes = it->second.bytes;
+    } else {
+      state.memory = std::move(image);  // compacted at once, or not kept
+    }
+  }
   return state;
 }
 
@@ -828,23 +889,38 @@ absl::StatusOr<std::shared_ptr<NanoDriver::Session>> NanoDriver::SessionFromSnap
   absl::StatusOr<boost::json::object> st = ParseState(snapshot.state);
   if (!st.ok()) return st.status();
   if (!st->contains("image")) {
-    absl::StatusOr<std::shared_ptr<Session>> clone = CloneSession(snapshot.id);
-    if (absl::IsNotFound(clone.status())) {
-      return absl::FailedPreconditionError(
-          "nano: the step's live memory snapshot is gone (esbd or its fork server restarted)");
+    std::optional<Released> released;
+    {
+      std::lock_guard<std::mutex> lock(live_mu_);
+      if (auto it = released_.find(snapshot.id); it != released_.end()) released = it->second;
     }
-    return clone;
+    if (!released) {
+      absl::StatusOr<std::shared_ptr<Session>> clone = CloneSession(snapshot.id);
+      if (absl::IsNotFound(clone.status())) {
+        return absl::FailedPreconditionError(
+            "nano: the step's live memory snapshot is gone (esbd or its fork server restarted)");
+      }
+      return clone;
+    }
+    // Compacted or released over the live-memory budget (the core has not reconciled it yet).
+    if (released->image_state.empty()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "nano: the step's live memory snapshot was released (collected): ", released->why));
+    }
+    st = ParseState(released->image_state);
+    if (!st.ok()) return st.status();
   }
   absl::StatusOr<std::string> path = ImagePath(options_.snapshot_dir, *st);
   if (!path.ok()) return path.status();
-  auto sess = std::make_shared<Session>();
-  sess->memory_mb = std::clamp<int64_t>(JsonInt(*st, "memory_mb", options_.default_memory_mb), 16,
-                                        options_.max_memory_mb);
-  sess->ws_bytes = std::clamp<int64_t>(JsonInt(*st, "ws_bytes", options_.workspace_max_mb << 20), 0,
-                                       options_.workspace_max_mb << 20);
+  const int64_t memory_mb = std::clamp<int64_t>(
+      JsonInt(*st, "memory_mb", options_.default_memory_mb), 16, options_.max_memory_mb);
+  const int64_t ws_bytes =
+      std::clamp<int64_t>(JsonInt(*st, "ws_bytes", options_.workspace_max_mb << 20), 0,
+                          options_.workspace_max_mb << 20);
+  std::map<std::string, std::string> env;
   if (auto it = st->find("env"); it != st->end() && it->value().is_object()) {
     for (const auto& [k, v] : it->value().as_object()) {
-      if (v.is_string()) sess->env[std::string(k)] = std::string(v.as_string());
+      if (v.is_string()) env[std::string(k)] = std::string(v.as_string());
     }
   }
   UniqueFd file(open(path->c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
@@ -854,13 +930,10 @@ absl::StatusOr<std::shared_ptr<NanoDriver::Session>> NanoDriver::SessionFromSnap
     }
     return ErrnoStatus("nano: open " + *path);
   }
-  int fd = -1, pid = -1;
-  if (absl::Status s = Spawn(true, sess->memory_mb, sess->ws_bytes, sess->env, &fd, &pid);
-      !s.ok()) {
-    return s;
-  }
-  sess->fd.reset(fd);
-  sess->pid = pid;
+  absl::StatusOr<std::shared_ptr<Session>> started = StartSession(memory_mb, ws_bytes, env);
+  if (!started.ok()) return started.status();
+  std::shared_ptr<Session> sess = *std::move(started);
+  const int fd = sess->fd.get();
   auto fail = [&](absl::Status s) {
     KillSession(sess);
     return s;
@@ -930,14 +1003,10 @@ absl::StatusOr<std::shared_ptr<NanoDriver::Session>> NanoDriver::SessionFromSnap
 absl::StatusOr<std::shared_ptr<NanoDriver::Session>> NanoDriver::SessionFromManifest(
     const WorkspaceManifest& manifest, int64_t memory_mb, int64_t ws_bytes,
     const std::map<std::string, std::string>& env, BlobStore& blobs) {
-  auto sess = std::make_shared<Session>();
-  sess->memory_mb = memory_mb;
-  sess->ws_bytes = ws_bytes;
-  sess->env = env;
-  int fd = -1, pid = -1;
-  if (absl::Status s = Spawn(true, memory_mb, ws_bytes, env, &fd, &pid); !s.ok()) return s;
-  sess->fd.reset(fd);
-  sess->pid = pid;
+  absl::StatusOr<std::shared_ptr<Session>> started = StartSession(memory_mb, ws_bytes, env);
+  if (!started.ok()) return started.status();
+  std::shared_ptr<Session> sess = *std::move(started);
+  const int fd = sess->fd.get();
   auto fail = [&](absl::Status s) {
     KillSession(sess);
     return s;
@@ -1006,22 +1075,44 @@ absl::StatusOr<InstanceRef> NanoDriver::ForkStep(const StepState& state, const E
   return Install(new_id, *sess, state.memory ? state.memory->id : "");
 }
 
-absl::StatusOr<SnapshotRef> NanoDriver::CompactSnapshot(const SnapshotRef& snapshot) {
+absl::StatusOr<std::string> NanoDriver::DumpImage(const std::string& id,
+                                                  const std::string& source_id,
+                                                  const std::string& suffix, int64_t* bytes) {
   if (options_.snapshot_dir.empty()) {
     return absl::FailedPreconditionError("nano: no snapshot directory configured");
   }
-  absl::StatusOr<boost::json::object> st = ParseState(snapshot.state);
-  if (!st.ok()) return st.status();
-  if (st->contains("image")) return absl::InvalidArgumentError("nano: snapshot is already compact");
-  absl::StatusOr<std::shared_ptr<Session>> frozen = GetSession({snapshot.id, "nano", ""});
+  absl::StatusOr<std::shared_ptr<Session>> frozen = GetSession({id, "nano", ""});
   if (!frozen.ok()) {
     return absl::FailedPreconditionError(
         "nano: the live memory snapshot is gone (esbd or its fork server restarted)");
   }
+  const std::string key = ImageKey(source_id);
+  const int64_t env_cap = options_.image_env_max_mb << 20, cap = options_.image_max_mb << 20;
+  auto over_caps = [&](int64_t adding) -> absl::Status {
+    // Caller holds images_mu_.
+    auto owner_and_bytes = [](const std::pair<std::string, int64_t>& image) { return image; };
+    const int64_t env_used = SumBytes(images_, key, owner_and_bytes);
+    const int64_t used = SumBytes(images_, "", owner_and_bytes);
+    if (env_used + adding > env_cap || (adding == 0 && env_used >= env_cap)) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "nano: this environment's memory images would exceed their cap (", env_used + adding,
+          " of ", env_cap, " bytes); the step's memory is not kept"));
+    }
+    if (used + adding > cap || (adding == 0 && used >= cap)) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("nano: the memory images of all environments would exceed their cap (",
+                       used + adding, " of ", cap, " bytes); the step's memory is not kept"));
+    }
+    return absl::OkStatus();
+  };
+  {
+    std::lock_guard<std::mutex> lock(images_mu_);
+    if (absl::Status st = over_caps(0); !st.ok()) return st;
+  }
   if (mkdir(options_.snapshot_dir.c_str(), 0700) != 0 && errno != EEXIST) {
     return ErrnoStatus("nano: mkdir " + options_.snapshot_dir);
   }
-  const std::string name = absl::StrCat("img_", RandomHex(12));
+  const std::string name = absl::StrCat("img_", key, "_", RandomHex(6), suffix);
   const std::string path = options_.snapshot_dir + "/" + name;
   const std::string tmp = path + ".tmp";
   boost::json::object state{{"image", name}};
@@ -1085,36 +1176,243 @@ absl::StatusOr<SnapshotRef> NanoDriver::CompactSnapshot(const SnapshotRef& snaps
       }
       deflate_some(data.data(), data.size(), Z_NO_FLUSH);
       written += static_cast<int64_t>(data.size());
+      // SECURITY: the deflated file may not outgrow the caps while it is written either.
+      if (status.ok()) {
+        std::lock_guard<std::mutex> lock(images_mu_);
+        status = over_caps(static_cast<int64_t>(zs.total_out));
+      }
     }
     if (status.ok()) deflate_some(nullptr, 0, Z_FINISH);
     compressed = static_cast<int64_t>(zs.total_out);
     deflateEnd(&zs);
+    if (status.ok()) {
+      // Charged before it is published: two compactions cannot both pass the caps.
+      std::lock_guard<std::mutex> lock(images_mu_);
+      status = over_caps(compressed);
+      if (status.ok()) images_[name] = {key, compressed};
+    }
     if (status.ok() && fsync(out.get()) != 0) status = ErrnoStatus("nano: fsync " + tmp);
     if (status.ok() && rename(tmp.c_str(), path.c_str()) != 0) {
       status = ErrnoStatus("nano: rename " + tmp);
     }
     if (!status.ok()) {
       unlink(tmp.c_str());
+      ForgetImage(name);
       return status;
     }
   }
-  (void)DeleteSnapshot(snapshot);  // the live clone is released
+  *bytes = compressed;
+  return boost::json::serialize(state);
+}
+
+void NanoDriver::ForgetImage(const std::string& name) {
+  std::lock_guard<std::mutex> lock(images_mu_);
+  images_.erase(name);
+}
+
+absl::StatusOr<SnapshotRef> NanoDriver::CompactSnapshot(const SnapshotRef& snapshot) {
+  absl::StatusOr<boost::json::object> st = ParseState(snapshot.state);
+  if (!st.ok()) return st.status();
+  if (st->contains("image")) return absl::InvalidArgumentError("nano: snapshot is already compact");
   SnapshotRef out{absl::StrCat("img_", RandomHex(12)), "nano", snapshot.content, snapshot.source_id,
-                  boost::json::serialize(state)};
-  out.bytes = compressed;
+                  ""};
   out.live = false;
+  std::optional<Released> released;
+  {
+    std::lock_guard<std::mutex> lock(live_mu_);
+    if (auto it = released_.find(snapshot.id); it != released_.end()) {
+      released = std::move(it->second);
+      released_.erase(it);
+    }
+  }
+  if (released) {
+    // The driver already compacted (or released) it over the live-memory budget: the core
+    // adopts the image under its final name (pending ones do not survive a restart).
+    if (released->image_state.empty()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("nano: the live memory snapshot was released: ", released->why));
+    }
+    absl::StatusOr<boost::json::object> image = ParseState(released->image_state);
+    if (!image.ok()) return image.status();
+    absl::StatusOr<std::string> path = ImagePath(options_.snapshot_dir, *image);
+    if (!path.ok()) return path.status();
+    const std::string pending((*image)["image"].as_string());
+    const std::string name = pending.substr(0, pending.size() - 2);  // without ".e"
+    if (rename(path->c_str(), (options_.snapshot_dir + "/" + name).c_str()) != 0) {
+      absl::Status failed = ErrnoStatus("nano: rename " + *path);
+      unlink(path->c_str());
+      ForgetImage(pending);
+      return failed;
+    }
+    {
+      std::lock_guard<std::mutex> lock(images_mu_);
+      if (auto node = images_.extract(pending)) {
+        node.key() = name;
+        images_.insert(std::move(node));
+      }
+    }
+    (*image)["image"] = name;
+    out.state = boost::json::serialize(*image);
+    out.bytes = released->bytes;
+    return out;
+  }
+  absl::StatusOr<std::string> state =
+      DumpImage(snapshot.id, snapshot.source_id, /*suffix=*/"", &out.bytes);
+  if (!state.ok()) return state.status();
+  out.state = *std::move(state);
+  (void)DeleteSnapshot(snapshot);  // the live clone is released
   return out;
 }
 
 absl::Status NanoDriver::DeleteSnapshot(const SnapshotRef& snapshot) {
   absl::StatusOr<boost::json::object> st = ParseState(snapshot.state);
+  std::string pending;  // an image the driver made of it on its own, not adopted yet
+  if (!st.ok() || !st->contains("image")) {
+    std::lock_guard<std::mutex> lock(live_mu_);
+    live_.erase(snapshot.id);
+    if (auto it = released_.find(snapshot.id); it != released_.end()) {
+      pending = it->second.image_state;
+      released_.erase(it);
+    }
+    if (!pending.empty()) st = ParseState(pending);
+  }
   if (st.ok() && st->contains("image")) {
     absl::StatusOr<std::string> path = ImagePath(options_.snapshot_dir, *st);
     if (!path.ok()) return path.status();
     if (unlink(path->c_str()) != 0 && errno != ENOENT) return ErrnoStatus("nano: unlink " + *path);
-    return absl::OkStatus();
+    ForgetImage(std::string((*st)["image"].as_string()));
+    if (pending.empty()) return absl::OkStatus();
   }
   return Destroy(InstanceRef{snapshot.id, "nano", snapshot.state});
+}
+
+std::set<std::string> NanoDriver::ReleasedSnapshots(const std::string& source_id) {
+  std::lock_guard<std::mutex> lock(live_mu_);
+  std::set<std::string> out;
+  for (const auto& [id, r] : released_) {
+    if (r.source == source_id) out.insert(id);
+  }
+  return out;
+}
+
+bool NanoDriver::HasReleasedSnapshots() {
+  std::lock_guard<std::mutex> lock(live_mu_);
+  return !released_.empty();
+}
+
+int64_t NanoDriver::LiveSnapshotBytes(const std::string& source_id) {
+  std::lock_guard<std::mutex> lock(live_mu_);
+  return SumBytes(live_, source_id,
+                  [](const LiveClone& c) { return std::pair(c.source, c.bytes); });
+}
+
+int64_t NanoDriver::ImageBytes(const std::string& source_id) {
+  std::lock_guard<std::mutex> lock(images_mu_);
+  return SumBytes(images_, source_id.empty() ? "" : ImageKey(source_id),
+                  [](const std::pair<std::string, int64_t>& image) { return image; });
+}
+
+void NanoDriver::EvictLive(const std::string& id) {
+  Released r;
+  {
+    std::lock_guard<std::mutex> lock(live_mu_);
+    auto it = live_.find(id);
+    if (it == live_.end()) return;
+    r.source = it->second.source;
+    live_.erase(it);
+  }
+  absl::StatusOr<std::string> image = DumpImage(id, r.source, ".e", &r.bytes);
+  if (image.ok()) {
+    r.image_state = *image;
+  } else {
+    r.why = std::string(image.status().message());
+  }
+  std::shared_ptr<Session> clone;
+  {
+    std::lock_guard<std::mutex> lock(sessions_mu_);
+    if (auto it = sessions_.find(id); it != sessions_.end()) {
+      clone = std::move(it->second);
+      sessions_.erase(it);
+    }
+  }
+  if (!clone) {
+    // Released meanwhile by the core (DeleteSnapshot/CompactSnapshot): nothing to reconcile.
+    if (image.ok()) (void)DeleteSnapshot({id, "nano", SnapshotContent::kMemoryAndDisk, "", *image});
+    return;
+  }
+  KillSession(clone);
+  LogInfo(absl::StrCat("nano: live step snapshot ", id, " of ", r.source,
+                       image.ok() ? " compacted" : " released", " over the live-memory budget",
+                       image.ok() ? "" : absl::StrCat(" (", r.why, ")")));
+  std::lock_guard<std::mutex> lock(live_mu_);
+  released_[id] = std::move(r);
+}
+
+bool NanoDriver::EnforceLiveBudget(const std::string& source_id, const std::string& fresh,
+                                   int64_t env_budget, std::optional<SnapshotRef>* fresh_image) {
+  const int64_t budget = (options_.live_snapshot_max_mb > 0 ? options_.live_snapshot_max_mb
+                                                            : options_.cgroup_memory_mb / 2)
+                         << 20;
+  // What an older clone holds alone grows as the session dirties the pages it shares: its PSS
+  // is measured again at the captures of its environment — the newest few (whose pages the
+  // session dirties most) at every capture, all of them at every 8th (one smaps_rollup costs
+  // ~0.1-0.3 ms; up to 256 clones per environment).
+  constexpr size_t kRemeasureNewest = 4;
+  std::vector<std::pair<uint64_t, std::string>> mine;  // newest first
+  bool all = false;
+  {
+    std::lock_guard<std::mutex> lock(live_mu_);
+    for (const auto& [id, c] : live_) {
+      if (c.source == source_id && id != fresh) mine.emplace_back(c.seq, id);
+    }
+    if (auto it = live_.find(fresh); it != live_.end()) all = it->second.seq % 8 == 0;
+  }
+  std::sort(mine.rbegin(), mine.rend());
+  if (!all && mine.size() > kRemeasureNewest) mine.resize(kRemeasureNewest);
+  for (const auto& [seq, id] : mine) {
+    absl::StatusOr<int> pid = SessionPid({id, "nano", ""});
+    if (!pid.ok()) continue;
+    const int64_t bytes = PssBytes(*pid);
+    std::lock_guard<std::mutex> lock(live_mu_);
+    if (auto it = live_.find(id); it != live_.end()) it->second.bytes = bytes;
+  }
+  while (true) {
+    std::string victim;
+    {
+      std::lock_guard<std::mutex> lock(live_mu_);
+      auto owner_and_bytes = [](const LiveClone& c) { return std::pair(c.source, c.bytes); };
+      const bool env_over = SumBytes(live_, source_id, owner_and_bytes) > env_budget;
+      if (!env_over && SumBytes(live_, "", owner_and_bytes) <= budget) return true;
+      // The oldest other clone (of this environment when it is over its own budget), else the
+      // fresh one itself.
+      uint64_t oldest = UINT64_MAX;
+      for (const auto& [id, c] : live_) {
+        if (id == fresh || (env_over && c.source != source_id) || c.seq >= oldest) continue;
+        oldest = c.seq;
+        victim = id;
+      }
+      if (victim.empty()) victim = fresh;
+    }
+    if (victim != fresh) {
+      EvictLive(victim);
+      continue;
+    }
+    // The fresh clone alone is over a budget: this step's memory goes straight to an image.
+    SnapshotRef image{absl::StrCat("img_", RandomHex(12)), "nano", SnapshotContent::kMemoryAndDisk,
+                      source_id, ""};
+    absl::StatusOr<std::string> state = DumpImage(fresh, source_id, "", &image.bytes);
+    (void)DeleteSnapshot({fresh, "nano", SnapshotContent::kMemoryAndDisk, source_id, "{}"});
+    if (state.ok()) {
+      image.state = *state;
+      *fresh_image = image;
+    } else {
+      LogInfo(absl::StrCat("nano: the memory of a step of ", source_id,
+                           " is not kept: over the live-memory budget and ",
+                           state.status().message()));
+      fresh_image->reset();
+    }
+    return false;
+  }
 }
 
 absl::StatusOr<int> NanoDriver::SessionPid(const InstanceRef& ref) {
@@ -1168,35 +1466,25 @@ absl::StatusOr<ExecResult> NanoDriver::Exec(const InstanceRef&, const ExecReques
 
 absl::Status NanoDriver::WriteFile(const InstanceRef& ref, const std::string& path,
                                    std::string_view data, int64_t offset, bool truncate) {
-  absl::StatusOr<std::shared_ptr<Session>> s = GetSession(ref);
-  if (!s.ok()) return s.status();
-  std::lock_guard<std::mutex> lock((*s)->mu);
-  if ((*s)->dead) return absl::UnavailableError("nano: session worker is not running");
-  absl::StatusOr<Msg> rep = Call((*s)->fd.get(),
-                                 {{"op", "write"},
-                                  {"path", path},
-                                  {"data", std::string(data)},
-                                  {"offset", std::to_string(offset)},
-                                  {"truncate", truncate ? "1" : "0"}},
-                                 kControlTimeoutMs);
-  if (!rep.ok()) return rep.status();
-  return ReplyStatus(*rep, absl::StrCat("write ", path));
+  return FileCall(ref,
+                  {{"op", "write"},
+                   {"path", path},
+                   {"data", std::string(data)},
+                   {"offset", std::to_string(offset)},
+                   {"truncate", truncate ? "1" : "0"}},
+                  absl::StrCat("write ", path))
+      .status();
 }
 
 absl::StatusOr<FileChunk> NanoDriver::ReadFile(const InstanceRef& ref, const std::string& path,
                                                int64_t offset, int64_t length) {
-  absl::StatusOr<std::shared_ptr<Session>> s = GetSession(ref);
-  if (!s.ok()) return s.status();
-  std::lock_guard<std::mutex> lock((*s)->mu);
-  if ((*s)->dead) return absl::UnavailableError("nano: session worker is not running");
-  absl::StatusOr<Msg> rep = Call((*s)->fd.get(),
-                                 {{"op", "read"},
-                                  {"path", path},
-                                  {"offset", std::to_string(offset)},
-                                  {"length", std::to_string(length)}},
-                                 kControlTimeoutMs);
+  absl::StatusOr<Msg> rep = FileCall(ref,
+                                     {{"op", "read"},
+                                      {"path", path},
+                                      {"offset", std::to_string(offset)},
+                                      {"length", std::to_string(length)}},
+                                     absl::StrCat("read ", path));
   if (!rep.ok()) return rep.status();
-  if (absl::Status st = ReplyStatus(*rep, absl::StrCat("read ", path)); !st.ok()) return st;
   FileChunk chunk;
   chunk.data = GetStr(*rep, "data");
   chunk.file_size = GetInt(*rep, "size");
@@ -1205,14 +1493,9 @@ absl::StatusOr<FileChunk> NanoDriver::ReadFile(const InstanceRef& ref, const std
 }
 
 absl::StatusOr<DirListing> NanoDriver::ListDir(const InstanceRef& ref, const std::string& path) {
-  absl::StatusOr<std::shared_ptr<Session>> s = GetSession(ref);
-  if (!s.ok()) return s.status();
-  std::lock_guard<std::mutex> lock((*s)->mu);
-  if ((*s)->dead) return absl::UnavailableError("nano: session worker is not running");
-  absl::StatusOr<Msg> rep = Call((*s)->fd.get(), {{"op", "list"}, {"path", path}},
-                                 kControlTimeoutMs);
+  absl::StatusOr<Msg> rep =
+      FileCall(ref, {{"op", "list"}, {"path", path}}, absl::StrCat("list ", path));
   if (!rep.ok()) return rep.status();
-  if (absl::Status st = ReplyStatus(*rep, absl::StrCat("list ", path)); !st.ok()) return st;
   // Fields come in fives: name, type, size, mtime_ms, w|r. Walked lazily, so a worker that
   // sends millions of empty fields costs nothing beyond its message.
   DirListing out;

@@ -21,6 +21,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -55,6 +56,17 @@ struct NanoDriverOptions {
   // Time travel: where CompactSnapshot writes its images (created 0700; one 0600 file per
   // image). Empty: CompactSnapshot answers FailedPrecondition (nothing is kept compactly).
   std::string snapshot_dir;
+  // Live step snapshots (CaptureStep's frozen clones) are RAM in the nano cgroup. Charged by
+  // their PSS (re-measured at every capture of their environment): an environment's together
+  // hold at most live_snapshot_env_max_mb (0: its session's memory_mb), all of the driver's at
+  // most live_snapshot_max_mb (0: half of cgroup_memory_mb). Over either, the oldest live clone
+  // (of that environment, or of any) is compacted to an image, or released when it cannot be.
+  int64_t live_snapshot_env_max_mb = 0;
+  int64_t live_snapshot_max_mb = 0;
+  // Compact images on disk (deflated bytes): per environment and in total. A compaction over
+  // either is refused (ResourceExhausted): that step's memory is released ("collected").
+  int64_t image_env_max_mb = 1024;
+  int64_t image_max_mb = 8192;
 };
 
 class NanoDriver : public Driver {
@@ -121,6 +133,15 @@ class NanoDriver : public Driver {
                                        const std::string& new_id, BlobStore& blobs) override;
   absl::StatusOr<SnapshotRef> CompactSnapshot(const SnapshotRef& snapshot) override;
   StepMemorySupport StepMemory() const override;
+  // Live snapshots the driver compacted or released itself (over a live-memory budget): the
+  // core reconciles each through CompactSnapshot (the image, or an error: collected).
+  std::set<std::string> ReleasedSnapshots(const std::string& source_id) override;
+  bool HasReleasedSnapshots() override;
+
+  // Accounting, for tests and /healthz: live clones' charged bytes (of `source_id`, or all when
+  // empty) and image bytes on disk (of `source_id`, or all when empty).
+  int64_t LiveSnapshotBytes(const std::string& source_id = "");
+  int64_t ImageBytes(const std::string& source_id = "");
 
   // Test/diagnostic hooks: the worker pid of a session, and how a worker pid ended
   // ("running", "signal 31", "exit 0").
@@ -161,6 +182,22 @@ class NanoDriver : public Driver {
   // Puts `session` in the table as `id` (replacing and killing a previous one) → its ref.
   InstanceRef Install(const std::string& id, std::shared_ptr<Session> session,
                       const std::string& note);
+  // A fresh worker as an (unregistered) session.
+  absl::StatusOr<std::shared_ptr<Session>> StartSession(
+      int64_t memory_mb, int64_t ws_bytes, const std::map<std::string, std::string>& env);
+  // Writes the state of live snapshot `id` (a frozen clone of `source_id`) as an image file
+  // named <base><suffix>, within the image caps → the compact snapshot's state (JSON), and the
+  // deflated size in `bytes`. The clone is left alone (the caller releases it).
+  absl::StatusOr<std::string> DumpImage(const std::string& id, const std::string& source_id,
+                                        const std::string& suffix, int64_t* bytes);
+  // After a capture of `source_id` made live clone `fresh`: re-measures its environment's live
+  // clones and compacts or releases the oldest ones over the budgets. Returns false when
+  // `fresh` itself had to go (then *fresh_image is its compact state, or empty: released).
+  bool EnforceLiveBudget(const std::string& source_id, const std::string& fresh, int64_t env_budget,
+                         std::optional<SnapshotRef>* fresh_image);
+  // Compacts (else releases) live clone `id` on the driver's own account (see ReleasedSnapshots).
+  void EvictLive(const std::string& id);
+  void ForgetImage(const std::string& name);
   void KillSession(const std::shared_ptr<Session>& session);
   // The workspace manifest of a session worker (see CaptureStep).
   absl::StatusOr<WorkspaceManifest> WalkWorkspace(Session& session, const CaptureOptions& options,
@@ -178,6 +215,26 @@ class NanoDriver : public Driver {
   // a capture does not compile 30 KB of Python each time. Empty until the first summary.
   std::mutex vars_mu_;
   std::string vars_code_hex_;
+  // Live step clones (snapshot id → its environment, age and charged PSS) and those the driver
+  // compacted or released itself, until the core reconciles them (CompactSnapshot/Delete).
+  struct LiveClone {
+    std::string source;
+    uint64_t seq = 0;
+    int64_t bytes = 0;
+  };
+  struct Released {
+    std::string source;
+    std::string image_state;  // the compact state (image file "<name>.e"), or empty: released
+    int64_t bytes = 0;
+    std::string why;
+  };
+  std::mutex live_mu_;
+  std::map<std::string, LiveClone> live_;
+  std::map<std::string, Released> released_;
+  uint64_t live_seq_ = 0;
+  // Image files in snapshot_dir: name → (environment key, bytes); counted at start-up too.
+  std::mutex images_mu_;
+  std::map<std::string, std::pair<std::string, int64_t>> images_;
 };
 
 std::unique_ptr<NanoDriver> NewNanoDriver(NanoDriverOptions options);

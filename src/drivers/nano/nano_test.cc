@@ -17,10 +17,12 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <sstream>
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "common/util.h"
 #include "drivers/nano/memfs.h"
 #include "drivers/nano/nano_driver.h"
@@ -1457,6 +1459,229 @@ TEST_F(NanoPythonTest, CompactedStepComesBackAfterARestart) {
   EXPECT_EQ(r->stdout_data, "{'step': 1} on disk\n") << r->stderr_data;
   ASSERT_TRUE(second->DeleteSnapshot(*s.memory).ok());
   ASSERT_TRUE(second->Destroy(*back).ok());
+}
+
+// ---------------- Time travel: live clones and images are accounted (review H3) ----------------
+
+// A driver of its own (budgets set per test), its images in a fresh directory.
+std::unique_ptr<NanoDriver> BudgetDriver(const std::string& dir, int64_t env_live_mb,
+                                         int64_t live_mb, int64_t image_env_mb, int64_t image_mb) {
+  absl::StatusOr<NanoDriverOptions> o = PythonNanoOptions(NANO_PYTHON_WORKER, NANO_PYTHON_DIR);
+  if (!o.ok()) return nullptr;
+  o->cgroup_name = "";
+  o->snapshot_dir = dir;
+  o->live_snapshot_env_max_mb = env_live_mb;
+  o->live_snapshot_max_mb = live_mb;
+  o->image_env_max_mb = image_env_mb;
+  o->image_max_mb = image_mb;
+  return NewNanoDriver(*o);
+}
+
+// One step that keeps a new 24 MiB object (the old one is freed, its pages stay with the clones).
+RunResult BigStep(NanoDriver& d, const InstanceRef& ref, int n) {
+  RunRequest r;
+  r.code = absl::StrCat("step = ", n, "\nbig = bytes([", n, "]) * (24 << 20)\n");
+  r.timeout_ms = 20000;
+  absl::StatusOr<RunResult> res = d.RunCode(&ref, r, nullptr);
+  if (res.ok()) return *res;
+  RunResult failed;
+  failed.exit_code = -1;
+  failed.stderr_data = res.status().ToString();
+  return failed;
+}
+
+std::string RunOn(NanoDriver& d, const InstanceRef& ref, const std::string& code) {
+  RunRequest r;
+  r.code = code;
+  absl::StatusOr<RunResult> res = d.RunCode(&ref, r, nullptr);
+  if (!res.ok()) return res.status().ToString();
+  return res->stdout_data + res->stderr_data;
+}
+
+TEST_F(NanoPythonTest, LiveClonesOfAnEnvironmentKeeping24MiBPerStepStayWithinItsBudget) {
+  // The attack: every step leaves 24 MiB that only its frozen clone keeps. With 16 live clones
+  // (the core's default; up to 256) that was 384 MiB (6 GiB) of unaccounted RAM per environment.
+  auto d = BudgetDriver(image_root_ + "/h3-env", /*env_live_mb=*/64, 0, 1024, 8192);
+  ASSERT_NE(d, nullptr);
+  absl::StatusOr<InstanceRef> ref = d->Create("h3_env", EnvSpec{});
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  esb::testing::MemoryBlobStore blobs;
+  std::vector<StepState> steps;
+  int64_t most = 0;
+  for (int n = 1; n <= 6; n++) {
+    RunResult r = BigStep(*d, *ref, n);
+    ASSERT_EQ(r.exit_code, 0) << r.stderr_data;
+    absl::StatusOr<StepState> s = d->CaptureStep(*ref, CaptureOptions{}, blobs);
+    ASSERT_TRUE(s.ok()) << s.status();
+    ASSERT_TRUE(s->memory.has_value()) << "step " << n;
+    steps.push_back(*s);
+    const int64_t live = d->LiveSnapshotBytes("h3_env");
+    EXPECT_LE(live, int64_t{64} << 20) << "step " << n;
+    most = std::max(most, live);
+    // Measured independently: the PSS of the clones still alive.
+    int64_t pss = 0;
+    for (const StepState& st : steps) {
+      absl::StatusOr<int> pid = d->SessionPid({st.memory->id, "nano", ""});
+      std::ifstream f(absl::StrCat("/proc/", pid.ok() ? *pid : 0, "/smaps_rollup"));
+      for (std::string line; pid.ok() && std::getline(f, line);) {
+        if (line.rfind("Pss:", 0) == 0) pss += std::strtoll(line.c_str() + 4, nullptr, 10) << 10;
+      }
+    }
+    EXPECT_LE(pss, int64_t{68} << 20) << "step " << n;
+  }
+  // The charge is real (PSS of clones holding 24 MiB objects), not zero.
+  EXPECT_GE(most, int64_t{30} << 20);
+  // The oldest clones went to images the core has to adopt; the newest stayed live.
+  std::set<std::string> released = d->ReleasedSnapshots("h3_env");
+  EXPECT_GE(released.size(), 3u);
+  EXPECT_TRUE(released.count(steps[0].memory->id));
+  EXPECT_FALSE(released.count(steps.back().memory->id));
+  EXPECT_TRUE(d->HasReleasedSnapshots());
+  EXPECT_GT(d->ImageBytes("h3_env"), 0);
+  // Before the core adopts it, a released step still comes back exactly (from its image)...
+  absl::StatusOr<InstanceRef> back = d->RestoreStep(*ref, steps[0], blobs);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(RunOn(*d, *back, "print(step, len(big), big[-1])"), "1 25165824 1\n");
+  // ...and after: CompactSnapshot answers the image (no new dump), which restores too.
+  absl::StatusOr<SnapshotRef> adopted = d->CompactSnapshot(*steps[1].memory);
+  ASSERT_TRUE(adopted.ok()) << adopted.status();
+  EXPECT_FALSE(adopted->live);
+  EXPECT_GT(adopted->bytes, 0);
+  EXPECT_FALSE(d->ReleasedSnapshots("h3_env").count(steps[1].memory->id));
+  StepState cs = steps[1];
+  cs.memory = *adopted;
+  absl::StatusOr<InstanceRef> fork = d->ForkStep(cs, EnvSpec{}, "h3_fork", blobs);
+  ASSERT_TRUE(fork.ok()) << fork.status();
+  EXPECT_EQ(RunOn(*d, *fork, "print(step, big[0])"), "2 2\n");
+  // Releasing everything leaves no image and no charge behind.
+  ASSERT_TRUE(d->DeleteSnapshot(*adopted).ok());
+  for (size_t i = 0; i < steps.size(); i++) {
+    if (i != 1) ASSERT_TRUE(d->DeleteSnapshot(*steps[i].memory).ok());
+  }
+  EXPECT_EQ(d->LiveSnapshotBytes("h3_env"), 0);
+  EXPECT_EQ(d->ImageBytes(), 0);
+  EXPECT_FALSE(d->HasReleasedSnapshots());
+  EXPECT_TRUE(std::filesystem::is_empty(image_root_ + "/h3-env"));
+}
+
+TEST_F(NanoPythonTest, ASecondEnvironmentStillCapturesLiveWhenAnotherFilledTheDriversBudget) {
+  auto d =
+      BudgetDriver(image_root_ + "/h3-global", /*env_live_mb=*/1024, /*live_mb=*/80, 1024, 8192);
+  ASSERT_NE(d, nullptr);
+  absl::StatusOr<InstanceRef> a = d->Create("h3_a", EnvSpec{});
+  absl::StatusOr<InstanceRef> b = d->Create("h3_b", EnvSpec{});
+  ASSERT_TRUE(a.ok() && b.ok());
+  esb::testing::MemoryBlobStore blobs;
+  std::vector<StepState> kept;
+  for (int n = 1; n <= 4; n++) {
+    ASSERT_EQ(BigStep(*d, *a, n).exit_code, 0);
+    absl::StatusOr<StepState> s = d->CaptureStep(*a, CaptureOptions{}, blobs);
+    ASSERT_TRUE(s.ok()) << s.status();
+    kept.push_back(*s);
+    EXPECT_LE(d->LiveSnapshotBytes(), int64_t{80} << 20) << "step " << n;
+  }
+  EXPECT_GT(d->LiveSnapshotBytes("h3_a"), int64_t{24} << 20);
+  // B runs and its steps still get live memory snapshots: A's oldest clones make room.
+  for (int n = 1; n <= 2; n++) {
+    ASSERT_EQ(BigStep(*d, *b, 100 + n).exit_code, 0);
+    absl::StatusOr<StepState> s = d->CaptureStep(*b, CaptureOptions{}, blobs);
+    ASSERT_TRUE(s.ok()) << s.status();
+    ASSERT_TRUE(s->memory.has_value());
+    EXPECT_TRUE(s->memory->live);
+    kept.push_back(*s);
+    EXPECT_LE(d->LiveSnapshotBytes(), int64_t{80} << 20);
+  }
+  EXPECT_GT(d->LiveSnapshotBytes("h3_b"), 0);
+  EXPECT_FALSE(d->ReleasedSnapshots("h3_a").empty());
+  EXPECT_TRUE(d->ReleasedSnapshots("h3_b").empty());
+  EXPECT_EQ(RunOn(*d, *b, "print(step)"), "102\n");
+  for (const StepState& s : kept) ASSERT_TRUE(d->DeleteSnapshot(*s.memory).ok());
+  EXPECT_EQ(d->ImageBytes(), 0);
+}
+
+TEST_F(NanoPythonTest, CompactionsOverTheImageCapsAreRefusedWithTheReason) {
+  esb::testing::MemoryBlobStore blobs;
+  // 8 MiB of random bytes per step: images that do not deflate, each about `one` bytes.
+  auto step = [&](NanoDriver& d, const InstanceRef& ref) {
+    EXPECT_EQ(RunOn(d, ref, "import os\nnoise = os.urandom(8 << 20)\n"), "");
+    absl::StatusOr<StepState> s = d.CaptureStep(ref, CaptureOptions{}, blobs);
+    EXPECT_TRUE(s.ok() && s->memory) << s.status();
+    return s.ok() && s->memory ? *s->memory : SnapshotRef{};
+  };
+  int64_t one = 0;
+  {
+    auto probe = BudgetDriver(image_root_ + "/h3-probe", 0, 0, 1024, 8192);
+    ASSERT_NE(probe, nullptr);
+    absl::StatusOr<InstanceRef> p = probe->Create("h3_probe", EnvSpec{});
+    ASSERT_TRUE(p.ok()) << p.status();
+    absl::StatusOr<SnapshotRef> img = probe->CompactSnapshot(step(*probe, *p));
+    ASSERT_TRUE(img.ok()) << img.status();
+    one = img->bytes;
+    ASSERT_TRUE(probe->DeleteSnapshot(*img).ok());
+  }
+  ASSERT_GT(one, int64_t{8} << 20);
+  // Caps: one image per environment (not two), two in all (not three).
+  const int64_t env_mb = (one * 3 / 2) >> 20, all_mb = (one * 5 / 2) >> 20;
+  const std::string dir = image_root_ + "/h3-images";
+  auto d = BudgetDriver(dir, 0, 0, env_mb, all_mb);
+  ASSERT_NE(d, nullptr);
+  absl::StatusOr<InstanceRef> a = d->Create("h3_img_a", EnvSpec{});
+  absl::StatusOr<InstanceRef> b = d->Create("h3_img_b", EnvSpec{});
+  absl::StatusOr<InstanceRef> c = d->Create("h3_img_c", EnvSpec{});
+  ASSERT_TRUE(a.ok() && b.ok() && c.ok());
+  // A step of `ref` (its live snapshot in *live) and the compaction of its memory: an image, or
+  // refused with a reason that contains `refused` (nothing is left on disk for it).
+  auto compact = [&](const InstanceRef& ref, SnapshotRef* live, const char* refused) {
+    *live = step(*d, ref);
+    absl::StatusOr<SnapshotRef> img = d->CompactSnapshot(*live);
+    if (refused == nullptr) {
+      EXPECT_TRUE(img.ok()) << img.status();
+    } else {
+      EXPECT_EQ(img.status().code(), absl::StatusCode::kResourceExhausted) << img.status();
+      EXPECT_NE(img.status().message().find(refused), std::string::npos) << img.status();
+    }
+    return img.ok() ? *img : SnapshotRef{};
+  };
+  SnapshotRef a1, a2, b1, c1;
+  const SnapshotRef img_a1 = compact(*a, &a1, nullptr);
+  // A's second image would pass A's cap.
+  compact(*a, &a2, "this environment's memory images");
+  EXPECT_EQ(d->ImageBytes("h3_img_a"), img_a1.bytes);
+  // B's image fits; C's would pass the cap of all environments.
+  const SnapshotRef img_b1 = compact(*b, &b1, nullptr);
+  compact(*c, &c1, "of all environments");
+  int files = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    EXPECT_EQ(e.path().filename().string().find(".tmp"), std::string::npos) << e.path();
+    files++;
+  }
+  EXPECT_EQ(files, 2);
+  // A refused compaction leaves the live snapshot usable (the core then releases it).
+  StepState at_c1;
+  at_c1.memory = c1;
+  absl::StatusOr<InstanceRef> back = d->RestoreStep(*c, at_c1, blobs);
+  ASSERT_TRUE(back.ok()) << back.status();
+  // Deleting A's image makes room for C.
+  ASSERT_TRUE(d->DeleteSnapshot(img_a1).ok());
+  absl::StatusOr<SnapshotRef> img_c1 = d->CompactSnapshot(c1);
+  ASSERT_TRUE(img_c1.ok()) << img_c1.status();
+  // A restart counts what is on disk (per environment, from the names) and removes leftovers:
+  // a half-written image and one the driver made on its own that the core never adopted.
+  for (const char* junk : {"/img_0123456789ab_0123456789ab.tmp", "/img_0123456789ab_0123.e"}) {
+    std::ofstream(dir + junk) << "junk";
+  }
+  auto again = BudgetDriver(dir, 0, 0, env_mb, all_mb);
+  ASSERT_NE(again, nullptr);
+  EXPECT_EQ(again->ImageBytes(), img_b1.bytes + img_c1->bytes);
+  EXPECT_EQ(again->ImageBytes("h3_img_c"), img_c1->bytes);
+  EXPECT_EQ(again->ImageBytes("h3_img_a"), 0);
+  EXPECT_FALSE(std::filesystem::exists(dir + "/img_0123456789ab_0123456789ab.tmp"));
+  EXPECT_FALSE(std::filesystem::exists(dir + "/img_0123456789ab_0123.e"));
+  ASSERT_TRUE(again->DeleteSnapshot(img_b1).ok());
+  ASSERT_TRUE(again->DeleteSnapshot(*img_c1).ok());
+  EXPECT_EQ(again->ImageBytes(), 0);
+  EXPECT_TRUE(std::filesystem::is_empty(dir));
+  (void)d->DeleteSnapshot(a2);
 }
 
 TEST_F(NanoPythonTest, CompactOfAFileOpenAfterUnlinkIsUnimplementedWithTheReason) {
