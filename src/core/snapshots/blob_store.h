@@ -36,6 +36,11 @@ class DiskBlobStore : public BlobStore {
   bool Has(std::string_view sha256) override;
   // NotFound when absent; DataLoss when its bytes do not hash to its key.
   absl::StatusOr<std::string> Get(std::string_view sha256) override;
+  // pread of the range (offset 0: the whole blob is first hashed in 1 MiB pieces and checked
+  // against its key, DataLoss otherwise): holds at most `length` bytes (+ 1 MiB).
+  absl::StatusOr<std::string> ReadRange(std::string_view sha256, int64_t offset,
+                                        int64_t length) override;
+  int64_t max_blob_bytes() const override { return options_.max_blob_bytes; }
 
   // Garbage collection (core/snapshots/retention): every blob with its size and mtime, and
   // removal of one.
