@@ -14,6 +14,8 @@ namespace json = boost::json;
 
 namespace {
 
+constexpr int64_t kStepFileChunk = 1 << 20;
+
 // A non-negative integer query or path parameter within [0, max]; nullopt when malformed.
 std::optional<int64_t> ParseCount(const std::string& text, int64_t max) {
   if (text.empty() || text.size() > 19) return std::nullopt;
@@ -88,15 +90,37 @@ std::optional<Response> StepParam(Request& req, int64_t* n) {
   return std::nullopt;
 }
 
+// Errors of the steps routes (docs/api.md "Steps"): 410 "collected" when retention released
+// what was asked for; 410 "corrupt" when stored state fails verification (the core logged
+// it); 409 for a step without state, capture off or another conflict; the rest by the one
+// status table.
 Response StepStatusResponse(const absl::Status& st) {
-  if (IsStepCollected(st)) {
+  if (IsStepCollected(st) || absl::IsDataLoss(st)) {
     json::object o = ErrorBody("gone", StdView(st.message()));
-    o["detail"] = "collected";
+    o["detail"] = IsStepCollected(st) ? "collected" : "corrupt";
     return JsonResponse(410, o);
   }
-  if (absl::IsFailedPrecondition(st))
-    return ErrorResponse(400, "bad_request", StdView(st.message()));
+  if (absl::IsFailedPrecondition(st)) return ErrorResponse(409, "conflict", StdView(st.message()));
   return StatusResponse(st);
+}
+
+// `<name>_after` and `<name>_limit` of GET .../steps/{n} (a window of its files or changes).
+std::optional<Response> WindowParams(Request& req, const std::string& name, StepListWindow* w) {
+  if (auto v = req.Query(name + "_limit")) {
+    auto parsed = ParseCount(*v, kMaxStepFilesListed);
+    if (!parsed || *parsed < 1)
+      return ErrorResponse(
+          400, "bad_request",
+          absl::StrCat("'", name, "_limit' must be an integer in 1..", kMaxStepFilesListed));
+    w->limit = *parsed;
+  }
+  if (auto v = req.Query(name + "_after")) {
+    if (v->size() > 4096 || !IsValidUtf8(*v))
+      return ErrorResponse(400, "bad_request",
+                           absl::StrCat("'", name, "_after' must be a path (UTF-8, ≤ 4096 bytes)"));
+    w->after = *v;
+  }
+  return std::nullopt;
 }
 
 // The body of rewind/fork: {"step": n}.
@@ -170,7 +194,10 @@ void ApiService::RegisterSteps(
   add("GET", "/environments/{id}/steps/{n}", [this](Request& req, const Caller& t) {
     int64_t n = 0;
     if (auto bad = StepParam(req, &n)) return *bad;
-    auto d = manager_->GetStep(t, req.Param("id"), n);
+    StepListWindow files_window, changes_window;
+    if (auto bad = WindowParams(req, "files", &files_window)) return *bad;
+    if (auto bad = WindowParams(req, "changes", &changes_window)) return *bad;
+    auto d = manager_->GetStep(t, req.Param("id"), n, files_window, changes_window);
     if (!d.ok()) return StepStatusResponse(d.status());
     json::object o = RenderStep(d->record, d->on_head);
     json::object detail;
@@ -207,10 +234,14 @@ void ApiService::RegisterSteps(
       files.push_back(std::move(f));
     }
     o["files"] = d->has_files ? json::value(std::move(files)) : json::value();
+    o["files_total"] = d->files_total;
+    o["files_next"] = OptStr(d->files_next);
     json::array changes;
     for (const ManifestChange& c : d->changes)
       changes.push_back(json::object{{"path", SanitizeUtf8(c.path)}, {"change", c.change}});
     o["changes"] = std::move(changes);
+    o["changes_total"] = d->changes_total;
+    o["changes_next"] = OptStr(d->changes_next);
     o["artifacts"] = take("artifacts", json::array{});
     json::array audit, egress;
     for (const AuditEntry& e : d->audit) audit.push_back(RenderAudit(e));
@@ -228,9 +259,29 @@ void ApiService::RegisterSteps(
     auto path = req.Query("path");
     if (!path || path->empty())
       return ErrorResponse(400, "bad_request", "'path' is required (a file under /workspace)");
-    auto data = manager_->ReadStepFile(t, req.Param("id"), n, *path);
-    if (!data.ok()) return StepStatusResponse(data.status());
-    return Response::Text(200, *std::move(data), "application/octet-stream");
+    auto file = manager_->OpenStepFile(t, req.Param("id"), n, *path);
+    if (!file.ok()) return StepStatusResponse(file.status());
+    if (file->symlink) return Response::Text(200, file->target, "application/octet-stream");
+    // Streamed a chunk at a time (a blob is up to 256 MiB); the first chunk before answering,
+    // so that a collected or corrupt blob is a clean 410.
+    auto first = file->read(0, kStepFileChunk);
+    if (!first.ok()) return StepStatusResponse(first.status());
+    const int64_t size = file->size;
+    Response resp = Response::Stream(
+        200, "application/octet-stream",
+        [f = *std::move(file), chunk = *std::move(first)](ResponseWriter& w) mutable {
+          int64_t offset = 0;
+          while (!chunk.empty()) {
+            if (!w.Write(chunk)) return;  // the client went away
+            offset += static_cast<int64_t>(chunk.size());
+            if (offset >= f.size) return;
+            auto next = f.read(offset, kStepFileChunk);
+            if (!next.ok()) return;  // headers are gone: the cut chunked body tells the client
+            chunk = *std::move(next);
+          }
+        });
+    resp.SetHeader("X-File-Size", std::to_string(size));
+    return resp;
   });
 
   add("GET", "/environments/{id}/steps/{n}/diff", [this](Request& req, const Caller& t) {
@@ -241,11 +292,12 @@ void ApiService::RegisterSteps(
       return ErrorResponse(400, "bad_request", "'path' is required (a file under /workspace)");
     auto d = manager_->DiffStepFile(t, req.Param("id"), n, *path);
     if (!d.ok()) return StepStatusResponse(d.status());
-    return JsonResponse(200, json::object{{"path", SanitizeUtf8(d->path)},
-                                          {"change", d->change},
-                                          {"binary", d->binary},
-                                          {"truncated", d->truncated},
-                                          {"diff", d->diff}});
+    return JsonResponse(
+        200, json::object{{"path", SanitizeUtf8(d->path)},
+                          {"change", d->change.empty() ? json::value() : json::value(d->change)},
+                          {"binary", d->binary},
+                          {"truncated", d->truncated},
+                          {"diff", d->diff}});
   });
 
   add("POST", "/environments/{id}/rewind", [this](Request& req, const Caller& t) {

@@ -1017,9 +1017,16 @@ class Runner {
       for (const json::value& c : changes->get_array())
         rows.push_back({SanitizeCell(Str(c, "change"), 20), SanitizeCell(Str(c, "path"), 200)});
       out_ << "\nchanged files:\n" << RenderTable({"CHANGE", "PATH"}, rows);
+      // The daemon sends a window of the changes (docs/api.md: changes_after / changes_next).
+      if (std::optional<double> total = Num(s, "changes_total");
+          total && *total > static_cast<double>(rows.size()))
+        out_ << "(" << rows.size() << " of " << IntText(total) << " changes shown)\n";
     }
-    if (const json::value* files = Field(s, "files"); files != nullptr && files->is_array())
-      out_ << "\nfiles at this step: " << files->get_array().size() << "\n";
+    if (const json::value* files = Field(s, "files"); files != nullptr && files->is_array()) {
+      std::optional<double> total = Num(s, "files_total");
+      out_ << "\nfiles at this step: "
+           << (total ? IntText(total) : std::to_string(files->get_array().size())) << "\n";
+    }
     return kExitOk;
   }
 

@@ -1005,6 +1005,15 @@ TEST_F(CliTest, StepShowsOutputVariablesAndChanges) {
   EXPECT_EQ(out.find('\x1b'), std::string::npos);
   EXPECT_EQ(Run({"step", "env_a", "-1"}), kExitUsage);
   EXPECT_EQ(Run({"step", "env_a", "x"}), kExitUsage);
+  // A window of a large tree: the totals are shown, not the window's size.
+  out_.str("");
+  Answer(200, R"j({"step": 4, "kind": "execute", "status": "ok", "files_total": 120000,
+    "files": [{"path": "a.txt", "type": "file", "size": 1, "mode": 420, "sha256": "x"}],
+    "files_next": "a.txt", "changes": [{"path": "a.txt", "change": "added"}],
+    "changes_total": 5000, "changes_next": "a.txt"})j");
+  ASSERT_EQ(Run({"step", "env_a", "4"}), 0) << err_.str();
+  for (const char* want : {"files at this step: 120000", "(1 of 5000 changes shown)"})
+    EXPECT_NE(out_.str().find(want), std::string::npos) << want << " in\n" << out_.str();
   Answer(404, R"({"error":true,"code":"not_found","message":"environment env_a has no step 9"})");
   EXPECT_EQ(Run({"step", "env_a", "9"}), kExitError);
   EXPECT_EQ(err_.str(), "esb: environment env_a has no step 9 (HTTP 404 not_found)\n");

@@ -322,16 +322,15 @@ absl::StatusOr<EnvironmentInfo> EnvironmentManager::Create(const Caller& caller,
                                                            const StepSettings* steps) {
   const int64_t t0 = MonotonicMs();
   std::shared_ptr<LiveEnv> created;
+  // Step 0: the environment's initial state, recorded before anyone can see the environment.
   absl::StatusOr<EnvironmentInfo> info =
-      CreateEnvironment(caller.tenant, spec, ttl_s, egress, nullptr, &created);
-  if (info.ok() && created) {
-    // Step 0: the environment's initial state.
-    InitSteps(
-        *created, steps ? *steps : StepSettings{}, "create",
-        absl::StrCat("create ", AbslView(ToString(spec.runtime)), " ", spec.image),
-        json::serialize(json::object{{"runtime", ToString(spec.runtime)}, {"image", spec.image}}));
-    info->steps = StepsStatusOf(*created);
-  }
+      CreateEnvironment(caller.tenant, spec, ttl_s, egress, nullptr, &created, [&](LiveEnv& env) {
+        InitSteps(env, steps ? *steps : StepSettings{}, "create",
+                  absl::StrCat("create ", AbslView(ToString(spec.runtime)), " ", spec.image),
+                  json::serialize(
+                      json::object{{"runtime", ToString(spec.runtime)}, {"image", spec.image}}));
+      });
+  if (info.ok() && created) info->steps = StepsStatusOf(*created);
   audit_.Record(
       caller,
       {.environment_id = info.ok() ? info->record.id : "",
@@ -348,7 +347,7 @@ absl::StatusOr<EnvironmentInfo> EnvironmentManager::Create(const Caller& caller,
 absl::StatusOr<EnvironmentInfo> EnvironmentManager::CreateEnvironment(
     const std::string& tenant, const EnvSpec& requested, int64_t ttl_s,
     const governance::EgressPolicy* egress, const InstanceMaker& make,
-    std::shared_ptr<LiveEnv>* created_out) {
+    std::shared_ptr<LiveEnv>* created_out, const std::function<void(LiveEnv&)>& before_publish) {
   EnvSpec spec = requested;
   spec.network = NetworkPolicy{};
   // A governed network: the runtime must be able to build it, the daemon must have a proxy to
@@ -486,6 +485,7 @@ absl::StatusOr<EnvironmentInfo> EnvironmentManager::CreateEnvironment(
     snapshot = env->record;
   }
   env->tenant = tenant;  // before publication; never changed after
+  if (before_publish) before_publish(*env);
   {
     std::lock_guard<std::mutex> lock(mu_);
     envs_[snapshot.id] = env;

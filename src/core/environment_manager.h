@@ -362,9 +362,16 @@ class EnvironmentManager {
   // `before` < 0: from the newest; limit 1..kMaxStepsListed.
   absl::StatusOr<StepPage> ListSteps(const Caller& caller, const std::string& id, int64_t before,
                                      int limit);
-  absl::StatusOr<StepDetail> GetStep(const Caller& caller, const std::string& id, int64_t n);
-  // A file's bytes at step n: NotFound when absent at n, FailedPrecondition for a directory,
-  // Aborted (409) for a step without state, StepCollectedError (410) when its blob is gone.
+  // The step with windows of its file tree and of its changes (StepListWindow).
+  absl::StatusOr<StepDetail> GetStep(const Caller& caller, const std::string& id, int64_t n,
+                                     const StepListWindow& files = {},
+                                     const StepListWindow& changes = {});
+  // A file at step n, to be read in ranges: NotFound when absent at n, FailedPrecondition for a
+  // directory, Aborted (409) for a step without state, StepCollectedError (410) when its
+  // manifest or blob is gone or unreadable.
+  absl::StatusOr<StepFile> OpenStepFile(const Caller& caller, const std::string& id, int64_t n,
+                                        const std::string& path);
+  // The same, whole (at most the blob store's per-blob cap; tools and tests).
   absl::StatusOr<std::string> ReadStepFile(const Caller& caller, const std::string& id, int64_t n,
                                            const std::string& path);
   absl::StatusOr<StepFileDiff> DiffStepFile(const Caller& caller, const std::string& id, int64_t n,
@@ -481,6 +488,9 @@ class EnvironmentManager {
     // More live memory snapshots than max_live_memory: the reaper compacts the oldest
     // (CompactStepMemory) off the calls' path (a nano compaction takes tenths of a second).
     bool compact_pending = false;
+    // Steps a fork is copying from (how many forks each), guarded by `mu`: retention neither
+    // compacts nor collects them meanwhile (a fork holds step_mu only while it reads the step).
+    std::map<int64_t, int> fork_pins;
     // The last StepsStatus computed under step_mu, guarded by `mu`: what a read shows while a
     // call holds step_mu (reads never wait for one).
     StepsStatus steps_status;
@@ -546,12 +556,14 @@ class EnvironmentManager {
   absl::StatusOr<std::shared_ptr<LiveEnv>> LookupFor(const Caller& caller, const std::string& id,
                                                      Capability needed);
   void Touch(LiveEnv& env);
-  // Create without its audit row (Create writes it, whatever happens here).
-  absl::StatusOr<EnvironmentInfo> CreateEnvironment(const std::string& tenant, const EnvSpec& spec,
-                                                    int64_t ttl_s,
-                                                    const governance::EgressPolicy* egress,
-                                                    const InstanceMaker& make = nullptr,
-                                                    std::shared_ptr<LiveEnv>* created = nullptr);
+  // Create without its audit row (Create writes it, whatever happens here). `before_publish`
+  // runs on the new environment before any other call can see it (its step log: a call racing
+  // the create never finds it with default step settings).
+  absl::StatusOr<EnvironmentInfo> CreateEnvironment(
+      const std::string& tenant, const EnvSpec& spec, int64_t ttl_s,
+      const governance::EgressPolicy* egress, const InstanceMaker& make = nullptr,
+      std::shared_ptr<LiveEnv>* created = nullptr,
+      const std::function<void(LiveEnv&)>& before_publish = nullptr);
   // Egress helpers (environment_manager_egress.cc). The *Locked ones need env.egress_mu.
   // Drops expired environment-scoped intents (true if any was dropped).
   bool PruneIntentsLocked(LiveEnv& env, int64_t now);

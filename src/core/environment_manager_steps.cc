@@ -146,6 +146,18 @@ bool IsStepCollected(const absl::Status& status) {
   return status.GetPayload(kStepCollectedUrl).has_value();
 }
 
+// A stored part of a step's state that cannot be read: gone (NotFound: 410 "collected") or
+// failing verification (DataLoss: logged, 410 "corrupt"); other errors pass unchanged.
+absl::Status StepStateGone(const absl::Status& st, std::string_view what) {
+  if (absl::IsNotFound(st))
+    return StepCollectedError(absl::StrCat(AbslView(what), " was collected by retention"));
+  if (absl::IsDataLoss(st)) {
+    LogError(absl::StrCat("step state: ", AbslView(what), " is corrupt: ", st.message()));
+    return absl::DataLossError(absl::StrCat(AbslView(what), " is corrupt (it fails verification)"));
+  }
+  return st;
+}
+
 namespace {
 // A driver that cannot bring a step's state back because part of it is gone (a blob or image
 // collected, a live snapshot lost, contents that do not match) answers 410 "collected", as the
@@ -596,7 +608,11 @@ void EnvironmentManager::EnforceRetentionLocked(LiveEnv& env, int* budget) {
   const StepSettings& s = env.step_settings;
   const int64_t now = Now();
   // Oldest first; the head is referenced (the environment is at it) and never collected.
-  auto collectable = [&](int64_t n) { return !env.head || n != *env.head; };
+  auto collectable = [&](int64_t n) {
+    if (env.head && n == *env.head) return false;
+    std::lock_guard<std::mutex> elock(env.mu);
+    return !env.fork_pins.count(n);  // a fork is copying from it
+  };
   // 1. Live memory snapshots over the cap: compacted (or released) oldest first — by the
   // compactor thread, not on the call's path.
   int64_t live = 0;
@@ -938,10 +954,11 @@ absl::StatusOr<StepState> EnvironmentManager::StateOfStep(const StepRecord& rec,
                                            rec.memory_detail.value_or("none"), ")"));
   auto text = options_.blobs->ForTenant(rec.tenant).Get(rec.manifest_sha);
   if (!text.ok())
-    return absl::AbortedError(
-        absl::StrCat("step ", rec.n, ": its manifest is gone: ", text.status().message()));
+    return StepStateGone(text.status(), absl::StrCat("step ", rec.n, ": its manifest"));
   auto m = DecodeManifest(*text);
-  if (!m.ok()) return m.status();
+  if (!m.ok())
+    return StepStateGone(absl::DataLossError(m.status().message()),
+                         absl::StrCat("step ", rec.n, ": its manifest"));
   StepState state;
   state.workspace = *std::move(m);
   json::object st = ParseObject(rec.state_json);
@@ -958,8 +975,29 @@ absl::StatusOr<StepState> EnvironmentManager::StateOfStep(const StepRecord& rec,
   return state;
 }
 
+namespace {
+// The window of `v` (sorted by path) after `w.after`, at most `w.limit`.
+template <typename T, typename PathOf>
+void ApplyWindow(std::vector<T>* v, const StepListWindow& w, PathOf path_of, int64_t* total,
+                 std::optional<std::string>* next) {
+  *total = static_cast<int64_t>(v->size());
+  auto begin = v->begin();
+  if (!w.after.empty()) {
+    begin = std::upper_bound(v->begin(), v->end(), w.after,
+                             [&](const std::string& a, const T& e) { return a < path_of(e); });
+  }
+  const int64_t limit = std::clamp<int64_t>(w.limit, 1, kMaxStepFilesListed);
+  const int64_t available = v->end() - begin;
+  const int64_t take = std::min(limit, available);
+  std::vector<T> out(std::make_move_iterator(begin), std::make_move_iterator(begin + take));
+  if (take < available && !out.empty()) *next = path_of(out.back());
+  *v = std::move(out);
+}
+}  // namespace
+
 absl::StatusOr<StepDetail> EnvironmentManager::GetStep(const Caller& caller, const std::string& id,
-                                                       int64_t n) {
+                                                       int64_t n, const StepListWindow& files,
+                                                       const StepListWindow& changes) {
   auto env = Lookup(caller.tenant, id);
   if (!env.ok()) return env.status();
   if (n < 0) return absl::InvalidArgumentError("a step number is 0 or more");
@@ -1006,6 +1044,14 @@ absl::StatusOr<StepDetail> EnvironmentManager::GetStep(const Caller& caller, con
       }
     }
     d.changes = DiffManifests(parent, d.files);
+    // SECURITY: a workspace of 100,000 entries is shown in windows, not rendered at once.
+    ApplyWindow(
+        &d.files.entries, files,
+        [](const ManifestEntry& e) -> const std::string& { return e.path; }, &d.files_total,
+        &d.files_next);
+    ApplyWindow(
+        &d.changes, changes, [](const ManifestChange& c) -> const std::string& { return c.path; },
+        &d.changes_total, &d.changes_next);
   }
   if (d.cwd.empty()) d.cwd = StringField(ParseObject(rec->detail_json), "cwd");
   // What the step caused: the environment's audit and egress rows in its time window.
@@ -1041,9 +1087,9 @@ absl::StatusOr<std::string> CheckStepPath(const std::string& path) {
 }
 }  // namespace
 
-absl::StatusOr<std::string> EnvironmentManager::ReadStepFile(const Caller& caller,
-                                                             const std::string& id, int64_t n,
-                                                             const std::string& path) {
+absl::StatusOr<StepFile> EnvironmentManager::OpenStepFile(const Caller& caller,
+                                                          const std::string& id, int64_t n,
+                                                          const std::string& path) {
   auto env = Lookup(caller.tenant, id);
   if (!env.ok()) return env.status();
   auto rel = CheckStepPath(path);
@@ -1054,18 +1100,43 @@ absl::StatusOr<std::string> EnvironmentManager::ReadStepFile(const Caller& calle
   if (rec->manifest_sha.empty() || options_.blobs == nullptr)
     return absl::AbortedError(absl::StrCat("step ", n, " has no captured files"));
   auto text = options_.blobs->ForTenant(caller.tenant).Get(rec->manifest_sha);
-  if (!text.ok()) return StepCollectedError(absl::StrCat("step ", n, ": its manifest is gone"));
+  if (!text.ok()) return StepStateGone(text.status(), absl::StrCat("step ", n, ": its manifest"));
   auto m = DecodeManifest(*text);
-  if (!m.ok()) return m.status();
+  if (!m.ok())
+    return StepStateGone(absl::DataLossError(m.status().message()),
+                         absl::StrCat("step ", n, ": its manifest"));
   const ManifestEntry* e = FindEntry(*m, *rel);
   if (!e) return absl::NotFoundError(absl::StrCat("'", *rel, "' did not exist at step ", n));
   if (e->type == ManifestEntry::Type::kDir)
-    return absl::FailedPreconditionError(absl::StrCat("'", *rel, "' is a directory"));
-  if (e->type == ManifestEntry::Type::kSymlink) return e->target;
-  auto data = options_.blobs->ForTenant(caller.tenant).Get(e->sha256);
-  if (absl::IsNotFound(data.status()))
-    return StepCollectedError(
-        absl::StrCat("the contents of '", *rel, "' at step ", n, " were collected by retention"));
+    return absl::InvalidArgumentError(absl::StrCat("'", *rel, "' is a directory"));
+  StepFile f;
+  if (e->type == ManifestEntry::Type::kSymlink) {
+    f.symlink = true;
+    f.target = e->target;
+    f.size = static_cast<int64_t>(e->target.size());
+    return f;
+  }
+  f.size = e->size;
+  f.read = [blobs = options_.blobs, tenant = caller.tenant, sha = e->sha256,
+            what = absl::StrCat("the contents of '", *rel, "' at step ", n)](
+               int64_t offset, int64_t length) -> absl::StatusOr<std::string> {
+    auto data = blobs->ForTenant(tenant).ReadRange(sha, offset, length);
+    if (!data.ok()) return StepStateGone(data.status(), what);
+    return data;
+  };
+  return f;
+}
+
+absl::StatusOr<std::string> EnvironmentManager::ReadStepFile(const Caller& caller,
+                                                             const std::string& id, int64_t n,
+                                                             const std::string& path) {
+  auto f = OpenStepFile(caller, id, n, path);
+  if (!f.ok()) return f.status();
+  if (f->symlink) return f->target;
+  const int64_t cap = options_.blobs->options().max_blob_bytes;
+  auto data = f->read(0, cap + 1);
+  if (data.ok() && static_cast<int64_t>(data->size()) > cap)
+    return absl::OutOfRangeError("larger than one blob");
   return data;
 }
 
@@ -1083,9 +1154,12 @@ absl::StatusOr<StepFileDiff> EnvironmentManager::DiffStepFile(const Caller& call
     if (r.manifest_sha.empty() || options_.blobs == nullptr)
       return absl::AbortedError(absl::StrCat("step ", r.n, " has no captured files"));
     auto text = options_.blobs->ForTenant(caller.tenant).Get(r.manifest_sha);
-    if (!text.ok()) return StepCollectedError(absl::StrCat("step ", r.n, ": manifest gone"));
+    if (!text.ok())
+      return StepStateGone(text.status(), absl::StrCat("step ", r.n, ": its manifest"));
     auto m = DecodeManifest(*text);
-    if (!m.ok()) return m.status();
+    if (!m.ok())
+      return StepStateGone(absl::DataLossError(m.status().message()),
+                           absl::StrCat("step ", r.n, ": its manifest"));
     if (const ManifestEntry* e = FindEntry(*m, *rel)) *entry = *e;
     return absl::OkStatus();
   };
@@ -1102,17 +1176,22 @@ absl::StatusOr<StepFileDiff> EnvironmentManager::DiffStepFile(const Caller& call
         absl::StrCat("'", *rel, "' exists neither at step ", n, " nor at its parent"));
   if ((after && after->type == ManifestEntry::Type::kDir) ||
       (before && before->type == ManifestEntry::Type::kDir))
-    return absl::FailedPreconditionError(absl::StrCat("'", *rel, "' is a directory"));
+    return absl::InvalidArgumentError(absl::StrCat("'", *rel, "' is a directory"));
   StepFileDiff d;
   d.path = *rel;
   d.change = !before ? "added" : !after ? "deleted" : "modified";
+  if (before && after && before->type == after->type && before->sha256 == after->sha256 &&
+      before->target == after->target && before->mode == after->mode) {
+    d.change.clear();  // the same at both: no change, no diff
+    return d;
+  }
   auto contents = [&](const std::optional<ManifestEntry>& e) -> absl::StatusOr<std::string> {
     if (!e) return std::string();
     if (e->type == ManifestEntry::Type::kSymlink) return e->target;
     if (e->size > kMaxStepDiffFileBytes) return absl::OutOfRangeError("too large");
     auto data = options_.blobs->ForTenant(caller.tenant).Get(e->sha256);
-    if (absl::IsNotFound(data.status()))
-      return StepCollectedError(absl::StrCat("the contents of '", *rel, "' were collected"));
+    if (!data.ok())
+      return StepStateGone(data.status(), absl::StrCat("the contents of '", *rel, "'"));
     return data;
   };
   auto a = contents(before);
@@ -1124,7 +1203,6 @@ absl::StatusOr<StepFileDiff> EnvironmentManager::DiffStepFile(const Caller& call
     d.truncated = true;
     return d;
   }
-  if (*a == *b && before && after && before->mode == after->mode) d.change = "unchanged";
   if (a->find('\0') != std::string::npos || b->find('\0') != std::string::npos) {
     d.binary = true;
     return d;
@@ -1213,9 +1291,11 @@ absl::StatusOr<ForkInfo> EnvironmentManager::Fork(const Caller& caller, const st
     LiveEnv& e = **env;
     StepSettings settings;
     StepState state;
-    // Held until the fork exists: retention cannot release the snapshot ForkStep copies from.
-    std::unique_lock<std::recursive_timed_mutex> lock(e.step_mu, std::defer_lock);
     {
+      // step_mu only while the step is read: the source keeps working during the fork. The
+      // step is pinned instead (retention neither compacts nor collects it, so the snapshot
+      // and blobs ForkStep copies from stay) until the fork exists.
+      std::unique_lock<std::recursive_timed_mutex> lock(e.step_mu, std::defer_lock);
       if (!lock.try_lock_for(kStepLockWait)) return absl::UnavailableError("environment is busy");
       if (!e.steps_loaded) LoadSteps(e);
       if (!e.capture)
@@ -1227,7 +1307,17 @@ absl::StatusOr<ForkInfo> EnvironmentManager::Fork(const Caller& caller, const st
       if (!s.ok()) return s.status();
       state = *std::move(s);
       settings = e.step_settings;
+      std::lock_guard<std::mutex> elock(e.mu);
+      ++e.fork_pins[n];
     }
+    struct Unpin {
+      LiveEnv& e;
+      int64_t n;
+      ~Unpin() {
+        std::lock_guard<std::mutex> elock(e.mu);
+        if (--e.fork_pins[n] <= 0) e.fork_pins.erase(n);
+      }
+    } unpin{e, n};
     if (e.governed)
       return absl::AbortedError(
           "forking an environment with a governed network is not supported yet: fork needs "
@@ -1253,11 +1343,13 @@ absl::StatusOr<ForkInfo> EnvironmentManager::Fork(const Caller& caller, const st
       return forked;
     };
     std::shared_ptr<LiveEnv> created;
-    auto info = CreateEnvironment(caller.tenant, *spec, ttl_s, nullptr, make, &created);
+    auto info =
+        CreateEnvironment(caller.tenant, *spec, ttl_s, nullptr, make, &created, [&](LiveEnv& fe) {
+          InitSteps(fe, settings, "fork", absl::StrCat("fork of ", id, " at step ", n),
+                    json::serialize(json::object{{"environment_id", id}, {"step", n}}));
+        });
     if (!info.ok()) return info.status();
     new_id = info->record.id;
-    InitSteps(*created, settings, "fork", absl::StrCat("fork of ", id, " at step ", n),
-              json::serialize(json::object{{"environment_id", id}, {"step", n}}));
     ForkInfo f;
     f.environment = *std::move(info);
     f.environment.steps = StepsStatusOf(*created);

@@ -13,6 +13,7 @@
 #include <string>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
 #include "common/protocol.h"
 #include "drivers/agent_client.h"
 #include "drivers/testing/memory_blob_store.h"
@@ -512,6 +513,170 @@ TEST(LyingAgentTest, CaptureWithDuplicatePathsStoresNothing) {
   std::string base;
   EXPECT_TRUE(absl::IsInvalidArgument(CaptureAgentWorkspace(client, blobs, {}, &base).status()));
   EXPECT_EQ(blobs.puts(), 0);
+}
+
+// A fake agent serving any number of calls on its connection: `answer` gets each request
+// and gives the reply's header and payload (an empty header ends the connection).
+using Answer = std::function<std::pair<std::string, std::string>(const proto::Frame&)>;
+LyingAgent::Script Serving(Answer answer) {
+  return [answer = std::move(answer)](int fd) {
+    WriteAll(fd, Hello());
+    for (;;) {
+      proto::Frame request;
+      std::string error;
+      if (!proto::ReadFrame(fd, &request, &error, proto::MonotonicMs() + 10000)) return;
+      auto [header, payload] = answer(request);
+      if (header.empty()) return;
+      if (!WriteAll(fd,
+                    RawFrame(proto::FrameType::kResponse, header, payload, 0, request.stream))) {
+        return;
+      }
+    }
+  };
+}
+
+std::string Op(const proto::Frame& f) {
+  const json::value* op = f.header.if_contains("op");
+  return op && op->is_string() ? std::string(op->as_string()) : "";
+}
+
+// A blob store with a small per-blob cap.
+class SmallBlobs : public testing::MemoryBlobStore {
+ public:
+  explicit SmallBlobs(int64_t max) : max_(max) {}
+  int64_t max_blob_bytes() const override { return max_; }
+
+ private:
+  int64_t max_;
+};
+
+// Attack (review H2): a file whose reads never end (it grows as fast as it is read, or the
+// agent simply lies: size 1, never eof) made a capture read until the environment's max_bytes
+// (up to 64 GiB) into esbd. The capture now stops at the blob store's per-blob cap, stores
+// nothing and says which file and why; and a file the agent says is huge (sparse) is not read.
+TEST(LyingAgentTest, CaptureOfAFileWhoseReadNeverEndsStopsAtTheBlobCap) {
+  constexpr int64_t kCap = 6 << 20;
+  std::atomic<int64_t> served{0};
+  LyingAgent agent(Serving([&](const proto::Frame& f) -> std::pair<std::string, std::string> {
+    if (Op(f) == "walk") {
+      std::string manifest = R"([["endless","f",420,1,1,"k","",-1]])";
+      return {R"({"ok":true,"walk":"w1","manifest_bytes":)" + std::to_string(manifest.size()) + "}",
+              manifest};
+    }
+    if (Op(f) == "read") {
+      const int64_t length = f.header.at("length").as_int64();
+      served += length;
+      return {R"({"ok":true,"size":1,"eof":false})", std::string(length, 'z')};
+    }
+    return {"", ""};
+  }));
+  AgentClient client = agent.Client();
+  SmallBlobs blobs(kCap);
+  CaptureOptions options;
+  options.max_bytes = int64_t{64} << 30;  // the environment's cap is no bound here
+  std::string base;
+  absl::StatusOr<WorkspaceManifest> m = CaptureAgentWorkspace(client, blobs, options, &base);
+  EXPECT_TRUE(absl::IsFailedPrecondition(m.status())) << m.status();
+  EXPECT_NE(m.status().message().find("'endless' is larger than the per-file cap"),
+            std::string_view::npos)
+      << m.status();
+  EXPECT_LE(served.load(), kCap + 1) << "esbd read past the per-blob cap";
+  EXPECT_GE(served.load(), kCap);
+  EXPECT_EQ(blobs.puts(), 0);
+  EXPECT_EQ(CaptureBytesHeld(), 0) << "the capture's reservation is given back";
+}
+
+TEST(LyingAgentTest, CaptureOfAFileClaimedHugeOrSparseReadsNothing) {
+  std::atomic<int64_t> served{0};
+  LyingAgent agent(Serving([&](const proto::Frame& f) -> std::pair<std::string, std::string> {
+    if (Op(f) == "walk") {
+      // A sparse file of 1 TiB.
+      std::string manifest = R"([["sparse","f",420,1099511627776,1,"k","",-1]])";
+      return {R"({"ok":true,"walk":"w1","manifest_bytes":)" + std::to_string(manifest.size()) + "}",
+              manifest};
+    }
+    if (Op(f) == "read") served += f.header.at("length").as_int64();
+    return {"", ""};
+  }));
+  AgentClient client = agent.Client();
+  SmallBlobs blobs(1 << 20);
+  CaptureOptions options;
+  options.max_bytes = int64_t{64} << 30;
+  std::string base;
+  absl::StatusOr<WorkspaceManifest> m = CaptureAgentWorkspace(client, blobs, options, &base);
+  EXPECT_TRUE(absl::IsFailedPrecondition(m.status())) << m.status();
+  EXPECT_NE(m.status().message().find("'sparse' is larger than the per-file cap"),
+            std::string_view::npos)
+      << m.status();
+  EXPECT_EQ(served.load(), 0) << "a file over the cap is never read";
+  EXPECT_EQ(blobs.puts(), 0);
+}
+
+// A blob store that counts what it hands out, so a test can tell how many bytes of blobs
+// esbd holds at once during a restore (handed out, not yet sent to the agent).
+class CountingBlobs : public testing::MemoryBlobStore {
+ public:
+  absl::StatusOr<std::string> Get(std::string_view sha256) override {
+    auto data = MemoryBlobStore::Get(sha256);
+    if (data.ok()) Handed(data->size());
+    return data;
+  }
+  absl::StatusOr<std::string> ReadRange(std::string_view sha256, int64_t offset,
+                                        int64_t length) override {
+    auto all = MemoryBlobStore::Get(sha256);  // not counted: the range is what the caller gets
+    if (!all.ok()) return all.status();
+    std::string out = offset >= static_cast<int64_t>(all->size())
+                          ? std::string()
+                          : all->substr(static_cast<size_t>(offset), static_cast<size_t>(length));
+    Handed(out.size());
+    return out;
+  }
+  void Handed(size_t n) {
+    handed += static_cast<int64_t>(n);
+    peak = std::max<int64_t>(peak, handed - sent.load());
+  }
+  std::atomic<int64_t> handed{0}, sent{0}, peak{0};
+};
+
+// Review H2: a restore read every blob it had to write before sending any (the whole
+// workspace, up to max_bytes, in esbd at once). Now blobs are read as they go out: what esbd
+// holds at any time is about one apply call (8 MiB) and one piece, whatever the workspace.
+TEST(LyingAgentTest, RestoreOfALargeWorkspaceHoldsABoundedAmountOfBlobs) {
+  CountingBlobs blobs;
+  WorkspaceManifest target;
+  int64_t total = 0;
+  for (int i = 0; i < 12; ++i) {
+    // 12 files of 3 MiB and one of 20 MiB: 56 MiB in all.
+    const int64_t size = i == 11 ? 20 << 20 : 3 << 20;
+    std::string data(static_cast<size_t>(size), static_cast<char>('a' + i));
+    ManifestEntry e;
+    e.path = absl::StrCat("f", i < 10 ? "0" : "", i);
+    e.mode = 0644;
+    e.size = size;
+    e.sha256 = *blobs.Put(data);
+    target.entries.push_back(e);
+    total += size;
+  }
+  target.total_bytes = total;
+  std::atomic<int64_t> applied{0};
+  LyingAgent agent(Serving([&](const proto::Frame& f) -> std::pair<std::string, std::string> {
+    if (Op(f) == "walk") return {R"({"ok":true,"walk":"w1","manifest_bytes":2})", "[]"};
+    if (Op(f) == "apply") {
+      const int64_t manifest = f.header.at("manifest_bytes").as_int64();
+      const int64_t data = static_cast<int64_t>(f.payload.size()) - manifest;
+      blobs.sent += data;
+      applied += data;
+      return {R"({"ok":true})", ""};
+    }
+    return {"", ""};
+  }));
+  AgentClient client = agent.Client();
+  std::string base;
+  absl::Status st = RestoreAgentWorkspace(client, blobs, target, &base);
+  ASSERT_TRUE(st.ok()) << st;
+  EXPECT_EQ(applied.load(), total) << "every byte went out once";
+  EXPECT_LE(blobs.peak.load(), int64_t{16} << 20)
+      << "esbd held " << blobs.peak.load() << " bytes of blobs at once (of " << total << ")";
 }
 
 }  // namespace

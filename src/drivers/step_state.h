@@ -43,6 +43,21 @@ class BlobStore {
   virtual bool Has(std::string_view sha256) = 0;
   // The whole blob; NotFound when absent (e.g. collected).
   virtual absl::StatusOr<std::string> Get(std::string_view sha256) = 0;
+  // At most `length` bytes of a blob from `offset` (fewer at its end, none past it); NotFound
+  // when absent. Restores and downloads read a large blob this way, a bounded piece at a time.
+  // A store on disk verifies the whole blob against its key when `offset` is 0 (DataLoss), so
+  // a reader going from 0 to the end reads verified bytes. The default reads the whole blob
+  // (stores for tests).
+  virtual absl::StatusOr<std::string> ReadRange(std::string_view sha256, int64_t offset,
+                                                int64_t length) {
+    absl::StatusOr<std::string> all = Get(sha256);
+    if (!all.ok()) return all.status();
+    if (offset < 0 || length < 0) return absl::InvalidArgumentError("negative offset or length");
+    if (offset >= static_cast<int64_t>(all->size())) return std::string();
+    return all->substr(static_cast<size_t>(offset), static_cast<size_t>(length));
+  }
+  // The largest blob Put stores: a capture never reads a bigger file into esbd.
+  virtual int64_t max_blob_bytes() const { return int64_t{256} << 20; }
 };
 
 // One entry of /workspace at a step.

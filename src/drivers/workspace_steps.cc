@@ -2,7 +2,10 @@
 
 #include <algorithm>
 #include <boost/json.hpp>
+#include <chrono>
+#include <condition_variable>
 #include <map>
+#include <mutex>
 #include <set>
 #include <utility>
 
@@ -34,6 +37,46 @@ char TypeChar(ManifestEntry::Type t) {
   return t == ManifestEntry::Type::kDir ? 'd' : t == ManifestEntry::Type::kSymlink ? 'l' : 'f';
 }
 
+// Bytes of sandbox files all captures hold at once (each holds at most one file, ≤ one blob).
+class HeldBytes {
+ public:
+  // false when there was no room within `wait`.
+  bool Reserve(int64_t n, std::chrono::milliseconds wait) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, wait, [&] { return held_ == 0 || held_ + n <= kMaxCaptureBytesHeld; })
+               ? (held_ += n, true)
+               : false;
+  }
+  void Release(int64_t n) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      held_ -= n;
+    }
+    cv_.notify_all();
+  }
+  int64_t held() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return held_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int64_t held_ = 0;
+};
+HeldBytes& CaptureHeld() {
+  static HeldBytes* held = new HeldBytes();
+  return *held;
+}
+constexpr auto kCaptureRoomWait = std::chrono::seconds(10);
+
+// A file over the blob store's per-blob cap: the step keeps no state, and says why.
+absl::Status TooLarge(std::string_view path, int64_t max_file) {
+  return absl::FailedPreconditionError(
+      absl::StrCat("'", SanitizeUtf8(path.substr(0, 300)), "' is larger than the per-file cap of ",
+                   max_file, " bytes (files over it are not captured)"));
+}
+
 bool Unchanged(const ManifestEntry& now, const ManifestEntry& before) {
   return now.type == ManifestEntry::Type::kFile && before.type == ManifestEntry::Type::kFile &&
          !now.change_key.empty() && now.change_key == before.change_key &&
@@ -41,6 +84,8 @@ bool Unchanged(const ManifestEntry& now, const ManifestEntry& before) {
 }
 
 }  // namespace
+
+int64_t CaptureBytesHeld() { return CaptureHeld().held(); }
 
 bool ValidWorkspacePath(std::string_view path) {
   if (path.empty() || path.size() > 4095 || path.find('\0') != std::string_view::npos ||
@@ -159,6 +204,7 @@ absl::StatusOr<WorkspaceManifest> CaptureAgentWorkspace(AgentClient& agent, Blob
                                                         std::string* base,
                                                         const WorkspaceManifest* known) {
   const int64_t max_files = std::clamp<int64_t>(options.max_files, 0, kMaxAgentEntries);
+  const int64_t max_file = std::max<int64_t>(blobs.max_blob_bytes(), 0);
   absl::StatusOr<AgentWalkReply> reply =
       agent.Walk(*base, /*contents=*/true, max_files, kWalkContentBudget);
   if (!reply.ok()) {
@@ -191,15 +237,36 @@ absl::StatusOr<WorkspaceManifest> CaptureAgentWorkspace(AgentClient& agent, Blob
       } else if (it2 != also.end() && Unchanged(e, *it2->second)) {
         e.sha256 = it2->second->sha256;
       } else {
+        // Released after the blob is stored (the bytes are held until then).
+        int64_t reserved = 0;
+        struct Unreserve {
+          int64_t& n;
+          ~Unreserve() { CaptureHeld().Release(n); }
+        } unreserve{reserved};
         std::string fetched;
         std::string_view data = w.content;
+        if (w.has_content && static_cast<int64_t>(data.size()) > max_file) {
+          return TooLarge(e.path, max_file);
+        }
         if (!w.has_content) {
           // Not sent inline (over the walk's budget, or changed against another base): read
-          // it, at most what the byte cap leaves.
+          // it, at most one blob and what the byte cap leaves. SECURITY: a file the sandbox
+          // says is larger (sparse, growing) is never read; one that grows while it is read,
+          // or a Read that never ends, is cut at the cap (what was received counts).
+          const int64_t room = std::max<int64_t>(options.max_bytes - out.total_bytes, 0);
+          if (e.size > max_file) return TooLarge(e.path, max_file);
           absl::StatusOr<std::string> whole = ReadWholeSandboxFile(
-              [&](int64_t offset, int64_t length) { return agent.Read(e.path, offset, length); },
-              std::max<int64_t>(options.max_bytes - out.total_bytes, 0));
+              [&](int64_t offset, int64_t length) -> absl::StatusOr<FileChunk> {
+                if (!CaptureHeld().Reserve(length, kCaptureRoomWait)) {
+                  return absl::UnavailableError(
+                      "esbd is reading too many large files for steps at once");
+                }
+                reserved += length;
+                return agent.Read(e.path, offset, length);
+              },
+              std::min(room, max_file));
           if (absl::IsResourceExhausted(whole.status())) {
+            if (room > max_file) return TooLarge(e.path, max_file);
             return absl::FailedPreconditionError(absl::StrCat(
                 "the workspace holds more than ", options.max_bytes, " bytes of files"));
           }
@@ -249,29 +316,38 @@ absl::Status RestoreAgentWorkspace(AgentClient& agent, BlobStore& blobs,
     return now.status();  // too large to list: everything is written
   }
 
-  struct Pending {
-    const ManifestEntry* entry;
-    std::string data;
-  };
-  std::vector<Pending> writes;  // files whose bytes go out, in path order
+  // The files whose bytes go out, in path order. Their blobs are checked here (a collected
+  // one fails the restore before anything is written) but read later, a piece at a time:
+  // esbd holds at most one apply call's data (8 MiB) and one piece of a blob, however large
+  // the workspace and its files.
+  std::vector<const ManifestEntry*> writes;
   for (const ManifestEntry& e : target.entries) {
     if (e.type != ManifestEntry::Type::kFile) continue;
     auto it = current.find(e.path);
     ManifestEntry probe = e;
     probe.sha256 = "-";
     if (it != current.end() && Unchanged(it->second, probe)) continue;
-    absl::StatusOr<std::string> data = blobs.Get(e.sha256);
+    if (!blobs.Has(e.sha256)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("the contents of '", SanitizeUtf8(e.path), "' at this step were collected"));
+    }
+    writes.push_back(&e);
+  }
+  // Bytes [offset, offset + n) of a file's blob (verified from its start when offset is 0).
+  auto piece = [&](const ManifestEntry& e, int64_t offset,
+                   int64_t n) -> absl::StatusOr<std::string> {
+    absl::StatusOr<std::string> data = blobs.ReadRange(e.sha256, offset, n);
     if (absl::IsNotFound(data.status())) {
       return absl::FailedPreconditionError(
           absl::StrCat("the contents of '", SanitizeUtf8(e.path), "' at this step were collected"));
     }
     if (!data.ok()) return data.status();
-    if (static_cast<int64_t>(data->size()) != e.size) {
+    if (static_cast<int64_t>(data->size()) != n) {
       return absl::DataLossError(
           absl::StrCat("the stored contents of '", SanitizeUtf8(e.path), "' have another size"));
     }
-    writes.push_back({&e, std::move(*data)});
-  }
+    return data;
+  };
 
   auto row = [](const ManifestEntry& e, int64_t len, int64_t offset) {
     return json::array{e.path,
@@ -286,24 +362,23 @@ absl::Status RestoreAgentWorkspace(AgentClient& agent, BlobStore& blobs,
   // First call: the whole manifest (prune), with the bytes of every file that fits.
   std::set<const ManifestEntry*> inline_files;
   size_t inline_bytes = 0;
-  for (const Pending& p : writes) {
-    if (inline_bytes + p.data.size() > kApplyDataBudget) continue;
-    inline_bytes += p.data.size();
-    inline_files.insert(p.entry);
+  for (const ManifestEntry* e : writes) {
+    if (e->size < 0 || inline_bytes + static_cast<uint64_t>(e->size) > kApplyDataBudget) continue;
+    inline_bytes += static_cast<size_t>(e->size);
+    inline_files.insert(e);
   }
   std::string data;
+  data.reserve(inline_bytes);
   json::array manifest;
   manifest.reserve(target.entries.size());
-  {
-    auto w = writes.begin();
-    for (const ManifestEntry& e : target.entries) {
-      while (w != writes.end() && w->entry < &e) ++w;
-      if (w != writes.end() && w->entry == &e && inline_files.count(&e)) {
-        manifest.push_back(row(e, static_cast<int64_t>(w->data.size()), 0));
-        data += w->data;
-      } else {
-        manifest.push_back(row(e, -1, 0));
-      }
+  for (const ManifestEntry& e : target.entries) {
+    if (inline_files.count(&e)) {
+      absl::StatusOr<std::string> bytes = piece(e, 0, e.size);
+      if (!bytes.ok()) return bytes.status();
+      manifest.push_back(row(e, e.size, 0));
+      data += *bytes;
+    } else {
+      manifest.push_back(row(e, -1, 0));
     }
   }
   const bool all_inline = inline_files.size() == writes.size();
@@ -332,10 +407,16 @@ absl::Status RestoreAgentWorkspace(AgentClient& agent, BlobStore& blobs,
     *base = after->token;
     return absl::OkStatus();
   };
-  if (absl::Status s = agent.Apply(json::serialize(manifest), data, true, all_inline); !s.ok())
-    return s;
+  {
+    absl::Status s = agent.Apply(json::serialize(manifest), data, true, all_inline);
+    manifest.clear();
+    data.clear();
+    data.shrink_to_fit();
+    if (!s.ok()) return s;
+  }
   if (all_inline) return learn();
-  // The rest in chunks, then the manifest again to finish (modes, mtimes, sizes checked).
+  // The rest in chunks, read from the store as they go out, then the manifest again to finish
+  // (modes, mtimes, sizes checked).
   json::array chunk_rows;
   std::string chunk_data;
   auto flush = [&]() -> absl::Status {
@@ -345,18 +426,21 @@ absl::Status RestoreAgentWorkspace(AgentClient& agent, BlobStore& blobs,
     chunk_data.clear();
     return s;
   };
-  for (const Pending& p : writes) {
-    if (inline_files.count(p.entry)) continue;
-    size_t offset = 0;
+  for (const ManifestEntry* e : writes) {
+    if (inline_files.count(e)) continue;
+    int64_t offset = 0;
     do {
-      const size_t n = std::min(kApplyDataBudget - chunk_data.size(), p.data.size() - offset);
-      chunk_rows.push_back(row(*p.entry, static_cast<int64_t>(n), static_cast<int64_t>(offset)));
-      chunk_data.append(p.data, offset, n);
+      const int64_t n = std::min<int64_t>(
+          static_cast<int64_t>(kApplyDataBudget - chunk_data.size()), e->size - offset);
+      absl::StatusOr<std::string> bytes = piece(*e, offset, n);
+      if (!bytes.ok()) return bytes.status();
+      chunk_rows.push_back(row(*e, n, offset));
+      chunk_data += *bytes;
       offset += n;
       if (chunk_data.size() >= kApplyDataBudget) {
         if (absl::Status s = flush(); !s.ok()) return s;
       }
-    } while (offset < p.data.size());
+    } while (offset < e->size);
   }
   if (absl::Status s = flush(); !s.ok()) return s;
   json::array final_rows;

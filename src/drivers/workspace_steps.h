@@ -47,6 +47,14 @@ absl::StatusOr<WorkspaceManifest> CaptureAgentWorkspace(AgentClient& agent, Blob
                                                         std::string* base,
                                                         const WorkspaceManifest* known = nullptr);
 
+// Files a capture reads (not sent inline with the walk) are read one at a time, at most the
+// blob store's max_blob_bytes each (a larger, sparse or growing file, or a Read that never
+// ends: FailedPrecondition naming the file, nothing stored); all captures together hold at
+// most kMaxCaptureBytesHeld of them (a capture waits up to 10 s for room, then fails:
+// Unavailable). CaptureBytesHeld: what they hold now.
+inline constexpr int64_t kMaxCaptureBytesHeld = int64_t{512} << 20;
+int64_t CaptureBytesHeld();
+
 // Makes the workspace exactly `target`: what is not in it is removed, files that differ are
 // written from `blobs` (NotFound → FailedPrecondition: the step's contents were collected),
 // symlinks, modes and mtimes as recorded. Files still unchanged since the capture (same change

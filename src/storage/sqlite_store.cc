@@ -2293,14 +2293,8 @@ absl::StatusOr<std::string> CheckAuditSearch(std::string_view keyword) {
   return AuditSearchParser(keyword, *tokens).Parse();
 }
 
-std::string Sha256Hex(std::string_view data) {
-  unsigned char digest[EVP_MAX_MD_SIZE];
-  unsigned int len = 0;
-  if (EVP_Digest(data.data(), data.size(), digest, &len, EVP_sha256(), nullptr) != 1) {
-    // Only fails if OpenSSL cannot allocate; never store a weak substitute.
-    LogError("storage: EVP_Digest(SHA-256) failed");
-    std::abort();
-  }
+namespace {
+std::string HexOf(const unsigned char* digest, unsigned int len) {
   static constexpr char kHex[] = "0123456789abcdef";
   std::string out;
   out.reserve(len * 2);
@@ -2309,6 +2303,37 @@ std::string Sha256Hex(std::string_view data) {
     out.push_back(kHex[digest[i] & 0xf]);
   }
   return out;
+}
+[[noreturn]] void Sha256Failed() {
+  // Only fails if OpenSSL cannot allocate; never store a weak substitute.
+  LogError("storage: SHA-256 failed");
+  std::abort();
+}
+}  // namespace
+
+Sha256Stream::Sha256Stream() : ctx_(EVP_MD_CTX_new()) {
+  if (ctx_ == nullptr ||
+      EVP_DigestInit_ex(static_cast<EVP_MD_CTX*>(ctx_), EVP_sha256(), nullptr) != 1)
+    Sha256Failed();
+}
+Sha256Stream::~Sha256Stream() { EVP_MD_CTX_free(static_cast<EVP_MD_CTX*>(ctx_)); }
+void Sha256Stream::Update(std::string_view data) {
+  if (EVP_DigestUpdate(static_cast<EVP_MD_CTX*>(ctx_), data.data(), data.size()) != 1)
+    Sha256Failed();
+}
+std::string Sha256Stream::HexDigest() {
+  unsigned char digest[EVP_MAX_MD_SIZE];
+  unsigned int len = 0;
+  if (EVP_DigestFinal_ex(static_cast<EVP_MD_CTX*>(ctx_), digest, &len) != 1) Sha256Failed();
+  return HexOf(digest, len);
+}
+
+std::string Sha256Hex(std::string_view data) {
+  unsigned char digest[EVP_MAX_MD_SIZE];
+  unsigned int len = 0;
+  if (EVP_Digest(data.data(), data.size(), digest, &len, EVP_sha256(), nullptr) != 1)
+    Sha256Failed();
+  return HexOf(digest, len);
 }
 
 absl::StatusOr<std::unique_ptr<Store>> Store::Open(const std::string& path,

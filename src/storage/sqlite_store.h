@@ -25,4 +25,18 @@ absl::StatusOr<std::string> CheckAuditSearch(std::string_view keyword);
 // Lowercase hex SHA-256 of `data` (how API key secrets are stored).
 std::string Sha256Hex(std::string_view data);
 
+// The same, of data given in pieces (a large blob is hashed without being held whole).
+class Sha256Stream {
+ public:
+  Sha256Stream();
+  ~Sha256Stream();
+  Sha256Stream(const Sha256Stream&) = delete;
+  Sha256Stream& operator=(const Sha256Stream&) = delete;
+  void Update(std::string_view data);
+  std::string HexDigest();  // once, after the last Update
+
+ private:
+  void* ctx_;  // EVP_MD_CTX
+};
+
 }  // namespace esb

@@ -2,7 +2,9 @@
 // on them. Which runtime records steps depends on the drivers built into this esbd (nano and
 // container gain the steps capability in their own parts): the tests that need a recording
 // runtime say so and skip when none does; the contract tests run on any runtime.
+#include <algorithm>
 #include <filesystem>
+#include <set>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -282,6 +284,69 @@ TEST_F(StepsApiTest, RetentionCollectsOldStepsAndSaysSo) {
       << "the head is never collected: " << list.body;
   HttpResult rw = daemon_->Call("POST", base + "/rewind", json::object{{"step", 0}});
   EXPECT_EQ(rw.status, 409) << "a collected step cannot be rewound to: " << rw.body;
+  daemon_->Call("DELETE", base);
+}
+
+// Review M4/M5 through the real esbd: a step's tree and changes come in windows with a
+// cursor; a step's file is streamed (X-File-Size); an unchanged path's diff says change null;
+// bad window parameters are 400 (410 "collected"/"corrupt" of a blob: StepsTest).
+TEST_F(StepsApiTest, StepWindowsStreamedFilesAndGoneOrUnchangedAnswers) {
+  std::string why;
+  const std::string probe = RecordingEnv(&why);
+  ASSERT_FALSE(probe.empty()) << "no runtime of this esbd records steps: " << why;
+  daemon_->Call("DELETE", "/environments/" + probe);
+  HttpResult env = daemon_->Call("POST", "/environments",
+                                 json::object{{"runtime", HaveNano() ? "nano" : "container"},
+                                              {"steps", json::object{{"max_steps", 2}}}});
+  ASSERT_EQ(env.status, 201) << env.body;
+  const std::string base = "/environments/" + env.str("environment_id");
+  auto write = [&](const std::string& path, const std::string& content) {
+    HttpResult w = daemon_->Call("POST", base + "/files/write",
+                                 json::object{{"path", path}, {"content", content}});
+    ASSERT_EQ(w.status, 200) << w.body;
+  };
+  for (int i = 0; i < 5; ++i) write("f" + std::to_string(i), "file " + std::to_string(i));
+  // Step 5 (f4 added): its tree has five files, shown two at a time.
+  std::vector<std::string> seen;
+  std::string after;
+  int64_t total = -1;
+  for (int page = 0; page < 50; ++page) {
+    HttpResult d = daemon_->Call(
+        "GET", base + "/steps/5?files_limit=2" + (after.empty() ? "" : "&files_after=" + after));
+    ASSERT_EQ(d.status, 200) << d.body;
+    total = d.num("files_total");
+    const json::array& files = d.obj().at("files").as_array();
+    EXPECT_LE(files.size(), 2u);
+    for (const json::value& f : files)
+      seen.push_back(std::string(f.as_object().at("path").as_string()));
+    if (d.obj().at("files_next").is_null()) break;
+    after = d.str("files_next");
+  }
+  EXPECT_EQ(static_cast<int64_t>(seen.size()), total);
+  EXPECT_TRUE(std::is_sorted(seen.begin(), seen.end()));
+  EXPECT_EQ(std::set<std::string>(seen.begin(), seen.end()).size(), seen.size());
+  for (const char* want : {"f0", "f1", "f2", "f3", "f4"})
+    EXPECT_NE(std::find(seen.begin(), seen.end(), want), seen.end()) << want;
+  for (const char* bad : {"?files_limit=0", "?files_limit=10001", "?changes_limit=x"}) {
+    HttpResult b = daemon_->Call("GET", base + "/steps/5" + bad);
+    EXPECT_EQ(b.status, 400) << bad << ": " << b.body;
+  }
+  // Streamed bytes.
+  HttpResult f = daemon_->Call("GET", base + "/steps/5/files?path=f4");
+  ASSERT_EQ(f.status, 200) << f.body;
+  EXPECT_EQ(f.body, "file 4");
+  EXPECT_EQ(f.headers["x-file-size"], "6");
+  // f0 did not change at step 5.
+  HttpResult same = daemon_->Call("GET", base + "/steps/5/diff?path=f0");
+  ASSERT_EQ(same.status, 200) << same.body;
+  EXPECT_TRUE(same.obj().at("change").is_null()) << same.body;
+  EXPECT_EQ(same.str("diff"), "");
+  // Step 1's f0 blob is still referenced by later steps; step 1 itself was collected (max_steps
+  // 2), so rewinding to it is a conflict, and its manifest is kept (its tree is shown).
+  HttpResult one = daemon_->Call("GET", base + "/steps/1");
+  ASSERT_EQ(one.status, 200) << one.body;
+  EXPECT_EQ(one.str("memory_detail"), "collected") << one.body;
+  EXPECT_EQ(daemon_->Call("POST", base + "/rewind", json::object{{"step", 1}}).status, 409);
   daemon_->Call("DELETE", base);
 }
 

@@ -20,7 +20,7 @@ from typing import (Any, BinaryIO, Callable, Generic, Iterable, Literal, Mapping
 from ._http import DEFAULT_URL, CancelToken, SseEvent, Transport, quote_id
 from .errors import (CommandExitError, CommandTimeout, InvalidArgument, PayloadTooLarge,
                      SandboxError, SandboxNotFound, error_from_response)
-from .steps import Step, check_step_number, check_steps_option
+from .steps import Step, check_step_number, check_steps_option, fetch_detail
 from .models import (Artifact, CommandResult, EntryInfo, SandboxConfig, SandboxResult,
                      WriteInfo, check_figure_formats, parse_artifacts, parse_traceback)
 
@@ -785,8 +785,8 @@ class Environment:
         ``.shell``; ``.file(path)`` and ``.diff(path)`` read its files. Raises
         :class:`SandboxNotFound` for an unknown step."""
         check_step_number(n, "step")
-        data = self._transport.json(
-            "GET", f"/environments/{quote_id(self.environment_id)}/steps/{n}")
+        data = fetch_detail(self._transport,
+                            f"/environments/{quote_id(self.environment_id)}/steps/{n}")
         return Step(self._transport, self.environment_id, data, detailed=True)
 
     def rewind(self, n: int) -> dict[str, Any]:

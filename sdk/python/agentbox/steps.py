@@ -23,7 +23,7 @@ from .errors import InvalidArgument, SandboxError
 if TYPE_CHECKING:  # pragma: no cover
     from .sandbox import Environment
 
-__all__ = ["Step", "check_step_number", "check_steps_option"]
+__all__ = ["Step", "check_step_number", "check_steps_option", "fetch_detail"]
 
 # The fields of a step in ``GET /environments/{id}/steps`` (the summary).
 _SUMMARY_FIELDS = ("parent", "kind", "summary", "status", "exit_code", "error", "duration_ms",
@@ -32,6 +32,29 @@ _SUMMARY_FIELDS = ("parent", "kind", "summary", "status", "exit_code", "error", 
 # What only ``GET /environments/{id}/steps/{n}`` (the detail) has.
 _DETAIL_FIELDS = ("input", "output", "variables", "files", "changes", "artifacts", "audit",
                   "egress", "shell")
+
+
+def fetch_detail(transport: Transport, path: str) -> dict[str, Any]:
+    """``GET /environments/{id}/steps/{n}`` with its whole file tree and all its changes:
+    esbd sends them in windows sorted by path (``files_next`` / ``changes_next`` name the
+    path to continue after; docs/api.md "Steps"), fetched here until both are done."""
+    window = {"files_limit": 10000, "changes_limit": 10000}
+    data = transport.json("GET", path, query=window)
+    for _ in range(1000):  # a tree has at most 200,000 entries: 20 windows
+        if not isinstance(data.get("files_next"), str) and \
+                not isinstance(data.get("changes_next"), str):
+            break
+        query = dict(window)
+        for key in ("files", "changes"):
+            items = data.get(key)
+            if isinstance(items, list) and items and isinstance(items[-1], dict):
+                query[f"{key}_after"] = items[-1].get("path", "")
+        page = transport.json("GET", path, query=query)
+        for key in ("files", "changes"):
+            if isinstance(data.get(key), list) and isinstance(page.get(key), list):
+                data[key].extend(page[key])
+            data[f"{key}_next"] = page.get(f"{key}_next")
+    return data
 
 
 def check_step_number(n: Any, what: str) -> int:
@@ -95,7 +118,7 @@ class Step:
 
     def refresh(self) -> "Step":
         """Fetch the step's detail (``GET /environments/{id}/steps/{n}``)."""
-        self.data = self._transport.json("GET", self._base)
+        self.data = fetch_detail(self._transport, self._base)
         self._detailed = True
         return self
 

@@ -670,7 +670,7 @@ class _Handler(BaseHTTPRequestHandler):
                 new = files.get(path)
                 change = ("added" if old is None and new is not None else
                           "deleted" if new is None and old is not None else
-                          "modified" if old != new else "unchanged")
+                          "modified" if old != new else None)
                 text = "".join(difflib.unified_diff(
                     (old or b"").decode(errors="replace").splitlines(True),
                     (new or b"").decode(errors="replace").splitlines(True),

@@ -186,3 +186,36 @@ def test_async_twins(fake):
             finally:
                 await fork.close()
     asyncio.run(main())
+
+
+def test_step_detail_follows_the_windows_of_a_large_tree():
+    """esbd sends a step's files and changes in windows (files_next / changes_next): the
+    SDK's detail holds all of them, each once, in order."""
+    from agentbox.steps import fetch_detail
+
+    paths = [f"f{i:05d}" for i in range(25)]
+
+    class Windows:
+        def __init__(self):
+            self.queries = []
+
+        def json(self, method, path, payload=None, *, query=None, **_):
+            self.queries.append(dict(query or {}))
+            out = {"step": 1}
+            for key, limit in (("files", 10), ("changes", 7)):
+                after = (query or {}).get(f"{key}_after", "")
+                rest = [p for p in paths if p > after]
+                window = rest[:limit]
+                out[key] = ([{"path": p, "type": "file"} for p in window] if key == "files"
+                            else [{"path": p, "change": "added"} for p in window])
+                out[f"{key}_next"] = window[-1] if len(rest) > limit else None
+                out[f"{key}_total"] = len(paths)
+            return out
+
+    t = Windows()
+    data = fetch_detail(t, "/environments/e/steps/1")
+    assert [f["path"] for f in data["files"]] == paths
+    assert [c["path"] for c in data["changes"]] == paths
+    assert data["files_next"] is None and data["changes_next"] is None
+    assert len(t.queries) == 4  # changes need four windows of 7
+    assert all(q["files_limit"] == 10000 for q in t.queries)

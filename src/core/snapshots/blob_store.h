@@ -60,6 +60,11 @@ class DiskBlobStore {
     bool Has(std::string_view sha256) override;
     // NotFound when absent; DataLoss when its bytes do not hash to its key.
     absl::StatusOr<std::string> Get(std::string_view sha256) override;
+    // pread of the range (offset 0: the whole blob is first hashed in 1 MiB pieces and checked
+    // against its key, DataLoss otherwise): holds at most `length` bytes (+ 1 MiB).
+    absl::StatusOr<std::string> ReadRange(std::string_view sha256, int64_t offset,
+                                          int64_t length) override;
+    int64_t max_blob_bytes() const override { return store_->options_.max_blob_bytes; }
     // Keeps `sha256` from being swept while this view lives (false: the tenant has no such
     // blob).
     bool Pin(std::string_view sha256);

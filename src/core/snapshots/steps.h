@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -37,6 +38,9 @@ inline constexpr size_t kMaxStepInputBytes = 16 * 1024;
 inline constexpr size_t kMaxStepOutputBytes = 16 * 1024;  // per stream: the tail
 inline constexpr size_t kMaxStepDiffBytes = 256 * 1024;
 inline constexpr int64_t kMaxStepDiffFileBytes = 1 << 20;
+// Files and changes one GET of a step shows (the rest: in windows, StepListWindow).
+inline constexpr int64_t kDefaultStepFilesListed = 1000;
+inline constexpr int64_t kMaxStepFilesListed = 10000;
 
 std::string StepSettingsToJson(const StepSettings& settings);
 absl::StatusOr<StepSettings> StepSettingsFromJson(const std::string& json);
@@ -59,21 +63,44 @@ struct StepPage {
   std::optional<int64_t> next_before;
 };
 
+// A window of a step's file tree or changes, by path (byte order): the paths after `after`
+// ("" = from the first), at most `limit` (1..kMaxStepFilesListed).
+struct StepListWindow {
+  std::string after;
+  int64_t limit = kDefaultStepFilesListed;
+};
+
 struct StepDetail {
   StepRecord record;
   bool on_head = false;
   std::string variables_json;  // "" = null
   bool has_files = false;      // false: no manifest (the step has no state)
-  WorkspaceManifest files;
-  std::vector<ManifestChange> changes;
+  WorkspaceManifest files;     // the window asked for
+  int64_t files_total = 0;     // entries in the whole tree
+  std::optional<std::string> files_next;  // more after this path (the next window's `after`)
+  std::vector<ManifestChange> changes;    // the window asked for
+  int64_t changes_total = 0;
+  std::optional<std::string> changes_next;
   std::vector<AuditEntry> audit;   // the environment's rows in the step's time window
   std::vector<AuditEntry> egress;  // its egress rows in that window
   std::string cwd;                 // from the shell state, when it says
 };
 
+// A file of a step, read in ranges (the files route streams it; esbd never holds it whole).
+struct StepFile {
+  int64_t size = 0;
+  bool symlink = false;
+  std::string target;  // a symlink's link text (its whole answer)
+  // At most `length` bytes from `offset` (a file); StepCollectedError (410) when its blob went,
+  // DataLoss when it is corrupt (verified when reading from offset 0).
+  std::function<absl::StatusOr<std::string>(int64_t offset, int64_t length)> read;
+};
+
 struct StepFileDiff {
   std::string path;
-  std::string change;  // "added" | "modified" | "deleted" | "unchanged"
+  // "added" | "modified" | "deleted"; empty: the same at the step and its parent (the API
+  // says null, with an empty diff).
+  std::string change;
   bool binary = false;
   bool truncated = false;
   std::string diff;
@@ -82,5 +109,9 @@ struct StepFileDiff {
 // A file whose blob was collected by retention: 410 at the API.
 absl::Status StepCollectedError(std::string_view message);
 bool IsStepCollected(const absl::Status& status);
+// A stored part of a step's state (`what`: "the contents of 'p' at step n") that cannot be
+// read: NotFound → StepCollectedError; DataLoss → logged, DataLoss (410 "corrupt" at the API);
+// anything else unchanged.
+absl::Status StepStateGone(const absl::Status& status, std::string_view what);
 
 }  // namespace esb

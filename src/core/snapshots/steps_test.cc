@@ -2,7 +2,10 @@
 // deterministic fake kSteps driver (an in-memory workspace and a "memory" of variables).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
+#include <fstream>
+#include <future>
 #include <map>
 #include <mutex>
 #include <set>
@@ -47,7 +50,14 @@ class StepsDriver : public Driver {
  public:
   std::string name() const override { return "container"; }
   std::string Describe() const override { return "fake steps"; }
-  CapabilitySet Capabilities() const override { return caps; }
+  CapabilitySet Capabilities() const override {
+    if (on_capabilities) {  // once (e.g. inside a create's step set-up)
+      auto hook = std::move(on_capabilities);
+      on_capabilities = nullptr;
+      hook();
+    }
+    return caps;
+  }
   absl::StatusOr<InstanceRef> Create(const std::string& id, const EnvSpec&) override {
     std::lock_guard<std::mutex> lock(mu);
     instances[id] = Instance{};
@@ -242,7 +252,14 @@ class StepsDriver : public Driver {
   }
   absl::StatusOr<InstanceRef> ForkStep(const StepState& state, const EnvSpec&,
                                        const std::string& new_id, BlobStore& blobs) override {
+    if (during_fork) {  // e.g. calls on the source while the fork is made (run without mu, once)
+      auto hook = std::move(during_fork);
+      during_fork = nullptr;
+      hook();
+    }
     std::lock_guard<std::mutex> lock(mu);
+    if (state.memory && deleted_snapshots.count(state.memory->id))
+      return absl::FailedPreconditionError("the memory snapshot was released during the fork");
     if (!restore_error.ok()) return restore_error;
     Instance in;
     if (absl::Status st = Apply(in, state, blobs); !st.ok()) return st;
@@ -315,7 +332,8 @@ class StepsDriver : public Driver {
   int compact_delay_ms = 0;
   std::atomic<bool> compacting{false};
   absl::Status restore_error;  // RestoreStep and ForkStep answer it when set
-  std::function<void()> after_capture, before_restore;
+  std::function<void()> after_capture, before_restore, during_fork;
+  mutable std::function<void()> on_capabilities;
   std::atomic<bool> fail_capture{false};
   std::atomic<int> in_flight{0}, max_in_flight{0};
 };
@@ -1093,6 +1111,150 @@ TEST_F(StepsTest, StepTtlIsEnforcedWithoutANewStep) {
   EXPECT_TRUE(steps[2].collected);
   EXPECT_FALSE(steps[0].collected) << "the head is never collected";
   EXPECT_EQ(steps[1].memory_detail, std::optional<std::string>("collected"));
+}
+
+// Review L1: an environment was published before its step log was set up, so a call racing
+// the create could record a step with the default settings (capture on) although the create
+// said "steps": false. The settings are now in effect before any call can see the environment.
+TEST_F(StepsTest, ACallRacingTheCreateCannotStepWithDefaultSettings) {
+  Start();
+  StepSettings off;
+  off.capture = false;
+  std::string seen;
+  std::thread racer;
+  std::future<absl::StatusOr<ExecResult>> raced;
+  bool raced_in_time = false;
+  driver.on_capabilities = [&] {  // inside the create's step set-up
+    std::string id;
+    {
+      std::lock_guard<std::mutex> lock(driver.mu);
+      ASSERT_EQ(driver.instances.size(), 1u);
+      id = driver.instances.begin()->first;
+    }
+    auto visible = m->ListSteps("acme", id, -1, 10);  // finds published environments only
+    seen = visible.ok() ? "visible" : "hidden";
+    std::promise<absl::StatusOr<ExecResult>> p;
+    raced = p.get_future();
+    racer = std::thread([&, id, p = std::move(p)]() mutable {
+      p.set_value(m->Exec("acme", id, ExecRequest{"write a.txt raced"}, nullptr));
+    });
+    raced_in_time = raced.wait_for(std::chrono::seconds(5)) == std::future_status::ready;
+  };
+  std::string id = NewEnv("acme", &off);
+  racer.join();
+  EXPECT_EQ(seen, "hidden") << "the environment was visible before its step settings applied";
+  EXPECT_TRUE(raced_in_time) << "the racing call waited for the create's step set-up";
+  absl::StatusOr<ExecResult> r = raced.get();
+  EXPECT_TRUE(IsEnvironmentNotFound(r.status())) << r.status();
+  Run(id, "write b.txt after");
+  EXPECT_TRUE(All(id).empty());
+  EXPECT_EQ(driver.captures, 0);
+  EXPECT_FALSE(m->Get("acme", id)->steps.capture);
+}
+
+// Review L4: a fork held the source's step lock while the new environment was created
+// (seconds for a container), so the source could not work meanwhile. It now holds it only to
+// read the step, and pins the step so that retention keeps what the fork copies from.
+TEST_F(StepsTest, TheSourceKeepsWorkingWhileAForkIsMadeAndItsStepStaysPinned) {
+  Start();
+  StepSettings s;
+  s.max_steps = 2;
+  std::string id = NewEnv("acme", &s);
+  Run(id, "write a.txt base");
+  Run(id, "set x 7");
+  std::future<absl::StatusOr<ExecResult>> during;
+  std::thread source;
+  bool finished_during_fork = false;
+  driver.during_fork = [&] {  // a slow create: the source works meanwhile
+    std::promise<absl::StatusOr<ExecResult>> p;
+    during = p.get_future();
+    source = std::thread([&, p = std::move(p)]() mutable {
+      auto r = m->Exec("acme", id, ExecRequest{"write a.txt moved-on"}, nullptr);
+      if (r.ok()) r = m->Exec("acme", id, ExecRequest{"write c.txt more"}, nullptr);
+      p.set_value(std::move(r));
+    });
+    finished_during_fork = during.wait_for(std::chrono::seconds(5)) == std::future_status::ready;
+  };
+  auto f = m->Fork("acme", id, 1);
+  source.join();
+  EXPECT_TRUE(finished_during_fork) << "calls on the source waited for the fork";
+  ASSERT_TRUE(during.get().ok());
+  ASSERT_TRUE(f.ok()) << f.status() << " (the step was collected during the fork?)";
+  EXPECT_EQ(driver.Get(f->environment.record.id).files["a.txt"], "base");
+  EXPECT_EQ(driver.Get(id).files["a.txt"], "moved-on");
+  // Unpinned after the fork: the next step's retention collects it (max_steps 2).
+  Run(id, "write d.txt last");
+  auto one = m->GetStep("acme", id, 1);
+  ASSERT_TRUE(one.ok());
+  EXPECT_EQ(one->record.memory_detail, std::optional<std::string>("collected"));
+}
+
+// Review M5: a step's file tree and changes come in windows (a workspace of 100,000 entries
+// was rendered whole), with the total and the cursor of the next window.
+TEST_F(StepsTest, AStepsFilesAndChangesComeInWindows) {
+  Start();
+  std::string id = NewEnv();
+  for (int i = 0; i < 25; ++i) driver.instances.at(id).files[absl::StrCat("f", 100 + i)] = "x";
+  Run(id, "write g.txt y");  // step 1: 26 files added
+  std::vector<std::string> seen;
+  StepListWindow w;
+  w.limit = 10;
+  for (int page = 0; page < 5; ++page) {
+    auto d = m->GetStep("acme", id, 1, w, w);
+    ASSERT_TRUE(d.ok()) << d.status();
+    EXPECT_EQ(d->files_total, 26);
+    EXPECT_EQ(d->changes_total, 26);
+    EXPECT_LE(d->files.entries.size(), 10u);
+    EXPECT_EQ(d->changes.size(), d->files.entries.size());
+    for (const ManifestEntry& e : d->files.entries) seen.push_back(e.path);
+    if (!d->files_next) break;
+    EXPECT_EQ(*d->files_next, d->files.entries.back().path);
+    w.after = *d->files_next;
+  }
+  ASSERT_EQ(seen.size(), 26u);
+  EXPECT_TRUE(std::is_sorted(seen.begin(), seen.end()));
+  EXPECT_EQ(std::set<std::string>(seen.begin(), seen.end()).size(), 26u);
+  auto all = m->GetStep("acme", id, 1);
+  ASSERT_TRUE(all.ok());
+  EXPECT_EQ(all->files.entries.size(), 26u) << "the default window holds a small tree";
+  EXPECT_FALSE(all->files_next.has_value());
+}
+
+// Review M4: what retention or the disk lost answers 410 ("collected", or DataLoss: "corrupt"),
+// an unchanged path's diff has no change, and a directory is a bad request.
+TEST_F(StepsTest, GoneCorruptUnchangedAndDirectoryAnswers) {
+  Start();
+  std::string id = NewEnv();
+  Run(id, "write a.txt base");
+  Run(id, "write b.txt other");  // step 2: a.txt unchanged
+  auto d = m->DiffStepFile("acme", id, 2, "a.txt");
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->change, "") << "unchanged: no change";
+  EXPECT_EQ(d->diff, "");
+  auto f = m->OpenStepFile("acme", id, 2, "a.txt");
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ(f->size, 4);
+  EXPECT_EQ(*f->read(0, 100), "base");
+  EXPECT_EQ(*f->read(1, 2), "as");
+  ASSERT_TRUE(driver.MakeDir({id, "container", id}, "dir").ok());
+  Run(id, "write c.txt z");
+  EXPECT_TRUE(absl::IsInvalidArgument(m->OpenStepFile("acme", id, 3, "dir").status()));
+  // The blob of a.txt corrupted on disk: DataLoss (410 "corrupt"), not a bare 500.
+  const std::string key = Sha256Hex("base");
+  const std::string tag = DiskBlobStore::TenantTag("acme");
+  const std::string blob_path = dir + "/blobs/t/" + tag + "/" + key.substr(0, 2) + "/" + key;
+  std::ofstream(blob_path) << "BASE";
+  auto bad = m->OpenStepFile("acme", id, 1, "a.txt");
+  ASSERT_TRUE(bad.ok());
+  auto read = bad->read(0, 100);
+  EXPECT_TRUE(absl::IsDataLoss(read.status())) << read.status();
+  auto bad_diff = m->DiffStepFile("acme", id, 1, "a.txt");
+  EXPECT_TRUE(absl::IsDataLoss(bad_diff.status())) << bad_diff.status();
+  // Removed: collected (410).
+  ASSERT_TRUE(std::filesystem::remove(blob_path));
+  auto gone = bad->read(0, 100);
+  EXPECT_TRUE(IsStepCollected(gone.status())) << gone.status();
+  EXPECT_TRUE(IsStepCollected(m->ReadStepFile("acme", id, 1, "a.txt").status()));
 }
 
 }  // namespace
