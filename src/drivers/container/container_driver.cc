@@ -1643,13 +1643,15 @@ std::optional<SnapshotRef> ContainerDriver::CheckpointStep(const InstanceRef& re
   absl::Status back;
   if (checkpoint.ok()) {
     back = RestoreImage(paths, &state, dir);
+  } else if (marked && absl::IsDeadlineExceeded(checkpoint)) {
+    // The killed client does not stop the sandbox's own checkpoint, which may still stop it
+    // later: never trust it again, restart it (below).
+    back = absl::DeadlineExceededError("the checkpoint was cut off");
   } else if (absl::StatusOr<ContainerState> cs = runtime.State(paths.container_id);
-             released.ok() && cs.ok() && cs->status == "running") {
-    back = WakeAgent(paths, state);  // the checkpoint never stopped it: listen again
-  } else if (cs.ok() && cs->status == "running") {
-    back = absl::OkStatus();  // never released
-  } else {
-    back = absl::UnavailableError("the sandbox stopped");
+             !cs.ok() || cs->status != "running") {
+    back = absl::UnavailableError("the sandbox stopped");  // gVisor stops it on a failure
+  } else if (released.ok()) {
+    back = WakeAgent(paths, state);  // never checkpointed: listen again
   }
   if (!back.ok() && checkpoint.ok()) back = RestoreImage(paths, &state, dir);  // once more
   const int64_t t_restore = MonotonicMs();
