@@ -1902,17 +1902,28 @@ absl::StatusOr<Usage> ContainerDriver::Stats(const InstanceRef& ref) {
   ESB_RETURN_IF_ERROR(ValidateId(ref.id));
   const EnvPaths paths = PathsFor(options_, ref.id);
   InstanceState state = ParseCurrentState(ref.state, RuntimeName(kind_), paths);
+  // A gVisor step's checkpoint stops the sandbox until its restore runs: alive all the same
+  // (the reaper would otherwise destroy it as "died" in that window). Checked after the pid:
+  // the suspension lasts from before the checkpoint until current.json has the new pid.
+  auto alive = [&] {
+    if (ProcessAlive(state)) return true;
+    {
+      std::lock_guard<std::mutex> lock(agents_mu_);
+      if (suspended_.count(ref.id) > 0) return true;
+    }
+    return ProcessAlive(ParseCurrentState(ref.state, RuntimeName(kind_), paths));
+  };
   absl::StatusOr<Usage> usage = ReadCgroupUsage(layout_, state.cgroup_path);
   if (!usage.ok()) {
     if (kind_ == RuntimeKind::kRunsc) {
       // runsc may place the sandbox elsewhere; report liveness at least.
       Usage u;
-      u.alive = ProcessAlive(state);
+      u.alive = alive();
       return u;
     }
     return usage.status();
   }
-  usage->alive = ProcessAlive(state);
+  usage->alive = alive();
   return usage;
 }
 
