@@ -3,7 +3,7 @@
 // files only and against the step itself, and rewind / fork latency from a step's image; same
 // run, through the container driver (root, runsc installed). The sandbox runs the image's
 // Python kernel with a small namespace and a background process, like an agent's session.
-//   gvisor_step_bench IMAGE_ROOTFS [--steps 8] [--files 200]
+//   gvisor_step_bench IMAGE_ROOTFS [--steps 8] [--files 200] [--phases]
 // Prints one markdown table (ms, p50/p99, ratio to the step itself) and the image bytes.
 #include <stdio.h>
 #include <stdlib.h>
@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "common/util.h"
 #include "drivers/container/container_driver.h"
 #include "drivers/testing/memory_blob_store.h"
 
@@ -51,8 +52,12 @@ int main(int argc, char** argv) {
     return 2;
   }
   const std::string image = argv[1];
+  // --phases: the driver's debug lines (each checkpoint's and restore's split) on stderr.
+  for (int i = 2; i < argc; ++i) {
+    if (!strcmp(argv[i], "--phases")) esb::SetLogLevel(esb::LogLevel::kDebug);
+  }
   int steps = 8, files = 200;
-  for (int i = 2; i + 1 < argc; i += 2) {
+  for (int i = 2; i + 1 < argc; ++i) {
     if (!strcmp(argv[i], "--steps")) steps = std::max(2, atoi(argv[i + 1]));
     if (!strcmp(argv[i], "--files")) files = std::max(1, atoi(argv[i + 1]));
   }

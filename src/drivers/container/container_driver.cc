@@ -1673,7 +1673,7 @@ std::optional<SnapshotRef> ContainerDriver::CheckpointStep(const InstanceRef& re
     }
     return std::nullopt;
   }
-  LogDebug(absl::StrCat("gvisor step of ", ref.id, ": checkpoint ", t_checkpoint - t0,
+  LogDebug(absl::StrCat("gvisor step of ", ref.id, ": release + checkpoint ", t_checkpoint - t0,
                         " ms, restore ", t_restore - t_checkpoint, " ms, image ", bytes, " bytes"));
   if (bytes > options_.max_step_image_mb * (int64_t{1} << 20)) {
     RemoveTree(dir).IgnoreError();
@@ -1722,7 +1722,9 @@ absl::Status ContainerDriver::WakeAgent(const EnvPaths& paths, const InstanceSta
 absl::Status ContainerDriver::RestoreImage(const EnvPaths& paths, InstanceState* state,
                                            const std::string& image_dir) {
   const OciRuntime& runtime = Runtime(state->runtime);
+  const int64_t t0 = MonotonicMs();
   ESB_RETURN_IF_ERROR(runtime.Delete(paths.container_id, options_.runtime_timeout_ms));
+  const int64_t t_delete = MonotonicMs();
   UnlinkInRunDir(paths, "agent.sock");
   UnlinkInRunDir(paths, "released");
   ESB_RETURN_IF_ERROR(SeedRunState(paths, image_dir));
@@ -1730,10 +1732,15 @@ absl::Status ContainerDriver::RestoreImage(const EnvPaths& paths, InstanceState*
       runtime.RestoreDetached(paths.container_id, paths.env_dir, image_dir, paths.agent_log,
                               options_.step_snapshot_timeout_ms);
   if (!pid.ok()) return pid.status();
+  const int64_t t_restore = MonotonicMs();
   state->pid = *pid;
   state->pid_start = ProcessStartTime(*pid);
   ESB_RETURN_IF_ERROR(WriteCurrentState(paths, *state));
-  return WakeAgent(paths, *state);
+  absl::Status woke = WakeAgent(paths, *state);
+  LogDebug(absl::StrCat("gvisor restore of ", paths.container_id, ": delete ", t_delete - t0,
+                        " ms, runsc restore ", t_restore - t_delete, " ms, agent ",
+                        MonotonicMs() - t_restore, " ms"));
+  return woke;
 }
 
 absl::Status ContainerDriver::ColdRestart(const EnvPaths& paths, InstanceState* state,
