@@ -2,6 +2,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <signal.h>
 #include <string.h>
 #include <sys/eventfd.h>
@@ -121,9 +122,20 @@ void Agent::Serve() {
     return;
   }
   for (;;) {
+    {
+      std::unique_lock<std::mutex> lock(release_mu_);
+      if (release_requested_) {
+        lock.unlock();
+        if (!ReleaseAndWait()) return;
+        continue;
+      }
+    }
+    // Polled so a release (asked on a connection thread) is noticed within 100 ms.
+    pollfd pfd{listen_fd_, POLLIN, 0};
+    if (poll(&pfd, 1, 100) <= 0) continue;
     int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
     if (fd < 0) {
-      if (errno == EINTR || errno == ECONNABORTED) continue;
+      if (errno == EINTR || errno == ECONNABORTED || errno == EAGAIN) continue;
       Log(LogLevel::kWarn, std::string("accept: ") + strerror(errno));
       usleep(10000);  // EMFILE and friends: back off instead of spinning
       continue;
@@ -141,19 +153,92 @@ void Agent::Serve() {
       continue;
     }
     ++connections_;
+    {
+      std::lock_guard<std::mutex> lock(release_mu_);
+      conn_fds_.insert(fd);
+    }
     try {
       std::thread([this, fd] {
         HandleConnection(fd, /*owned=*/true);
+        {
+          std::lock_guard<std::mutex> lock(release_mu_);
+          conn_fds_.erase(fd);
+        }
         --connections_;
       }).detach();
     } catch (const std::system_error& e) {
       // No thread (a fork bomb at the pids limit): refuse this connection, keep serving.
       Log(LogLevel::kWarn, std::string("cannot start connection thread: ") + e.what());
+      {
+        std::lock_guard<std::mutex> lock(release_mu_);
+        conn_fds_.erase(fd);
+      }
       close(fd);
       --connections_;
       usleep(10000);
     }
   }
+}
+
+proto::Frame Agent::HandleReleaseListener() {
+  // Only the gVisor layout binds its socket itself; a listener inherited from the host (crun,
+  // runc) or a serve fd is not the agent's to give back.
+  if (!options_.host_uds_peers || options_.listen_fd >= 0 || options_.serve_fd >= 0) {
+    return ErrorResponse("release_listener is for a socket bound with --host-uds-peers", "EINVAL");
+  }
+  std::lock_guard<std::mutex> lock(release_mu_);
+  release_requested_ = true;
+  relisten_ = false;
+  return OkResponse();
+}
+
+bool Agent::ReleaseAndWait() {
+  const std::string dir = options_.socket_path.substr(0, options_.socket_path.rfind('/'));
+  const std::string marker = dir + "/released";
+  // Give the op's answer a moment to leave, then end every host connection.
+  usleep(20000);
+  close(listen_fd_);
+  listen_fd_ = -1;
+  unlink(options_.socket_path.c_str());
+  {
+    std::lock_guard<std::mutex> lock(release_mu_);
+    for (int fd : conn_fds_) shutdown(fd, SHUT_RDWR);
+  }
+  for (int i = 0; i < 500 && connections_.load() > 0; ++i) usleep(10000);
+  if (connections_.load() > 0) {
+    Log(LogLevel::kWarn, "release: connections still open after 5 s");
+  } else {
+    // The host waits for this file before it checkpoints (sandbox code can make it too: then
+    // the checkpoint fails and esbd restarts this sandbox, its own loss only).
+    Fd m(open(marker.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600));
+  }
+  Log(LogLevel::kInfo, "listener released (checkpoint)");
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lock(release_mu_);
+      release_cv_.wait(lock, [this] { return relisten_; });
+      relisten_ = false;
+    }
+    unlink(marker.c_str());
+    // The host removes the old socket file before it signals (gVisor may still show it to the
+    // sandbox as deleted while it exists on the host); a failed bind waits for the next signal.
+    std::string error;
+    if (Listen(&error)) break;
+    Log(LogLevel::kError, "listening again after a release: " + error);
+  }
+  {
+    std::lock_guard<std::mutex> lock(release_mu_);
+    release_requested_ = false;
+  }
+  Log(LogLevel::kInfo, "listening again on " + options_.socket_path);
+  return true;
+}
+
+void Agent::Relisten() {
+  std::lock_guard<std::mutex> lock(release_mu_);
+  if (!release_requested_) return;
+  relisten_ = true;
+  release_cv_.notify_all();
 }
 
 bool Agent::PeerAllowed(int fd) {
@@ -216,9 +301,10 @@ struct Agent::Call {
 };
 
 std::vector<std::string> Capabilities() {
-  return {"ping",   "exec",  "write",     "read",   "list",  "stat",   "mkdir",      "remove",
-          "rename", "stats", "configure", "spawn",  "input", "signal", "resize",     "wait",
-          "kill",   "sync",  "thaw",      "reseed", "walk",  "apply",  "shell_state"};
+  return {"ping",  "exec",   "write",  "read",  "list",        "stat",
+          "mkdir", "remove", "rename", "stats", "configure",   "spawn",
+          "input", "signal", "resize", "wait",  "kill",        "sync",
+          "thaw",  "reseed", "walk",   "apply", "shell_state", "release_listener"};
 }
 
 void Agent::HandleConnection(int fd, bool owned) {
@@ -417,6 +503,7 @@ std::optional<proto::Frame> Agent::HandleRequest(Conn& conn, Call& call,
   if (op == "walk") return HandleWalk(options_.workspace, request.header, &walk_cache_);
   if (op == "apply") return HandleApply(options_.workspace, request.header, request.payload);
   if (op == "shell_state") return HandleShellState(request.header, request.payload);
+  if (op == "release_listener") return HandleReleaseListener();
   if (op.empty()) return ErrorResponse("request without an op", "EINVAL");
   return ErrorResponse("unknown op: " + op, "ENOSYS");
 }

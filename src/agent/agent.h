@@ -6,10 +6,12 @@
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -64,6 +66,11 @@ class Agent {
   void Serve();
   // SIGTERM path: kills every session process group and removes the socket.
   void Shutdown();
+  // gVisor checkpoint (op "release_listener"; docs/agent-protocol.md): gVisor cannot save a
+  // socket bound on the host, nor a host connection. After the op answered, Serve closes the
+  // listener and every connection, then creates `<socket dir>/released` and waits for
+  // Relisten (SIGUSR1 from outside the sandbox, sent by esbd after the restore).
+  void Relisten();
 
  private:
   struct Conn;
@@ -94,6 +101,10 @@ class Agent {
   proto::Frame HandleReseed(const std::string& payload);
   // Time travel: the shell session's state, read or replaced (workspace.h has walk/apply).
   proto::Frame HandleShellState(const boost::json::object& header, const std::string& payload);
+  proto::Frame HandleReleaseListener();
+  // Serve's part of a release: closes the listener and the connections, marks the release on
+  // the host and waits for Relisten (again after a failed bind); true once listening.
+  bool ReleaseAndWait();
 
   const AgentOptions options_;
   Reaper* const reaper_;
@@ -107,6 +118,11 @@ class Agent {
   const int64_t start_ms_;
   int listen_fd_ = -1;
   std::atomic<int> connections_{0};
+  std::mutex release_mu_;
+  std::condition_variable release_cv_;
+  bool release_requested_ = false;  // guarded by release_mu_
+  bool relisten_ = false;           // guarded by release_mu_
+  std::set<int> conn_fds_;          // open accepted connections; guarded by release_mu_
   std::atomic<int> calls_{0};  // in flight on every connection
   LogThrottle refused_peers_;
   LogThrottle refused_busy_;

@@ -152,6 +152,49 @@ class AgentTest : public ::testing::Test {
   AgentProcess agent_;
 };
 
+// gVisor's checkpoint cannot save the agent's host-bound socket nor a host connection: on
+// release_listener the agent gives both up, marks it next to its socket, and listens again
+// only on SIGUSR1 (from outside the sandbox when it is PID 1).
+TEST(AgentReleaseTest, ReleaseClosesListenerAndConnectionsAndSigusr1ListensAgain) {
+  AgentProcess agent({}, "", ESB_AGENT_BINARY, {"--host-uds-peers"});
+  ASSERT_GT(agent.pid(), 0);
+  ASSERT_TRUE(agent.WaitReady());
+  const std::string marker = agent.dir() + "/run/released";
+  Conn other(agent);  // a second host connection: it must be closed too
+  ASSERT_TRUE(other.ok());
+  Conn c(agent);
+  ASSERT_TRUE(c.ok());
+  ASSERT_TRUE(Ok(c.Call({{"op", "release_listener"}})));
+  for (int i = 0; i < 500 && !std::filesystem::exists(marker); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_TRUE(std::filesystem::exists(marker));
+  EXPECT_FALSE(std::filesystem::exists(agent.socket_path()));
+  EXPECT_TRUE(other.ClosedByPeer());
+  EXPECT_TRUE(c.ClosedByPeer());
+  EXPECT_LT(agent.Connect(), 0);
+  ASSERT_EQ(kill(agent.pid(), SIGUSR1), 0);
+  ASSERT_TRUE(agent.WaitReady());
+  Conn again(agent);
+  ASSERT_TRUE(again.ok());
+  EXPECT_TRUE(Ok(again.Call({{"op", "ping"}})));
+  EXPECT_FALSE(std::filesystem::exists(marker));
+  // A second release works the same way.
+  ASSERT_TRUE(Ok(again.Call({{"op", "release_listener"}})));
+  EXPECT_TRUE(again.ClosedByPeer());
+  ASSERT_EQ(kill(agent.pid(), SIGUSR1), 0);
+  ASSERT_TRUE(agent.WaitReady());
+}
+
+// Only the gVisor layout's own socket can be released (not an inherited listener, nor here).
+TEST_F(AgentTest, ReleaseListenerIsRefusedWithoutHostUdsPeers) {
+  Conn c(agent_);
+  proto::Frame r = c.Call({{"op", "release_listener"}});
+  EXPECT_FALSE(Ok(r));
+  EXPECT_EQ(Errno(r), "EINVAL");
+  EXPECT_TRUE(Alive());
+}
+
 TEST_F(AgentTest, SaysHelloAndAnswersPing) {
   Conn c(agent_);
   ASSERT_TRUE(c.ok());

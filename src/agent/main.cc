@@ -201,6 +201,7 @@ int main(int argc, char** argv) {
   sigemptyset(&wait_set);
   sigaddset(&wait_set, SIGTERM);
   sigaddset(&wait_set, SIGINT);
+  sigaddset(&wait_set, SIGUSR1);  // from outside: listen again after a checkpoint (gVisor)
   pthread_sigmask(SIG_BLOCK, &wait_set, nullptr);
 
   mkdir(options.workspace.c_str(), 0755);  // usually a mount; harmless if it exists
@@ -239,6 +240,10 @@ int main(int argc, char** argv) {
                                    std::to_string(info.si_pid) + " inside the sandbox (" +
                                    std::to_string(n) + " times so far)");
         }
+        continue;
+      }
+      if (sig == SIGUSR1) {
+        agent.Relisten();
         continue;
       }
       Log(LogLevel::kInfo, std::string("signal ") + strsignal(sig) + ": stopping");

@@ -25,8 +25,9 @@ class AgentProcess {
  public:
   // `prefix`: a command that runs the agent (e.g. unshare ...); empty runs it directly.
   // `dir`: reuse this directory (kept afterwards) instead of a fresh temporary one.
+  // `extra`: more agent flags (e.g. --host-uds-peers).
   explicit AgentProcess(std::vector<std::string> prefix = {}, std::string dir = "",
-                        std::string binary = ESB_AGENT_BINARY)
+                        std::string binary = ESB_AGENT_BINARY, std::vector<std::string> extra = {})
       : keep_dir_(!dir.empty()) {
     if (dir.empty()) {
       char tmpl[] = "/tmp/esb-agent-test-XXXXXX";
@@ -50,6 +51,7 @@ class AgentProcess {
                                            "--allow-uid",
                                            std::to_string(getuid())};
     args.insert(args.end(), agent_args.begin(), agent_args.end());
+    args.insert(args.end(), extra.begin(), extra.end());
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);

@@ -314,6 +314,8 @@ void EnvironmentManager::RecordStepLocked(LiveEnv& env, StepRecord rec) {
         state_json["memory"] = SnapshotToJson(*state->memory);
         rec.memory = "snapshot";
         rec.memory_live = state->memory->live;  // bounded by max_live_memory, not max_bytes
+        // An image on disk (gVisor's checkpoint) counts towards max_bytes like file contents.
+        if (!state->memory->live) rec.bytes += std::max<int64_t>(0, state->memory->bytes);
         brief.memory = true;
         brief.live = state->memory->live;
       } else {
@@ -321,6 +323,8 @@ void EnvironmentManager::RecordStepLocked(LiveEnv& env, StepRecord rec) {
         rec.memory_detail =
             env.step_settings.max_live_memory == 0 || !support.available
                 ? (support.available ? "off" : absl::StrCat("unsupported: ", support.reason))
+            : !state->memory_reason.empty()
+                ? HeadBytes(absl::StrCat("unsupported: ", state->memory_reason), 512)
                 : "unsupported: the driver took no memory snapshot";
       }
       manifest = std::make_shared<const WorkspaceManifest>(std::move(state->workspace));

@@ -982,4 +982,11 @@ absl::Status AgentClient::SetShellState(std::string_view state) {
   return Call(spec).status();
 }
 
+absl::Status AgentClient::ReleaseListener() {
+  CallSpec spec;
+  spec.deadline_ms = proto::MonotonicMs() + kShortOpTimeoutMs;
+  spec.header = {{"op", "release_listener"}};
+  return Call(spec).status();
+}
+
 }  // namespace esb

@@ -116,6 +116,10 @@ class AgentClient {
   // The shell session's state (bounded by `max_bytes`), and replacing it.
   absl::StatusOr<std::string> ShellState(int64_t max_bytes);
   absl::Status SetShellState(std::string_view state);
+  // gVisor, before a checkpoint: the agent closes its host-bound listener and every
+  // connection (this one too), creates `released` next to its socket, and listens again on
+  // SIGUSR1 from outside the sandbox (docs/agent-protocol.md "Checkpoint").
+  absl::Status ReleaseListener();
 
   class Connection;
   struct CallSpec;

@@ -90,6 +90,9 @@ struct StepState {
   // stores it and hands it back to RestoreStep/ForkStep, and releases it with DeleteSnapshot.
   // Unset: memory "none" (files are exact; processes and live variables do not come back).
   std::optional<SnapshotRef> memory;
+  // Unset memory although CaptureOptions::memory asked for it: why (the step's memory_detail
+  // "unsupported: <reason>"). Empty: the core's generic reason.
+  std::string memory_reason;
   // The shell session's state (cwd, variables, functions), opaque to the core, ≤ 256 KiB;
   // restored as is. Empty: the driver has no shell session.
   std::string shell_state;

@@ -12,6 +12,19 @@
 import ast, builtins, fcntl, glob, importlib, importlib.machinery, io, json, linecache
 import os, select, signal, socket, stat, struct, sys, threading, time, traceback, types
 
+
+def readable(objs, timeout):
+    """The objects (fds or sockets) among `objs` ready to read within `timeout` seconds (None:
+    wait). poll(2), not select(2): gVisor's sandbox filter answers select with EPERM."""
+    p = select.poll()
+    by_fd = {}
+    for o in objs:
+        fd = o if isinstance(o, int) else o.fileno()
+        by_fd[fd] = o
+        p.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
+    events = p.poll(None if timeout is None else int(timeout * 1000))
+    return [by_fd[fd] for fd, _ in events]
+
 DIR = os.path.abspath(
     (sys.argv[2] if len(sys.argv) == 3 and sys.argv[1] == "serve" else None)
     or os.environ.get("ESB_KERNEL_DIR") or "/tmp/.esb-kernel")
@@ -241,7 +254,7 @@ class FdPump:
     def loop(self):
         while True:
             try:
-                ready, _, _ = select.select(list(self.fds), [], [])
+                ready = readable(list(self.fds), None)
             except OSError:
                 return
             for fd in ready:
@@ -666,7 +679,7 @@ def watch_client(conn, cell, done):
     rather than keep running code nobody waits for."""
     while not done.is_set():
         try:
-            ready, _, _ = select.select([conn], [], [], 0.2)
+            ready = readable([conn], 0.2)
         except (OSError, ValueError):
             return
         if not ready:
@@ -922,7 +935,7 @@ def run(cellfile, resultfile, timeout_ms, formats):
                  "and will restart fresh (all variables are lost)")
             break
         limit = (interrupted_at + GRACE_S) if interrupted_at is not None else deadline
-        r, _, _ = select.select([s], [], [], max(0.0, min(0.25, limit - now)))
+        r = readable([s], max(0.0, min(0.25, limit - now)))
         if not r:
             continue
         try:

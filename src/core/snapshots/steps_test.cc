@@ -194,14 +194,16 @@ class StepsDriver : public Driver {
       first = false;
     }
     s.variables_json += "]";
-    if (opts.memory && memory) {
+    if (opts.memory && memory && !memory_refused.empty()) {
+      s.memory_reason = memory_refused;  // e.g. gVisor's image over its cap
+    } else if (opts.memory && memory) {
       SnapshotRef snap;
       snap.id = absl::StrCat("snap", ++snapshots_made);
       snap.driver = "container";
       snap.source_id = ref.id;
       snap.state = EncodeVars(in.vars);
-      snap.bytes = 1000;
-      snap.live = true;
+      snap.bytes = on_disk ? image_bytes : 1000;
+      snap.live = !on_disk;  // on disk: like gVisor's checkpoint images
       live_snapshots.insert(snap.id);
       snapshot_source[snap.id] = ref.id;
       s.memory = snap;
@@ -331,6 +333,9 @@ class StepsDriver : public Driver {
   bool memory = true, compact = true, reuse_previous = false;
   int compact_delay_ms = 0;
   std::atomic<bool> compacting{false};
+  bool on_disk = false;        // memory snapshots are images on disk (live false)
+  int64_t image_bytes = 1000;  // their size, with on_disk
+  std::string memory_refused;  // set: no memory snapshot, this reason instead
   absl::Status restore_error;  // RestoreStep and ForkStep answer it when set
   std::function<void()> after_capture, before_restore, during_fork;
   mutable std::function<void()> on_capabilities;
@@ -661,6 +666,39 @@ TEST_F(StepsTest, NoMemoryOnThisHostIsHonestOnEveryStep) {
   auto r = m->Rewind("acme", id, 0);
   ASSERT_TRUE(r.ok());
   EXPECT_EQ(r->memory, "none");
+}
+
+// gVisor: a step's memory is a checkpoint image on disk, counted in the step's bytes, so
+// max_bytes collects old images (and releases them) like old file contents.
+TEST_F(StepsTest, AnOnDiskMemoryImageCountsTowardsMaxBytes) {
+  driver.on_disk = true;
+  driver.image_bytes = 15000;
+  Start();
+  StepSettings s;
+  s.max_bytes = 20000;  // two images do not fit
+  std::string id = NewEnv("acme", &s);
+  Run(id, "set x 1");
+  auto steps = All(id);
+  ASSERT_EQ(steps.size(), 2u);
+  EXPECT_GE(steps[0].bytes, 15000) << "the image counts";
+  EXPECT_EQ(steps[0].memory, "snapshot");
+  EXPECT_FALSE(steps[0].collected);
+  EXPECT_TRUE(steps[1].collected) << "over max_bytes the oldest image goes";
+  EXPECT_EQ(steps[1].memory, "none");
+  EXPECT_EQ(driver.deleted_snapshots.size(), 1u);
+}
+
+// A driver that was asked for memory and took none says why, on the step.
+TEST_F(StepsTest, ADriverSaysWhyAStepHasNoMemory) {
+  driver.memory_refused = "the checkpoint image is 9 MiB, over the cap of 1 MiB";
+  Start();
+  std::string id = NewEnv();
+  for (const StepRecord& r : All(id)) {
+    EXPECT_EQ(r.memory, "none");
+    EXPECT_EQ(r.memory_detail,
+              std::optional<std::string>(
+                  "unsupported: the checkpoint image is 9 MiB, over the cap of 1 MiB"));
+  }
 }
 
 TEST_F(StepsTest, RetentionCollectsOldStepsAndTheirBlobsButNeverTheHead) {

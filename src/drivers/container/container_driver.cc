@@ -336,7 +336,7 @@ AgentClient::Connector SafeAgentConnector(std::string run_dir, int timeout_ms) {
 // Where everything of one environment lives.
 
 struct EnvPaths {
-  std::string env_dir, bundle_config, run_dir, agent_log, runtime_log;
+  std::string env_dir, bundle_config, run_dir, agent_log, runtime_log, images, current;
   std::string socket, container_id, cgroup_path;
   std::string netns;   // governed environments: the bind-mounted network namespace
   std::string userns;  // ... and its user namespace, bound only until the container runs
@@ -349,6 +349,8 @@ EnvPaths PathsFor(const ContainerDriverOptions& o, const std::string& id) {
   p.run_dir = p.env_dir + "/run";
   p.agent_log = p.env_dir + "/agent.log";
   p.runtime_log = p.env_dir + "/runtime.log";
+  p.images = p.env_dir + "/images";
+  p.current = p.env_dir + "/current.json";
   p.socket = p.run_dir + "/agent.sock";
   p.container_id = "esb-" + id;
   // The state_dir hash keeps two daemons (or test runs) with equal ids apart.
@@ -544,6 +546,167 @@ bool ProcessAlive(const InstanceState& s) {
   return s.pid > 0 && s.pid_start != 0 && ProcessStartTime(s.pid) == s.pid_start;
 }
 
+// The instance as it runs now: gVisor's restore of a step (rewind, or the restore right after
+// a step's checkpoint) replaces the container under the same id, so its pid changes while the
+// core's InstanceRef stays as it was; the driver records the current pid in current.json (in
+// the root-only environment directory), which wins over the ref's.
+InstanceState ParseCurrentState(const std::string& json, const std::string& default_runtime,
+                                const EnvPaths& paths) {
+  InstanceState s = ParseState(json, default_runtime, paths);
+  std::string text;
+  if (!ReadFileToString(paths.current, &text).ok()) return s;
+  boost::system::error_code ec;
+  boost::json::value v = boost::json::parse(text, ec);
+  if (ec || !v.is_object()) return s;
+  const boost::json::object& o = v.as_object();
+  const boost::json::value* pid = o.if_contains("pid");
+  const boost::json::value* start = o.if_contains("pid_start");
+  if (pid && pid->is_int64() && pid->as_int64() > 0 && pid->as_int64() < INT_MAX && start &&
+      (start->is_int64() || start->is_uint64())) {
+    s.pid = static_cast<int>(pid->as_int64());
+    s.pid_start =
+        start->is_uint64() ? start->as_uint64() : static_cast<uint64_t>(start->as_int64());
+  }
+  return s;
+}
+
+absl::Status WriteCurrentState(const EnvPaths& paths, const InstanceState& s) {
+  const std::string tmp = paths.current + ".tmp";
+  ESB_RETURN_IF_ERROR(WriteStringToFile(
+      tmp, boost::json::serialize(boost::json::object{{"pid", s.pid}, {"pid_start", s.pid_start}}),
+      0600));
+  if (::rename(tmp.c_str(), paths.current.c_str()) != 0) return ErrnoStatus("rename " + tmp);
+  return absl::OkStatus();
+}
+
+// Bytes of the regular files directly in `dir` (a checkpoint image).
+int64_t DirBytes(const std::string& dir) {
+  int64_t total = 0;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
+    struct stat st;
+    if (::lstat(entry.path().c_str(), &st) == 0 && S_ISREG(st.st_mode)) total += st.st_size;
+  }
+  return total;
+}
+
+// Removes `name` from the run directory on the host side (never following a link: the sandbox
+// user can write there).
+void UnlinkInRunDir(const EnvPaths& paths, const char* name) {
+  UniqueFd dir(::open(paths.run_dir.c_str(), O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+  // SECURITY: unlinkat on the directory's descriptor removes the entry itself, whatever it is.
+  if (dir) ::unlinkat(dir.get(), name, 0);
+}
+
+bool ExistsInRunDir(const EnvPaths& paths, const char* name) {
+  UniqueFd dir(::open(paths.run_dir.c_str(), O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+  struct stat st;
+  return dir && ::fstatat(dir.get(), name, &st, AT_SYMLINK_NOFOLLOW) == 0;
+}
+
+// The agent's state directory (run/state: its log, the shell's saved state, a FIFO) lives on
+// the host, outside the checkpoint image, yet the restored sandbox reopens the files it had
+// open there: a fork's fresh run/ must have them. Copied into the image directory after the
+// checkpoint (run-state/: regular files, run-state-fifo/: the FIFOs' names), at most 16 MiB
+// (the run tmpfs's size). The directory is the sandbox user's: nothing is followed, only
+// regular files and FIFOs are taken.
+absl::Status SaveRunState(const EnvPaths& paths, const std::string& image_dir) {
+  UniqueFd dir(
+      ::open((paths.run_dir + "/state").c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+  if (!dir) return ErrnoStatus("open " + paths.run_dir + "/state");
+  ESB_RETURN_IF_ERROR(container::MakeDir(image_dir + "/run-state", 0700));
+  ESB_RETURN_IF_ERROR(container::MakeDir(image_dir + "/run-state-fifo", 0700));
+  DIR* d = ::fdopendir(::dup(dir.get()));
+  if (d == nullptr) return ErrnoStatus("fdopendir");
+  std::vector<std::string> names;
+  while (struct dirent* e = ::readdir(d)) {
+    std::string n = e->d_name;
+    if (n != "." && n != ".." && names.size() < 64) names.push_back(n);
+  }
+  ::closedir(d);
+  int64_t total = 0;
+  for (const std::string& n : names) {
+    struct stat st;
+    if (::fstatat(dir.get(), n.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) continue;
+    if (S_ISFIFO(st.st_mode)) {
+      ESB_RETURN_IF_ERROR(WriteStringToFile(image_dir + "/run-state-fifo/" + n, "", 0600));
+      continue;
+    }
+    if (!S_ISREG(st.st_mode) || st.st_size > kRunDirBytes - total) continue;
+    // SECURITY: O_NOFOLLOW | O_NONBLOCK and a size check on the opened file: a planted link or
+    // FIFO swapped in cannot make esbd read elsewhere or block.
+    UniqueFd f(::openat(dir.get(), n.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
+    if (!f || ::fstat(f.get(), &st) != 0 || !S_ISREG(st.st_mode)) continue;
+    std::string data(static_cast<size_t>(std::min<int64_t>(st.st_size, kRunDirBytes - total)),
+                     '\0');
+    ssize_t got = ::pread(f.get(), data.data(), data.size(), 0);
+    data.resize(got > 0 ? static_cast<size_t>(got) : 0);
+    total += static_cast<int64_t>(data.size());
+    ESB_RETURN_IF_ERROR(WriteStringToFile(image_dir + "/run-state/" + n, data, 0600));
+  }
+  return absl::OkStatus();
+}
+
+// Lays the saved files of SaveRunState into `paths`' run/state where they are missing (a
+// fork's fresh run/; a rewind's run/ keeps what it has), owned by the sandbox user.
+absl::Status SeedRunState(const EnvPaths& paths, const std::string& image_dir) {
+  const std::string state = paths.run_dir + "/state";
+  if (::mkdir(state.c_str(), 0700) == 0) {
+    // SECURITY: a directory esbd just created in the environment's own run/ tmpfs.
+    if (::chown(state.c_str(), kSandboxUid, kSandboxGid) != 0) return ErrnoStatus("chown");
+  }
+  UniqueFd dir(::open(state.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+  if (!dir) return ErrnoStatus("open " + state);
+  std::error_code ec;
+  for (const char* sub : {"run-state", "run-state-fifo"}) {
+    const bool fifo = std::string_view(sub) == "run-state-fifo";
+    for (const auto& e : std::filesystem::directory_iterator(image_dir + "/" + sub, ec)) {
+      const std::string n = e.path().filename().string();
+      UniqueFd made;
+      if (fifo) {
+        if (::mkfifoat(dir.get(), n.c_str(), 0600) != 0) continue;  // exists: kept
+        made.reset(::openat(dir.get(), n.c_str(), O_PATH | O_NOFOLLOW | O_CLOEXEC));
+      } else {
+        std::string data;
+        ESB_RETURN_IF_ERROR(ReadFileToString(e.path().string(), &data));
+        made.reset(::openat(dir.get(), n.c_str(),
+                            O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600));
+        if (!made) continue;  // exists: kept
+        if (::write(made.get(), data.data(), data.size()) != static_cast<ssize_t>(data.size())) {
+          return ErrnoStatus("write run state " + n);
+        }
+      }
+      // SECURITY: the file esbd just created (O_EXCL / mkfifo) goes to the sandbox user.
+      if (!made || ::fchownat(made.get(), "", kSandboxUid, kSandboxGid, AT_EMPTY_PATH) != 0) {
+        return ErrnoStatus("chown run state " + n);
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+// A step's checkpoint image as SnapshotRef::state names it: {"env": id, "image": 16 hex,
+// "walk_base": the agent's walk token at the step}. The path is derived, never stored.
+struct StepImage {
+  std::string env_id, image, walk_base;
+};
+
+absl::StatusOr<StepImage> ParseStepImage(const std::string& json) {
+  boost::system::error_code ec;
+  boost::json::value v = boost::json::parse(json, ec);
+  if (ec || !v.is_object()) return absl::InvalidArgumentError("bad gVisor snapshot state");
+  const boost::json::object& o = v.as_object();
+  StepImage img;
+  if (auto* e = o.if_contains("env"); e && e->is_string()) img.env_id = e->as_string();
+  if (auto* i = o.if_contains("image"); i && i->is_string()) img.image = i->as_string();
+  if (auto* w = o.if_contains("walk_base"); w && w->is_string()) img.walk_base = w->as_string();
+  ESB_RETURN_IF_ERROR(ValidateId(img.env_id));
+  bool hex = img.image.size() == 16;
+  for (char c : img.image) hex = hex && ((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'));
+  if (!hex) return absl::InvalidArgumentError("bad gVisor snapshot image name");
+  return img;
+}
+
 // ---------------------------------------------------------------------------------------
 
 absl::StatusOr<std::string> InstallAgent(const std::string& source, const std::string& state_dir,
@@ -572,8 +735,8 @@ class ContainerDriver : public Driver {
   }
   // Shell, files, terminals (agent_terminal.h), and a persistent Python kernel per environment
   // (heavy_kernel.h). One-shot Python needs an environment (the core makes a throw-away one).
-  // Steps (time travel) keep files, the shell state and a variables summary: no memory snapshot
-  // (StepMemory says why).
+  // Steps (time travel) keep files, the shell state and a variables summary; under gVisor also
+  // the memory (a runsc checkpoint per step); elsewhere StepMemory says why not.
   CapabilitySet Capabilities() const override {
     CapabilitySet caps{Capability::kExec, Capability::kFiles, Capability::kPythonSession,
                        Capability::kSteps};
@@ -606,6 +769,9 @@ class ContainerDriver : public Driver {
                                         BlobStore& blobs) override;
   absl::StatusOr<InstanceRef> RestoreStep(const InstanceRef& ref, const StepState& state,
                                           BlobStore& blobs) override;
+  absl::StatusOr<InstanceRef> ForkStep(const StepState& state, const EnvSpec& spec,
+                                       const std::string& new_id, BlobStore& blobs) override;
+  absl::Status DeleteSnapshot(const SnapshotRef& snapshot) override;
   StepMemorySupport StepMemory() const override;
   std::string Describe() const override { return describe_; }
   const UsernsStatus& userns() const { return userns_; }
@@ -687,6 +853,13 @@ class ContainerDriver : public Driver {
   // agent restarted), shared by every call.
   std::shared_ptr<AgentClient> AgentPtr(const std::string& id) {
     std::lock_guard<std::mutex> lock(agents_mu_);
+    if (suspended_.count(id)) {
+      // gVisor: between a checkpoint and the restore nothing may connect (a host connection
+      // cannot be saved, and the sandbox is being replaced).
+      return std::make_shared<AgentClient>([]() -> absl::StatusOr<int> {
+        return absl::UnavailableError("the environment is being checkpointed or restored");
+      });
+    }
     std::shared_ptr<AgentClient>& client = agents_[id];
     if (!client) {
       client =
@@ -708,6 +881,34 @@ class ContainerDriver : public Driver {
     client = std::move(it->second);
     agents_.erase(it);
   }
+  // gVisor step memory (docs/design.md "Time travel": gVisor).
+  void Suspend(const std::string& id, bool on) {
+    std::lock_guard<std::mutex> lock(agents_mu_);
+    if (on) {
+      suspended_.insert(id);
+      agents_.erase(id);  // its connection closes once no call holds it
+    } else {
+      suspended_.erase(id);
+    }
+  }
+  // Checkpoints the sandbox after a step into a new image and restores it so it runs on; the
+  // image, or nullopt with `*reason`. The environment is left running in every case (after a
+  // failure it is restarted from `capture`'s files, which the reason says).
+  std::optional<SnapshotRef> CheckpointStep(const InstanceRef& ref, const StepState& capture,
+                                            BlobStore& blobs, const std::string& walk_base,
+                                            std::string* reason);
+  // Replaces whatever runs under the environment's container id by a restore of `image_dir`
+  // and waits for its agent (which listens again on SIGUSR1).
+  absl::Status RestoreImage(const EnvPaths& paths, InstanceState* state,
+                            const std::string& image_dir);
+  // Starts the environment's bundle afresh (its /workspace and /tmp empty) and puts back the
+  // files and shell state of `target`: the recovery when a checkpoint or restore failed.
+  absl::Status ColdRestart(const EnvPaths& paths, InstanceState* state, const StepState& target,
+                           BlobStore& blobs);
+  // After a restore: SIGUSR1 to the agent (it listens again) until it answers.
+  absl::Status WakeAgent(const EnvPaths& paths, const InstanceState& state);
+  absl::StatusOr<InstanceRef> CreateInstance(const std::string& id, const EnvSpec& spec,
+                                             const std::string* image_dir);
   const OciRuntime& Runtime(const std::string& name);
   absl::Status PrepareImage(const std::string& rootfs, const BundleParams& params);
   absl::Status WriteBundle(const std::string& id, const EnvSpec& spec, const EnvPaths& paths,
@@ -741,6 +942,7 @@ class ContainerDriver : public Driver {
   std::set<std::string> busy_;
   std::mutex agents_mu_;
   std::map<std::string, std::shared_ptr<AgentClient>> agents_;  // by environment id
+  std::set<std::string> suspended_;  // gVisor: being checkpointed or restored
   // Time travel, by environment id: the agent's last walk (the next capture's base) and the
   // variables summary of the last Python cell not yet captured.
   std::mutex steps_mu_;
@@ -931,7 +1133,16 @@ absl::Status ContainerDriver::WaitForAgent(const EnvPaths& paths, const Instance
 }
 
 absl::StatusOr<InstanceRef> ContainerDriver::Create(const std::string& id, const EnvSpec& spec) {
+  return CreateInstance(id, spec, nullptr);
+}
+
+absl::StatusOr<InstanceRef> ContainerDriver::CreateInstance(const std::string& id,
+                                                            const EnvSpec& spec,
+                                                            const std::string* image_dir) {
   ESB_RETURN_IF_ERROR(ValidateId(id));
+  if (image_dir != nullptr && kind_ != RuntimeKind::kRunsc) {
+    return absl::UnimplementedError("only gVisor starts environments from a checkpoint image");
+  }
   // The one limit table (drivers/env_limits.h), whoever calls: the API checked it too.
   ESB_RETURN_IF_ERROR(CheckEnvLimits(
       spec, HostEnvLimitCaps(options_.max_memory_mb, options_.max_pids, options_.max_disk_mb)));
@@ -1001,10 +1212,19 @@ absl::StatusOr<InstanceRef> ContainerDriver::Create(const std::string& id, const
     if (!sock.ok()) return fail(sock.status());
     listener = *std::move(sock);
   }
+  if (image_dir != nullptr) {
+    if (absl::Status s = SeedRunState(paths, *image_dir); !s.ok()) return fail(s);
+  }
   const int64_t t_bundle = MonotonicMs();
+  // A fork of a gVisor step: the sandbox is the step's image, restored under the new id with
+  // this environment's own bundle (its cgroup, run/ directory and limits).
   absl::StatusOr<int> pid =
-      runtime.RunDetached(paths.container_id, paths.env_dir, paths.agent_log, paths.runtime_log,
-                          options_.runtime_timeout_ms, listener ? listener.get() : -1);
+      image_dir != nullptr
+          ? runtime.RestoreDetached(paths.container_id, paths.env_dir, *image_dir, paths.agent_log,
+                                    options_.step_snapshot_timeout_ms)
+          : runtime.RunDetached(paths.container_id, paths.env_dir, paths.agent_log,
+                                paths.runtime_log, options_.runtime_timeout_ms,
+                                listener ? listener.get() : -1);
   listener.reset();  // the container holds it now; esbd connects through the path
   if (egress && state.userns_host_id != 0) {
     // The container's processes keep the user namespace alive; its bind is not needed again.
@@ -1019,8 +1239,13 @@ absl::StatusOr<InstanceRef> ContainerDriver::Create(const std::string& id, const
         absl::StrCat("container ", paths.container_id,
                      " exited right after start: ", ReadTail(paths.agent_log))));
   }
-  if (absl::Status s = WaitForAgent(paths, state); !s.ok()) return fail(s);
-  if (!spec.env.empty() || egress) {
+  if (image_dir != nullptr) {
+    // The restored agent waits for SIGUSR1 to listen again; its environment is the step's.
+    if (absl::Status s = WakeAgent(paths, state); !s.ok()) return fail(s);
+  } else if (absl::Status s = WaitForAgent(paths, state); !s.ok()) {
+    return fail(s);
+  }
+  if (image_dir == nullptr && (!spec.env.empty() || egress)) {
     absl::Status s = AgentPtr(id)->Configure(egress ? WithEgressEnv(spec.env) : spec.env);
     if (!s.ok()) return fail(s);
   }
@@ -1211,9 +1436,17 @@ absl::Status ContainerDriver::DestroyById(const std::string& id, const InstanceS
 
 absl::Status ContainerDriver::Destroy(const InstanceRef& ref) {
   ESB_RETURN_IF_ERROR(ValidateId(ref.id));
-  if (!Claim(ref.id)) return absl::FailedPreconditionError("environment " + ref.id + " is busy");
-  absl::Status s =
-      DestroyById(ref.id, ParseState(ref.state, RuntimeName(kind_), PathsFor(options_, ref.id)));
+  // A gVisor step's checkpoint and restore hold the claim for a bounded time: wait for it (the
+  // restore would otherwise start the sandbox again after it was destroyed).
+  const int64_t until = MonotonicMs() + 2 * int64_t{options_.step_snapshot_timeout_ms} + 10000;
+  while (!Claim(ref.id)) {
+    if (MonotonicMs() > until) {
+      return absl::FailedPreconditionError("environment " + ref.id + " is busy");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  absl::Status s = DestroyById(
+      ref.id, ParseCurrentState(ref.state, RuntimeName(kind_), PathsFor(options_, ref.id)));
   Release(ref.id);
   return s;
 }
@@ -1221,7 +1454,7 @@ absl::Status ContainerDriver::Destroy(const InstanceRef& ref) {
 absl::Status ContainerDriver::Attach(const InstanceRef& ref) {
   ESB_RETURN_IF_ERROR(ValidateId(ref.id));
   const EnvPaths paths = PathsFor(options_, ref.id);
-  InstanceState state = ParseState(ref.state, RuntimeName(kind_), paths);
+  InstanceState state = ParseCurrentState(ref.state, RuntimeName(kind_), paths);
   if (state.layout < kSandboxLayout) {
     // SECURITY: an older esbd's sandbox (host log as stdio, writable /run/esb bind, agent
     // without the peer check) is never adopted, however healthy it is.
@@ -1334,19 +1567,249 @@ absl::StatusOr<StepState> ContainerDriver::CaptureStep(const InstanceRef& ref,
   } else if (!absl::IsResourceExhausted(shell.status())) {  // EFBIG: over 256 KiB
     return shell.status();
   }
-  std::lock_guard<std::mutex> lock(steps_mu_);
-  step_bases_[ref.id] = base;
-  restored_.erase(ref.id);  // the core passes this capture as the next one's previous
-  if (auto it = pending_variables_.find(ref.id); it != pending_variables_.end()) {
-    if (options.variables) state.variables_json = std::move(it->second);
-    pending_variables_.erase(it);
+  {
+    std::lock_guard<std::mutex> lock(steps_mu_);
+    step_bases_[ref.id] = base;
+    restored_.erase(ref.id);  // the core passes this capture as the next one's previous
+    if (auto it = pending_variables_.find(ref.id); it != pending_variables_.end()) {
+      if (options.variables) state.variables_json = std::move(it->second);
+      pending_variables_.erase(it);
+    }
+  }
+  if (kind_ == RuntimeKind::kRunsc && options.memory) {
+    // After the files: the image then holds at least what the manifest says (a background
+    // process may still write between the walk and the checkpoint; a memory restore gives
+    // the image's files, which are the later ones).
+    std::string reason;
+    state.memory = CheckpointStep(ref, state, blobs, base, &reason);
+    if (!state.memory) state.memory_reason = reason;
   }
   return state;
+}
+
+std::optional<SnapshotRef> ContainerDriver::CheckpointStep(const InstanceRef& ref,
+                                                           const StepState& capture,
+                                                           BlobStore& blobs,
+                                                           const std::string& walk_base,
+                                                           std::string* reason) {
+  if (!Claim(ref.id)) {
+    *reason = "the environment was busy (being destroyed)";
+    return std::nullopt;
+  }
+  struct Releaser {
+    ContainerDriver* d;
+    std::string id;
+    ~Releaser() {
+      d->Suspend(id, false);
+      d->Release(id);
+    }
+  } releaser{this, ref.id};
+  const EnvPaths paths = PathsFor(options_, ref.id);
+  if (!Exists(paths.env_dir)) {
+    *reason = "the environment is gone";
+    return std::nullopt;
+  }
+  InstanceState state = ParseCurrentState(ref.state, RuntimeName(kind_), paths);
+  const OciRuntime& runtime = Runtime(state.runtime);
+  const std::string image = RandomHex(8);
+  const std::string dir = absl::StrCat(paths.images, "/", image);
+  if (absl::Status s = container::MakeDir(paths.images, 0700); !s.ok()) {
+    *reason = std::string(s.message());
+    return std::nullopt;
+  }
+  if (absl::Status s = container::MakeDir(dir, 0700); !s.ok()) {
+    *reason = std::string(s.message());
+    return std::nullopt;
+  }
+  const int64_t t0 = MonotonicMs();
+  // gVisor cannot save a socket bound on the host (the agent's) nor a host connection: the
+  // agent closes both and marks it with run/released; nothing connects until the restore.
+  std::shared_ptr<AgentClient> agent = AgentPtr(ref.id);
+  UnlinkInRunDir(paths, "released");
+  absl::Status released = agent->ReleaseListener();
+  agent.reset();
+  Suspend(ref.id, true);
+  bool marked = false;
+  for (int i = 0; released.ok() && i < 300 && !(marked = ExistsInRunDir(paths, "released")); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  absl::Status checkpoint =
+      !released.ok() ? released
+      : !marked      ? absl::DeadlineExceededError("the agent did not release its listener in 3 s")
+                : runtime.Checkpoint(paths.container_id, dir, options_.step_snapshot_timeout_ms);
+  const int64_t t_checkpoint = MonotonicMs();
+  const int64_t bytes = DirBytes(dir);
+  if (checkpoint.ok()) checkpoint = SaveRunState(paths, dir);
+  absl::Status back;
+  if (checkpoint.ok()) {
+    back = RestoreImage(paths, &state, dir);
+  } else if (marked && absl::IsDeadlineExceeded(checkpoint)) {
+    // The killed client does not stop the sandbox's own checkpoint, which may still stop it
+    // later: never trust it again, restart it (below).
+    back = absl::DeadlineExceededError("the checkpoint was cut off");
+  } else if (absl::StatusOr<ContainerState> cs = runtime.State(paths.container_id);
+             !cs.ok() || cs->status != "running") {
+    back = absl::UnavailableError("the sandbox stopped");  // gVisor stops it on a failure
+  } else if (released.ok()) {
+    back = WakeAgent(paths, state);  // never checkpointed: listen again
+  }
+  if (!back.ok() && checkpoint.ok()) back = RestoreImage(paths, &state, dir);  // once more
+  const int64_t t_restore = MonotonicMs();
+  if (!checkpoint.ok() || !back.ok()) {
+    RemoveTree(dir).IgnoreError();
+    *reason = !checkpoint.ok()
+                  ? absl::StrCat("runsc checkpoint failed: ", checkpoint.message())
+                  : absl::StrCat("the restore after the checkpoint failed: ", back.message());
+    if (!back.ok()) {
+      // SECURITY/availability: never leave the environment dead: start its bundle afresh with
+      // this step's files and shell state (processes and memory are lost, and the step says
+      // so).
+      absl::Status cold = ColdRestart(paths, &state, capture, blobs);
+      absl::StrAppend(reason, cold.ok()
+                                  ? "; the sandbox was restarted with this step's files "
+                                    "and shell state (processes and memory lost)"
+                                  : absl::StrCat("; restarting it failed too: ", cold.message()));
+      LogWarn(absl::StrCat("gvisor step of ", ref.id, ": ", *reason));
+    }
+    return std::nullopt;
+  }
+  LogDebug(absl::StrCat("gvisor step of ", ref.id, ": release + checkpoint ", t_checkpoint - t0,
+                        " ms, restore ", t_restore - t_checkpoint, " ms, image ", bytes, " bytes"));
+  if (bytes > options_.max_step_image_mb * (int64_t{1} << 20)) {
+    RemoveTree(dir).IgnoreError();
+    *reason = absl::StrCat("the checkpoint image is ", bytes >> 20, " MiB, over the cap of ",
+                           options_.max_step_image_mb, " MiB (the environment runs on)");
+    return std::nullopt;
+  }
+  SnapshotRef snap;
+  snap.id = image;
+  snap.driver = name();
+  snap.content = SnapshotContent::kMemoryAndDisk;
+  snap.source_id = ref.id;
+  snap.state = boost::json::serialize(
+      boost::json::object{{"env", ref.id}, {"image", image}, {"walk_base", walk_base}});
+  snap.bytes = bytes;
+  snap.live = false;
+  return snap;
+}
+
+absl::Status ContainerDriver::WakeAgent(const EnvPaths& paths, const InstanceState& state) {
+  const OciRuntime& runtime = Runtime(state.runtime);
+  AgentClient client(SafeAgentConnector(paths.run_dir, 1000));
+  const int64_t deadline = MonotonicMs() + options_.agent_timeout_ms;
+  absl::Status last;
+  for (int attempt = 0;; ++attempt) {
+    // Again every ~0.5 s: a signal that arrived before the agent waited is not lost, but one
+    // sent while a forged `released` made it wait elsewhere would be.
+    if (attempt % 5 == 0) {
+      UnlinkInRunDir(paths, "agent.sock");  // the old socket file stays on the host
+      runtime.Kill(paths.container_id, "USR1").IgnoreError();
+    }
+    last = client.WaitReady(100);
+    if (last.ok()) return absl::OkStatus();
+    if (!ProcessAlive(state)) {
+      return absl::UnavailableError(
+          absl::StrCat("the restored sandbox exited: ", ReadTail(paths.agent_log)));
+    }
+    if (MonotonicMs() >= deadline) {
+      return absl::DeadlineExceededError(absl::StrCat("the restored agent did not answer within ",
+                                                      options_.agent_timeout_ms, " ms (",
+                                                      last.message(), ")"));
+    }
+  }
+}
+
+absl::Status ContainerDriver::RestoreImage(const EnvPaths& paths, InstanceState* state,
+                                           const std::string& image_dir) {
+  const OciRuntime& runtime = Runtime(state->runtime);
+  const int64_t t0 = MonotonicMs();
+  ESB_RETURN_IF_ERROR(runtime.Delete(paths.container_id, options_.runtime_timeout_ms));
+  const int64_t t_delete = MonotonicMs();
+  UnlinkInRunDir(paths, "agent.sock");
+  UnlinkInRunDir(paths, "released");
+  ESB_RETURN_IF_ERROR(SeedRunState(paths, image_dir));
+  absl::StatusOr<int> pid =
+      runtime.RestoreDetached(paths.container_id, paths.env_dir, image_dir, paths.agent_log,
+                              options_.step_snapshot_timeout_ms);
+  if (!pid.ok()) return pid.status();
+  const int64_t t_restore = MonotonicMs();
+  state->pid = *pid;
+  state->pid_start = ProcessStartTime(*pid);
+  ESB_RETURN_IF_ERROR(WriteCurrentState(paths, *state));
+  absl::Status woke = WakeAgent(paths, *state);
+  LogDebug(absl::StrCat("gvisor restore of ", paths.container_id, ": delete ", t_delete - t0,
+                        " ms, runsc restore ", t_restore - t_delete, " ms, agent ",
+                        MonotonicMs() - t_restore, " ms"));
+  return woke;
+}
+
+absl::Status ContainerDriver::ColdRestart(const EnvPaths& paths, InstanceState* state,
+                                          const StepState& target, BlobStore& blobs) {
+  const OciRuntime& runtime = Runtime(state->runtime);
+  ESB_RETURN_IF_ERROR(runtime.Delete(paths.container_id, options_.runtime_timeout_ms));
+  UnlinkInRunDir(paths, "agent.sock");
+  UnlinkInRunDir(paths, "released");
+  absl::StatusOr<int> pid = runtime.RunDetached(paths.container_id, paths.env_dir, paths.agent_log,
+                                                paths.runtime_log, options_.runtime_timeout_ms, -1);
+  if (!pid.ok()) return pid.status();
+  state->pid = *pid;
+  state->pid_start = ProcessStartTime(*pid);
+  ESB_RETURN_IF_ERROR(WriteCurrentState(paths, *state));
+  ESB_RETURN_IF_ERROR(WaitForAgent(paths, *state));
+  const std::string id = paths.container_id.substr(4);  // "esb-<id>"
+  Suspend(id, false);
+  std::shared_ptr<AgentClient> agent = AgentPtr(id);
+  std::string base;
+  WorkspaceManifest known;
+  ESB_RETURN_IF_ERROR(RestoreAgentWorkspace(*agent, blobs, target.workspace, &base, &known));
+  ESB_RETURN_IF_ERROR(agent->SetShellState(target.shell_state));
+  std::lock_guard<std::mutex> lock(steps_mu_);
+  step_bases_[id] = base;
+  restored_[id] = std::move(known);
+  pending_variables_.erase(id);
+  return absl::OkStatus();
 }
 
 absl::StatusOr<InstanceRef> ContainerDriver::RestoreStep(const InstanceRef& ref,
                                                          const StepState& state, BlobStore& blobs) {
   ESB_RETURN_IF_ERROR(ValidateId(ref.id));
+  if (state.memory && kind_ == RuntimeKind::kRunsc) {
+    // Rewind with memory: the sandbox becomes a restore of the step's image (memory, /tmp and
+    // /workspace, which are tmpfs inside gVisor's kernel and so in the image).
+    absl::StatusOr<StepImage> img = ParseStepImage(state.memory->state);
+    if (!img.ok()) return img.status();
+    const EnvPaths paths = PathsFor(options_, ref.id);
+    const std::string dir = absl::StrCat(PathsFor(options_, img->env_id).images, "/", img->image);
+    if (!Exists(dir + "/checkpoint.img")) {
+      return absl::FailedPreconditionError("the step's checkpoint image is gone (collected)");
+    }
+    if (!Claim(ref.id)) return absl::FailedPreconditionError("environment " + ref.id + " is busy");
+    struct Releaser {
+      ContainerDriver* d;
+      std::string id;
+      ~Releaser() {
+        d->Suspend(id, false);
+        d->Release(id);
+      }
+    } releaser{this, ref.id};
+    Suspend(ref.id, true);
+    InstanceState current = ParseCurrentState(ref.state, RuntimeName(kind_), paths);
+    absl::Status restored = RestoreImage(paths, &current, dir);
+    if (!restored.ok()) {
+      // Never leave it dead: the step's files and shell state without its memory.
+      absl::Status cold = ColdRestart(paths, &current, state, blobs);
+      return absl::InternalError(absl::StrCat(
+          "restoring the step's memory failed: ", restored.message(),
+          cold.ok() ? "; the environment was restarted with the step's files and shell state "
+                      "instead (processes and memory lost)"
+                    : absl::StrCat("; restarting it failed too: ", cold.message())));
+    }
+    std::lock_guard<std::mutex> lock(steps_mu_);
+    step_bases_[ref.id] = img->walk_base;
+    restored_.erase(ref.id);
+    pending_variables_.erase(ref.id);
+    return ref;  // the same id; its new pid is in current.json
+  }
   if (state.memory) {
     return absl::FailedPreconditionError(
         "this driver keeps no memory snapshots of steps; the step cannot have one");
@@ -1384,12 +1847,40 @@ absl::StatusOr<InstanceRef> ContainerDriver::RestoreStep(const InstanceRef& ref,
   return ref;
 }
 
+absl::StatusOr<InstanceRef> ContainerDriver::ForkStep(const StepState& state, const EnvSpec& spec,
+                                                      const std::string& new_id, BlobStore& blobs) {
+  if (!state.memory || kind_ != RuntimeKind::kRunsc) {
+    return Driver::ForkStep(state, spec, new_id, blobs);
+  }
+  absl::StatusOr<StepImage> img = ParseStepImage(state.memory->state);
+  if (!img.ok()) return img.status();
+  const std::string dir = absl::StrCat(PathsFor(options_, img->env_id).images, "/", img->image);
+  if (!Exists(dir + "/checkpoint.img")) {
+    return absl::FailedPreconditionError("the step's checkpoint image is gone (collected)");
+  }
+  // The image is only read: several forks of one step are independent sandboxes.
+  absl::StatusOr<InstanceRef> ref = CreateInstance(new_id, spec, &dir);
+  if (!ref.ok()) return ref.status();
+  std::lock_guard<std::mutex> lock(steps_mu_);
+  step_bases_[new_id] = img->walk_base;
+  return ref;
+}
+
+absl::Status ContainerDriver::DeleteSnapshot(const SnapshotRef& snapshot) {
+  if (kind_ != RuntimeKind::kRunsc) return Driver::DeleteSnapshot(snapshot);
+  absl::StatusOr<StepImage> img = ParseStepImage(snapshot.state);
+  if (!img.ok()) return img.status();
+  // Gone already (its environment was destroyed, which removes its images): fine.
+  return RemoveTree(absl::StrCat(PathsFor(options_, img->env_id).images, "/", img->image));
+}
+
 StepMemorySupport ContainerDriver::StepMemory() const {
   StepMemorySupport support;
   if (kind_ == RuntimeKind::kRunsc) {
-    support.reason =
-        "gVisor: runsc checkpoint/restore as a step's memory snapshot is not implemented in "
-        "this driver yet (files, the shell state and a variables summary are kept)";
+    // Measured on this runsc (0.0~20221219, ptrace platform): the checkpoint works once the
+    // agent released its host-bound socket; per step a checkpoint plus a restore.
+    support.available = true;
+    support.mechanism = "runsc checkpoint";
     return support;
   }
   static const std::string* criu = new std::string([] {
@@ -1417,18 +1908,29 @@ StepMemorySupport ContainerDriver::StepMemory() const {
 absl::StatusOr<Usage> ContainerDriver::Stats(const InstanceRef& ref) {
   ESB_RETURN_IF_ERROR(ValidateId(ref.id));
   const EnvPaths paths = PathsFor(options_, ref.id);
-  InstanceState state = ParseState(ref.state, RuntimeName(kind_), paths);
+  InstanceState state = ParseCurrentState(ref.state, RuntimeName(kind_), paths);
+  // A gVisor step's checkpoint stops the sandbox until its restore runs: alive all the same
+  // (the reaper would otherwise destroy it as "died" in that window). Checked after the pid:
+  // the suspension lasts from before the checkpoint until current.json has the new pid.
+  auto alive = [&] {
+    if (ProcessAlive(state)) return true;
+    {
+      std::lock_guard<std::mutex> lock(agents_mu_);
+      if (suspended_.count(ref.id) > 0) return true;
+    }
+    return ProcessAlive(ParseCurrentState(ref.state, RuntimeName(kind_), paths));
+  };
   absl::StatusOr<Usage> usage = ReadCgroupUsage(layout_, state.cgroup_path);
   if (!usage.ok()) {
     if (kind_ == RuntimeKind::kRunsc) {
       // runsc may place the sandbox elsewhere; report liveness at least.
       Usage u;
-      u.alive = ProcessAlive(state);
+      u.alive = alive();
       return u;
     }
     return usage.status();
   }
-  usage->alive = ProcessAlive(state);
+  usage->alive = alive();
   return usage;
 }
 

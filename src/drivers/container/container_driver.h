@@ -11,6 +11,11 @@
 //                                                         up (start-up errors only, capped)
 //                                         /runtime.log    the runtime's own diagnostics
 //                                         /container.pid  init pid from the runtime
+//                                         /current.json   runsc: pid of the container now
+//                                                         running under the id (after a
+//                                                         restore from a step's image)
+//                                         /images/<hex>/  runsc: a step's checkpoint image
+//                                                         (0700; removed with the step)
 // Runtime state:     <state_dir>/runtime/<crun|runc|runsc>/   (--root)
 // Shared files:      /run/entersandbox/share-<hash(state_dir)>/ (a tmpfs of its own, so
 //                    mountinfo inside a sandbox shows no host path; outside the 0700 state
@@ -46,6 +51,11 @@ struct ContainerDriverOptions {
   int agent_timeout_ms = 20000;        // Create: wait this long for the agent's first ping
   int runtime_timeout_ms = 30000;      // deadline of each runtime invocation
   bool probe = true;                   // start a trivial container in NewContainerDriver
+  // gVisor step memory (`runsc checkpoint` after each step, docs/design.md "Time travel"): an
+  // image larger than this is not kept (the step's memory is "none", the environment runs
+  // on), and each checkpoint or restore is killed after step_snapshot_timeout_ms.
+  int64_t max_step_image_mb = 1024;
+  int step_snapshot_timeout_ms = 30000;
   // Largest pids limit one environment may have (Create answers InvalidArgument above it).
   int64_t max_pids = 4096;
   // pids.max of cgroup_parent, over all sandboxes together. 0: half of min(kernel.pid_max,

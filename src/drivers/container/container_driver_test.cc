@@ -2096,14 +2096,17 @@ TEST_F(ContainerDriverTest, GvisorStepRewindGivesBackFilesAndShell) {
   absl::StatusOr<std::unique_ptr<Driver>> driver = NewContainerDriver(o);
   ASSERT_TRUE(driver.ok()) << driver.status();
   StepMemorySupport memory = (*driver)->StepMemory();
-  std::printf("[ gvisor   ] step memory: %s\n", memory.reason.c_str());
-  EXPECT_FALSE(memory.available);
+  EXPECT_TRUE(memory.available) << memory.reason;
+  EXPECT_EQ(memory.mechanism, "runsc checkpoint");
   absl::StatusOr<InstanceRef> ref = (*driver)->Create("g" + RandomHex(4), EnvSpec());
   ASSERT_TRUE(ref.ok()) << ref.status();
   ASSERT_EQ((*driver)->Exec(*ref, ExecRequest{.command = kStepSetup}, nullptr)->exit_code, 0);
   testing::MemoryBlobStore blobs;
-  absl::StatusOr<StepState> step = (*driver)->CaptureStep(*ref, CaptureOptions{}, blobs);
+  // Files only (memory off, as with max_live_memory 0): the agent's apply path under gVisor.
+  absl::StatusOr<StepState> step =
+      (*driver)->CaptureStep(*ref, CaptureOptions{.memory = false}, blobs);
   ASSERT_TRUE(step.ok()) << step.status();
+  EXPECT_FALSE(step->memory.has_value());
   const std::string files = WorkspaceFingerprint(**driver, *ref);
   const std::string shell = ShellFingerprint(**driver, *ref);
   ASSERT_EQ(
@@ -2116,6 +2119,254 @@ TEST_F(ContainerDriverTest, GvisorStepRewindGivesBackFilesAndShell) {
   EXPECT_EQ(WorkspaceFingerprint(**driver, *ref), files);
   EXPECT_EQ(ShellFingerprint(**driver, *ref), shell);
   EXPECT_TRUE((*driver)->Destroy(*ref).ok());
+}
+
+// --- gVisor: a memory snapshot per step (runsc checkpoint + restore) ------------------------
+
+class GvisorStepsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!Env().skip_reason.empty()) GTEST_SKIP() << Env().skip_reason;
+    if (container::FindExecutable("runsc").empty()) GTEST_SKIP() << "runsc (gVisor) not installed";
+    const char* image = getenv("ESBD_IMAGE_DEFAULT");
+    python_ = image != nullptr && fs::exists(std::string(image) + "/usr/bin/python3");
+    options_.state_dir = Env().tmp + "/gvs-" + RandomHex(3);
+    options_.agent_binary = Env().agent;
+    options_.images["default"] = python_ ? image : Env().rootfs;
+    options_.runtime = "runsc";
+  }
+  void TearDown() override {
+    for (const InstanceRef& ref : live_) {
+      if (driver_) driver_->Destroy(ref).IgnoreError();
+    }
+  }
+  void MakeDriver() {
+    absl::StatusOr<std::unique_ptr<Driver>> driver = NewContainerDriver(options_);
+    ASSERT_TRUE(driver.ok()) << driver.status();
+    driver_ = std::move(*driver);
+  }
+  InstanceRef MustCreate() {
+    absl::StatusOr<InstanceRef> ref = driver_->Create("g" + RandomHex(4), EnvSpec());
+    EXPECT_TRUE(ref.ok()) << ref.status();
+    if (!ref.ok()) return InstanceRef{"none", "gvisor", ""};
+    live_.push_back(*ref);
+    return *ref;
+  }
+  ExecResult Sh(const InstanceRef& ref, const std::string& command) {
+    ExecRequest req;
+    req.command = command;
+    req.timeout = std::chrono::milliseconds(20000);
+    absl::StatusOr<ExecResult> r = driver_->Exec(ref, req, nullptr);
+    EXPECT_TRUE(r.ok()) << r.status();
+    return r.ok() ? *r : ExecResult{};
+  }
+  RunResult Py(const InstanceRef& ref, const std::string& code) {
+    RunRequest req;
+    req.code = code;
+    req.timeout_ms = 20000;
+    absl::StatusOr<RunResult> r = driver_->RunCode(&ref, req, nullptr);
+    EXPECT_TRUE(r.ok()) << r.status();
+    return r.ok() ? *r : RunResult{};
+  }
+  std::string ImageDir(const SnapshotRef& snap) {
+    return absl::StrCat(options_.state_dir, "/envs/", snap.source_id, "/images/", snap.id);
+  }
+  // A ticker in the background (its pid in /tmp/bg) and the shell/Python state of kStepSetup.
+  void Setup(const InstanceRef& ref) {
+    ASSERT_EQ(Sh(ref,
+                 "(while :; do echo t >> /tmp/ticks; sleep 0.1; done) >/dev/null 2>&1 & "
+                 "echo $! > /tmp/bg")
+                  .exit_code,
+              0);
+    ASSERT_EQ(Sh(ref, kStepSetup).exit_code, 0);
+    if (python_) {
+      RunResult r = Py(ref, "x = 41\nimport os\nkernel_pid = os.getpid()");
+      ASSERT_EQ(r.exit_code, 0) << (r.error ? r.error->message : "");
+    }
+  }
+
+  ContainerDriverOptions options_;
+  std::unique_ptr<Driver> driver_;
+  std::vector<InstanceRef> live_;
+  bool python_ = false;
+};
+
+TEST_F(GvisorStepsTest, RewindGivesBackVariablesProcessesFilesAndShellFromMemory) {
+  MakeDriver();
+  if (!python_) std::printf("[ gvisor   ] no python3 image: variables not checked\n");
+  InstanceRef ref = MustCreate();
+  Setup(ref);
+  testing::MemoryBlobStore blobs;
+  int64_t t0 = MonotonicMs();
+  absl::StatusOr<StepState> step = driver_->CaptureStep(ref, CaptureOptions{}, blobs);
+  const int64_t capture_ms = MonotonicMs() - t0;
+  ASSERT_TRUE(step.ok()) << step.status();
+  ASSERT_TRUE(step->memory.has_value()) << step->memory_reason;
+  EXPECT_EQ(step->memory->driver, "gvisor");
+  EXPECT_FALSE(step->memory->live);
+  EXPECT_GT(step->memory->bytes, 0);
+  struct stat st;
+  ASSERT_EQ(::stat(ImageDir(*step->memory).c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0700u);
+  std::printf("[ gvisor   ] capture with memory %lld ms, image %lld bytes\n",
+              static_cast<long long>(capture_ms), static_cast<long long>(step->memory->bytes));
+  // The environment ran on after the checkpoint: same processes, same session.
+  const std::string files = WorkspaceFingerprint(*driver_, ref);
+  const std::string shell = ShellFingerprint(*driver_, ref);
+  EXPECT_EQ(shell, "/workspace/d\nSTEP=one X=plain\n1\ngreet is a function\n");
+  const std::string bg = Sh(ref, "cat /tmp/bg").stdout_data;
+  EXPECT_EQ(Sh(ref, "kill -0 $(cat /tmp/bg) && echo alive").stdout_data, "alive\n");
+  if (python_) {
+    EXPECT_EQ(Py(ref, "x").value.value_or(""), "41");
+  }
+  // Everything changes: variables, the background process, files, the shell.
+  if (python_) ASSERT_EQ(Py(ref, "x = 99").exit_code, 0);
+  ASSERT_EQ(Sh(ref,
+               "kill $(cat /tmp/bg); cd /workspace && rm -rf d && echo changed > a.txt && "
+               "cd /tmp && export STEP=two && unset X && unset -f greet")
+                .exit_code,
+            0);
+  ASSERT_NE(WorkspaceFingerprint(*driver_, ref), files);
+  ASSERT_NE(ShellFingerprint(*driver_, ref), shell);
+  t0 = MonotonicMs();
+  absl::StatusOr<InstanceRef> back = driver_->RestoreStep(ref, *step, blobs);
+  ASSERT_TRUE(back.ok()) << back.status();
+  std::printf("[ gvisor   ] rewind (restore from memory) %lld ms\n",
+              static_cast<long long>(MonotonicMs() - t0));
+  EXPECT_EQ(back->id, ref.id);
+  EXPECT_EQ(back->state, ref.state);  // the instance is the same; its pid is the driver's
+  if (python_) {
+    RunResult x = Py(ref, "(x, kernel_pid == os.getpid())");
+    EXPECT_EQ(x.value.value_or(""), "(41, True)");  // from memory: the cell was not re-run
+    EXPECT_FALSE(x.kernel_restarted);
+  }
+  EXPECT_EQ(Sh(ref, "cat /tmp/bg").stdout_data, bg);
+  EXPECT_EQ(Sh(ref, "kill -0 $(cat /tmp/bg) && echo alive").stdout_data, "alive\n");
+  const std::string ticks = Sh(ref, "wc -l < /tmp/ticks").stdout_data;
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  EXPECT_NE(Sh(ref, "wc -l < /tmp/ticks").stdout_data, ticks) << "the ticker does not run";
+  EXPECT_EQ(WorkspaceFingerprint(*driver_, ref), files);
+  EXPECT_EQ(ShellFingerprint(*driver_, ref), shell);
+  // Continue after the rewind: another step with memory, and the stats see the new pid.
+  ASSERT_EQ(Sh(ref, "echo more > /workspace/b.txt").exit_code, 0);
+  CaptureOptions next;
+  next.previous = &step->workspace;
+  absl::StatusOr<StepState> after = driver_->CaptureStep(ref, next, blobs);
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_TRUE(after->memory.has_value()) << after->memory_reason;
+  EXPECT_EQ(after->workspace.entries.size(), step->workspace.entries.size() + 1);
+  absl::StatusOr<Usage> usage = driver_->Stats(ref);
+  ASSERT_TRUE(usage.ok()) << usage.status();
+  EXPECT_TRUE(usage->alive);
+  // A restarted daemon re-attaches to the restored container (its pid is not the ref's).
+  absl::StatusOr<std::unique_ptr<Driver>> again = NewContainerDriver(options_);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_TRUE((*again)->Attach(ref).ok());
+  // Collection releases an image; destroy removes the rest and leaves nothing behind.
+  EXPECT_TRUE(driver_->DeleteSnapshot(*step->memory).ok());
+  EXPECT_FALSE(fs::exists(ImageDir(*step->memory)));
+  EXPECT_TRUE(driver_->DeleteSnapshot(*step->memory).ok());  // twice: fine
+  EXPECT_TRUE(fs::exists(ImageDir(*after->memory)));
+  ASSERT_TRUE(driver_->Destroy(ref).ok());
+  live_.clear();
+  EXPECT_FALSE(fs::exists(ImageDir(*after->memory)));
+  std::vector<std::string> leaks = FindContainerLeaks(options_, ref);
+  EXPECT_TRUE(leaks.empty()) << absl::StrJoin(leaks, "\n");
+}
+
+TEST_F(GvisorStepsTest, ForksOfAMemoryStepAreEqualAtTheStepAndDivergeIndependently) {
+  MakeDriver();
+  InstanceRef ref = MustCreate();
+  Setup(ref);
+  testing::MemoryBlobStore blobs;
+  absl::StatusOr<StepState> step = driver_->CaptureStep(ref, CaptureOptions{}, blobs);
+  ASSERT_TRUE(step.ok()) << step.status();
+  ASSERT_TRUE(step->memory.has_value()) << step->memory_reason;
+  const std::string files = WorkspaceFingerprint(*driver_, ref);
+  const std::string shell = ShellFingerprint(*driver_, ref);
+  std::vector<InstanceRef> forks;
+  for (int i = 0; i < 2; ++i) {
+    const int64_t t0 = MonotonicMs();
+    absl::StatusOr<InstanceRef> fork =
+        driver_->ForkStep(*step, EnvSpec(), "f" + RandomHex(4), blobs);
+    ASSERT_TRUE(fork.ok()) << fork.status();
+    std::printf("[ gvisor   ] fork (restore into a new sandbox) %lld ms\n",
+                static_cast<long long>(MonotonicMs() - t0));
+    live_.push_back(*fork);
+    forks.push_back(*fork);
+    EXPECT_EQ(WorkspaceFingerprint(*driver_, *fork), files);
+    EXPECT_EQ(ShellFingerprint(*driver_, *fork), shell);
+    EXPECT_EQ(Sh(*fork, "kill -0 $(cat /tmp/bg) && echo alive").stdout_data, "alive\n");
+    if (python_) EXPECT_EQ(Py(*fork, "x").value.value_or(""), "41");
+  }
+  ASSERT_EQ(Sh(forks[0], "echo zero > /workspace/a.txt").exit_code, 0);
+  ASSERT_EQ(Sh(forks[1], "rm /workspace/a.txt && cd /workspace && export STEP=f1").exit_code, 0);
+  if (python_) {
+    ASSERT_EQ(Py(forks[0], "x = 0").exit_code, 0);
+    ASSERT_EQ(Py(forks[1], "x = 1").exit_code, 0);
+    EXPECT_EQ(Py(forks[0], "x").value.value_or(""), "0");
+    EXPECT_EQ(Py(forks[1], "x").value.value_or(""), "1");
+    EXPECT_EQ(Py(ref, "x").value.value_or(""), "41");
+  }
+  EXPECT_EQ(Sh(forks[0], "cat /workspace/a.txt").stdout_data, "zero\n");
+  EXPECT_NE(Sh(forks[1], "cat /workspace/a.txt").exit_code, 0);
+  EXPECT_EQ(Sh(forks[1], "echo $STEP").stdout_data, "f1\n");
+  EXPECT_EQ(Sh(forks[0], "echo $STEP; pwd").stdout_data, "one\n/workspace/d\n");
+  EXPECT_EQ(WorkspaceFingerprint(*driver_, ref), files);  // the source is untouched
+  EXPECT_EQ(ShellFingerprint(*driver_, ref), shell);
+  // A fork's own step is its own image.
+  absl::StatusOr<StepState> fork_step = driver_->CaptureStep(forks[0], CaptureOptions{}, blobs);
+  ASSERT_TRUE(fork_step.ok()) << fork_step.status();
+  ASSERT_TRUE(fork_step->memory.has_value()) << fork_step->memory_reason;
+  EXPECT_EQ(fork_step->memory->source_id, forks[0].id);
+  for (const InstanceRef& f : forks) {
+    ASSERT_TRUE(driver_->Destroy(f).ok());
+    EXPECT_TRUE(FindContainerLeaks(options_, f).empty());
+  }
+}
+
+TEST_F(GvisorStepsTest, ACheckpointOverTheImageCapKeepsNoMemoryAndTheEnvironmentRunsOn) {
+  options_.max_step_image_mb = 0;
+  MakeDriver();
+  InstanceRef ref = MustCreate();
+  Setup(ref);
+  testing::MemoryBlobStore blobs;
+  absl::StatusOr<StepState> step = driver_->CaptureStep(ref, CaptureOptions{}, blobs);
+  ASSERT_TRUE(step.ok()) << step.status();
+  EXPECT_FALSE(step->memory.has_value());
+  EXPECT_TRUE(absl::StrContains(step->memory_reason, "over the cap of 0 MiB"))
+      << step->memory_reason;
+  EXPECT_FALSE(fs::exists(options_.state_dir + "/envs/" + ref.id + "/images") &&
+               !fs::is_empty(options_.state_dir + "/envs/" + ref.id + "/images"));
+  // It ran on from the image: processes and variables are still there.
+  EXPECT_EQ(Sh(ref, "kill -0 $(cat /tmp/bg) && echo alive").stdout_data, "alive\n");
+  EXPECT_EQ(ShellFingerprint(*driver_, ref),
+            "/workspace/d\nSTEP=one X=plain\n1\ngreet is a function\n");
+  if (python_) EXPECT_EQ(Py(ref, "x").value.value_or(""), "41");
+}
+
+TEST_F(GvisorStepsTest, ACheckpointThatTimesOutKeepsNoMemoryAndTheEnvironmentStillWorks) {
+  options_.step_snapshot_timeout_ms = 1;
+  MakeDriver();
+  InstanceRef ref = MustCreate();
+  Setup(ref);
+  const std::string files = WorkspaceFingerprint(*driver_, ref);
+  testing::MemoryBlobStore blobs;
+  absl::StatusOr<StepState> step = driver_->CaptureStep(ref, CaptureOptions{}, blobs);
+  ASSERT_TRUE(step.ok()) << step.status();
+  EXPECT_FALSE(step->memory.has_value());
+  std::printf("[ gvisor   ] reason: %s\n", step->memory_reason.c_str());
+  EXPECT_TRUE(absl::StrContains(step->memory_reason, "did not finish in 1 ms"))
+      << step->memory_reason;
+  // Whatever the killed checkpoint left, the environment works and has this step's files and
+  // shell (restarted from them when the sandbox had stopped, which the reason says).
+  EXPECT_EQ(Sh(ref, "echo ok").stdout_data, "ok\n");
+  EXPECT_EQ(WorkspaceFingerprint(*driver_, ref), files);
+  EXPECT_EQ(ShellFingerprint(*driver_, ref),
+            "/workspace/d\nSTEP=one X=plain\n1\ngreet is a function\n");
+  ASSERT_TRUE(driver_->Destroy(ref).ok());
+  live_.clear();
+  EXPECT_TRUE(FindContainerLeaks(options_, ref).empty());
 }
 
 }  // namespace

@@ -243,39 +243,84 @@ absl::StatusOr<int> OciRuntime::RunDetached(const std::string& id, const std::st
   if (listen_fd >= 0 && kind_ == RuntimeKind::kRunsc) {
     return absl::InvalidArgumentError("runsc cannot pass descriptors to a container");
   }
-  UniqueFd log(::open(log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600));
-  if (!log) return ErrnoStatus("open " + log_path);
   std::vector<std::string> args;
   if (kind_ != RuntimeKind::kRunsc && !runtime_log_path.empty()) {
     args = {"--log", runtime_log_path};
   }
+  args.insert(args.end(), {"run", "--detach"});
+  if (listen_fd >= 0) args.insert(args.end(), {"--preserve-fds", "1"});
+  return StartDetached(std::move(args), "run", id, bundle, log_path, runtime_log_path, timeout_ms,
+                       listen_fd);
+}
+
+absl::StatusOr<int> OciRuntime::RestoreDetached(const std::string& id, const std::string& bundle,
+                                                const std::string& image_dir,
+                                                const std::string& log_path, int timeout_ms) const {
+  if (kind_ != RuntimeKind::kRunsc) {
+    return absl::UnimplementedError(absl::StrCat(RuntimeName(kind_), " restore is not used"));
+  }
+  return StartDetached({"restore", "--detach", "--image-path", image_dir}, "restore", id, bundle,
+                       log_path, "", timeout_ms, -1);
+}
+
+absl::StatusOr<int> OciRuntime::StartDetached(std::vector<std::string> args,
+                                              const std::string& what, const std::string& id,
+                                              const std::string& bundle,
+                                              const std::string& log_path,
+                                              const std::string& runtime_log_path, int timeout_ms,
+                                              int listen_fd) const {
+  UniqueFd log(::open(log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600));
+  if (!log) return ErrnoStatus("open " + log_path);
   const std::string pid_file = bundle + "/container.pid";
   ::unlink(pid_file.c_str());
-  args.insert(args.end(), {"run", "--detach", "--pid-file", pid_file, "--bundle", bundle});
-  if (listen_fd >= 0) args.insert(args.end(), {"--preserve-fds", "1"});
-  args.push_back(id);
+  args.insert(args.end(), {"--pid-file", pid_file, "--bundle", bundle, id});
   absl::StatusOr<ProcessResult> r = Invoke(args, timeout_ms, log.get(), listen_fd);
   if (!r.ok()) return r.status();
   if (r->timed_out) {
-    return absl::DeadlineExceededError(
-        absl::StrCat(RuntimeName(kind_), " run of ", id, " did not finish in ", timeout_ms, " ms"));
+    return absl::DeadlineExceededError(absl::StrCat(RuntimeName(kind_), " ", what, " of ", id,
+                                                    " did not finish in ", timeout_ms, " ms"));
   }
   if (r->exit_code != 0) {
     std::string diag;
-    ReadFileToString(runtime_log_path, &diag).IgnoreError();
+    if (!runtime_log_path.empty()) ReadFileToString(runtime_log_path, &diag).IgnoreError();
     std::string out;
     ReadFileToString(log_path, &out).IgnoreError();
-    return absl::InternalError(absl::StrCat(RuntimeName(kind_), " run of ", id, " failed (exit ",
-                                            r->exit_code, "): ", Tail(diag + "\n" + out)));
+    return absl::InternalError(absl::StrCat(RuntimeName(kind_), " ", what, " of ", id,
+                                            " failed (exit ", r->exit_code,
+                                            "): ", Tail(diag + "\n" + out)));
   }
   std::string pid_text;
   int pid = 0;
   if (!ReadFileToString(pid_file, &pid_text).ok() ||
       !absl::SimpleAtoi(absl::StripAsciiWhitespace(pid_text), &pid) || pid <= 0) {
     return absl::InternalError(
-        absl::StrCat(RuntimeName(kind_), " run of ", id, " left no usable pid file"));
+        absl::StrCat(RuntimeName(kind_), " ", what, " of ", id, " left no usable pid file"));
   }
   return pid;
+}
+
+absl::Status OciRuntime::Checkpoint(const std::string& id, const std::string& image_dir,
+                                    int timeout_ms) const {
+  if (kind_ != RuntimeKind::kRunsc) {
+    return absl::UnimplementedError(absl::StrCat(RuntimeName(kind_), " checkpoint is not used"));
+  }
+  absl::StatusOr<ProcessResult> r =
+      Invoke({"checkpoint", "--image-path", image_dir, id}, timeout_ms);
+  if (!r.ok()) return r.status();
+  if (r->timed_out) {
+    return absl::DeadlineExceededError(
+        absl::StrCat("runsc checkpoint of ", id, " did not finish in ", timeout_ms, " ms"));
+  }
+  if (r->exit_code != 0) {
+    // gVisor prints the whole object it could not encode on its first line, the reason last.
+    std::string first(absl::StripAsciiWhitespace(r->output));
+    first = first.substr(0, first.find('\n'));
+    if (first.size() > 400)
+      first = first.substr(0, 150) + " ... " + first.substr(first.size() - 200);
+    return absl::InternalError(
+        absl::StrCat("runsc checkpoint of ", id, " failed (exit ", r->exit_code, "): ", first));
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<ProcessResult> OciRuntime::RunForeground(const std::string& id,

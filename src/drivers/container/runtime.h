@@ -63,6 +63,16 @@ class OciRuntime {
   absl::StatusOr<int> RunDetached(const std::string& id, const std::string& bundle,
                                   const std::string& log_path, const std::string& runtime_log_path,
                                   int timeout_ms, int listen_fd = -1) const;
+  // runsc only (gVisor): saves the container's whole state (memory and its tmpfs mounts) to
+  // `image_dir`; the container is stopped afterwards, whether it worked or not.
+  // DeadlineExceeded (the runtime was killed) after `timeout_ms`.
+  absl::Status Checkpoint(const std::string& id, const std::string& image_dir,
+                          int timeout_ms) const;
+  // runsc only: starts container `id` (no container of that id may exist) from a checkpoint
+  // image with `bundle`, detached, like RunDetached; returns its pid.
+  absl::StatusOr<int> RestoreDetached(const std::string& id, const std::string& bundle,
+                                      const std::string& image_dir, const std::string& log_path,
+                                      int timeout_ms) const;
   // Runs the container in the foreground until it exits (used by the probe).
   absl::StatusOr<ProcessResult> RunForeground(const std::string& id, const std::string& bundle,
                                               const std::string& log_path, int timeout_ms) const;
@@ -74,6 +84,12 @@ class OciRuntime {
 
  private:
   std::vector<std::string> BaseArgs() const;
+  // RunDetached and RestoreDetached: `args` up to the container id; reads the pid file.
+  absl::StatusOr<int> StartDetached(std::vector<std::string> args, const std::string& what,
+                                    const std::string& id, const std::string& bundle,
+                                    const std::string& log_path,
+                                    const std::string& runtime_log_path, int timeout_ms,
+                                    int listen_fd) const;
   absl::StatusOr<ProcessResult> Invoke(std::vector<std::string> args, int timeout_ms,
                                        int output_fd = -1, int pass_fd = -1) const;
 
