@@ -6,12 +6,15 @@
 #include <signal.h>
 #include <sys/ioctl.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <termios.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <boost/asio.hpp>
 #include <boost/json.hpp>
+#include <chrono>
+#include <cstring>
 #include <deque>
 #include <filesystem>
 #include <fstream>
@@ -1140,6 +1143,69 @@ TEST_F(ShellTest, RawTtyWindowSizeResizeAndExitCode) {
   EXPECT_EQ(after.c_oflag, before.c_oflag);
   close(master);
   close(slave);
+}
+
+// Review (t-term): `esb shell` killed by SIGTERM or SIGHUP (a closed terminal window, a
+// supervisor) left the user's terminal raw (no echo, no line editing). It restores the
+// terminal's mode and then ends by the signal. A child process runs the CLI on a pty; the
+// signal comes while the shell is connected (raw mode on).
+TEST_F(ShellTest, SigtermOrSighupRestoresTheTerminalModeAndEndsByTheSignal) {
+  for (int sig : {SIGTERM, SIGHUP}) {
+    SCOPED_TRACE(strsignal(sig));
+    int master = -1, slave = -1;
+    ASSERT_EQ(openpty(&master, &slave, nullptr, nullptr, nullptr), 0);
+    termios before{};
+    ASSERT_EQ(tcgetattr(slave, &before), 0);
+    ASSERT_NE(before.c_lflag & (ECHO | ICANON), 0u);
+    const std::string url = Url();
+    pid_t pid = fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      std::istringstream in;
+      std::ostringstream out, err;
+      CliContext ctx;
+      ctx.in = &in;
+      ctx.out = &out;
+      ctx.err = &err;
+      ctx.env = {{"ESB_API_KEY", "esb_secret"}, {"ESB_URL", url}};
+      ctx.stdin_fd = slave;
+      ctx.stdout_fd = slave;
+      _exit(RunCli({"shell", "env_a"}, ctx) == 0 ? 0 : 100);
+    }
+    std::string seen;
+    for (int i = 0; i < 100 && seen.find("ready") == std::string::npos; ++i) {
+      pollfd p{master, POLLIN, 0};
+      if (poll(&p, 1, 100) > 0) {
+        char buf[4096];
+        ssize_t n = read(master, buf, sizeof buf);
+        if (n > 0) seen.append(buf, static_cast<size_t>(n));
+      }
+    }
+    ASSERT_NE(seen.find("ready"), std::string::npos) << seen;
+    termios during{};
+    ASSERT_EQ(tcgetattr(slave, &during), 0);
+    EXPECT_EQ(during.c_lflag & (ECHO | ICANON), 0u) << "raw mode while the shell runs";
+    ASSERT_EQ(kill(pid, sig), 0);
+    int status = 0;
+    pid_t waited = -1;
+    for (int i = 0; i < 100 && waited != pid; ++i) {
+      waited = waitpid(pid, &status, WNOHANG);
+      if (waited != pid) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    if (waited != pid) {
+      kill(pid, SIGKILL);
+      waitpid(pid, &status, 0);
+      FAIL() << "esb shell did not end on the signal";
+    }
+    EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == sig) << "status " << status;
+    termios after{};
+    ASSERT_EQ(tcgetattr(slave, &after), 0);
+    EXPECT_EQ(after.c_lflag, before.c_lflag) << "the terminal's mode is restored";
+    EXPECT_EQ(after.c_iflag, before.c_iflag);
+    EXPECT_EQ(after.c_oflag, before.c_oflag);
+    close(master);
+    close(slave);
+  }
 }
 
 TEST_F(ShellTest, PipedInputEndsWithEofAndARefusalShowsTheDaemonsMessage) {
