@@ -345,6 +345,8 @@ absl::Status LoadConfigFile(const std::string& path, DaemonConfig* c) {
       st = GetInt(v, key, &c->max_terminals_per_tenant);
     else if (key == "terminal_idle_timeout_seconds")
       st = GetInt(v, key, &c->terminal_idle_timeout_s);
+    else if (key == "steps_blob_sweep_grace_seconds")
+      st = GetInt(v, key, &c->steps_blob_sweep_grace_s);
     else if (key == "max_output_bytes") st = GetInt(v, key, &c->max_output_bytes);
     else if (key == "max_upload_bytes") st = GetInt(v, key, &c->max_upload_bytes);
     else if (key == "max_json_body_bytes") st = GetInt(v, key, &c->max_json_body_bytes);
@@ -427,6 +429,8 @@ absl::Status LoadConfigFile(const std::string& path, DaemonConfig* c) {
   if (c->max_terminals_per_tenant < 0) return TypeError("max_terminals_per_tenant", "0 or more");
   if (c->terminal_idle_timeout_s < 1 || c->terminal_idle_timeout_s > 86400)
     return TypeError("terminal_idle_timeout_seconds", "1..86400");
+  if (c->steps_blob_sweep_grace_s < 0 || c->steps_blob_sweep_grace_s > 3600)
+    return TypeError("steps_blob_sweep_grace_seconds", "0..3600");
   // HTTP limits (cross-field: checked once every key is in).
   if (absl::Status http = ValidateHttpLimits(*c); !http.ok()) return http;
   return absl::OkStatus();

@@ -115,6 +115,9 @@ struct DaemonConfig {
   int max_terminals_per_environment = 4;
   int max_terminals_per_tenant = 16;
   int64_t terminal_idle_timeout_s = 1800;
+  // Time travel: blobs younger than this are never swept (a capture racing a sweep keeps what
+  // it is about to reference). 0..3600; tests set 0 to see collection at once.
+  int64_t steps_blob_sweep_grace_s = 600;
   int64_t max_output_bytes = 1 << 20;
   int64_t max_upload_bytes = 256ll << 20;
   int64_t max_json_body_bytes = 16ll << 20;

@@ -301,6 +301,7 @@ int main(int argc, char** argv) {
   mopts.max_terminals_per_environment = config.max_terminals_per_environment;
   mopts.max_terminals_per_tenant = config.max_terminals_per_tenant;
   mopts.terminal_idle_timeout_ms = config.terminal_idle_timeout_s * 1000;
+  mopts.blob_sweep_grace_ms = config.steps_blob_sweep_grace_s * 1000;
   mopts.default_spec = config.defaults;
   // Egress governance: defaults and intent catalogues; esb-proxy beside esbd, started and
   // supervised as its own unprivileged user (core/egress_proxy.h), and a CA per governed
