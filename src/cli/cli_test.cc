@@ -1078,6 +1078,43 @@ class ShellTest : public CliTest {
   }
   void TearDown() override { server_->Stop(); }
   std::string Url() const { return "http://127.0.0.1:" + std::to_string(server_->tcp_port()); }
+  // `esb shell env_a` against this server on the pty `slave`; its exit code.
+  int RunShell(int slave) {
+    std::istringstream in;
+    std::ostringstream out, err;
+    CliContext ctx;
+    ctx.in = &in;
+    ctx.out = &out;
+    ctx.err = &err;
+    ctx.env = {{"ESB_API_KEY", "esb_secret"}, {"ESB_URL", Url()}};
+    ctx.stdin_fd = slave;
+    ctx.stdout_fd = slave;
+    return RunCli({"shell", "env_a"}, ctx);
+  }
+  // Reads the pty's `master` into *seen until it contains `needle` (10 s).
+  static bool ReadUntil(int master, const std::string& needle, std::string* seen) {
+    for (int i = 0; i < 100 && seen->find(needle) == std::string::npos; ++i) {
+      pollfd p{master, POLLIN, 0};
+      if (poll(&p, 1, 100) > 0) {
+        char buf[4096];
+        ssize_t n = read(master, buf, sizeof buf);
+        if (n > 0) seen->append(buf, static_cast<size_t>(n));
+      }
+    }
+    return seen->find(needle) != std::string::npos;
+  }
+  static void ExpectRaw(int slave) {
+    termios during{};
+    ASSERT_EQ(tcgetattr(slave, &during), 0);
+    EXPECT_EQ(during.c_lflag & (ECHO | ICANON), 0u) << "raw mode while the shell runs";
+  }
+  static void ExpectModeRestored(int slave, const termios& before) {
+    termios after{};
+    ASSERT_EQ(tcgetattr(slave, &after), 0);
+    EXPECT_EQ(after.c_lflag, before.c_lflag) << "the terminal's mode is restored";
+    EXPECT_EQ(after.c_iflag, before.c_iflag);
+    EXPECT_EQ(after.c_oflag, before.c_oflag);
+  }
 
   std::unique_ptr<api::HttpServer> server_;
   std::string query_;
@@ -1094,35 +1131,12 @@ TEST_F(ShellTest, RawTtyWindowSizeResizeAndExitCode) {
   termios before{};
   ASSERT_EQ(tcgetattr(slave, &before), 0);
   std::atomic<int> rc{-1};
-  std::thread cli([&] {
-    std::istringstream in;
-    std::ostringstream out, err;
-    CliContext ctx;
-    ctx.in = &in;
-    ctx.out = &out;
-    ctx.err = &err;
-    ctx.env = {{"ESB_API_KEY", "esb_secret"}, {"ESB_URL", Url()}};
-    ctx.stdin_fd = slave;
-    ctx.stdout_fd = slave;
-    rc = RunCli({"shell", "env_a"}, ctx);
-  });
+  std::thread cli([&] { rc = RunShell(slave); });
   // Wait for the connection (the server has sent "ready"), type, resize, exit.
   std::string seen;
-  auto read_until = [&](const std::string& needle) {
-    for (int i = 0; i < 100 && seen.find(needle) == std::string::npos; ++i) {
-      pollfd p{master, POLLIN, 0};
-      if (poll(&p, 1, 100) > 0) {
-        char buf[4096];
-        ssize_t n = read(master, buf, sizeof buf);
-        if (n > 0) seen.append(buf, static_cast<size_t>(n));
-      }
-    }
-    return seen.find(needle) != std::string::npos;
-  };
+  auto read_until = [&](const std::string& needle) { return ReadUntil(master, needle, &seen); };
   ASSERT_TRUE(read_until("ready")) << seen;
-  termios during{};
-  ASSERT_EQ(tcgetattr(slave, &during), 0);
-  EXPECT_EQ(during.c_lflag & (ECHO | ICANON), 0u) << "raw mode while the shell runs";
+  ExpectRaw(slave);
   ASSERT_EQ(write(master, "ls\r", 3), 3);
   ASSERT_TRUE(read_until("echo:ls")) << seen;
   size.ws_row = 40;
@@ -1136,11 +1150,7 @@ TEST_F(ShellTest, RawTtyWindowSizeResizeAndExitCode) {
   EXPECT_NE(query_.find("cols=111&rows=33"), std::string::npos) << query_;
   ASSERT_EQ(controls_.size(), 1u);
   EXPECT_EQ(controls_[0], R"({"type":"resize","rows":40,"cols":120})");
-  termios after{};
-  ASSERT_EQ(tcgetattr(slave, &after), 0);
-  EXPECT_EQ(after.c_lflag, before.c_lflag) << "the terminal's mode is restored";
-  EXPECT_EQ(after.c_iflag, before.c_iflag);
-  EXPECT_EQ(after.c_oflag, before.c_oflag);
+  ExpectModeRestored(slave, before);
   close(master);
   close(slave);
 }
@@ -1157,34 +1167,12 @@ TEST_F(ShellTest, SigtermOrSighupRestoresTheTerminalModeAndEndsByTheSignal) {
     termios before{};
     ASSERT_EQ(tcgetattr(slave, &before), 0);
     ASSERT_NE(before.c_lflag & (ECHO | ICANON), 0u);
-    const std::string url = Url();
     pid_t pid = fork();
     ASSERT_GE(pid, 0);
-    if (pid == 0) {
-      std::istringstream in;
-      std::ostringstream out, err;
-      CliContext ctx;
-      ctx.in = &in;
-      ctx.out = &out;
-      ctx.err = &err;
-      ctx.env = {{"ESB_API_KEY", "esb_secret"}, {"ESB_URL", url}};
-      ctx.stdin_fd = slave;
-      ctx.stdout_fd = slave;
-      _exit(RunCli({"shell", "env_a"}, ctx) == 0 ? 0 : 100);
-    }
+    if (pid == 0) _exit(RunShell(slave) == 0 ? 0 : 100);
     std::string seen;
-    for (int i = 0; i < 100 && seen.find("ready") == std::string::npos; ++i) {
-      pollfd p{master, POLLIN, 0};
-      if (poll(&p, 1, 100) > 0) {
-        char buf[4096];
-        ssize_t n = read(master, buf, sizeof buf);
-        if (n > 0) seen.append(buf, static_cast<size_t>(n));
-      }
-    }
-    ASSERT_NE(seen.find("ready"), std::string::npos) << seen;
-    termios during{};
-    ASSERT_EQ(tcgetattr(slave, &during), 0);
-    EXPECT_EQ(during.c_lflag & (ECHO | ICANON), 0u) << "raw mode while the shell runs";
+    ASSERT_TRUE(ReadUntil(master, "ready", &seen)) << seen;
+    ExpectRaw(slave);
     ASSERT_EQ(kill(pid, sig), 0);
     int status = 0;
     pid_t waited = -1;
@@ -1198,11 +1186,7 @@ TEST_F(ShellTest, SigtermOrSighupRestoresTheTerminalModeAndEndsByTheSignal) {
       FAIL() << "esb shell did not end on the signal";
     }
     EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == sig) << "status " << status;
-    termios after{};
-    ASSERT_EQ(tcgetattr(slave, &after), 0);
-    EXPECT_EQ(after.c_lflag, before.c_lflag) << "the terminal's mode is restored";
-    EXPECT_EQ(after.c_iflag, before.c_iflag);
-    EXPECT_EQ(after.c_oflag, before.c_oflag);
+    ExpectModeRestored(slave, before);
     close(master);
     close(slave);
   }
