@@ -1078,8 +1078,10 @@ class ShellTest : public CliTest {
   }
   void TearDown() override { server_->Stop(); }
   std::string Url() const { return "http://127.0.0.1:" + std::to_string(server_->tcp_port()); }
-  // `esb shell env_a` against this server on the pty `slave`; its exit code.
-  int RunShell(int slave) {
+  // `esb ARGS` against this server with keystrokes from `in_fd` and output to `out_fd` (its
+  // stderr into *err_text); its exit code.
+  int RunShell(int in_fd, int out_fd, const Args& args = {"shell", "env_a"},
+               std::string* err_text = nullptr) {
     std::istringstream in;
     std::ostringstream out, err;
     CliContext ctx;
@@ -1087,9 +1089,12 @@ class ShellTest : public CliTest {
     ctx.out = &out;
     ctx.err = &err;
     ctx.env = {{"ESB_API_KEY", "esb_secret"}, {"ESB_URL", Url()}};
-    ctx.stdin_fd = slave;
-    ctx.stdout_fd = slave;
-    return RunCli({"shell", "env_a"}, ctx);
+    ctx.stdin_fd = in_fd;
+    ctx.stdout_fd = out_fd;
+    ctx.transport = [this](const Endpoint&) { return std::make_unique<FakeTransport>(&daemon_); };
+    int rc = RunCli(args, ctx);
+    if (err_text) *err_text = err.str();
+    return rc;
   }
   // Reads the pty's `master` into *seen until it contains `needle` (10 s).
   static bool ReadUntil(int master, const std::string& needle, std::string* seen) {
@@ -1131,7 +1136,7 @@ TEST_F(ShellTest, RawTtyWindowSizeResizeAndExitCode) {
   termios before{};
   ASSERT_EQ(tcgetattr(slave, &before), 0);
   std::atomic<int> rc{-1};
-  std::thread cli([&] { rc = RunShell(slave); });
+  std::thread cli([&] { rc = RunShell(slave, slave); });
   // Wait for the connection (the server has sent "ready"), type, resize, exit.
   std::string seen;
   auto read_until = [&](const std::string& needle) { return ReadUntil(master, needle, &seen); };
@@ -1169,7 +1174,7 @@ TEST_F(ShellTest, SigtermOrSighupRestoresTheTerminalModeAndEndsByTheSignal) {
     ASSERT_NE(before.c_lflag & (ECHO | ICANON), 0u);
     pid_t pid = fork();
     ASSERT_GE(pid, 0);
-    if (pid == 0) _exit(RunShell(slave) == 0 ? 0 : 100);
+    if (pid == 0) _exit(RunShell(slave, slave) == 0 ? 0 : 100);
     std::string seen;
     ASSERT_TRUE(ReadUntil(master, "ready", &seen)) << seen;
     ExpectRaw(slave);
@@ -1200,19 +1205,8 @@ TEST_F(ShellTest, PipedInputEndsWithEofAndARefusalShowsTheDaemonsMessage) {
     EXPECT_EQ(pipe(in_pipe), 0);
     EXPECT_EQ(write(in_pipe[1], "exit 5\n", 7), 7);
     close(in_pipe[1]);
-    std::istringstream in;
-    std::ostringstream out, err;
-    CliContext ctx;
-    ctx.in = &in;
-    ctx.out = &out;
-    ctx.err = &err;
-    ctx.env = {{"ESB_API_KEY", "esb_secret"}, {"ESB_URL", Url()}};
-    ctx.stdin_fd = in_pipe[0];
-    ctx.stdout_fd = out_pipe[1];
-    ctx.transport = [this](const Endpoint&) { return std::make_unique<FakeTransport>(&daemon_); };
-    int rc = RunCli(args, ctx);
+    int rc = RunShell(in_pipe[0], out_pipe[1], args, err_text);
     close(in_pipe[0]);
-    *err_text = err.str();
     return rc;
   };
   std::string err;
