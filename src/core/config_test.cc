@@ -83,6 +83,25 @@ TEST(ConfigTest, RejectsUnknownKeysWrongTypesAndWeakKeys) {
   EXPECT_TRUE(absl::IsNotFound(LoadConfigFile("/nonexistent/esbd.json", &c)));
 }
 
+TEST(ConfigTest, StepsBlobSweepGraceIsSettableWithinItsRange) {
+  DaemonConfig c;
+  EXPECT_EQ(c.steps_blob_sweep_grace_s, 600);
+  std::string path = TempFile(R"({"steps_blob_sweep_grace_seconds": 0})");
+  ASSERT_TRUE(LoadConfigFile(path, &c).ok());
+  EXPECT_EQ(c.steps_blob_sweep_grace_s, 0);
+  std::remove(path.c_str());
+  for (const char* bad : {R"({"steps_blob_sweep_grace_seconds": -1})",
+                          R"({"steps_blob_sweep_grace_seconds": 3601})",
+                          R"({"steps_blob_sweep_grace_seconds": "10"})"}) {
+    DaemonConfig d;
+    path = TempFile(bad);
+    absl::Status st = LoadConfigFile(path, &d);
+    EXPECT_FALSE(st.ok()) << bad;
+    EXPECT_NE(st.message().find("steps_blob_sweep_grace_seconds"), std::string::npos) << st;
+    std::remove(path.c_str());
+  }
+}
+
 TEST(ConfigTest, DefaultPidsAboveMaxPidsIsRefusedAtLoad) {
   for (const char* bad : {R"({"max_pids": 100, "defaults": {"pids": 101}})",
                           R"({"defaults": {"pids": 5000}, "max_pids": 4096})",
