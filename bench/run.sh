@@ -23,6 +23,10 @@
 #   bash bench/run.sh steps [...]  time travel's per-step cost on the container path (bench/
 #                                  step_bench.cc, no daemon): capture of a 2,000-file / 50 MB
 #                                  workspace with one file changed vs the step's exec, same run
+#   bash bench/run.sh steps-e2e [N]  time travel per driver through esbd (bench/
+#                                  steps_e2e_bench.cc; nano, crun, runc, gvisor as the host has
+#                                  them): N steps capture on vs off (same daemon, alternating),
+#                                  rewind/fork latency, bytes kept per step: docs/benchmarks.md
 # Transport knobs (environment): BENCH_ROWS (which rows, default "healthz exec sse idle";
 # "exec-ab" adds the exec row against a second daemon with audit.write_behind_ms 0, alternating),
 # BENCH_EXEC_GAP_MS (pause between exec calls, 0), BENCH_IDLE_CONNS (10000), BENCH_SSE_STREAMS (1000), BENCH_SSE_BODY (JSON for POST /run;
@@ -41,6 +45,7 @@ case "${1:-}" in
   egress) shift; MODE=egress ;;
   steps) shift; MODE=steps ;;
   nano-steps) shift; MODE=nano-steps ;;
+  steps-e2e) shift; MODE=steps-e2e ;;
 esac
 if [ "$MODE" = steps ]; then
   cmake --build "$BUILD_DIR" --target step_bench >/dev/null
@@ -53,6 +58,11 @@ if [ "$MODE" = dlp ]; then
   exec "$BUILD_DIR/dlp_bench" "$@"
 fi
 load_images_env
+if [ "$MODE" = steps-e2e ]; then
+  cmake --build "$BUILD_DIR" --target steps_e2e_bench >/dev/null
+  log "steps-e2e: load average $(cut -d' ' -f1-3 /proc/loadavg); $(nproc) cores; $(date -u)"
+  exec "$BUILD_DIR/steps_e2e_bench" "$@"
+fi
 if [ "$MODE" = nano-steps ]; then
   cmake --build "$BUILD_DIR" --target nano_steps_bench >/dev/null
   log "nano-steps: load average $(cut -d' ' -f1-3 /proc/loadavg); $(nproc) cores"

@@ -5,12 +5,14 @@
 #include <fcntl.h>
 #include <limits.h>
 #include <string.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <sys/statfs.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <map>
 #include <set>
 #include <string_view>
@@ -31,6 +33,33 @@ int64_t Ns(const struct timespec& ts) { return int64_t{ts.tv_sec} * 1000000000 +
 
 std::string ChangeKey(const struct stat& st) {
   return std::to_string(st.st_ino) + ":" + std::to_string(Ns(st.st_ctim));
+}
+
+// chmod of the inode an O_PATH descriptor holds (never a symlink's target: the descriptor was
+// opened O_NOFOLLOW and checked not to be a link).
+int ChmodHeld(int fd, mode_t mode) {
+  char path[40];
+  snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
+  // SECURITY: /proc/self/fd/N of our own O_PATH descriptor names the inode it pins, nothing
+  // a sandbox can swap in after the descriptor was opened and checked.
+  return chmod(path, mode);
+}
+
+// Sets the mode of entry `name` of `dirfd` itself: opened O_PATH|O_NOFOLLOW (a symlink swapped
+// in is refused, never followed), checked to be the inode `expect` that was
+// stat'ed, then chmod'ed through that descriptor.
+FsResult ChmodNoFollow(int dirfd, const std::string& name, mode_t mode, const std::string& rel,
+                       const struct stat& expect) {
+  Fd fd(openat(dirfd, name.c_str(), O_PATH | O_NOFOLLOW | O_CLOEXEC));
+  if (!fd) return FailErrno("chmod " + rel, errno);
+  struct stat st;
+  if (fstat(fd.get(), &st) != 0) return FailErrno("chmod " + rel, errno);
+  if (S_ISLNK(st.st_mode)) return Fail(ELOOP, "chmod " + rel + ": is a symlink (not followed)");
+  if (st.st_ino != expect.st_ino || st.st_dev != expect.st_dev)
+    return Fail(EAGAIN, "chmod " + rel + ": replaced while being restored");
+  if ((st.st_mode & 07777) != (mode & 07777) && ChmodHeld(fd.get(), mode) != 0)
+    return FailErrno("chmod " + rel, errno);
+  return {};
 }
 
 // The names in directory `dirfd` (not "." or ".."), read through a duplicate descriptor.
@@ -193,15 +222,17 @@ FsResult OpenDirNoFollow(int root, const std::vector<std::string>& comps, size_t
   Fd dir(openat(root, ".", O_PATH | O_DIRECTORY | O_CLOEXEC));
   if (!dir) return FailErrno(rel, errno);
   for (size_t i = 0; i < count; ++i) {
-    struct stat st;
-    if (fstatat(dir.get(), comps[i].c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0)
-      return FailErrno(rel, errno);
-    if (!S_ISDIR(st.st_mode)) return Fail(ENOTDIR, rel + ": '" + comps[i] + "' is not a directory");
-    if ((st.st_mode & 0700) != 0700)
-      fchmodat(dir.get(), comps[i].c_str(), (st.st_mode & 07777) | 0700, 0);
-    // SECURITY: O_NOFOLLOW|O_DIRECTORY: a symlink in a directory's place is refused.
+    // SECURITY: O_NOFOLLOW|O_DIRECTORY: a symlink in a directory's place is refused; the mode
+    // is then read and changed on the descriptor, so the chmod reaches this directory only.
     Fd next(openat(dir.get(), comps[i].c_str(), O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
-    if (!next) return FailErrno(rel, errno);
+    if (!next) {
+      if (errno == ENOTDIR || errno == ELOOP)
+        return Fail(ENOTDIR, rel + ": '" + comps[i] + "' is not a directory");
+      return FailErrno(rel, errno);
+    }
+    struct stat st;
+    if (fstat(next.get(), &st) != 0) return FailErrno(rel, errno);
+    if ((st.st_mode & 0700) != 0700) ChmodHeld(next.get(), (st.st_mode & 07777) | 0700);
     dir = std::move(next);
   }
   *out = std::move(dir);
@@ -265,9 +296,12 @@ class Pruner {
         continue;
       }
       if (S_ISDIR(st.st_mode)) {
-        if ((st.st_mode & 0700) != 0700)
-          fchmodat(dirfd, name.c_str(), (st.st_mode & 07777) | 0700, 0);
-        Fd child(openat(dirfd, name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+        // SECURITY: the directory is pinned (O_PATH|O_NOFOLLOW|O_DIRECTORY) before its mode is
+        // changed and it is read: a symlink swapped in is neither chmod'ed through nor entered.
+        Fd pinned(openat(dirfd, name.c_str(), O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+        if (!pinned) return FailErrno("apply: open " + rel, errno);
+        if ((st.st_mode & 0700) != 0700) ChmodHeld(pinned.get(), (st.st_mode & 07777) | 0700);
+        Fd child(openat(pinned.get(), ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC));
         if (!child) return FailErrno("apply: open " + rel, errno);
         if (FsResult r = Dir(child.get(), rel, depth + 1); !r.ok()) return r;
       }
@@ -282,29 +316,59 @@ class Pruner {
   ApplyStats* stats_;
 };
 
-FsResult WriteFileAt(int dirfd, const ApplyEntry& e, const std::string& name) {
-  const int flags = O_WRONLY | O_CREAT | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC |
-                    (e.offset == 0 ? O_TRUNC : 0);
-  // SECURITY: O_NOFOLLOW on the last component, below a directory reached without following
-  // links: a symlink in the file's place is refused (ELOOP), never written through.
-  Fd fd(openat(dirfd, name.c_str(), flags, 0600));
-  if (!fd && errno == EACCES) {  // a read-only file of ours: make it writable, then retry
-    fchmodat(dirfd, name.c_str(), (e.mode & 07777) | 0600, 0);
-    fd.reset(openat(dirfd, name.c_str(), flags, 0600));
-  }
-  if (!fd) return FailErrno("apply: write " + e.path, errno);
-  struct stat st;
-  if (fstat(fd.get(), &st) != 0) return FailErrno("apply: write " + e.path, errno);
-  if (!S_ISREG(st.st_mode)) return Fail(EINVAL, "apply: " + e.path + " is not a regular file");
+FsResult WriteAll(int fd, const ApplyEntry& e) {
   size_t done = 0;
   while (done < e.data.size()) {
-    ssize_t n = pwrite(fd.get(), e.data.data() + done, e.data.size() - done,
+    ssize_t n = pwrite(fd, e.data.data() + done, e.data.size() - done,
                        static_cast<off_t>(e.offset + static_cast<int64_t>(done)));
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) return FailErrno("apply: write " + e.path, errno);
     done += static_cast<size_t>(n);
   }
   return {};
+}
+
+// Writes a file's bytes. Offset 0 (a whole file, or its first chunk) makes a new file next to
+// it and renames it over the name: a file is replaced, never rewritten in place, so another
+// hard link to the old inode (made by sandbox code, possibly to a file elsewhere on the same
+// file system) keeps its contents. A later chunk appends to the file the first one made, and
+// is refused when that file has gained another link in between.
+FsResult WriteFileAt(int dirfd, const ApplyEntry& e, const std::string& name) {
+  if (e.offset > 0) {
+    // SECURITY: O_NOFOLLOW on the last component, below a directory reached without following
+    // links: a symlink in the file's place is refused (ELOOP), never written through.
+    Fd fd(openat(dirfd, name.c_str(), O_WRONLY | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC));
+    if (!fd) return FailErrno("apply: write " + e.path, errno);
+    struct stat st;
+    if (fstat(fd.get(), &st) != 0) return FailErrno("apply: write " + e.path, errno);
+    if (!S_ISREG(st.st_mode)) return Fail(EINVAL, "apply: " + e.path + " is not a regular file");
+    // SECURITY: a second link would be written through (the first chunk made this inode).
+    if (st.st_nlink != 1)
+      return Fail(EMLINK, "apply: " + e.path + " was hard-linked while being restored");
+    return WriteAll(fd.get(), e);
+  }
+  std::string tmp;
+  Fd fd;
+  for (int attempt = 0; attempt < 16 && !fd; ++attempt) {
+    uint64_t r = 0;
+    if (getrandom(&r, sizeof r, 0) != sizeof r) r ^= static_cast<uint64_t>(attempt) << 32;
+    char buf[40];
+    snprintf(buf, sizeof buf, ".esb-apply-%016llx", static_cast<unsigned long long>(r));
+    tmp = buf;
+    // SECURITY: O_CREAT|O_EXCL|O_NOFOLLOW: a new inode of ours, never an existing name.
+    fd.reset(openat(dirfd, tmp.c_str(),
+                    O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_NOCTTY | O_CLOEXEC, 0600));
+    if (!fd && errno != EEXIST) return FailErrno("apply: write " + e.path, errno);
+  }
+  if (!fd) return FailErrno("apply: write " + e.path, EEXIST);
+  FsResult r = WriteAll(fd.get(), e);
+  fd.reset();
+  // renameat replaces the entry `name` (a file, or a symlink as a link); a directory there
+  // fails (EISDIR) and the caller reports it.
+  if (r.ok() && renameat(dirfd, tmp.c_str(), dirfd, name.c_str()) != 0)
+    r = FailErrno("apply: write " + e.path, errno);
+  if (!r.ok()) unlinkat(dirfd, tmp.c_str(), 0);
+  return r;
 }
 
 }  // namespace
@@ -435,9 +499,12 @@ FsResult ApplyWorkspace(const std::string& workspace, std::vector<ApplyEntry>& e
       return Fail(EIO, "apply: " + e.path + " has " + std::to_string(st.st_size) +
                            " bytes, the manifest says " + std::to_string(e.size));
     }
-    if (e.type != 'l' && (st.st_mode & 07777) != e.mode &&
-        fchmodat(parent.get(), name.c_str(), e.mode, 0) != 0) {
-      return FailErrno("apply: chmod " + e.path, errno);
+    if (e.type != 'l' && (st.st_mode & 07777) != e.mode) {
+      // SECURITY: through a descriptor of the inode stat'ed above, never by name (a symlink
+      // swapped in meanwhile would have its target chmod'ed).
+      if (FsResult r = ChmodNoFollow(parent.get(), name, e.mode, "apply: " + e.path, st); !r.ok()) {
+        return r;
+      }
     }
     // Only what differs: a utimensat or chmod changes the ctime, and with it the change key
     // that lets the next capture and restore skip an unchanged file.

@@ -9,11 +9,14 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <sstream>
 #include <string>
+#include <thread>
 
 #include "gtest/gtest.h"
 
@@ -299,6 +302,92 @@ TEST_F(WorkspaceTest, WalkFailsOnADirectoryItCannotReadInsteadOfLosingItsContent
   WalkResult w = WalkWorkspace(ws_, WalkLimits{}, nullptr);
   EXPECT_EQ(w.status.err, EACCES) << w.status.message;
   chmod((ws_ + "/locked").c_str(), 0755);
+}
+
+// Review L3: the finish pass stat'ed an entry, then chmod'ed it by name (following links): a
+// sandbox swapping the entry for a symlink in between had the target's mode changed. The
+// attack races a swapper thread (file <-> symlink to a file outside) against applies.
+TEST_F(WorkspaceTest, ChmodAttackSwappingInASymlinkDuringApplyNeverChangesTheTarget) {
+  const std::string target = outside_ + "/passwd";
+  chmod(target.c_str(), 0644);
+  std::vector<ApplyEntry> m(1);
+  m[0].path = "f";
+  m[0].type = 'f';
+  m[0].mode = 0600;  // differs from the swapped-in file's 0644: a chmod is due every time
+  m[0].size = 1;
+  std::atomic<bool> stop{false};
+  std::thread swapper([&] {
+    const std::string f = ws_ + "/f", link = ws_ + "/l.tmp", real = ws_ + "/r.tmp";
+    while (!stop.load()) {
+      symlink(target.c_str(), link.c_str());
+      rename(link.c_str(), f.c_str());
+      int fd = open(real.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      if (fd >= 0) {
+        if (write(fd, "x", 1) != 1) {
+        }
+        fchmod(fd, 0644);
+        close(fd);
+      }
+      rename(real.c_str(), f.c_str());
+    }
+  });
+  int chmods_reached = 0;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(3);
+  while (std::chrono::steady_clock::now() < deadline) {
+    ApplyStats stats;
+    FsResult r = ApplyWorkspace(ws_, m, /*prune=*/false, /*finish=*/true, &stats);
+    if (r.ok()) ++chmods_reached;
+    struct stat st;
+    ASSERT_EQ(stat(target.c_str(), &st), 0);
+    if ((st.st_mode & 07777) != 0644) break;
+  }
+  stop = true;
+  swapper.join();
+  struct stat st;
+  ASSERT_EQ(stat(target.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 07777, 0644u) << "apply chmod'ed a symlink's target outside";
+  EXPECT_GT(chmods_reached, 0) << "the race never let an apply through: the test tested nothing";
+}
+
+// Review L3: a file rewritten in place (O_TRUNC) wrote through every hard link to it: a sandbox
+// that hard-links a workspace file to another file (outside /workspace when they share a file
+// system, as here) had that file overwritten by the restore. Files are replaced instead.
+TEST_F(WorkspaceTest, HardLinkAttackApplyNeverWritesThroughALinkToAnotherFile) {
+  const std::string target = outside_ + "/passwd";
+  ASSERT_EQ(link(target.c_str(), (ws_ + "/a").c_str()), 0);
+  ASSERT_EQ(link(target.c_str(), (ws_ + "/b").c_str()), 0);
+  std::vector<ApplyEntry> m(2);
+  m[0].path = "a";
+  m[0].size = 7;
+  m[0].mode = 0644;
+  m[0].has_data = true;
+  m[0].data = "applied";
+  m[1].path = "b";
+  m[1].size = 11;
+  m[1].mode = 0644;  // kept (no data): must still be what it was
+  ApplyStats stats;
+  FsResult r = ApplyWorkspace(ws_, m, /*prune=*/true, /*finish=*/true, &stats);
+  ASSERT_TRUE(r.ok()) << r.message;
+  EXPECT_EQ(Read(ws_ + "/a"), "applied");
+  EXPECT_EQ(Read(target), "root:x:0:0\n") << "written through a hard link";
+  EXPECT_EQ(Read(ws_ + "/b"), "root:x:0:0\n");
+  struct stat st;
+  ASSERT_EQ(stat((ws_ + "/a").c_str(), &st), 0);
+  EXPECT_EQ(st.st_nlink, 1u);
+  // A chunk after the first (offset > 0) appends to the file the restore made; a link made to
+  // it in between (the sandbox racing the restore) makes the chunk fail, never write through.
+  std::vector<ApplyEntry> c(1);
+  c[0].path = "c";
+  c[0].has_data = true;
+  c[0].data = "first";
+  ASSERT_TRUE(ApplyWorkspace(ws_, c, false, false, &stats).ok());
+  ASSERT_EQ(unlink((ws_ + "/c").c_str()), 0);
+  ASSERT_EQ(link(target.c_str(), (ws_ + "/c").c_str()), 0);
+  c[0].offset = 5;
+  c[0].data = "second";
+  r = ApplyWorkspace(ws_, c, false, false, &stats);
+  EXPECT_EQ(r.err, EMLINK) << r.message;
+  EXPECT_EQ(Read(target), "root:x:0:0\n") << "a chunk wrote through a hard link";
 }
 
 TEST_F(WorkspaceTest, WalkStopsAtItsEntryLimit) {

@@ -109,6 +109,13 @@ void PumpTerminal(EnvironmentManager::Terminal& term, WebSocket& ws) {
           if (chunk.empty()) return !done.load();
           return ws.Send(chunk, /*binary=*/true);
         });
+    if (const std::string ended = term.ended_by(); !ended.empty() && !done.load()) {
+      // esbd ended it (a rewind): an exit message that says why, then a normal close.
+      const int code = st.ok() && st->has_value() ? **st : 128 + 9;
+      ws.Send(ControlJson({{"type", "exit"}, {"code", code}, {"reason", ended}}));
+      ws.Close(WebSocket::kNormal, "ended by esbd");
+      break;
+    }
     if (!st.ok()) {
       if (!done.load()) {
         ws.Send(

@@ -6,12 +6,15 @@
 #include <signal.h>
 #include <sys/ioctl.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <termios.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <boost/asio.hpp>
 #include <boost/json.hpp>
+#include <chrono>
+#include <cstring>
 #include <deque>
 #include <filesystem>
 #include <fstream>
@@ -1084,6 +1087,48 @@ class ShellTest : public CliTest {
   }
   void TearDown() override { server_->Stop(); }
   std::string Url() const { return "http://127.0.0.1:" + std::to_string(server_->tcp_port()); }
+  // `esb ARGS` against this server with keystrokes from `in_fd` and output to `out_fd` (its
+  // stderr into *err_text); its exit code.
+  int RunShell(int in_fd, int out_fd, const Args& args = {"shell", "env_a"},
+               std::string* err_text = nullptr) {
+    std::istringstream in;
+    std::ostringstream out, err;
+    CliContext ctx;
+    ctx.in = &in;
+    ctx.out = &out;
+    ctx.err = &err;
+    ctx.env = {{"ESB_API_KEY", "esb_secret"}, {"ESB_URL", Url()}};
+    ctx.stdin_fd = in_fd;
+    ctx.stdout_fd = out_fd;
+    ctx.transport = [this](const Endpoint&) { return std::make_unique<FakeTransport>(&daemon_); };
+    int rc = RunCli(args, ctx);
+    if (err_text) *err_text = err.str();
+    return rc;
+  }
+  // Reads the pty's `master` into *seen until it contains `needle` (10 s).
+  static bool ReadUntil(int master, const std::string& needle, std::string* seen) {
+    for (int i = 0; i < 100 && seen->find(needle) == std::string::npos; ++i) {
+      pollfd p{master, POLLIN, 0};
+      if (poll(&p, 1, 100) > 0) {
+        char buf[4096];
+        ssize_t n = read(master, buf, sizeof buf);
+        if (n > 0) seen->append(buf, static_cast<size_t>(n));
+      }
+    }
+    return seen->find(needle) != std::string::npos;
+  }
+  static void ExpectRaw(int slave) {
+    termios during{};
+    ASSERT_EQ(tcgetattr(slave, &during), 0);
+    EXPECT_EQ(during.c_lflag & (ECHO | ICANON), 0u) << "raw mode while the shell runs";
+  }
+  static void ExpectModeRestored(int slave, const termios& before) {
+    termios after{};
+    ASSERT_EQ(tcgetattr(slave, &after), 0);
+    EXPECT_EQ(after.c_lflag, before.c_lflag) << "the terminal's mode is restored";
+    EXPECT_EQ(after.c_iflag, before.c_iflag);
+    EXPECT_EQ(after.c_oflag, before.c_oflag);
+  }
 
   std::unique_ptr<api::HttpServer> server_;
   std::string query_;
@@ -1100,35 +1145,12 @@ TEST_F(ShellTest, RawTtyWindowSizeResizeAndExitCode) {
   termios before{};
   ASSERT_EQ(tcgetattr(slave, &before), 0);
   std::atomic<int> rc{-1};
-  std::thread cli([&] {
-    std::istringstream in;
-    std::ostringstream out, err;
-    CliContext ctx;
-    ctx.in = &in;
-    ctx.out = &out;
-    ctx.err = &err;
-    ctx.env = {{"ESB_API_KEY", "esb_secret"}, {"ESB_URL", Url()}};
-    ctx.stdin_fd = slave;
-    ctx.stdout_fd = slave;
-    rc = RunCli({"shell", "env_a"}, ctx);
-  });
+  std::thread cli([&] { rc = RunShell(slave, slave); });
   // Wait for the connection (the server has sent "ready"), type, resize, exit.
   std::string seen;
-  auto read_until = [&](const std::string& needle) {
-    for (int i = 0; i < 100 && seen.find(needle) == std::string::npos; ++i) {
-      pollfd p{master, POLLIN, 0};
-      if (poll(&p, 1, 100) > 0) {
-        char buf[4096];
-        ssize_t n = read(master, buf, sizeof buf);
-        if (n > 0) seen.append(buf, static_cast<size_t>(n));
-      }
-    }
-    return seen.find(needle) != std::string::npos;
-  };
+  auto read_until = [&](const std::string& needle) { return ReadUntil(master, needle, &seen); };
   ASSERT_TRUE(read_until("ready")) << seen;
-  termios during{};
-  ASSERT_EQ(tcgetattr(slave, &during), 0);
-  EXPECT_EQ(during.c_lflag & (ECHO | ICANON), 0u) << "raw mode while the shell runs";
+  ExpectRaw(slave);
   ASSERT_EQ(write(master, "ls\r", 3), 3);
   ASSERT_TRUE(read_until("echo:ls")) << seen;
   size.ws_row = 40;
@@ -1142,13 +1164,46 @@ TEST_F(ShellTest, RawTtyWindowSizeResizeAndExitCode) {
   EXPECT_NE(query_.find("cols=111&rows=33"), std::string::npos) << query_;
   ASSERT_EQ(controls_.size(), 1u);
   EXPECT_EQ(controls_[0], R"({"type":"resize","rows":40,"cols":120})");
-  termios after{};
-  ASSERT_EQ(tcgetattr(slave, &after), 0);
-  EXPECT_EQ(after.c_lflag, before.c_lflag) << "the terminal's mode is restored";
-  EXPECT_EQ(after.c_iflag, before.c_iflag);
-  EXPECT_EQ(after.c_oflag, before.c_oflag);
+  ExpectModeRestored(slave, before);
   close(master);
   close(slave);
+}
+
+// Review (t-term): `esb shell` killed by SIGTERM or SIGHUP (a closed terminal window, a
+// supervisor) left the user's terminal raw (no echo, no line editing). It restores the
+// terminal's mode and then ends by the signal. A child process runs the CLI on a pty; the
+// signal comes while the shell is connected (raw mode on).
+TEST_F(ShellTest, SigtermOrSighupRestoresTheTerminalModeAndEndsByTheSignal) {
+  for (int sig : {SIGTERM, SIGHUP}) {
+    SCOPED_TRACE(strsignal(sig));
+    int master = -1, slave = -1;
+    ASSERT_EQ(openpty(&master, &slave, nullptr, nullptr, nullptr), 0);
+    termios before{};
+    ASSERT_EQ(tcgetattr(slave, &before), 0);
+    ASSERT_NE(before.c_lflag & (ECHO | ICANON), 0u);
+    pid_t pid = fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) _exit(RunShell(slave, slave) == 0 ? 0 : 100);
+    std::string seen;
+    ASSERT_TRUE(ReadUntil(master, "ready", &seen)) << seen;
+    ExpectRaw(slave);
+    ASSERT_EQ(kill(pid, sig), 0);
+    int status = 0;
+    pid_t waited = -1;
+    for (int i = 0; i < 100 && waited != pid; ++i) {
+      waited = waitpid(pid, &status, WNOHANG);
+      if (waited != pid) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    if (waited != pid) {
+      kill(pid, SIGKILL);
+      waitpid(pid, &status, 0);
+      FAIL() << "esb shell did not end on the signal";
+    }
+    EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == sig) << "status " << status;
+    ExpectModeRestored(slave, before);
+    close(master);
+    close(slave);
+  }
 }
 
 TEST_F(ShellTest, PipedInputEndsWithEofAndARefusalShowsTheDaemonsMessage) {
@@ -1159,19 +1214,8 @@ TEST_F(ShellTest, PipedInputEndsWithEofAndARefusalShowsTheDaemonsMessage) {
     EXPECT_EQ(pipe(in_pipe), 0);
     EXPECT_EQ(write(in_pipe[1], "exit 5\n", 7), 7);
     close(in_pipe[1]);
-    std::istringstream in;
-    std::ostringstream out, err;
-    CliContext ctx;
-    ctx.in = &in;
-    ctx.out = &out;
-    ctx.err = &err;
-    ctx.env = {{"ESB_API_KEY", "esb_secret"}, {"ESB_URL", Url()}};
-    ctx.stdin_fd = in_pipe[0];
-    ctx.stdout_fd = out_pipe[1];
-    ctx.transport = [this](const Endpoint&) { return std::make_unique<FakeTransport>(&daemon_); };
-    int rc = RunCli(args, ctx);
+    int rc = RunShell(in_pipe[0], out_pipe[1], args, err_text);
     close(in_pipe[0]);
-    *err_text = err.str();
     return rc;
   };
   std::string err;

@@ -1,10 +1,13 @@
 #include "cli/terminal.h"
 
+#include <signal.h>
 #include <sys/ioctl.h>
 #include <termios.h>
 #include <unistd.h>
 
 #include <boost/json.hpp>
+#include <cstdlib>
+#include <iterator>
 #include <optional>
 
 #include "absl/strings/str_cat.h"
@@ -25,25 +28,70 @@ std::optional<std::pair<int, int>> WindowSize(int fd_a, int fd_b) {
   return std::nullopt;
 }
 
+// The terminal raw mode changed, for the signal handler and the exit hook: written before
+// the handlers are installed, read by them (a handler only calls async-signal-safe tcsetattr).
+int g_raw_fd = -1;
+termios g_raw_saved{};
+volatile sig_atomic_t g_raw_active = 0;
+
+void RestoreRawTty() {
+  if (g_raw_active) {
+    ::tcsetattr(g_raw_fd, TCSANOW, &g_raw_saved);
+    g_raw_active = 0;
+  }
+}
+
+// SIGTERM, SIGHUP, SIGINT, SIGQUIT while raw: the terminal's mode back, then the signal's
+// default action (the process ends by it, as without esb's handler; esbd kills the remote
+// shell when the WebSocket drops).
+void RestoreAndReraise(int sig) {
+  RestoreRawTty();
+  ::signal(sig, SIG_DFL);
+  ::raise(sig);
+}
+
+constexpr int kRestoreSignals[] = {SIGTERM, SIGHUP, SIGINT, SIGQUIT};
+
 // Raw mode on a terminal for as long as it lives (keystrokes go to the remote shell as typed:
-// no local echo, no line editing, ^C is a byte), restored in the destructor.
+// no local echo, no line editing, ^C is a byte), restored in the destructor, on the signals
+// above and at exit() (however `esb shell` ends, the terminal is left as it was found).
 class RawMode {
  public:
   explicit RawMode(int fd) {
     if (fd < 0 || !::isatty(fd) || ::tcgetattr(fd, &saved_) != 0) return;
     termios raw = saved_;
     ::cfmakeraw(&raw);
-    if (::tcsetattr(fd, TCSANOW, &raw) == 0) fd_ = fd;
+    g_raw_fd = fd;
+    g_raw_saved = saved_;
+    g_raw_active = 1;
+    static const bool hooked = (std::atexit(RestoreRawTty), true);
+    (void)hooked;
+    struct sigaction sa {};
+    sa.sa_handler = RestoreAndReraise;
+    sigemptyset(&sa.sa_mask);
+    for (size_t i = 0; i < std::size(kRestoreSignals); ++i)
+      ::sigaction(kRestoreSignals[i], &sa, &previous_[i]);
+    if (::tcsetattr(fd, TCSANOW, &raw) == 0) {
+      fd_ = fd;
+    } else {
+      Undo();
+    }
   }
   ~RawMode() {
-    if (fd_ >= 0) ::tcsetattr(fd_, TCSANOW, &saved_);
+    if (fd_ >= 0) Undo();
   }
   RawMode(const RawMode&) = delete;
   RawMode& operator=(const RawMode&) = delete;
 
  private:
+  void Undo() {
+    RestoreRawTty();
+    for (size_t i = 0; i < std::size(kRestoreSignals); ++i)
+      ::sigaction(kRestoreSignals[i], &previous_[i], nullptr);
+  }
   int fd_ = -1;
   termios saved_{};
+  struct sigaction previous_[std::size(kRestoreSignals)]{};
 };
 
 std::string RefusalText(const WebSocketClient::Refusal& r) {

@@ -1,5 +1,6 @@
 // `esb shell`: esbd's terminal (GET /environments/{id}/terminal, a WebSocket; docs/api.md
-// "Terminal") on this process's terminal: raw mode while it runs (restored however it ends),
+// "Terminal") on this process's terminal: raw mode while it runs (restored however it ends:
+// a return, exit(), or SIGTERM/SIGHUP/SIGINT/SIGQUIT, after which the signal ends the process),
 // the window size at the start and on every SIGWINCH, the shell's exit code at the end.
 #pragma once
 

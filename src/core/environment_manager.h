@@ -74,6 +74,9 @@ struct ManagerOptions {
   int max_terminals_per_environment = 4;
   int max_terminals_per_tenant = 16;
   int64_t terminal_idle_timeout_ms = 1800'000;
+  // How long a terminal's open waits for a step of its environment (a capture, a rewind, a
+  // fork) to finish before it is refused (Unavailable, 503).
+  int64_t terminal_step_wait_ms = 30'000;
   std::function<int64_t()> now_ms;  // injectable clock; defaults to NowUnixMs
   // Egress governance (issue 12). `egress` carries governed environments to the proxy (not
   // owned; nullptr: a create with a network policy answers 503); `make_ca` makes each governed
@@ -335,6 +338,9 @@ class EnvironmentManager {
     void Close(std::string reason);
     // Neither input nor output for ManagerOptions::terminal_idle_timeout_ms.
     bool Idle() const;
+    // Why esbd ended this terminal (e.g. "environment rewound to step 3"), or "" when it did
+    // not (the shell exited, the client closed).
+    std::string ended_by() const;
 
    private:
     friend class EnvironmentManager;
@@ -347,9 +353,10 @@ class EnvironmentManager {
     int64_t start_ms_ = 0;
     std::atomic<int64_t> last_activity_ms_{0};
     std::atomic<int64_t> bytes_{0};
-    std::mutex mu_;
+    mutable std::mutex mu_;
     std::optional<int> exit_code_;
     std::string close_reason_;
+    std::string ended_by_;
   };
   absl::StatusOr<std::unique_ptr<Terminal>> OpenTerminal(const Caller& caller,
                                                          const std::string& id, int rows, int cols);
@@ -630,6 +637,11 @@ class EnvironmentManager {
   std::mutex terminals_mu_;
   std::map<std::string, int> terminals_by_env_;
   std::map<std::string, int> terminals_by_tenant_;
+  std::map<std::string, std::set<Terminal*>> open_terminals_;  // environment id → its terminals
+  // Ends every open terminal of `id` (its shell and everything started in it are killed; the
+  // client gets an exit message with `reason`). A rewind calls it holding the step_mu, which
+  // a terminal's open also takes: none opens meanwhile.
+  void CloseTerminals(const std::string& id, const std::string& reason);
 
   std::mutex sweep_mu_;         // one blob sweep at a time
   std::atomic<bool> sweep_needed_{false};

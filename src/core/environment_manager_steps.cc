@@ -1245,6 +1245,9 @@ absl::StatusOr<RewindInfo> EnvironmentManager::Rewind(const Caller& caller, cons
         return EnvironmentNotFoundError(absl::StrCat("environment ", id, " is being destroyed"));
       ref = e.ref;
     }
+    // Terminals end first (their shells and what they started are killed): nothing started
+    // in one outlives the rewind, and none opens until it is done (OpenTerminal takes step_mu).
+    CloseTerminals(id, absl::StrCat("environment rewound to step ", n));
     DiskBlobStore::Tenant blobs = options_.blobs->ForTenant(e.tenant);
     auto restored = e.driver->RestoreStep(ref, *state, blobs);
     if (!restored.ok()) return StepRestoreError(restored.status(), n);

@@ -1,6 +1,7 @@
 // EnvironmentManager's interactive terminals (docs/api.md "Terminal"): the capability check,
 // the per-environment and per-tenant caps, the idle clock and the audit rows around a driver's
 // TerminalSession. The API (api/terminal_service.cc) carries the bytes over a WebSocket.
+#include <chrono>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -28,6 +29,14 @@ absl::StatusOr<std::unique_ptr<EnvironmentManager::Terminal>> EnvironmentManager
       return refuse(EnvironmentNotFoundError(absl::StrCat(
           "environment ", id, " is being destroyed (", (*env)->record.destroy_reason, ")")));
   }
+  // A terminal does not open while a step captures or restores the environment (it would see,
+  // or change, a half-restored workspace): it waits for the step lock, for a bounded time. Held
+  // until the terminal is registered, so a rewind that follows finds it and closes it.
+  std::unique_lock<std::recursive_timed_mutex> step_lock((*env)->step_mu, std::defer_lock);
+  if (!step_lock.try_lock_for(std::chrono::milliseconds(options_.terminal_step_wait_ms)))
+    return refuse(absl::UnavailableError(absl::StrCat(
+        "a step of environment ", id, " (a capture, rewind or fork) has been running for over ",
+        options_.terminal_step_wait_ms / 1000, " s; try the terminal again")));
   {
     std::lock_guard<std::mutex> lock(terminals_mu_);
     const int on_env = terminals_by_env_[id];
@@ -70,12 +79,24 @@ absl::StatusOr<std::unique_ptr<EnvironmentManager::Terminal>> EnvironmentManager
     return refuse(session.status());
   }
   t->session_ = *std::move(session);
+  {
+    std::lock_guard<std::mutex> lock(terminals_mu_);
+    open_terminals_[id].insert(t.get());
+  }
   audit_.Record(caller, {.environment_id = id, .action = "terminal.open", .detail = detail});
   return t;
 }
 
 EnvironmentManager::Terminal::~Terminal() {
   if (manager_ == nullptr) return;
+  {
+    // First out of the registry (CloseTerminals holds terminals_mu_ while it ends one).
+    std::lock_guard<std::mutex> lock(manager_->terminals_mu_);
+    if (auto it = manager_->open_terminals_.find(id_); it != manager_->open_terminals_.end()) {
+      it->second.erase(this);
+      if (it->second.empty()) manager_->open_terminals_.erase(it);
+    }
+  }
   if (session_) session_->Kill().IgnoreError();
   session_.reset();
   {
@@ -139,6 +160,25 @@ void EnvironmentManager::Terminal::Close(std::string reason) {
     if (close_reason_.empty()) close_reason_ = std::move(reason);
   }
   session_->Kill().IgnoreError();
+}
+
+std::string EnvironmentManager::Terminal::ended_by() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return ended_by_;
+}
+
+void EnvironmentManager::CloseTerminals(const std::string& id, const std::string& reason) {
+  std::lock_guard<std::mutex> lock(terminals_mu_);
+  auto it = open_terminals_.find(id);
+  if (it == open_terminals_.end()) return;
+  for (Terminal* t : it->second) {
+    {
+      std::lock_guard<std::mutex> tlock(t->mu_);
+      if (t->ended_by_.empty()) t->ended_by_ = reason;
+    }
+    // Kills the shell and everything started in it (the session's process tree).
+    t->Close(reason);
+  }
 }
 
 bool EnvironmentManager::Terminal::Idle() const {

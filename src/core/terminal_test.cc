@@ -9,98 +9,13 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "core/environment_manager.h"
+#include "drivers/testing/fake_driver.h"
 #include "gtest/gtest.h"
 
 namespace esb {
 namespace {
 
-struct SessionLog {
-  std::atomic<int> kills{0};
-  std::atomic<int> inputs{0};
-  std::atomic<int> busy_inputs{0};  // Input answers Unavailable this many more times
-  std::atomic<int> exit_code{-1};   // >= 0: Wait reports this exit
-};
-
-class FakeSession : public TerminalSession {
- public:
-  explicit FakeSession(SessionLog* log) : log_(log) {}
-  ~FakeSession() override { Kill().IgnoreError(); }
-  absl::Status Input(std::string_view) override {
-    ++log_->inputs;
-    if (log_->busy_inputs.load() > 0) {
-      --log_->busy_inputs;
-      return absl::UnavailableError("EAGAIN: input queue full");
-    }
-    return absl::OkStatus();
-  }
-  absl::Status Resize(int, int) override { return absl::OkStatus(); }
-  absl::StatusOr<std::optional<int>> Wait(int, const OutputSink& sink) override {
-    if (sink) sink(Stream::kStdout, "$ ");
-    if (log_->exit_code.load() >= 0) return std::optional<int>(log_->exit_code.load());
-    return std::optional<int>();
-  }
-  absl::Status Kill() override {
-    if (!killed_) ++log_->kills;
-    killed_ = true;
-    return absl::OkStatus();
-  }
-
- private:
-  SessionLog* log_;
-  bool killed_ = false;
-};
-
-class TerminalDriver : public Driver {
- public:
-  std::string name() const override { return "container"; }
-  std::string Describe() const override { return "fake"; }
-  CapabilitySet Capabilities() const override { return caps; }
-  absl::StatusOr<InstanceRef> Create(const std::string& id, const EnvSpec&) override {
-    return InstanceRef{id, "container", "{}"};
-  }
-  absl::Status Destroy(const InstanceRef&) override { return absl::OkStatus(); }
-  absl::Status Attach(const InstanceRef&) override { return absl::OkStatus(); }
-  absl::StatusOr<ExecResult> Exec(const InstanceRef&, const ExecRequest&,
-                                  const OutputSink&) override {
-    return ExecResult{};
-  }
-  absl::Status WriteFile(const InstanceRef&, const std::string&, std::string_view, int64_t,
-                         bool) override {
-    return absl::OkStatus();
-  }
-  absl::StatusOr<FileChunk> ReadFile(const InstanceRef&, const std::string&, int64_t,
-                                     int64_t) override {
-    return absl::NotFoundError("none");
-  }
-  absl::StatusOr<DirListing> ListDir(const InstanceRef&, const std::string&) override {
-    return DirListing{};
-  }
-  absl::StatusOr<FileEntry> Stat(const InstanceRef&, const std::string&) override {
-    return absl::NotFoundError("none");
-  }
-  absl::StatusOr<bool> MakeDir(const InstanceRef&, const std::string&) override { return true; }
-  absl::Status Remove(const InstanceRef&, const std::string&, bool) override {
-    return absl::OkStatus();
-  }
-  absl::Status Rename(const InstanceRef&, const std::string&, const std::string&, bool) override {
-    return absl::OkStatus();
-  }
-  absl::StatusOr<Usage> Stats(const InstanceRef&) override { return Usage{.alive = true}; }
-  absl::Status Configure(const InstanceRef&, const std::map<std::string, std::string>&) override {
-    return absl::OkStatus();
-  }
-  absl::StatusOr<std::unique_ptr<TerminalSession>> OpenTerminal(
-      const InstanceRef&, const TerminalRequest& request) override {
-    last_request = request;
-    if (fail_open) return absl::UnavailableError("agent gone");
-    return std::unique_ptr<TerminalSession>(new FakeSession(&log));
-  }
-
-  CapabilitySet caps{Capability::kExec, Capability::kFiles, Capability::kTerminal};
-  SessionLog log;
-  TerminalRequest last_request;
-  bool fail_open = false;
-};
+using esb::testing::FakeDriver;
 
 class TerminalTest : public ::testing::Test {
  protected:
@@ -141,7 +56,7 @@ class TerminalTest : public ::testing::Test {
     return rows;
   }
 
-  TerminalDriver driver_;
+  FakeDriver driver_{"container", {Capability::kExec, Capability::kFiles, Capability::kTerminal}};
   Metrics metrics_;
   std::unique_ptr<Store> store_;
   std::unique_ptr<EnvironmentManager> manager_;

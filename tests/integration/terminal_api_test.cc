@@ -3,10 +3,13 @@
 // the audit rows, and the attacks: an unauthenticated upgrade (401), another tenant's
 // environment (404), a runtime without terminals (nano: 400 naming the capability), the caps
 // per environment and per tenant (429), an oversized message (1009), a closed socket killing
-// the shell, and the idle timeout.
+// the shell, the idle timeout, and terminals serialised with steps (a rewind ends them).
+#include <atomic>
+#include <chrono>
 #include <string>
 #include <thread>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "cli/ws_client.h"
@@ -17,6 +20,12 @@ namespace {
 namespace json = boost::json;
 using cli::WebSocketClient;
 using namespace std::chrono_literals;
+
+int64_t NowMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
 
 constexpr char kKeyA[] = "esb_tenant_a_secret_0001";
 constexpr char kKeyB[] = "esb_tenant_b_secret_0002";
@@ -258,6 +267,63 @@ TEST_F(TerminalApiTest, BadControlMessagesGetAnErrorAndTheTerminalLives) {
   EXPECT_TRUE(absl::StrContains(out, "still here")) << out;
   EXPECT_TRUE(absl::StrContains(controls, "unknown control message type 'launch'")) << controls;
   EXPECT_TRUE(absl::StrContains(controls, "1-1000")) << controls;
+}
+
+// Review L5: a terminal was not serialised with steps, and what it started survived a rewind
+// (a process of the "future" running in the past). A rewind now ends the environment's
+// terminals (the client is told why) and kills what they started; a terminal's open waits for
+// a step in progress instead of seeing a half-restored workspace.
+TEST_F(TerminalApiTest, RewindAttackProcessesStartedInATerminalDoNotSurviveTheRewind) {
+  std::string id = d_.CreateEnv();
+  ASSERT_FALSE(id.empty());
+  HttpResult w = d_.Call("POST", "/environments/" + id + "/files/write",
+                         json::object{{"path", "a.txt"}, {"content", "1"}});
+  ASSERT_EQ(w.status, 200) << w.body;
+  auto t = Open(id);
+  ASSERT_NE(t, nullptr);
+  // A background process started in the terminal, detached from it as far as it can be.
+  ASSERT_TRUE(t->Send("setsid nohup sleep 600 >/dev/null 2>&1 & echo $! > /workspace/bg.pid; "
+                      "echo st''arted\n",
+                      true)
+                  .ok());
+  ASSERT_TRUE(absl::StrContains(ReadUntil(*t, "started"), "started"));
+  HttpResult pid = d_.Exec(id, "cat /workspace/bg.pid");
+  ASSERT_EQ(pid.status, 200);
+  const std::string bg = std::string(absl::StripAsciiWhitespace(pid.str("stdout")));
+  ASSERT_FALSE(bg.empty());
+  HttpResult rw = d_.Call("POST", "/environments/" + id + "/rewind", json::object{{"step", 1}});
+  ASSERT_EQ(rw.status, 200) << rw.body;
+  std::string controls;
+  ReadUntil(*t, "never", &controls);
+  EXPECT_TRUE(absl::StrContains(controls, "\"type\":\"exit\"")) << controls;
+  EXPECT_TRUE(absl::StrContains(controls, "environment rewound to step 1")) << controls;
+  EXPECT_EQ(t->close_code(), 1000);
+  bool gone = false;
+  for (int i = 0; i < 50 && !gone; ++i) {
+    HttpResult r = d_.Exec(id, "kill -0 " + bg + " 2>/dev/null && echo alive");
+    gone = r.status == 200 && !absl::StrContains(r.str("stdout"), "alive");
+    if (!gone) std::this_thread::sleep_for(100ms);
+  }
+  EXPECT_TRUE(gone) << "a process started in the terminal survived the rewind";
+  std::vector<json::object> close = AuditRows(id, "terminal.close", 1);
+  ASSERT_EQ(close.size(), 1u);
+  EXPECT_EQ(close[0].at("detail"), "environment rewound to step 1");
+}
+
+TEST_F(TerminalApiTest, ATerminalDoesNotOpenWhileAStepIsRunning) {
+  std::string id = d_.CreateEnv();
+  ASSERT_FALSE(id.empty());
+  std::atomic<int64_t> exec_done_ms{0};
+  std::thread step([&] {
+    d_.Exec(id, "sleep 2");
+    exec_done_ms = NowMs();
+  });
+  std::this_thread::sleep_for(500ms);  // the execute holds the environment's step lock
+  auto t = Open(id);
+  const int64_t opened_ms = NowMs();
+  step.join();
+  ASSERT_NE(t, nullptr);
+  EXPECT_GE(opened_ms, exec_done_ms.load()) << "the terminal opened while the step ran";
 }
 
 class TerminalIdleTest : public TerminalApiTest {

@@ -453,13 +453,18 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(b": stream open\n\n")
 
-    def send_json(self, status: int, body: dict[str, Any]) -> None:
-        raw = json.dumps(body).encode()
+    def send_head(self, status: int, content_type: str, length: int) -> None:
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(raw)))
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(length))
         self.end_headers()
+
+    def send_bytes(self, status: int, content_type: str, raw: bytes) -> None:
+        self.send_head(status, content_type, len(raw))
         self.wfile.write(raw)
+
+    def send_json(self, status: int, body: dict[str, Any]) -> None:
+        self.send_bytes(status, "application/json", json.dumps(body).encode())
 
     def read_body(self) -> bytes:
         if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
@@ -657,13 +662,7 @@ class _Handler(BaseHTTPRequestHandler):
                 if (env.id, n, path) in esbd.collected:
                     raise ApiError(410, "gone", f"the content of {path} at step {n} was "
                                    "garbage-collected", detail="collected")
-                raw = files[path]
-                self.send_response(200)
-                self.send_header("Content-Type", "application/octet-stream")
-                self.send_header("Content-Length", str(len(raw)))
-                self.end_headers()
-                self.wfile.write(raw)
-                return None
+                return self.send_bytes(200, "application/octet-stream", files[path])
             if rest[2:] == ["diff"]:
                 parent = env.steps[n]["parent"]
                 old = env.steps[parent]["_files"].get(path) if parent is not None else None
@@ -737,13 +736,7 @@ class _Handler(BaseHTTPRequestHandler):
             if rest == ["ca.pem"] and method == "GET":
                 if env.network == "none":
                     raise ApiError(404, "not_found", "this environment has no network policy")
-                raw = FAKE_CA_PEM.encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-pem-file")
-                self.send_header("Content-Length", str(len(raw)))
-                self.end_headers()
-                self.wfile.write(raw)
-                return None
+                return self.send_bytes(200, "application/x-pem-file", FAKE_CA_PEM.encode())
             if rest[:1] == ["intents"]:
                 return self.intents(env, method, rest[1:])
             if rest == ["run"] and method == "POST":
@@ -765,11 +758,7 @@ class _Handler(BaseHTTPRequestHandler):
                 full = esbd.resolve(env, query.get("path"))
                 if not os.path.isfile(full):
                     raise ApiError(404, "not_found", f"File not found: {query.get('path')}")
-                size = os.path.getsize(full)
-                self.send_response(200)
-                self.send_header("Content-Type", "application/octet-stream")
-                self.send_header("Content-Length", str(size))
-                self.end_headers()
+                self.send_head(200, "application/octet-stream", os.path.getsize(full))
                 with open(full, "rb") as f:
                     shutil.copyfileobj(f, self.wfile, 65536)
                 return None
@@ -800,11 +789,7 @@ class _Handler(BaseHTTPRequestHandler):
         if item is None:
             raise ApiError(404, "not_found", f"Artifact {aid} not found.")
         meta, data = item
-        self.send_response(200)
-        self.send_header("Content-Type", meta["mime_type"])
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        self.send_bytes(200, meta["mime_type"], data)
 
     def add_artifact(self, tenant: str, env_id: str, kind: str, name: str, mime: str,
                      data: bytes, title: Optional[str], step: int) -> dict[str, Any]:
