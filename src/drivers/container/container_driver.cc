@@ -929,6 +929,16 @@ class ContainerDriver : public Driver {
     std::lock_guard<std::mutex> lock(mu_);
     busy_.erase(id);
   }
+  // Releases a successful Claim at the end of a scope; `resume` also ends a Suspend.
+  struct ClaimRelease {
+    ContainerDriver* d;
+    std::string id;
+    bool resume = false;
+    ~ClaimRelease() {
+      if (resume) d->Suspend(id, false);
+      d->Release(id);
+    }
+  };
 
   const ContainerDriverOptions options_;
   const CgroupLayout layout_;
@@ -1156,11 +1166,7 @@ absl::StatusOr<InstanceRef> ContainerDriver::CreateInstance(const std::string& i
     return absl::InvalidArgumentError("a governed network needs the environment's CA certificate");
   }
   if (!Claim(id)) return absl::FailedPreconditionError("environment " + id + " is busy");
-  struct Releaser {
-    ContainerDriver* d;
-    std::string id;
-    ~Releaser() { d->Release(id); }
-  } releaser{this, id};
+  ClaimRelease releaser{this, id};
 
   const EnvPaths paths = PathsFor(options_, id);
   if (Exists(paths.env_dir)) {
@@ -1596,14 +1602,7 @@ std::optional<SnapshotRef> ContainerDriver::CheckpointStep(const InstanceRef& re
     *reason = "the environment was busy (being destroyed)";
     return std::nullopt;
   }
-  struct Releaser {
-    ContainerDriver* d;
-    std::string id;
-    ~Releaser() {
-      d->Suspend(id, false);
-      d->Release(id);
-    }
-  } releaser{this, ref.id};
+  ClaimRelease releaser{this, ref.id, /*resume=*/true};
   const EnvPaths paths = PathsFor(options_, ref.id);
   if (!Exists(paths.env_dir)) {
     *reason = "the environment is gone";
@@ -1784,14 +1783,7 @@ absl::StatusOr<InstanceRef> ContainerDriver::RestoreStep(const InstanceRef& ref,
       return absl::FailedPreconditionError("the step's checkpoint image is gone (collected)");
     }
     if (!Claim(ref.id)) return absl::FailedPreconditionError("environment " + ref.id + " is busy");
-    struct Releaser {
-      ContainerDriver* d;
-      std::string id;
-      ~Releaser() {
-        d->Suspend(id, false);
-        d->Release(id);
-      }
-    } releaser{this, ref.id};
+    ClaimRelease releaser{this, ref.id, /*resume=*/true};
     Suspend(ref.id, true);
     InstanceState current = ParseCurrentState(ref.state, RuntimeName(kind_), paths);
     absl::Status restored = RestoreImage(paths, &current, dir);
