@@ -83,14 +83,16 @@ class Daemon {
 // A suite whose tests share one daemon (default options): started before the first test,
 // stopped and its leftover environments cleaned up after the last; every test is skipped with
 // the reason when this machine cannot run it. Use: class FooTest : public SharedDaemonTest<FooTest>.
-// A derived SetUp must call SharedDaemonTest::SetUp() first and return if IsSkipped().
+// A derived SetUp must call SharedDaemonTest::SetUp() first and return if IsSkipped(). A suite
+// that needs other daemon options declares its own public `static Daemon::Options SuiteOptions()`.
 template <typename Suite>
 class SharedDaemonTest : public ::testing::Test {
  protected:
+  static Daemon::Options SuiteOptions() { return {}; }
   static void SetUpTestSuite() {
     if (!Daemon::SkipReason().empty()) return;
     daemon_ = new Daemon();
-    if (!daemon_->Start({})) {
+    if (!daemon_->Start(Suite::SuiteOptions())) {
       delete daemon_;
       daemon_ = nullptr;
     }

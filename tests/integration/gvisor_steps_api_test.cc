@@ -14,27 +14,13 @@ namespace {
 namespace json = boost::json;
 namespace fs = std::filesystem;
 
-class GvisorStepsApiTest : public ::testing::Test {
+class GvisorStepsApiTest : public SharedDaemonTest<GvisorStepsApiTest> {
  protected:
-  static void SetUpTestSuite() {
-    skip_ = Daemon::SkipReason();
-    if (!skip_.empty()) return;
-    daemon_ = new Daemon();
-    if (!daemon_->Start({})) {
-      skip_ = "esbd did not start";
-      return;
-    }
-    if (!daemon_->Call("GET", "/healthz").obj().at("drivers").as_object().contains("gvisor")) {
-      skip_ = "the gvisor runtime is not available here (runsc): see GET /healthz";
-    }
-  }
-  static void TearDownTestSuite() {
-    if (daemon_) daemon_->StopAndCleanup();
-    delete daemon_;
-    daemon_ = nullptr;
-  }
   void SetUp() override {
-    if (!skip_.empty()) GTEST_SKIP() << skip_;
+    SharedDaemonTest::SetUp();
+    if (IsSkipped() || HasFatalFailure()) return;
+    if (!daemon_->Call("GET", "/healthz").obj().at("drivers").as_object().contains("gvisor"))
+      GTEST_SKIP() << "the gvisor runtime is not available here (runsc): see GET /healthz";
   }
   static HttpResult Run(const std::string& id, const std::string& code) {
     return daemon_->Call("POST", "/environments/" + id + "/run", json::object{{"code", code}});
@@ -53,12 +39,7 @@ class GvisorStepsApiTest : public ::testing::Test {
     }
     return found;
   }
-
-  static Daemon* daemon_;
-  static std::string skip_;
 };
-Daemon* GvisorStepsApiTest::daemon_ = nullptr;
-std::string GvisorStepsApiTest::skip_;
 
 TEST_F(GvisorStepsApiTest, RewindAndForkBringBackLiveVariablesAndProcesses) {
   HttpResult created = daemon_->Call("POST", "/environments", json::object{{"runtime", "gvisor"}});

@@ -22,32 +22,19 @@ constexpr char kKeys[] = R"({"keys": [
     {"key": "esb_steps_tenant_a_00001", "tenant": "a"},
     {"key": "esb_steps_tenant_b_00002", "tenant": "b"}]})";
 
-class StepsApiTest : public ::testing::Test {
+class StepsApiTest : public SharedDaemonTest<StepsApiTest> {
+ public:
+  static Daemon::Options SuiteOptions() { return {.config_json = kKeys}; }
+
  protected:
   static void SetUpTestSuite() {
-    skip_ = Daemon::SkipReason();
-    if (!skip_.empty()) return;
-    daemon_ = new Daemon();
-    if (!daemon_->Start({.config_json = kKeys})) skip_ = "esbd did not start";
-    daemon_->api_key = "esb_steps_tenant_a_00001";
-  }
-  static void TearDownTestSuite() {
-    if (daemon_) daemon_->StopAndCleanup();
-    delete daemon_;
-    daemon_ = nullptr;
-  }
-  void SetUp() override {
-    if (!skip_.empty()) GTEST_SKIP() << skip_;
+    SharedDaemonTest::SetUpTestSuite();
+    if (daemon_) daemon_->api_key = "esb_steps_tenant_a_00001";
   }
   HttpResult Steps(const std::string& id, const std::string& query = "") {
     return daemon_->Call("GET", "/environments/" + id + "/steps" + query);
   }
-
-  static Daemon* daemon_;
-  static std::string skip_;
 };
-Daemon* StepsApiTest::daemon_ = nullptr;
-std::string StepsApiTest::skip_;
 
 TEST_F(StepsApiTest, EnvironmentJsonSaysWhetherItRecordsStepsAndWhy) {
   HttpResult r = daemon_->Call("POST", "/environments", json::object{});
