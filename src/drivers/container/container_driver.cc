@@ -905,15 +905,15 @@ class ContainerDriver : public Driver {
   // files and shell state of `target`: the recovery when a checkpoint or restore failed.
   absl::Status ColdRestart(const EnvPaths& paths, InstanceState* state, const StepState& target,
                            BlobStore& blobs);
-  // After a restore: SIGUSR1 to the agent (it listens again) until it answers.
-  absl::Status WakeAgent(const EnvPaths& paths, const InstanceState& state);
   absl::StatusOr<InstanceRef> CreateInstance(const std::string& id, const EnvSpec& spec,
                                              const std::string* image_dir);
   const OciRuntime& Runtime(const std::string& name);
   absl::Status PrepareImage(const std::string& rootfs, const BundleParams& params);
   absl::Status WriteBundle(const std::string& id, const EnvSpec& spec, const EnvPaths& paths,
                            const std::string& rootfs, uint32_t userns_host_id, bool egress);
-  absl::Status WaitForAgent(const EnvPaths& paths, const InstanceState& state);
+  // Until the agent answers (bounded by agent_timeout_ms). `wake`: after a restore, also
+  // SIGUSR1 to the agent (it listens again) until it answers.
+  absl::Status WaitForAgent(const EnvPaths& paths, const InstanceState& state, bool wake = false);
   absl::Status DestroyById(const std::string& id, const InstanceState& state);
   // Loop-mounts spec.volumes below the environment directory and adds their binds to `p`.
   absl::Status MountVolumes(const EnvSpec& spec, const EnvPaths& paths, const std::string& rootfs,
@@ -1122,22 +1122,31 @@ absl::Status ContainerDriver::WriteBundle(const std::string& id, const EnvSpec& 
   return WriteStringToFile(paths.bundle_config, boost::json::serialize(BuildOciConfig(p)), 0600);
 }
 
-absl::Status ContainerDriver::WaitForAgent(const EnvPaths& paths, const InstanceState& state) {
+absl::Status ContainerDriver::WaitForAgent(const EnvPaths& paths, const InstanceState& state,
+                                           bool wake) {
   AgentClient client(SafeAgentConnector(paths.run_dir, 1000));
   const int64_t deadline = MonotonicMs() + options_.agent_timeout_ms;
   absl::Status last;
-  while (true) {
+  for (int attempt = 0;; ++attempt) {
+    // After a restore, SIGUSR1 again every ~0.5 s: a signal that arrived before the agent
+    // waited is not lost, but one sent while a forged `released` made it wait elsewhere would be.
+    if (wake && attempt % 5 == 0) {
+      UnlinkInRunDir(paths, "agent.sock");  // the old socket file stays on the host
+      Runtime(state.runtime).Kill(paths.container_id, "USR1").IgnoreError();
+    }
+    const int64_t step = wake ? 100 : 250;
     last = client.WaitReady(
-        static_cast<int>(std::min<int64_t>(250, std::max<int64_t>(1, deadline - MonotonicMs()))));
+        static_cast<int>(std::min<int64_t>(step, std::max<int64_t>(1, deadline - MonotonicMs()))));
     if (last.ok()) return absl::OkStatus();
     if (!ProcessAlive(state)) {
-      return absl::UnavailableError(
-          absl::StrCat("the sandbox's agent exited during start: ", ReadTail(paths.agent_log)));
+      return absl::UnavailableError(absl::StrCat(
+          wake ? "the restored sandbox exited: " : "the sandbox's agent exited during start: ",
+          ReadTail(paths.agent_log)));
     }
     if (MonotonicMs() >= deadline) {
-      return absl::DeadlineExceededError(
-          absl::StrCat("agent did not answer within ", options_.agent_timeout_ms, " ms (",
-                       last.message(), "); agent log: ", ReadTail(paths.agent_log)));
+      return absl::DeadlineExceededError(absl::StrCat(
+          wake ? "the restored " : "", "agent did not answer within ", options_.agent_timeout_ms,
+          " ms (", last.message(), "); agent log: ", ReadTail(paths.agent_log)));
     }
   }
 }
@@ -1247,7 +1256,7 @@ absl::StatusOr<InstanceRef> ContainerDriver::CreateInstance(const std::string& i
   }
   if (image_dir != nullptr) {
     // The restored agent waits for SIGUSR1 to listen again; its environment is the step's.
-    if (absl::Status s = WakeAgent(paths, state); !s.ok()) return fail(s);
+    if (absl::Status s = WaitForAgent(paths, state, /*wake=*/true); !s.ok()) return fail(s);
   } else if (absl::Status s = WaitForAgent(paths, state); !s.ok()) {
     return fail(s);
   }
@@ -1650,7 +1659,7 @@ std::optional<SnapshotRef> ContainerDriver::CheckpointStep(const InstanceRef& re
              !cs.ok() || cs->status != "running") {
     back = absl::UnavailableError("the sandbox stopped");  // gVisor stops it on a failure
   } else if (released.ok()) {
-    back = WakeAgent(paths, state);  // never checkpointed: listen again
+    back = WaitForAgent(paths, state, /*wake=*/true);  // never checkpointed: listen again
   }
   if (!back.ok() && checkpoint.ok()) back = RestoreImage(paths, &state, dir);  // once more
   const int64_t t_restore = MonotonicMs();
@@ -1692,32 +1701,6 @@ std::optional<SnapshotRef> ContainerDriver::CheckpointStep(const InstanceRef& re
   return snap;
 }
 
-absl::Status ContainerDriver::WakeAgent(const EnvPaths& paths, const InstanceState& state) {
-  const OciRuntime& runtime = Runtime(state.runtime);
-  AgentClient client(SafeAgentConnector(paths.run_dir, 1000));
-  const int64_t deadline = MonotonicMs() + options_.agent_timeout_ms;
-  absl::Status last;
-  for (int attempt = 0;; ++attempt) {
-    // Again every ~0.5 s: a signal that arrived before the agent waited is not lost, but one
-    // sent while a forged `released` made it wait elsewhere would be.
-    if (attempt % 5 == 0) {
-      UnlinkInRunDir(paths, "agent.sock");  // the old socket file stays on the host
-      runtime.Kill(paths.container_id, "USR1").IgnoreError();
-    }
-    last = client.WaitReady(100);
-    if (last.ok()) return absl::OkStatus();
-    if (!ProcessAlive(state)) {
-      return absl::UnavailableError(
-          absl::StrCat("the restored sandbox exited: ", ReadTail(paths.agent_log)));
-    }
-    if (MonotonicMs() >= deadline) {
-      return absl::DeadlineExceededError(absl::StrCat("the restored agent did not answer within ",
-                                                      options_.agent_timeout_ms, " ms (",
-                                                      last.message(), ")"));
-    }
-  }
-}
-
 absl::Status ContainerDriver::RestoreImage(const EnvPaths& paths, InstanceState* state,
                                            const std::string& image_dir) {
   const OciRuntime& runtime = Runtime(state->runtime);
@@ -1735,7 +1718,7 @@ absl::Status ContainerDriver::RestoreImage(const EnvPaths& paths, InstanceState*
   state->pid = *pid;
   state->pid_start = ProcessStartTime(*pid);
   ESB_RETURN_IF_ERROR(WriteCurrentState(paths, *state));
-  absl::Status woke = WakeAgent(paths, *state);
+  absl::Status woke = WaitForAgent(paths, *state, /*wake=*/true);
   LogDebug(absl::StrCat("gvisor restore of ", paths.container_id, ": delete ", t_delete - t0,
                         " ms, runsc restore ", t_restore - t_delete, " ms, agent ",
                         MonotonicMs() - t_restore, " ms"));
