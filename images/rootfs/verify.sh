@@ -53,6 +53,45 @@ expect() {  # expect DESCRIPTION USER CMD REGEX : CMD's output must match REGEX 
   fi
 }
 
+# A tiny MCP client (Node, no dependencies): spawns the server given as arguments, sends
+# initialize, notifications/initialized and tools/list as newline-delimited JSON-RPC on its
+# stdin and prints "server=NAME protocol=VERSION tools=N: name,name,...", or TIMEOUT/ERROR.
+write_mcp_probe() {
+  cat >"$1" <<'EOF'
+const { spawn } = require('child_process');
+const [cmd, ...args] = process.argv.slice(2);
+const p = spawn(cmd, args, { stdio: ['pipe', 'pipe', 'ignore'] });
+const send = (m) => p.stdin.write(JSON.stringify(m) + '\n');
+const done = (code, line) => { console.log(line); p.kill(); process.exit(code); };
+const timer = setTimeout(() => done(1, 'TIMEOUT: no tools/list answer in 30 s'), 30000);
+let buf = '', init;
+p.on('error', (e) => done(1, 'ERROR: ' + e.message));
+p.stdout.on('data', (d) => {
+  buf += d;
+  for (let i; (i = buf.indexOf('\n')) >= 0;) {
+    const line = buf.slice(0, i);
+    buf = buf.slice(i + 1);
+    let m;
+    try { m = JSON.parse(line); } catch { return done(1, 'ERROR: not JSON on stdout: ' + line); }
+    if (m.id === 1) {
+      if (!m.result) return done(1, 'ERROR: initialize: ' + line);
+      init = m.result;
+      send({ jsonrpc: '2.0', method: 'notifications/initialized' });
+      send({ jsonrpc: '2.0', id: 2, method: 'tools/list' });
+    } else if (m.id === 2) {
+      if (!m.result) return done(1, 'ERROR: tools/list: ' + line);
+      clearTimeout(timer);
+      const names = m.result.tools.map((t) => t.name);
+      done(0, `server=${init.serverInfo.name} protocol=${init.protocolVersion} ` +
+        `tools=${names.length}: ${names.join(',')}`);
+    }
+  }
+});
+send({ jsonrpc: '2.0', id: 1, method: 'initialize', params: { protocolVersion: '2025-11-25',
+  capabilities: {}, clientInfo: { name: 'esb-rootfs-verify', version: '1' } } });
+EOF
+}
+
 inside() {
   MNT="$1"
   local image="$2"
@@ -67,7 +106,7 @@ inside() {
 
   expect "python3 imports pandas, numpy, matplotlib" root \
     "python3 -c \"import pandas, numpy, matplotlib; print('ok')\"" '^ok$'
-  expect "node -v" root "node -v" '^v[0-9]+\.'
+  expect "node --version (Node.js 22 from npm)" root "node --version" '^v22\.'
   expect "npm -v" root "npm -v" '^[0-9]+\.'
   expect "gcc --version" root "gcc --version" '^gcc'
   expect "git --version" root "git --version" '^git version'
@@ -92,6 +131,15 @@ inside() {
   expect "appuser: pip3 --version" appuser "pip3 --version" '^pip [0-9]'
   expect "appuser: node runs a script" appuser \
     "echo 'console.log(6*7)' >t.js && node t.js" '^42$'
+  # The reference MCP servers answer initialize and tools/list over stdin (what esbd's hosted
+  # servers do through the agent's spawn).
+  write_mcp_probe "$MNT/tmp/mcp-probe.js"
+  expect "appuser: MCP server filesystem answers initialize + tools/list on stdio" appuser \
+    "node /tmp/mcp-probe.js mcp-server-filesystem /workspace" \
+    '^server=secure-filesystem-server protocol=2025-11-25 tools=[0-9]+: .*read_text_file'
+  expect "appuser: MCP server memory answers initialize + tools/list on stdio" appuser \
+    "MEMORY_FILE_PATH=/workspace/memory.jsonl node /tmp/mcp-probe.js mcp-server-memory" \
+    '^server=memory-server protocol=2025-11-25 tools=[0-9]+: .*create_entities'
   expect "appuser: tools present (tree curl file unzip less ps)" appuser \
     "for t in tree curl file unzip less ps; do
        command -v \$t >/dev/null || echo missing \$t; done; echo done" \
@@ -144,9 +192,14 @@ main() {
   check "/etc/environment: LANG=C.UTF-8" grep -qx 'LANG=C.UTF-8' "$R/etc/environment"
   check "/etc/environment: MPLBACKEND=Agg" grep -qx 'MPLBACKEND=Agg' "$R/etc/environment"
   check "CA certificates bundle" test -s "$R/etc/ssl/certs/ca-certificates.crt"
-  for b in bash git python3 pip3 node npm gcc g++ make tree curl file unzip less ps; do
+  for b in bash git python3 pip3 gcc g++ make tree curl file unzip less ps; do
     check "/usr/bin/$b exists" test -e "$R/usr/bin/$b" -o -L "$R/usr/bin/$b"
   done
+  # From npm (images/rootfs/npm/package-lock.json), linked into /usr/local/bin.
+  for b in node npm npx mcp-server-filesystem mcp-server-memory; do
+    check "/usr/local/bin/$b resolves inside the image" test -e "$R/usr/local/bin/$b"
+  done
+  check "no Debian nodejs (Node.js comes from npm)" test ! -e "$R/usr/bin/node"
   setid="$(find "$R" -xdev -perm /6000 2>/dev/null | head -n 20)"
   check "no setuid/setgid files${setid:+: $setid}" test -z "$setid"
   devs="$(find "$R" -xdev \( -type b -o -type c \) 2>/dev/null | head -n 5)"

@@ -268,12 +268,17 @@ void Agent::Shutdown() {
 // One connection: the byte stream, its flow control and the calls in flight on it. Call
 // threads hold it (shared_ptr), so the fd is closed only after the last of them answered.
 struct Agent::Conn {
-  Conn(int fd, bool owned) : fd(fd), owned(owned), channel(fd) {}
+  Conn(int fd, bool owned)
+      : fd(fd),
+        owned(owned),
+        wake(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)),
+        channel(fd, wake.get()) {}
   ~Conn() {
     if (owned) close(fd);
   }
   const int fd;
   const bool owned;
+  Fd wake;  // readable once the channel shut down (a write broke the stream): the reader stops
   proto::Channel channel;
   std::mutex mu;
   std::map<uint32_t, std::shared_ptr<Call>> calls;  // guarded by mu
@@ -340,7 +345,12 @@ void Agent::HandleConnection(int fd, bool owned) {
   try {
     for (;;) {
       proto::Frame frame;
-      if (!proto::ReadFrame(fd, &frame, &error, -1, proto::kMaxFrameBytes, limit)) break;
+      if (!proto::ReadFrame(fd, &frame, &error, -1, proto::kMaxFrameBytes, limit,
+                            conn->wake.get())) {
+        // Woken: a write failed and left the stream unusable; say why that was.
+        if (error == "interrupted") error = conn->channel.close_reason();
+        break;
+      }
       if (frame.type == proto::FrameType::kRequest) {
         if (!StartCall(conn, std::move(frame))) {
           error = "REQUEST reuses a stream in flight";
@@ -393,9 +403,15 @@ void Agent::HandleConnection(int fd, bool owned) {
   } catch (const std::exception& e) {  // e.g. bad_alloc under a memory limit
     error = e.what();
   }
-  if (error != "connection closed") Log(LogLevel::kDebug, "closing connection: " + error);
+  if (error != "connection closed") {
+    Log(conn->channel.closed() ? LogLevel::kWarn : LogLevel::kDebug,
+        "closing connection: " + error);
+  }
   // As in v1, a connection that goes away takes its calls with it (an exec's tree is killed).
+  // The host sees the end at once (EOF), not when the last call thread let go of the fd: a
+  // connection this side stopped serving must never look alive to esbd.
   conn->channel.Shutdown(error);
+  shutdown(fd, SHUT_RDWR);
   std::lock_guard<std::mutex> lock(conn->mu);
   for (auto& [stream, call] : conn->calls) call->Cancel();
 }
@@ -594,7 +610,7 @@ std::optional<proto::Frame> Agent::HandleExec(Conn& conn, Call& call, const json
     json::object out{{"stream", is_stderr ? "stderr" : "stdout"}};
     std::string error;
     if (!conn.channel.SendData(proto::FrameType::kOutput, call.stream, out, data, deadline,
-                               &error)) {
+                               /*write_deadline_ms=*/-1, &error)) {
       if (conn.channel.closed() || call.cancelled.load()) return false;
       dropped = true;  // credit never came before the deadline
     }
@@ -691,8 +707,17 @@ proto::Frame Agent::HandleSpawn(const json::object& header) {
   {
     std::lock_guard<std::mutex> lock(outputs_mu_);
     outputs_[id] = out;
-    // Bounded: the table forgets ended processes too (max_exited); so do we.
-    while (outputs_.size() > 256) outputs_.erase(outputs_.begin());
+    // Bounded: the table forgets ended processes too (max_exited); so do we, oldest first —
+    // never a process still running (at most 32 are), whose output would then have no way
+    // out (a long-lived terminal outlives many hosted-server restarts).
+    for (auto it = outputs_.begin(); outputs_.size() > 256 && it != outputs_.end();) {
+      bool ended;
+      {
+        std::lock_guard<std::mutex> olock(it->second->mu);
+        ended = it->second->ended;
+      }
+      it = ended ? outputs_.erase(it) : std::next(it);
+    }
   }
   proto::Frame response = OkResponse();
   response.header["id"] = std::to_string(id);
@@ -750,40 +775,56 @@ std::optional<proto::Frame> Agent::HandleWait(Conn& conn, Call& call, const json
       out->waiting = true;
     }
     const int64_t deadline = proto::MonotonicMs() + timeout_ms;
+    // Chunks still to send once the timeout passed: those queued by then. A wait answers at
+    // its timeout even while output keeps coming (a flooding process would otherwise hold it
+    // for as long as esbd keeps granting credit); the rest waits for the next wait.
+    int64_t late_chunks = -1;
     std::unique_lock<std::mutex> lock(out->mu);
     for (;;) {
       if (call.cancelled) {
         out->waiting = false;
         return ErrorResponse("wait cancelled", "ECANCELED");
       }
-      if (!out->chunks.empty()) {
+      const int64_t left = deadline - proto::MonotonicMs();
+      if (left <= 0 && late_chunks < 0) late_chunks = static_cast<int64_t>(out->chunks.size());
+      if (!out->chunks.empty() && (left > 0 || late_chunks > 0)) {
+        if (left <= 0) --late_chunks;
         auto [stream, data] = std::move(out->chunks.front());
         out->chunks.pop_front();
         lock.unlock();
         json::object h{{"stream", stream == OutputStream::kStderr ? "stderr" : "stdout"}};
         std::string error;
+        // The deadline bounds the wait for esbd's credit, never a frame's write: abandoning a
+        // frame half written breaks the connection for every call on it (F11).
         bool sent = conn.channel.SendData(proto::FrameType::kOutput, call.stream, h, data, deadline,
-                                          &error);
-        processes_.GrantOutput(id, static_cast<int64_t>(data.size()));  // taken from the table
+                                          /*write_deadline_ms=*/-1, &error);
         lock.lock();
         if (!sent) {
+          // Cancelled, or no credit before the deadline: nothing of the chunk was sent (it is
+          // one frame, ≤ 64 KiB), so it goes back for the next wait, still counted against
+          // the table's credit (granting it here would let the table read past the window;
+          // dropping it ungranted would shrink the window for good).
+          out->chunks.emplace_front(stream, std::move(data));
           out->waiting = false;
           if (conn.channel.closed() || call.cancelled) {
             return ErrorResponse("wait cancelled", "ECANCELED");
           }
-          break;  // esbd did not take output before the deadline: the wait times out
+          break;  // the wait times out
         }
+        lock.unlock();
+        processes_.GrantOutput(id, static_cast<int64_t>(data.size()));  // taken from the table
+        lock.lock();
         continue;
       }
-      if (out->ended) break;
-      int64_t left = deadline - proto::MonotonicMs();
+      if (out->ended && out->chunks.empty()) break;
       if (left <= 0) break;
       // Short slices: a CANCEL sets call.cancelled without notifying this condition variable.
       out->cv.wait_for(lock, std::chrono::milliseconds(std::min<int64_t>(left, 50)));
     }
     out->waiting = false;
     exit = out->exit;
-    if (!out->ended) exit.exited = false;
+    // The end comes after the last output: not while some is still queued.
+    if (!out->ended || !out->chunks.empty()) exit.exited = false;
   }
   proto::Frame response = OkResponse();
   response.header["exited"] = exit.exited;

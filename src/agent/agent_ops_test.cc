@@ -487,6 +487,18 @@ TEST_F(ProcessTableTest, InputAfterCloseInputIsRefused) {
   EXPECT_EQ(table().WriteInput(777, "y").errno_name, "ENOENT");
 }
 
+// "input" with eof is a write then a close: the process may read the write and exit before
+// the close. Closing the input of an exited process succeeds; writing to it does not.
+TEST_F(ProcessTableTest, ClosingTheInputOfAnExitedProcessSucceeds) {
+  uint64_t id = Spawn(Cmd({"true"}));
+  ExitInfo exit;
+  ASSERT_TRUE(table().Wait(id, 10000, &exit).ok);
+  ASSERT_TRUE(exit.exited);
+  EXPECT_TRUE(table().CloseInput(id).ok);
+  EXPECT_EQ(table().WriteInput(id, "y").errno_name, "ESRCH");
+  EXPECT_EQ(table().CloseInput(777).errno_name, "ENOENT");
+}
+
 TEST_F(ProcessTableTest, SpecIsCheckedWithExecPathRules) {
   ASSERT_EQ(mkdir((workspace_ + "/sub").c_str(), 0755), 0);
   Sink* sink;

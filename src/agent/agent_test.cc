@@ -695,6 +695,82 @@ TEST_F(AgentTest, CallsOverTheCapAreAnsweredBusy) {
   EXPECT_TRUE(Ok(c.Call({{"op", "ping"}})));
 }
 
+// Attack F11 (REVIEW-issue14.md): hosted MCP servers flooded their stdout while esbd's stdio
+// client took it with 1-second `wait`s. A wait kept sending past its deadline, and an OUTPUT
+// frame that met a full socket then gave its write up mid-frame: the agent's channel shut down
+// for writing while its reader went on serving, so every later call on the connection ran and
+// had its answer dropped (esbd saw no EOF; every call timed out, for ever). Here the host stops
+// reading for a moment (as a busy esbd does) while a flooding process's short wait sends.
+TEST_F(AgentTest, FloodedWaitWhileTheHostLagsDoesNotSilenceTheConnection) {
+  Conn c(agent_);
+  ASSERT_TRUE(c.ok());
+  proto::Frame spawned =
+      c.Call({{"op", "spawn"}, {"argv", json::array{"yes", std::string(500, 'F')}}});
+  ASSERT_TRUE(Ok(spawned)) << json::serialize(spawned.header);
+  const std::string id(spawned.header.at("id").as_string());
+  uint32_t wait = 0;
+  for (int round = 0; round < 3; ++round) {
+    ASSERT_TRUE(c.Send({{"op", "wait"}, {"id", id}, {"timeout_ms", 200}}, "", &wait));
+    std::this_thread::sleep_for(std::chrono::milliseconds(1000));  // nothing read meanwhile
+    uint32_t ping = 0;
+    ASSERT_TRUE(c.Send({{"op", "ping"}}, "", &ping));
+    bool wait_answered = false, ping_answered = false;
+    const int64_t deadline = proto::MonotonicMs() + 5000;
+    while (!wait_answered || !ping_answered) {
+      proto::Frame f;
+      std::string error;
+      ASSERT_TRUE(proto::ReadFrame(c.fd(), &f, &error, deadline))
+          << "round " << round << ": the agent stopped answering on this connection: " << error;
+      if (f.type == proto::FrameType::kOutput) {
+        ASSERT_EQ(f.stream, wait);
+        c.Control(proto::FrameType::kWindow, f.stream, {{"bytes", f.payload.size()}});
+      } else if (f.type == proto::FrameType::kResponse && f.stream == wait) {
+        wait_answered = true;
+        EXPECT_TRUE(Ok(f)) << json::serialize(f.header);
+        EXPECT_FALSE(f.header.at("exited").as_bool());
+      } else if (f.type == proto::FrameType::kResponse && f.stream == ping) {
+        ping_answered = true;
+        EXPECT_TRUE(Ok(f));
+      }
+    }
+  }
+  // An ordinary exec on the same connection still answers at once.
+  int64_t start = proto::MonotonicMs();
+  EXPECT_EQ(ExecStdout(c, "echo alive", 5000), "alive\n");
+  EXPECT_LT(proto::MonotonicMs() - start, 5000);
+  EXPECT_TRUE(Ok(c.Call({{"op", "kill"}, {"id", id}})));
+}
+
+// The agent keeps the output queues of at most 256 spawned processes. It used to forget the
+// oldest first, running or not: a long-lived process (a terminal, a hosted server) outlived by
+// 256 later spawns (a crash-looping hosted server restarts often) lost its output for good —
+// `wait` then answered without it and the process blocked once its window was full.
+TEST_F(AgentTest, ARunningProcessKeepsItsOutputAfterManyLaterSpawns) {
+  Conn c(agent_);
+  ASSERT_TRUE(c.ok());
+  proto::Frame cat = c.Call({{"op", "spawn"}, {"argv", json::array{"cat"}}});
+  ASSERT_TRUE(Ok(cat)) << json::serialize(cat.header);
+  const std::string cat_id(cat.header.at("id").as_string());
+  for (int i = 0; i < 260; ++i) {
+    proto::Frame s = c.Call({{"op", "spawn"}, {"argv", json::array{"true"}}});
+    ASSERT_TRUE(Ok(s)) << i << ": " << json::serialize(s.header);
+    proto::Frame w = c.Call({{"op", "wait"}, {"id", s.header.at("id")}, {"timeout_ms", 5000}});
+    ASSERT_TRUE(Ok(w) && w.header.at("exited").as_bool()) << i << ": " << json::serialize(w.header);
+  }
+  ASSERT_TRUE(Ok(c.Call({{"op", "input"}, {"id", cat_id}}, "still here\n")));
+  std::string out;
+  const int64_t deadline = proto::MonotonicMs() + 5000;
+  while (out.find("still here\n") == std::string::npos && proto::MonotonicMs() < deadline) {
+    EXPECT_TRUE(c.Send({{"op", "wait"}, {"id", cat_id}, {"timeout_ms", 200}}));
+    std::vector<proto::Frame> outputs;
+    proto::Frame r = c.Response(&outputs);
+    ASSERT_TRUE(Ok(r)) << json::serialize(r.header);
+    for (const auto& f : outputs) out += f.payload;
+  }
+  EXPECT_EQ(out, "still here\n");
+  EXPECT_TRUE(Ok(c.Call({{"op", "kill"}, {"id", cat_id}})));
+}
+
 TEST_F(AgentTest, ManyConcurrentConnections) {
   std::atomic<int> ok{0};
   std::vector<std::thread> threads;

@@ -417,9 +417,9 @@ OpStatus ProcessTable::CloseInput(uint64_t id) {
   std::lock_guard<std::mutex> lock(mu_);
   auto p = FindLocked(id);
   if (!p) return OpStatus::Error("no process " + std::to_string(id), ENOENT);
-  if (p->state != State::kRunning) {
-    return OpStatus::Error("process " + std::to_string(id) + " has exited", ESRCH);
-  }
+  // A process that has exited has no input left to close. Not an error: a caller that writes
+  // its last input and then closes (two ops) may see the process end in between.
+  if (p->state != State::kRunning) return OpStatus::Ok();
   if (p->pty) {
     termios t{};
     char eof = 4;  // ^D

@@ -158,7 +158,8 @@ class ProcessTable {
   OpStatus WriteInput(uint64_t id, std::string_view data, int64_t* pending = nullptr);
   // End of input: pipes — stdin is closed once the queue is written (the process reads EOF).
   // PTY — the terminal's EOF character (VEOF, normally ^D) is queued: EOF for a reader in
-  // canonical mode at the start of a line; the terminal itself stays open.
+  // canonical mode at the start of a line; the terminal itself stays open. A no-op (ok) once
+  // the process has exited.
   OpStatus CloseInput(uint64_t id);
 
   // Sends `signo` (only those SignalAllowed accepts; EINVAL otherwise) to the process's

@@ -11,6 +11,7 @@
 #include <stdexcept>
 
 #include "absl/strings/str_cat.h"
+#include "api/host_check.h"
 #include "api/json_util.h"
 #include "api/report_render.h"
 #include "api/sse_output.h"
@@ -110,43 +111,6 @@ json::object ResultJson(const ExecResult& r) {
                       {"truncated", r.truncated}};
 }
 
-// "localhost", "127.x.y.z" or "[::1]", each optionally with ":port": the names a page served
-// from this machine has. Anything else in Host is a DNS-rebinding page or a remote name.
-bool IsLoopbackHostPort(std::string_view hp) {
-  std::string_view host = hp;
-  std::string_view port;
-  if (hp.starts_with('[')) {
-    size_t close = hp.find(']');
-    if (close == std::string_view::npos) return false;
-    host = hp.substr(1, close - 1);
-    std::string_view rest = hp.substr(close + 1);
-    if (!rest.empty()) {
-      if (rest[0] != ':') return false;
-      port = rest.substr(1);
-    }
-    in6_addr a6{};
-    if (inet_pton(AF_INET6, std::string(host).c_str(), &a6) != 1 || !IN6_IS_ADDR_LOOPBACK(&a6))
-      return false;
-  } else {
-    size_t colon = hp.find(':');
-    if (colon != std::string_view::npos) {
-      host = hp.substr(0, colon);
-      port = hp.substr(colon + 1);
-    }
-    in_addr a4{};
-    bool ok = EqualsIgnoreCase(host, "localhost") ||
-              (inet_pton(AF_INET, std::string(host).c_str(), &a4) == 1 &&
-               (ntohl(a4.s_addr) >> 24) == 127);
-    if (!ok) return false;
-  }
-  if (hp.find(':') != std::string_view::npos && !hp.starts_with('[') && port.empty()) return false;
-  if (port.size() > 5) return false;
-  for (char c : port) {
-    if (c < '0' || c > '9') return false;
-  }
-  return true;
-}
-
 // SECURITY: dev mode has no keys, so "who may call" is "who can reach loopback". A browser on
 // this machine can, on behalf of any web page: through DNS rebinding (a page's own name resolved
 // to 127.0.0.1: its requests carry that name in Host) or as a cross-site request (Origin is the
@@ -163,11 +127,7 @@ absl::Status CheckDevModeBrowserRequest(const Request& req) {
               v.substr(0, 200), "' is refused (DNS rebinding protection)"));
     }
     if (EqualsIgnoreCase(name, "origin")) {
-      bool ok = false;
-      for (std::string_view scheme : {"http://", "https://"}) {
-        if (StartsWithIgnoreCase(v, scheme)) ok = IsLoopbackHostPort(v.substr(scheme.size()));
-      }
-      if (!ok) {
+      if (!IsLoopbackOrigin(v)) {
         return absl::PermissionDeniedError(
             Cat("requests served without an API key (dev mode, loopback /metrics) refuse "
                 "cross-site browser requests: Origin '",
@@ -495,6 +455,9 @@ void ApiService::Register(Router& router) {
   RegisterSteps([&add](std::string method, std::string_view pattern, RouteFn fn) {
     add(std::move(method), pattern, std::move(fn));
   });
+  RegisterMcpServers([&add](std::string method, std::string_view pattern, RouteFn fn) {
+    add(std::move(method), pattern, std::move(fn));
+  });
 }
 
 json::object RenderArtifact(const ArtifactMeta& m) {
@@ -568,7 +531,16 @@ Response ApiService::GetArtifact(Request& req, const Caller& caller) {
 Response ApiService::CreateEnvironment(Request& req, const Caller& caller) {
   auto body = ParseJsonObjectBody(req);
   if (!body.ok()) return body.error();
-  JsonFields f(body.value());
+  auto info = CreateEnvironmentFrom(body.value(), caller);
+  if (!info.ok()) return StatusResponse(info.status());
+  json::object o = RenderEnvironment(*info, false);
+  o["pooled"] = info->pooled;
+  return JsonResponse(201, o);
+}
+
+absl::StatusOr<EnvironmentInfo> ApiService::CreateEnvironmentFrom(const json::object& body,
+                                                                  const Caller& caller) {
+  JsonFields f(body);
   const EnvSpec& d = manager_->options().default_spec;
   EnvSpec spec = d;
   spec.image = f.OptionalString("image", d.image);
@@ -625,16 +597,16 @@ Response ApiService::CreateEnvironment(Request& req, const Caller& caller) {
       }
     }
   }
-  if (!f.ok()) return f.ErrorResponse();
+  if (!f.ok()) return absl::InvalidArgumentError(f.error());
   for (const auto& [k, v] : spec.env) {
     bool valid = !k.empty() && k.size() <= 256 && !(k[0] >= '0' && k[0] <= '9');
     for (char c : k) valid = valid && (std::isalnum(static_cast<unsigned char>(c)) || c == '_');
     if (!valid)
-      return ErrorResponse(400, "bad_request",
-                           absl::StrCat("env: '", k, "' is not a valid variable name"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("env: '", k, "' is not a valid variable name"));
     if (v.size() > 32768 || v.find('\0') != std::string::npos)
-      return ErrorResponse(400, "bad_request",
-                           absl::StrCat("env: value of '", k, "' is too long or contains NUL"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("env: value of '", k, "' is too long or contains NUL"));
   }
   if (runtime == "auto") runtime = "container";  // the adaptive router arrives with the nano tier
   // Every name the enum above accepts (after the alias) is a DriverKind.
@@ -642,21 +614,15 @@ Response ApiService::CreateEnvironment(Request& req, const Caller& caller) {
   const DriverRegistry::Entry* driver =
       options_.drivers ? options_.drivers->Lookup(ToString(spec.runtime)) : nullptr;
   if (!driver || !driver->driver || !manager_->HasDriver(spec.runtime)) {
-    return ErrorResponse(
-        400, "bad_request",
-        absl::StrCat(
-            "runtime '", runtime, "' is not available on this host",
-            driver && !driver->unavailable.empty() ? absl::StrCat(": ", driver->unavailable) : ""));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "runtime '", runtime, "' is not available on this host",
+        driver && !driver->unavailable.empty() ? absl::StrCat(": ", driver->unavailable) : ""));
   }
   // Heavy tiers boot a rootfs image; the nano tier has its interpreter built in.
   if (driver->tier == DriverRegistry::Tier::kHeavy && !options_.images.count(spec.image))
-    return ErrorResponse(400, "bad_request", absl::StrCat("unknown image '", spec.image, "'"));
-  auto info =
-      manager_->Create(caller, spec, ttl, egress ? &*egress : nullptr, steps ? &*steps : nullptr);
-  if (!info.ok()) return StatusResponse(info.status());
-  json::object o = RenderEnvironment(*info, false);
-  o["pooled"] = info->pooled;
-  return JsonResponse(201, o);
+    return absl::InvalidArgumentError(absl::StrCat("unknown image '", spec.image, "'"));
+  return manager_->Create(caller, spec, ttl, egress ? &*egress : nullptr,
+                          steps ? &*steps : nullptr);
 }
 
 Response ApiService::Execute(Request& req, const Caller& caller) {
@@ -1088,12 +1054,17 @@ Response ApiService::QueryAudit(Request& req, const Caller& caller) {
     q.limit = static_cast<int>(n);
   }
   q.kind = req.Query("kind").value_or("");
-  if (!q.kind.empty() && q.kind != "egress")
-    return ErrorResponse(400, "bad_request", "'kind' must be \"egress\" (or absent: every row)");
-  q.decision = req.Query("decision").value_or("");
-  if (!q.decision.empty() && !ParseEgressDecision(q.decision))
+  if (!q.kind.empty() && q.kind != "egress" && q.kind != "tool")
     return ErrorResponse(400, "bad_request",
-                         "'decision' must be one of allowed, blocked, redacted, opaque, error");
+                         "'kind' must be \"egress\" or \"tool\" (or absent: every row)");
+  q.decision = req.Query("decision").value_or("");
+  // Tool-call rows' decisions (core/tools/tool_gate.h) are egress decisions less "opaque".
+  if (!q.decision.empty() &&
+      (!ParseEgressDecision(q.decision) || (q.kind == "tool" && q.decision == "opaque")))
+    return ErrorResponse(
+        400, "bad_request",
+        q.kind == "tool" ? "'decision' must be one of allowed, blocked, redacted, error"
+                         : "'decision' must be one of allowed, blocked, redacted, opaque, error");
   if (auto cursor = req.Query("cursor")) {
     if (!ParseAuditCursor(*cursor, &q.before_time_ms, &q.before_id))
       return ErrorResponse(400, "bad_request",
@@ -1116,6 +1087,18 @@ Response ApiService::QueryAudit(Request& req, const Caller& caller) {
                      {"status", e.status},
                      {"principal", e.principal.empty() ? json::value() : json::value(e.principal)}};
     if (e.egress) row["egress"] = EgressJson(*e.egress);
+    if (e.tool_call) {
+      const ToolCallFields& t = *e.tool_call;
+      json::array rules(t.rule_ids.begin(), t.rule_ids.end());
+      json::array result_rules(t.result_rule_ids.begin(), t.result_rule_ids.end());
+      row["tool_call"] = json::object{{"tool", t.tool},
+                                      {"server", t.server},
+                                      {"decision", t.decision},
+                                      {"rule_ids", std::move(rules)},
+                                      {"result_rule_ids", std::move(result_rules)},
+                                      {"arguments", SanitizeUtf8(t.arguments)},
+                                      {"result_bytes", t.result_bytes}};
+    }
     arr.push_back(std::move(row));
   }
   json::object out{{"entries", std::move(arr)}};

@@ -21,6 +21,10 @@
 #include "drivers/env_limits.h"
 #include "storage/store.h"
 
+namespace esb::mcp_hosts {
+class McpHosts;
+}
+
 namespace esb::api {
 
 struct ServiceOptions {
@@ -55,6 +59,9 @@ class ApiService {
   void SetRunHandler(RunHandler handler) { run_handler_ = std::move(handler); }
   // Serves GET /environments/{id}/artifacts[/{aid}] from `store` (not owned; may be null).
   void SetArtifactStore(ArtifactStore* store) { artifacts_ = store; }
+  // Serves the hosted MCP servers' routes (mcp_servers_service.cc) from `hosts` (not owned; null:
+  // they answer 503).
+  void SetMcpHosts(mcp_hosts::McpHosts* hosts) { mcp_hosts_ = hosts; }
 
   // Authenticates a request to a tenant: Bearer key when any key exists; otherwise dev mode
   // (loopback or unix socket only, tenant "default").
@@ -68,6 +75,13 @@ class ApiService {
   std::optional<Response> Admit(Request& req, bool json_body);
   // Who an admitted request is, for the core (which audits every environment action).
   Caller CallerOf(const Request& req);
+
+  // A POST /environments body checked and carried out (InvalidArgument naming the field, or
+  // the core's error): the REST route and MCP's create_environment (api/mcp/esb_tools.h).
+  absl::StatusOr<EnvironmentInfo> CreateEnvironmentFrom(const boost::json::object& body,
+                                                        const Caller& caller);
+  // An environment as the API renders it (GET /environments/{id}; with_usage adds its usage).
+  boost::json::object RenderEnvironment(const EnvironmentInfo& info, bool with_usage);
 
  private:
   Response CreateEnvironment(Request& req, const Caller& caller);
@@ -85,7 +99,6 @@ class ApiService {
   Response MakeDir(Request& req, const Caller& caller);
   Response RemoveFile(Request& req, const Caller& caller);
   Response RenameFile(Request& req, const Caller& caller);
-  boost::json::object RenderEnvironment(const EnvironmentInfo& info, bool with_usage);
   // Egress governance (network_service.cc): GET/PUT /environments/{id}/network, the intents
   // routes and GET /environments/{id}/ca.pem.
   using RouteFn = std::function<Response(Request&, const Caller&)>;
@@ -94,6 +107,9 @@ class ApiService {
   void RegisterTerminal(const std::function<void(std::string, std::string_view, RouteFn)>& add);
   // Time travel (steps_service.cc): the steps routes, rewind and fork (docs/api.md "Steps").
   void RegisterSteps(const std::function<void(std::string, std::string_view, RouteFn)>& add);
+  // Hosted MCP servers (mcp_servers_service.cc): /environments/{id}/mcp-servers[/{name}],
+  // GET /environments/{id}/tools, POST /environments/{id}/tools/{name}/call.
+  void RegisterMcpServers(const std::function<void(std::string, std::string_view, RouteFn)>& add);
   // A `network` value: "none" (nullopt) or a policy object, laid over the tenant's default.
   absl::StatusOr<std::optional<governance::EgressPolicy>> ParseNetwork(
       const boost::json::value& value, const std::string& tenant);
@@ -104,6 +120,7 @@ class ApiService {
   ServiceOptions options_;
   RunHandler run_handler_;
   ArtifactStore* artifacts_ = nullptr;
+  mcp_hosts::McpHosts* mcp_hosts_ = nullptr;
 
   // files/read builds its whole answer in memory (the file, its JSON string, the serialised
   // body: about three times the file): the bytes of files being read at once are bounded

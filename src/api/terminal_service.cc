@@ -40,7 +40,7 @@ absl::StatusOr<int> Dimension(const Request& req, std::string_view name, int fal
 }
 
 // One text frame from the client. Only "resize" is defined.
-absl::Status HandleControl(EnvironmentManager::Terminal& term, std::string_view text) {
+absl::Status HandleControl(EnvironmentManager::Process& term, std::string_view text) {
   boost::system::error_code ec;
   json::value v = json::parse(text, ec);
   if (ec || !v.is_object())
@@ -66,7 +66,7 @@ absl::Status HandleControl(EnvironmentManager::Terminal& term, std::string_view 
 
 // Runs one terminal until the shell exits, the client goes away or the terminal idles out.
 // The worker thread carries the output; a second thread the client's messages.
-void PumpTerminal(EnvironmentManager::Terminal& term, WebSocket& ws) {
+void PumpTerminal(EnvironmentManager::Process& term, WebSocket& ws) {
   std::atomic<bool> done{false};
   std::thread input([&] {
     while (!done.load()) {
@@ -90,6 +90,10 @@ void PumpTerminal(EnvironmentManager::Terminal& term, WebSocket& ws) {
       }
       if (m->binary) {
         if (absl::Status st = term.Input(m->data); !st.ok()) {
+          // The shell has exited with input still arriving (typed ahead, or the EOF of a
+          // piped stdin): that input has nowhere to go, and the output side is about to
+          // report the exit status. Closing here would race that report away.
+          if (absl::IsNotFound(st)) continue;
           ws.Close(WebSocket::kError, "the shell does not take input");
           term.Close(absl::StrCat("input failed: ", st.message()));
           break;
@@ -153,7 +157,7 @@ void ApiService::RegisterTerminal(
                            "the terminal is a WebSocket: send a WebSocket upgrade request");
     auto term = manager_->OpenTerminal(t, req.Param("id"), *rows, *cols);
     if (!term.ok()) return StatusResponse(term.status());
-    std::shared_ptr<EnvironmentManager::Terminal> shared = *std::move(term);
+    std::shared_ptr<EnvironmentManager::Process> shared = *std::move(term);
     return Response::WebSocket([shared](WebSocket& ws) { PumpTerminal(*shared, ws); });
   });
 }

@@ -130,7 +130,7 @@ const std::vector<CommandSpec>& Commands() {
        0,
        0,
        "Usage: esb audit [--since T] [--until T] [--env ID] [--q QUERY] [--limit N]\n"
-       "                 [--kind egress] [--decision D]\n"
+       "                 [--kind egress|tool] [--decision D]\n"
        "\n"
        "Searches your audit log, newest first.\n"
        "  --since/--until T  RFC 3339 time (2026-11-22T04:30:00Z), unix seconds, or an age\n"
@@ -140,8 +140,9 @@ const std::vector<CommandSpec>& Commands() {
        "                     prefix*, AND/OR/NOT)\n"
        "  --limit N          at most N entries (1-1000, default 100)\n"
        "  --kind egress      only egress requests (the sandbox's traffic through the proxy)\n"
-       "  --decision D       egress rows with this decision: allowed, blocked, redacted,\n"
-       "                     opaque or error\n"},
+       "  --kind tool        only tool calls (MCP tools, esbd's and hosted servers')\n"
+       "  --decision D       egress (or, with --kind tool, tool-call) rows with this\n"
+       "                     decision: allowed, blocked, redacted, opaque or error\n"},
       {"report",
        {{"--period", true}, {"--format", true}, {"--env", true}, {"--date", true}},
        0,

@@ -1,8 +1,12 @@
 #include "cli/http_client.h"
 
+#include <sys/socket.h>
+
+#include <algorithm>
 #include <boost/asio/connect.hpp>
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/local/stream_protocol.hpp>
 #include <boost/beast/core/error.hpp>
 #include <boost/beast/core/file.hpp>
 #include <boost/beast/core/flat_buffer.hpp>
@@ -11,6 +15,7 @@
 #include <string>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 
 namespace esb::cli {
 namespace {
@@ -29,10 +34,37 @@ class BeastTransport final : public HttpTransport {
   explicit BeastTransport(Endpoint endpoint) : ep_(std::move(endpoint)) {}
 
   absl::StatusOr<HttpResponse> Send(const HttpRequest& request, BodySink* sink) override {
+    // SECURITY: a header name or value is one line: CR, LF or another control byte in one would
+    // let its author (e.g. an MCP client's tool name, relayed by `esbd mcp-stdio`) add headers
+    // or a second request. Refused before anything is sent.
+    auto bad = [](unsigned char c) { return (c < 0x20 && c != '\t') || c == 0x7f; };
+    if (std::any_of(request.target.begin(), request.target.end(),
+                    [&](unsigned char c) { return bad(c) || c == ' ' || c == '\t'; })) {
+      return absl::InvalidArgumentError(
+          "cannot send the request: its path has a space or a control character");
+    }
+    for (const auto& [name, value] : request.headers) {
+      if (name.empty() || std::any_of(name.begin(), name.end(), bad) ||
+          name.find_first_of(" \t:") != std::string::npos ||
+          std::any_of(value.begin(), value.end(), bad)) {
+        return absl::InvalidArgumentError(
+            "cannot send the request: header '" + name.substr(0, 64) +
+            "' has a control character (CR, LF, ...) in its name or value");
+      }
+    }
     asio::io_context ioc;
+    beast::error_code ec;
+    if (!ep_.unix_socket.empty()) {
+      asio::local::stream_protocol::socket socket(ioc);
+      socket.connect(asio::local::stream_protocol::endpoint(ep_.unix_socket), ec);
+      if (ec) {
+        return absl::UnavailableError("cannot connect to esbd at unix:" + ep_.unix_socket + ": " +
+                                      absl::AsciiStrToLower(ec.message()) + " (is esbd running?)");
+      }
+      return Exchange(socket, request, sink);
+    }
     tcp::resolver resolver(ioc);
     tcp::socket socket(ioc);
-    beast::error_code ec;
     auto results = resolver.resolve(ep_.host, ep_.port, ec);
     if (ec) {
       return absl::UnavailableError("cannot connect to esbd at " + ep_.url +
@@ -45,7 +77,22 @@ class BeastTransport final : public HttpTransport {
                             : absl::AsciiStrToLower(ec.message());
       return absl::UnavailableError("cannot connect to esbd at " + ep_.url + ": " + why);
     }
+    return Exchange(socket, request, sink);
+  }
 
+ private:
+  template <class Socket>
+  absl::StatusOr<HttpResponse> Exchange(Socket& socket, const HttpRequest& request,
+                                        BodySink* sink) {
+    if (request.abort && !request.abort->Attach(socket.native_handle()))
+      return absl::CancelledError("request cancelled");
+    struct Detach {
+      RequestAbort* a;
+      ~Detach() {
+        if (a) a->Detach();
+      }
+    } detach{request.abort.get()};
+    beast::error_code ec;
     beast::error_code write_ec;
     if (!request.body_file.empty()) {
       http::request<http::file_body> req;
@@ -66,16 +113,16 @@ class BeastTransport final : public HttpTransport {
     // The daemon may answer (413, 401, ...) and close before it read the whole upload: try to
     // read its answer before reporting the write failure.
     absl::StatusOr<HttpResponse> response = ReadResponse(socket, sink);
+    if (request.abort && request.abort->fired()) return absl::CancelledError("request cancelled");
     if (!response.ok() && write_ec) {
       return absl::UnavailableError("connection to esbd at " + ep_.url +
                                     " failed while sending: " + write_ec.message());
     }
     beast::error_code ignored;
-    socket.shutdown(tcp::socket::shutdown_both, ignored);
+    socket.shutdown(Socket::shutdown_both, ignored);
     return response;
   }
 
- private:
   template <class Message>
   void FillHeaders(const HttpRequest& request, Message& req) const {
     req.version(11);
@@ -87,7 +134,8 @@ class BeastTransport final : public HttpTransport {
     for (const auto& [name, value] : request.headers) req.set(name, value);
   }
 
-  absl::StatusOr<HttpResponse> ReadResponse(tcp::socket& socket, BodySink* sink) {
+  template <class Socket>
+  absl::StatusOr<HttpResponse> ReadResponse(Socket& socket, BodySink* sink) {
     beast::flat_buffer buffer;
     http::response_parser<http::buffer_body> parser;
     parser.body_limit(boost::none);  // streamed bodies (downloads) can be large
@@ -98,6 +146,9 @@ class BeastTransport final : public HttpTransport {
     HttpResponse response;
     response.status = static_cast<int>(parser.get().result_int());
     response.content_type = std::string(parser.get()[http::field::content_type]);
+    for (const auto& field : parser.get()) {
+      response.headers.emplace_back(std::string(field.name_string()), std::string(field.value()));
+    }
     response.streamed = sink != nullptr && sink->OnHeaders(response.status, response.content_type);
 
     std::string chunk(kChunkSize, '\0');
@@ -205,6 +256,47 @@ absl::StatusOr<Endpoint> ParseUrl(std::string_view url) {
   ep.base_path = std::string(path);
   ep.url = "http://" + ep.host_header + ep.base_path;
   return ep;
+}
+
+Endpoint UnixEndpoint(std::string path) {
+  Endpoint ep;
+  ep.url = "unix:" + path;
+  ep.host = "localhost";
+  ep.host_header = "localhost";
+  ep.unix_socket = std::move(path);
+  return ep;
+}
+
+void RequestAbort::Fire() {
+  std::lock_guard<std::mutex> lock(mu_);
+  fired_ = true;
+  // SECURITY: shutdown only (never close): the fd stays the transport's until it detaches, so a
+  // racing Fire cannot hit a reused descriptor.
+  if (fd_ >= 0) ::shutdown(fd_, SHUT_RDWR);
+}
+
+bool RequestAbort::fired() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return fired_;
+}
+
+bool RequestAbort::Attach(int fd) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (fired_) return false;
+  fd_ = fd;
+  return true;
+}
+
+void RequestAbort::Detach() {
+  std::lock_guard<std::mutex> lock(mu_);
+  fd_ = -1;
+}
+
+std::string HttpResponse::Header(std::string_view name) const {
+  for (const auto& [k, v] : headers) {
+    if (absl::EqualsIgnoreCase(k, absl::string_view(name.data(), name.size()))) return v;
+  }
+  return "";
 }
 
 std::unique_ptr<HttpTransport> MakeBeastTransport(const Endpoint& endpoint) {

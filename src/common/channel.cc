@@ -1,5 +1,8 @@
 #include "common/channel.h"
 
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 
@@ -15,12 +18,19 @@ bool Channel::Send(const Frame& frame, int64_t deadline_ms) {
     if (closed()) return false;
     ok = WriteFrame(fd_, frame, &error, deadline_ms);
   }
-  if (!ok) Shutdown(error);
+  if (!ok) {
+    Shutdown(error);
+    // The stream may hold a partial frame: end it for the peer too (EOF at once), instead of
+    // leaving it waiting for answers that can never come. Not a socket (a pty, a virtio port):
+    // the woken reader ends the connection.
+    ::shutdown(fd_, SHUT_RDWR);
+  }
   return ok;
 }
 
 bool Channel::SendData(FrameType type, uint32_t stream, const boost::json::object& header,
-                       std::string_view data, int64_t deadline_ms, std::string* error) {
+                       std::string_view data, int64_t deadline_ms, int64_t write_deadline_ms,
+                       std::string* error) {
   do {
     size_t n = std::min<size_t>(data.size(), kMaxChunkBytes);
     {
@@ -57,7 +67,7 @@ bool Channel::SendData(FrameType type, uint32_t stream, const boost::json::objec
     f.stream = stream;
     f.header = header;
     f.payload.assign(data.substr(0, n));
-    if (!Send(f, deadline_ms)) {
+    if (!Send(f, write_deadline_ms)) {
       *error = "connection closed: " + close_reason();
       return false;
     }
@@ -118,6 +128,11 @@ void Channel::Shutdown(const std::string& why) {
   if (!closed_) {
     closed_ = true;
     close_reason_ = why;
+    if (wake_fd_ >= 0) {
+      uint64_t one = 1;
+      ssize_t ignored = write(wake_fd_, &one, sizeof one);
+      (void)ignored;
+    }
   }
   cv_.notify_all();
 }

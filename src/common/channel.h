@@ -17,17 +17,26 @@ namespace esb::proto {
 
 class Channel {
  public:
-  explicit Channel(int fd) : fd_(fd) {}  // `fd` stays the owner's
+  // `fd` stays the owner's. `wake_fd` (an eventfd, or -1): made readable when the channel
+  // shuts down, so the owner's reader (which passes it to ReadFrame) stops too.
+  explicit Channel(int fd, int wake_fd = -1) : fd_(fd), wake_fd_(wake_fd) {}
 
   // Sends one whole frame, serialised with other writers, giving up at `deadline_ms` (< 0: 30 s
-  // after the write started). false (and the channel shuts down) when the write fails; false
-  // at once after Shutdown, also for a sender that was waiting behind the failed write.
+  // after the write started). false when the write fails: the byte stream may now hold a
+  // partial frame, so the channel shuts down for good — the socket is shut down in both
+  // directions and the reader woken, so neither side keeps a connection that can no longer
+  // answer (F11). false at once after Shutdown, also for a sender that waited behind the
+  // failed write.
   bool Send(const Frame& frame, int64_t deadline_ms = -1);
   // Sends `data` on `stream` as OUTPUT or INPUT frames of at most 64 KiB, each once the peer
-  // has granted credit for it. false with *error when the stream or channel closed or the
-  // deadline (absolute MonotonicMs; < 0: none) passed while waiting for credit.
+  // has granted credit for it. false with *error when the stream or channel closed or
+  // `deadline_ms` (absolute MonotonicMs; < 0: none) passed while waiting for credit. Each
+  // frame's write gives up at `write_deadline_ms` (< 0: 30 s after it started); the agent
+  // passes -1, so a host that reads a moment late never makes it abandon a frame half
+  // written (which breaks the connection) because a call's deadline passed meanwhile.
   bool SendData(FrameType type, uint32_t stream, const boost::json::object& header,
-                std::string_view data, int64_t deadline_ms, std::string* error);
+                std::string_view data, int64_t deadline_ms, int64_t write_deadline_ms,
+                std::string* error);
 
   // A stream starts with kInitialWindow bytes of credit in each direction.
   void Open(uint32_t stream);
@@ -43,7 +52,7 @@ class Channel {
   // window, so a byte-by-byte consumer does not cost a frame per byte).
   void Consumed(uint32_t stream, size_t bytes);
 
-  // No more frames; every waiting sender fails with `why`.
+  // No more frames; every waiting sender fails with `why`; the reader is woken (wake_fd).
   void Shutdown(const std::string& why);
   bool closed() const;
   std::string close_reason() const;
@@ -56,6 +65,7 @@ class Channel {
   };
 
   const int fd_;
+  const int wake_fd_;
   std::mutex write_mu_;  // one frame at a time on the byte stream
   mutable std::mutex mu_;
   std::condition_variable cv_;

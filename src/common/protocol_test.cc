@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <pty.h>
+#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <termios.h>
 #include <unistd.h>
@@ -434,7 +435,7 @@ TEST(ChannelTest, SenderStopsAtTheWindowUntilTheReceiverGrantsCredit) {
   std::string data(kInitialWindow + 100000, 'd');
   std::thread t([&] {
     std::string error;
-    EXPECT_TRUE(sender.SendData(FrameType::kOutput, 1, {}, data, MonotonicMs() + 10000, &error))
+    EXPECT_TRUE(sender.SendData(FrameType::kOutput, 1, {}, data, MonotonicMs() + 10000, -1, &error))
         << error;
     sent = data.size();
   });
@@ -490,8 +491,8 @@ TEST(ChannelTest, ClosingAStreamOrTheChannelWakesItsSender) {
   ch.Open(2);
   std::string big(2 * kInitialWindow, 'x');
   std::string e1, e2;
-  std::thread a([&] { EXPECT_FALSE(ch.SendData(FrameType::kOutput, 1, {}, big, -1, &e1)); });
-  std::thread b([&] { EXPECT_FALSE(ch.SendData(FrameType::kOutput, 2, {}, big, -1, &e2)); });
+  std::thread a([&] { EXPECT_FALSE(ch.SendData(FrameType::kOutput, 1, {}, big, -1, -1, &e1)); });
+  std::thread b([&] { EXPECT_FALSE(ch.SendData(FrameType::kOutput, 2, {}, big, -1, -1, &e2)); });
   std::thread drain([&] {
     char buf[65536];
     while (read(sv[1], buf, sizeof buf) > 0) {
@@ -506,6 +507,79 @@ TEST(ChannelTest, ClosingAStreamOrTheChannelWakesItsSender) {
   EXPECT_NE(e2.find("test over"), std::string::npos) << e2;
   shutdown(sv[0], SHUT_RDWR);
   drain.join();
+  close(sv[0]);
+  close(sv[1]);
+}
+
+// F11 (REVIEW-issue14.md): a write that gave up mid-frame left the agent's channel closed for
+// writing while its reader went on serving and the connection stayed open, so esbd waited for
+// answers that could never come. A failed write now ends the connection for both sides: the
+// owner's reader is woken (its wake fd) and the peer reads the end of the stream.
+TEST(ChannelTest, AWriteThatBreaksTheStreamEndsTheConnectionForBothReaders) {
+  int sv[2];
+  ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM, 0, sv), 0);
+  int wake = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  ASSERT_GE(wake, 0);
+  fcntl(sv[0], F_SETFL, fcntl(sv[0], F_GETFL) | O_NONBLOCK);
+  Channel ch(sv[0], wake);
+  // The owner's reader, as the agent's and esbd's: blocked reading until woken.
+  std::string reader_error;
+  std::thread reader([&] {
+    Frame in;
+    EXPECT_FALSE(ReadFrame(sv[0], &in, &reader_error, -1, kMaxFrameBytes, nullptr, wake));
+  });
+  Frame big;
+  big.type = FrameType::kResponse;
+  big.stream = 1;
+  big.payload.assign(8 << 20, 'b');  // more than the socket holds: the peer reads nothing
+  EXPECT_FALSE(ch.Send(big, MonotonicMs() + 300));
+  EXPECT_TRUE(ch.closed());
+  reader.join();  // woken, not blocked for ever
+  EXPECT_EQ(reader_error, "interrupted");
+  // The peer drains the partial frame and then reads the end of the stream at once.
+  Frame f;
+  std::string error;
+  int64_t start = MonotonicMs();
+  EXPECT_FALSE(ReadFrame(sv[1], &f, &error, start + 5000));
+  EXPECT_EQ(error, "connection closed mid-frame");
+  EXPECT_LT(MonotonicMs() - start, 2000);
+  // Later frames fail at once instead of being dropped silently on a live-looking stream.
+  Frame ping;
+  ping.type = FrameType::kResponse;
+  ping.stream = 2;
+  EXPECT_FALSE(ch.Send(ping));
+  close(wake);
+  close(sv[0]);
+  close(sv[1]);
+}
+
+// The agent sends a call's output with the call's deadline bounding only the wait for credit:
+// a frame whose write has begun is finished even when the receiver reads it late, past that
+// deadline (giving it up half written broke the connection for every call on it: F11).
+TEST(ChannelTest, AFrameIsNotAbandonedHalfWrittenWhenOnlyTheCreditDeadlinePasses) {
+  int sv[2];
+  ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM, 0, sv), 0);
+  fcntl(sv[0], F_SETFL, fcntl(sv[0], F_GETFL) | O_NONBLOCK);
+  Channel ch(sv[0]);
+  ch.Open(1);
+  std::string data(kInitialWindow, 'o');  // a window: more than the socket holds
+  std::string error;
+  bool sent = false;
+  std::thread sender([&] {
+    sent = ch.SendData(FrameType::kOutput, 1, {}, data, MonotonicMs() + 200,
+                       /*write_deadline_ms=*/-1, &error);
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(700));  // the receiver lags
+  size_t got = 0;
+  Frame f;
+  std::string read_error;
+  while (got < data.size() && ReadFrame(sv[1], &f, &read_error, MonotonicMs() + 3000)) {
+    got += f.payload.size();
+  }
+  sender.join();
+  EXPECT_TRUE(sent) << error;
+  EXPECT_EQ(got, data.size()) << read_error;
+  EXPECT_FALSE(ch.closed());
   close(sv[0]);
   close(sv[1]);
 }

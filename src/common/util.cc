@@ -17,33 +17,28 @@
 namespace esb {
 namespace {
 
+// The one errno name table: numbers to names for messages (ErrnoStatus), names to numbers for
+// what the agent and the nano worker report (ErrnoNameStatus).
+constexpr struct {
+  const char* name;
+  int err;
+} kErrnoNames[] = {
+    {"ENOENT", ENOENT},       {"EACCES", EACCES},       {"EPERM", EPERM},
+    {"EEXIST", EEXIST},       {"ENOSPC", ENOSPC},       {"EDQUOT", EDQUOT},
+    {"EFBIG", EFBIG},         {"ENOMEM", ENOMEM},       {"EINVAL", EINVAL},
+    {"EISDIR", EISDIR},       {"ENOTDIR", ENOTDIR},     {"ELOOP", ELOOP},
+    {"ETIMEDOUT", ETIMEDOUT}, {"ECONNREFUSED", ECONNREFUSED}, {"EAGAIN", EAGAIN},
+    {"EBUSY", EBUSY},         {"ENAMETOOLONG", ENAMETOOLONG}, {"EROFS", EROFS},
+    {"ESRCH", ESRCH},         {"ENXIO", ENXIO},         {"ENODEV", ENODEV},
+    {"EOPNOTSUPP", EOPNOTSUPP}, {"ENOTEMPTY", ENOTEMPTY}, {"EPIPE", EPIPE},
+    {"ECANCELED", ECANCELED}, {"EMFILE", EMFILE},
+};
+
 const char* ErrnoName(int err) {
-  switch (err) {
-    case ENOENT: return "ENOENT";
-    case EACCES: return "EACCES";
-    case EPERM: return "EPERM";
-    case EEXIST: return "EEXIST";
-    case ENOSPC: return "ENOSPC";
-    case EDQUOT: return "EDQUOT";
-    case EFBIG: return "EFBIG";
-    case ENOMEM: return "ENOMEM";
-    case EINVAL: return "EINVAL";
-    case EISDIR: return "EISDIR";
-    case ENOTDIR: return "ENOTDIR";
-    case ELOOP: return "ELOOP";
-    case ETIMEDOUT: return "ETIMEDOUT";
-    case ECONNREFUSED: return "ECONNREFUSED";
-    case EAGAIN: return "EAGAIN";
-    case EBUSY: return "EBUSY";
-    case ENAMETOOLONG: return "ENAMETOOLONG";
-    case EROFS: return "EROFS";
-    case ESRCH: return "ESRCH";
-    case ENXIO: return "ENXIO";
-    case ENODEV: return "ENODEV";
-    case EOPNOTSUPP: return "EOPNOTSUPP";
-    case ENOTEMPTY: return "ENOTEMPTY";
-    default: return "E?";
+  for (const auto& n : kErrnoNames) {
+    if (n.err == err) return n.name;
   }
+  return "E?";
 }
 
 absl::Status StatusFor(int err, std::string message) {
@@ -58,7 +53,13 @@ absl::Status StatusFor(int err, std::string message) {
     case EINVAL: case EISDIR: case ENOTDIR: case ELOOP: case ENAMETOOLONG: case ENXIO:
     case ENODEV: case EOPNOTSUPP:
       return absl::InvalidArgumentError(message);
-    case ENOTEMPTY: return absl::FailedPreconditionError(message);
+    case ENOTEMPTY:
+    case EPIPE:
+      return absl::FailedPreconditionError(message);
+    case ECANCELED:
+      return absl::CancelledError(message);
+    case EMFILE:
+      return absl::ResourceExhaustedError(message);
     case ETIMEDOUT: return absl::DeadlineExceededError(message);
     case ECONNREFUSED: case EAGAIN: case EBUSY: return absl::UnavailableError(message);
     default: return absl::InternalError(message);
@@ -106,15 +107,7 @@ int HttpStatusFor(const absl::Status& status) {
 }
 
 absl::Status ErrnoNameStatus(std::string_view name, std::string_view message) {
-  static const struct { const char* name; int err; } kNames[] = {
-      {"ENOENT", ENOENT}, {"EACCES", EACCES}, {"EPERM", EPERM}, {"EEXIST", EEXIST},
-      {"ENOSPC", ENOSPC}, {"EDQUOT", EDQUOT}, {"EFBIG", EFBIG}, {"ENOMEM", ENOMEM},
-      {"EINVAL", EINVAL}, {"EISDIR", EISDIR}, {"ENOTDIR", ENOTDIR}, {"ELOOP", ELOOP},
-      {"ETIMEDOUT", ETIMEDOUT}, {"ENAMETOOLONG", ENAMETOOLONG}, {"EROFS", EROFS},
-      {"EAGAIN", EAGAIN}, {"EBUSY", EBUSY}, {"ENXIO", ENXIO}, {"ENODEV", ENODEV},
-      {"EOPNOTSUPP", EOPNOTSUPP}, {"ENOTEMPTY", ENOTEMPTY},
-  };
-  for (const auto& n : kNames) {
+  for (const auto& n : kErrnoNames) {
     if (name == n.name) return StatusFor(n.err, std::string(message));
   }
   return absl::InternalError(std::string(message));

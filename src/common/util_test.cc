@@ -69,6 +69,15 @@ TEST(UtilTest, OneErrnoTableForNumbersAndNames) {
       {"ETIMEDOUT", ETIMEDOUT, absl::StatusCode::kDeadlineExceeded},
       {"EAGAIN", EAGAIN, absl::StatusCode::kUnavailable},
       {"EBUSY", EBUSY, absl::StatusCode::kUnavailable},
+      // By name it used to be missing (a 500) while its number answered 503.
+      {"ECONNREFUSED", ECONNREFUSED, absl::StatusCode::kUnavailable},
+      // The agent's process ops: an exited process, closed input, a cancelled wait, too many
+      // open files. ESRCH used to fall through to Internal (500, and a terminal that closed
+      // without its exit status when typed-ahead input met an exited shell).
+      {"ESRCH", ESRCH, absl::StatusCode::kNotFound},
+      {"EPIPE", EPIPE, absl::StatusCode::kFailedPrecondition},
+      {"ECANCELED", ECANCELED, absl::StatusCode::kCancelled},
+      {"EMFILE", EMFILE, absl::StatusCode::kResourceExhausted},
   };
   for (const auto& row : kTable) {
     absl::Status by_name = ErrnoNameStatus(row.name, "msg");

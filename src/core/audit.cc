@@ -27,6 +27,31 @@ void AuditLog::Record(const Caller& caller, const AuditEvent& event) {
   }
 }
 
+void AuditLog::RecordToolCall(const Caller& caller, const ToolCallAuditRow& row) {
+  std::vector<std::string> rules = row.call.rule_ids;
+  rules.insert(rules.end(), row.call.result_rule_ids.begin(), row.call.result_rule_ids.end());
+  metrics_->CountToolCall(row.call.server == "esbd" ? "esbd" : "hosted", row.call.decision, rules);
+  if (!caller.audited || caller.tenant.empty()) return;
+  AuditEntry e;
+  e.time_ms = NowUnixMs();
+  e.tenant = caller.tenant;
+  e.principal = caller.principal;
+  e.environment_id = row.environment_id;
+  e.action = "tool.call";
+  e.detail = absl::StrCat(row.call.server, ".", row.call.tool, " ", row.call.decision);
+  for (const std::string& rule : rules) absl::StrAppend(&e.detail, " ", rule);
+  e.duration_ms = row.duration_ms;
+  e.bytes = row.call.result_bytes;
+  // A DLP block is a 403 as for egress (HttpStatusFor maps PermissionDenied to 400: EACCES).
+  e.status = row.call.decision == "blocked" ? 403 : HttpStatusFor(row.outcome);
+  e.tool_call = row.call;
+  absl::Status st = store_->AppendAudit(e);
+  if (!st.ok()) {
+    metrics_->CountError("audit");
+    LogError(absl::StrCat("audit append (tool call) failed: ", st.ToString()));
+  }
+}
+
 std::string_view ToString(EgressDecision decision) {
   switch (decision) {
     case EgressDecision::kAllowed:

@@ -111,6 +111,16 @@ struct EgressAuditRow {
   std::string body_sha256;  // lowercase hex SHA-256 of the original body; "" when none
 };
 
+// One tool call (issue 14; core/tools/tool_gate.h): the ToolCallGate fills it for every call of
+// esbd's own tools and of hosted MCP servers' tools; AuditLog::RecordToolCall stores it as an
+// audit row with action "tool.call" (searchable with kind=tool) and counts it in /metrics.
+struct ToolCallAuditRow {
+  std::string environment_id;  // "" for calls about no environment
+  ToolCallFields call;         // tool, server, decision, rules, redacted arguments, result size
+  int64_t duration_ms = 0;
+  absl::Status outcome;  // the call's protocol-level outcome (a blocked call: PermissionDenied)
+};
+
 class AuditLog {
  public:
   AuditLog(Store* store, Metrics* metrics) : store_(store), metrics_(metrics) {}
@@ -121,6 +131,10 @@ class AuditLog {
   // write-behind) and counts it in /metrics (decision, DLP hits per rule, added latency).
   // Masks headers, caps the body; a failed write is counted and logged.
   void RecordEgress(const EgressAuditRow& row);
+  // Writes one tool-call row (the call's one row; the core operations a tool runs are Steps of
+  // it) and counts it in /metrics. Its detail is "<server>.<tool> <decision> <rules...>" (the
+  // FTS-searchable summary); the fields go to AuditEntry::tool_call.
+  void RecordToolCall(const Caller& caller, const ToolCallAuditRow& row);
 
  private:
   Store* store_;

@@ -116,6 +116,72 @@ absl::Status ParseArtifacts(const json::value& v, ArtifactsConfig* a) {
   return absl::OkStatus();
 }
 
+absl::Status ParseMcp(const json::value& v, McpConfig* c) {
+  if (!v.is_object()) return TypeError("mcp", "an object");
+  // Hosted servers' limits (core/mcp_hosts): integers with a range each.
+  struct IntKey {
+    const char* name;
+    int64_t* i64;
+    int* i32;
+    int64_t min, max;
+  };
+  const IntKey hosted[] = {
+      {"max_servers_per_environment", nullptr, &c->max_servers_per_environment, 0, 32},
+      {"max_servers", nullptr, &c->max_servers, 0, 1024},
+      {"max_message_bytes", &c->max_message_bytes, nullptr, 4096, 64ll << 20},
+      {"call_timeout_seconds", &c->call_timeout_s, nullptr, 1, 3600},
+      {"start_timeout_seconds", &c->start_timeout_s, nullptr, 1, 600},
+      {"max_concurrent_calls_per_server", nullptr, &c->max_concurrent_calls_per_server, 1, 256},
+      {"max_output_bytes_per_second", &c->max_output_bytes_per_second, nullptr, 64 << 10,
+       1ll << 30},
+      {"max_lines_per_second", &c->max_lines_per_second, nullptr, 10, 1000000},
+      {"max_garbage_lines", nullptr, &c->max_garbage_lines, 0, 1000},
+      {"max_restarts", nullptr, &c->max_restarts, 0, 100},
+      {"stderr_tail_bytes", &c->stderr_tail_bytes, nullptr, 256, 1 << 20},
+      {"max_tools_per_server", nullptr, &c->max_tools_per_server, 1, 10000},
+  };
+  for (const auto& kv : v.as_object()) {
+    std::string key = absl::StrCat("mcp.", std::string(kv.key()));
+    absl::Status st;
+    const IntKey* h = nullptr;
+    for (const IntKey& k : hosted)
+      if (kv.key() == k.name) h = &k;
+    if (h != nullptr) {
+      int64_t value = 0;
+      if (st = GetInt(kv.value(), key, &value); !st.ok()) return st;
+      if (value < h->min || value > h->max)
+        return TypeError(key, absl::StrCat(h->min, "..", h->max));
+      if (h->i64 != nullptr)
+        *h->i64 = value;
+      else
+        *h->i32 = static_cast<int>(value);
+    } else if (kv.key() == "max_sessions") {
+      st = GetInt(kv.value(), key, &c->max_sessions);
+    } else if (kv.key() == "max_sessions_per_tenant") {
+      st = GetInt(kv.value(), key, &c->max_sessions_per_tenant);
+    } else if (kv.key() == "session_idle_seconds") {
+      st = GetInt(kv.value(), key, &c->session_idle_s);
+    } else if (kv.key() == "allowed_origins") {
+      if (!kv.value().is_array()) return TypeError(key, "an array of origins");
+      for (const auto& o : kv.value().as_array()) {
+        if (!o.is_string() || o.as_string().empty() || o.as_string().size() > 256)
+          return TypeError(key, "an array of origins (\"https://host[:port]\")");
+        c->allowed_origins.emplace_back(o.as_string());
+      }
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat("config: unknown key '", key, "'"));
+    }
+    if (!st.ok()) return st;
+  }
+  if (c->max_sessions < 1 || c->max_sessions > 100000)
+    return TypeError("mcp.max_sessions", "1..100000");
+  if (c->max_sessions_per_tenant < 1 || c->max_sessions_per_tenant > c->max_sessions)
+    return TypeError("mcp.max_sessions_per_tenant", "1..max_sessions");
+  if (c->session_idle_s < 1 || c->session_idle_s > 86400)
+    return TypeError("mcp.session_idle_seconds", "1..86400");
+  return absl::OkStatus();
+}
+
 absl::Status ParseSteps(const json::value& v, StepsConfig* c) {
   if (!v.is_object()) return TypeError("steps", "an object");
   for (const auto& kv : v.as_object()) {
@@ -401,9 +467,12 @@ absl::Status LoadConfigFile(const std::string& path, DaemonConfig* c) {
     else if (key == "defaults") st = ParseDefaults(v, &c->defaults);
     else if (key == "packages") st = ParsePackages(v, &c->packages);
     else if (key == "artifacts") st = ParseArtifacts(v, &c->artifacts);
-    else if (key == "audit") st = ParseAudit(v, &c->audit);
+    else if (key == "audit")
+      st = ParseAudit(v, &c->audit);
     else if (key == "steps")
       st = ParseSteps(v, &c->steps);
+    else if (key == "mcp")
+      st = ParseMcp(v, &c->mcp);
     else if (key == "egress")
       st = ParseEgress(v, &c->egress);
     else if (key == "intents") {

@@ -48,6 +48,34 @@ struct StepsConfig {
   int64_t sweep_interval_s = 10;  // the blob sweep at most this often (tests: 1)
 };
 
+// MCP (issue 14, docs/api.md "MCP" and "Hosted MCP servers"): the daemon config's one "mcp"
+// object, parsed by ParseMcp (config.cc).
+//   "mcp": {"max_sessions": 1024, "max_sessions_per_tenant": 64, "session_idle_seconds": 1800,
+//           "allowed_origins": ["https://app.example"], "max_servers_per_environment": 4, ...}
+struct McpConfig {
+  // esbd's /mcp and hosted servers' endpoints (api/mcp/mcp_endpoint.h).
+  int64_t max_sessions = 1024;               // legacy (2025-11-25) sessions in all
+  int64_t max_sessions_per_tenant = 64;      // ... and per tenant
+  int64_t session_idle_s = 1800;             // an unused session expires after this
+  std::vector<std::string> allowed_origins;  // browser Origins allowed besides loopback pages
+  // Hosted MCP servers (core/mcp_hosts). Every key has a default and a range.
+  int max_servers_per_environment = 4;      // 0..32 (0: hosting is off)
+  int max_servers = 64;                     // the whole daemon (two threads each), 0..1024
+  int64_t max_message_bytes = 4 << 20;      // one JSON-RPC line from a server, 4 KiB..64 MiB
+  int64_t call_timeout_s = 60;              // a tools/call, 1..3600
+  int64_t start_timeout_s = 30;             // spawn + handshake + tools/list, 1..600
+  int max_concurrent_calls_per_server = 8;  // more at once: 429, 1..256
+  // Output flood (stdout + stderr bytes; stdout lines): averaged over 2 s (a burst of twice the
+  // rate, and at least two max-size messages, passes). Over it the server is killed and
+  // reported.
+  int64_t max_output_bytes_per_second = 8 << 20;  // 64 KiB..1 GiB
+  int64_t max_lines_per_second = 2000;            // 10..1000000
+  int max_garbage_lines = 8;         // stdout lines that are not JSON-RPC before a kill, 0..1000
+  int max_restarts = 3;              // restarts after crashes (backoff 1, 2, 4 ... 30 s), 0..100
+  int64_t stderr_tail_bytes = 8192;  // kept for error reports, 256..1 MiB
+  int max_tools_per_server = 1000;   // tools/list beyond it is cut, 1..10000
+};
+
 // The audit log and the state database (storage/store.h StoreOptions): retention, per-tenant
 // row cap and rate, stored field size, search deadline.
 struct AuditConfig {
@@ -171,6 +199,7 @@ struct DaemonConfig {
   ArtifactsConfig artifacts;
   AuditConfig audit;
   StepsConfig steps;
+  McpConfig mcp;
   EgressConfig egress;
   std::string log_level = "info";
 };

@@ -90,6 +90,61 @@ TEST(ConfigTest, StepStoreSizesAreSettableAndValidated) {
   }
 }
 
+TEST(ConfigTest, HostedMcpLimitsAreSettableAndValidated) {
+  DaemonConfig d;
+  EXPECT_EQ(d.mcp.max_servers_per_environment, 4);
+  EXPECT_EQ(d.mcp.call_timeout_s, 60);
+  DaemonConfig c;
+  std::string path = TempFile(
+      R"({"mcp": {"max_servers_per_environment": 2, "max_message_bytes": 65536,
+                  "call_timeout_seconds": 5, "max_lines_per_second": 100, "max_restarts": 0}})");
+  ASSERT_TRUE(LoadConfigFile(path, &c).ok());
+  EXPECT_EQ(c.mcp.max_servers_per_environment, 2);
+  EXPECT_EQ(c.mcp.max_message_bytes, 65536);
+  EXPECT_EQ(c.mcp.call_timeout_s, 5);
+  EXPECT_EQ(c.mcp.max_lines_per_second, 100);
+  EXPECT_EQ(c.mcp.max_restarts, 0);
+  EXPECT_EQ(c.mcp.max_servers, 64);  // untouched keys keep their defaults
+  std::remove(path.c_str());
+  for (const char* bad :
+       {R"({"mcp": {"max_servers_per_environment": 33}})", R"({"mcp": {"max_message_bytes": 10}})",
+        R"({"mcp": {"call_timeout_seconds": 0}})", R"({"mcp": {"max_servrs": 1}})",
+        R"({"mcp": {"max_restarts": "3"}})", R"({"mcp": 5})"}) {
+    DaemonConfig b;
+    std::string p = TempFile(bad);
+    absl::Status st = LoadConfigFile(p, &b);
+    EXPECT_TRUE(absl::IsInvalidArgument(st)) << bad;
+    EXPECT_NE(st.message().find("mcp"), std::string_view::npos) << st;
+    std::remove(p.c_str());
+  }
+}
+
+TEST(ConfigTest, McpLimitsAndOrigins) {
+  DaemonConfig c;
+  EXPECT_EQ(c.mcp.max_sessions, 1024);
+  std::string path = TempFile(
+      R"({"mcp": {"max_sessions": 10, "max_sessions_per_tenant": 2, "session_idle_seconds": 60,
+                  "allowed_origins": ["https://app.example"]}})");
+  ASSERT_TRUE(LoadConfigFile(path, &c).ok());
+  EXPECT_EQ(c.mcp.max_sessions, 10);
+  EXPECT_EQ(c.mcp.max_sessions_per_tenant, 2);
+  EXPECT_EQ(c.mcp.session_idle_s, 60);
+  EXPECT_EQ(c.mcp.allowed_origins, std::vector<std::string>{"https://app.example"});
+  std::remove(path.c_str());
+  for (const char* bad :
+       {R"({"mcp": {"max_sessions": 0}})", R"({"mcp": {"max_sessions_per_tenant": 2000}})",
+        R"({"mcp": {"session_idle_seconds": 0}})", R"({"mcp": {"allowed_origins": "x"}})",
+        R"({"mcp": {"allowed_origins": [""]}})", R"({"mcp": {"max_session": 1}})",
+        R"({"mcp": 1})"}) {
+    DaemonConfig b;
+    std::string p = TempFile(bad);
+    absl::Status st = LoadConfigFile(p, &b);
+    EXPECT_TRUE(absl::IsInvalidArgument(st)) << bad;
+    EXPECT_NE(st.message().find("mcp"), std::string_view::npos) << st;
+    std::remove(p.c_str());
+  }
+}
+
 TEST(ConfigTest, RejectsUnknownKeysWrongTypesAndWeakKeys) {
   DaemonConfig c;
   for (const char* bad :

@@ -320,35 +320,45 @@ class EnvironmentManager {
                                                               int64_t max_call_ms,
                                                               const std::string& action);
 
-  // An interactive shell on a PTY in environment `id` (capability kTerminal; core/terminal.cc).
-  // Holds one of the environment's and the tenant's terminal slots until destroyed; writes a
-  // "terminal.open" audit row (also for a refusal) and, when destroyed, a "terminal.close"
-  // row (exit code, duration, bytes both ways). Destroying it kills the shell.
-  class Terminal {
+  // A process running in environment `id` (core/terminal.cc): an interactive shell on a PTY
+  // (OpenTerminal, capability kTerminal) or a command with stdio pipes (SpawnProcess, capability
+  // kProcesses: an MCP server hosted in the sandbox, core/mcp_hosts). Destroying it kills the
+  // process and everything it started. A rewind ends every process of its environment first
+  // (ended_by() then says so). A terminal holds one of the environment's and the tenant's
+  // terminal slots until destroyed and writes a "terminal.open" audit row (also for a refusal)
+  // and, when destroyed, a "terminal.close" row (exit code, duration, bytes both ways); a
+  // spawned process writes no rows of its own (its caller audits what it is for).
+  class Process : public ProcessSession {
    public:
-    ~Terminal();
-    Terminal(const Terminal&) = delete;
-    Terminal& operator=(const Terminal&) = delete;
-    // Keystrokes; retried for up to 5 s while the guest's input queue is full.
-    absl::Status Input(std::string_view data);
-    absl::Status Resize(int rows, int cols);
-    // The shell's output to `sink` until it exits (its code) or `timeout_ms` (nullopt).
-    absl::StatusOr<std::optional<int>> Wait(int timeout_ms, const OutputSink& sink);
-    // Kills the shell; `reason` goes into the close row ("client closed", "idle", ...).
+    ~Process() override;
+    Process(const Process&) = delete;
+    Process& operator=(const Process&) = delete;
+    // Keystrokes / stdin bytes (`eof`: then close stdin); retried for up to 5 s while the
+    // guest's input queue is full.
+    absl::Status Input(std::string_view data, bool eof = false) override;
+    absl::Status Resize(int rows, int cols) override;
+    // The output to `sink` until the process exits (its code) or `timeout_ms` (nullopt).
+    absl::StatusOr<std::optional<int>> Wait(int timeout_ms, const OutputSink& sink) override;
+    // Kills the process; `reason` goes into a terminal's close row ("client closed", "idle").
     void Close(std::string reason);
+    absl::Status Kill() override {
+      Close("killed");
+      return absl::OkStatus();
+    }
     // Neither input nor output for ManagerOptions::terminal_idle_timeout_ms.
     bool Idle() const;
-    // Why esbd ended this terminal (e.g. "environment rewound to step 3"), or "" when it did
-    // not (the shell exited, the client closed).
+    // Why esbd ended this process (e.g. "environment rewound to step 3"), or "" when it did
+    // not (the process exited, the client closed).
     std::string ended_by() const;
 
    private:
     friend class EnvironmentManager;
-    Terminal() = default;
+    Process() = default;
     EnvironmentManager* manager_ = nullptr;
+    bool terminal_ = false;
     Caller caller_{""};
     std::shared_ptr<LiveEnv> env_;
-    std::unique_ptr<TerminalSession> session_;
+    std::unique_ptr<ProcessSession> session_;
     std::string id_;
     int64_t start_ms_ = 0;
     std::atomic<int64_t> last_activity_ms_{0};
@@ -358,8 +368,12 @@ class EnvironmentManager {
     std::string close_reason_;
     std::string ended_by_;
   };
-  absl::StatusOr<std::unique_ptr<Terminal>> OpenTerminal(const Caller& caller,
-                                                         const std::string& id, int rows, int cols);
+  absl::StatusOr<std::unique_ptr<Process>> OpenTerminal(const Caller& caller, const std::string& id,
+                                                        int rows, int cols);
+  // Starts request.argv (no PTY) in environment `id` of the caller's tenant. Waits for a step of
+  // the environment like a terminal (Unavailable after terminal_step_wait_ms). No audit row.
+  absl::StatusOr<std::unique_ptr<Process>> SpawnProcess(const Caller& caller, const std::string& id,
+                                                        ProcessRequest request);
 
   // --- Time travel (issue 13; docs/api.md "Steps"; environment_manager_steps.cc) ---
   // Every execute, run, files write/remove/rename/mkdir, package install and network change on
@@ -637,11 +651,14 @@ class EnvironmentManager {
   std::mutex terminals_mu_;
   std::map<std::string, int> terminals_by_env_;
   std::map<std::string, int> terminals_by_tenant_;
-  std::map<std::string, std::set<Terminal*>> open_terminals_;  // environment id → its terminals
-  // Ends every open terminal of `id` (its shell and everything started in it are killed; the
-  // client gets an exit message with `reason`). A rewind calls it holding the step_mu, which
-  // a terminal's open also takes: none opens meanwhile.
-  void CloseTerminals(const std::string& id, const std::string& reason);
+  // Environment id → its processes (terminals and spawned ones), under terminals_mu_.
+  std::map<std::string, std::set<Process*>> open_processes_;
+  // Ends every process of `id` (terminals' shells, hosted servers: each with everything started
+  // in it is killed; ended_by() says `reason`). A rewind calls it holding the step_mu, which
+  // OpenTerminal and SpawnProcess also take: none starts meanwhile.
+  void CloseProcesses(const std::string& id, const std::string& reason);
+  // Registers a started process (`p` has its session) in open_processes_.
+  void RegisterProcess(Process* p);
 
   std::mutex sweep_mu_;         // one blob sweep at a time
   std::atomic<bool> sweep_needed_{false};

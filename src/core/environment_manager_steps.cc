@@ -1245,9 +1245,10 @@ absl::StatusOr<RewindInfo> EnvironmentManager::Rewind(const Caller& caller, cons
         return EnvironmentNotFoundError(absl::StrCat("environment ", id, " is being destroyed"));
       ref = e.ref;
     }
-    // Terminals end first (their shells and what they started are killed): nothing started
-    // in one outlives the rewind, and none opens until it is done (OpenTerminal takes step_mu).
-    CloseTerminals(id, absl::StrCat("environment rewound to step ", n));
+    // Processes end first (terminals' shells, hosted MCP servers and what they started are
+    // killed): nothing started in one outlives the rewind, and none starts until it is done
+    // (OpenTerminal and SpawnProcess take step_mu). core/mcp_hosts restarts its servers after.
+    CloseProcesses(id, absl::StrCat("environment rewound to step ", n));
     DiskBlobStore::Tenant blobs = options_.blobs->ForTenant(e.tenant);
     auto restored = e.driver->RestoreStep(ref, *state, blobs);
     if (!restored.ok()) return StepRestoreError(restored.status(), n);

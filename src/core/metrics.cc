@@ -77,6 +77,19 @@ void Metrics::CountEgress(std::string_view decision, const std::vector<std::stri
   }
 }
 
+void Metrics::CountToolCall(std::string_view server, std::string_view decision,
+                            const std::vector<std::string>& rule_ids) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ++tool_calls_[{std::string(server), std::string(decision)}];
+  for (const std::string& rule : rule_ids) {
+    if (tool_dlp_hits_.size() >= kMaxDlpRuleLabels && !tool_dlp_hits_.count(rule)) {
+      ++tool_dlp_hits_["other"];
+    } else {
+      ++tool_dlp_hits_[rule];
+    }
+  }
+}
+
 std::string Metrics::Render(const std::map<std::string, int64_t>& env_states,
                             int64_t pool_ready) const {
   std::string out =
@@ -126,6 +139,17 @@ std::string Metrics::Render(const std::map<std::string, int64_t>& env_states,
       "# TYPE esb_dlp_hits_total counter\n";
   for (const auto& [rule, n] : dlp_hits_)
     absl::StrAppend(&out, "esb_dlp_hits_total{rule=\"", LabelValue(rule), "\"} ", n, "\n");
+  out +=
+      "# HELP esb_tool_calls_total Tool calls (MCP, REST) through the tool gate, by server and "
+      "decision.\n# TYPE esb_tool_calls_total counter\n";
+  for (const auto& [key, n] : tool_calls_)
+    absl::StrAppend(&out, "esb_tool_calls_total{server=\"", LabelValue(key.first), "\",decision=\"",
+                    LabelValue(key.second), "\"} ", n, "\n");
+  out +=
+      "# HELP esb_tool_dlp_hits_total Tool calls in which a DLP rule fired, by rule.\n"
+      "# TYPE esb_tool_dlp_hits_total counter\n";
+  for (const auto& [rule, n] : tool_dlp_hits_)
+    absl::StrAppend(&out, "esb_tool_dlp_hits_total{rule=\"", LabelValue(rule), "\"} ", n, "\n");
   return out;
 }
 

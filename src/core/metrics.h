@@ -9,6 +9,7 @@
 #include <mutex>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace esb {
@@ -48,6 +49,11 @@ class Metrics {
   // and the time the proxy added (microseconds; <= 0: unknown, not observed).
   void CountEgress(std::string_view decision, const std::vector<std::string>& rule_ids,
                    int64_t added_latency_us);
+  // One tool call through the ToolCallGate (core/tools/tool_gate.h): `server` is "esbd" or
+  // "hosted" (hosted servers' names are not labels: unbounded), `decision` the audit row's
+  // (allowed | redacted | blocked | error), `rule_ids` the DLP rules hit (arguments and result).
+  void CountToolCall(std::string_view server, std::string_view decision,
+                     const std::vector<std::string>& rule_ids);
   void CountError(const std::string& kind);
   // `env_states` comes from the manager at render time.
   std::string Render(const std::map<std::string, int64_t>& env_states, int64_t pool_ready) const;
@@ -58,6 +64,8 @@ class Metrics {
   std::map<std::string, uint64_t> errors_;
   std::map<std::string, uint64_t> egress_decisions_;
   std::map<std::string, uint64_t> dlp_hits_;  // at most kMaxDlpRuleLabels rules, then "other"
+  std::map<std::pair<std::string, std::string>, uint64_t> tool_calls_;  // (server, decision)
+  std::map<std::string, uint64_t> tool_dlp_hits_;  // as dlp_hits_, for tool calls
 };
 
 }  // namespace esb

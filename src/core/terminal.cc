@@ -1,6 +1,7 @@
-// EnvironmentManager's interactive terminals (docs/api.md "Terminal"): the capability check,
-// the per-environment and per-tenant caps, the idle clock and the audit rows around a driver's
-// TerminalSession. The API (api/terminal_service.cc) carries the bytes over a WebSocket.
+// EnvironmentManager's processes in environments: interactive terminals (docs/api.md
+// "Terminal": the capability check, the per-environment and per-tenant caps, the idle clock and
+// the audit rows around a driver's ProcessSession on a PTY; api/terminal_service.cc carries the
+// bytes over a WebSocket) and spawned stdio processes (hosted MCP servers, core/mcp_hosts).
 #include <chrono>
 #include <thread>
 
@@ -9,7 +10,7 @@
 
 namespace esb {
 
-absl::StatusOr<std::unique_ptr<EnvironmentManager::Terminal>> EnvironmentManager::OpenTerminal(
+absl::StatusOr<std::unique_ptr<EnvironmentManager::Process>> EnvironmentManager::OpenTerminal(
     const Caller& caller, const std::string& id, int rows, int cols) {
   auto env = Lookup(caller.tenant, id);
   if (!env.ok()) return env.status();  // nothing happened to an environment: no row
@@ -57,18 +58,22 @@ absl::StatusOr<std::unique_ptr<EnvironmentManager::Terminal>> EnvironmentManager
     ++terminals_by_env_[id];
     ++terminals_by_tenant_[caller.tenant];
   }
-  std::unique_ptr<Terminal> t(new Terminal());
+  std::unique_ptr<Process> t(new Process());
   t->manager_ = this;  // from here on the destructor releases the slots
+  t->terminal_ = true;
   t->caller_ = caller;
   t->env_ = *env;
   t->id_ = id;
   t->start_ms_ = MonotonicMs();
   t->last_activity_ms_ = t->start_ms_;
   Touch(**env);
-  TerminalRequest request;
+  ProcessRequest request;
+  // Interactive (a PTY on stdin), not a login shell: the image's profile scripts do not run.
+  request.argv = {"bash", "-i"};
+  request.pty = true;
   request.rows = rows;
   request.cols = cols;
-  auto session = (*env)->driver->OpenTerminal((*env)->ref, request);
+  auto session = (*env)->driver->SpawnProcess((*env)->ref, request);
   if (!session.ok()) {
     t->manager_ = nullptr;  // no close row for a terminal that never opened
     {
@@ -79,26 +84,66 @@ absl::StatusOr<std::unique_ptr<EnvironmentManager::Terminal>> EnvironmentManager
     return refuse(session.status());
   }
   t->session_ = *std::move(session);
-  {
-    std::lock_guard<std::mutex> lock(terminals_mu_);
-    open_terminals_[id].insert(t.get());
-  }
+  RegisterProcess(t.get());
   audit_.Record(caller, {.environment_id = id, .action = "terminal.open", .detail = detail});
   return t;
 }
 
-EnvironmentManager::Terminal::~Terminal() {
+absl::StatusOr<std::unique_ptr<EnvironmentManager::Process>> EnvironmentManager::SpawnProcess(
+    const Caller& caller, const std::string& id, ProcessRequest request) {
+  auto env = Lookup(caller.tenant, id);
+  if (!env.ok()) return env.status();
+  if (!(*env)->driver->Capabilities().Has(Capability::kProcesses))
+    return MissingCapabilityError((*env)->driver->name(), Capability::kProcesses);
+  if (request.argv.empty() || request.argv[0].empty())
+    return absl::InvalidArgumentError("a process needs a command (argv[0])");
+  request.pty = false;
+  {
+    std::lock_guard<std::mutex> lock((*env)->mu);
+    if ((*env)->record.state != EnvState::kRunning)
+      return EnvironmentNotFoundError(absl::StrCat("environment ", id, " is being destroyed (",
+                                                   (*env)->record.destroy_reason, ")"));
+  }
+  // Like a terminal: not while a step captures or restores the environment, and registered
+  // before the step lock is released so that a rewind that follows ends it.
+  std::unique_lock<std::recursive_timed_mutex> step_lock((*env)->step_mu, std::defer_lock);
+  if (!step_lock.try_lock_for(std::chrono::milliseconds(options_.terminal_step_wait_ms)))
+    return absl::UnavailableError(absl::StrCat(
+        "a step of environment ", id, " (a capture, rewind or fork) has been running for over ",
+        options_.terminal_step_wait_ms / 1000, " s; try again"));
+  Touch(**env);
+  auto session = (*env)->driver->SpawnProcess((*env)->ref, request);
+  if (!session.ok()) return session.status();
+  std::unique_ptr<Process> p(new Process());
+  p->manager_ = this;
+  p->caller_ = caller;
+  p->env_ = *env;
+  p->id_ = id;
+  p->start_ms_ = MonotonicMs();
+  p->last_activity_ms_ = p->start_ms_;
+  p->session_ = *std::move(session);
+  RegisterProcess(p.get());
+  return p;
+}
+
+void EnvironmentManager::RegisterProcess(Process* p) {
+  std::lock_guard<std::mutex> lock(terminals_mu_);
+  open_processes_[p->id_].insert(p);
+}
+
+EnvironmentManager::Process::~Process() {
   if (manager_ == nullptr) return;
   {
-    // First out of the registry (CloseTerminals holds terminals_mu_ while it ends one).
+    // First out of the registry (CloseProcesses holds terminals_mu_ while it ends one).
     std::lock_guard<std::mutex> lock(manager_->terminals_mu_);
-    if (auto it = manager_->open_terminals_.find(id_); it != manager_->open_terminals_.end()) {
+    if (auto it = manager_->open_processes_.find(id_); it != manager_->open_processes_.end()) {
       it->second.erase(this);
-      if (it->second.empty()) manager_->open_terminals_.erase(it);
+      if (it->second.empty()) manager_->open_processes_.erase(it);
     }
   }
   if (session_) session_->Kill().IgnoreError();
   session_.reset();
+  if (!terminal_) return;
   {
     std::lock_guard<std::mutex> lock(manager_->terminals_mu_);
     if (--manager_->terminals_by_env_[id_] <= 0) manager_->terminals_by_env_.erase(id_);
@@ -115,7 +160,7 @@ EnvironmentManager::Terminal::~Terminal() {
                            .bytes = bytes_.load()});
 }
 
-absl::Status EnvironmentManager::Terminal::Input(std::string_view data) {
+absl::Status EnvironmentManager::Process::Input(std::string_view data, bool eof) {
   last_activity_ms_ = MonotonicMs();
   bytes_ += static_cast<int64_t>(data.size());
   manager_->Touch(*env_);  // typing keeps the environment's lease alive
@@ -123,21 +168,21 @@ absl::Status EnvironmentManager::Terminal::Input(std::string_view data) {
   // the shell has read some: wait for it rather than drop keystrokes, but not forever.
   const int64_t deadline = MonotonicMs() + 5000;
   for (;;) {
-    absl::Status st = session_->Input(data);
+    absl::Status st = session_->Input(data, eof);
     if (!absl::IsUnavailable(st) || MonotonicMs() >= deadline) return st;
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
 }
 
-absl::Status EnvironmentManager::Terminal::Resize(int rows, int cols) {
+absl::Status EnvironmentManager::Process::Resize(int rows, int cols) {
   if (rows < 1 || rows > 1000 || cols < 1 || cols > 1000)
     return absl::InvalidArgumentError("terminal rows and cols must be 1-1000");
   last_activity_ms_ = MonotonicMs();
   return session_->Resize(rows, cols);
 }
 
-absl::StatusOr<std::optional<int>> EnvironmentManager::Terminal::Wait(int timeout_ms,
-                                                                      const OutputSink& sink) {
+absl::StatusOr<std::optional<int>> EnvironmentManager::Process::Wait(int timeout_ms,
+                                                                     const OutputSink& sink) {
   auto counting = [&](Stream s, std::string_view chunk) {
     if (!chunk.empty()) {
       last_activity_ms_ = MonotonicMs();
@@ -154,7 +199,7 @@ absl::StatusOr<std::optional<int>> EnvironmentManager::Terminal::Wait(int timeou
   return st;
 }
 
-void EnvironmentManager::Terminal::Close(std::string reason) {
+void EnvironmentManager::Process::Close(std::string reason) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (close_reason_.empty()) close_reason_ = std::move(reason);
@@ -162,26 +207,26 @@ void EnvironmentManager::Terminal::Close(std::string reason) {
   session_->Kill().IgnoreError();
 }
 
-std::string EnvironmentManager::Terminal::ended_by() const {
+std::string EnvironmentManager::Process::ended_by() const {
   std::lock_guard<std::mutex> lock(mu_);
   return ended_by_;
 }
 
-void EnvironmentManager::CloseTerminals(const std::string& id, const std::string& reason) {
+void EnvironmentManager::CloseProcesses(const std::string& id, const std::string& reason) {
   std::lock_guard<std::mutex> lock(terminals_mu_);
-  auto it = open_terminals_.find(id);
-  if (it == open_terminals_.end()) return;
-  for (Terminal* t : it->second) {
+  auto it = open_processes_.find(id);
+  if (it == open_processes_.end()) return;
+  for (Process* t : it->second) {
     {
       std::lock_guard<std::mutex> tlock(t->mu_);
       if (t->ended_by_.empty()) t->ended_by_ = reason;
     }
-    // Kills the shell and everything started in it (the session's process tree).
+    // Kills the process and everything started in it (the session's process tree).
     t->Close(reason);
   }
 }
 
-bool EnvironmentManager::Terminal::Idle() const {
+bool EnvironmentManager::Process::Idle() const {
   return MonotonicMs() - last_activity_ms_.load() >= manager_->options_.terminal_idle_timeout_ms;
 }
 

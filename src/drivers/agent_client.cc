@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <memory>
@@ -39,6 +40,8 @@ constexpr size_t kWriteChunk = 8 << 20;
 constexpr int64_t kTickMs = 250;
 // Commands longer than this go in the request payload instead of the header.
 constexpr size_t kMaxCommandInHeader = 32 * 1024;
+// How long the ping that checks a silent connection may take before it is given up.
+constexpr int kProbeTimeoutMs = 5000;
 
 // SECURITY: the agent lives inside the sandbox, and whatever answers on its socket is treated as
 // hostile. Every reply is refused past the size its op can legitimately need, so a lying peer
@@ -152,6 +155,8 @@ struct AgentClient::CallSpec {
   std::function<bool(const proto::Frame&)> on_output;
   // Sent as INPUT frames after the REQUEST, then EOF (nullptr: no stdin).
   const std::string* input = nullptr;
+  // The ping of ProbeSilentConnection (its own timeout probes nothing).
+  bool probe = false;
 };
 
 struct AgentClient::CallReply {
@@ -173,7 +178,7 @@ class AgentClient::Connection {
   };
 
   explicit Connection(int fd)
-      : fd_(fd), wake_(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)), channel_(fd) {}
+      : fd_(fd), wake_(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)), channel_(fd, wake_.get()) {}
   ~Connection() {
     Close("interrupted");
     uint64_t one = 1;
@@ -215,8 +220,21 @@ class AgentClient::Connection {
         }
       }
     }
+    last_frame_ms_ = proto::MonotonicMs();
     reader_ = std::thread([this] { ReadLoop(); });
     return absl::OkStatus();
+  }
+
+  // When the agent last sent a frame (of any call) on this connection.
+  int64_t last_frame_ms() const { return last_frame_ms_.load(); }
+  // One probe of a silent connection at a time (many calls may time out together).
+  bool TryStartProbe() { return !probing_.exchange(true); }
+  void EndProbe() { probing_ = false; }
+  // Gives the connection up: every pending call fails with `why`, the agent reads the end of
+  // the stream (it cancels the calls it still runs) and the next call connects again.
+  void Abandon(const std::string& why) {
+    Close(why, absl::UnavailableError(absl::StrCat("agent connection given up: ", why)));
+    ::shutdown(fd_.get(), SHUT_RDWR);
   }
 
   // Also dead once a write failed (the stream then holds a partial frame): the next call
@@ -304,12 +322,13 @@ class AgentClient::Connection {
     return calls_.erase(stream) > 0;
   }
 
-  void Close(const std::string& error) {
+  // `status`: what pending calls fail with (default: ConnectionError(error)).
+  void Close(const std::string& error, absl::Status status = absl::OkStatus()) {
     std::map<uint32_t, std::shared_ptr<Pending>> calls;
     absl::Status failure;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (failure_.ok()) failure_ = ConnectionError(error);
+      if (failure_.ok()) failure_ = status.ok() ? ConnectionError(error) : std::move(status);
       failure = failure_;
       calls.swap(calls_);
       slots_.notify_all();
@@ -356,9 +375,13 @@ class AgentClient::Connection {
         std::string error;
         if (!proto::ReadFrame(fd_.get(), &frame, &error, -1, proto::kMaxFrameBytes, limit,
                               wake_.get())) {
+          // Woken because a write broke the stream (any writer: a REQUEST, a WINDOW): every
+          // pending call fails now with that reason, and the next call connects again.
+          if (error == "interrupted" && channel_.closed()) error = channel_.close_reason();
           Close(error);
           return;
         }
+        last_frame_ms_ = proto::MonotonicMs();
         if (std::string violation = Dispatch(std::move(frame)); !violation.empty()) {
           Close(violation);
           return;
@@ -431,6 +454,8 @@ class AgentClient::Connection {
   size_t max_calls_ = 64;     // from the HELLO
   std::condition_variable slots_;  // a call ended (or the connection broke)
   absl::Status failure_;      // guarded by mu_
+  std::atomic<int64_t> last_frame_ms_{0};
+  std::atomic<bool> probing_{false};
 };
 
 namespace {
@@ -497,17 +522,51 @@ absl::StatusOr<std::shared_ptr<AgentClient::Connection>> AgentClient::Connected(
 absl::StatusOr<AgentClient::CallReply> AgentClient::Call(const CallSpec& spec) {
   absl::StatusOr<std::shared_ptr<Connection>> conn = Connected(spec.deadline_ms);
   if (!conn.ok()) return conn.status();
-  absl::StatusOr<std::shared_ptr<Connection::Pending>> started = (*conn)->Begin(spec);
+  return CallOn(*conn, spec);
+}
+
+bool AgentClient::ProbeSilentConnection(const std::shared_ptr<Connection>& conn, int64_t since_ms) {
+  // F11: an agent that had stopped answering on its connection (while the connection stayed
+  // open) made every call time out for ever. Calls that time out on a silent connection now
+  // ask it directly; a live agent answers a ping at once (or says it is busy).
+  if (conn->last_frame_ms() >= since_ms || conn->dead() || !conn->TryStartProbe()) return false;
+  CallSpec ping;
+  ping.header = {{"op", "ping"}};
+  ping.probe = true;
+  const int64_t start = proto::MonotonicMs();
+  ping.deadline_ms = start + kProbeTimeoutMs;
+  absl::StatusOr<CallReply> reply = CallOn(conn, ping);
+  conn->EndProbe();
+  // Only a ping that went out and met silence condemns the connection (not "agent busy", not
+  // a connection that broke meanwhile, not one that delivered anything since).
+  if (reply.ok() || conn->last_frame_ms() >= start ||
+      !absl::StartsWith(reply.status().message(), "agent call timed out")) {
+    return false;
+  }
+  const std::string why = absl::StrCat(
+      "the agent stopped answering on its connection (a call "
+      "timed out and a ping got no answer in ",
+      kProbeTimeoutMs / 1000, " s)");
+  LogWarn(absl::StrCat(label_, ": ", why, "; giving the connection up (the next call connects "
+                       "again)"));
+  conn->Abandon(why);
+  return true;
+}
+
+absl::StatusOr<AgentClient::CallReply> AgentClient::CallOn(const std::shared_ptr<Connection>& conn,
+                                                           const CallSpec& spec) {
+  const int64_t started_ms = proto::MonotonicMs();
+  absl::StatusOr<std::shared_ptr<Connection::Pending>> started = conn->Begin(spec);
   if (!started.ok()) return started.status();
   std::shared_ptr<Connection::Pending> call = *started;
   // Stdin goes out from a thread of its own: waiting for input credit must never stop this
   // thread from taking output (the agent may be waiting for output credit in turn).
   std::thread input;
   if (spec.input) {
-    input = std::thread([conn = *conn, call, data = spec.input, deadline = spec.deadline_ms] {
+    input = std::thread([conn, call, data = spec.input, deadline = spec.deadline_ms] {
       std::string error;
       if (conn->channel().SendData(proto::FrameType::kInput, call->stream, {}, *data, deadline,
-                                   &error)) {
+                                   deadline, &error)) {
         proto::Frame eof;
         eof.type = proto::FrameType::kInput;
         eof.stream = call->stream;
@@ -524,12 +583,12 @@ absl::StatusOr<AgentClient::CallReply> AgentClient::Call(const CallSpec& spec) {
         proto::Frame frame = std::move(call->output.front());
         call->output.pop_front();
         lock.unlock();
-        (*conn)->channel().Consumed(call->stream, frame.payload.size());
+        conn->channel().Consumed(call->stream, frame.payload.size());
         bool go_on = spec.on_output(frame);
         lock.lock();
         if (!go_on) {
           lock.unlock();
-          (*conn)->Cancel(*call);
+          conn->Cancel(*call);
           return absl::CancelledError("command cancelled by the output consumer");
         }
         continue;
@@ -549,7 +608,12 @@ absl::StatusOr<AgentClient::CallReply> AgentClient::Call(const CallSpec& spec) {
       int64_t now = proto::MonotonicMs();
       if (now >= spec.deadline_ms) {
         lock.unlock();
-        (*conn)->Cancel(*call);
+        conn->Cancel(*call);
+        if (!spec.probe && ProbeSilentConnection(conn, started_ms)) {
+          return absl::DeadlineExceededError(
+              "agent call timed out; the agent did not answer a ping on its connection either, "
+              "which was given up (the next call connects again)");
+        }
         return absl::DeadlineExceededError("agent call timed out");
       }
       int64_t wait = spec.deadline_ms - now;
@@ -563,14 +627,14 @@ absl::StatusOr<AgentClient::CallReply> AgentClient::Call(const CallSpec& spec) {
         lock.lock();
         if (!go_on) {
           lock.unlock();
-          (*conn)->Cancel(*call);
+          conn->Cancel(*call);
           return absl::CancelledError("command cancelled by the output consumer");
         }
       }
     }
   }();
   if (input.joinable()) {
-    (*conn)->Cancel(*call);  // no-op once answered; wakes a sender waiting for credit
+    conn->Cancel(*call);  // no-op once answered; wakes a sender waiting for credit
     input.join();
   }
   return result;
@@ -816,7 +880,7 @@ absl::Status AgentClient::Configure(const std::map<std::string, std::string>& en
   return Call(spec).status();
 }
 
-absl::StatusOr<std::string> AgentClient::Spawn(const SpawnRequest& request) {
+absl::StatusOr<std::string> AgentClient::Spawn(const ProcessRequest& request) {
   if (request.argv.empty()) return absl::InvalidArgumentError("spawn: empty argv");
   json::array argv;
   for (const std::string& a : request.argv) argv.emplace_back(a);

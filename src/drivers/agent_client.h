@@ -33,14 +33,6 @@ class AgentTransport {
 // AgentProtocolOutdated tells such a status apart.
 bool AgentProtocolOutdated(const absl::Status& status);
 
-struct SpawnRequest {
-  std::vector<std::string> argv;  // run directly (argv[0] looked up in PATH)
-  std::map<std::string, std::string> env;
-  std::string cwd;  // relative to the workspace; empty: the workspace
-  bool pty = false;
-  int rows = 24, cols = 80;
-};
-
 // A `walk` answer as the agent sent it (docs/agent-protocol.md "Workspace steps"): the
 // manifest's JSON and the contents it carries, unparsed and untrusted (drivers/
 // workspace_steps.h validates them).
@@ -68,6 +60,9 @@ class AgentClient {
   AgentClient(const AgentClient&) = delete;
   AgentClient& operator=(const AgentClient&) = delete;
 
+  // Names the agent in esbd's log (e.g. "agent of env_..."); call before the first call.
+  void SetLabel(std::string label) { label_ = std::move(label); }
+
   // Unix-socket connector with a connect timeout.
   static Connector UnixSocket(std::string path, int timeout_ms = 2000);
   // One already-open byte stream that carries everything (a microVM's virtio-serial port).
@@ -94,7 +89,7 @@ class AgentClient {
   absl::Status Configure(const std::map<std::string, std::string>& env);
 
   // Long-lived processes (docs/agent-protocol.md, "Processes"). Spawn returns the process id.
-  absl::StatusOr<std::string> Spawn(const SpawnRequest& request);
+  absl::StatusOr<std::string> Spawn(const ProcessRequest& request);
   absl::Status Input(const std::string& id, std::string_view data, bool eof);
   absl::Status Signal(const std::string& id, int signal);
   absl::Status Resize(const std::string& id, int rows, int cols);
@@ -129,8 +124,14 @@ class AgentClient {
   // The live connection, connecting first if there is none (or it broke).
   absl::StatusOr<std::shared_ptr<Connection>> Connected(int64_t deadline_ms);
   absl::StatusOr<CallReply> Call(const CallSpec& spec);
+  absl::StatusOr<CallReply> CallOn(const std::shared_ptr<Connection>& conn, const CallSpec& spec);
+  // A call ran to its deadline without a single frame from the agent since `since_ms`: pings
+  // the connection itself and gives it up when that gets no answer either (pending calls fail
+  // at once, the next call connects again). True if it was given up.
+  bool ProbeSilentConnection(const std::shared_ptr<Connection>& conn, int64_t since_ms);
 
   std::unique_ptr<AgentTransport> transport_;
+  std::string label_ = "agent";
   std::timed_mutex connect_mu_;  // one connect at a time; guards conn_
   std::shared_ptr<Connection> conn_;
 };

@@ -400,6 +400,76 @@ TEST(LyingAgentTest, BrokenWriteFailsCallsAlreadyWaitingForAnswers) {
   EXPECT_EQ(stat_status.code(), absl::StatusCode::kUnavailable) << stat_status;
 }
 
+// Attack F11 (REVIEW-issue14.md): an agent that keeps its connection open and reads every
+// request but answers none (as the agent did after a broken write left its side half-open)
+// made every call of the environment time out, for ever. A call that times out on a connection
+// that said nothing meanwhile now pings it; silence there too gives the connection up, its
+// pending calls fail at once, and the next call connects again (here to an agent that answers).
+TEST(LyingAgentTest, AgentSilentOnAnOpenConnectionIsGivenUpAndTheNextCallReconnects) {
+  std::atomic<int> connections{0};
+  LyingAgent agent([&](int fd) {
+    WriteAll(fd, Hello());
+    const bool silent = connections++ == 0;
+    for (;;) {
+      proto::Frame f;
+      std::string error;
+      // The silent one reads until esbd gives the connection up (the end of the stream).
+      if (!proto::ReadFrame(fd, &f, &error, proto::MonotonicMs() + 30000)) return;
+      if (silent || f.type != proto::FrameType::kRequest) continue;
+      WriteAll(fd, RawFrame(proto::FrameType::kResponse, R"({"ok":true})", "", 0, f.stream));
+    }
+  });
+  AgentClient client = agent.Client();
+  absl::Status pending;
+  std::thread other([&] {
+    ExecRequest request;  // a call already waiting on the connection when it is given up
+    request.command = "sleep 100";
+    request.timeout = std::chrono::milliseconds(60000);
+    pending = client.Exec(request, nullptr).status();
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  auto start = std::chrono::steady_clock::now();
+  absl::Status first = client.Ping(1000);
+  auto took = std::chrono::steady_clock::now() - start;
+  EXPECT_EQ(first.code(), absl::StatusCode::kDeadlineExceeded) << first;
+  EXPECT_NE(first.message().find("given up"), std::string::npos) << first;
+  EXPECT_LT(took, std::chrono::milliseconds(1000 + 5000 + 2000));
+  other.join();
+  EXPECT_EQ(pending.code(), absl::StatusCode::kUnavailable) << pending;
+  EXPECT_NE(pending.message().find("stopped answering"), std::string::npos) << pending;
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(8000));
+  EXPECT_TRUE(client.Ping(2000).ok());
+  EXPECT_EQ(connections.load(), 2);
+}
+
+// A live agent that merely does not answer one call in time is not given up: the probe's ping
+// answers, so the timed-out call fails alone and the connection stays.
+TEST(LyingAgentTest, ACallTimingOutOnALiveConnectionKeepsTheConnection) {
+  std::atomic<int> connections{0};
+  LyingAgent agent([&](int fd) {
+    ++connections;
+    WriteAll(fd, Hello());
+    for (;;) {
+      proto::Frame f;
+      std::string error;
+      if (!proto::ReadFrame(fd, &f, &error, proto::MonotonicMs() + 30000)) return;
+      if (f.type != proto::FrameType::kRequest) continue;
+      const json::value* op = f.header.if_contains("op");
+      if (op && op->is_string() && op->as_string() == "exec") continue;  // never answered
+      WriteAll(fd, RawFrame(proto::FrameType::kResponse, R"({"ok":true})", "", 0, f.stream));
+    }
+  });
+  AgentClient client = agent.Client();
+  ExecRequest request;
+  request.command = "true";
+  request.timeout = std::chrono::milliseconds(100);  // deadline: 5.1 s
+  absl::Status st = client.Exec(request, nullptr).status();
+  EXPECT_EQ(st.code(), absl::StatusCode::kDeadlineExceeded) << st;
+  EXPECT_EQ(st.message().find("given up"), std::string::npos) << st;
+  EXPECT_TRUE(client.Ping(2000).ok());
+  EXPECT_EQ(connections.load(), 1);
+}
+
 // Numbers out of int64's range (1e300) used to be cast from double, which is undefined
 // behaviour (on x86 an exit code of 1e300 came out as 0, i.e. success). They are ignored.
 TEST(LyingAgentTest, OutOfRangeNumbersInARepliesAreIgnoredNotCast) {

@@ -644,7 +644,7 @@ TEST_F(AgentClientTest, ReconnectsAfterTheAgentRestarts) {
 // `spawn` of an interactive Python driven through `input` and `wait` (output streamed to a
 // sink), then its exit status.
 TEST_F(AgentClientTest, SpawnPythonInteractiveDrivenThroughInputAndOutput) {
-  SpawnRequest request;
+  ProcessRequest request;
   request.argv = {"python3", "-i", "-u", "-q"};
   absl::StatusOr<std::string> id = client_.Spawn(request);
   ASSERT_TRUE(id.ok()) << id.status();
@@ -673,7 +673,7 @@ TEST_F(AgentClientTest, SpawnPythonInteractiveDrivenThroughInputAndOutput) {
 
 // A PTY whose size changes: the process sees the new size (TIOCSWINSZ + SIGWINCH).
 TEST_F(AgentClientTest, PtySizeChanges) {
-  SpawnRequest request;
+  ProcessRequest request;
   request.argv = {"bash", "--noprofile", "--norc", "-c",
                   "stty size; read -r line; stty size; echo got:$line"};
   request.pty = true;
@@ -703,7 +703,7 @@ TEST_F(AgentClientTest, PtySizeChanges) {
 }
 
 TEST_F(AgentClientTest, KillEndsASpawnedTree) {
-  SpawnRequest request;
+  ProcessRequest request;
   request.argv = {"bash", "-c", "setsid sleep 100 & echo $!; sleep 100"};
   absl::StatusOr<std::string> id = client_.Spawn(request);
   ASSERT_TRUE(id.ok()) << id.status();
@@ -733,7 +733,7 @@ TEST_F(AgentClientTest, SyncFreezesAndThawsAndReseedMixesEntropy) {
   EXPECT_EQ(Run("echo thawed").stdout_data, "thawed\n");
   EXPECT_TRUE(client_.Reseed(std::string(32, '\x5a')).ok());
   EXPECT_EQ(client_.Reseed("short").code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(client_.Spawn(SpawnRequest{}).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(client_.Spawn(ProcessRequest{}).status().code(), absl::StatusCode::kInvalidArgument);
   absl::StatusOr<std::vector<std::string>> ops = client_.Capabilities();
   ASSERT_TRUE(ops.ok());
   for (const char* op :

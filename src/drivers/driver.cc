@@ -48,6 +48,8 @@ std::string_view CapabilityName(Capability capability) {
       return "volumes";
     case Capability::kSteps:
       return "steps";
+    case Capability::kProcesses:
+      return "processes";
   }
   return "unknown";
 }
@@ -169,9 +171,10 @@ absl::Status Driver::DeleteVolume(const std::string&) {
   return MissingCapabilityError(name(), Capability::kVolumes);
 }
 
-absl::StatusOr<std::unique_ptr<TerminalSession>> Driver::OpenTerminal(const InstanceRef&,
-                                                                      const TerminalRequest&) {
-  return MissingCapabilityError(name(), Capability::kTerminal);
+absl::StatusOr<std::unique_ptr<ProcessSession>> Driver::SpawnProcess(
+    const InstanceRef&, const ProcessRequest& request) {
+  return MissingCapabilityError(name(),
+                                request.pty ? Capability::kTerminal : Capability::kProcesses);
 }
 
 absl::StatusOr<UniqueFd> Driver::OpenEgressListener(const InstanceRef&) {

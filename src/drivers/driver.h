@@ -191,25 +191,34 @@ struct RunResult {
   bool streamed = false;
 };
 
-// kTerminal: an interactive shell on a PTY inside an instance (Driver::OpenTerminal).
-struct TerminalRequest {
-  int rows = 24, cols = 80;  // 1-1000 each
+// A process started inside an instance (Driver::SpawnProcess): with pipes for stdin, stdout and
+// stderr (capability kProcesses: e.g. an MCP server hosted in the sandbox, core/mcp_hosts), or
+// on a PTY (capability kTerminal: the interactive shell of core/terminal.cc). It runs as the
+// sandbox user in its own process group and dies with the instance.
+struct ProcessRequest {
+  std::vector<std::string> argv;  // run directly (argv[0] looked up in PATH); not empty
   std::map<std::string, std::string> env;
+  std::string cwd;  // relative to /workspace; empty: /workspace
+  bool pty = false;
+  int rows = 24, cols = 80;  // with pty: 1-1000 each
 };
 
-// One open terminal: a shell whose controlling terminal is a PTY. Thread-safe: one thread may
-// Wait (the output) while others call Input, Resize or Kill. Destroying it kills the shell.
-class TerminalSession {
+// One running process. Thread-safe: one thread may Wait (the output) while others call Input,
+// Resize or Kill. Destroying it kills the process and everything it started.
+class ProcessSession {
  public:
-  virtual ~TerminalSession() = default;
-  // Bytes for the PTY (keystrokes). Unavailable when the guest's input queue is full (retry
-  // later) or the instance is gone.
-  virtual absl::Status Input(std::string_view data) = 0;
+  virtual ~ProcessSession() = default;
+  // Bytes for its stdin (or the PTY: keystrokes); `eof` closes stdin afterwards. Unavailable
+  // when the guest's input queue is full (retry later) or the instance is gone.
+  virtual absl::Status Input(std::string_view data, bool eof = false) = 0;
+  // PTY only (InvalidArgument otherwise).
   virtual absl::Status Resize(int rows, int cols) = 0;
-  // Delivers the PTY's output to `sink` (Stream::kStdout) until the shell exits (its exit code,
-  // 128+N for signal N) or `timeout_ms` passes (nullopt: still running).
+  // Delivers the output to `sink` (stdout and stderr apart; a PTY's is all Stream::kStdout) until
+  // the process exits (its exit code, 128+N for signal N) or `timeout_ms` passes (nullopt:
+  // still running). The sink returning false ends this wait early (nullopt), not the process.
+  // One Wait at a time.
   virtual absl::StatusOr<std::optional<int>> Wait(int timeout_ms, const OutputSink& sink) = 0;
-  // Kills the shell and everything it started. Idempotent.
+  // Kills the process and everything it started. Idempotent.
   virtual absl::Status Kill() = 0;
 };
 
@@ -225,15 +234,16 @@ enum class Capability {
   kFork,           // Fork a live environment into a second one
   kPause,          // Pause + Resume
   kEgress,         // a governed network (NetworkPolicy other than none)
-  kTerminal,       // interactive PTY sessions
+  kTerminal,       // interactive PTY sessions (SpawnProcess with pty)
   kVolumes,        // persistent volumes (CreateVolume/DeleteVolume, EnvSpec::volumes)
   kSteps,          // time travel: CaptureStep + RestoreStep (step_state.h)
+  kProcesses,      // long-lived processes with stdio pipes (SpawnProcess without pty)
 };
 inline constexpr Capability kAllCapabilities[] = {
     Capability::kExec,          Capability::kFiles,    Capability::kPythonSession,
     Capability::kPythonOneShot, Capability::kSnapshot, Capability::kFork,
     Capability::kPause,         Capability::kEgress,   Capability::kTerminal,
-    Capability::kVolumes,       Capability::kSteps};
+    Capability::kVolumes,       Capability::kSteps,    Capability::kProcesses};
 std::string_view CapabilityName(Capability capability);  // "exec", "python_session", ...
 
 class CapabilitySet {
@@ -370,10 +380,10 @@ class Driver {
   virtual std::set<std::string> ReleasedSnapshots(const std::string& source_id);
   virtual bool HasReleasedSnapshots();
 
-  // kTerminal: starts a login-less interactive bash in /workspace as the sandbox user, on a
-  // PTY of request.rows x request.cols.
-  virtual absl::StatusOr<std::unique_ptr<TerminalSession>> OpenTerminal(
-      const InstanceRef& ref, const TerminalRequest& request);
+  // kProcesses (pipes) / kTerminal (request.pty): starts request.argv in the instance as the
+  // sandbox user. The default refuses with the missing capability.
+  virtual absl::StatusOr<std::unique_ptr<ProcessSession>> SpawnProcess(
+      const InstanceRef& ref, const ProcessRequest& request);
 
   // kEgress: a new listening TCP socket on 127.0.0.1:3128 inside the network namespace of the
   // kGoverned environment `ref`, for the egress proxy (core/egress.h). Each call opens a fresh

@@ -22,6 +22,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "api/http_server.h"
+#include "api/mcp/conformance_fixtures.h"
+#include "api/mcp/esb_tools.h"
+#include "api/mcp/mcp_endpoint.h"
 #include "api/run_service.h"
 #include "api/service.h"
 #include "common/host_memory.h"
@@ -31,13 +34,16 @@
 #include "core/egress_proxy.h"
 #include "core/environment_manager.h"
 #include "core/image_discovery.h"
+#include "core/mcp_hosts/hosts.h"
 #include "core/metrics.h"
 #include "core/recovery.h"
 #include "core/snapshots/blob_store.h"
+#include "core/tools/tool_gate.h"
 #include "drivers/container/container_driver.h"
 #include "drivers/nano/nano_driver.h"
 #include "exe/flags.h"
 #include "exe/keys_command.h"
+#include "exe/mcp_stdio.h"
 #include "governance/tls/ca.h"
 #include "router/rules.h"
 #include "storage/store.h"
@@ -184,6 +190,56 @@ int CleanupCommand(esb::Store* store, const esb::DriverRegistry& registry) {
 
 }  // namespace
 
+// `esbd mcp-stdio [--url URL] [--socket PATH] [--path /mcp]`: the MCP stdio bridge to a running
+// daemon (exe/mcp_stdio.h). stdout carries MCP only; everything else goes to stderr.
+int McpStdioCommand(const esb::DaemonConfig& config, const std::vector<std::string>& command) {
+  std::string url, socket, path = "/mcp";
+  for (size_t i = 1; i < command.size(); ++i) {
+    const std::string& a = command[i];
+    std::string* target = a == "--url"      ? &url
+                          : a == "--socket" ? &socket
+                          : a == "--path"   ? &path
+                                            : nullptr;
+    if (!target || i + 1 >= command.size())
+      return Fail(absl::StrCat("mcp-stdio: unknown or incomplete argument '", a,
+                               "' (usage: esbd mcp-stdio [--url URL] [--socket PATH])"));
+    *target = command[++i];
+  }
+  esb::McpStdioOptions o;
+  o.path = path;
+  if (const char* key = std::getenv("ESB_API_KEY"); key && *key) o.api_key = key;
+  if (!url.empty()) {
+    auto ep = esb::cli::ParseUrl(url);
+    if (!ep.ok()) return Fail(absl::StrCat("mcp-stdio: ", ep.status().message()));
+    o.endpoint = *ep;
+  } else {
+    if (socket.empty()) {
+      if (config.unix_socket == "none")
+        return Fail("mcp-stdio: the daemon has no unix socket (unix_socket none): use --url");
+      socket = config.unix_socket.empty()
+                   ? (std::filesystem::absolute(config.state_dir) / "esbd.sock").string()
+                   : config.unix_socket;
+    }
+    o.endpoint = esb::cli::UnixEndpoint(socket);
+  }
+  signal(SIGPIPE, SIG_IGN);
+  esb::LogInfo(
+      absl::StrCat("mcp-stdio: serving MCP on stdin/stdout for esbd at ", o.endpoint.url, o.path));
+  return esb::RunMcpStdio(o, std::cin, std::cout, esb::cli::MakeBeastTransport);
+}
+
+// The tools /mcp serves: esbd's (api/mcp/esb_tools.h, every call through the ToolCallGate),
+// plus the conformance suite's fixtures when asked (tests only).
+std::shared_ptr<esb::tools::ToolProvider> McpTools(std::shared_ptr<esb::tools::ToolProvider> esbd,
+                                                   bool conformance_fixtures) {
+  if (!conformance_fixtures) return esbd;
+  esb::LogWarn("==================================================================");
+  esb::LogWarn("TEST ONLY: --mcp-conformance-fixtures: /mcp also serves the MCP");
+  esb::LogWarn("conformance suite's fixture tools (test_simple_text, ...).");
+  esb::LogWarn("==================================================================");
+  return esb::api::mcp::MergeProviders(std::move(esbd), esb::api::mcp::NewConformanceFixtures());
+}
+
 int main(int argc, char** argv) {
   // Large buffers (request bodies, answers, file chunks) come and go in bursts. glibc's dynamic
   // thresholds would serve them from per-thread heaps it keeps (up to 64 MiB of free top chunk
@@ -208,6 +264,7 @@ int main(int argc, char** argv) {
   if (config.log_level == "debug") esb::SetLogLevel(esb::LogLevel::kDebug);
   else if (config.log_level == "warn") esb::SetLogLevel(esb::LogLevel::kWarn);
   else if (config.log_level == "error") esb::SetLogLevel(esb::LogLevel::kError);
+  if (!command.empty() && command[0] == "mcp-stdio") return McpStdioCommand(config, command);
   if (absl::Status st = esb::ResolveMemoryLimits(esb::HostMemoryMb(), &config); !st.ok())
     return Fail(std::string(st.message()));
   // SECURITY: the kernel's OOM killer picks sandboxes (oom_score_adj 500, oci_spec) and never
@@ -401,6 +458,13 @@ int main(int argc, char** argv) {
   if (!artifacts.ok())
     return Fail(absl::StrCat("artifact store: ", artifacts.status().message()));
   service.SetArtifactStore(artifacts->get());
+  // The one gate of every tool call (core/tools/tool_gate.h: DLP, one tool.call audit row).
+  esb::tools::ToolCallGate tool_gate(&manager.audit(), esb::tools::DlpPolicyFrom(&manager));
+  // MCP servers hosted in sandboxes (core/mcp_hosts): their REST routes, and the function
+  // EsbToolsDeps::environment_tools takes: mcp_hosts->EnvironmentProvider.
+  auto mcp_hosts = std::make_unique<esb::mcp_hosts::McpHosts>(&manager, config.mcp);
+  mcp_hosts->SetCallGate(&tool_gate);
+  service.SetMcpHosts(mcp_hosts.get());
   // `packages`: wheels from the configured index, cached on the host. With no index, only
   // requirements the image already satisfies are accepted.
   esb::packages::BeastHttpFetcher fetcher(config.packages.ca_file);
@@ -436,6 +500,55 @@ int main(int argc, char** argv) {
                                       .installer = &installer});
   service.SetRunHandler(esb::api::MakeRunHandler(&run_pipeline));
   service.Register(server.router());
+  // MCP at /mcp (docs/api.md "MCP"): the same keys and tenants as REST.
+  esb::api::mcp::McpEndpointOptions mcp_options;
+  mcp_options.max_sessions = static_cast<int>(config.mcp.max_sessions);
+  mcp_options.max_sessions_per_tenant = static_cast<int>(config.mcp.max_sessions_per_tenant);
+  mcp_options.session_idle_timeout_ms = config.mcp.session_idle_s * 1000;
+  mcp_options.allowed_origins = config.mcp.allowed_origins;
+  // Host names this machine (DNS rebinding protection) when only loopback can connect.
+  const bool loopback = host == "127.0.0.1" || host == "::1" || host == "localhost";
+  mcp_options.loopback_listener = loopback;
+  mcp_options.instructions =
+      "EnterSandBox: sandboxed environments for running code. Create an environment, then run "
+      "commands and code and read and write files in it by its environment_id.";
+  // esbd's own tools (api/mcp/esb_tools.h) through the one tool gate built above (the one hosted
+  // servers' calls pass too); list_environment_tools / call_environment_tool reach the
+  // environment's hosted servers (namespaced "<server>.<tool>").
+  esb::mcp_hosts::McpHosts* hosts = mcp_hosts.get();
+  auto esbd_tools = std::make_shared<esb::api::mcp::EsbTools>(esb::api::mcp::EsbToolsDeps{
+      .manager = &manager,
+      .api = &service,
+      .gate = &tool_gate,
+      .pipeline = &run_pipeline,
+      .artifacts = artifacts->get(),
+      .environment_tools = [hosts](const esb::Caller& caller, const std::string& environment_id) {
+        return hosts->EnvironmentProvider(caller, environment_id);
+      }});
+  std::shared_ptr<esb::tools::ToolProvider> mcp_tools =
+      McpTools(esbd_tools, cmdline->mcp_conformance_fixtures);
+  auto mcp = esb::api::mcp::RegisterMcpEndpoint(
+      server.router(), "/mcp",
+      {.admit = [&service](esb::api::Request& r) { return service.Admit(r, false); },
+       .caller_of = [&service](const esb::api::Request& r) { return service.CallerOf(r); }},
+      [mcp_tools](const esb::api::Request&, const esb::Caller&)
+          -> absl::StatusOr<std::shared_ptr<esb::tools::ToolProvider>> { return mcp_tools; },
+      mcp_options);
+  // Each MCP server hosted in a sandbox at /environments/{id}/mcp/{name} (docs/api.md "Hosted
+  // MCP servers"): the same transport, the hosted server's own tools unchanged; another
+  // tenant's environment (or no such server) is 404.
+  esb::api::mcp::McpEndpointOptions hosted_mcp_options = mcp_options;
+  hosted_mcp_options.server_name = "esbd-hosted";
+  hosted_mcp_options.instructions.clear();
+  auto hosted_mcp = esb::api::mcp::RegisterMcpEndpoint(
+      server.router(), "/environments/{id}/mcp/{name}",
+      {.admit = [&service](esb::api::Request& r) { return service.Admit(r, false); },
+       .caller_of = [&service](const esb::api::Request& r) { return service.CallerOf(r); }},
+      [&mcp_hosts](const esb::api::Request& r, const esb::Caller& caller)
+          -> absl::StatusOr<std::shared_ptr<esb::tools::ToolProvider>> {
+        return mcp_hosts->ServerProvider(caller, r.Param("id"), r.Param("name"));
+      },
+      hosted_mcp_options);
   if (absl::Status st = server.Start(); !st.ok()) {
     manager.Stop();
     return Fail(absl::StrCat("cannot listen on ", config.listen, ": ", st.message()));
@@ -456,7 +569,6 @@ int main(int argc, char** argv) {
   }
 
   auto keys = (*store)->CountActiveApiKeys();
-  bool loopback = host == "127.0.0.1" || host == "::1" || host == "localhost";
   if (keys.ok() && *keys == 0) {
     esb::LogWarn("==================================================================");
     esb::LogWarn("DEV MODE: no API keys configured. Only loopback/unix-socket clients");
@@ -474,7 +586,11 @@ int main(int argc, char** argv) {
   esb::LogInfo(absl::StrCat("received ", strsignal(sig), "; shutting down (environments keep "
                             "running and are re-attached on the next start)"));
   if (nano_warmup.joinable()) nano_warmup.join();
+  mcp->Shutdown();  // wakes MCP GET streams so the server drains quickly
+  hosted_mcp->Shutdown();
   server.Stop();
+  // Hosted MCP servers end with esbd (they are not re-attached: docs/design.md).
+  mcp_hosts.reset();
   manager.Stop();
   // The proxy goes with esbd (its listeners close: governed sandboxes fail closed until the
   // next esbd re-attaches them).

@@ -20,6 +20,15 @@ Usage:
   esbd keys revoke KEY_ID                         revoke a key
   esbd cleanup                                    destroy every environment recorded in the
                                                   state dir (the daemon must not be running)
+  esbd mcp-stdio [--url URL] [--socket PATH]      an MCP stdio server (newline-delimited
+                                                  JSON-RPC on stdin/stdout) for a running esbd:
+                                                  its unix socket by default, or --url with the
+                                                  API key from ESB_API_KEY
+
+MCP: esbd serves MCP (2025-11-25 sessions and the stateless 2026-07-28) at /mcp with the same
+API keys as REST; limits and allowed browser origins in the config's "mcp" object.
+--mcp-conformance-fixtures (TEST ONLY, off by default) adds the official conformance suite's
+fixture tools (test_simple_text, ...) to /mcp.
 
 Egress (environments created with a network policy): --egress-resolve makes the egress proxy
 send NAME to HOST:PORT instead of resolving it (tests, air-gapped sites; config
@@ -92,6 +101,10 @@ absl::StatusOr<CommandLine> ParseCommandLine(
     }
     if (a == "--version") {
       out.version = true;
+      continue;
+    }
+    if (a == "--mcp-conformance-fixtures" && out.command.empty()) {
+      out.mcp_conformance_fixtures = true;
       continue;
     }
     if (a.rfind("--", 0) != 0) {  // a word of the command

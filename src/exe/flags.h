@@ -19,6 +19,8 @@ struct CommandLine {
   bool version = false;
   std::string config_path;           // --config or ESBD_CONFIG ("" when none)
   std::vector<std::string> command;  // e.g. {"keys", "add", "--tenant", "t"}; empty: serve
+  // TEST ONLY: /mcp also serves the MCP conformance suite's fixture tools.
+  bool mcp_conformance_fixtures = false;
 };
 
 // Parses `args` (argv without argv[0]) into `config`: reads the config file named by --config

@@ -25,6 +25,21 @@ absl::StatusOr<CommandLine> Parse(std::vector<std::string> args, DaemonConfig* c
   return ParseCommandLine(args, env.fn(), c);
 }
 
+TEST(FlagsTest, McpConformanceFixturesIsOffUnlessGiven) {
+  DaemonConfig c;
+  auto cl = Parse({"--listen", "127.0.0.1:1"}, &c);
+  ASSERT_TRUE(cl.ok());
+  EXPECT_FALSE(cl->mcp_conformance_fixtures);
+  cl = Parse({"--mcp-conformance-fixtures"}, &c);
+  ASSERT_TRUE(cl.ok());
+  EXPECT_TRUE(cl->mcp_conformance_fixtures);
+  // After a command's first word it is the command's own argument.
+  cl = Parse({"mcp-stdio", "--mcp-conformance-fixtures"}, &c);
+  ASSERT_TRUE(cl.ok());
+  EXPECT_FALSE(cl->mcp_conformance_fixtures);
+  EXPECT_EQ(cl->command, (std::vector<std::string>{"mcp-stdio", "--mcp-conformance-fixtures"}));
+}
+
 TEST(FlagsTest, FlagsInBothSpellingsFillTheConfig) {
   DaemonConfig c;
   auto cl = Parse({"--listen", "0.0.0.0:9", "--state-dir=/s", "--image", "default=/r",

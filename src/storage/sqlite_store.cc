@@ -19,6 +19,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <thread>
 #include <tuple>
@@ -260,6 +261,13 @@ CREATE TABLE steps (
   PRIMARY KEY (env_id, n)
 );
 CREATE INDEX steps_live_memory ON steps(memory_live) WHERE memory_live = 1;
+)sql",
+    // v8: tool calls (issue 14). A "tool.call" audit row (core/tools/tool_gate.h) keeps what
+    // the tool gate saw as one JSON object (tool, server, decision, rule ids, redacted
+    // arguments, result size); NULL on every other row. Its detail (FTS-indexed like every
+    // row's) names the tool, the decision and the rules. Independent of v5..v7.
+    R"sql(
+ALTER TABLE audit ADD COLUMN tool_call TEXT;
 )sql",
 };
 constexpr int kLatestVersion = static_cast<int>(sizeof(kMigrations) / sizeof(kMigrations[0]));
@@ -1240,6 +1248,7 @@ class SqliteStore final : public Store {
     row.detail = CapField(e.detail, options_.max_detail_bytes);
     row.principal = CapField(e.principal, kMaxActionBytes);
     if (row.egress) CapEgress(&*row.egress);
+    if (row.tool_call) CapToolCall(&*row.tool_call);
     const int64_t now = options_.now_ms();  // the rate is judged by the time of the call
     if (options_.write_behind_ms > 0) {
       {
@@ -1273,12 +1282,74 @@ class SqliteStore final : public Store {
     if (f->rule_ids.size() > kMaxEgressListItems) f->rule_ids.resize(kMaxEgressListItems);
   }
 
+  static void CapToolCall(ToolCallFields* f) {
+    f->tool = CapField(SanitizeUtf8(f->tool), kMaxEgressListItemBytes);
+    f->server = CapField(SanitizeUtf8(f->server), kMaxEgressListItemBytes);
+    f->decision = CapField(SanitizeUtf8(f->decision), kMaxEgressShortBytes);
+    f->arguments = CapField(SanitizeUtf8(f->arguments), kMaxToolArgumentsBytes);
+    if (f->rule_ids.size() > kMaxEgressListItems) f->rule_ids.resize(kMaxEgressListItems);
+    if (f->result_rule_ids.size() > kMaxEgressListItems) {
+      f->result_rule_ids.resize(kMaxEgressListItems);
+    }
+  }
+
+  static std::string ToolCallJson(const ToolCallFields& f) {
+    namespace json = boost::json;
+    auto list = [](const std::vector<std::string>& items) {
+      json::array a;
+      for (const std::string& item : items) a.emplace_back(CapField(item, kMaxEgressListItemBytes));
+      return a;
+    };
+    return json::serialize(json::object{{"tool", f.tool},
+                                        {"server", f.server},
+                                        {"decision", f.decision},
+                                        {"rule_ids", list(f.rule_ids)},
+                                        {"result_rule_ids", list(f.result_rule_ids)},
+                                        {"arguments", f.arguments},
+                                        {"result_bytes", f.result_bytes}});
+  }
+
+  static ToolCallFields ToolCallFromJson(const std::string& text) {
+    namespace json = boost::json;
+    ToolCallFields f;
+    boost::system::error_code ec;
+    json::value v = json::parse(text, ec);
+    if (ec || !v.is_object()) return f;
+    const json::object& o = v.as_object();
+    auto str = [&](const char* key) -> std::string {
+      const json::value* x = o.if_contains(key);
+      return x && x->is_string() ? std::string(x->get_string()) : std::string();
+    };
+    auto list = [&](const char* key) {
+      std::vector<std::string> out;
+      const json::value* x = o.if_contains(key);
+      if (x && x->is_array()) {
+        for (const json::value& item : x->get_array())
+          if (item.is_string()) out.emplace_back(item.get_string());
+      }
+      return out;
+    };
+    f.tool = str("tool");
+    f.server = str("server");
+    f.decision = str("decision");
+    f.rule_ids = list("rule_ids");
+    f.result_rule_ids = list("result_rule_ids");
+    f.arguments = str("arguments");
+    const json::value* bytes = o.if_contains("result_bytes");
+    if (bytes && bytes->is_int64()) f.result_bytes = bytes->get_int64();
+    return f;
+  }
+
   // The rate limit, summaries and row cap of one audit row judged at `now`. Caller holds mu_.
   absl::Status AppendAuditLocked(const AuditEntry& row, int64_t now) {
     TenantAudit& t = tenants_[row.tenant];
     // Token bucket, refilled by the time since the tenant's last row; egress rows have theirs.
     const bool egress = row.egress.has_value();
-    Bucket& b = egress ? t.egress : t.api;
+    // DLP decisions on tool calls have their own bucket (same rate as the API's): a flood of
+    // cheap calls cannot crowd a blocked call out of its row; a flood of blocked calls is
+    // summarised (by server and decision, still found by kind=tool&decision=blocked) and
+    // bounded by the same rate and the tenant's row cap as every other row.
+    Bucket& b = egress ? t.egress : IsDlpDecision(row) ? t.dlp : t.api;
     const double burst = egress ? options_.egress_burst : options_.audit_burst;
     const double rate = egress ? options_.egress_rate_per_s : options_.audit_rate_per_s;
     if (b.refill_ms == 0) {
@@ -1310,9 +1381,9 @@ class SqliteStore final : public Store {
     if (q.since_ms < 0 || q.until_ms < 0 || (q.until_ms != 0 && q.until_ms < q.since_ms)) {
       return absl::InvalidArgumentError("audit time range is empty or negative");
     }
-    if (!q.kind.empty() && q.kind != "egress") {
+    if (!q.kind.empty() && q.kind != "egress" && q.kind != "tool") {
       return absl::InvalidArgumentError(
-          absl::StrCat("audit kind must be \"egress\" or empty, got \"", q.kind, "\""));
+          absl::StrCat("audit kind must be \"egress\", \"tool\" or empty, got \"", q.kind, "\""));
     }
     if (q.before_time_ms < 0 || q.before_id < 0) {
       return absl::InvalidArgumentError("audit cursor is negative");
@@ -1325,12 +1396,14 @@ class SqliteStore final : public Store {
       // the index only yields this tenant's rows.
       if (!user->empty()) fts = absl::StrCat("scope : ", ScopeToken(q.tenant), " AND (", *user, ")");
     }
-    const bool egress_only = q.kind == "egress" || !q.decision.empty();
+    const bool tool_only = q.kind == "tool";
+    const bool egress_only = !tool_only && (q.kind == "egress" || !q.decision.empty());
     std::string sql =
         "SELECT a.id, a.time_ms, a.tenant, a.environment_id, a.action, a.detail, a.exit_code, "
         "a.duration_ms, a.bytes, a.status, a.principal, e.audit_id, e.intents, e.method, "
         "e.scheme, e.host, e.port, e.path, e.decision, e.rule_ids, e.reason, e.bytes_up, "
-        "e.bytes_down, e.added_latency_us, e.headers, e.body, e.body_bytes, e.body_sha256 "
+        "e.bytes_down, e.added_latency_us, e.headers, e.body, e.body_bytes, e.body_sha256, "
+        "a.tool_call "
         "FROM audit a LEFT JOIN audit_egress e ON e.audit_id = a.id "
         "WHERE a.tenant = ?1 AND (?2 = 0 OR a.time_ms >= ?2) AND (?3 = 0 OR a.time_ms <= ?3) "
         "AND (?4 = '' OR a.environment_id = ?4) "
@@ -1338,7 +1411,11 @@ class SqliteStore final : public Store {
     // Suppressed summaries of egress rows (action "egress", no side row) are egress rows too:
     // a flood stays visible. A decision only side rows have.
     if (egress_only) sql += "AND a.action = 'egress' ";
-    if (!q.decision.empty()) sql += "AND e.decision = ?9 ";
+    if (tool_only) sql += "AND a.action = 'tool.call' ";
+    if (!q.decision.empty()) {
+      sql +=
+          tool_only ? "AND json_extract(a.tool_call, '$.decision') = ?9 " : "AND e.decision = ?9 ";
+    }
     if (!fts.empty()) {
       sql +=
           "AND (a.id IN (SELECT rowid FROM audit_fts WHERE audit_fts MATCH ?6) OR a.id IN "
@@ -1412,6 +1489,7 @@ class SqliteStore final : public Store {
           body_budget -= f.body.size();
         }
       }
+      if (!stmt->IsNull(28)) e.tool_call = ToolCallFromJson(stmt->Text(28));
       out.push_back(std::move(e));
     }
     return out;
@@ -1708,38 +1786,72 @@ class SqliteStore final : public Store {
     int64_t last_ms = 0;
     int64_t bytes = 0;
     std::string first_detail;
+    // Tool-call rows: the tool (if all were the same tool) and the rules hit (<= 32 each).
+    std::optional<ToolCallFields> tool_call;
   };
   struct Bucket {
     double tokens = 0;
     int64_t refill_ms = 0;
   };
+  // (environment_id, action, status, tool server, tool decision): a summary keeps its
+  // environment, so a search of one environment's audit finds the flood against it, and a tool
+  // summary its server and decision, so kind=tool&decision=... finds it.
+  using SuppressedKind = std::tuple<std::string, std::string, int, std::string, std::string>;
   // Per-tenant audit accounting; guarded by mu_.
   struct TenantAudit {
     Bucket api;         // audit rows of API calls and the daemon
     Bucket egress;      // egress rows
+    Bucket dlp;         // tool-call rows whose decision is blocked or redacted
     int64_t rows = -1;  // rows stored for the tenant; -1: not counted yet
     // Bytes of egress headers and bodies stored for the tenant; -1: not counted yet (after
     // rows were deleted: recounted on the next egress row).
     int64_t egress_stored_bytes = -1;
     int64_t suppressed_since_ms = 0;
-    // By (environment_id, action, status): a summary keeps its environment, so a search of
-    // one environment's audit finds the flood against it.
-    std::map<std::tuple<std::string, std::string, int>, Suppressed> suppressed;
+    std::map<SuppressedKind, Suppressed> suppressed;
   };
 
+  static bool IsDlpDecision(const AuditEntry& row) {
+    return row.tool_call &&
+           (row.tool_call->decision == "blocked" || row.tool_call->decision == "redacted");
+  }
+
   void Suppress(TenantAudit& t, const AuditEntry& row, int64_t now) {
-    std::tuple<std::string, std::string, int> kind{row.environment_id, row.action, row.status};
+    SuppressedKind kind{row.environment_id, row.action, row.status,
+                        row.tool_call ? row.tool_call->server : "",
+                        row.tool_call ? row.tool_call->decision : ""};
     if (t.suppressed.size() >= kMaxSuppressedKinds && !t.suppressed.count(kind)) {
-      kind = {"", "audit.other", 0};  // bounded: every further kind shares one counter
+      // Bounded: every further kind shares one counter; DLP decisions one per decision (two),
+      // so a flood of many kinds cannot take a blocked call out of the decision search.
+      kind = IsDlpDecision(row) ? SuppressedKind{"", "tool.call", 0, "", row.tool_call->decision}
+                                : SuppressedKind{"", "audit.other", 0, "", ""};
     }
     if (t.suppressed.empty()) t.suppressed_since_ms = now;
     Suppressed& sup = t.suppressed[kind];
     if (sup.count++ == 0) {
       sup.first_ms = row.time_ms;
       sup.first_detail = CapField(row.detail, 200);
+      if (row.tool_call && std::get<1>(kind) == "tool.call") {
+        sup.tool_call.emplace();
+        sup.tool_call->tool = row.tool_call->tool;
+        sup.tool_call->server = std::get<3>(kind);
+        sup.tool_call->decision = std::get<4>(kind);
+      }
     }
     sup.last_ms = std::max(sup.last_ms, row.time_ms);
     sup.bytes += row.bytes;
+    if (sup.tool_call && row.tool_call) {
+      ToolCallFields& f = *sup.tool_call;
+      if (f.tool != row.tool_call->tool) f.tool.clear();  // several tools: none named
+      f.result_bytes += row.tool_call->result_bytes;
+      auto merge = [](std::vector<std::string>* into, const std::vector<std::string>& from) {
+        for (const std::string& id : from) {
+          if (into->size() >= kMaxEgressListItems) return;
+          if (std::find(into->begin(), into->end(), id) == into->end()) into->push_back(id);
+        }
+      };
+      merge(&f.rule_ids, row.tool_call->rule_ids);
+      merge(&f.result_rule_ids, row.tool_call->result_rule_ids);
+    }
   }
 
   // Writes one summary row per suppressed kind ("N similar events suppressed ..."). Caller
@@ -1758,6 +1870,10 @@ class SqliteStore final : public Store {
       row.detail = absl::StrCat("[", sup.count, " similar events suppressed by the audit rate limit",
                                 " between ", FormatRfc3339(sup.first_ms), " and ",
                                 FormatRfc3339(sup.last_ms), "; first: ", sup.first_detail, "]");
+      if (sup.tool_call) {
+        row.tool_call = *sup.tool_call;
+        row.tool_call->arguments = absl::StrCat("[not stored: summary of ", sup.count, " calls]");
+      }
       if (absl::Status s = InsertAudit(row, t); !s.ok()) return s;
     }
     return absl::OkStatus();
@@ -1768,8 +1884,8 @@ class SqliteStore final : public Store {
     // The FTS row is written by the trigger inside this same statement (atomic).
     auto stmt = Prepare(
         "INSERT INTO audit (time_ms, tenant, environment_id, action, detail, exit_code, "
-        "duration_ms, bytes, status, principal) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, "
-        "?10)");
+        "duration_ms, bytes, status, principal, tool_call) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, "
+        "?8, ?9, ?10, ?11)");
     if (!stmt.ok()) return stmt.status();
     stmt->Bind(1, e.time_ms)
         .Bind(2, e.tenant)
@@ -1781,6 +1897,8 @@ class SqliteStore final : public Store {
         .Bind(8, e.bytes)
         .Bind(9, e.status)
         .Bind(10, e.principal);
+    stmt->BindOptText(
+        11, e.tool_call ? std::optional<std::string>(ToolCallJson(*e.tool_call)) : std::nullopt);
     if (absl::Status s = stmt->Run(); !s.ok()) return s;
     if (e.egress) {
       if (absl::Status s = InsertEgress(sqlite3_last_insert_rowid(writer_.db), e, t); !s.ok()) {

@@ -76,6 +76,21 @@ inline constexpr size_t kMaxEgressBodyBytes = 64 * 1024;
 // theirs (body_omitted).
 inline constexpr size_t kMaxAuditResultBodyBytes = 4 * 1024 * 1024;
 
+// The tool call of an audit row with action "tool.call" (issue 14; core/tools/tool_gate.h): one
+// row per call of a tool (esbd's own or a hosted MCP server's), written by the ToolCallGate.
+struct ToolCallFields {
+  std::string tool;                          // the tool's name on its server
+  std::string server;                        // "esbd" or the hosted server's name
+  std::string decision;                      // "allowed" | "redacted" | "blocked" | "error"
+  std::vector<std::string> rule_ids;         // DLP rules hit in the arguments (<= 32 stored)
+  std::vector<std::string> result_rule_ids;  // ... in the result (<= 32 stored)
+  // The arguments as dispatched (after redaction) as JSON, or a placeholder saying why they are
+  // not kept (never the text of a finding). Stored <= kMaxToolArgumentsBytes, cut marked.
+  std::string arguments;
+  int64_t result_bytes = 0;  // serialised size of the result
+};
+inline constexpr size_t kMaxToolArgumentsBytes = 16 * 1024;
+
 struct AuditEntry {
   int64_t id = 0;
   int64_t time_ms = 0;
@@ -91,6 +106,7 @@ struct AuditEntry {
   // daemon itself: expiry, restart cleanup), "proxy" (egress rows).
   std::string principal;
   std::optional<EgressFields> egress;  // set for egress rows (action "egress")
+  std::optional<ToolCallFields> tool_call;  // set for tool rows (action "tool.call")
 };
 
 // A persistent volume (issue 11): named per tenant; its contents live with the driver.
@@ -163,8 +179,12 @@ struct AuditQuery {
   // empty = any.
   std::string keyword;
   int limit = 100;       // 1..1000, newest first
-  std::string kind;      // "" = every row; "egress" = egress rows only
-  std::string decision;  // "" = any; else egress rows with this decision (implies egress)
+  // "" = every row; "egress" = egress rows only; "tool" = tool-call rows only (action
+  // "tool.call").
+  std::string kind;
+  // "" = any; else rows with this decision: egress rows (implies kind "egress") unless kind is
+  // "tool" (tool rows with this decision).
+  std::string decision;
   // Keyset cursor: only rows older than (before_time_ms, before_id) in the result order; 0 =
   // from the newest. The API encodes the last row's (time_ms, id) as its next cursor.
   int64_t before_time_ms = 0;
@@ -230,8 +250,11 @@ struct StoreOptions {
   // Per tenant: beyond this many audit rows, the oldest are dropped in batches of 5%.
   int64_t max_audit_rows_per_tenant = 100000;
   // Per tenant: a token bucket of audit rows. Rows over the rate are not stored one by one but
-  // counted per (environment, action, status) and written as one "suppressed" summary row per
-  // kind (with that environment_id).
+  // counted per (environment, action, status; for tool calls also server and decision) and
+  // written as one "suppressed" summary row per kind (with that environment_id; a tool summary
+  // with a tool_call object, so kind=tool&decision=... finds it). Tool calls whose decision is
+  // blocked or redacted have a bucket of their own with this rate and burst (a flood of cheap
+  // calls cannot push a DLP decision out of its row).
   double audit_rate_per_s = 20;
   double audit_burst = 200;
   // Egress rows (one per proxied request: a `pip install` makes hundreds) have their own,

@@ -887,12 +887,19 @@ TEST(AuditHardeningTest, StoredFieldsAreCappedAndTheCutIsMarked) {
   EXPECT_EQ(mark % 2, 1u) << "cut inside a 2-byte character";
 }
 
-TEST(AuditHardeningTest, OverTheRateSimilarEventsAreSummarisedNotLost) {
-  std::atomic<int64_t> clock{1'000'000};
+// A store whose audit rate limit (10 rows/s per tenant, `burst`) runs on `clock`, which the
+// test moves by hand.
+StoreOptions RateLimitedOn(const std::atomic<int64_t>& clock, double burst) {
   StoreOptions opts;
   opts.audit_rate_per_s = 10;
-  opts.audit_burst = 20;
-  opts.now_ms = [&] { return clock.load(); };
+  opts.audit_burst = burst;
+  opts.now_ms = [&clock] { return clock.load(); };
+  return opts;
+}
+
+TEST(AuditHardeningTest, OverTheRateSimilarEventsAreSummarisedNotLost) {
+  std::atomic<int64_t> clock{1'000'000};
+  StoreOptions opts = RateLimitedOn(clock, 20);
   auto store = OpenWith(":memory:", opts);
   ASSERT_NE(store, nullptr);
   for (int i = 0; i < 500; ++i) {
@@ -921,10 +928,7 @@ TEST(AuditHardeningTest, OverTheRateSimilarEventsAreSummarisedNotLost) {
 
 TEST(AuditHardeningTest, SummaryOfAFloodAgainstOneEnvironmentIsFoundUnderThatEnvironment) {
   std::atomic<int64_t> clock{1'000'000};
-  StoreOptions opts;
-  opts.audit_rate_per_s = 10;
-  opts.audit_burst = 5;
-  opts.now_ms = [&] { return clock.load(); };
+  StoreOptions opts = RateLimitedOn(clock, 5);
   auto store = OpenWith(":memory:", opts);
   ASSERT_NE(store, nullptr);
   for (int i = 0; i < 5; ++i) {  // the burst
@@ -959,6 +963,98 @@ TEST(AuditHardeningTest, SummaryOfAFloodAgainstOneEnvironmentIsFoundUnderThatEnv
   auto all = store->QueryAudit(Q("evil", 1000, "suppressed"));
   ASSERT_TRUE(all.ok());
   EXPECT_EQ(all->size(), 32u + 1u) << "32 kinds + one shared bucket, however many environments";
+}
+
+AuditEntry ToolRow(int64_t time_ms, const std::string& tool, const std::string& decision) {
+  AuditEntry e = MakeAudit("evil", "env_1", time_ms, "tool.call", tool + " " + decision);
+  e.status = decision == "blocked" ? 403 : 200;
+  ToolCallFields f;
+  f.tool = tool;
+  f.server = "leaky";
+  f.decision = decision;
+  if (decision == "blocked") f.rule_ids = {"dlp:aws_access_key"};
+  f.arguments = "{}";
+  e.tool_call = f;
+  return e;
+}
+
+AuditQuery ToolQ(const std::string& decision) {
+  AuditQuery q = Q("evil", 1000);
+  q.kind = "tool";
+  q.decision = decision;
+  return q;
+}
+
+// Review F9: an agent floods cheap tool calls so that the row of its DLP-blocked call is
+// suppressed into a summary the decision search cannot find.
+TEST(AuditHardeningTest, AttackFloodOfCheapToolCallsCannotHideABlockedCall) {
+  std::atomic<int64_t> clock{1'000'000};
+  StoreOptions opts = RateLimitedOn(clock, 20);
+  auto store = OpenWith(":memory:", opts);
+  ASSERT_NE(store, nullptr);
+  for (int i = 0; i < 400; ++i) {
+    ASSERT_TRUE(store->AppendAudit(ToolRow(clock, "list_environments", "allowed")).ok());
+    if (i % 80 == 79) {
+      ASSERT_TRUE(store->AppendAudit(ToolRow(clock, "execute_command", "blocked")).ok());
+    }
+  }
+  auto blocked = store->QueryAudit(ToolQ("blocked"));
+  ASSERT_TRUE(blocked.ok()) << blocked.status();
+  ASSERT_EQ(blocked->size(), 5u) << "every blocked call keeps its own row";
+  for (const AuditEntry& e : *blocked) {
+    EXPECT_EQ(e.tool_call->tool, "execute_command");
+    EXPECT_EQ(e.tool_call->rule_ids, std::vector<std::string>{"dlp:aws_access_key"});
+  }
+  // The cheap calls' summary keeps its decision and server too.
+  clock += 11'000;
+  ASSERT_TRUE(store->Maintain().ok());
+  auto allowed = store->QueryAudit(ToolQ("allowed"));
+  ASSERT_TRUE(allowed.ok());
+  ASSERT_EQ(allowed->size(), 21u) << "the burst + one summary";
+  const AuditEntry& summary = (*allowed)[0];
+  EXPECT_NE(summary.detail.find("[380 similar events suppressed"), std::string::npos)
+      << summary.detail;
+  ASSERT_TRUE(summary.tool_call.has_value());
+  EXPECT_EQ(summary.tool_call->server, "leaky");
+  EXPECT_EQ(summary.tool_call->tool, "list_environments");
+}
+
+// A flood of blocked calls is itself rate limited (its own bucket) and summarised, the summary
+// still found by the decision search and naming the rules; the tenant's row cap still holds.
+TEST(AuditHardeningTest, AttackFloodOfBlockedCallsIsSummarisedFoundByDecisionAndBounded) {
+  std::atomic<int64_t> clock{1'000'000};
+  StoreOptions opts = RateLimitedOn(clock, 20);
+  opts.max_audit_rows_per_tenant = 100;
+  auto store = OpenWith(":memory:", opts);
+  ASSERT_NE(store, nullptr);
+  for (int i = 0; i < 500; ++i) {
+    ASSERT_TRUE(
+        store->AppendAudit(ToolRow(clock, i % 2 ? "execute_command" : "write_file", "blocked"))
+            .ok());
+  }
+  EXPECT_EQ(*store->CountAudit("evil"), 20) << "the DLP bucket's burst, no more";
+  clock += 11'000;
+  ASSERT_TRUE(store->Maintain().ok());
+  auto blocked = store->QueryAudit(ToolQ("blocked"));
+  ASSERT_TRUE(blocked.ok());
+  ASSERT_EQ(blocked->size(), 21u);
+  const AuditEntry& summary = (*blocked)[0];
+  EXPECT_NE(summary.detail.find("[480 similar events suppressed"), std::string::npos)
+      << summary.detail;
+  ASSERT_TRUE(summary.tool_call.has_value());
+  EXPECT_EQ(summary.tool_call->decision, "blocked");
+  EXPECT_EQ(summary.tool_call->server, "leaky");
+  EXPECT_EQ(summary.tool_call->tool, "") << "several tools: none named";
+  EXPECT_EQ(summary.tool_call->rule_ids, std::vector<std::string>{"dlp:aws_access_key"});
+  // Hours of flooding: the row cap bounds the store.
+  for (int s = 0; s < 100; ++s) {
+    clock += 11'000;
+    for (int i = 0; i < 200; ++i) {
+      ASSERT_TRUE(store->AppendAudit(ToolRow(clock, "execute_command", "blocked")).ok());
+    }
+  }
+  ASSERT_TRUE(store->Maintain().ok());
+  EXPECT_LE(*store->CountAudit("evil"), 100);
 }
 
 TEST(AuditHardeningTest, PerTenantRowCapDropsOldestInBatches) {

@@ -289,16 +289,14 @@ TEST_F(ApiTest, BadInputGetsClear4xx) {
 
 TEST_F(ApiTest, ApiKeysScopeTenantsAndCrossTenantAccessIsNotFound) {
   Daemon d;
-  ASSERT_TRUE(d.Start({.config_json = R"({"keys": [
-      {"key": "esb_tenant_a_secret_0001", "tenant": "a"},
-      {"key": "esb_tenant_b_secret_0002", "tenant": "b"}]})"}));
+  ASSERT_TRUE(d.Start({.config_json = TwoTenantsConfig()}));
   EXPECT_EQ(d.Call("POST", "/environments").status, 401) << "no key";
   EXPECT_EQ(d.Call("GET", "/environments", nullptr, {{"Authorization", "Bearer wrong"}}).status,
             401);
-  d.api_key = "esb_tenant_a_secret_0001";
+  d.api_key = kTenantKeyA;
   std::string id = d.CreateEnv();
   d.Exec(id, "echo secret > s.txt");
-  d.api_key = "esb_tenant_b_secret_0002";
+  d.api_key = kTenantKeyB;
   EXPECT_EQ(d.Call("GET", "/environments/" + id).status, 404);
   EXPECT_EQ(d.Exec(id, "cat s.txt").status, 404);
   EXPECT_EQ(d.Call("GET", "/environments/" + id + "/files/read?path=s.txt").status, 404);
@@ -306,7 +304,7 @@ TEST_F(ApiTest, ApiKeysScopeTenantsAndCrossTenantAccessIsNotFound) {
   EXPECT_EQ(d.Call("DELETE", "/environments/" + id).status, 404);
   EXPECT_TRUE(d.Call("GET", "/environments").obj().at("environments").as_array().empty());
   EXPECT_TRUE(d.Call("GET", "/audit").obj().at("entries").as_array().empty());
-  d.api_key = "esb_tenant_a_secret_0001";
+  d.api_key = kTenantKeyA;
   EXPECT_EQ(d.Exec(id, "cat s.txt").str("stdout"), "secret\n") << "owner unaffected";
   // The core's audit rows name the key that acted (its public id), never the secret.
   HttpResult rows = d.Call("GET", "/audit?environment_id=" + id);
@@ -508,13 +506,9 @@ double ElapsedMs(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
 
-constexpr char kTwoTenants[] = R"("keys": [
-      {"key": "esb_tenant_evil_secret_01", "tenant": "evil"},
-      {"key": "esb_tenant_good_secret_02", "tenant": "good"}])";
-
 TEST_F(ApiTest, OneTenantsExpensiveAuditSearchLoopDoesNotStallAnotherTenant) {
-  const std::string config =
-      absl::StrCat("{", kTwoTenants, R"(, "audit": {"query_timeout_ms": 100}})");
+  // Tenant "b" attacks, tenant "a" is the bystander.
+  const std::string config = TwoTenantsConfig(R"("audit": {"query_timeout_ms": 100})");
   Daemon d;
   ASSERT_TRUE(d.Start({.config_json = config}));
   std::string state = d.state_dir();
@@ -528,7 +522,7 @@ TEST_F(ApiTest, OneTenantsExpensiveAuditSearchLoopDoesNotStallAnotherTenant) {
     ASSERT_TRUE(store.ok()) << store.status();
     for (int i = 0; i < 4000; ++i) {
       AuditEntry e;
-      e.tenant = "evil";
+      e.tenant = "b";
       e.action = "files.read";
       e.status = 404;
       // Recent (inside retention), as an attacker's own rows would be.
@@ -543,14 +537,11 @@ TEST_F(ApiTest, OneTenantsExpensiveAuditSearchLoopDoesNotStallAnotherTenant) {
   }
   Daemon d2;
   ASSERT_TRUE(d2.Start({.config_json = config}, state));
-  auto as = [](const std::string& key) {
-    return std::map<std::string, std::string>{{"Authorization", "Bearer " + key}};
-  };
   // The reported attack query is refused outright (single-letter prefixes).
   std::string letters;
   for (char c = 'a'; c <= 'z'; ++c) letters += absl::StrCat(c == 'a' ? "" : "%20OR%20", std::string(1, c), "*");
-  HttpResult refused = d2.Call("GET", "/audit?limit=1000&q=" + letters, nullptr,
-                               as("esb_tenant_evil_secret_01"));
+  HttpResult refused =
+      d2.Call("GET", "/audit?limit=1000&q=" + letters, nullptr, BearerAuth(kTenantKeyB));
   EXPECT_EQ(refused.status, 400) << refused.body;
   // The most expensive query the caps allow, looped by two clients of the attacker.
   const std::string expensive = "/audit?limit=1000&q=abc*%20OR%20abd*%20OR%20abe*%20OR%20xyz*";
@@ -562,7 +553,7 @@ TEST_F(ApiTest, OneTenantsExpensiveAuditSearchLoopDoesNotStallAnotherTenant) {
     attackers.emplace_back([&] {
       while (!stop) {
         auto t0 = std::chrono::steady_clock::now();
-        HttpResult r = d2.Call("GET", expensive, nullptr, as("esb_tenant_evil_secret_01"));
+        HttpResult r = d2.Call("GET", expensive, nullptr, BearerAuth(kTenantKeyB));
         int64_t ms = static_cast<int64_t>(ElapsedMs(t0));
         if (ms > slowest_attack_ms) slowest_attack_ms = ms;
         if (r.status == 503 && r.body.find("too expensive") != std::string::npos) ++cut_off;
@@ -575,7 +566,7 @@ TEST_F(ApiTest, OneTenantsExpensiveAuditSearchLoopDoesNotStallAnotherTenant) {
   std::vector<double> victim;
   for (int i = 0; i < 40; ++i) {
     auto t0 = std::chrono::steady_clock::now();
-    HttpResult r = d2.Call("GET", "/environments", nullptr, as("esb_tenant_good_secret_02"));
+    HttpResult r = d2.Call("GET", "/environments", nullptr, BearerAuth(kTenantKeyA));
     victim.push_back(ElapsedMs(t0));
     EXPECT_EQ(r.status, 200) << r.body;
     std::this_thread::sleep_for(std::chrono::milliseconds(20));

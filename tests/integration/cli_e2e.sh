@@ -23,7 +23,7 @@ ESB="$BUILD/esb"
 fails=0
 passes=0
 check() {  # check NAME EXPECTED ACTUAL
-  if [ "$2" == "$3" ]; then echo "ok   $1"; passes=$((passes+1)); else echo "FAIL $1: expected [$2], got [$3]"; fails=$((fails+1)); fi
+  if [ "$2" == "$3" ]; then echo "ok   $1"; passes=$((passes+1)); else echo "FAIL $1: expected [$2], got [$3]"; fails=$((fails+1)); return 1; fi
 }
 
 check "health" 0 "$("$ESB" health >/dev/null; echo $?)"
@@ -70,7 +70,8 @@ check "steps answers" 0 "$("$ESB" steps "$ENV" >/dev/null 2>&1; echo $?)"
   "$ESB" rm "$FORK" >/dev/null
   # (bash's prompt control sequences precede the output on the pty: no ^ anchor.)
   SHELL_OUT="$(printf 'cat t.txt\nexit 0\n' | "$ESB" shell --step "$N" "$ENV" 2>&1 | tr -d '\r')"
-  check "shell --step sees the step's files" 1 "$(grep -c 'line one$' <<<"$SHELL_OUT")"
+  check "shell --step sees the step's files" 1 "$(grep -c 'line one$' <<<"$SHELL_OUT")" ||
+    printf 'esb shell --step printed:\n%s\n' "$SHELL_OUT" | cat -v >&2
   FORK2="$(grep -o 'into env_[a-z0-9]*' <<<"$SHELL_OUT" | cut -d' ' -f2)"
   [ -n "$FORK2" ] && "$ESB" rm "$FORK2" >/dev/null
 }

@@ -196,6 +196,17 @@ HttpResult Http(int port, const std::string& method, const std::string& target,
   return r;
 }
 
+std::string TwoTenantsConfig(const std::string& members) {
+  std::string config = std::string(R"({"keys": [{"key": ")") + kTenantKeyA +
+                       R"(", "tenant": "a"}, {"key": ")" + kTenantKeyB + R"(", "tenant": "b"}])";
+  if (!members.empty()) config += ", " + members;
+  return config + "}";
+}
+
+std::map<std::string, std::string> BearerAuth(const std::string& key) {
+  return {{"Authorization", "Bearer " + key}};
+}
+
 std::string RawExchange(int port, const std::string& bytes, int timeout_s) {
   int fd = Connect(port, "");
   if (fd < 0) return "";

@@ -39,6 +39,15 @@ HttpResult Http(int port, const std::string& method, const std::string& target,
 // Sends raw bytes and returns whatever the server answers (for malformed-request tests).
 std::string RawExchange(int port, const std::string& bytes, int timeout_s = 10);
 
+// Tenants "a" and "b" with one API key each: where isolation tests start.
+inline constexpr char kTenantKeyA[] = "esb_tenant_a_secret_0001";
+inline constexpr char kTenantKeyB[] = "esb_tenant_b_secret_0002";
+// A daemon config with those two keys; `members` are more members of its object
+// (R"("mcp": {...})"), "" for none.
+std::string TwoTenantsConfig(const std::string& members = "");
+// The Authorization header that presents `key`.
+std::map<std::string, std::string> BearerAuth(const std::string& key);
+
 class Daemon {
  public:
   struct Options {

@@ -18,15 +18,9 @@ namespace esb::testing {
 namespace {
 namespace json = boost::json;
 
-constexpr char kConfig[] = R"({"keys": [
-      {"key": "esb_tenant_evil_secret_01", "tenant": "evil"},
-      {"key": "esb_tenant_good_secret_02", "tenant": "good"}]})";
-
-std::map<std::string, std::string> As(const std::string& key) {
-  return {{"Authorization", "Bearer " + key}};
-}
-const auto kGood = As("esb_tenant_good_secret_02");
-const auto kEvil = As("esb_tenant_evil_secret_01");
+const std::string kConfig = TwoTenantsConfig();
+const auto kGood = BearerAuth(kTenantKeyA);  // tenant "a"
+const auto kEvil = BearerAuth(kTenantKeyB);  // tenant "b"
 
 EgressAuditRow Row(const std::string& tenant, int64_t t, const std::string& env,
                    const std::string& host, EgressDecision d, std::vector<std::string> rules,
@@ -65,21 +59,21 @@ class EgressAuditApiTest : public ::testing::Test {
       ASSERT_TRUE(store.ok()) << store.status();
       Metrics metrics;
       AuditLog audit(store->get(), &metrics);
-      EgressAuditRow a = Row("good", t_, "env_a", "pypi.org", EgressDecision::kAllowed,
+      EgressAuditRow a = Row("a", t_, "env_a", "pypi.org", EgressDecision::kAllowed,
                              {"allow:pypi.org"}, 200, 300, 9000);
       a.request_headers = "Authorization: Bearer SECRET-TOKEN-1\nUser-Agent: pip/23.0\n";
       audit.RecordEgress(a);
-      audit.RecordEgress(Row("good", t_ + 1, "env_a", "evil.test", EgressDecision::kBlocked,
+      audit.RecordEgress(Row("a", t_ + 1, "env_a", "evil.test", EgressDecision::kBlocked,
                              {"not_allowed"}, 403, 120, 0));
-      EgressAuditRow c = Row("good", t_ + 2, "env_b", "api.github.com", EgressDecision::kBlocked,
+      EgressAuditRow c = Row("a", t_ + 2, "env_b", "api.github.com", EgressDecision::kBlocked,
                              {"allow:*.github.com", "dlp:github_token"}, 403, 800, 0);
       c.body = "{\"token\":\"[REDACTED:dlp:github_token]\",\"note\":\"plantedmarker\"}";
       c.body_bytes = 70;
       c.body_sha256 = std::string(64, 'e');
       audit.RecordEgress(c);
-      audit.RecordEgress(Row("good", t_ + 3, "env_b", "<script>alert(1)</script>",
+      audit.RecordEgress(Row("a", t_ + 3, "env_b", "<script>alert(1)</script>",
                              EgressDecision::kBlocked, {"not_allowed"}, 403, 10, 0));
-      audit.RecordEgress(Row("evil", t_ + 4, "env_x", "evil-only.test", EgressDecision::kAllowed,
+      audit.RecordEgress(Row("b", t_ + 4, "env_x", "evil-only.test", EgressDecision::kAllowed,
                              {"mode:open"}, 200, 1, 2));
     }  // closing the store writes everything queued
     ASSERT_TRUE(d2_.Start({.config_json = kConfig}, state));

@@ -12,18 +12,16 @@ namespace esb::testing {
 namespace {
 namespace json = boost::json;
 
-constexpr char kKeyA[] = "esb_tenant_a_secret_0001";
-constexpr char kKeyB[] = "esb_tenant_b_secret_0002";
+constexpr const char* kKeyA = kTenantKeyA;
+constexpr const char* kKeyB = kTenantKeyB;
 
 // Two tenants and an intent catalogue (tenant b gets its own entry for "pip").
-constexpr char kConfig[] = R"({
-  "keys": [{"key": "esb_tenant_a_secret_0001", "tenant": "a"},
-           {"key": "esb_tenant_b_secret_0002", "tenant": "b"}],
+const std::string kConfig = TwoTenantsConfig(R"(
   "intents": {"check-weather": {"allow": ["weather.test", "*.weather.test"],
                                 "max_ttl_seconds": 600, "description": "weather lookups"},
               "pip": {"allow": ["pypi.test"]}},
   "egress": {"default": {"deny": ["*.evil.test"]},
-             "tenants": {"b": {"intents": {"pip": {"allow": ["mirror.b.test"]}}}}}})";
+             "tenants": {"b": {"intents": {"pip": {"allow": ["mirror.b.test"]}}}}})");
 
 json::object Policy(std::string_view text) { return json::parse(text).as_object(); }
 

@@ -27,12 +27,10 @@ int64_t NowMs() {
       .count();
 }
 
-constexpr char kKeyA[] = "esb_tenant_a_secret_0001";
-constexpr char kKeyB[] = "esb_tenant_b_secret_0002";
-constexpr char kConfig[] = R"({
-  "keys": [{"key": "esb_tenant_a_secret_0001", "tenant": "a"},
-           {"key": "esb_tenant_b_secret_0002", "tenant": "b"}],
-  "max_terminals_per_environment": 2, "max_terminals_per_tenant": 3})";
+constexpr const char* kKeyA = kTenantKeyA;
+constexpr const char* kKeyB = kTenantKeyB;
+const std::string kConfig =
+    TwoTenantsConfig(R"("max_terminals_per_environment": 2, "max_terminals_per_tenant": 3)");
 
 class TerminalApiTest : public ::testing::Test {
  protected:
@@ -125,6 +123,33 @@ TEST_F(TerminalApiTest, RunsAShellResizesAndExitsWithItsCode) {
   ASSERT_EQ(close.size(), 1u);
   EXPECT_EQ(close[0].at("exit_code"), 3);
   EXPECT_GT(close[0].at("bytes").as_int64(), 0);
+}
+
+// Input that arrives after the shell exited (typed ahead, or the ^D a piped stdin ends with:
+// `printf 'exit 7\n' | esb shell`) has nowhere to go; it must not cost the client the exit
+// status. It did: the failed input closed the socket before the exit frame went out, and the
+// CLI exited 2 instead of 7.
+TEST_F(TerminalApiTest, InputAfterTheShellExitedDoesNotLoseTheExitStatus) {
+  std::string id = d_.CreateEnv();
+  ASSERT_FALSE(id.empty()) << d_.Log();
+  auto t = Open(id);
+  ASSERT_NE(t, nullptr) << d_.Log();
+  ASSERT_TRUE(t->Send("exit 7\n", true).ok());
+  // Keeps typing until the socket closes, so keystrokes reach esbd while the shell exits.
+  std::string controls;
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (!t->Send("x", true).ok()) break;
+    auto m = t->Receive(1ms);
+    if (m.ok()) {
+      if (!m->binary) controls += m->data + "\n";
+    } else if (!absl::IsDeadlineExceeded(m.status())) {
+      break;
+    }
+  }
+  ReadUntil(*t, "never", &controls);
+  EXPECT_TRUE(absl::StrContains(controls, R"({"type":"exit","code":7})")) << controls;
+  EXPECT_EQ(t->close_code(), 1000) << t->close_reason();
 }
 
 TEST_F(TerminalApiTest, TheShellStartsInTheWorkspace) {
@@ -313,17 +338,17 @@ TEST_F(TerminalApiTest, RewindAttackProcessesStartedInATerminalDoNotSurviveTheRe
 TEST_F(TerminalApiTest, ATerminalDoesNotOpenWhileAStepIsRunning) {
   std::string id = d_.CreateEnv();
   ASSERT_FALSE(id.empty());
-  std::atomic<int64_t> exec_done_ms{0};
-  std::thread step([&] {
-    d_.Exec(id, "sleep 2");
-    exec_done_ms = NowMs();
-  });
+  // The step runs `sleep 2` after the request left: a terminal that waited for the step cannot
+  // be open before 2 s past that. (Comparing with the exec's own answer time raced: the
+  // terminal's 101 and the exec's 200 travel on two connections, read by two threads.)
+  const int64_t step_sent_ms = NowMs();
+  std::thread step([&] { d_.Exec(id, "sleep 2"); });
   std::this_thread::sleep_for(500ms);  // the execute holds the environment's step lock
   auto t = Open(id);
   const int64_t opened_ms = NowMs();
   step.join();
   ASSERT_NE(t, nullptr);
-  EXPECT_GE(opened_ms, exec_done_ms.load()) << "the terminal opened while the step ran";
+  EXPECT_GE(opened_ms, step_sent_ms + 2000) << "the terminal opened while the step ran";
 }
 
 class TerminalIdleTest : public TerminalApiTest {

@@ -288,17 +288,15 @@ TEST_F(VolumesApiTest, SizeCapIsHardWritesPastItFail) {
 
 TEST_F(VolumesApiTest, AnotherTenantsVolumeIsNotFound) {
   Daemon d;
-  ASSERT_TRUE(d.Start({.config_json = R"({"keys": [
-      {"key": "esb_tenant_a_secret_0001", "tenant": "a"},
-      {"key": "esb_tenant_b_secret_0002", "tenant": "b"}]})"}));
-  d.api_key = "esb_tenant_a_secret_0001";
+  ASSERT_TRUE(d.Start({.config_json = TwoTenantsConfig()}));
+  d.api_key = kTenantKeyA;
   ASSERT_EQ(CreateVolume(d, "data", 16).status, 201);
   std::string a = d.CreateEnv(WithVolume("data", "/mnt/data"));
   ASSERT_FALSE(a.empty());
   ASSERT_EQ(d.Exec(a, "echo tenant-a > /mnt/data/secret").status, 200);
   ASSERT_EQ(d.Call("DELETE", "/environments/" + a).status, 200);
 
-  d.api_key = "esb_tenant_b_secret_0002";
+  d.api_key = kTenantKeyB;
   EXPECT_TRUE(d.Call("GET", "/volumes").obj().at("volumes").as_array().empty());
   HttpResult env = d.Call("POST", "/environments", WithVolume("data", "/mnt/data"));
   EXPECT_EQ(env.status, 404) << env.body;
@@ -312,7 +310,7 @@ TEST_F(VolumesApiTest, AnotherTenantsVolumeIsNotFound) {
   ASSERT_EQ(d.Call("DELETE", "/environments/" + b).status, 200);
   ASSERT_EQ(d.Call("DELETE", "/volumes/data").status, 200);
 
-  d.api_key = "esb_tenant_a_secret_0001";
+  d.api_key = kTenantKeyA;
   std::string a2 = d.CreateEnv(WithVolume("data", "/mnt/data"));
   ASSERT_FALSE(a2.empty());
   EXPECT_EQ(d.Exec(a2, "cat /mnt/data/secret").str("stdout"), "tenant-a\n");

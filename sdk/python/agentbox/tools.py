@@ -1,16 +1,22 @@
 """Seed 004's meta-tools for LLM planners, in OpenAI and Anthropic formats, and a dispatcher.
 
-The three tools and their wording come from seed 004 ("The New Meta-Tools for the Planner
-AI"):
+The planner tools (seed 004's three, with its wording, and ``list_files``) act on one
+environment:
 
 ===============================  =================================  ==========================
-canonical name (seed 004)        name sent to OpenAI / Anthropic    output shape
+canonical name                   name sent to OpenAI / Anthropic    output shape
 ===============================  =================================  ==========================
 ``environment.execute_command``  ``environment_execute_command``    ``{error, stdout, stderr,
                                                                     exit_code}``
 ``environment.write_file``       ``environment_write_file``         ``{error, message}``
 ``environment.read_file``        ``environment_read_file``          ``{error, content}``
+``environment.list_files``       ``environment_list_files``         ``{error, entries,
+                                                                    truncated}``
 ===============================  =================================  ==========================
+
+The catalogue file also holds the tools of esbd's MCP server (``/mcp``): :data:`CATALOGUE` is
+every entry, :func:`mcp_tools` their MCP form exactly as esbd lists them (``environment_id``
+added to the environment tools).
 
 Both vendors only accept tool names matching ``^[a-zA-Z0-9_-]+$``, so the ``.`` becomes
 ``_`` on the wire. :func:`dispatch` accepts the canonical name, the wire name and the bare
@@ -33,13 +39,14 @@ from typing import Any, Mapping, Optional, Union
 
 from .errors import AuthError, DaemonUnreachable, SandboxError, ServerError
 
-__all__ = ["TOOLS", "TOOL_NAMES", "canonical_name", "wire_name", "openai_tools",
-           "anthropic_tools", "dispatch", "tool_definitions", "openai_tool_message",
+__all__ = ["TOOLS", "TOOL_NAMES", "CATALOGUE", "canonical_name", "wire_name", "openai_tools",
+           "anthropic_tools", "mcp_tools", "dispatch", "tool_definitions", "openai_tool_message",
            "anthropic_tool_result"]
 
 _EXECUTE = "environment.execute_command"
 _WRITE = "environment.write_file"
 _READ = "environment.read_file"
+_LIST = "environment.list_files"
 
 
 def _load_catalogue() -> list[dict[str, Any]]:
@@ -50,9 +57,12 @@ def _load_catalogue() -> list[dict[str, Any]]:
         return json.load(f)["tools"]
 
 
-#: The meta-tools in a neutral form: name, description and JSON schema of the inputs.
-#: Descriptions are seed 004's words.
-TOOLS: list[dict[str, Any]] = _load_catalogue()
+#: Every tool of the catalogue (planner tools and the MCP server's), in the file's order.
+CATALOGUE: list[dict[str, Any]] = _load_catalogue()
+
+#: The planner's meta-tools in a neutral form: name, description and JSON schema of the
+#: inputs (what ``GET /tools`` serves as ``tools``). Descriptions are seed 004's words.
+TOOLS: list[dict[str, Any]] = [t for t in CATALOGUE if t["planner"]]
 
 #: Canonical (seed 004) tool names.
 TOOL_NAMES: tuple[str, ...] = tuple(t["name"] for t in TOOLS)
@@ -97,12 +107,36 @@ def anthropic_tools() -> list[dict[str, Any]]:
              "input_schema": copy.deepcopy(t["input_schema"])} for t in TOOLS]
 
 
+def mcp_tools() -> list[dict[str, Any]]:
+    """Every catalogue tool as esbd's MCP server lists it (``tools/list`` on ``/mcp``, and
+    ``GET /tools`` ``mcp``): MCP name (after the first ``.``), description, ``inputSchema``
+    with ``environment_id`` added first and required on environment tools, annotations."""
+    out = []
+    for t in CATALOGUE:
+        schema = copy.deepcopy(t["input_schema"])
+        if t["scope"] == "environment":
+            schema["properties"] = {"environment_id": _ENVIRONMENT_ID, **schema["properties"]}
+            schema["required"] = ["environment_id", *schema.get("required", [])]
+        tool = {"name": t["name"].split(".", 1)[1], "description": _description(t),
+                "inputSchema": schema}
+        if "annotations" in t:
+            tool["annotations"] = copy.deepcopy(t["annotations"])
+        out.append(tool)
+    return out
+
+
+# The property the MCP view adds to environment tools (src/api/tools_catalog.cc says the same).
+_ENVIRONMENT_ID = {"type": "string", "minLength": 1, "maxLength": 64,
+                   "description": "The environment to act on: an id from create_environment "
+                                  "or list_environments."}
+
+
 def _failure(tool: Optional[str], message: str) -> dict[str, Any]:
     if tool == _EXECUTE:
         return {"error": True, "stdout": "", "stderr": message, "exit_code": -1}
     if tool == _READ:
         return {"error": True, "content": message}
-    return {"error": True, "message": message}
+    return {"error": True, "message": message}  # write_file, list_files, unknown tools
 
 
 def dispatch(env: Any, name: str, arguments: Union[str, Mapping[str, Any], None]) -> dict[str, Any]:
@@ -114,7 +148,8 @@ def dispatch(env: Any, name: str, arguments: Union[str, Mapping[str, Any], None]
         arguments: the call's arguments, as a mapping or as the JSON string OpenAI sends.
 
     Returns:
-        ``{error, stdout, stderr, exit_code}``, ``{error, message}`` or ``{error, content}``.
+        ``{error, stdout, stderr, exit_code}``, ``{error, message}``, ``{error, content}`` or
+        ``{error, entries, truncated}``.
         Problems the model can fix (unknown tool, bad arguments, missing file, bad path) come
         back as ``error: true`` with the daemon's message, so the model can read them.
 
@@ -157,6 +192,17 @@ def dispatch(env: Any, name: str, arguments: Union[str, Mapping[str, Any], None]
                 return _failure(tool, "'content' must be a string.")
             env.files.write(path, content)
             return {"error": False, "message": "File saved successfully."}
+        if tool == _LIST:
+            path = args.get("path", ".")
+            if not isinstance(path, str) or not path:
+                return _failure(tool, "'path' must be a non-empty string.")
+            # The raw answer (not files.list): it also says whether the listing was cut.
+            answer = env._transport.json("GET", env.files._path("list"), query={"path": path})
+            entries = [{"name": str(e.get("name", "")), "type": str(e.get("type", "other")),
+                        "size": int(e.get("size", 0) or 0)}
+                       for e in answer.get("entries") or [] if isinstance(e, dict)]
+            return {"error": False, "entries": entries,
+                    "truncated": bool(answer.get("truncated", False))}
         path = args.get("path")
         if not isinstance(path, str) or not path:
             return _failure(tool, "'path' must be a non-empty string.")

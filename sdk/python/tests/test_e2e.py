@@ -514,6 +514,8 @@ def test_daemon_tool_catalogue_matches(box):
     # Both derive the vendor formats from sdk/tools.json by the same rule.
     assert served["openai"] == tools.openai_tools()
     assert served["anthropic"] == tools.anthropic_tools()
+    # ... and the MCP server's view of the whole catalogue.
+    assert served["mcp"] == tools.mcp_tools()
 
 
 def test_workflow_approves_and_deprovisions(box):

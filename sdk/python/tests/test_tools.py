@@ -13,7 +13,8 @@ from agentbox import DaemonUnreachable, Environment, Sandbox, tools
 def test_openai_format():
     defs = tools.openai_tools()
     assert [d["function"]["name"] for d in defs] == [
-        "environment_execute_command", "environment_write_file", "environment_read_file"]
+        "environment_execute_command", "environment_write_file", "environment_read_file",
+        "environment_list_files"]
     ex = defs[0]["function"]
     assert ex["parameters"]["required"] == ["command"]
     assert ex["parameters"]["properties"]["command"]["description"] == \
@@ -29,7 +30,7 @@ def test_anthropic_format():
     defs = tools.anthropic_tools()
     names = [d["name"] for d in defs]
     assert names == ["environment_execute_command", "environment_write_file",
-                     "environment_read_file"]
+                     "environment_read_file", "environment_list_files"]
     write = defs[1]["input_schema"]
     assert write["required"] == ["path", "content"]
     assert write["properties"]["path"]["description"] == \
@@ -61,6 +62,11 @@ def test_dispatch_shapes(fake):
         assert x == {"error": False, "stdout": "42\n", "stderr": "", "exit_code": 0}
         r = tools.dispatch(env, "read_file", {"path": "src/main.py"})
         assert r == {"error": False, "content": "print(40 + 2)\n"}
+        listing = tools.dispatch(env, "list_files", {"path": "src"})
+        assert listing["error"] is False and listing["truncated"] is False
+        assert [(e["name"], e["type"]) for e in listing["entries"]] == [("main.py", "file")]
+        assert listing["entries"][0]["size"] == len("print(40 + 2)\n")
+        assert tools.dispatch(env, "environment_list_files", {})["error"] is False
         bad = tools.dispatch(env, "environment.execute_command", {"command": "exit 4"})
         assert bad["error"] is True and bad["exit_code"] == 4
         t = tools.dispatch(env, "environment.execute_command",
@@ -81,6 +87,10 @@ def test_dispatch_errors_come_back_as_data(fake):
         assert "Unknown argument" in tools.dispatch(
             env, "environment.read_file", {"path": "a", "x": 1})["content"]
         assert tools.dispatch(env, "environment.write_file", {"path": "a"})["error"]
+        gone = tools.dispatch(env, "list_files", {"path": "no/such/dir"})
+        assert gone["error"] is True and set(gone) == {"error", "message"}
+        # MCP-only tools are not the planner's: the dispatcher names the planner tools.
+        assert "Unknown tool" in tools.dispatch(env, "create_environment", {})["message"]
 
 
 def test_dispatch_raises_infrastructure_errors(dead_url):
@@ -109,12 +119,35 @@ def test_tools_come_from_the_one_catalogue_file():
     packaged = os.path.join(os.path.dirname(tools.__file__), "tools.json")
     assert os.path.samefile(os.path.realpath(packaged), _REPO_CATALOGUE)
     with open(_REPO_CATALOGUE, encoding="utf-8") as f:
-        assert tools.TOOLS == json.load(f)["tools"]
+        everything = json.load(f)["tools"]
+    assert tools.CATALOGUE == everything
+    assert tools.TOOLS == [t for t in everything if t["planner"]]
+    assert [t["name"] for t in tools.TOOLS] == list(tools.TOOL_NAMES)
+
+
+def test_mcp_view_follows_the_catalogue_rule():
+    mcp = tools.mcp_tools()
+    assert [t["name"] for t in mcp] == [
+        "create_environment", "list_environments", "delete_environment", "execute_command",
+        "write_file", "read_file", "list_files", "run_code", "list_environment_tools",
+        "call_environment_tool"]
+    for entry, t in zip(tools.CATALOGUE, mcp):
+        props = t["inputSchema"]["properties"]
+        if entry["scope"] == "environment":
+            assert list(props)[0] == "environment_id"
+            assert t["inputSchema"]["required"][0] == "environment_id"
+            assert list(props)[1:] == list(entry["input_schema"]["properties"])
+        else:
+            assert t["inputSchema"] == entry["input_schema"]
+        assert t["description"] == entry["description"] + " " + entry["output_description"]
+        assert t.get("annotations") == entry.get("annotations")
+    assert mcp[7]["inputSchema"]["properties"]["tier"]["enum"] == ["auto", "nano", "heavy"]
 
 
 def test_vendor_descriptions_follow_the_catalogue_rule():
     with open(_REPO_CATALOGUE, encoding="utf-8") as f:
-        neutral = json.load(f)["tools"]
+        neutral = [t for t in json.load(f)["tools"] if t["planner"]]
+    assert len(neutral) == len(tools.openai_tools()) == len(tools.anthropic_tools()) == 4
     for t, o, a in zip(neutral, tools.openai_tools(), tools.anthropic_tools()):
         want = t["description"] + " " + t["output_description"]
         assert o["function"]["description"] == want

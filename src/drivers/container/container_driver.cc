@@ -30,7 +30,7 @@
 #include "common/host_memory.h"
 #include "common/util.h"
 #include "drivers/agent_client.h"
-#include "drivers/agent_terminal.h"
+#include "drivers/agent_process.h"
 #include "drivers/container/cgroups.h"
 #include "drivers/container/netns.h"
 #include "drivers/container/oci_spec.h"
@@ -733,13 +733,13 @@ class ContainerDriver : public Driver {
   std::string name() const override {
     return kind_ == RuntimeKind::kRunsc ? "gvisor" : "container";
   }
-  // Shell, files, terminals (agent_terminal.h), and a persistent Python kernel per environment
-  // (heavy_kernel.h). One-shot Python needs an environment (the core makes a throw-away one).
-  // Steps (time travel) keep files, the shell state and a variables summary; under gVisor also
-  // the memory (a runsc checkpoint per step); elsewhere StepMemory says why not.
+  // Shell, files, processes and terminals (agent_process.h), and a persistent Python kernel per
+  // environment (heavy_kernel.h). One-shot Python needs an environment (the core makes a throw-away
+  // one). Steps (time travel) keep files, the shell state and a variables summary; under gVisor
+  // also the memory (a runsc checkpoint per step); elsewhere StepMemory says why not.
   CapabilitySet Capabilities() const override {
     CapabilitySet caps{Capability::kExec, Capability::kFiles, Capability::kPythonSession,
-                       Capability::kSteps};
+                       Capability::kSteps, Capability::kProcesses};
     // Terminals need a working PTY in the sandbox: under gVisor (this runsc, ptrace platform)
     // the agent's pty is unusable (bash reads EOF at once; /dev/pts answers EINVAL), so
     // gvisor refuses terminals rather than hand out a shell that exits at once.
@@ -842,10 +842,12 @@ class ContainerDriver : public Driver {
     }
     return AgentPtr(ref.id)->Configure(env);
   }
-  absl::StatusOr<std::unique_ptr<TerminalSession>> OpenTerminal(
-      const InstanceRef& ref, const TerminalRequest& request) override {
+  absl::StatusOr<std::unique_ptr<ProcessSession>> SpawnProcess(
+      const InstanceRef& ref, const ProcessRequest& request) override {
     ESB_RETURN_IF_ERROR(ValidateId(ref.id));
-    return OpenAgentTerminal(AgentPtr(ref.id), request);
+    if (request.pty && !Capabilities().Has(Capability::kTerminal))
+      return MissingCapabilityError(name(), Capability::kTerminal);
+    return SpawnAgentProcess(AgentPtr(ref.id), request);
   }
 
  private:
@@ -864,6 +866,7 @@ class ContainerDriver : public Driver {
     if (!client) {
       client =
           std::make_shared<AgentClient>(SafeAgentConnector(PathsFor(options_, id).run_dir, 2000));
+      client->SetLabel("agent of " + id);
     }
     return client;
   }
@@ -1637,13 +1640,19 @@ std::optional<SnapshotRef> ContainerDriver::CheckpointStep(const InstanceRef& re
   absl::Status released = agent->ReleaseListener();
   agent.reset();
   Suspend(ref.id, true);
+  // Under gVisor's ptrace platform on a loaded host the agent can take seconds to get there
+  // (3 s was missed in a full test run beside four builds).
+  constexpr int kReleaseWaitMs = 10'000;
   bool marked = false;
-  for (int i = 0; released.ok() && i < 300 && !(marked = ExistsInRunDir(paths, "released")); ++i) {
+  for (int waited = 0;
+       released.ok() && waited < kReleaseWaitMs && !(marked = ExistsInRunDir(paths, "released"));
+       waited += 10) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   absl::Status checkpoint =
       !released.ok() ? released
-      : !marked      ? absl::DeadlineExceededError("the agent did not release its listener in 3 s")
+      : !marked      ? absl::DeadlineExceededError(absl::StrCat(
+                           "the agent did not release its listener in ", kReleaseWaitMs / 1000, " s"))
                 : runtime.Checkpoint(paths.container_id, dir, options_.step_snapshot_timeout_ms);
   const int64_t t_checkpoint = MonotonicMs();
   const int64_t bytes = DirBytes(dir);

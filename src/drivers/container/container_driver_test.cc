@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <atomic>
 #include <boost/json.hpp>
+#include <chrono>
 #include <cinttypes>
 #include <cmath>
 #include <cstdio>
@@ -355,6 +356,49 @@ TEST_F(ContainerDriverTest, CreateExecDestroy) {
   DestroyAndCheckClean(ref);
   // Idempotent.
   EXPECT_TRUE(driver_->Destroy(ref).ok());
+}
+
+// The stdio process seam (Driver::SpawnProcess without a PTY, capability processes): stdin in,
+// stdout and stderr apart, the exit code; Resize refused; a killed process's tree is gone.
+TEST_F(ContainerDriverTest, SpawnProcessWithPipesKeepsStdoutAndStderrApart) {
+  ASSERT_TRUE(driver_->Capabilities().Has(Capability::kProcesses));
+  InstanceRef ref = MustCreate();
+  ProcessRequest req;
+  req.argv = {"sh", "-c", "read line; echo \"out:$line\"; echo \"err:$X\" >&2; exit 5"};
+  req.env = {{"X", "y"}};
+  auto p = driver_->SpawnProcess(ref, req);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_TRUE(absl::IsInvalidArgument((*p)->Resize(24, 80)));
+  ASSERT_TRUE((*p)->Input("hello\n", /*eof=*/true).ok());
+  std::string out, err;
+  std::optional<int> code;
+  for (int i = 0; i < 20 && !code; ++i) {
+    auto st = (*p)->Wait(500, [&](Stream s, std::string_view chunk) {
+      (s == Stream::kStderr ? err : out).append(chunk);
+      return true;
+    });
+    ASSERT_TRUE(st.ok()) << st.status();
+    code = *st;
+  }
+  ASSERT_TRUE(code.has_value());
+  EXPECT_EQ(*code, 5);
+  EXPECT_EQ(out, "out:hello\n");
+  EXPECT_EQ(err, "err:y\n");
+  // A process that does not end is killed with its children.
+  req.argv = {"sh", "-c", "sleep 300 & sleep 300"};
+  auto q = driver_->SpawnProcess(ref, req);
+  ASSERT_TRUE(q.ok()) << q.status();
+  ASSERT_TRUE((*q)->Kill().ok());
+  // The kill is a signal to the group: the sleeps are gone (reaped) a moment later, not when
+  // Kill returns. A survivor sleeps for 300 s, far past this wait.
+  ExecResult ps;
+  for (int i = 0; i < 50; ++i) {
+    ps = MustExec(ref, "cat /proc/[0-9]*/comm 2>/dev/null | grep -c '^sleep$' || true");
+    if (ps.stdout_data == "0\n") break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_EQ(ps.stdout_data, "0\n") << ps.stdout_data;
+  DestroyAndCheckClean(ref);
 }
 
 TEST_F(ContainerDriverTest, NoLeaksAfterTenCycles) {

@@ -1,10 +1,12 @@
 // Test helper: a fake Driver for core tests (no sandboxes): instances in a set, in-memory files,
-// scripted Exec and RunCode, configurable capabilities, and terminal sessions that record
-// their input and kills. Fields are public for tests to script and inspect (under `mu`).
+// scripted Exec and RunCode, configurable capabilities, and process sessions (terminals) that
+// record their input and kills, or that a test's `spawn` hook makes. Fields are public for tests to
+// script and inspect (under `mu`).
 #pragma once
 
 #include <algorithm>
 #include <atomic>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -27,11 +29,11 @@ struct SessionLog {
   std::atomic<int> exit_code{-1};   // >= 0: Wait reports this exit
 };
 
-class FakeSession : public TerminalSession {
+class FakeSession : public ProcessSession {
  public:
   explicit FakeSession(SessionLog* log) : log_(log) {}
   ~FakeSession() override { Kill().IgnoreError(); }
-  absl::Status Input(std::string_view) override {
+  absl::Status Input(std::string_view, bool) override {
     ++log_->inputs;
     if (log_->busy_inputs.load() > 0) {
       --log_->busy_inputs;
@@ -145,11 +147,18 @@ class FakeDriver : public Driver {
     return r;
   }
 
-  absl::StatusOr<std::unique_ptr<TerminalSession>> OpenTerminal(
-      const InstanceRef&, const TerminalRequest& request) override {
-    last_request = request;
+  absl::StatusOr<std::unique_ptr<ProcessSession>> SpawnProcess(
+      const InstanceRef& ref, const ProcessRequest& request) override {
+    if (!caps.Has(request.pty ? Capability::kTerminal : Capability::kProcesses))
+      return MissingCapabilityError(name_,
+                                    request.pty ? Capability::kTerminal : Capability::kProcesses);
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      last_request = request;
+    }
     if (fail_open) return absl::UnavailableError("agent gone");
-    return std::unique_ptr<TerminalSession>(new FakeSession(&log));
+    if (spawn) return spawn(ref, request);
+    return std::unique_ptr<ProcessSession>(new FakeSession(&log));
   }
 
   CapabilitySet caps;
@@ -165,8 +174,12 @@ class FakeDriver : public Driver {
   std::optional<absl::Status> run_error;
   std::vector<ReportedArtifact> report;
   SessionLog log;  // of the terminals
-  TerminalRequest last_request;
-  bool fail_open = false;  // OpenTerminal fails
+  ProcessRequest last_request;
+  bool fail_open = false;  // SpawnProcess fails
+  // Makes the sessions of SpawnProcess when set (else FakeSession). Set before use.
+  std::function<absl::StatusOr<std::unique_ptr<ProcessSession>>(const InstanceRef&,
+                                                                const ProcessRequest&)>
+      spawn;
 
  private:
   std::string name_;
