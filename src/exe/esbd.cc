@@ -576,6 +576,7 @@ int main(int argc, char** argv) {
     esb::LogWarn("==================================================================");
   }
   if (!loopback) esb::LogWarn(absl::StrCat("listening on a non-loopback address: ", host));
+  // Test harnesses start esbd with --listen 127.0.0.1:0 and read the port from this line.
   esb::LogInfo(
       absl::StrCat("esbd ", ESB_VERSION, " listening on http://", host, ":", server.tcp_port(),
                    hopts.unix_socket_path.empty() ? "" : " and unix:" + hopts.unix_socket_path,

@@ -6,8 +6,9 @@ if [ "$(id -u)" -ne 0 ]; then echo "SKIP: needs root (containers)"; exit 77; fi
 if [ -z "${ESBD_IMAGE_DEFAULT:-}" ]; then echo "SKIP: ESBD_IMAGE_DEFAULT unset (run via make test)"; exit 77; fi
 
 STATE="$(mktemp -d /tmp/esb-cli-e2e-XXXXXX)"
-PORT="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')"
-"$BUILD/esbd" --listen "127.0.0.1:$PORT" --state-dir "$STATE" --pool-size 0 --unix-socket none \
+# esbd binds port 0 and says which port it got in its start-up line (choosing a free port here
+# and passing it races with the other tests' daemons and connections).
+"$BUILD/esbd" --listen "127.0.0.1:0" --state-dir "$STATE" --pool-size 0 --unix-socket none \
   >"$STATE/esbd.log" 2>&1 &
 PID=$!
 cleanup() {
@@ -16,7 +17,13 @@ cleanup() {
   rm -rf "$STATE"
 }
 trap cleanup EXIT
-for _ in $(seq 1 300); do curl -fs "http://127.0.0.1:$PORT/healthz" >/dev/null && break; sleep 0.1; done
+PORT=""
+for _ in $(seq 1 300); do
+  [ -n "$PORT" ] || PORT="$(sed -n 's|.* listening on http://127\.0\.0\.1:\([0-9]*\).*|\1|p' "$STATE/esbd.log" | head -n 1)"
+  [ -n "$PORT" ] && curl -fs "http://127.0.0.1:$PORT/healthz" >/dev/null && break
+  sleep 0.1
+done
+if [ -z "$PORT" ]; then echo "FAIL: esbd did not start; its log:"; cat "$STATE/esbd.log"; exit 1; fi
 
 export ESB_URL="http://127.0.0.1:$PORT"
 ESB="$BUILD/esb"

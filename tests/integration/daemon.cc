@@ -232,6 +232,24 @@ std::string Daemon::SkipReason() {
   return "";
 }
 
+namespace {
+// The port in esbd's start-up line "esbd <version> listening on http://127.0.0.1:<port>" written
+// to `log_path` after byte `offset` (a restarted daemon appends to its old log); 0 if not yet.
+int ListeningPort(const std::string& log_path, uintmax_t offset) {
+  std::ifstream in(log_path);
+  in.seekg(static_cast<std::streamoff>(offset));
+  std::string line;
+  constexpr std::string_view kMark = " listening on http://127.0.0.1:";
+  while (std::getline(in, line)) {
+    size_t at = line.find(kMark);
+    if (at == std::string::npos) continue;
+    int port = std::atoi(line.c_str() + at + kMark.size());
+    if (port > 0 && port < 65536) return port;
+  }
+  return 0;
+}
+}  // namespace
+
 bool Daemon::Start(const Options& options, const std::string& reuse_state_dir) {
   if (reuse_state_dir.empty()) {
     char tmpl[] = "/tmp/esb-it-XXXXXX";
@@ -240,20 +258,17 @@ bool Daemon::Start(const Options& options, const std::string& reuse_state_dir) {
   } else {
     state_dir_ = reuse_state_dir;
   }
-  // A free port: bind to 0, read it, close (the tiny race is acceptable in tests).
-  int s = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(s, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
-  socklen_t len = sizeof addr;
-  getsockname(s, reinterpret_cast<sockaddr*>(&addr), &len);
-  port_ = ntohs(addr.sin_port);
-  close(s);
+  // esbd binds port 0 and the port it got is read from its log: choosing a free port here and
+  // passing it races with every other test's daemons and client connections (CI saw it).
+  const std::string log_path = state_dir_ + "/esbd.log";
+  std::error_code size_ec;
+  const uintmax_t log_offset =
+      std::filesystem::exists(log_path) ? std::filesystem::file_size(log_path, size_ec) : 0;
+  port_ = 0;
 
   std::vector<std::string> args = {std::string(ESB_BUILD_DIR) + "/esbd",
                                    "--listen",
-                                   "127.0.0.1:" + std::to_string(port_),
+                                   "127.0.0.1:0",
                                    "--state-dir",
                                    state_dir_,
                                    "--pool-size",
@@ -281,8 +296,8 @@ bool Daemon::Start(const Options& options, const std::string& reuse_state_dir) {
     _exit(127);
   }
   for (int i = 0; i < 600; ++i) {
-    HttpResult h = Http(port_, "GET", "/healthz", "", {}, "", 2);
-    if (h.status == 200) return true;
+    if (port_ == 0) port_ = ListeningPort(log_path, size_ec ? 0 : log_offset);
+    if (port_ != 0 && Http(port_, "GET", "/healthz", "", {}, "", 2).status == 200) return true;
     int st;
     if (waitpid(pid_, &st, WNOHANG) == pid_) {
       pid_ = -1;

@@ -7,7 +7,6 @@
 import { spawn, execFile } from 'node:child_process';
 import { createRequire } from 'node:module';
 import { mkdtempSync, writeFileSync, readFileSync, rmSync, mkdirSync } from 'node:fs';
-import { createServer } from 'node:net';
 import { randomBytes } from 'node:crypto';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
@@ -28,15 +27,12 @@ export const { StdioClientTransport } = requireTool('@modelcontextprotocol/sdk/c
 
 export const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
 
-async function freePort() {
-  return new Promise((resolve, reject) => {
-    const s = createServer();
-    s.on('error', reject);
-    s.listen(0, '127.0.0.1', () => {
-      const { port } = s.address();
-      s.close(() => resolve(port));
-    });
-  });
+// The port in esbd's start-up line "esbd <version> listening on http://127.0.0.1:<port>": esbd
+// binds port 0 (choosing a free port first and passing it races with other tests' daemons and
+// client connections).
+function listeningPort(logText) {
+  const m = / listening on http:\/\/127\.0\.0\.1:(\d+)/.exec(logText);
+  return m ? Number(m[1]) : 0;
 }
 
 // A real esbd on 127.0.0.1 with tenants alice and bob (one API key each) and a temp state dir;
@@ -59,9 +55,9 @@ export class Esbd {
     };
     if (devMode) d.keys = {};
     writeFileSync(join(d.state, 'config.json'), JSON.stringify(cfg));
-    d.port = await freePort();
-    d.url = `http://127.0.0.1:${d.port}`;
-    d.args = ['--listen', `127.0.0.1:${d.port}`, '--state-dir', d.state, '--unix-socket', 'none',
+    d.port = 0;
+    d.url = '';
+    d.args = ['--listen', '127.0.0.1:0', '--state-dir', d.state, '--unix-socket', 'none',
       '--pool-size', String(poolSize), '--config', join(d.state, 'config.json'), ...extraArgs];
     d.logPath = join(d.state, 'esbd.log');
     d.proc = spawn(join(BUILD, 'esbd'), d.args, { stdio: ['ignore', 'pipe', 'pipe'] });
@@ -75,10 +71,16 @@ export class Esbd {
         rmSync(d.state, { recursive: true, force: true });
         throw new Error(`esbd exited during start-up; log:\n${d.logText()}`);
       }
-      try {
-        const r = await fetch(`${d.url}/healthz`, { signal: AbortSignal.timeout(2000) });
-        if (r.ok) break;
-      } catch { /* not up yet */ }
+      if (d.port === 0) {
+        d.port = listeningPort(d.logText());
+        if (d.port !== 0) d.url = `http://127.0.0.1:${d.port}`;
+      }
+      if (d.port !== 0) {
+        try {
+          const r = await fetch(`${d.url}/healthz`, { signal: AbortSignal.timeout(2000) });
+          if (r.ok) break;
+        } catch { /* not up yet */ }
+      }
       if (Date.now() > deadline) {
         await d.stop();
         throw new Error(`esbd did not become healthy in 30 s; log:\n${d.logText()}`);
