@@ -945,11 +945,13 @@ class Endpoint final : public McpEndpoint, public std::enable_shared_from_this<E
       Endpoint* e;
       std::shared_ptr<Session> s;
       std::string key;
-      ~Unregister() {
+      void Release() {
         if (!s) return;
         std::lock_guard<std::mutex> lock(e->mu_);
         s->inflight.erase(key);
+        s = nullptr;
       }
+      ~Unregister() { Release(); }
     } unregister{this, session, key};
 
     auto self = shared_from_this();
@@ -1054,7 +1056,9 @@ class Endpoint final : public McpEndpoint, public std::enable_shared_from_this<E
       return JsonRpcResponse(http, *msg);
     }
     // SSE: notifications while the call runs, then its response. The session's in-flight entry
-    // must outlive the stream, so the stream function owns the unregistering.
+    // lives as long as the call: the stream function releases it before it writes the response
+    // (a client may reuse the id as soon as it has the response, before this stream's function
+    // object is destroyed).
     auto owner = std::make_shared<Unregister>(std::move(unregister));
     unregister.s = nullptr;
     const int64_t keepalive_ms = std::max<int64_t>(10, opts_.keepalive_ms);
@@ -1099,6 +1103,7 @@ class Endpoint final : public McpEndpoint, public std::enable_shared_from_this<E
       std::optional<json::object> msg =
           run(emit, modern ? std::function<bool()>([&w] { return w.ClientGone(); })
                            : std::function<bool()>());
+      owner->Release();
       if (!msg) return;
       msg->erase("_http");
       emit(*msg);

@@ -397,6 +397,34 @@ TEST_F(McpEndpointTest, ProgressTokenAnswersAsSseWithProgressThenTheResult) {
   EXPECT_NE(w.data.find("\"progressToken\":\"p1\""), std::string::npos);
 }
 
+// A client may reuse a request id as soon as it has the response. The server destroys a stream's
+// function object only after it sent the last chunk, so the call's in-flight entry must be gone
+// when the response is written, not when the stream is destroyed (CI saw 409 "a call with this
+// id is already in progress" for a reused id).
+TEST_F(McpEndpointTest, AStreamedCallsIdIsFreeOnceItsResponseIsWritten) {
+  auto fx = NewConformanceFixtures();
+  Make({}, fx);
+  std::string sid = Initialize();
+  std::vector<std::pair<std::string, std::string>> h{
+      {"Mcp-Session-Id", sid}, {"Accept", "application/json, text/event-stream"}};
+  json::object msg{{"jsonrpc", "2.0"},
+                   {"id", 7},
+                   {"method", "tools/call"},
+                   {"params", json::object{{"name", "test_tool_with_progress"},
+                                           {"_meta", json::object{{"progressToken", "p1"}}}}}};
+  Response first = Post(msg, h);
+  ASSERT_TRUE(first.stream) << first.body;
+  FakeWriter w;
+  first.stream(w);  // `first` (and its stream function) is still alive, as in the server
+  ASSERT_NE(w.data.find("\"result\""), std::string::npos) << w.data;
+  Response again = Post(msg, h);
+  EXPECT_NE(again.status, 409) << again.body;
+  ASSERT_TRUE(again.stream) << again.body;
+  FakeWriter w2;
+  again.stream(w2);
+  EXPECT_NE(w2.data.find("\"result\""), std::string::npos) << w2.data;
+}
+
 TEST_F(McpEndpointTest, SilentLongCallsGetKeepAlivesOnTheirStream) {
   McpEndpointOptions o;
   o.keepalive_ms = 20;
