@@ -497,14 +497,20 @@ absl::StatusOr<std::vector<ServerInfo>> McpHosts::List(const Caller& caller,
   return out;
 }
 
+namespace {
+// NotFound for a server name the environment does not have (the name is client text: bounded).
+absl::Status NoSuchServer(const std::string& environment_id, const std::string& name) {
+  return absl::NotFoundError(absl::StrCat("environment ", environment_id,
+                                          " has no MCP server named '",
+                                          SanitizeUtf8(name.substr(0, 64)), "'"));
+}
+}  // namespace
+
 absl::StatusOr<ServerInfo> McpHosts::Get(const Caller& caller, const std::string& environment_id,
                                          const std::string& name) {
   if (absl::Status st_ = CheckEnvironment(caller, environment_id); !st_.ok()) return st_;
   auto s = Find(caller.tenant, environment_id, name);
-  if (!s)
-    return absl::NotFoundError(absl::StrCat("environment ", environment_id,
-                                            " has no MCP server named '",
-                                            SanitizeUtf8(name.substr(0, 64)), "'"));
+  if (!s) return NoSuchServer(environment_id, name);
   std::lock_guard<std::mutex> lock(s->mu);
   return InfoOf(*s);
 }
@@ -513,10 +519,7 @@ absl::Status McpHosts::Stop(const Caller& caller, const std::string& environment
                             const std::string& name) {
   if (absl::Status st_ = CheckEnvironment(caller, environment_id); !st_.ok()) return st_;
   auto s = Find(caller.tenant, environment_id, name);
-  if (!s)
-    return absl::NotFoundError(absl::StrCat("environment ", environment_id,
-                                            " has no MCP server named '",
-                                            SanitizeUtf8(name.substr(0, 64)), "'"));
+  if (!s) return NoSuchServer(environment_id, name);
   StopServer(*s, "stopped");
   Forget(*s);
   manager_->audit().Record(
@@ -557,10 +560,7 @@ absl::StatusOr<tools::ToolResult> McpHosts::CallTool(const Caller& caller,
   const std::string server_name(namespaced_name.substr(0, dot));
   const std::string tool(namespaced_name.substr(dot + 1));
   auto s = Find(caller.tenant, environment_id, server_name);
-  if (!s)
-    return absl::NotFoundError(absl::StrCat("environment ", environment_id,
-                                            " has no MCP server named '",
-                                            SanitizeUtf8(server_name.substr(0, 64)), "'"));
+  if (!s) return NoSuchServer(environment_id, server_name);
   return Dispatch(caller, s, tool, arguments, context);
 }
 
@@ -679,10 +679,7 @@ absl::StatusOr<std::shared_ptr<tools::ToolProvider>> McpHosts::EnvironmentProvid
 absl::StatusOr<std::shared_ptr<tools::ToolProvider>> McpHosts::ServerProvider(
     const Caller& caller, const std::string& environment_id, const std::string& name) {
   if (absl::Status st_ = CheckEnvironment(caller, environment_id); !st_.ok()) return st_;
-  if (!Find(caller.tenant, environment_id, name))
-    return absl::NotFoundError(absl::StrCat("environment ", environment_id,
-                                            " has no MCP server named '",
-                                            SanitizeUtf8(name.substr(0, 64)), "'"));
+  if (!Find(caller.tenant, environment_id, name)) return NoSuchServer(environment_id, name);
   return std::shared_ptr<tools::ToolProvider>(new OneServerProvider(this, environment_id, name));
 }
 
